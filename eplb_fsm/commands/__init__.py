@@ -1,0 +1,1 @@
+"""One module per ``eplb-fsm`` verb: ``add_arguments(parser)`` and ``run(args) -> int``."""

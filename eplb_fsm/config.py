@@ -1,0 +1,129 @@
+"""EplbConfig: the balancer's settings, validated on construction.
+
+Every invalid value raises ``ValueError`` naming the field and the rule, before any
+state exists, so a bad setting never reaches a running engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+LOAD_ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Settings of one balancer (one per engine; every rank must use equal values).
+
+    Counts are in engine steps. ``step_interval`` steps separate rearrangements (the
+    first one comes after ``step_interval // 4``); ``window_size`` non-dummy passes
+    make up the load window the policy sees.
+    """
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    use_async: bool = False
+    policy: str = "default"
+    log_balancedness: bool = False
+    log_balancedness_interval: int = 1
+    enable_migration_batching: bool = False
+    # skip a rearrangement whose predicted balancedness gain is below this (0: any gain)
+    min_balancedness_gain: float = 0.0
+    # seconds any wait on other ranks may take before it becomes a `fault` event
+    collective_timeout_s: float = 60.0
+    # seconds a state may go without progress before the watchdog logs `stuck` (0: off)
+    watchdog_deadline_s: float = 0.0
+    # how the window becomes the load the policy plans on
+    load_estimator: str = "window_sum"
+    load_decay: float = 0.9
+    # movement-aware policy: target fraction of the default policy's balancedness
+    movement_balancedness_target: float = 0.99
+    # EP layout used by the default (hierarchical) policy
+    num_nodes: int = 1
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_int(self.window_size, "window_size", minimum=1)
+        _check_int(self.step_interval, "step_interval", minimum=1)
+        _check_int(self.num_redundant_experts, "num_redundant_experts", minimum=0)
+        _check_int(self.log_balancedness_interval, "log_balancedness_interval", minimum=1)
+        _check_int(self.num_nodes, "num_nodes", minimum=1)
+        for name in ("use_async", "log_balancedness", "enable_migration_batching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"policy must be a non-empty policy name, got {self.policy!r}")
+        _check_float(self.min_balancedness_gain, "min_balancedness_gain", lo=0.0, hi=1.0)
+        _check_float(self.collective_timeout_s, "collective_timeout_s", lo=0.0, lo_open=True)
+        _check_float(self.watchdog_deadline_s, "watchdog_deadline_s", lo=0.0)
+        _check_float(self.load_decay, "load_decay", lo=0.0, hi=1.0, lo_open=True)
+        _check_float(
+            self.movement_balancedness_target, "movement_balancedness_target", lo=0.0, hi=1.0, lo_open=True
+        )
+        if self.load_estimator not in LOAD_ESTIMATORS:
+            raise ValueError(
+                f"load_estimator must be one of {', '.join(LOAD_ESTIMATORS)}, got {self.load_estimator!r}"
+            )
+        if not isinstance(self.extra, Mapping):
+            raise ValueError(f"extra must be a mapping, got {type(self.extra).__name__}")
+
+    @property
+    def first_rearrangement_step(self) -> int:
+        """Steps after start before the first rearrangement (a quarter interval, at least 1)."""
+        return max(1, self.step_interval // 4)
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EplbConfig":
+        """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config must be a mapping of field names to values, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EplbConfig":
+        """Build from a JSON object string."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config JSON is not valid: {exc}") from exc
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["extra"] = dict(self.extra)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def replace(self, **changes: Any) -> "EplbConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(value: Any, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(
+    value: Any, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

@@ -1,0 +1,191 @@
+"""ExpertMaps: which logical expert each physical slot holds, and the inverse maps.
+
+Shapes (L layers, N logical experts, P physical slots, K = max replicas per expert):
+
+- ``phy2log``        (L, P) int64: logical expert in each slot, -1 = empty slot
+  (only while ranks join in elastic scale-up).
+- ``log2phy``        (L, N, K) int64: the slots of each expert, ascending, -1 padded.
+- ``replica_count``  (L, N) int64: number of non -1 entries per ``log2phy`` row.
+
+``phy2log`` is the source of truth; the other two are derived from it, so the three
+can never disagree. All arrays are numpy; ``as_torch`` gives tensors for the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+EMPTY = -1
+
+
+def _as_int64_2d(value, name: str) -> np.ndarray:
+    if hasattr(value, "detach"):  # torch tensor
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=True)
+
+
+def initial_phy2log(num_layers: int, num_logical: int, num_physical: int) -> np.ndarray:
+    """The placement before any rebalancing: slot i < N holds expert i, slot N+j holds j mod N.
+
+    Returns (L, P) int64.
+    """
+    if num_layers < 1 or num_logical < 1:
+        raise ValueError(f"num_layers and num_logical must be >= 1, got {num_layers}, {num_logical}")
+    if num_physical < num_logical:
+        raise ValueError(f"num_physical ({num_physical}) must be >= num_logical ({num_logical})")
+    row = np.arange(num_physical, dtype=np.int64) % num_logical
+    return np.tile(row, (num_layers, 1))
+
+
+def derive_log2phy(phy2log: np.ndarray, num_logical: int, max_replicas: int | None = None):
+    """From (L, P) ``phy2log`` build (log2phy (L, N, K), replica_count (L, N)).
+
+    K is ``max_replicas`` if given (it must fit), else the largest count present.
+    Slots come out ascending because slots are visited in index order.
+    """
+    num_layers, num_slots = phy2log.shape
+    valid = phy2log >= 0
+    layer_idx, slot_idx = np.nonzero(valid)  # row-major: ascending slot within a layer
+    experts = phy2log[layer_idx, slot_idx]
+    replica_count = np.zeros((num_layers, num_logical), dtype=np.int64)
+    np.add.at(replica_count, (layer_idx, experts), 1)
+    needed = int(replica_count.max()) if replica_count.size else 0
+    width = needed if max_replicas is None else int(max_replicas)
+    if width < needed:
+        raise ValueError(f"max_replicas ({width}) is smaller than the largest replica count ({needed})")
+    width = max(width, 1)
+    log2phy = np.full((num_layers, num_logical, width), EMPTY, dtype=np.int64)
+    # position of each slot among its expert's replicas = how many earlier slots hold it
+    key = layer_idx * num_logical + experts
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    starts = np.searchsorted(sorted_key, sorted_key, side="left")
+    position = np.empty_like(order)
+    position[order] = np.arange(order.size) - starts
+    log2phy[layer_idx, experts, position] = slot_idx
+    return log2phy, replica_count
+
+
+@dataclass
+class ExpertMaps:
+    """The three maps of all layers, kept consistent (``phy2log`` is authoritative)."""
+
+    phy2log: np.ndarray
+    log2phy: np.ndarray
+    replica_count: np.ndarray
+    num_logical: int
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def from_phy2log(cls, phy2log, num_logical: int, max_replicas: int | None = None,
+                     allow_empty: bool = False) -> "ExpertMaps":
+        """Build and validate maps from an (L, P) placement."""
+        p2l = _as_int64_2d(phy2log, "phy2log")
+        if max_replicas is None:
+            max_replicas = p2l.shape[1] - num_logical + 1
+        if num_logical < 1:
+            raise ValueError(f"num_logical must be >= 1, got {num_logical}")
+        _check_range(p2l, num_logical, allow_empty)
+        log2phy, counts = derive_log2phy(p2l, num_logical, max_replicas)
+        maps = cls(p2l, log2phy, counts, int(num_logical))
+        maps.validate(allow_empty=allow_empty)
+        return maps
+
+    @classmethod
+    def initial(cls, num_layers: int, num_logical: int, num_physical: int) -> "ExpertMaps":
+        """The contiguous starting placement (see ``initial_phy2log``)."""
+        return cls.from_phy2log(initial_phy2log(num_layers, num_logical, num_physical), num_logical)
+
+    # -- shape -----------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def num_physical(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def max_replicas(self) -> int:
+        return self.log2phy.shape[2]
+
+    def copy(self) -> "ExpertMaps":
+        return ExpertMaps(self.phy2log.copy(), self.log2phy.copy(), self.replica_count.copy(), self.num_logical)
+
+    # -- invariants ------------------------------------------------------
+    def validate(self, allow_empty: bool = False) -> None:
+        """Raise ValueError naming the broken invariant, if any."""
+        L, P = self.phy2log.shape
+        N = self.num_logical
+        if self.log2phy.ndim != 3 or self.log2phy.shape[:2] != (L, N):
+            raise ValueError(f"log2phy must have shape ({L}, {N}, K), got {self.log2phy.shape}")
+        if self.replica_count.shape != (L, N):
+            raise ValueError(f"replica_count must have shape ({L}, {N}), got {self.replica_count.shape}")
+        _check_range(self.phy2log, N, allow_empty)
+        empty = self.phy2log < 0
+        if not empty.any() and P < N:
+            raise ValueError(f"phy2log has {P} slots for {N} experts: every expert needs a slot")
+        expect_log2phy, expect_counts = derive_log2phy(self.phy2log, N, self.max_replicas)
+        if not np.array_equal(expect_counts, self.replica_count):
+            bad = np.argwhere(expect_counts != self.replica_count)[0]
+            raise ValueError(
+                f"replica_count[{bad[0]}, {bad[1]}] = {self.replica_count[tuple(bad)]} but phy2log has "
+                f"{expect_counts[tuple(bad)]} slots holding that expert"
+            )
+        if not np.array_equal(expect_log2phy, self.log2phy):
+            bad = np.argwhere((expect_log2phy != self.log2phy).any(-1))[0]
+            raise ValueError(
+                f"log2phy[{bad[0]}, {bad[1]}] must list the expert's slots ascending, -1 padded: "
+                f"expected {expect_log2phy[bad[0], bad[1]].tolist()}, got {self.log2phy[bad[0], bad[1]].tolist()}"
+            )
+        missing = self.replica_count == 0
+        # an expert may be absent only in a layer that has empty slots (mid scale-up)
+        layer_has_empty = empty.any(axis=1)
+        if (missing & ~layer_has_empty[:, None]).any():
+            bad = np.argwhere(missing & ~layer_has_empty[:, None])[0]
+            raise ValueError(f"logical expert {bad[1]} has no replica in layer {bad[0]}")
+
+    # -- updates ---------------------------------------------------------
+    def replace_layer(self, layer: int, phy2log_row) -> None:
+        """Replace one layer's maps (validated first; nothing changes on error)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        row = _as_int64_2d(np.asarray(phy2log_row).reshape(1, -1), "phy2log_row")
+        if row.shape[1] != self.num_physical:
+            raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[1]}")
+        _check_range(row, self.num_logical, allow_empty=True)
+        log2phy, counts = derive_log2phy(row, self.num_logical, self.max_replicas)
+        if (counts == 0).any() and (row >= 0).all():
+            raise ValueError(f"phy2log_row leaves logical expert {int(np.argmax(counts[0] == 0))} without a replica")
+        self.phy2log[layer] = row[0]
+        self.log2phy[layer] = log2phy[0]
+        self.replica_count[layer] = counts[0]
+
+    def as_torch(self, device=None):
+        """(phy2log, log2phy, replica_count) as int64 torch tensors."""
+        import torch
+
+        return tuple(torch.as_tensor(a, dtype=torch.int64, device=device) for a in
+                     (self.phy2log, self.log2phy, self.replica_count))
+
+    def slots_of_rank(self, rank: int, num_ranks: int) -> slice:
+        """The global slot range of ``rank`` (S = P / G consecutive slots)."""
+        if self.num_physical % num_ranks:
+            raise ValueError(f"num_physical ({self.num_physical}) must be divisible by num_ranks ({num_ranks})")
+        per_rank = self.num_physical // num_ranks
+        return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _check_range(phy2log: np.ndarray, num_logical: int, allow_empty: bool) -> None:
+    low = EMPTY if allow_empty else 0
+    if phy2log.size and (phy2log.min() < low or phy2log.max() >= num_logical):
+        bad = np.argwhere((phy2log < low) | (phy2log >= num_logical))[0]
+        rule = f"[-1, {num_logical})" if allow_empty else f"[0, {num_logical}) (empty slots not allowed here)"
+        raise ValueError(f"phy2log[{bad[0]}, {bad[1]}] = {phy2log[tuple(bad)]} is outside {rule}")

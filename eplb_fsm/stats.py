@@ -1,0 +1,150 @@
+"""Load statistics: the per-pass load, the sliding window, logical aggregation.
+
+Shapes: L layers, P physical slots, N logical experts, W window passes, G ranks.
+
+- ``load_pass``   (L, P) int64 tensor: tokens per slot in the current forward pass;
+  the model adds into it, ``record_pass`` moves it into the window and zeroes it.
+- ``window``      (W, L, P) int64 tensor: ring buffer of the last W counted passes.
+- logical load    (L, N): the window estimate scattered from slots to their experts
+  (the controller all-reduces it over ranks).
+
+Everything here is local to one rank; nothing talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
+
+
+class LoadWindow:
+    """The per-pass load and the ring buffer of the last ``window_size`` counted passes."""
+
+    def __init__(self, num_layers: int, num_physical: int, window_size: int, device=None) -> None:
+        for name, value in (("num_layers", num_layers), ("num_physical", num_physical),
+                            ("window_size", window_size)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = int(num_layers)
+        self.num_physical = int(num_physical)
+        self.window_size = int(window_size)
+        self.load_pass = torch.zeros((num_layers, num_physical), dtype=torch.int64, device=device)
+        self.window = torch.zeros((window_size, num_layers, num_physical), dtype=torch.int64, device=device)
+        self.next_index = 0  # ring position the next counted pass goes to
+        self.filled = 0      # counted passes held, <= window_size
+
+    def record_pass(self, is_dummy: bool = False) -> None:
+        """Move this pass's load into the window (unless dummy) and zero ``load_pass``.
+
+        Dummy passes (padding steps with no real tokens) never enter the window, but
+        ``load_pass`` is still cleared so their counts can't leak into the next pass.
+        """
+        if not is_dummy:
+            self.window[self.next_index].copy_(self.load_pass)
+            self.next_index = (self.next_index + 1) % self.window_size
+            if self.filled < self.window_size:
+                self.filled += 1
+        self.load_pass.zero_()
+
+    def reset(self) -> None:
+        """Forget every recorded pass."""
+        self.window.zero_()
+        self.load_pass.zero_()
+        self.next_index = 0
+        self.filled = 0
+
+    def passes_oldest_first(self) -> torch.Tensor:
+        """The held passes in arrival order: (filled, L, P)."""
+        if self.filled < self.window_size:
+            return self.window[: self.filled]
+        return torch.roll(self.window, shifts=-self.next_index, dims=0)
+
+    def physical_load(self) -> torch.Tensor:
+        """Window sum per slot: (L, P) int64."""
+        return self.window.sum(dim=0)
+
+    def estimate(self, estimator: str = "window_sum", decay: float = 0.9, subwindows: int = 4) -> torch.Tensor:
+        """Per-slot planning load (L, P) float64 from the window.
+
+        ``window_sum`` sums the window; ``decayed_sum`` weighs a pass of age a (0 =
+        newest) by decay**a; ``subwindow_max`` splits the window into ``subwindows``
+        consecutive parts and takes, per slot, the largest part sum times the number of
+        parts (so its scale matches the plain sum); it plans for the worst recent burst.
+        """
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+        passes = self.passes_oldest_first().to(torch.float64)
+        if passes.shape[0] == 0:
+            return torch.zeros((self.num_layers, self.num_physical), dtype=torch.float64)
+        if estimator == "window_sum":
+            return passes.sum(0)
+        if estimator == "decayed_sum":
+            ages = torch.arange(passes.shape[0] - 1, -1, -1, dtype=torch.float64)
+            return torch.einsum("w,wlp->lp", decay ** ages, passes)
+        parts = torch.tensor_split(passes, min(subwindows, passes.shape[0]), dim=0)
+        sums = torch.stack([part.sum(0) for part in parts])
+        return sums.max(0).values * len(parts)
+
+    def remap_layer(self, layer: int, old_row: np.ndarray, new_row: np.ndarray, num_logical: int) -> None:
+        """Re-express one layer's held passes in a new placement, keeping each expert's total.
+
+        Called when a layer's maps change so the window keeps describing expert load:
+        each pass's per-expert count is spread over the expert's new slots (the
+        remainder goes to its first slot), so logical sums are unchanged exactly.
+        """
+        counts = self.window[:, layer, :]  # (W, P)
+        logical = aggregate_logical(counts, torch.as_tensor(np.tile(old_row, (counts.shape[0], 1))), num_logical)
+        new = torch.as_tensor(np.asarray(new_row, dtype=np.int64))
+        valid = new >= 0
+        replicas = torch.zeros(num_logical, dtype=torch.int64)
+        replicas.scatter_add_(0, new[valid], torch.ones_like(new[valid]))
+        if ((logical.sum(0) > 0) & (replicas == 0)).any():
+            raise ValueError("new_row drops an expert that has recorded load")
+        safe = new.clamp(min=0)
+        share = torch.where(valid, logical[:, safe] // replicas[safe].clamp(min=1), 0)
+        # the first slot of each expert takes the remainder
+        first = torch.zeros(num_logical, dtype=torch.int64).fill_(-1)
+        for slot in range(new.shape[0] - 1, -1, -1):
+            if valid[slot]:
+                first[new[slot]] = slot
+        remainder = logical - share.new_zeros(logical.shape).scatter_add_(1, safe.expand_as(share) * valid, share * valid)
+        is_first = valid & (torch.arange(new.shape[0]) == first[safe])
+        share = share + torch.where(is_first, remainder[:, safe], 0)
+        self.window[:, layer, :] = share
+
+
+def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
+    """Scatter a per-slot load (L, P) to its logical experts: (L, N), same dtype.
+
+    Empty slots (-1) carry no load.
+    """
+    phy2log = torch.as_tensor(phy2log, dtype=torch.int64)
+    if physical.shape != phy2log.shape:
+        raise ValueError(f"load shape {tuple(physical.shape)} does not match phy2log shape {tuple(phy2log.shape)}")
+    valid = phy2log >= 0
+    out = torch.zeros((physical.shape[0], num_logical), dtype=physical.dtype, device=physical.device)
+    out.scatter_add_(1, phy2log.clamp(min=0), torch.where(valid, physical, torch.zeros_like(physical)))
+    return out
+
+
+def rank_loads_physical(physical: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Per-rank load (L, G) from a per-slot load (L, P): each rank's S slots summed."""
+    L, P = physical.shape
+    if P % num_ranks:
+        raise ValueError(f"slots ({P}) must be divisible by num_ranks ({num_ranks})")
+    return physical.reshape(L, num_ranks, P // num_ranks).sum(-1)
+
+
+def balancedness_from_rank_loads(rank_loads) -> float:
+    """sum over layers of mean rank load / sum over layers of max rank load (1.0 = perfect).
+
+    Means and maxima are taken over ranks (axis 1) per layer, then summed over
+    layers. A window with no load at all counts as perfectly balanced.
+    """
+    loads = torch.as_tensor(rank_loads, dtype=torch.float64)
+    total_max = float(loads.max(dim=1).values.sum())
+    if total_max == 0.0:
+        return 1.0
+    return float(loads.mean(dim=1).sum()) / total_max
