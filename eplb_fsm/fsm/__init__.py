@@ -1,0 +1,1 @@
+"""The lifecycle: the machine (states, events, guards) and what drives it."""

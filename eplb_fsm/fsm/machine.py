@@ -1,0 +1,220 @@
+"""The EPLB lifecycle as a `transitions` state machine: states, events, guards. No actions.
+
+States: collecting -> planning -> transferring[layer k] -> committing -> collecting,
+with scaling for elastic EP and failed for faults that need the engine's attention.
+Transferring[k] is one state plus the ``layer`` counter, advanced by a guarded
+self-transition, so the diagram stays small and the replay checks the counter.
+
+Guards read only event data and counters that every rank shares (``layer``,
+``num_layers``, ``scale_pending``) and never local time, so every rank takes the same
+transition at the same step, and ``eplb-fsm replay`` re-drives them from the trace.
+The actions (planning, moving weights, committing maps) live in the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from transitions import Machine, MachineError
+
+COLLECTING = "collecting"
+PLANNING = "planning"
+TRANSFERRING = "transferring"
+COMMITTING = "committing"
+SCALING = "scaling"
+FAILED = "failed"
+
+STATES = (COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED)
+INITIAL = COLLECTING
+
+# event data each trigger takes (the trace records them so a replay can re-drive guards)
+EVENT_DATA: dict[str, tuple[str, ...]] = {
+    "step": ("due",),
+    "plan_ready": ("moves", "worth"),
+    "layer_done": ("layer",),
+    "committed": (),
+    "scale_requested": (),
+    "groups_ready": (),
+    "switched": (),
+    "fault": ("recoverable",),
+    "recovered": (),
+}
+
+# The transition table of design §4. ``internal`` rows keep the state without exit/enter.
+# Order matters within a trigger: the first row whose guards pass wins.
+TRANSITIONS: tuple[dict[str, Any], ...] = (
+    {"trigger": "step", "source": COLLECTING, "dest": PLANNING, "conditions": "is_due"},
+    {"trigger": "step", "source": COLLECTING, "dest": None, "note": "record load pass"},
+    # the engine keeps stepping while a plan or a layer is in flight (async) or groups form
+    {"trigger": "step", "source": [PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED], "dest": None},
+    {"trigger": "plan_ready", "source": PLANNING, "dest": TRANSFERRING,
+     "conditions": "is_worth_moving", "before": "start_first_layer"},
+    {"trigger": "plan_ready", "source": PLANNING, "dest": COLLECTING, "note": "nothing worth moving"},
+    {"trigger": "layer_done", "source": TRANSFERRING, "dest": TRANSFERRING,
+     "conditions": ["is_current_layer", "has_more_layers"], "before": "advance_layer"},
+    {"trigger": "layer_done", "source": TRANSFERRING, "dest": COMMITTING,
+     "conditions": ["is_current_layer", "is_last_layer"]},
+    {"trigger": "committed", "source": COMMITTING, "dest": SCALING, "conditions": "is_scale_pending"},
+    {"trigger": "committed", "source": COMMITTING, "dest": COLLECTING},
+    {"trigger": "scale_requested", "source": COLLECTING, "dest": SCALING, "before": "mark_scale_pending"},
+    {"trigger": "groups_ready", "source": SCALING, "dest": PLANNING},
+    {"trigger": "switched", "source": SCALING, "dest": COLLECTING, "before": "clear_scale_pending"},
+    {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING],
+     "dest": COLLECTING, "conditions": "is_recoverable"},
+    {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED],
+     "dest": FAILED},
+    {"trigger": "recovered", "source": FAILED, "dest": COLLECTING},
+)
+
+
+class IllegalTransition(RuntimeError):
+    """An event that no transition accepts in the current state; nothing changed."""
+
+    def __init__(self, trigger: str, state: str, layer: int, data: dict) -> None:
+        self.trigger, self.state, self.layer, self.data = trigger, state, layer, data
+        super().__init__(
+            f"event {trigger!r} is not allowed in state {state!r}"
+            + (f" (layer {layer})" if state == TRANSFERRING else "")
+            + (f" with {data}" if data else "")
+        )
+
+
+@dataclass(frozen=True)
+class Fired:
+    """What one event did: the trigger, source and destination states, layer after it."""
+
+    trigger: str
+    source: str
+    dest: str
+    layer: int
+    data: dict
+
+    @property
+    def changed(self) -> bool:
+        return self.source != self.dest or self.trigger == "layer_done"
+
+
+class EplbMachine:
+    """The model the `transitions` Machine drives: the state plus the shared counters.
+
+    ``fire(trigger, **data)`` is the only way in: it checks the event data, runs the
+    transition and tells every listener (the trace, the watchdog) what happened.
+    """
+
+    def __init__(self, num_layers: int, state: str = INITIAL, layer: int = 0, scale_pending: bool = False):
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if state not in STATES:
+            raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
+        self.num_layers = int(num_layers)
+        self.layer = int(layer)
+        self.scale_pending = bool(scale_pending)
+        self.listeners: list[Callable[[Fired], None]] = []
+        self.machine = Machine(
+            model=self,
+            states=list(STATES),
+            transitions=[{k: v for k, v in row.items() if k != "note"} for row in TRANSITIONS],
+            initial=state,
+            auto_transitions=False,
+            queued=True,
+            send_event=True,
+            ignore_invalid_triggers=False,
+        )
+
+    # -- guards (event data and shared counters only) --------------------
+    def is_due(self, event) -> bool:
+        return bool(event.kwargs.get("due", False))
+
+    def is_worth_moving(self, event) -> bool:
+        return int(event.kwargs.get("moves", 0)) > 0 and bool(event.kwargs.get("worth", True))
+
+    def is_current_layer(self, event) -> bool:
+        return int(event.kwargs.get("layer", -1)) == self.layer
+
+    def has_more_layers(self, event) -> bool:
+        return self.layer < self.num_layers - 1
+
+    def is_last_layer(self, event) -> bool:
+        return self.layer == self.num_layers - 1
+
+    def is_scale_pending(self, event) -> bool:
+        return self.scale_pending
+
+    def is_recoverable(self, event) -> bool:
+        return bool(event.kwargs.get("recoverable", True))
+
+    # -- counter updates (part of the transition, not actions) -----------
+    def start_first_layer(self, event) -> None:
+        self.layer = 0
+
+    def advance_layer(self, event) -> None:
+        self.layer += 1
+
+    def mark_scale_pending(self, event) -> None:
+        self.scale_pending = True
+
+    def clear_scale_pending(self, event) -> None:
+        self.scale_pending = False
+
+    # -- driving ---------------------------------------------------------
+    def fire(self, trigger: str, **data: Any) -> Fired:
+        """Run one event; raise IllegalTransition (state unchanged) if none accepts it."""
+        allowed = EVENT_DATA.get(trigger)
+        if allowed is None:
+            raise ValueError(f"unknown event {trigger!r}; events: {', '.join(EVENT_DATA)}")
+        unknown = set(data) - set(allowed)
+        if unknown:
+            raise ValueError(f"event {trigger!r} takes {list(allowed)}, got unexpected {sorted(unknown)}")
+        source = self.state
+        layer_before = self.layer
+        try:
+            accepted = self.trigger(trigger, **data)
+        except MachineError:
+            accepted = False
+        if not accepted:
+            raise IllegalTransition(trigger, source, layer_before, data)
+        fired = Fired(trigger, source, self.state, self.layer, dict(data))
+        for listener in self.listeners:
+            listener(fired)
+        return fired
+
+    def may(self, trigger: str) -> bool:
+        """Whether some transition for ``trigger`` leaves the current state (guards not run)."""
+        return any(_sources(row) & {self.state} for row in TRANSITIONS if row["trigger"] == trigger)
+
+    def snapshot(self) -> dict:
+        return {"state": self.state, "layer": self.layer, "num_layers": self.num_layers,
+                "scale_pending": self.scale_pending}
+
+
+def _sources(row: dict) -> set[str]:
+    src = row["source"]
+    return set(src) if isinstance(src, (list, tuple)) else {src}
+
+
+def check_definition() -> None:
+    """Fail loudly if the table has an unreachable state or an event with no transition."""
+    reachable = {INITIAL}
+    frontier = [INITIAL]
+    while frontier:
+        state = frontier.pop()
+        for row in TRANSITIONS:
+            if state in _sources(row):
+                dest = row["dest"] or state
+                if dest not in reachable:
+                    reachable.add(dest)
+                    frontier.append(dest)
+    unreachable = set(STATES) - reachable
+    if unreachable:
+        raise AssertionError(f"unreachable states in the EPLB machine: {sorted(unreachable)}")
+    idle = set(EVENT_DATA) - {row["trigger"] for row in TRANSITIONS}
+    if idle:
+        raise AssertionError(f"events without a transition: {sorted(idle)}")
+    unknown = {d for row in TRANSITIONS for d in [row["dest"]] if d is not None} - set(STATES)
+    unknown |= {s for row in TRANSITIONS for s in _sources(row)} - set(STATES)
+    if unknown:
+        raise AssertionError(f"transitions name unknown states: {sorted(unknown)}")
+
+
+check_definition()
