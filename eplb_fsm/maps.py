@@ -93,7 +93,8 @@ class ExpertMaps:
         if num_logical < 1:
             raise ValueError(f"num_logical must be >= 1, got {num_logical}")
         _check_range(p2l, num_logical, allow_empty)
-        log2phy, counts = derive_log2phy(p2l, num_logical, max_replicas)
+        _check_every_expert_placed(p2l, num_logical)
+        log2phy, counts = derive_log2phy(p2l, num_logical, max(max_replicas, 1))
         maps = cls(p2l, log2phy, counts, int(num_logical))
         maps.validate(allow_empty=allow_empty)
         return maps
@@ -161,9 +162,8 @@ class ExpertMaps:
         if row.shape[1] != self.num_physical:
             raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[1]}")
         _check_range(row, self.num_logical, allow_empty=True)
+        _check_every_expert_placed(row, self.num_logical, name="phy2log_row")
         log2phy, counts = derive_log2phy(row, self.num_logical, self.max_replicas)
-        if (counts == 0).any() and (row >= 0).all():
-            raise ValueError(f"phy2log_row leaves logical expert {int(np.argmax(counts[0] == 0))} without a replica")
         self.phy2log[layer] = row[0]
         self.log2phy[layer] = log2phy[0]
         self.replica_count[layer] = counts[0]
@@ -181,6 +181,20 @@ class ExpertMaps:
             raise ValueError(f"num_physical ({self.num_physical}) must be divisible by num_ranks ({num_ranks})")
         per_rank = self.num_physical // num_ranks
         return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _check_every_expert_placed(phy2log: np.ndarray, num_logical: int, name: str = "phy2log") -> None:
+    """Each expert needs a slot in every layer that has no empty slot (empty = mid scale-up)."""
+    for layer, row in enumerate(phy2log):
+        if (row < 0).any():
+            continue
+        if row.size < num_logical:
+            raise ValueError(f"{name} has {row.size} slots for {num_logical} experts: every expert needs a slot")
+        counts = np.bincount(row, minlength=num_logical)
+        if (counts == 0).any():
+            raise ValueError(
+                f"{name} leaves logical expert {int(np.argmax(counts == 0))} without a replica in layer {layer}"
+            )
 
 
 def _check_range(phy2log: np.ndarray, num_logical: int, allow_empty: bool) -> None:

@@ -105,12 +105,11 @@ class LoadWindow:
         safe = new.clamp(min=0)
         share = torch.where(valid, logical[:, safe] // replicas[safe].clamp(min=1), 0)
         # the first slot of each expert takes the remainder
-        first = torch.zeros(num_logical, dtype=torch.int64).fill_(-1)
-        for slot in range(new.shape[0] - 1, -1, -1):
-            if valid[slot]:
-                first[new[slot]] = slot
+        slots = torch.arange(new.shape[0])
+        first = torch.full((num_logical,), new.shape[0], dtype=torch.int64)
+        first.scatter_reduce_(0, new[valid], slots[valid], reduce="amin")
         remainder = logical - share.new_zeros(logical.shape).scatter_add_(1, safe.expand_as(share) * valid, share * valid)
-        is_first = valid & (torch.arange(new.shape[0]) == first[safe])
+        is_first = valid & (slots == first[safe])
         share = share + torch.where(is_first, remainder[:, safe], 0)
         self.window[:, layer, :] = share
 

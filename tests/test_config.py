@@ -1,0 +1,84 @@
+"""Tests for eplb_fsm.config."""
+
+import json
+
+import pytest
+
+from eplb_fsm.config import EplbConfig
+
+
+def test_defaults_match_documented_values():
+    """The defaults are the documented ones (window 1000, interval 3000, no redundancy, sync, default policy)."""
+    c = EplbConfig()
+    assert (c.window_size, c.step_interval, c.num_redundant_experts) == (1000, 3000, 0)
+    assert (c.use_async, c.policy, c.log_balancedness) == (False, "default", False)
+    assert (c.log_balancedness_interval, c.enable_migration_batching) == (1, False)
+
+
+def test_first_rearrangement_is_a_quarter_interval():
+    """The first rearrangement comes step_interval // 4 steps after start, never at step 0."""
+    assert EplbConfig(step_interval=3000).first_rearrangement_step == 750
+    assert EplbConfig(step_interval=2).first_rearrangement_step == 1
+
+
+def test_json_round_trip():
+    """A config survives to_json/from_json unchanged."""
+    c = EplbConfig(window_size=7, policy="movement_aware", use_async=True, extra={"k": 1})
+    assert EplbConfig.from_json(c.to_json()) == c
+    assert json.loads(c.to_json())["window_size"] == 7
+
+
+def test_from_dict_and_kwargs_agree():
+    """Building from a dict gives the same config as keyword arguments."""
+    assert EplbConfig.from_dict({"step_interval": 10}) == EplbConfig(step_interval=10)
+
+
+@pytest.mark.parametrize(
+    "changes, field, rule",
+    [
+        ({"window_size": 0}, "window_size", ">= 1"),
+        ({"window_size": 2.5}, "window_size", "integer"),
+        ({"step_interval": -1}, "step_interval", ">= 1"),
+        ({"num_redundant_experts": -2}, "num_redundant_experts", ">= 0"),
+        ({"use_async": "yes"}, "use_async", "bool"),
+        ({"log_balancedness": 1}, "log_balancedness", "bool"),
+        ({"enable_migration_batching": None}, "enable_migration_batching", "bool"),
+        ({"log_balancedness_interval": 0}, "log_balancedness_interval", ">= 1"),
+        ({"policy": ""}, "policy", "non-empty"),
+        ({"min_balancedness_gain": float("nan")}, "min_balancedness_gain", "finite"),
+        ({"min_balancedness_gain": 2.0}, "min_balancedness_gain", "<= 1"),
+        ({"collective_timeout_s": 0}, "collective_timeout_s", "> 0"),
+        ({"watchdog_deadline_s": -1.0}, "watchdog_deadline_s", ">= 0"),
+        ({"load_estimator": "median"}, "load_estimator", "one of"),
+        ({"load_decay": 0.0}, "load_decay", "> 0"),
+        ({"num_nodes": 0}, "num_nodes", ">= 1"),
+        ({"extra": 3}, "extra", "mapping"),
+    ],
+)
+def test_bad_values_name_field_and_rule(changes, field, rule):
+    """Every invalid value raises ValueError naming the field and the rule it breaks."""
+    with pytest.raises(ValueError) as info:
+        EplbConfig(**changes)
+    assert field in str(info.value) and rule in str(info.value)
+
+
+def test_unknown_field_is_rejected():
+    """A typo in a config dict is an error that lists the known fields."""
+    with pytest.raises(ValueError, match="unknown config field.*windowsize.*window_size"):
+        EplbConfig.from_dict({"windowsize": 3})
+
+
+def test_bad_json_is_rejected():
+    """Malformed JSON gives a ValueError, not a JSONDecodeError from deep inside."""
+    with pytest.raises(ValueError, match="not valid"):
+        EplbConfig.from_json("{window_size: 3")
+    with pytest.raises(ValueError, match="mapping"):
+        EplbConfig.from_json("[1, 2]")
+
+
+def test_replace_validates_again():
+    """replace() returns a validated copy and leaves the original untouched."""
+    c = EplbConfig()
+    assert c.replace(window_size=5).window_size == 5 and c.window_size == 1000
+    with pytest.raises(ValueError, match="window_size"):
+        c.replace(window_size=0)

@@ -1,0 +1,153 @@
+"""Tests for eplb_fsm.maps."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eplb_fsm.maps import ExpertMaps, derive_log2phy, initial_phy2log
+
+
+def test_initial_placement_layout():
+    """Slot i < N holds expert i and redundant slot N+j holds expert j mod N."""
+    p2l = initial_phy2log(2, 4, 10)
+    assert p2l.tolist()[0] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert p2l.dtype == np.int64 and p2l.shape == (2, 10)
+
+
+def test_initial_maps_counts_and_slots():
+    """The initial maps list each expert's slots ascending with matching counts."""
+    m = ExpertMaps.initial(1, 3, 5)
+    assert m.replica_count.tolist() == [[2, 2, 1]]
+    assert m.log2phy[0].tolist() == [[0, 3, -1], [1, 4, -1], [2, -1, -1]]
+
+
+def test_log2phy_is_ascending_whatever_the_slot_order():
+    """log2phy rows are ascending even when the expert's slots appear out of order in phy2log."""
+    m = ExpertMaps.from_phy2log([[2, 0, 2, 1, 2, 0]], 3)
+    assert m.log2phy[0].tolist() == [[1, 5, -1, -1], [3, -1, -1, -1], [0, 2, 4, -1]]
+    assert m.replica_count.tolist() == [[2, 1, 3]]
+
+
+def test_empty_slots_allowed_only_when_asked():
+    """Empty slots (-1) are accepted for elastic scale-up and rejected otherwise."""
+    m = ExpertMaps.from_phy2log([[0, 1, -1, -1]], 2, allow_empty=True)
+    assert m.replica_count.tolist() == [[1, 1]]
+    with pytest.raises(ValueError, match=r"phy2log\[0, 2\] = -1 is outside"):
+        ExpertMaps.from_phy2log([[0, 1, -1, -1]], 2)
+
+
+@pytest.mark.parametrize(
+    "phy2log, num_logical, message",
+    [
+        ([[0, 1, 5]], 3, r"phy2log\[0, 2\] = 5 is outside"),
+        ([[0, 0, 0]], 2, "logical expert 1 without a replica in layer 0"),
+        ([0, 1, 2], 3, "must be 2-D"),
+        ([[0.0, 1.0]], 2, "must hold integers"),
+        ([[0]], 2, "every expert needs a slot|no replica"),
+    ],
+)
+def test_bad_maps_rejected(phy2log, num_logical, message):
+    """Maps that break an invariant raise ValueError saying which one."""
+    with pytest.raises(ValueError, match=message):
+        ExpertMaps.from_phy2log(phy2log, num_logical)
+
+
+def test_validate_catches_tampered_derived_maps():
+    """validate() notices a replica_count or log2phy that disagrees with phy2log."""
+    m = ExpertMaps.initial(2, 3, 4)
+    m.replica_count[1, 2] = 2
+    with pytest.raises(ValueError, match=r"replica_count\[1, 2\]"):
+        m.validate()
+    m = ExpertMaps.initial(2, 3, 4)
+    m.log2phy[0, 0] = m.log2phy[0, 0][::-1].copy()
+    with pytest.raises(ValueError, match=r"log2phy\[0, 0\].*ascending"):
+        m.validate()
+
+
+def test_replace_layer_changes_only_that_layer():
+    """replace_layer updates the three maps of one layer and leaves the others alone."""
+    m = ExpertMaps.initial(3, 4, 6)
+    before = m.copy()
+    m.replace_layer(1, [3, 3, 2, 1, 0, 3])
+    assert m.replica_count[1].tolist() == [1, 1, 1, 3]
+    assert m.log2phy[1, 3, :3].tolist() == [0, 1, 5]
+    for layer in (0, 2):
+        assert np.array_equal(m.phy2log[layer], before.phy2log[layer])
+    m.validate()
+
+
+@pytest.mark.parametrize(
+    "layer, row, message",
+    [
+        (3, [0, 1, 2, 3, 0, 1], "layer must be in"),
+        (0, [0, 1, 2, 3], "must have 6 slots"),
+        (0, [0, 0, 0, 0, 0, 0], "without a replica"),
+        (0, [0, 1, 2, 9, 0, 1], "outside"),
+    ],
+)
+def test_replace_layer_rejects_bad_rows_without_change(layer, row, message):
+    """A bad replacement row raises and leaves every map unchanged."""
+    m = ExpertMaps.initial(3, 4, 6)
+    before = m.copy()
+    with pytest.raises(ValueError, match=message):
+        m.replace_layer(layer, row)
+    assert np.array_equal(m.phy2log, before.phy2log)
+    assert np.array_equal(m.log2phy, before.log2phy)
+    assert np.array_equal(m.replica_count, before.replica_count)
+
+
+def test_slots_of_rank():
+    """A rank owns S = P / G consecutive global slots, and P must divide by G."""
+    m = ExpertMaps.initial(1, 4, 8)
+    assert m.slots_of_rank(2, 4) == slice(4, 6)
+    with pytest.raises(ValueError, match="divisible"):
+        m.slots_of_rank(0, 3)
+
+
+def test_as_torch_returns_int64_tensors():
+    """as_torch gives int64 tensors equal to the numpy maps."""
+    m = ExpertMaps.initial(1, 2, 3)
+    p2l, l2p, cnt = m.as_torch()
+    assert str(p2l.dtype) == "torch.int64" and p2l.tolist() == m.phy2log.tolist()
+    assert l2p.shape == (1, 2, 2) and cnt.tolist() == [[2, 1]]
+
+
+@st.composite
+def placements(draw):
+    layers = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 6))
+    p = draw(st.integers(n, n + 6))
+    rows = []
+    for _ in range(layers):
+        # every expert at least once, then arbitrary extra replicas, shuffled
+        extra = draw(st.lists(st.integers(0, n - 1), min_size=p - n, max_size=p - n))
+        row = list(range(n)) + extra
+        perm = draw(st.permutations(range(p)))
+        rows.append([row[i] for i in perm])
+    return np.array(rows, dtype=np.int64), n
+
+
+@given(placements())
+def test_derived_maps_round_trip(case):
+    """For any valid placement, log2phy/replica_count are consistent and name exactly phy2log's slots."""
+    p2l, n = case
+    m = ExpertMaps.from_phy2log(p2l, n)
+    assert m.replica_count.sum(axis=1).tolist() == [p2l.shape[1]] * p2l.shape[0]
+    for layer in range(p2l.shape[0]):
+        for expert in range(n):
+            slots = m.log2phy[layer, expert]
+            listed = slots[slots >= 0]
+            assert listed.tolist() == sorted(np.flatnonzero(p2l[layer] == expert).tolist())
+            assert (slots[len(listed):] == -1).all()
+
+
+@given(placements())
+def test_derive_with_too_small_width_is_rejected(case):
+    """Asking for fewer replica columns than the busiest expert needs is an error."""
+    p2l, n = case
+    _, counts = derive_log2phy(p2l, n)
+    width = int(counts.max())
+    if width > 1:
+        with pytest.raises(ValueError, match="max_replicas"):
+            derive_log2phy(p2l, n, width - 1)

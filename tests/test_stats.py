@@ -1,0 +1,123 @@
+"""Tests for eplb_fsm.stats."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eplb_fsm.stats import (
+    LoadWindow,
+    aggregate_logical,
+    balancedness_from_rank_loads,
+    rank_loads_physical,
+)
+
+
+def _feed(window, passes, dummy=()):
+    for i, p in enumerate(passes):
+        window.load_pass.add_(torch.as_tensor(p))
+        window.record_pass(is_dummy=i in dummy)
+
+
+def test_record_pass_moves_load_into_window_and_clears_pass():
+    """A counted pass lands in the window and load_pass is zeroed for the next pass."""
+    w = LoadWindow(1, 3, 4)
+    _feed(w, [[[1, 2, 3]]])
+    assert w.physical_load().tolist() == [[1, 2, 3]]
+    assert w.load_pass.sum().item() == 0 and w.filled == 1
+
+
+def test_dummy_passes_do_not_count_but_are_cleared():
+    """A dummy pass never enters the window, yet its counts don't leak into the next pass."""
+    w = LoadWindow(1, 2, 4)
+    _feed(w, [[[5, 5]], [[100, 100]], [[1, 0]]], dummy={1})
+    assert w.physical_load().tolist() == [[6, 5]]
+    assert w.filled == 2
+
+
+def test_ring_buffer_keeps_last_w_passes_in_order():
+    """Past W passes the oldest are overwritten, and passes_oldest_first keeps arrival order."""
+    w = LoadWindow(1, 1, 3)
+    _feed(w, [[[v]] for v in (1, 2, 3, 4, 5)])
+    assert w.passes_oldest_first()[:, 0, 0].tolist() == [3, 4, 5]
+    assert w.physical_load().tolist() == [[12]]
+
+
+def test_reset_forgets_everything():
+    """reset() empties the window and the pending pass."""
+    w = LoadWindow(2, 2, 2)
+    _feed(w, [np.ones((2, 2), dtype=np.int64)])
+    w.load_pass.fill_(3)
+    w.reset()
+    assert w.physical_load().sum().item() == 0 and w.load_pass.sum().item() == 0 and w.filled == 0
+
+
+def test_estimators():
+    """window_sum sums, decayed_sum weighs by decay**age, subwindow_max scales the largest part."""
+    w = LoadWindow(1, 1, 4)
+    _feed(w, [[[v]] for v in (1, 2, 3, 10)])
+    assert w.estimate("window_sum").item() == 16
+    assert w.estimate("decayed_sum", decay=0.5).item() == pytest.approx(10 + 3 * 0.5 + 2 * 0.25 + 1 * 0.125)
+    assert w.estimate("subwindow_max", subwindows=2).item() == 26  # max(1+2, 3+10) * 2
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        w.estimate("median")
+
+
+def test_estimate_of_empty_window_is_zero():
+    """Before any counted pass the estimate is all zeros, not an error."""
+    assert LoadWindow(2, 3, 5).estimate("subwindow_max").sum().item() == 0
+
+
+def test_aggregate_logical_sums_replicas_and_skips_empty_slots():
+    """Per-slot loads scatter to their experts; empty slots (-1) add nothing."""
+    physical = torch.tensor([[5, 1, 2, 7]])
+    assert aggregate_logical(physical, torch.tensor([[0, 1, 0, -1]]), 2).tolist() == [[7, 1]]
+    with pytest.raises(ValueError, match="does not match"):
+        aggregate_logical(physical, torch.tensor([[0, 1]]), 2)
+
+
+def test_rank_loads_and_balancedness_reduce_over_ranks():
+    """Balancedness is sum over layers of mean/max taken across ranks, not across layers."""
+    physical = torch.tensor([[4, 4, 0, 0], [1, 1, 1, 1]])
+    ranks = rank_loads_physical(physical, 2)
+    assert ranks.tolist() == [[8, 0], [2, 2]]
+    # layer 0: mean 4, max 8; layer 1: mean 2, max 2  -> (4 + 2) / (8 + 2)
+    assert balancedness_from_rank_loads(ranks) == pytest.approx(0.6)
+    assert balancedness_from_rank_loads(torch.zeros(3, 2)) == 1.0
+    with pytest.raises(ValueError, match="divisible"):
+        rank_loads_physical(physical, 3)
+
+
+@pytest.mark.parametrize("name", ["num_layers", "num_physical", "window_size"])
+def test_bad_shapes_rejected(name):
+    """A zero dimension is rejected with the parameter's name."""
+    kwargs = {"num_layers": 1, "num_physical": 1, "window_size": 1, name: 0}
+    with pytest.raises(ValueError, match=name):
+        LoadWindow(**kwargs)
+
+
+@given(
+    st.integers(1, 5),
+    st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    st.integers(0, 2**31 - 1),
+)
+def test_remap_layer_preserves_expert_totals(passes, old_extra, new_extra, seed):
+    """Re-expressing a layer's window in a new placement keeps every expert's total per pass."""
+    n = 4
+    old = np.array(list(range(n)) + old_extra[:2], dtype=np.int64)
+    new = np.array(list(range(n)) + new_extra[:2], dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    new = rng.permutation(new)
+    w = LoadWindow(2, 6, 5)
+    for _ in range(passes):
+        w.load_pass.copy_(torch.as_tensor(rng.integers(0, 50, size=(2, 6))))
+        w.record_pass()
+    other_layer = w.window[:, 1].clone()
+    before = aggregate_logical(w.window[:, 0], torch.as_tensor(np.tile(old, (5, 1))), n)
+    w.remap_layer(0, old, new, n)
+    after = aggregate_logical(w.window[:, 0], torch.as_tensor(np.tile(new, (5, 1))), n)
+    assert torch.equal(before, after)
+    assert torch.equal(w.window[:, 1], other_layer)
+    assert (w.window >= 0).all()
