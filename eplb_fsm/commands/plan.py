@@ -1,0 +1,181 @@
+"""``eplb-fsm plan``: plan a placement for a load file and report its quality.
+
+Reads a logical load (L, N), runs a policy, and prints the balancedness of the initial
+placement (slot i < N holds expert i, slot N + j holds expert j mod N), of the new one,
+the best any placement could reach (the bound), and how long the policy took.
+``--out`` saves ``phy2log``, ``log2phy`` and ``replica_count`` (.npz, .pt or .json).
+
+Bad input (unreadable file, wrong shape, negative or NaN loads, P % G != 0, P < N, ...)
+prints ``eplb-fsm plan: error: --OPTION: why`` on stderr and exits with status 2.
+torch is imported only when the verb runs, so ``eplb-fsm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+OUT_SUFFIXES = (".npz", ".pt", ".json")
+
+
+class _UsageError(Exception):
+    """A bad option value; ``str(exc)`` starts with the option name."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--load",
+        default="example",
+        metavar="FILE",
+        help="logical load (L, N): .npy/.npz/.pt/.json file or ESFT trace directory; "
+        "'example' (default) is the bundled ESFT intent load, 26 x 64",
+    )
+    parser.add_argument("--ranks", type=int, required=True, metavar="G", help="number of EP ranks")
+    parser.add_argument("--replicas", type=int, required=True, metavar="P", help="physical slots (experts + redundant)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="number of nodes (default 1)")
+    parser.add_argument("--groups", type=int, default=1, metavar="K", help="expert groups (default 1)")
+    parser.add_argument("--policy", default="default", metavar="NAME", help="registered policy name (default: default)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--out", metavar="FILE", help="save phy2log, log2phy, replica_count (.npz, .pt or .json)")
+
+
+def _check_options(args: argparse.Namespace, num_experts: int) -> None:
+    for option in ("ranks", "replicas", "nodes", "groups"):
+        if getattr(args, option) < 1:
+            raise _UsageError(f"--{option}: must be >= 1, got {getattr(args, option)}")
+    if args.replicas < num_experts:
+        raise _UsageError(
+            f"--replicas: must be >= the number of experts in the load ({num_experts}), got {args.replicas}"
+        )
+    if args.replicas % args.ranks:
+        raise _UsageError(f"--replicas: {args.replicas} is not divisible by --ranks {args.ranks}")
+    if args.groups % args.nodes == 0:  # hierarchical mode
+        if num_experts % args.groups:
+            raise _UsageError(
+                f"--groups: {args.groups} does not divide the number of experts ({num_experts}) "
+                "(hierarchical mode: --groups divisible by --nodes)"
+            )
+        if args.ranks % args.nodes:
+            raise _UsageError(
+                f"--nodes: --ranks {args.ranks} is not divisible by --nodes {args.nodes} "
+                "(hierarchical mode: --groups divisible by --nodes)"
+            )
+    if args.out is not None:
+        out = Path(args.out)
+        if out.suffix.lower() not in OUT_SUFFIXES:
+            raise _UsageError(f"--out: unknown file type {out.suffix or '(none)'!r}; use .npz, .pt or .json")
+        if not out.parent.is_dir():
+            raise _UsageError(f"--out: directory {out.parent} does not exist")
+
+
+def _save(path: Path, phy2log, log2phy, replica_count) -> None:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npz":
+            import numpy as np
+
+            with open(path, "wb") as f:
+                np.savez(f, phy2log=phy2log.numpy(), log2phy=log2phy.numpy(), replica_count=replica_count.numpy())
+        elif suffix == ".pt":
+            import torch
+
+            with open(path, "wb") as f:
+                torch.save({"phy2log": phy2log, "log2phy": log2phy, "replica_count": replica_count}, f)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(
+                    {
+                        "phy2log": phy2log.tolist(),
+                        "log2phy": log2phy.tolist(),
+                        "replica_count": replica_count.tolist(),
+                    },
+                    f,
+                )
+    except OSError as exc:
+        raise _UsageError(f"--out: cannot write {path}: {exc}") from None
+
+
+def _report_text(report: dict) -> str:
+    mode = "hierarchical" if report["hierarchical"] else "global"
+    lines = [
+        f"load          {report['load']}  ({report['layers']} layers x {report['experts']} experts)",
+        f"placement     {report['replicas']} slots on {report['ranks']} ranks ({report['slots_per_rank']} per rank), "
+        f"{report['nodes']} node(s), {report['groups']} group(s), {mode} mode",
+        f"policy        {report['policy']}  {report['policy_time_s'] * 1e3:.2f} ms",
+        "balancedness  (mean rank load / max rank load, 1.0 = perfect)",
+        f"  initial     {report['balancedness_initial']:.4f}",
+        f"  new         {report['balancedness']:.4f}  (worst layer {report['balancedness_worst_layer']:.4f})",
+        f"  bound       {report['balancedness_bound']:.4f}  (no placement can do better)",
+    ]
+    if report.get("out"):
+        lines.append(f"saved         {report['out']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = _plan(args)
+    except _UsageError as exc:
+        print(f"eplb-fsm plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_report_text(report))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    import torch
+
+    from eplb_fsm.maps import initial_phy2log
+    from eplb_fsm.policy.bounds import balancedness, balancedness_bound, balancedness_per_layer
+    from eplb_fsm.policy.registry import get_policy
+    from eplb_fsm.sim.loads import load_matrix
+
+    try:
+        policy = get_policy(args.policy)
+    except ValueError as exc:
+        raise _UsageError(f"--policy: {exc}") from None
+    try:
+        load = load_matrix(args.load)
+    except ValueError as exc:
+        raise _UsageError(f"--load: {exc}") from None
+    num_layers, num_experts = load.shape
+    _check_options(args, num_experts)
+
+    weight = torch.from_numpy(load)
+    start = time.perf_counter()
+    try:
+        phy2log, log2phy, replica_count = policy.rebalance_experts(
+            weight, args.replicas, args.groups, args.nodes, args.ranks
+        )
+    except ValueError as exc:  # a rule the options check above did not know about
+        raise _UsageError(f"--load/--replicas/--ranks: {exc}") from None
+    elapsed = time.perf_counter() - start
+
+    initial = initial_phy2log(num_layers, num_experts, args.replicas)
+    report = {
+        "load": str(args.load),
+        "layers": num_layers,
+        "experts": num_experts,
+        "replicas": args.replicas,
+        "ranks": args.ranks,
+        "slots_per_rank": args.replicas // args.ranks,
+        "nodes": args.nodes,
+        "groups": args.groups,
+        "hierarchical": args.groups % args.nodes == 0 and args.groups > 1,
+        "policy": args.policy,
+        "policy_time_s": elapsed,
+        "balancedness_initial": balancedness(initial, load, args.ranks),
+        "balancedness": balancedness(phy2log, load, args.ranks),
+        "balancedness_worst_layer": float(balancedness_per_layer(phy2log, load, args.ranks).min()),
+        "balancedness_bound": balancedness_bound(load, args.replicas, args.ranks),
+    }
+    if args.out is not None:
+        _save(Path(args.out), phy2log, log2phy, replica_count)
+        report["out"] = str(args.out)
+    return report

@@ -1,0 +1,122 @@
+"""How good a placement is, and how good any placement could be.
+
+Balancedness (design section 2): per layer, mean rank load / max rank load, where a
+slot's load is its expert's load divided by the expert's replica count (empty slots, -1,
+carry nothing); aggregated over layers as sum(mean) / sum(max). 1.0 is perfect; a layer
+without load counts as perfectly balanced.
+
+The bound: no placement of P slots on G ranks can have a max rank load below
+``max(total / G, min over replica counts c (sum c = P, c_e >= 1) of max_e w_e / c_e)``;
+the inner minimum is reached by greedy replication (each extra slot to the expert with
+the largest w_e / c_e). ``balancedness_bound`` is sum(mean) / sum(that bound), an upper
+limit for the balancedness of any placement.
+
+All functions take numpy arrays or torch tensors and compute in float64 numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "balancedness",
+    "balancedness_bound",
+    "balancedness_per_layer",
+    "max_load_lower_bound",
+    "rank_loads",
+]
+
+
+def _to_numpy(x: Any, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (layers, ...), got shape {arr.shape}")
+    return arr
+
+
+def _weight64(weight: Any) -> np.ndarray:
+    w = _to_numpy(weight, "weight")
+    if not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_) or np.iscomplexobj(w):
+        raise ValueError(f"weight must hold real numbers, got dtype {w.dtype}")
+    return w.astype(np.float64)
+
+
+def rank_loads(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
+    """Load of every rank: ``phy2log (L, P), weight (L, N) -> (L, G)`` float64.
+
+    Slot p is on rank p // (P / G); it carries ``weight[l, e] / replica_count[l, e]`` for
+    its expert e, or nothing when empty (-1).
+    """
+    p2l = _to_numpy(phy2log, "phy2log")
+    w = _weight64(weight)
+    if not np.issubdtype(p2l.dtype, np.integer):
+        raise ValueError(f"phy2log must hold integers, got dtype {p2l.dtype}")
+    num_layers, num_slots = p2l.shape
+    if w.shape[0] != num_layers:
+        raise ValueError(f"weight has {w.shape[0]} layers but phy2log has {num_layers}")
+    if num_ranks < 1 or num_slots % num_ranks != 0:
+        raise ValueError(f"num_ranks ({num_ranks}) must be >= 1 and divide the number of slots ({num_slots})")
+    num_experts = w.shape[1]
+    p2l = p2l.astype(np.int64)
+    if p2l.size and (p2l.min() < -1 or p2l.max() >= num_experts):
+        raise ValueError(f"phy2log entries must be in [-1, {num_experts})")
+    valid = p2l >= 0
+    expert = np.where(valid, p2l, 0)
+    flat = expert + num_experts * np.arange(num_layers)[:, None]
+    counts = np.bincount(flat[valid], minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    slot_load = np.take_along_axis(w, expert, axis=1) / np.maximum(np.take_along_axis(counts, expert, axis=1), 1)
+    slot_load = np.where(valid, slot_load, 0.0)
+    return slot_load.reshape(num_layers, num_ranks, num_slots // num_ranks).sum(-1)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    out = np.ones_like(num, dtype=np.float64)
+    np.divide(num, den, out=out, where=den > 0)
+    return out
+
+
+def balancedness_per_layer(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
+    """Per-layer mean rank load / max rank load, ``(L,)`` float64; 1.0 for a layer without load."""
+    loads = rank_loads(phy2log, weight, num_ranks)
+    return _ratio(loads.mean(axis=1), loads.max(axis=1))
+
+
+def balancedness(phy2log: Any, weight: Any, num_ranks: int) -> float:
+    """sum over layers of mean rank load / sum over layers of max rank load (1.0 if no load)."""
+    loads = rank_loads(phy2log, weight, num_ranks)
+    total_max = float(loads.max(axis=1).sum())
+    return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
+
+
+def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.ndarray:
+    """Lowest max rank load any placement of ``num_replicas`` slots on ``num_ranks`` ranks can reach.
+
+    ``weight (L, N) -> (L,)`` float64: ``max(total / G, best max per-replica load)``, the
+    latter from greedy replication (optimal for minimising max_e w_e / c_e).
+    """
+    w = _weight64(weight)
+    num_layers, num_experts = w.shape
+    if num_replicas < num_experts:
+        raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of experts ({num_experts})")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    count = np.ones_like(w)
+    per_replica = w.copy()
+    rows = np.arange(num_layers)
+    for _ in range(num_replicas - num_experts):
+        expert = per_replica.argmax(axis=1)
+        count[rows, expert] += 1
+        per_replica[rows, expert] = w[rows, expert] / count[rows, expert]
+    return np.maximum(w.sum(axis=1) / num_ranks, per_replica.max(axis=1, initial=0.0))
+
+
+def balancedness_bound(weight: Any, num_replicas: int, num_ranks: int) -> float:
+    """Highest balancedness any placement can reach: sum(total / G) / sum(max_load_lower_bound)."""
+    w = _weight64(weight)
+    bound = max_load_lower_bound(w, num_replicas, num_ranks)
+    total = float(bound.sum())
+    return float((w.sum(axis=1) / num_ranks).sum() / total) if total > 0 else 1.0

@@ -1,0 +1,313 @@
+"""The default policy: greedy replication and balanced packing, hierarchical when possible.
+
+Design section 5 fixes the behaviour; this module is the fast implementation. Every loop
+runs over item *positions* (at most a few hundred iterations) and each iteration is a
+handful of numpy operations over all rows at once (rows = layers, or layers x nodes), so
+the cost does not grow with a Python loop per layer. The slow, one-item-at-a-time
+version that the outputs are checked against is :mod:`eplb_fsm.policy.reference`.
+
+Helpers that other policies build on:
+
+- :func:`balanced_packing` ``(R, n), m -> pack_index (R, n), rank_in_pack (R, n)``
+- :func:`replicate_experts` ``(R, n), p -> phy2log (R, p), replica_rank (R, p), replica_count (R, n)``
+- :func:`inverse_permutation` ``(R, n) -> (R, n)``
+- :func:`descending_order` ``(R, n) -> (R, n)``: the stable visiting order of balanced packing
+- :func:`group_loads` ``(L, N), groups -> (L, groups)`` float32, summed the way the reference does
+- :func:`rebalance_hierarchical` the whole section-5 pipeline on a float32 load, in numpy
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from eplb_fsm.policy.base import AbstractEplbPolicy, build_log2phy, check_rebalance_args
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "DefaultEplbPolicy",
+    "balanced_packing",
+    "descending_order",
+    "group_loads",
+    "inverse_permutation",
+    "rebalance_hierarchical",
+    "replicate_experts",
+]
+
+
+def _as_float_rows(weight: Any, name: str = "weight") -> np.ndarray:
+    """A 2-D float numpy view of ``weight`` (torch or numpy); non-float input becomes float32."""
+    if hasattr(weight, "detach"):  # torch tensor
+        weight = weight.detach().cpu().numpy()
+    arr = np.asarray(weight)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows, items), got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.floating):
+        arr = arr.astype(np.float32)
+    if np.isnan(arr).any():
+        raise ValueError(f"{name} must not contain NaN")
+    return arr
+
+
+def _flat_rows(num_rows: int, width: int) -> np.ndarray:
+    """(R, 1) offsets that turn a column index into an index of the flattened (R, width) array."""
+    return (np.arange(num_rows, dtype=np.int64) * width)[:, None]
+
+
+def descending_order(weight: np.ndarray) -> np.ndarray:
+    """Stable descending order of every row: ``(R, n) float -> (R, n)`` int64 item indices.
+
+    Equal weights keep ascending index order (-0.0 counts as 0.0). For float32 the sort
+    runs on unique int64 keys (order-preserving bit pattern, then index), which numpy
+    sorts several times faster than a stable argsort of the floats.
+    """
+    num_rows, num_items = weight.shape
+    if weight.dtype != np.float32 or num_items >= 2**31:
+        return np.argsort(-weight, axis=1, kind="stable")
+    bits = (weight + np.float32(0.0)).view(np.int32).astype(np.int64)  # + 0 turns -0.0 into 0.0
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # same order as the floats, in [-2**31, 2**31)
+    key = ((0x7FFFFFFF - monotone) << 31) | np.arange(num_items, dtype=np.int64)
+    key.sort(axis=1)
+    return key & 0x7FFFFFFF
+
+
+def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack the n items of every row into ``num_packs`` packs of exactly n / num_packs items.
+
+    Args:
+        weight: (R, n) item weights, numpy or torch, no NaN; R independent rows. Float
+            inputs keep their dtype (the policy passes float32), others are cast to float32.
+        num_packs: m, a divisor of n.
+
+    Returns:
+        ``pack_index`` (R, n) int64: the pack of each item, and ``rank_in_pack`` (R, n)
+        int64: its position in that pack, in order of arrival.
+
+    Items are visited by descending weight (a stable order: equal weights go lowest item
+    index first); each goes to the pack with the smallest running total that still has
+    room, the lowest pack index on ties. Totals are accumulated one item at a time in the
+    weight's dtype. With n / m == 1 every item gets its own pack (identity).
+    """
+    w = _as_float_rows(weight)
+    num_rows, num_items = w.shape
+    if num_packs < 1 or num_items % num_packs != 0:
+        raise ValueError(f"num_packs ({num_packs}) must be >= 1 and divide the number of items ({num_items})")
+    capacity = num_items // num_packs
+    if capacity == 1 or num_rows == 0:
+        pack_index = np.broadcast_to(np.arange(num_items, dtype=np.int64) // capacity, (num_rows, num_items))
+        rank_in_pack = np.broadcast_to(np.arange(num_items, dtype=np.int64) % capacity, (num_rows, num_items))
+        return pack_index.copy(), rank_in_pack.copy()
+
+    order = descending_order(w)  # (R, n) visiting order
+    flat_order = (order + _flat_rows(num_rows, num_items)).reshape(-1)
+    sorted_w = np.ascontiguousarray(w.reshape(-1)[flat_order].reshape(num_rows, num_items).T)  # (n, R)
+
+    # Running totals of every pack (R, m), also seen flat (R * m). Adding +inf to a pack's
+    # total as its last item arrives takes a full pack out of argmin's reach; argmin
+    # returns the first minimum, i.e. the lowest pack index among the lightest.
+    totals = np.zeros((num_rows, num_packs), dtype=w.dtype)
+    flat_totals = totals.reshape(-1)
+    counts = np.zeros(num_rows * num_packs, dtype=np.int64)
+    row_base = np.arange(num_rows, dtype=np.int64) * num_packs
+    full_penalty = np.zeros(capacity, dtype=w.dtype)  # indexed by the count before adding
+    full_penalty[-1] = np.inf
+    next_count = np.arange(1, capacity + 1, dtype=np.int64)
+    chosen = np.empty((num_items, num_rows), dtype=np.int64)  # pack of the k-th visited item
+    arrival = np.empty((num_items, num_rows), dtype=np.int64)  # its position in that pack
+    first = 0
+    if num_packs > 1 and (sorted_w[num_packs - 2] > 0).all():
+        # Shortcut, exact: while the first m - 1 visited items are all > 0, the k-th of them
+        # (k < m) finds packs 0..k-1 non-empty with positive totals and pack k empty at 0, so
+        # it goes to pack k. Capacity >= 2 here, so no pack is full yet.
+        first = num_packs
+        chosen[:first] = np.arange(num_packs, dtype=np.int64)[:, None]
+        arrival[:first] = 0
+        totals[:] = sorted_w[:first].T
+        counts[:] = 1
+    argmin = totals.argmin
+    for k in range(first, num_items):
+        pack = argmin(axis=1, out=chosen[k])
+        flat = row_base + pack
+        count = counts[flat]
+        arrival[k] = count
+        counts[flat] = next_count[count]
+        # x + 0 == x exactly, so live totals are plain running sums in w's dtype.
+        flat_totals[flat] = flat_totals[flat] + (sorted_w[k] + full_penalty[count])
+
+    pack_index = np.empty(num_rows * num_items, dtype=np.int64)
+    rank_in_pack = np.empty(num_rows * num_items, dtype=np.int64)
+    pack_index[flat_order] = chosen.T.reshape(-1)
+    rank_in_pack[flat_order] = arrival.T.reshape(-1)
+    return pack_index.reshape(num_rows, num_items), rank_in_pack.reshape(num_rows, num_items)
+
+
+def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spread n experts over ``num_slots`` >= n slots, giving extra slots to the hottest.
+
+    Args:
+        weight: (R, n) expert loads, numpy or torch (float dtype kept, others -> float32).
+        num_slots: p >= n.
+
+    Returns:
+        ``phy2log`` (R, p) int64: expert of each slot; ``replica_rank`` (R, p) int64: the
+        index of that replica among its expert's copies; ``replica_count`` (R, n) int64.
+
+    Slot i < n holds expert i. Each further slot goes to the expert with the largest
+    load / current replica count (computed in the weight's dtype; ties to the lowest
+    expert index); the replica's rank is the expert's count before it was added.
+    """
+    w = _as_float_rows(weight)
+    num_rows, num_experts = w.shape
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({num_experts})")
+    phy2log = np.empty((num_rows, num_slots), dtype=np.int64)
+    replica_rank = np.zeros((num_rows, num_slots), dtype=np.int64)
+    phy2log[:, :num_experts] = np.arange(num_experts, dtype=np.int64)
+    replica_count = np.ones((num_rows, num_experts), dtype=np.int64)
+    if num_slots == num_experts or num_rows == 0:
+        return phy2log, replica_rank, replica_count
+
+    flat_w = np.ascontiguousarray(w).reshape(-1)
+    per_replica = w.copy()  # load / count, updated only where a count changes
+    flat_per_replica = per_replica.reshape(-1)
+    flat_count = replica_count.reshape(-1)
+    row_base = np.arange(num_rows, dtype=np.int64) * num_experts
+    for slot in range(num_experts, num_slots):
+        expert = per_replica.argmax(axis=1)  # first maximum = lowest expert index
+        flat = row_base + expert
+        count = flat_count[flat]
+        phy2log[:, slot] = expert
+        replica_rank[:, slot] = count
+        count += 1
+        flat_count[flat] = count
+        flat_per_replica[flat] = flat_w[flat] / count.astype(w.dtype)
+    return phy2log, replica_rank, replica_count
+
+
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """Row-wise inverse of a permutation: ``(R, n) -> (R, n)`` with ``inv[r, perm[r, i]] = i``."""
+    perm = np.asarray(perm, dtype=np.int64)
+    num_rows, n = perm.shape
+    inv = np.empty(num_rows * n, dtype=np.int64)
+    inv[(perm + _flat_rows(num_rows, n)).reshape(-1)] = np.tile(np.arange(n, dtype=np.int64), num_rows)
+    return inv.reshape(num_rows, n)
+
+
+def group_loads(weight32: "torch.Tensor | np.ndarray", num_groups: int) -> np.ndarray:
+    """Load of each expert group: ``(L, N) float32 -> (L, num_groups)`` float32.
+
+    Groups are N / num_groups contiguous experts. The sum is torch's float32 reduction,
+    the same call the reference makes, so both see bit-identical group loads.
+    """
+    import torch
+
+    w = weight32 if isinstance(weight32, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(weight32))
+    num_layers, num_experts = w.shape
+    return w.to(torch.float32).reshape(num_layers, num_groups, num_experts // num_groups).sum(-1).numpy()
+
+
+def rebalance_hierarchical(
+    weight32: "torch.Tensor",
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Design section 5 on validated input.
+
+    Args:
+        weight32: (L, N) float32 load, a CPU tensor or numpy array, validated (see
+            ``check_rebalance_args``: finite, non-negative).
+        num_replicas, num_groups, num_nodes, num_ranks: P, groups, nodes, G with
+            N % groups == 0, groups % nodes == 0, G % nodes == 0, P % G == 0
+            (pass groups = nodes = 1 for the global mode).
+
+    Returns:
+        ``phy2log`` (L, P) and ``replica_count`` (L, N), int64.
+    """
+    if hasattr(weight32, "detach"):  # torch tensor
+        weight32 = weight32.detach().cpu().numpy()
+    w = np.ascontiguousarray(weight32, dtype=np.float32)
+    num_layers, num_experts = w.shape
+    group_size = num_experts // num_groups
+    groups_per_node = num_groups // num_nodes
+    experts_per_node = num_experts // num_nodes
+    slots_per_node = num_replicas // num_nodes
+    ranks_per_node = num_ranks // num_nodes
+    slots_per_rank = num_replicas // num_ranks
+    rows = num_layers * num_nodes  # one row per (layer, node) from step 2 on
+    in_group = np.arange(group_size, dtype=np.int64)
+
+    # 1. Groups onto nodes. "mlog" is the node-major expert order: a group's new position
+    #    is node * groups_per_node + its arrival in the node's pack; experts keep their
+    #    order inside the group.
+    if num_groups == 1:
+        mlog2log = None
+        w_mlog = w
+    else:
+        group_pack, group_rank = balanced_packing(group_loads(w, num_groups), num_nodes)
+        group_pos = group_pack * groups_per_node + group_rank  # (L, groups)
+        group_at = inverse_permutation(group_pos)  # (L, groups): group at each position
+        mlog2log = (group_at[:, :, None] * group_size + in_group).reshape(num_layers, num_experts)
+        log2mlog = (group_pos[:, :, None] * group_size + in_group).reshape(num_layers, num_experts)
+        w_mlog = w.reshape(-1)[(mlog2log + _flat_rows(num_layers, num_experts)).reshape(-1)]
+
+    # 2. Replicate within each node.
+    w_node = w_mlog.reshape(rows, experts_per_node)
+    phy2mlog, _, mlog_count = replicate_experts(w_node, slots_per_node)  # (rows, spn), (rows, epn)
+
+    # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
+    per_replica = (w_node / mlog_count.astype(np.float32)).reshape(-1)
+    replica_load = per_replica[(phy2mlog + _flat_rows(rows, experts_per_node)).reshape(-1)]
+    pack, rank_in_pack = balanced_packing(replica_load.reshape(rows, slots_per_node), ranks_per_node)
+
+    # 4. Slot of every replica, and its global expert id.
+    node_base = (np.arange(num_nodes, dtype=np.int64) * experts_per_node)[None, :, None]
+    expert_mlog = phy2mlog.reshape(num_layers, num_nodes, slots_per_node) + node_base
+    expert_mlog = expert_mlog.reshape(num_layers, num_replicas)
+    if mlog2log is None:
+        expert = expert_mlog
+        replica_count = mlog_count.reshape(num_layers, num_experts)
+    else:
+        layer_flat = _flat_rows(num_layers, num_experts)
+        expert = mlog2log.reshape(-1)[(expert_mlog + layer_flat).reshape(-1)]
+        replica_count = mlog_count.reshape(-1)[(log2mlog + layer_flat).reshape(-1)].reshape(num_layers, num_experts)
+    slot = pack * slots_per_rank + rank_in_pack + _flat_rows(rows, slots_per_node)  # flat (layer, node, slot)
+    phy2log = np.empty(num_layers * num_replicas, dtype=np.int64)
+    phy2log[slot.reshape(-1)] = expert.reshape(-1)
+    return phy2log.reshape(num_layers, num_replicas), np.ascontiguousarray(replica_count)
+
+
+class DefaultEplbPolicy(AbstractEplbPolicy):
+    """Greedy replication + balanced packing (design section 5), vectorised over layers.
+
+    Hierarchical (groups packed onto nodes, then replicas onto each node's ranks) when
+    ``num_groups % num_nodes == 0``; otherwise the same with groups = nodes = 1.
+    ``old_phy2log`` is validated and ignored.
+    """
+
+    name = "default"
+
+    @classmethod
+    def rebalance_experts(
+        cls,
+        weight: "torch.Tensor",
+        num_replicas: int,
+        num_groups: int,
+        num_nodes: int,
+        num_ranks: int,
+        old_phy2log: "torch.Tensor | None" = None,
+    ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+        """Return ``(phy2log (L, P), log2phy (L, N, P-N+1), replica_count (L, N))``, int64 CPU tensors."""
+        import torch
+
+        weight32, num_replicas, groups, nodes, num_ranks = check_rebalance_args(
+            weight, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log
+        )
+        num_experts = weight32.shape[1]
+        phy2log, replica_count = rebalance_hierarchical(weight32, num_replicas, groups, nodes, num_ranks)
+        log2phy, _ = build_log2phy(phy2log, num_experts, num_replicas - num_experts + 1)
+        return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(replica_count)

@@ -1,0 +1,414 @@
+"""Logical load matrices (L, N): read from files, built from routing traces, or generated.
+
+Readers
+    :func:`load_matrix` reads ``.npy``, ``.npz``, ``.pt``, ``.json`` files and ESFT
+    routing-trace directories (or their ``summary.json``) into a float64 (L, N) array;
+    ``"example"`` names the bundled example. Bad files raise ``ValueError`` naming the
+    file and the problem.
+ESFT traces (``shared/data/loads/esft_deepseek_v2lite_routing/<task>/``)
+    ``expert_weights_<layer>.txt``: one line per sequence, ``ids<TAB><TAB>gate weights``
+    with ``ids`` the flat, tab-separated top-k expert ids of its tokens. Every layer file
+    of a task lists the same sequences in the same order. :func:`esft_sequence_loads`
+    gives per-sequence counts (S, L, N); :func:`iter_esft_windows` /
+    :func:`esft_load_windows` sum consecutive sequences into per-batch windows.
+Generators (design section 9, ``scenarios.json``)
+    :func:`zipf_load` (per layer: probabilities 1/i^exponent, shuffled per layer, then
+    multinomial draws), :func:`drift` (times lognormal(0, sigma) noise),
+    :func:`load_scenarios` and :func:`scenario_load`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+__all__ = [
+    "EXAMPLE_LOAD",
+    "SCENARIOS_ENV",
+    "drift",
+    "esft_load_windows",
+    "esft_sequence_loads",
+    "iter_esft_windows",
+    "load_matrix",
+    "load_scenarios",
+    "scenario_load",
+    "zipf_load",
+]
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+#: bundled example load: the real ESFT "intent" aggregate, 26 layers x 64 experts (token counts)
+EXAMPLE_LOAD = DATA_DIR / "example_load.json"
+#: bundled copy of shared/bench/scenarios.json
+BUNDLED_SCENARIOS = DATA_DIR / "scenarios.json"
+#: environment variable that points load_scenarios() at another scenarios.json
+SCENARIOS_ENV = "EPLB_FSM_SCENARIOS"
+
+_TRACE_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
+_SHAPE_KEYS = ("layers", "experts", "replicas", "ranks", "nodes", "groups")
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _checked(matrix: Any, source: str) -> np.ndarray:
+    """Validate a load matrix read from ``source``: 2-D, non-empty, finite, non-negative."""
+    try:
+        arr = np.asarray(matrix)
+    except Exception as exc:  # noqa: BLE001 - ragged lists and the like
+        raise ValueError(f"{source}: not a rectangular (layers, experts) array: {exc}") from None
+    if arr.dtype == object:
+        raise ValueError(f"{source}: not a rectangular (layers, experts) array of numbers")
+    if arr.ndim != 2:
+        raise ValueError(f"{source}: load must be 2-D (layers, experts), got shape {arr.shape}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{source}: load is empty, shape {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+        raise ValueError(f"{source}: load must hold real numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    if np.isnan(arr).any():
+        raise ValueError(f"{source}: load contains NaN")
+    if np.isinf(arr).any():
+        raise ValueError(f"{source}: load contains infinite values")
+    if (arr < 0).any():
+        raise ValueError(f"{source}: load contains negative values")
+    return arr
+
+
+def _from_json_object(obj: Any, source: str) -> Any:
+    if isinstance(obj, list):
+        return obj
+    if isinstance(obj, dict):
+        if "load" in obj:
+            return obj["load"]
+        if "token_scores" in obj:  # ESFT summary.json
+            return _summary_scores(obj["token_scores"], source)
+        if "load_history" in obj:  # vLLM EPLB workload: sum the windows
+            try:
+                windows = [np.asarray(w["logical_expert_load"], dtype=np.float64) for w in obj["load_history"]]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{source}: bad load_history entry: {exc}") from None
+            if not windows:
+                raise ValueError(f"{source}: load_history is empty")
+            if len({w.shape for w in windows}) != 1:
+                raise ValueError(f"{source}: load_history windows have different shapes")
+            return np.sum(windows, axis=0)
+        raise ValueError(
+            f"{source}: JSON object has none of the keys 'load', 'token_scores', 'load_history'"
+        )
+    raise ValueError(f"{source}: JSON must be a list of lists or an object with a 'load' key")
+
+
+def _summary_scores(scores: Any, source: str) -> np.ndarray:
+    """ESFT ``token_scores`` {layer: {expert: fraction}} -> (L, N), layers and experts in numeric order."""
+    try:
+        layers = sorted(scores, key=int)
+        experts = {int(e) for layer in layers for e in scores[layer]}
+        if not layers or not experts:
+            raise ValueError("no layers or experts")
+        if min(experts) < 0:
+            raise ValueError("negative expert id")
+        out = np.zeros((len(layers), max(experts) + 1), dtype=np.float64)
+        for i, layer in enumerate(layers):
+            for expert, value in scores[layer].items():
+                out[i, int(expert)] = float(value)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{source}: malformed token_scores: {exc}") from None
+    return out
+
+
+def _read_file(path: Path) -> Any:
+    suffix = path.suffix.lower()
+    source = str(path)
+    if suffix == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{source}: cannot read as .npy: {exc}") from None
+    if suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                if "load" in data.files:
+                    return data["load"]
+                if len(data.files) == 1:
+                    return data[data.files[0]]
+                raise ValueError(f"expected a 'load' array, found {data.files}")
+        except ValueError as exc:
+            raise ValueError(f"{source}: cannot read as .npz: {exc}") from None
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{source}: cannot read as .npz: {exc}") from None
+    if suffix == ".pt":
+        import torch
+
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{source}: cannot read as a torch file: {exc}") from None
+        if isinstance(obj, dict):
+            if "load" not in obj:
+                raise ValueError(f"{source}: torch file holds a dict without a 'load' entry")
+            obj = obj["load"]
+        if not isinstance(obj, torch.Tensor):
+            raise ValueError(
+                f"{source}: torch file must hold a tensor (or {{'load': tensor}}), got {type(obj).__name__}"
+            )
+        if obj.is_complex() or obj.dtype == torch.bool:
+            raise ValueError(f"{source}: load must hold real numbers, got dtype {obj.dtype}")
+        return obj.detach().cpu().double().numpy()
+    if suffix == ".json":
+        try:
+            with open(path, encoding="utf-8") as f:
+                obj = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{source}: cannot read as JSON: {exc}") from None
+        return _from_json_object(obj, source)
+    if _TRACE_FILE.match(path.name):
+        return esft_sequence_loads(path.parent, layers=[int(_TRACE_FILE.match(path.name).group(1))]).sum(axis=0)
+    raise ValueError(
+        f"{source}: unknown load file type {suffix or '(none)'}; use .npy, .npz, .pt, .json or a trace directory"
+    )
+
+
+def load_matrix(path: str | os.PathLike) -> np.ndarray:
+    """Read a logical load matrix (L, N) as float64.
+
+    ``path`` may be ``"example"`` (the bundled ESFT intent aggregate), a ``.npy`` /
+    ``.npz`` (array, or key ``load``) / ``.pt`` (tensor, or ``{"load": tensor}``) /
+    ``.json`` (a list of lists, ``{"load": [[...]]}``, an ESFT ``summary.json`` or a vLLM
+    ``{"load_history": [...]}``) file, or an ESFT task directory: its
+    ``expert_weights_<l>.txt`` traces summed to token counts per layer (layers in numeric
+    order of the files present), else its ``summary.json``.
+
+    Raises ``ValueError`` naming the file when it cannot be read, is not 2-D, is empty,
+    or holds NaN, infinite or negative loads.
+    """
+    if str(path) == "example":
+        path = EXAMPLE_LOAD
+    p = Path(path)
+    if p.is_dir():
+        if any(_TRACE_FILE.match(child.name) for child in p.iterdir()):
+            data: Any = esft_sequence_loads(p).sum(axis=0)
+        elif (p / "summary.json").is_file():
+            data = _read_file(p / "summary.json")
+        else:
+            raise ValueError(f"{p}: directory has neither expert_weights_<layer>.txt files nor summary.json")
+    elif p.is_file():
+        data = _read_file(p)
+    elif p.exists():
+        raise ValueError(f"{p}: not a regular file or directory")
+    else:
+        raise ValueError(f"{p}: no such file or directory")
+    return _checked(data, str(p))
+
+
+# --------------------------------------------------------------------------- ESFT traces
+
+
+def _trace_files(directory: Path, layers: list[int] | None) -> list[tuple[int, Path]]:
+    found = {}
+    for child in directory.iterdir():
+        m = _TRACE_FILE.match(child.name)
+        if m:
+            found[int(m.group(1))] = child
+    if not found:
+        raise ValueError(f"{directory}: no expert_weights_<layer>.txt trace files")
+    if layers is None:
+        layers = sorted(found)
+    missing = [layer for layer in layers if layer not in found]
+    if missing:
+        raise ValueError(f"{directory}: no trace file for layer(s) {missing}; present: {sorted(found)}")
+    return [(layer, found[layer]) for layer in layers]
+
+
+def _read_trace(path: Path) -> list[np.ndarray]:
+    """Expert ids of every sequence (one int64 array per line) of one layer file."""
+    sequences = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                ids_text = line.split("\t\t", 1)[0]
+                try:
+                    ids = np.array(ids_text.split("\t"), dtype=np.int64) if ids_text else np.zeros(0, np.int64)
+                except ValueError:
+                    raise ValueError(f"{path}:{line_no}: expert ids are not integers") from None
+                if ids.size and ids.min() < 0:
+                    raise ValueError(f"{path}:{line_no}: negative expert id")
+                sequences.append(ids)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read trace: {exc}") from None
+    return sequences
+
+
+def esft_sequence_loads(
+    directory: str | os.PathLike,
+    num_experts: int | None = None,
+    layers: list[int] | None = None,
+) -> np.ndarray:
+    """Per-sequence token counts of an ESFT trace directory: ``(S, L, N)`` int64.
+
+    ``layers`` selects layer numbers (default: every ``expert_weights_<l>.txt`` present,
+    in numeric order); ``num_experts`` defaults to the largest id seen + 1 (64 for the
+    ESFT data). Raises ``ValueError`` when files disagree on the number of sequences.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory")
+    files = _trace_files(directory, layers)
+    per_layer = [_read_trace(path) for _, path in files]
+    counts = {len(seqs) for seqs in per_layer}
+    if len(counts) != 1:
+        sizes = {layer: len(seqs) for (layer, _), seqs in zip(files, per_layer)}
+        raise ValueError(f"{directory}: layer files have different numbers of sequences: {sizes}")
+    num_sequences = counts.pop()
+    if num_sequences == 0:
+        raise ValueError(f"{directory}: trace files are empty")
+    largest = max((int(ids.max()) for seqs in per_layer for ids in seqs if ids.size), default=-1)
+    if num_experts is None:
+        num_experts = largest + 1
+    elif largest >= num_experts:
+        raise ValueError(f"{directory}: expert id {largest} >= num_experts {num_experts}")
+    out = np.zeros((num_sequences, len(files), num_experts), dtype=np.int64)
+    for li, seqs in enumerate(per_layer):
+        for si, ids in enumerate(seqs):
+            out[si, li] = np.bincount(ids, minlength=num_experts)
+    return out
+
+
+def iter_esft_windows(
+    directory: str | os.PathLike,
+    sequences_per_window: int,
+    num_experts: int | None = None,
+    layers: list[int] | None = None,
+    drop_last: bool = True,
+) -> Iterator[np.ndarray]:
+    """Yield per-batch loads (L, N): sums of ``sequences_per_window`` consecutive sequences.
+
+    A last, shorter batch is dropped unless ``drop_last`` is False.
+    """
+    if sequences_per_window < 1:
+        raise ValueError(f"sequences_per_window must be >= 1, got {sequences_per_window}")
+    per_sequence = esft_sequence_loads(directory, num_experts=num_experts, layers=layers)
+    for start in range(0, per_sequence.shape[0], sequences_per_window):
+        chunk = per_sequence[start : start + sequences_per_window]
+        if drop_last and chunk.shape[0] < sequences_per_window:
+            return
+        yield chunk.sum(axis=0)
+
+
+def esft_load_windows(
+    directory: str | os.PathLike,
+    sequences_per_window: int,
+    num_experts: int | None = None,
+    layers: list[int] | None = None,
+    drop_last: bool = True,
+) -> np.ndarray:
+    """Per-batch load windows ``(steps, L, N)`` int64 from consecutive sequences (see :func:`iter_esft_windows`)."""
+    windows = list(iter_esft_windows(directory, sequences_per_window, num_experts, layers, drop_last))
+    if not windows:
+        raise ValueError(f"{directory}: fewer than {sequences_per_window} sequences, no full window")
+    return np.stack(windows)
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def zipf_load(
+    layers: int,
+    experts: int,
+    exponent: float = 1.0,
+    tokens_per_layer: int = 524288,
+    rng: np.random.Generator | int | None = None,
+) -> np.ndarray:
+    """Synthetic skewed load ``(layers, experts)`` int64 token counts.
+
+    Per layer: probabilities proportional to 1 / i^exponent (i = 1..experts), shuffled by
+    an independent random permutation per layer, then ``tokens_per_layer`` multinomial
+    draws. ``rng`` is a numpy Generator or a seed.
+    """
+    if layers < 1 or experts < 1:
+        raise ValueError(f"layers and experts must be >= 1, got {layers}, {experts}")
+    if tokens_per_layer < 0:
+        raise ValueError(f"tokens_per_layer must be >= 0, got {tokens_per_layer}")
+    if not np.isfinite(exponent):
+        raise ValueError(f"exponent must be finite, got {exponent}")
+    rng = np.random.default_rng(rng)
+    base = 1.0 / np.arange(1, experts + 1, dtype=np.float64) ** exponent
+    base /= base.sum()
+    probs = rng.permuted(np.tile(base, (layers, 1)), axis=1)
+    return rng.multinomial(tokens_per_layer, probs).astype(np.int64)
+
+
+def drift(load: Any, sigma: float, rng: np.random.Generator | int | None = None) -> np.ndarray:
+    """Next window's load: ``load`` times independent lognormal(0, sigma) noise per entry (float64)."""
+    if not sigma >= 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    if hasattr(load, "detach"):
+        load = load.detach().cpu().numpy()
+    load = np.asarray(load, dtype=np.float64)
+    rng = np.random.default_rng(rng)
+    return load * rng.lognormal(0.0, sigma, size=load.shape)
+
+
+def _default_scenarios_path() -> Path:
+    env = os.environ.get(SCENARIOS_ENV)
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    shared = repo.parent / "shared" / "bench" / "scenarios.json"
+    return shared if shared.is_file() else BUNDLED_SCENARIOS
+
+
+def load_scenarios(path: str | os.PathLike | None = None) -> dict:
+    """Read ``scenarios.json`` (benchmark shapes, synthetic-load and drift specs).
+
+    Looks at ``path``, else ``$EPLB_FSM_SCENARIOS``, else ``../shared/bench/scenarios.json``
+    next to the repository, else the copy bundled with the package. Checks every shape
+    has integer layers, experts, replicas, ranks, nodes, groups with replicas % ranks == 0
+    and replicas >= experts; raises ``ValueError`` naming the file otherwise.
+    """
+    p = Path(path) if path is not None else _default_scenarios_path()
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read scenarios: {exc}") from None
+    shapes = data.get("shapes") if isinstance(data, dict) else None
+    if not isinstance(shapes, dict) or not shapes:
+        raise ValueError(f"{p}: no 'shapes' object")
+    for name, shape in shapes.items():
+        if not isinstance(shape, dict):
+            raise ValueError(f"{p}: shape {name!r} is not an object")
+        for key in _SHAPE_KEYS:
+            value = shape.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{p}: shape {name!r} needs a positive integer {key!r}, got {value!r}")
+        if shape["replicas"] % shape["ranks"] or shape["replicas"] < shape["experts"]:
+            raise ValueError(f"{p}: shape {name!r}: replicas must be >= experts and divisible by ranks")
+    data["path"] = str(p)
+    return data
+
+
+def scenario_load(name: str, scenarios: dict | None = None, rng: np.random.Generator | int | None = 0) -> np.ndarray:
+    """The synthetic (zipf) load for shape ``name`` of ``scenarios`` (default: :func:`load_scenarios`)."""
+    scenarios = load_scenarios() if scenarios is None else scenarios
+    shapes = scenarios["shapes"]
+    if name not in shapes:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(shapes)}")
+    spec = scenarios.get("synthetic_load", {})
+    if spec.get("kind", "zipf") != "zipf":
+        raise ValueError(f"synthetic_load kind {spec.get('kind')!r} is not supported (only 'zipf')")
+    shape = shapes[name]
+    return zipf_load(
+        shape["layers"],
+        shape["experts"],
+        exponent=float(spec.get("exponent", 1.0)),
+        tokens_per_layer=int(spec.get("tokens_per_layer", 524288)),
+        rng=rng,
+    )

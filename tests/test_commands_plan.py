@@ -1,0 +1,140 @@
+"""Tests for the ``eplb-fsm plan`` verb (eplb_fsm.commands.plan)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eplb_fsm.cli import main
+from eplb_fsm.policy.default import DefaultEplbPolicy
+from eplb_fsm.sim.loads import load_matrix
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan_json(capsys, *argv) -> dict:
+    assert main(["plan", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_example_text(capsys):
+    """Without --load the bundled example is planned and the text report has every figure."""
+    assert main(["plan", "--ranks", "8", "--replicas", "72"]) == 0
+    out = capsys.readouterr().out
+    for word in ("initial", "new", "bound", "default", "ms", "26 layers x 64 experts"):
+        assert word in out
+
+
+def test_plan_json_figures(capsys):
+    """The JSON report orders initial <= new <= bound and records the shape."""
+    report = _plan_json(capsys, "--load", "example", "--ranks", "8", "--replicas", "72")
+    assert (report["layers"], report["experts"], report["slots_per_rank"]) == (26, 64, 9)
+    assert report["balancedness_initial"] < report["balancedness"] <= report["balancedness_bound"] + 1e-12
+    assert report["policy_time_s"] > 0 and report["hierarchical"] is False
+
+
+def test_plan_hierarchical(capsys, tmp_path):
+    """Groups divisible by nodes plans hierarchically on a .npy load."""
+    path = tmp_path / "load.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 1000, (4, 16)))
+    report = _plan_json(
+        capsys, "--load", str(path), "--ranks", "4", "--replicas", "20", "--nodes", "2", "--groups", "4"
+    )
+    assert report["hierarchical"] is True and report["nodes"] == 2
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".pt", ".json"])
+def test_plan_out_round_trip(capsys, tmp_path, suffix):
+    """--out saves the same maps the policy returns, in the format the suffix names."""
+    out = tmp_path / f"plan{suffix}"
+    report = _plan_json(capsys, "--ranks", "8", "--replicas", "72", "--out", str(out))
+    assert report["out"] == str(out)
+    expected = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(load_matrix("example")), 72, 1, 1, 8)
+    if suffix == ".npz":
+        with np.load(out) as data:
+            saved = [data[k] for k in ("phy2log", "log2phy", "replica_count")]
+    elif suffix == ".pt":
+        data = torch.load(out, weights_only=True)
+        saved = [data[k].numpy() for k in ("phy2log", "log2phy", "replica_count")]
+    else:
+        data = json.loads(out.read_text())
+        saved = [np.array(data[k]) for k in ("phy2log", "log2phy", "replica_count")]
+    for got, want in zip(saved, expected):
+        assert (got == want.numpy()).all()
+
+
+def _bad_load(tmp_path, name, array):
+    path = tmp_path / name
+    np.save(path, array)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--ranks", "8", "--replicas", "70"], "--replicas"),
+        (["--ranks", "8", "--replicas", "56"], "--replicas"),
+        (["--ranks", "0", "--replicas", "72"], "--ranks"),
+        (["--ranks", "8", "--replicas", "72", "--nodes", "0"], "--nodes"),
+        (["--ranks", "8", "--replicas", "72", "--groups", "3", "--nodes", "1"], "--groups"),
+        (["--ranks", "6", "--replicas", "72", "--groups", "4", "--nodes", "4"], "--nodes"),
+        (["--ranks", "8", "--replicas", "72", "--policy", "nope"], "--policy"),
+        (["--ranks", "8", "--replicas", "72", "--out", "plan.txt"], "--out"),
+        (["--ranks", "8", "--replicas", "72", "--out", "/no/such/dir/plan.pt"], "--out"),
+        (["--ranks", "8", "--replicas", "72", "--load", "/no/such/file.npy"], "--load"),
+        (["--ranks", "8", "--replicas", "72", "--load", "BAD:1d"], "--load"),
+        (["--ranks", "8", "--replicas", "72", "--load", "BAD:nan"], "--load"),
+        (["--ranks", "8", "--replicas", "72", "--load", "BAD:neg"], "--load"),
+    ],
+)
+def test_plan_bad_input_exits_2_naming_the_option(capsys, tmp_path, argv, option):
+    """Bad options or loads exit with status 2 and a message naming the option."""
+    bad = {
+        "BAD:1d": _bad_load(tmp_path, "one_d.npy", np.ones(64)),
+        "BAD:nan": _bad_load(tmp_path, "nan.npy", np.full((2, 64), np.nan)),
+        "BAD:neg": _bad_load(tmp_path, "neg.npy", -np.ones((2, 64))),
+    }
+    argv = [bad.get(a, a) for a in argv]
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb-fsm plan: error: {option}:"), err
+
+
+def test_plan_missing_required_option_is_usage_error(capsys):
+    """Leaving out --ranks is an argparse usage error (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--replicas", "72"])
+    assert info.value.code == 2
+    assert "--ranks" in capsys.readouterr().err
+
+
+def test_plan_subprocess():
+    """`python -m eplb_fsm plan --json` runs end to end in a fresh interpreter."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "eplb_fsm", "plan", "--json", "--ranks", "8", "--replicas", "72"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["balancedness"] > report["balancedness_initial"]
+
+
+def test_plan_module_does_not_import_torch_at_top():
+    """Importing the verb module alone does not import torch (fast --help)."""
+    code = "import sys, eplb_fsm.commands.plan; print('torch' in sys.modules)"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.modules['eplb_fsm'] = type(sys)('eplb_fsm'); "
+         f"sys.modules['eplb_fsm'].__path__ = [{str(REPO / 'eplb_fsm')!r}]; {code}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

@@ -1,0 +1,123 @@
+"""Tests for eplb_fsm.policy.bounds: rank loads, balancedness and the lower bound."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb_fsm.policy.bounds import (
+    balancedness,
+    balancedness_bound,
+    balancedness_per_layer,
+    max_load_lower_bound,
+    rank_loads,
+)
+from eplb_fsm.policy.default import DefaultEplbPolicy
+
+
+def test_rank_loads_split_replicas_and_skip_empty_slots():
+    """A slot carries load / replica count; -1 slots carry nothing."""
+    weight = np.array([[6.0, 2.0, 4.0]])
+    phy2log = np.array([[0, 1, 0, 2, -1, 0]])  # expert 0 has 3 replicas
+    assert rank_loads(phy2log, weight, 3).tolist() == [[2.0 + 2.0, 2.0 + 4.0, 0.0 + 2.0]]
+
+
+def test_balancedness_hand_case():
+    """Per layer mean/max; aggregate is sum(mean)/sum(max), not the mean of ratios."""
+    weight = np.array([[3.0, 1.0], [1.0, 1.0]])
+    phy2log = np.array([[0, 1], [0, 1]])
+    # layer 0: ranks 3, 1 -> mean 2, max 3; layer 1: 1, 1 -> mean 1, max 1
+    assert balancedness_per_layer(phy2log, weight, 2).tolist() == [2 / 3, 1.0]
+    assert balancedness(phy2log, weight, 2) == pytest.approx(3 / 4)
+
+
+def test_zero_load_layers_are_perfect():
+    """A layer without load counts as balanced (1.0) and does not divide by zero."""
+    weight = np.array([[0.0, 0.0], [4.0, 0.0]])
+    phy2log = np.array([[0, 1], [0, 1]])
+    assert balancedness_per_layer(phy2log, weight, 2).tolist() == [1.0, 0.5]
+    assert balancedness(phy2log, weight, 2) == 0.5
+    assert balancedness(phy2log, np.zeros((2, 2)), 2) == 1.0
+    assert balancedness_bound(np.zeros((2, 2)), 2, 2) == 1.0
+
+
+def test_torch_and_numpy_inputs_agree():
+    """Tensors and arrays give the same figures."""
+    weight = np.random.default_rng(0).random((3, 8))
+    phy2log = np.tile(np.arange(8), (3, 1))
+    a = balancedness(phy2log, weight, 4)
+    b = balancedness(torch.from_numpy(phy2log), torch.from_numpy(weight), 4)
+    assert a == b
+    assert max_load_lower_bound(torch.from_numpy(weight), 8, 4).tolist() == max_load_lower_bound(weight, 8, 4).tolist()
+
+
+@pytest.mark.parametrize(
+    "weight, replicas, ranks, expected",
+    [
+        ([[8, 2, 2]], 4, 2, 6.0),  # total/G = 6 beats best per-replica 4 (counts 2,1,1)
+        ([[9, 1]], 3, 3, 4.5),  # per-replica 9/2 beats total/G = 10/3
+        ([[9, 1]], 2, 2, 9.0),  # no redundancy: the hot expert alone
+        ([[0, 0]], 4, 2, 0.0),
+    ],
+)
+def test_max_load_lower_bound_hand_cases(weight, replicas, ranks, expected):
+    """The lower bound is max(total / G, best max per-replica load)."""
+    assert max_load_lower_bound(np.array(weight, dtype=float), replicas, ranks).tolist() == [expected]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=4), st.integers(0, 4))
+def test_greedy_replication_bound_is_optimal(values, extra):
+    """The bound's per-replica term equals brute force over all replica-count assignments."""
+    w = np.array([values], dtype=float)
+    n = len(values)
+    best = min(
+        max(v / c for v, c in zip(values, counts))
+        for counts in itertools.product(range(1, extra + 2), repeat=n)
+        if sum(counts) == n + extra
+    )
+    bound = max_load_lower_bound(w, n + extra, 10**9)  # huge G: total/G ~ 0, only the replica term
+    assert bound[0] == pytest.approx(best)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(0, 6), st.integers(0, 2**32 - 1))
+def test_no_placement_beats_the_bound(layers, ranks, extra, seed):
+    """Random placements and the policy's placement never exceed balancedness_bound."""
+    rng = np.random.default_rng(seed)
+    experts = int(rng.integers(1, 8))
+    replicas = ranks * -(-(experts + extra) // ranks)
+    weight = rng.integers(0, 100, (layers, experts)).astype(float)
+    bound = balancedness_bound(weight, replicas, ranks)
+    phy2log = np.concatenate(
+        [np.tile(np.arange(experts), (layers, 1)), rng.integers(0, experts, (layers, replicas - experts))], axis=1
+    )
+    phy2log = rng.permuted(phy2log, axis=1)
+    assert balancedness(phy2log, weight, ranks) <= bound + 1e-12
+    planned = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(weight), replicas, 1, 1, ranks)[0]
+    assert balancedness(planned, weight, ranks) <= bound + 1e-12
+    per_layer_bound = max_load_lower_bound(weight, replicas, ranks)
+    assert (rank_loads(planned, weight, ranks).max(axis=1) >= per_layer_bound - 1e-9).all()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: rank_loads(np.zeros((2, 4), int), np.ones((3, 2)), 2), "layers"),
+        (lambda: rank_loads(np.zeros((1, 4), int), np.ones((1, 2)), 3), "num_ranks"),
+        (lambda: rank_loads(np.array([[0, 5]]), np.ones((1, 2)), 1), "phy2log entries"),
+        (lambda: rank_loads(np.zeros((1, 2)), np.ones((1, 2)), 1), "integers"),
+        (lambda: rank_loads(np.zeros(4, int), np.ones((1, 4)), 1), "2-D"),
+        (lambda: max_load_lower_bound(np.ones((1, 4)), 3, 1), "num_replicas"),
+        (lambda: max_load_lower_bound(np.ones((1, 4)), 4, 0), "num_ranks"),
+    ],
+)
+def test_bad_input(call, match):
+    """Mismatched shapes and impossible counts raise ValueError."""
+    with pytest.raises(ValueError, match=match):
+        call()
