@@ -1,0 +1,1 @@
+"""Simulation helpers: toy MoE model, load generators, and the multi-process launcher."""
