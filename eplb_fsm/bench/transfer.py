@@ -1,0 +1,193 @@
+"""``eplb-fsm bench transfer``: rearrangement throughput against raw batched isend/irecv.
+
+W local gloo ranks each hold ``--mb`` MB of expert weights (two tensors per layer,
+float32 and bfloat16). One random rearrangement (all experts plus random replicas, old
+and new drawn independently) is executed with ``rearrange_expert_weights_inplace``, with
+and without migration batching; the baseline is a raw ``dist.batch_isend_irecv`` of
+exactly the same messages (same peers, sizes and order, one batch per layer, buffers
+allocated up front). A second baseline, ``raw_commit``, adds to it one copy of every
+changed row into the weights per layer: the least any transfer must do that keeps a
+layer's old weights intact until its exchange has succeeded (design §8). Runs alternate, each starts after a barrier, and a run's time is
+the slowest rank's; the figures are medians over ``--repeats``. The weights are restored
+between runs outside the timed region, and the result is checked bit for bit once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+TARGET_RATIO = 0.8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=4, help="gloo ranks to start (default 4)")
+    parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
+    parser.add_argument("--slots", type=int, default=8, help="slots per rank S (default 8)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per variant (default 7)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+
+
+def _maps(seed: int, num_layers: int, p: int, n: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def one():
+        m = np.concatenate([rng.permutation(n), rng.integers(0, n, p - n)])
+        return m[rng.permutation(p)]
+
+    return np.stack([one() for _ in range(num_layers)]), np.stack([one() for _ in range(num_layers)])
+
+
+def _fill(weights, old, rank: int, s: int) -> None:
+    """Row i of layer k holds a value identifying (layer, expert)."""
+    for k, layer in enumerate(weights):
+        for t, w in enumerate(layer):
+            for i in range(s):
+                w[i].fill_(float((k * 1009 + int(old[k, rank * s + i]) * 7 + t) % 251))
+
+
+def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from eplb_fsm.transfer import TransferBuffer, layer_transfers, plan_from_transfers, rearrange_expert_weights_inplace
+    from eplb_fsm.transfer.plan import moved_slots
+
+    num_layers, s = cfg["layers"], cfg["slots"]
+    p = world * s
+    old, new = _maps(cfg["seed"], num_layers, p, p - world)
+    row_bytes = max(8, int(cfg["mb"] * 2**20 / (num_layers * s)))
+    h32 = max(1, (row_bytes * 2 // 3) // 4)
+    h16 = max(1, (row_bytes - h32 * 4) // 2)
+    pristine = [[torch.empty(s, h32, dtype=torch.float32), torch.empty(s, h16, dtype=torch.bfloat16)] for _ in range(num_layers)]
+    _fill(pristine, old, rank, s)
+    weights = [[w.clone() for w in layer] for layer in pristine]
+
+    # the raw baselines: the same messages, per layer, in the executor's order; receives
+    # land in a one-layer staging buffer. "raw_commit" also writes every changed row into
+    # the weights once after each layer (the copy any implementation that keeps a layer's
+    # old weights intact until its exchange succeeded must make).
+    staging = [torch.zeros_like(w) for w in pristine[0]]
+    raw_ops: list[list] = []
+    commits = []
+    moved_bytes = 0
+    for k in range(num_layers):
+        t = layer_transfers(old[k], new[k], world)
+        plan = plan_from_transfers(old[k], new[k], t, rank)
+        commits.append(plan.commit_rows())
+        ops = []
+        for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist()):
+            for w in pristine[k]:
+                # real data in private pages (an untouched torch.empty would read the zero page)
+                data = w[row].reshape(-1).view(torch.uint8).clone()
+                ops.append(dist.P2POp(dist.isend, data, peer))
+        for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()):
+            for buf in staging:
+                view = buf[row].reshape(-1).view(torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, view, peer))
+                moved_bytes += view.numel()
+        raw_ops.append(ops)
+
+    def raw() -> None:
+        for ops in raw_ops:
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
+    def raw_commit() -> None:
+        for k, ops in enumerate(raw_ops):
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            dst, src = commits[k]
+            for w, b in zip(weights[k], staging):
+                for d, s_ in zip(dst.tolist(), src.tolist()):
+                    w[d].copy_(b[s_])
+
+    buffer = TransferBuffer()
+    old_t, new_t = torch.from_numpy(old), torch.from_numpy(new)
+    rearrange_expert_weights_inplace(old_t, new_t, weights, is_profile=True, buffer=buffer)
+
+    def restore() -> None:
+        for layer, src in zip(weights, pristine):
+            for w, p_ in zip(layer, src):
+                w.copy_(p_)
+
+    def transfer(batching: bool):
+        def go() -> None:
+            rearrange_expert_weights_inplace(old_t, new_t, weights, buffer=buffer, migration_batching=batching, timeout=60.0)
+
+        return go
+
+    def timed(fn) -> float:
+        restore()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    variants = {"raw": raw, "raw_commit": raw_commit, "transfer": transfer(False), "transfer_batched": transfer(True)}
+    for fn in variants.values():  # warm-up (connections, allocator)
+        timed(fn)
+    # correctness, once per transfer variant
+    correct = True
+    expect = [[torch.empty_like(w) for w in layer] for layer in pristine]
+    _fill(expect, new, rank, s)
+    for name in ("transfer", "transfer_batched"):
+        timed(variants[name])
+        correct &= all(torch.equal(a, b) for la, lb in zip(weights, expect) for a, b in zip(la, lb))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(cfg["repeats"]):
+        for name, fn in variants.items():
+            times[name].append(timed(fn))
+    total = torch.tensor([moved_bytes], dtype=torch.float64)
+    dist.all_reduce(total)
+    ok = torch.tensor([1 if correct else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return {
+        "times": times,
+        "moved_bytes": int(total.item()),
+        "moved_slots": moved_slots(old, new, world),
+        "weight_bytes_per_rank": sum(w.numel() * w.element_size() for layer in pristine for w in layer),
+        "correct": bool(ok.item()),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from eplb_fsm.sim.launcher import run_ranks
+
+    if args.world < 2:
+        raise SystemExit("eplb-fsm bench transfer: --world must be >= 2")
+    cfg = {"layers": args.layers, "slots": args.slots, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
+    res = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout)[0]
+    med = {name: statistics.median(ts) for name, ts in res["times"].items()}
+    gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
+    return {
+        "bench": "transfer",
+        "backend": "gloo",
+        "world": args.world,
+        "layers": args.layers,
+        "slots_per_rank": args.slots,
+        "weight_mb_per_rank": round(res["weight_bytes_per_rank"] / 2**20, 2),
+        "moved_slots": res["moved_slots"],
+        "moved_mb_total": round(res["moved_bytes"] / 2**20, 2),
+        "repeats": cfg["repeats"],
+        "median_s": {k: round(v, 5) for k, v in med.items()},
+        "gb_per_s": {k: round(v, 3) for k, v in gbps.items()},
+        "ratio_vs_raw": round(gbps["transfer"] / gbps["raw"], 3),
+        "ratio_batched_vs_raw": round(gbps["transfer_batched"] / gbps["raw"], 3),
+        "ratio_vs_raw_commit": round(gbps["transfer"] / gbps["raw_commit"], 3),
+        "raw_commit_vs_raw": round(gbps["raw_commit"] / gbps["raw"], 3),
+        "target_ratio": TARGET_RATIO,
+        "meets_target": gbps["transfer"] / gbps["raw"] >= TARGET_RATIO,
+        "bit_exact": res["correct"],
+    }

@@ -1,0 +1,254 @@
+"""Run a function on W local processes joined in one torch.distributed group.
+
+``run_ranks(fn, world_size, args)`` starts ``world_size`` processes, each of which
+joins a process group (gloo by default) through a TCP rendezvous on a port picked at
+run time, calls ``fn(rank, world_size, *args)`` and sends the return value back. The
+parent waits with a deadline on everything: a rank that raises makes the whole call
+raise :class:`RankFailedError` (with the rank's traceback) after the other ranks are
+stopped; ranks still running at the deadline are killed and :class:`RanksTimeoutError`
+is raised. No child outlives the call.
+
+``fn`` and ``args`` must be picklable (a top-level function of an importable module).
+Processes come from a *forkserver* that has already imported torch, so starting a rank
+costs a fork rather than a fresh interpreter; ``start_method="spawn"`` is the fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+__all__ = ["run_ranks", "find_free_port", "RankFailedError", "RanksTimeoutError"]
+
+# modules the forkserver imports once so that every forked rank starts warm
+_PRELOAD = ["torch", "torch.distributed", "numpy"]
+_ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno: 98")
+
+
+class RankFailedError(RuntimeError):
+    """One or more ranks raised or died.
+
+    ``failures`` maps rank -> traceback / reason, in the order the failures arrived;
+    ``first`` is the rank that failed first (usually the cause: the others often fail
+    because of it), and its traceback is in the message.
+    """
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = dict(failures)
+        self.first = next(iter(self.failures))
+        super().__init__(
+            f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}"
+        )
+
+
+class RanksTimeoutError(TimeoutError):
+    """Ranks still running at the deadline (they were killed); ``pending`` lists them."""
+
+    def __init__(self, pending: Sequence[int], timeout: float):
+        self.pending = sorted(pending)
+        self.timeout = timeout
+        super().__init__(f"rank(s) {self.pending} did not finish within {timeout:.1f} s (killed)")
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free right now (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    init_method: str,
+    backend: str,
+    timeout: float,
+    torch_threads: int | None,
+    env: dict[str, str] | None,
+    results: Any,
+) -> None:
+    """Body of one rank process: join the group, run ``fn``, report, leave."""
+    try:
+        if env:
+            os.environ.update(env)
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        import torch
+        import torch.distributed as dist
+
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except BaseException:  # report set-up failures (e.g. the port was taken meanwhile)
+        results.put((rank, "setup_error", traceback.format_exc()))
+        return
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    results.put((rank, "ok", value))
+
+
+def _context(start_method: str | None) -> mp.context.BaseContext:
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # only takes effect if this process has not started its forkserver yet
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _stop(procs: Sequence[mp.process.BaseProcess], grace: float = 2.0) -> None:
+    """Terminate, then kill, every process still alive; join them all (bounded)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def _launch_once(
+    ctx: mp.context.BaseContext,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    timeout: float,
+    backend: str,
+    host: str,
+    torch_threads: int | None,
+    env: dict[str, str] | None,
+) -> tuple[list[Any] | None, dict[int, str], bool]:
+    """One launch attempt: (results or None, failures, whether set-up hit a taken port)."""
+    port = find_free_port(host)
+    init_method = f"tcp://{host}:{port}"
+    results_q = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, tuple(args), init_method, backend, timeout, torch_threads, env, results_q),
+            name=f"eplb-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    port_taken = False
+    try:
+        for p in procs:
+            p.start()
+        while len(values) + len(failures) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                pending = [r for r in range(world_size) if r not in values and r not in failures]
+                raise RanksTimeoutError(pending, timeout)
+            try:
+                rank, status, payload = results_q.get(timeout=min(0.2, deadline - now))
+            except queue_mod.Empty:
+                # a rank that died without reporting (killed, segfault, os._exit)
+                for rank, p in enumerate(procs):
+                    if rank in values or rank in failures or p.exitcode is None:
+                        continue
+                    # its report may still be in flight: give the queue a moment
+                    with contextlib.suppress(queue_mod.Empty):
+                        r2, s2, v2 = results_q.get(timeout=0.5)
+                        _record(r2, s2, v2, values, failures)
+                        continue
+                    failures[rank] = f"process exited with code {p.exitcode} without reporting"
+                continue
+            _record(rank, status, payload, values, failures)
+            if status == "setup_error" and any(s in payload.lower() for s in _ADDR_IN_USE):
+                port_taken = True
+            if failures:
+                # the others are likely blocked on the failed rank: collect what arrives
+                # quickly, then stop everyone
+                grace_end = time.monotonic() + 1.0
+                while len(values) + len(failures) < world_size and time.monotonic() < grace_end:
+                    with contextlib.suppress(queue_mod.Empty):
+                        r2, s2, v2 = results_q.get(timeout=0.1)
+                        _record(r2, s2, v2, values, failures)
+                break
+    finally:
+        _stop(procs)
+        results_q.close()
+        results_q.join_thread()
+    if failures:
+        return None, failures, port_taken
+    return [values[r] for r in range(world_size)], {}, False
+
+
+def _record(rank: int, status: str, payload: Any, values: dict, failures: dict) -> None:
+    if status == "ok":
+        values[rank] = payload
+    else:
+        failures[rank] = payload
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 60.0,
+    backend: str = "gloo",
+    *,
+    host: str = "127.0.0.1",
+    start_method: str | None = None,
+    torch_threads: int | None = 1,
+    env: dict[str, str] | None = None,
+    retries: int = 2,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the values by rank.
+
+    Each process joins a ``backend`` process group (TCP rendezvous on a free port found at
+    run time, process-group timeout = ``timeout``) before ``fn`` runs and leaves it after.
+    ``timeout`` bounds the whole call (start-up included). ``torch_threads`` sets
+    ``torch.set_num_threads`` in each rank (1 by default: ranks share few cores).
+    ``env`` is added to each rank's environment. A rendezvous port taken between the
+    probe and the bind is retried up to ``retries`` times with a new port.
+
+    Raises :class:`RankFailedError` if any rank raises or dies, :class:`RanksTimeoutError`
+    at the deadline, ``ValueError`` on bad arguments. Every child is stopped before return.
+    """
+    if not callable(fn):
+        raise ValueError(f"fn: must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: must be a positive int, got {world_size!r}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    ctx = _context(start_method)
+    for attempt in range(retries + 1):
+        values, failures, port_taken = _launch_once(
+            ctx, fn, world_size, tuple(args), float(timeout), backend, host, torch_threads, env
+        )
+        if values is not None:
+            return values
+        if not (port_taken and attempt < retries):
+            raise RankFailedError(failures)
+    raise AssertionError("unreachable")

@@ -1,0 +1,260 @@
+"""How transfer messages travel: a small protocol and two implementations.
+
+A :class:`Communicator` queues sends and receives, then runs them together with
+``execute()``. Messages between the same (src, dst) pair match in the order they were
+queued on each side. The executor calls ``execute()`` once per wave on every rank.
+
+- :class:`TorchDistCommunicator`: one rank of a ``torch.distributed`` process group;
+  ``execute`` issues one ``dist.batch_isend_irecv`` and waits on every request, with a
+  timeout where the backend honours one (gloo on CPU, NCCL on CUDA).
+- :class:`InProcessCommunicator`: plays all G ranks of a group inside one process;
+  ``execute`` matches the queued sends with the queued receives and copies. A mismatch
+  (what would hang a real group) raises at once. It counts messages and bytes so tests
+  can check that nothing moved that the plan did not need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections import Counter, defaultdict
+from typing import ContextManager, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "Communicator",
+    "TorchDistCommunicator",
+    "InProcessCommunicator",
+    "TransferError",
+    "MessageMismatchError",
+]
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (timeout, backend error, mismatched messages).
+
+    ``layer`` is the layer whose transfer failed, ``wave`` the wave index in it;
+    ``committed_layers`` (set by the executor) counts the layers already committed: those
+    hold their new weights, the rest still hold their old ones.
+    """
+
+    def __init__(self, message: str, layer: int | None = None, wave: int | None = None, committed_layers: int = 0):
+        super().__init__(message)
+        self.layer = layer
+        self.wave = wave
+        self.committed_layers = committed_layers
+
+
+class MessageMismatchError(RuntimeError):
+    """Queued sends and receives do not pair up (a real process group would hang)."""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Queue point-to-point messages, then run them as one batch.
+
+    ``world_size``: ranks in the group the transfer runs in. ``local_ranks``: the ranks
+    whose weights this process holds (one rank for a process group, all of them for the
+    in-process communicator). ``multi_rank``: when True the executor expects weights as
+    a list over ``local_ranks``. ``name``: the group name stamped on trace records.
+    ``src``/``dst`` are ranks of that group.
+
+    Optional hooks the executor uses when present: ``start()`` and ``wait()`` (``execute``
+    split in two, so that local copies and the next layer's planning overlap the messages
+    in flight), ``stream_context()`` (a context manager the copies and messages run
+    under), ``finish()`` (called after a layer's commit) and ``discard()`` (drop queued or
+    started messages after a failure).
+    """
+
+    world_size: int
+    local_ranks: tuple[int, ...]
+    multi_rank: bool
+    name: str
+
+    def add_send(self, tensor: torch.Tensor, src: int, dst: int) -> None: ...
+
+    def add_recv(self, tensor: torch.Tensor, src: int, dst: int) -> None: ...
+
+    def execute(self) -> None: ...
+
+
+class TorchDistCommunicator:
+    """This rank's side of a ``torch.distributed`` group (``group=None``: the default group).
+
+    ``timeout`` (seconds) bounds each wait on a request (gloo honours it; with NCCL it
+    makes the wait block the CPU until completion or timeout). ``stream``: an optional
+    CUDA stream the executor runs its copies and the batched requests on; ``finish()``
+    then makes the caller's current stream wait for it. With NCCL the first ``execute`` on
+    a group runs a barrier first, because NCCL requires every rank to take part in the
+    first collective of a group and a wave may involve only some ranks.
+    """
+
+    multi_rank = False
+
+    def __init__(
+        self,
+        group: "torch.distributed.ProcessGroup | None" = None,
+        *,
+        timeout: float | None = None,
+        stream: "torch.cuda.Stream | None" = None,
+        name: str = "world",
+    ) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout: must be > 0 seconds or None, got {timeout!r}")
+        self._dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("group: this process is not a member of the given process group")
+        self.world_size = dist.get_world_size(self.group)
+        self.local_ranks = (self.rank,)
+        self.backend = str(dist.get_backend(self.group)).lower()
+        self.timeout = timeout
+        self.stream = stream
+        self.name = name
+        self._ops: list = []
+        self._works: list = []
+        self._warmed = self.backend != "nccl"
+
+    def add_send(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+        if src != self.rank:
+            raise ValueError(f"src: this communicator is rank {self.rank}, cannot send as rank {src}")
+        self._ops.append(self._dist.P2POp(self._dist.isend, tensor, group=self.group, group_peer=dst))
+
+    def add_recv(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+        if dst != self.rank:
+            raise ValueError(f"dst: this communicator is rank {self.rank}, cannot receive as rank {dst}")
+        self._ops.append(self._dist.P2POp(self._dist.irecv, tensor, group=self.group, group_peer=src))
+
+    def start(self) -> None:
+        """Issue the queued messages as one batch without waiting (see ``wait``)."""
+        ops, self._ops = self._ops, []
+        if not self._warmed:
+            # every rank starts every wave, so this barrier is collective
+            self._dist.barrier(group=self.group)
+            self._warmed = True
+        if ops:
+            self._works.extend(self._dist.batch_isend_irecv(ops) or ())
+
+    def wait(self) -> None:
+        """Wait for every started request (each wait bounded by ``timeout``)."""
+        works, self._works = self._works, []
+        for work in works:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+
+    def execute(self) -> None:
+        """Issue the queued messages as one batch and wait for all of them."""
+        self.start()
+        self.wait()
+
+    def stream_context(self) -> ContextManager:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        # the side stream must see everything queued before on the caller's stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+    def finish(self) -> None:
+        """Make the caller's current CUDA stream wait for the transfer stream (no-op on CPU)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def discard(self) -> None:
+        """Forget queued and started messages (after a failure; the group may be unusable)."""
+        self._ops = []
+        self._works = []
+
+
+class InProcessCommunicator:
+    """All ranks of a group in one process: messages are matched and copied by ``execute``.
+
+    Counters (cumulative until ``reset_counters``): ``messages[(src, dst)]`` and
+    ``bytes[(src, dst)]`` delivered, ``executes`` (calls to ``execute``).
+    """
+
+    multi_rank = True
+
+    def __init__(self, world_size: int, *, name: str = "world") -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.local_ranks = tuple(range(world_size))
+        self.name = name
+        self._sends: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+        self._recvs: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+        self.messages: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.executes = 0
+
+    def _check(self, src: int, dst: int) -> None:
+        for name, r in (("src", src), ("dst", dst)):
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"{name}: rank {r} is outside the group of {self.world_size}")
+        if src == dst:
+            raise ValueError(f"src: rank {src} cannot message itself")
+
+    def add_send(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+        self._check(src, dst)
+        self._sends[(src, dst)].append(tensor)
+
+    def add_recv(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+        self._check(src, dst)
+        self._recvs[(src, dst)].append(tensor)
+
+    def execute(self) -> None:
+        """Deliver every queued message; raise MessageMismatchError if they do not pair up."""
+        sends, self._sends = self._sends, defaultdict(list)
+        recvs, self._recvs = self._recvs, defaultdict(list)
+        self.executes += 1
+        for key in sorted(set(sends) | set(recvs)):
+            out, inn = sends.get(key, []), recvs.get(key, [])
+            if len(out) != len(inn):
+                raise MessageMismatchError(
+                    f"rank {key[0]} queued {len(out)} sends to rank {key[1]}, which queued "
+                    f"{len(inn)} receives from it (a process group would hang)"
+                )
+            for i, (a, b) in enumerate(zip(out, inn)):
+                if a.dtype != b.dtype or a.shape != b.shape:
+                    raise MessageMismatchError(
+                        f"message {i} from rank {key[0]} to rank {key[1]}: sent {a.dtype}{tuple(a.shape)}, "
+                        f"receive buffer is {b.dtype}{tuple(b.shape)}"
+                    )
+        for key in sorted(sends):
+            for a, b in zip(sends[key], recvs[key]):
+                b.copy_(a)
+                self.messages[key] += 1
+                self.bytes[key] += a.numel() * a.element_size()
+
+    def start(self) -> None:
+        """Deliver now (there is nothing to overlap with in one process); same as ``execute``."""
+        self.execute()
+
+    def wait(self) -> None:
+        return None
+
+    def stream_context(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        return None
+
+    def discard(self) -> None:
+        self._sends = defaultdict(list)
+        self._recvs = defaultdict(list)
+
+    def reset_counters(self) -> None:
+        self.messages = Counter()
+        self.bytes = Counter()
+        self.executes = 0
+
+    @property
+    def total_messages(self) -> int:
+        return int(sum(self.messages.values()))

@@ -1,0 +1,111 @@
+"""Communicators: in-process matching and counting; the torch.distributed one on a 1-rank group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from eplb_fsm.sim.launcher import find_free_port
+from eplb_fsm.transfer import Communicator, InProcessCommunicator, MessageMismatchError, TorchDistCommunicator
+
+
+def test_in_process_matches_in_queue_order():
+    """Messages of one (src, dst) pair are delivered in the order both sides queued them."""
+    comm = InProcessCommunicator(3)
+    a, b = torch.tensor([1, 2]), torch.tensor([3, 4])
+    ra, rb, rc = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    comm.add_send(a, 0, 2)
+    comm.add_send(b, 0, 2)
+    comm.add_send(a, 1, 2)
+    comm.add_recv(rc, 1, 2)
+    comm.add_recv(ra, 0, 2)
+    comm.add_recv(rb, 0, 2)
+    comm.execute()
+    assert ra.tolist() == [1, 2] and rb.tolist() == [3, 4] and rc.tolist() == [1, 2]
+    assert comm.messages == {(0, 2): 2, (1, 2): 1} and comm.bytes[(0, 2)] == 32 and comm.executes == 1
+
+
+def test_in_process_unmatched_raises_before_copying():
+    """A send without its receive (a hang in a real group) raises and copies nothing."""
+    comm = InProcessCommunicator(2)
+    r = torch.zeros(1)
+    comm.add_send(torch.ones(1), 0, 1)
+    comm.add_send(torch.ones(1), 1, 0)
+    comm.add_recv(r, 1, 0)
+    with pytest.raises(MessageMismatchError, match="rank 0 queued 1 sends to rank 1"):
+        comm.execute()
+    assert r.item() == 0.0 and comm.total_messages == 0
+
+
+def test_in_process_size_mismatch_raises():
+    """A receive buffer of a different size or dtype than the message raises."""
+    comm = InProcessCommunicator(2)
+    comm.add_send(torch.ones(2), 0, 1)
+    comm.add_recv(torch.zeros(3), 0, 1)
+    with pytest.raises(MessageMismatchError, match="receive buffer"):
+        comm.execute()
+
+
+@pytest.mark.parametrize("src,dst,match", [(0, 0, "cannot message itself"), (0, 2, "dst: rank 2"), (-1, 0, "src: rank -1")])
+def test_in_process_rejects_bad_ranks(src, dst, match):
+    """Out-of-group and self messages are rejected when queued."""
+    with pytest.raises(ValueError, match=match):
+        InProcessCommunicator(2).add_send(torch.ones(1), src, dst)
+
+
+def test_in_process_is_a_communicator():
+    """InProcessCommunicator satisfies the Communicator protocol and plays every rank."""
+    comm = InProcessCommunicator(4)
+    assert isinstance(comm, Communicator)
+    assert comm.multi_rank and comm.local_ranks == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="world_size"):
+        InProcessCommunicator(0)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo default group in this process, destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a default group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_dist_on_one_rank(one_rank_group):
+    """On a 1-rank group the communicator is rank 0, executes an empty batch, refuses foreign ranks."""
+    comm = TorchDistCommunicator(timeout=5.0)
+    assert isinstance(comm, Communicator)
+    assert (comm.rank, comm.world_size, comm.local_ranks, comm.multi_rank) == (0, 1, (0,), False)
+    assert comm.backend == "gloo"
+    comm.execute()  # nothing queued: a no-op
+    with pytest.raises(ValueError, match="cannot send as rank 1"):
+        comm.add_send(torch.ones(1), 1, 0)
+    with pytest.raises(ValueError, match="cannot receive as rank 1"):
+        comm.add_recv(torch.ones(1), 0, 1)
+    with pytest.raises(ValueError, match="timeout"):
+        TorchDistCommunicator(timeout=0)
+
+
+def test_torch_dist_requires_initialized():
+    """Without an initialized default group the communicator refuses to build."""
+    if dist.is_initialized():
+        pytest.skip("a default group exists in this process")
+    with pytest.raises(ValueError, match="not initialized"):
+        TorchDistCommunicator()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_context_on_cuda(one_rank_group):
+    """With a CUDA stream the copies run on it and finish() makes the caller's stream wait."""
+    stream = torch.cuda.Stream()
+    comm = TorchDistCommunicator(stream=stream)
+    x = torch.ones(4, device="cuda")
+    with comm.stream_context():
+        assert torch.cuda.current_stream() == stream
+        y = x * 2
+    comm.finish()
+    assert y.sum().item() == 8.0

@@ -1,0 +1,366 @@
+"""The executor through the in-process communicator: bit-exact results, message counts, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eplb_fsm.trace import EventTrace
+from eplb_fsm.transfer import (
+    InProcessCommunicator,
+    PendingLayer,
+    TransferBuffer,
+    TransferError,
+    commit_layer_from_buffer,
+    default_buffer,
+    rearrange_expert_weights_inplace,
+    transfer_layer_to_buffer,
+)
+
+# three weight tensors per layer: a 0-d row (bfloat16), a vector (float32), a matrix (int8)
+SPECS = [((), torch.bfloat16), ((3,), torch.float32), ((2, 3), torch.int8)]
+
+
+def _nbytes(shape, dtype):
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+
+
+def _expert_bytes(num_layers: int, num_experts: int, t: int, nbytes: int) -> np.ndarray:
+    """(L, E + 1, nbytes) deterministic bytes seeded by (layer, expert, tensor); row E is 'garbage'."""
+    l = np.arange(num_layers, dtype=np.uint64)[:, None, None]
+    e = np.arange(num_experts + 1, dtype=np.uint64)[None, :, None]
+    b = np.arange(nbytes, dtype=np.uint64)[None, None, :]
+    x = (l * np.uint64(1_000_003) + e * np.uint64(7919) + np.uint64(t) * np.uint64(104_729)) * np.uint64(
+        0x9E3779B97F4A7C15
+    ) + b * np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(29)
+    return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def _rows(table: np.ndarray, layer: int, experts: np.ndarray, shape, dtype) -> torch.Tensor:
+    garbage = table.shape[1] - 1
+    idx = np.where(experts >= 0, experts, garbage)
+    raw = torch.from_numpy(np.ascontiguousarray(table[layer, idx]))  # (S, nbytes) uint8
+    return raw.view(dtype).reshape((len(experts),) + tuple(shape)).clone()
+
+
+def make_world(old: np.ndarray, g: int, specs=SPECS):
+    """Weights of every rank for map ``old`` (L, P): list[rank][layer][tensor]; plus the byte tables."""
+    num_layers, p = old.shape
+    s = p // g
+    tables = [_expert_bytes(num_layers, p, t, _nbytes(shape, dtype)) for t, (shape, dtype) in enumerate(specs)]
+    weights = [
+        [[_rows(tables[t], k, old[k, r * s : (r + 1) * s], shape, dtype) for t, (shape, dtype) in enumerate(specs)]
+         for k in range(num_layers)]
+        for r in range(g)
+    ]
+    return weights, tables
+
+
+def _as_u8(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def check_world(weights, tables, old: np.ndarray, new: np.ndarray, g: int) -> None:
+    """Every slot holds, bit for bit, its new expert's bytes; empty new slots keep their old bytes."""
+    num_layers, p = new.shape
+    s = p // g
+    # an empty new slot keeps what it had: its old expert (or the old 'garbage' row)
+    want_experts = np.where(new >= 0, new, old)
+    for r in range(g):
+        for k in range(num_layers):
+            experts = want_experts[k, r * s : (r + 1) * s]
+            for t, w in enumerate(weights[r][k]):
+                garbage = tables[t].shape[1] - 1
+                want = tables[t][k, np.where(experts >= 0, experts, garbage)]  # (S, nbytes)
+                got = w.contiguous().view(torch.uint8).reshape(s, -1).numpy()
+                if not np.array_equal(got, want):
+                    bad = int(np.flatnonzero((got != want).any(axis=1))[0])
+                    raise AssertionError(f"rank {r} layer {k} tensor {t} row {bad} != expert {experts[bad]}")
+
+
+def expected_messages(old: np.ndarray, new: np.ndarray, g: int, num_tensors: int) -> int:
+    """Messages a minimal transfer needs: one per tensor per (rank, expert) not held before."""
+    s = old.shape[1] // g
+    total = 0
+    for k in range(old.shape[0]):
+        for r in range(g):
+            need = set(new[k, r * s : (r + 1) * s].tolist()) - set(old[k, r * s : (r + 1) * s].tolist())
+            total += len(need - {-1})
+    return total * num_tensors
+
+
+@st.composite
+def placements(draw, max_ranks=5, max_slots=4, max_layers=3):
+    """Random (old, new, G): duplicates, unchanged rows, empty slots in both maps.
+
+    Hypothesis draws the sizes and the mix (how often a slot is empty, kept, or given a
+    random held expert); a drawn seed fills the maps, which keeps thousands of examples fast.
+    """
+    g = draw(st.integers(1, max_ranks))
+    s = draw(st.integers(1, max_slots))
+    num_layers = draw(st.integers(1, max_layers))
+    p = g * s
+    n = draw(st.integers(1, p))
+    p_empty_old = draw(st.sampled_from([0.0, 0.1, 0.4]))
+    p_empty_new = draw(st.sampled_from([0.0, 0.1, 0.4]))
+    p_keep = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    old = rng.integers(0, n, size=(num_layers, p))
+    old[rng.random((num_layers, p)) < p_empty_old] = -1
+    new = np.empty_like(old)
+    for k in range(num_layers):
+        held = np.unique(old[k][old[k] >= 0])
+        pick = held[rng.integers(0, len(held), size=p)] if held.size else np.full(p, -1)
+        keep = rng.random(p) < p_keep
+        empty = rng.random(p) < p_empty_new
+        new[k] = np.where(keep, old[k], np.where(empty, -1, pick))
+    return old, new, g
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placements(), st.booleans())
+def test_random_rearrangements_bit_exact_and_minimal(case, batching):
+    """Thousands of random placements: every slot ends with its expert's exact bytes; no message is extra."""
+    old, new, g = case
+    weights, tables = make_world(old, g)
+    comm = InProcessCommunicator(g)
+    rearrange_expert_weights_inplace(
+        torch.from_numpy(old), torch.from_numpy(new), weights, communicator=comm,
+        migration_batching=batching, buffer=TransferBuffer(),
+    )
+    check_world(weights, tables, old, new, g)
+    assert comm.total_messages == expected_messages(old, new, g, len(SPECS))
+
+
+@settings(max_examples=400, deadline=None)
+@given(placements(max_layers=1), st.booleans())
+def test_transfer_leaves_weights_until_commit(case, batching):
+    """transfer_layer_to_buffer never writes the weights; commit_layer_from_buffer completes the layer."""
+    old, new, g = case
+    weights, tables = make_world(old, g)
+    layer_w = [weights[r][0] for r in range(g)]
+    before = [[w.clone() for w in ws] for ws in layer_w]
+    comm = InProcessCommunicator(g)
+    buf = TransferBuffer()
+    pending = transfer_layer_to_buffer(old[0], new[0], layer_w, buf, communicator=comm, migration_batching=batching)
+    for ws, bs in zip(layer_w, before):
+        for w, b in zip(ws, bs):
+            assert torch.equal(_u8(w), _u8(b))
+    commit_layer_from_buffer(pending, layer_w)
+    check_world(weights, tables, old, new, g)
+
+
+def _u8(x):
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_stale_pending_layer_is_refused():
+    """A pending layer whose buffer was reused by a later transfer, or already committed, cannot commit."""
+    old = np.array([0, 1, 2, 3])
+    new = np.array([2, 3, 0, 1])
+    weights, _ = make_world(old[None], 2)
+    lw = [weights[r][0] for r in range(2)]
+    comm = InProcessCommunicator(2)
+    buf = TransferBuffer()
+    first = transfer_layer_to_buffer(old, new, lw, buf, communicator=comm)
+    second = transfer_layer_to_buffer(old, new, lw, buf, communicator=comm)
+    with pytest.raises(ValueError, match="reused"):
+        commit_layer_from_buffer(first, lw)
+    commit_layer_from_buffer(second, lw)
+    with pytest.raises(ValueError, match="already committed"):
+        commit_layer_from_buffer(second, lw)
+    assert isinstance(second, PendingLayer) and second.moved_rows == 4
+
+
+def test_profile_reserves_buffers_and_moves_nothing():
+    """Profile mode allocates the worst-case buffer once, copies nothing; the real run allocates nothing."""
+    old = np.array([[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]])
+    new = np.array([[5, 4, 3, 2, 1, 0], [0, 0, 0, 1, 1, 1]])
+    weights, tables = make_world(old, 3)
+    before = [[[w.clone() for w in lw] for lw in rw] for rw in weights]
+    comm = InProcessCommunicator(3)
+    buf = TransferBuffer()
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, is_profile=True, buffer=buf)
+    assert buf.allocations == 3 and comm.total_messages == 0 and comm.executes == 0
+    assert buf.nbytes == sum(w.numel() * w.element_size() for rw in weights for w in rw[0])
+    for rw, rb in zip(weights, before):
+        for lw, lb in zip(rw, rb):
+            assert all(torch.equal(_u8(a), _u8(b)) for a, b in zip(lw, lb))
+    ptrs = [t.data_ptr() for r in range(3) for t in buf.tensors(r)]
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, buffer=buf)
+    assert buf.allocations == 3
+    assert ptrs == [t.data_ptr() for r in range(3) for t in buf.tensors(r)]
+    check_world(weights, tables, old, new, 3)
+
+
+def test_default_buffer_is_reused_after_profile():
+    """Without an explicit buffer, the shared default one is reserved by profile mode and reused."""
+    old = np.array([[0, 1, 2, 3]])
+    new = np.array([[3, 2, 1, 0]])
+    weights, tables = make_world(old, 2)
+    comm = InProcessCommunicator(2)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, is_profile=True)
+    n = default_buffer().allocations
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm)
+    assert default_buffer().allocations == n
+    check_world(weights, tables, old, new, 2)
+    default_buffer().release()
+
+
+def test_non_contiguous_weights():
+    """Weights given as non-contiguous views are read and written correctly."""
+    old = np.array([[0, 1, 2, 3]])
+    new = np.array([[3, 3, 0, 1]])
+    ws = []
+    for r in range(2):
+        t = torch.empty(6, 2).t()  # (2, 6), non-contiguous: rows are strided
+        for i in range(2):
+            t[i] = float(old[0, r * 2 + i])
+        ws.append([[t]])
+    assert not ws[0][0][0].is_contiguous()
+    rearrange_expert_weights_inplace(old, new, ws, communicator=InProcessCommunicator(2), buffer=TransferBuffer())
+    assert [ws[r][0][0].tolist() for r in range(2)] == [[[3.0] * 6] * 2, [[0.0] * 6, [1.0] * 6]]
+
+
+def test_trace_brackets_every_wave_on_every_rank():
+    """Each rank's trace gets a start/end pair per wave with the layer, the same cseq on all ranks."""
+    old = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])
+    new = np.array([[2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5]])  # a ring on layer 0, nothing on layer 1
+    weights, tables = make_world(old, 3)
+    traces = [EventTrace(rank=r, world=3, keep=True) for r in range(3)]
+    rearrange_expert_weights_inplace(
+        old, new, weights, communicator=InProcessCommunicator(3), trace=traces,
+        migration_batching=True, buffer=TransferBuffer(),
+    )
+    check_world(weights, tables, old, new, 3)
+    starts = [[rec for rec in t.records if rec["event"] == "collective_start"] for t in traces]
+    ends = [[rec for rec in t.records if rec["event"] == "collective_end"] for t in traces]
+    assert [len(s) for s in starts] == [3, 3, 3]  # three waves, every rank runs each
+    assert [len(e) for e in ends] == [3, 3, 3]
+    for r in range(3):
+        assert [rec["cseq"] for rec in starts[r]] == [0, 1, 2]
+        assert all(rec["layer"] == 0 and rec["op"] == "batch_isend_irecv" for rec in starts[r])
+    # pairs (0,2), (1,0), (2,1) carry 2 experts each; wave 0 takes (0, 2): rank 1 is idle in it
+    assert starts[0][0]["peers"] == [2] and starts[1][0]["peers"] == [] and starts[1][0]["sends"] == 0
+
+
+class _FailingComm(InProcessCommunicator):
+    """Fails on the n-th execute (a timeout stand-in)."""
+
+    def __init__(self, g, fail_at):
+        super().__init__(g)
+        self.fail_at = fail_at
+
+    def start(self):
+        if self.executes == self.fail_at:
+            self.executes += 1
+            raise RuntimeError("simulated timeout")
+        super().start()
+
+
+def test_failure_keeps_committed_layers_new_and_the_rest_old():
+    """A failing wave raises TransferError: earlier layers are new, the failing and later ones old."""
+    old = np.array([[0, 1, 2, 3]] * 3)
+    new = np.array([[2, 3, 0, 1]] * 3)
+    weights, tables = make_world(old, 2)
+    trace = EventTrace(keep=True)
+    comm = _FailingComm(2, fail_at=1)
+    with pytest.raises(TransferError) as info:
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, trace=trace, buffer=TransferBuffer())
+    assert info.value.layer == 1 and info.value.committed_layers == 1
+    mixed = np.concatenate([new[:1], old[1:]])
+    check_world(weights, tables, old, mixed, 2)
+    assert [r["event"] for r in trace.records][-1] == "collective_error"
+
+
+# ---------------------------------------------------------------------------------------
+# bad input: ValueError naming the field and rule, nothing sent, nothing written
+
+G = 2
+OLD = np.array([[0, 1, 2, 3], [3, 2, 1, 0]])
+NEW = np.array([[1, 0, 3, 2], [0, 0, 1, 1]])
+
+
+def _w(rows=2, layers=2, ranks=G, dtype=torch.float32):
+    return [[[torch.zeros(rows, 3, dtype=dtype)] for _ in range(layers)] for _ in range(ranks)]
+
+
+BAD = [
+    ("old float", dict(old=OLD.astype(np.float32)), "old_phy2log: must be an integer"),
+    ("new bool", dict(new=NEW.astype(bool)), "new_phy2log: must be an integer"),
+    ("old 1-d", dict(old=OLD[0], new=NEW[0]), r"old_phy2log: must have shape \(L, P\)"),
+    ("shape mismatch", dict(new=np.concatenate([NEW, NEW], axis=1)), "new_phy2log: shape"),
+    ("layers mismatch", dict(new=NEW[:1]), "new_phy2log: shape"),
+    ("P % G", dict(comm=3), r"P % G"),
+    ("id too large", dict(new=np.array([[1, 0, 3, 4], [0, 0, 1, 1]])), r"new_phy2log\[0\]: expert ids"),
+    ("id below -1", dict(old=np.array([[0, 1, 2, -2], [3, 2, 1, 0]])), r"old_phy2log\[0\]: expert ids"),
+    ("expert held by no rank", dict(old=np.array([[0, 1, 2, 2], [3, 2, 1, 0]])), "held by no rank"),
+    ("weights not per rank", dict(weights=_w(layers=3)[0]), "list over those ranks"),
+    ("weights wrong layers", dict(weights=_w(layers=3)), r"expert_weights\[0\]: must be a list over the L=2"),
+    ("weights wrong rows", dict(weights=_w(rows=3)), "first dim must be S = P / G = 2"),
+    ("weights not tensor", dict(weights=[[[np.zeros((2, 3))]] * 2] * 2), "must be a torch.Tensor"),
+    ("layers differ", dict(weights=[[[torch.zeros(2, 3)], [torch.zeros(2, 4)]]] * 2), "must match the first layer"),
+    ("ranks differ", dict(weights=[_w()[0], _w(dtype=torch.int8)[0]]), "must match the first layer"),
+    ("mapping too big", dict(rank_mapping={0: 0, 1: 1, 2: -1}), "rank_mapping: has 3 old ranks"),
+    ("mapping dup", dict(rank_mapping={0: 0, 1: 0}), "rank_mapping: two old ranks"),
+    ("mapping keys", dict(rank_mapping={0: 0, 2: 1}), "rank_mapping: keys"),
+    ("group and comm", dict(group=object()), "group: give a process group or a communicator"),
+    ("trace list", dict(trace=[EventTrace()]), "trace: a list of traces"),
+]
+
+
+@pytest.mark.parametrize("name,override,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_before_anything_moves(name, override, match):
+    """Each bad input raises ValueError naming the field and rule; no message, no write."""
+    weights = override.get("weights", _w())
+    snapshot = _clone_tree(weights)
+    comm = InProcessCommunicator(override.get("comm", G))
+    kwargs = dict(communicator=comm, buffer=TransferBuffer())
+    for key in ("rank_mapping", "group", "trace"):
+        if key in override:
+            kwargs[key] = override[key]
+    with pytest.raises(ValueError, match=match):
+        rearrange_expert_weights_inplace(override.get("old", OLD), override.get("new", NEW), weights, **kwargs)
+    assert comm.total_messages == 0 and comm.executes == 0
+    assert _same_tree(weights, snapshot)
+
+
+def _clone_tree(x):
+    if isinstance(x, list):
+        return [_clone_tree(v) for v in x]
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _same_tree(a, b):
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else True
+
+
+def test_default_group_needs_initialized_dist():
+    """group=None without a communicator needs torch.distributed initialized, else ValueError."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default group exists in this process")
+    with pytest.raises(ValueError, match="group: torch.distributed is not initialized"):
+        rearrange_expert_weights_inplace(OLD, NEW, [[torch.zeros(2, 3)]] * 2)
+
+
+def test_bad_one_layer_input():
+    """The one-layer entry points check rows and buffers the same way."""
+    comm = InProcessCommunicator(2)
+    lw = [[torch.zeros(2, 3)] for _ in range(2)]
+    with pytest.raises(ValueError, match=r"old_phy2log: must have shape \(P,\)"):
+        transfer_layer_to_buffer(OLD, NEW, lw, TransferBuffer(), communicator=comm)
+    with pytest.raises(ValueError, match="buffer: must be a TransferBuffer"):
+        transfer_layer_to_buffer(OLD[0], NEW[0], lw, None, communicator=comm)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pending: must be the PendingLayer"):
+        commit_layer_from_buffer(None, lw)  # type: ignore[arg-type]
+    assert comm.executes == 0
