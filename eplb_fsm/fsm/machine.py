@@ -111,6 +111,9 @@ class EplbMachine:
         self.layer = int(layer)
         self.scale_pending = bool(scale_pending)
         self.listeners: list[Callable[[Fired], None]] = []
+        # a queued Machine's trigger() returns True even when every guard refused the
+        # event, so fire() reads whether a transition ran from the finalize callback
+        self._accepted = False
         self.machine = Machine(
             model=self,
             states=list(STATES),
@@ -120,7 +123,11 @@ class EplbMachine:
             queued=True,
             send_event=True,
             ignore_invalid_triggers=False,
+            finalize_event=self._note_result,
         )
+
+    def _note_result(self, event) -> None:
+        self._accepted = bool(event.result)
 
     # -- guards (event data and shared counters only) --------------------
     def is_due(self, event) -> bool:
@@ -168,8 +175,9 @@ class EplbMachine:
             raise ValueError(f"event {trigger!r} takes {list(allowed)}, got unexpected {sorted(unknown)}")
         source = self.state
         layer_before = self.layer
+        self._accepted = False
         try:
-            accepted = self.trigger(trigger, **data)
+            accepted = self.trigger(trigger, **data) and self._accepted
         except MachineError:
             accepted = False
         if not accepted:
@@ -193,26 +201,34 @@ def _sources(row: dict) -> set[str]:
     return set(src) if isinstance(src, (list, tuple)) else {src}
 
 
-def check_definition() -> None:
-    """Fail loudly if the table has an unreachable state or an event with no transition."""
-    reachable = {INITIAL}
-    frontier = [INITIAL]
+def check_definition(
+    transitions: tuple[dict[str, Any], ...] | list[dict[str, Any]] = TRANSITIONS,
+    states: tuple[str, ...] | list[str] = STATES,
+    events: dict[str, tuple[str, ...]] = EVENT_DATA,
+    initial: str = INITIAL,
+) -> None:
+    """Fail loudly if the table has an unreachable state or an event with no transition.
+
+    Checks the module's own table by default; tests pass a broken table to prove it bites.
+    """
+    reachable = {initial}
+    frontier = [initial]
     while frontier:
         state = frontier.pop()
-        for row in TRANSITIONS:
+        for row in transitions:
             if state in _sources(row):
                 dest = row["dest"] or state
                 if dest not in reachable:
                     reachable.add(dest)
                     frontier.append(dest)
-    unreachable = set(STATES) - reachable
+    unreachable = set(states) - reachable
     if unreachable:
         raise AssertionError(f"unreachable states in the EPLB machine: {sorted(unreachable)}")
-    idle = set(EVENT_DATA) - {row["trigger"] for row in TRANSITIONS}
+    idle = set(events) - {row["trigger"] for row in transitions}
     if idle:
         raise AssertionError(f"events without a transition: {sorted(idle)}")
-    unknown = {d for row in TRANSITIONS for d in [row["dest"]] if d is not None} - set(STATES)
-    unknown |= {s for row in TRANSITIONS for s in _sources(row)} - set(STATES)
+    unknown = {d for row in transitions for d in [row["dest"]] if d is not None} - set(states)
+    unknown |= {s for row in transitions for s in _sources(row)} - set(states)
     if unknown:
         raise AssertionError(f"transitions name unknown states: {sorted(unknown)}")
 

@@ -1,0 +1,136 @@
+"""``eplb-fsm bench step``: what the balancer adds to an engine step while it only collects.
+
+Side by side in one process (world 1, trace file on), on a realistic shape (default:
+58 layers x 288 slots, a 1000-pass window, DeepSeek-V3-like):
+
+- ``bare``: ``LoadWindow.record_pass()``: the window update any EPLB must do;
+- ``controller``: ``EplbController.step()`` on a non-due collecting step: the same
+  window update plus the counters and one compact ``step`` trace line;
+- for reference, what a step would cost through the full machine: ``EplbMachine.fire``
+  plus a ``transition`` record (the path due steps take).
+
+Rounds alternate bare and controller runs so drift in machine speed hits both alike;
+each figure is the median over rounds of the per-step mean. The overhead is
+controller minus bare; the target is <= 20 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TARGET_OVERHEAD_US = 20.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=58, help="MoE layers, default 58")
+    parser.add_argument("--slots", type=int, default=288, help="physical slots per layer, default 288")
+    parser.add_argument("--experts", type=int, default=256, help="logical experts per layer, default 256")
+    parser.add_argument("--window", type=int, default=1000, help="load window passes, default 1000")
+    parser.add_argument("--steps", type=int, default=2000, help="steps per timed run, default 2000")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds, default 7")
+    parser.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temp dir)")
+
+
+class _StubModel:
+    """The smallest model that follows the MoE protocol (one float per slot and layer)."""
+
+    def __init__(self, layers: int, experts: int, slots: int) -> None:
+        self.num_moe_layers = layers
+        self.num_logical_experts = experts
+        self.num_physical_experts = slots
+        self.num_local_physical_experts = slots
+        self.num_redundant_experts = slots - experts
+        self.num_expert_groups = 1
+        self.expert_weights = [[torch.zeros(slots, 1)] for _ in range(layers)]
+
+    def set_eplb_state(self, load_pass, log2phy, replica_count) -> None:
+        self.load_pass = load_pass
+
+
+def _per_step_us(fn, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def run(args: argparse.Namespace) -> dict:
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.fsm.machine import EplbMachine
+    from eplb_fsm.stats import LoadWindow
+    from eplb_fsm.trace import EventTrace
+
+    for name in ("layers", "slots", "experts", "window", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"eplb-fsm bench step: --{name} must be >= 1")
+    if args.slots < args.experts:
+        raise SystemExit("eplb-fsm bench step: --slots must be >= --experts")
+    scratch = None
+    if args.trace_dir is None:  # nobody asked for the files: write them, then remove them
+        scratch = tempfile.TemporaryDirectory(prefix="eplb-bench-step-")
+    trace_dir = Path(args.trace_dir or scratch.name)
+    L, P, N, W = args.layers, args.slots, args.experts, args.window
+    config = EplbConfig(window_size=W, step_interval=1 << 40, num_redundant_experts=P - N)
+    bare = LoadWindow(L, P, W)
+    controller = EplbController(config, trace_dir=str(trace_dir / "controller"))
+    controller.add_model(_StubModel(L, N, P), "main")
+    machine = EplbMachine(L)
+    full_trace = EventTrace(0, 1, trace_dir / "full_machine")
+
+    def full_machine_step() -> None:
+        bare.record_pass()
+        fired = machine.fire("step", due=False)
+        full_trace.transition("step", fired.source, fired.dest, layer=fired.layer, num_layers=L, due=False)
+
+    line_trace = EventTrace(0, 1, trace_dir / "lines")
+    warm = max(50, args.steps // 10)
+    _per_step_us(bare.record_pass, warm)
+    _per_step_us(controller.step, warm)
+    _per_step_us(full_machine_step, warm)
+    bare_us, ctl_us, full_us, line_us = [], [], [], []
+    size_before = controller.trace.path.stat().st_size
+    steps_before = controller.steps
+    try:
+        for _ in range(args.rounds):
+            bare_us.append(_per_step_us(bare.record_pass, args.steps))
+            ctl_us.append(_per_step_us(controller.step, args.steps))
+            full_us.append(_per_step_us(full_machine_step, args.steps))
+            line_us.append(_per_step_us(lambda: line_trace.emit("step"), args.steps))
+        bytes_per_step = (controller.trace.path.stat().st_size - size_before) / max(1, controller.steps - steps_before)
+        state = controller.state
+    finally:
+        controller.close()
+        full_trace.close()
+        line_trace.close()
+        if scratch is not None:
+            scratch.cleanup()
+    b = statistics.median(bare_us)
+    c = statistics.median(ctl_us)
+    f = statistics.median(full_us)
+    overhead = c - b
+    return {
+        "benchmark": "step",
+        "shape": {"layers": L, "slots": P, "experts": N, "window": W, "world": 1},
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "bare_record_pass_us": round(b, 3),
+        "controller_step_us": round(c, 3),
+        "overhead_us": round(overhead, 3),
+        "overhead_ratio": round(c / b, 4) if b > 0 else None,
+        "full_machine_step_us": round(f, 3),
+        "full_machine_overhead_us": round(f - b, 3),
+        "trace_line_us": round(statistics.median(line_us), 3),
+        "trace_bytes_per_step": round(bytes_per_step, 1),
+        "target_overhead_us": TARGET_OVERHEAD_US,
+        "within_target": overhead <= TARGET_OVERHEAD_US,
+        "state": state,
+        "rounds_us": {"bare": [round(x, 3) for x in bare_us], "controller": [round(x, 3) for x in ctl_us]},
+        "trace_dir": str(trace_dir) if scratch is None else None,
+    }

@@ -1,0 +1,218 @@
+"""The background worker of async mode: one thread running its own asyncio loop.
+
+The controller hands it the slow parts of a rearrangement (the policy, and one layer's
+weight transfer into a one-layer buffer) so the engine keeps stepping. Jobs run one at
+a time, in submission order. The worker never fires machine events and never decides
+anything: it only reports, through ``Job.done()`` / ``Job.error()``, and the
+controller turns those local facts into a shared decision with an all-reduce.
+
+On a CUDA device the worker runs every job on its own CUDA stream and records an
+event after it; ``Job.done()`` is true only once that event has completed, and
+``Job.wait_stream()`` makes the caller's stream wait for it before the buffer is read.
+Without a GPU that path is never taken.
+
+Every wait here is bounded: ``result(timeout)``, ``wait_idle(timeout)``, ``close(timeout)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+
+class Job:
+    """One unit of work given to the worker, and what became of it."""
+
+    def __init__(self, job_id: int, kind: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 layer: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.id = job_id
+        self.kind = kind
+        self.layer = layer
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.clock = clock
+        self.submitted_at = clock()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.cuda_event = None  # set on GPU: completion of the job's stream work
+
+    def done(self) -> bool:
+        """True once the job has returned or raised (and, on GPU, its stream work finished)."""
+        if not self.future.done():
+            return False
+        if self.cuda_event is not None and self.future.exception() is None:
+            return bool(self.cuda_event.query())
+        return True
+
+    def ok(self) -> bool:
+        """Done without an error."""
+        return self.done() and self.future.exception() is None
+
+    def error(self) -> BaseException | None:
+        """The exception the job raised, or None (also None while it runs)."""
+        if not self.future.done():
+            return None
+        return self.future.exception()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The job's return value; waits at most ``timeout`` seconds, then TimeoutError."""
+        return self.future.result(timeout=timeout)
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since submission (local time: for timeout flags and logs only)."""
+        return (self.clock() if now is None else now) - self.submitted_at
+
+    def wait_stream(self) -> None:
+        """On GPU, make the current stream wait for the job's stream work (no-op on CPU)."""
+        if self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_event)
+
+    def __repr__(self) -> str:
+        status = "done" if self.done() else ("running" if self.started_at is not None else "queued")
+        return f"Job(id={self.id}, kind={self.kind!r}, layer={self.layer}, {status})"
+
+
+class BackgroundWorker:
+    """A daemon thread with its own asyncio loop that runs submitted jobs one at a time."""
+
+    def __init__(self, device: torch.device | str | None = None, name: str = "eplb-worker",
+                 start_timeout_s: float = 10.0) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.name = name
+        self.stream = None
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._unfinished: set[Job] = set()
+        self._closing = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            raise RuntimeError(f"background worker {name!r} did not start within {start_timeout_s} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"background worker {name!r} failed to start: {self._start_error}")
+
+    # -- thread body -----------------------------------------------------
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            if self.device.type == "cuda":
+                # the worker's own stream: transfers overlap the engine's compute
+                self.stream = torch.cuda.Stream(device=self.device)
+        except BaseException as exc:  # pragma: no cover - GPU only
+            self._start_error = exc
+            self._ready.set()
+            return
+        # signal readiness from inside the loop, so ``alive`` is already true for callers
+        self._loop.call_soon(self._ready.set)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+            self._fail_unfinished(RuntimeError(f"background worker {self.name!r} was closed"))
+
+    async def _run(self, job: Job) -> None:
+        if self._closing:
+            job.future.set_exception(RuntimeError(f"background worker {self.name!r} was closed"))
+            self._finish(job)
+            return
+        job.started_at = job.clock()
+        try:
+            if self.stream is not None:  # pragma: no cover - GPU only
+                with torch.cuda.stream(self.stream):
+                    value = job.fn(*job.args, **job.kwargs)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                    job.cuda_event = event
+            else:
+                value = job.fn(*job.args, **job.kwargs)
+        except BaseException as exc:  # the job's failure is reported, never raised here
+            job.finished_at = job.clock()
+            job.future.set_exception(exc)
+        else:
+            job.finished_at = job.clock()
+            job.future.set_result(value)
+        finally:
+            self._finish(job)
+        # let other callbacks of the loop run between jobs
+        await asyncio.sleep(0)
+
+    def _finish(self, job: Job) -> None:
+        with self._lock:
+            if job in self._unfinished:
+                self._unfinished.discard(job)
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
+
+    def _fail_unfinished(self, exc: BaseException) -> None:
+        with self._lock:
+            jobs = list(self._unfinished)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(exc)
+            self._finish(job)
+
+    # -- API -------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._loop.is_running()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, kind: str = "job", layer: int | None = None,
+               **kwargs: Any) -> Job:
+        """Queue ``fn(*args, **kwargs)``; returns its Job at once."""
+        if self._closing or not self.alive:
+            raise RuntimeError(f"background worker {self.name!r} is not running")
+        job = Job(next(self._ids), kind, fn, args, kwargs, layer=layer)
+        with self._lock:
+            self._pending += 1
+            self._unfinished.add(job)
+            self._idle.clear()
+        asyncio.run_coroutine_threadsafe(self._run(job), self._loop)
+        return job
+
+    def run_coroutine(self, coro) -> concurrent.futures.Future:
+        """Run a coroutine on the worker's loop (for callers that are themselves async)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished."""
+        return self._pending
+
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for every submitted job to finish; True if they did."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the loop after the running job (queued ones are dropped); True if the thread ended."""
+        self._closing = True
+        if self._thread.is_alive() and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            except RuntimeError:  # loop already closed
+                pass
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> "BackgroundWorker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

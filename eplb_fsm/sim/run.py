@@ -1,0 +1,368 @@
+"""The per-rank body of ``eplb-fsm simulate`` and what it is configured with.
+
+The parent (``eplb_fsm.commands.simulate``) builds a :class:`SimOptions` (everything
+picklable, load targets included, so every rank sees the same numbers) and runs
+:func:`run_rank` on G local gloo processes through ``eplb_fsm.sim.launcher.run_ranks``.
+Each rank builds a :class:`~eplb_fsm.sim.model.ToyMoE` and an
+:class:`~eplb_fsm.fsm.controller.EplbController`, then for every engine step: sets the
+gate bias from the load source, runs the distributed forward, checks its output against
+the placement-free reference bit for bit, and calls ``controller.step``.
+
+Hooks: ``SimOptions.hooks`` lists ``("package.module:factory", {kwargs})`` pairs. Each
+rank imports the factory, calls ``factory(**kwargs)`` and uses the object it returns
+(any of the :class:`SimHooks` methods; missing ones are skipped). That is where fault
+injection or elastic scaling plug in without touching this loop; a hook sees the whole
+:class:`RankContext` (controller, model, group, options) and can store results in
+``ctx.extra``, which comes back in the rank's result.
+
+Every wait is bounded: collectives by ``collective_timeout_s`` (controller) or the
+process-group timeout (forward), the whole run by the launcher's deadline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "SimOptions",
+    "RankContext",
+    "SimHooks",
+    "build_hooks",
+    "run_rank",
+    "load_targets",
+    "target_at",
+    "progress_path",
+    "default_esft_dir",
+]
+
+
+@dataclass
+class SimOptions:
+    """Everything one simulation run needs (picklable; identical on every rank)."""
+
+    ranks: int = 4
+    layers: int = 4
+    experts: int = 32
+    redundant: int = 8
+    hidden: int = 16
+    top_k: int = 2
+    tokens: int = 128
+    steps: int = 400
+    interval: int = 100
+    window: int = 40
+    mode: str = "sync"
+    load: str = "zipf"
+    seed: int = 0
+    drift: float = 0.6
+    zipf_exponent: float = 1.0
+    gate_strength: float = 1.0
+    dummy_every: int = 0               # every n-th step is a dummy step (0: none)
+    policy: str = "default"
+    min_balancedness_gain: float = 0.0
+    collective_timeout_s: float = 20.0
+    watchdog_deadline_s: float = 0.0
+    log_dir: str | None = None
+    redirect_output: bool = True       # each rank's stdout (structlog) goes to <log_dir>/rank<r>.log
+    progress_every: int = 5
+    log_interval: int = 25             # controller balancedness logging (an all-reduce) every n steps
+    # load targets: (phases, L, N) float64 rows of routing probabilities, phase of a step by target_at
+    targets: Any = None
+    phase_start: int = 0               # steps before the first change of phase
+    phase_steps: int = 1               # steps per later phase
+    hooks: tuple = ()                  # (("module:factory", {kwargs}), ...)
+    extra: dict = field(default_factory=dict)  # free-form settings for hooks
+
+    @property
+    def physical(self) -> int:
+        return self.experts + self.redundant
+
+    def config_dict(self) -> dict:
+        """The user-facing settings (no arrays), for reports."""
+        keys = ("ranks", "layers", "experts", "redundant", "hidden", "top_k", "tokens", "steps", "interval",
+                "window", "mode", "load", "seed", "drift", "dummy_every", "policy", "min_balancedness_gain",
+                "collective_timeout_s")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class RankContext:
+    """What a rank's hooks see and may change."""
+
+    rank: int
+    world: int
+    opts: SimOptions
+    model: Any
+    controller: Any
+    group: Any
+    step: int = 0
+    extra: dict = field(default_factory=dict)
+    stop: bool = False                 # a hook sets it to end the run early (every rank must agree)
+
+
+class SimHooks:
+    """The hook points of the rank loop (a hook object may define any subset)."""
+
+    def on_start(self, ctx: RankContext) -> None:
+        """After the controller and model exist, before the first step."""
+
+    def before_step(self, ctx: RankContext, step: int) -> dict | None:
+        """Before step ``step``'s forward; may return overrides: ``{"is_dummy": bool}``."""
+
+    def after_step(self, ctx: RankContext, step: int) -> None:
+        """After ``controller.step`` of step ``step``."""
+
+    def on_finish(self, ctx: RankContext, result: dict) -> None:
+        """After the last step, with the rank's result (may add to it)."""
+
+
+def build_hooks(specs: Any) -> list[Any]:
+    """Instantiate hook objects from ``(("module:factory", kwargs), ...)``."""
+    hooks = []
+    for spec in specs or ():
+        if isinstance(spec, str):
+            path, kwargs = spec, {}
+        else:
+            path, kwargs = spec[0], dict(spec[1] or {})
+        module_name, _, attr = path.partition(":")
+        if not module_name or not attr:
+            raise ValueError(f"hook {path!r} must look like 'package.module:factory'")
+        factory = getattr(importlib.import_module(module_name), attr)
+        hooks.append(factory(**kwargs))
+    return hooks
+
+
+def _call(hooks: list[Any], name: str, *args: Any) -> list[Any]:
+    out = []
+    for hook in hooks:
+        method = getattr(hook, name, None)
+        if method is not None:
+            out.append(method(*args))
+    return out
+
+
+# --------------------------------------------------------------------------- load targets
+
+
+def default_esft_dir() -> Path:
+    """Where the ESFT 'intent' traces are: ``$EPLB_FSM_ESFT_DIR`` or ../shared/data/loads/... next to the repo."""
+    env = os.environ.get("EPLB_FSM_ESFT_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "data" / "loads" / "esft_deepseek_v2lite_routing" / "intent"
+
+
+def _fit(matrix: np.ndarray, layers: int, experts: int) -> np.ndarray:
+    """Adapt a (L', N') load to (layers, experts): layers cycle, experts fold (e mod N) or repeat."""
+    m = np.asarray(matrix, dtype=np.float64)
+    m = m[np.arange(layers) % m.shape[0]]
+    n = m.shape[1]
+    if n >= experts:
+        out = np.zeros((layers, experts))
+        for e in range(n):
+            out[:, e % experts] += m[:, e]
+    else:
+        out = m[:, np.arange(experts) % n]
+    return out
+
+
+def _normalise(p: np.ndarray) -> np.ndarray:
+    p = np.asarray(p, dtype=np.float64) + 1e-12
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def load_targets(opts: SimOptions) -> SimOptions:
+    """Fill ``opts.targets`` / ``phase_*`` from ``opts.load`` (run once, in the parent).
+
+    ``zipf``: a zipf skew that drifts (lognormal, sigma = ``drift``) once per interval, at
+    mid-interval so each rearrangement plans on one phase. ``esft``: real per-batch
+    routing of the ESFT 'intent' traces (4 sequences per batch), one batch per step,
+    cycling. A file path: that (L, N) load, drifting like zipf.
+    """
+    from eplb_fsm.sim import loads
+
+    rng = np.random.default_rng(opts.seed)
+    first = max(1, opts.interval // 4)
+    if opts.load == "esft":
+        directory = default_esft_dir()
+        if not directory.is_dir():
+            raise ValueError(f"--load esft: ESFT traces not found at {directory} (set EPLB_FSM_ESFT_DIR)")
+        available = sorted(int(p.stem.rsplit("_", 1)[1]) for p in directory.glob("expert_weights_*.txt"))
+        chosen = [available[i % len(available)] for i in range(min(opts.layers, len(available)))]
+        windows = loads.esft_load_windows(directory, 4, num_experts=64, layers=chosen)
+        targets = np.stack([_normalise(_fit(w, opts.layers, opts.experts)) for w in windows])
+        opts.targets, opts.phase_start, opts.phase_steps = targets, 1, 1
+        return opts
+    if opts.load == "zipf":
+        base = loads.zipf_load(opts.layers, opts.experts, exponent=opts.zipf_exponent,
+                               tokens_per_layer=1_000_000, rng=rng)
+    else:
+        base = _fit(loads.load_matrix(opts.load), opts.layers, opts.experts)
+    phases = 1 + max(0, (opts.steps - first - opts.interval // 2) // opts.interval + 1)
+    current = _normalise(base)
+    targets = [current]
+    for _ in range(phases - 1):
+        current = _normalise(loads.drift(current, opts.drift, rng))
+        targets.append(current)
+    opts.targets = np.stack(targets)
+    opts.phase_start = first + opts.interval // 2
+    opts.phase_steps = opts.interval
+    return opts
+
+
+def target_at(opts: SimOptions, step: int) -> np.ndarray:
+    """The routing target of ``step``: (L, N)."""
+    targets = opts.targets
+    if step < opts.phase_start:
+        return targets[0]
+    phase = 1 + (step - opts.phase_start) // opts.phase_steps
+    return targets[phase % len(targets)]
+
+
+# --------------------------------------------------------------------------- the rank body
+
+
+def progress_path(log_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(log_dir) / "progress" / f"rank{rank:05d}.json"
+
+
+def _write_progress(path: Path | None, payload: dict) -> None:
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _maps_agree(phy2log: np.ndarray, group: Any, world: int) -> bool:
+    if world == 1 or group is None:
+        return True
+    import torch.distributed as dist
+
+    mine = torch.from_numpy(phy2log.copy())
+    lo, hi = mine.clone(), mine.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(lo, mine) and torch.equal(hi, mine))
+
+
+def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
+    """Simulate ``opts.steps`` engine steps on this rank; returns the rank's result dict."""
+    import torch.distributed as dist
+
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.sim.model import ToyMoE
+
+    if opts.log_dir and opts.redirect_output:
+        Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
+        log_fd = os.open(Path(opts.log_dir) / f"rank{rank:05d}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)  # this process's stdout (structlog's default sink) -> its own log file
+        os.close(log_fd)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    progress = None
+    if opts.log_dir:
+        progress = progress_path(opts.log_dir, rank)
+        progress.parent.mkdir(parents=True, exist_ok=True)
+    config = EplbConfig(
+        window_size=opts.window,
+        step_interval=opts.interval,
+        num_redundant_experts=opts.redundant,
+        use_async=opts.mode == "async",
+        policy=opts.policy,
+        log_balancedness=True,
+        log_balancedness_interval=max(1, opts.log_interval),
+        min_balancedness_gain=opts.min_balancedness_gain,
+        collective_timeout_s=opts.collective_timeout_s,
+        watchdog_deadline_s=opts.watchdog_deadline_s,
+    )
+    model = ToyMoE(opts.layers, opts.experts, opts.redundant, opts.hidden, opts.top_k, rank, world,
+                   seed=opts.seed, gate_strength=opts.gate_strength)
+    controller = EplbController(config, group=group, trace_dir=opts.log_dir)
+    controller.add_model(model, "main")
+    hooks = build_hooks(opts.hooks)
+    ctx = RankContext(rank, world, opts, model, controller, group)
+    _call(hooks, "on_start", ctx)
+    from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
+
+    checks = mismatches = 0
+    series: list[tuple[int, float]] = []
+    first_mismatch = None
+    states_seen: list[tuple[int, str]] = []
+    t0 = time.perf_counter()
+    step = 0
+    try:
+        for step in range(opts.steps):
+            ctx.step = step
+            overrides: dict = {}
+            for result in _call(hooks, "before_step", ctx, step):
+                if result:
+                    overrides.update(result)
+            is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
+                                          == opts.dummy_every - 1))
+            if not is_dummy:
+                model.set_load_target(target_at(opts, step))
+                x = model.make_batch(step, opts.tokens)
+                out = model.forward(x, group)
+                checks += 1
+                if not torch.equal(out, model.reference_forward(x)):
+                    mismatches += 1
+                    if first_mismatch is None:
+                        first_mismatch = step
+                # the batch's balancedness under the placement it was routed with (local:
+                # every rank routes the whole batch)
+                series.append((step, balancedness_from_rank_loads(
+                    rank_loads_physical(model.last_global_load, world))))
+            before = controller.state
+            state = controller.step(is_dummy=is_dummy, log_stats=True)
+            if state != before:
+                states_seen.append((step, state))
+            _call(hooks, "after_step", ctx, step)
+            if progress is not None and (step % opts.progress_every == 0 or state != before):
+                _write_progress(progress, {"rank": rank, "step": step + 1, "steps": opts.steps, "state": state,
+                                           "layer": controller.layer,
+                                           "rearrangements": sum(h["outcome"] == "committed"
+                                                                 for h in controller.history)})
+            if ctx.stop:
+                break
+        wall = time.perf_counter() - t0
+        entry = controller.models[0]
+        bad_rows = model.check_weights(entry.maps.phy2log)
+        result = {
+            "rank": rank,
+            "world": world,
+            "steps": step + 1,
+            "final_state": controller.state,
+            "final_layer": controller.layer,
+            "history": controller.history,
+            "balancedness": series,
+            "controller_balancedness": controller.balancedness_log,
+            "state_seconds": controller.state_seconds,
+            "output_checks": checks,
+            "mismatches": mismatches,
+            "first_mismatch_step": first_mismatch,
+            "weights_exact": not bad_rows,
+            "bad_rows": bad_rows[:20],
+            "maps_agree": _maps_agree(entry.maps.phy2log, group, world),
+            "phy2log": entry.maps.phy2log.tolist(),
+            "slot_bytes": entry.slot_bytes[0],
+            "trace": str(controller.trace.path) if controller.trace.path else None,
+            "wall_s": wall,
+            "extra": ctx.extra,
+        }
+        _call(hooks, "on_finish", ctx, result)
+        _write_progress(progress, {"rank": rank, "step": step + 1, "steps": opts.steps, "state": controller.state,
+                                   "layer": controller.layer, "done": True,
+                                   "rearrangements": sum(h["outcome"] == "committed" for h in controller.history)})
+        return result
+    finally:
+        controller.close()

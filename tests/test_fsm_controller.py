@@ -1,0 +1,635 @@
+"""EplbController without processes: world 1, and G ranks played by threads of this process.
+
+The thread harness (``ThreadWorld``) gives the controller a group object with
+``all_reduce`` / ``transfer_communicator`` (the controller's documented seam for
+non-torch groups), so the sync and async paths, faults and commits run for real on
+2-4 ranks in a fraction of a second. Real gloo groups are in
+test_fsm_controller_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+import structlog
+import torch
+
+from eplb_fsm import EplbController
+from eplb_fsm.config import EplbConfig
+from eplb_fsm.sim.loads import zipf_load
+from eplb_fsm.sim.model import ToyMoE
+from eplb_fsm.stats import aggregate_logical
+from eplb_fsm.trace import read_trace
+
+
+# --------------------------------------------------------------------------- harness
+
+
+class ThreadWorld:
+    """G in-process ranks: a barrier-based all-reduce and queue-based point-to-point messages."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.slots: list = [None] * world
+        self.queues: dict = {}
+        self.lock = threading.Lock()
+        self.all_reduces = [0] * world
+
+    def queue(self, key) -> queue.Queue:
+        with self.lock:
+            if key not in self.queues:
+                self.queues[key] = queue.Queue()
+            return self.queues[key]
+
+    def group(self, rank: int) -> "ThreadGroup":
+        return ThreadGroup(self, rank)
+
+
+class ThreadGroup:
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.w = world
+        self.rank = rank
+        self.world_size = world.world
+        self.generation = 0
+        self.fail_all_reduce = False
+
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        if self.fail_all_reduce:
+            raise TimeoutError("injected all-reduce timeout")
+        w = self.w
+        w.slots[self.rank] = tensor.detach().clone()
+        w.barrier.wait(timeout_s)
+        total = w.slots[0].clone()
+        for t in w.slots[1:]:
+            total += t
+        w.barrier.wait(timeout_s)
+        tensor.copy_(total)
+        w.all_reduces[self.rank] += 1
+
+    def transfer_communicator(self, timeout_s: float) -> "ThreadCommunicator":
+        self.generation += 1
+        return ThreadCommunicator(self.w, self.rank, self.generation, timeout_s)
+
+
+class ThreadCommunicator:
+    multi_rank = False
+    name = "ep_transfer"
+
+    def __init__(self, world: ThreadWorld, rank: int, generation: int, timeout_s: float) -> None:
+        self.w, self.rank, self.gen, self.timeout = world, rank, generation, timeout_s
+        self.world_size = world.world
+        self.local_ranks = (rank,)
+        self.ops: list = []
+
+    def add_send(self, tensor, src, dst):
+        self.ops.append(("send", tensor, dst))
+
+    def add_recv(self, tensor, src, dst):
+        self.ops.append(("recv", tensor, src))
+
+    def execute(self):
+        ops, self.ops = self.ops, []
+        for kind, t, peer in ops:
+            if kind == "send":
+                self.w.queue((self.gen, self.rank, peer)).put(t.detach().clone())
+        for kind, t, peer in ops:
+            if kind == "recv":
+                try:
+                    t.copy_(self.w.queue((self.gen, peer, self.rank)).get(timeout=self.timeout))
+                except queue.Empty:
+                    raise TimeoutError(f"rank {self.rank}: no message from rank {peer}") from None
+
+    def discard(self):
+        self.ops = []
+
+
+def run_threads(world: int, body, timeout: float = 60.0) -> list:
+    """Run body(rank, group) on ``world`` threads; return results by rank, re-raise the first error."""
+    tw = ThreadWorld(world)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def target(rank):
+        try:
+            results[rank] = body(rank, tw.group(rank))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors[rank] = exc
+            tw.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def skewed_target(layers: int, experts: int, seed: int = 3) -> np.ndarray:
+    p = zipf_load(layers, experts, exponent=1.2, tokens_per_layer=100_000, rng=seed).astype(float) + 1
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def drive(ctl, model, group, steps, target, tokens=64, start=0, on_step=None, check=True):
+    """Run engine steps: forward (load recorded), output check against the reference, controller.step."""
+    model.set_load_target(target)
+    for s in range(start, start + steps):
+        x = model.make_batch(s, tokens)
+        out = model.forward(x, group)
+        if check:
+            assert torch.equal(out, model.reference_forward(x)), f"output changed at step {s}"
+        ctl.step()
+        if on_step is not None:
+            on_step(s)
+
+
+def events(ctl, kind=None):
+    recs = ctl.trace.records
+    return [r for r in recs if kind is None or r["event"] == kind]
+
+
+def transitions(ctl):
+    return [(r["trigger"], r["source"], r["dest"]) for r in events(ctl, "transition")]
+
+
+class ProtocolModel:
+    """The smallest protocol model (one float per slot), for world-1 tests."""
+
+    def __init__(self, layers=3, experts=8, redundant=4, world=1):
+        self.num_moe_layers = layers
+        self.num_logical_experts = experts
+        self.num_redundant_experts = redundant
+        self.num_physical_experts = experts + redundant
+        self.num_local_physical_experts = (experts + redundant) // world
+        self.num_expert_groups = 1
+        self.expert_weights = [[torch.zeros(self.num_local_physical_experts, 2)] for _ in range(layers)]
+        self.calls = 0
+
+    def set_eplb_state(self, load_pass, log2phy, replica_count):
+        self.load_pass, self.log2phy, self.replica_count = load_pass, log2phy, replica_count
+        self.calls += 1
+
+
+def cfg(**kw) -> EplbConfig:
+    base = dict(window_size=8, step_interval=16, num_redundant_experts=4, collective_timeout_s=5.0)
+    base.update(kw)
+    return EplbConfig(**base)
+
+
+# --------------------------------------------------------------------------- world 1
+
+
+def test_header_first_then_model_then_steps(tmp_path):
+    """The trace starts with a header holding the config, and every engine step leaves one step record."""
+    ctl = EplbController(cfg(), trace_dir=str(tmp_path))
+    ctl.add_model(ProtocolModel(), "main")
+    for _ in range(10):
+        ctl.step()
+    ctl.close()
+    records, bad = read_trace(ctl.trace.path)
+    assert bad == 0
+    assert records[0]["event"] == "header" and records[0]["config"]["step_interval"] == 16
+    assert records[1]["event"] == "model_added"
+    per_step = [r["step"] for r in records
+                if r["event"] == "step" or (r["event"] == "transition" and r["trigger"] == "step")]
+    assert per_step == list(range(10))
+    assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_first_rearrangement_at_quarter_interval_then_every_interval():
+    """Rearrangements are due after step_interval//4 steps, then every step_interval steps."""
+    ctl = EplbController(cfg(step_interval=16), keep_trace=True)
+    ctl.add_model(ProtocolModel(), "main")
+    for _ in range(50):
+        ctl.step()
+    due = [r["step"] for r in events(ctl, "transition") if r["trigger"] == "step" and r["due"]]
+    assert due == [3, 19, 35]  # counts 4, 20, 36 steps
+    assert ctl.steps_until_due == 16 - (50 - 36)
+
+
+def test_world1_plan_moves_nothing_and_is_skipped():
+    """With one rank nothing can move: plan_ready carries moves=0/worth=False and a plan_skipped says why."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(step_interval=8), keep_trace=True)
+    ctl.add_model(model, "main")
+    before = ctl.maps("main").phy2log.copy()
+    for _ in range(2):
+        model.load_pass[:, 0] += 50  # a very hot expert
+        ctl.step()
+    assert transitions(ctl)[-2:] == [("step", "collecting", "planning"), ("plan_ready", "planning", "collecting")]
+    ready = events(ctl, "transition")[-1]
+    assert ready["moves"] == 0 and ready["worth"] is False
+    skipped = events(ctl, "plan_skipped")
+    assert skipped and skipped[-1]["reason"] == "no_moves"
+    assert np.array_equal(ctl.maps("main").phy2log, before)
+    assert ctl.history[-1]["outcome"] == "skipped"
+
+
+def test_dummy_steps_count_toward_interval_but_not_the_window():
+    """Dummy steps advance the interval (ranks stay in lock-step) and leave the window untouched."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(step_interval=16), keep_trace=True)
+    ctl.add_model(model, "main")
+    for _ in range(3):
+        model.load_pass[0, 0] = 7  # padding tokens a dummy pass must not count
+        ctl.step(is_dummy=True)
+    window = ctl.model("main").window
+    assert window.filled == 0 and int(window.load_pass.sum()) == 0
+    ctl.step()
+    assert ctl.state == "collecting"
+    assert [r["trigger"] for r in events(ctl, "transition")][:1] == ["step"]  # the 4th step was due
+    assert events(ctl, "step")[0].get("dummy") is True
+
+
+def test_profile_step_reserves_buffers_and_changes_nothing():
+    """A profile step allocates the transfer buffer but leaves state, counters and window alone."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(), keep_trace=True)
+    entry = ctl.add_model(model, "main")
+    model.load_pass += 3
+    assert ctl.step(is_profile=True) == "collecting"
+    assert ctl.steps == 0 and ctl.steps_until_due == 4
+    assert entry.buffer.nbytes > 0
+    assert entry.window.filled == 0 and int(entry.window.load_pass.sum()) == 0
+    assert events(ctl, "profile")[0]["buffer_bytes"] == entry.buffer.nbytes
+
+
+def test_negative_load_is_rejected_and_nothing_moves():
+    """A negative all-reduced load becomes a recoverable fault: back to collecting, maps unchanged."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(step_interval=8), keep_trace=True)
+    ctl.add_model(model, "main")
+    before = ctl.maps("main").phy2log.copy()
+    model.load_pass[1, 2] = -5
+    ctl.step()
+    ctl.step()
+    assert ctl.state == "collecting"
+    assert events(ctl, "loads_rejected")[0]["reason"].startswith("negative load")
+    fault = [r for r in events(ctl, "transition") if r["trigger"] == "fault"][0]
+    assert fault["recoverable"] is True and fault["source"] == "planning" and fault["dest"] == "collecting"
+    assert np.array_equal(ctl.maps("main").phy2log, before)
+    assert ctl.history[-1]["outcome"] == "rejected"
+
+
+def test_nan_load_from_estimator_is_rejected(monkeypatch):
+    """A NaN planning load (decayed estimator) is rejected the same way."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(step_interval=8, load_estimator="decayed_sum", load_decay=0.5), keep_trace=True)
+    entry = ctl.add_model(model, "main")
+    monkeypatch.setattr(entry.window, "estimate",
+                        lambda *a, **k: torch.full((3, 12), float("nan"), dtype=torch.float64))
+    ctl.step()
+    ctl.step()
+    assert ctl.state == "collecting"
+    assert events(ctl, "loads_rejected")[0]["reason"] == "NaN in the load"
+
+
+def test_configured_load_estimator_feeds_the_plan(monkeypatch):
+    """load_estimator/load_decay reach LoadWindow.estimate, whose result is what gets all-reduced."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(step_interval=8, load_estimator="subwindow_max", load_decay=0.5), keep_trace=True)
+    entry = ctl.add_model(model, "main")
+    calls = []
+    real = entry.window.estimate
+
+    def spy(estimator="window_sum", decay=0.9, *args, **kwargs):
+        calls.append((estimator, decay))
+        return real(estimator, decay, *args, **kwargs)
+
+    monkeypatch.setattr(entry.window, "estimate", spy)
+    model.load_pass[0, 1] = 4
+    ctl.step()
+    ctl.step()
+    assert calls == [("subwindow_max", 0.5)]
+    assert ctl.history[-1]["outcome"] == "skipped"  # world 1: planned on it, nothing to move
+
+
+def test_main_and_drafter_share_one_all_reduce():
+    """With a drafter, the due step issues exactly one all-reduce carrying both models' logical loads."""
+    ctl = EplbController(cfg(step_interval=8), keep_trace=True)
+    ctl.add_model(ProtocolModel(layers=3, experts=8), "main")
+    ctl.add_model(ProtocolModel(layers=1, experts=8), "drafter")
+    assert ctl.machine.num_layers == 4
+    ctl.step()
+    ctl.step()
+    starts = [r for r in events(ctl, "collective_start") if r["step"] == 1]
+    assert len(starts) == 1
+    assert starts[0]["op"] == "all_reduce" and starts[0]["parts"] == ["loads"]
+    assert starts[0]["shape"] == [3 * 8 + 1 * 8]
+
+
+def test_balancedness_logged_at_its_interval():
+    """log_balancedness writes a balancedness record and a structlog event every interval steps."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(log_balancedness=True, log_balancedness_interval=3), keep_trace=True)
+    ctl.add_model(model, "main")
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(7):
+            model.load_pass += 1
+            ctl.step(log_stats=True)
+        ctl.step(log_stats=False)  # not asked: nothing logged
+    assert [s for s, _ in ctl.balancedness_log] == [0, 3, 6]
+    assert len(events(ctl, "balancedness")) == 3
+    assert sum(1 for e in logs if e["event"] == "eplb balancedness") == 3
+
+
+def test_add_model_rejects_a_model_breaking_the_protocol():
+    """A model whose slot rows don't match S is refused with a ValueError naming the attribute."""
+    ctl = EplbController(cfg())
+    bad = ProtocolModel()
+    bad.expert_weights[1] = [torch.zeros(5, 2)]
+    with pytest.raises(ValueError, match=r"expert_weights\[1\]\[0\]"):
+        ctl.add_model(bad, "main")
+    wrong = ProtocolModel(redundant=2)
+    with pytest.raises(ValueError, match="num_redundant_experts"):
+        ctl.add_model(wrong, "main")
+    assert ctl.models == []
+
+
+def test_rearrange_needs_collecting_and_a_model():
+    """rearrange() refuses without a model or outside collecting."""
+    ctl = EplbController(cfg())
+    with pytest.raises(ValueError, match="add_model"):
+        ctl.rearrange()
+
+
+# --------------------------------------------------------------------------- thread ranks
+
+
+def _toy(rank, world, layers=3, experts=8, redundant=4, seed=0):
+    return ToyMoE(num_layers=layers, num_experts=experts, num_redundant=redundant, hidden=8, top_k=2,
+                  rank=rank, world_size=world, seed=seed)
+
+
+def test_sync_rearrangement_end_to_end_in_one_step():
+    """Sync mode: the due step goes collecting->planning->transferring(0..L-1)->committing->collecting."""
+    L = 3
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        drive(ctl, model, group, 20, target)
+        return ctl, model
+
+    (c0, m0), (c1, m1) = run_threads(2, body)
+    for ctl, model in ((c0, m0), (c1, m1)):
+        first = [h for h in ctl.history if h["outcome"] == "committed"]
+        assert first and first[0]["step"] == 3 and first[0]["end_step"] == 3
+        trail = [(r["trigger"], r["dest"], r["step"]) for r in events(ctl, "transition")][:L + 3]
+        assert trail[0] == ("step", "planning", 3) and trail[1] == ("plan_ready", "transferring", 3)
+        assert [t[:2] for t in trail[2:2 + L]] == [("layer_done", "transferring")] * (L - 1) + [
+            ("layer_done", "committing")]
+        assert trail[-1] == ("committed", "collecting", 3)
+        assert model.check_weights(ctl.maps("main").phy2log) == []
+        assert first[0]["balancedness_after"] > first[0]["balancedness_before"]
+        # the router's tensors are the committed maps
+        assert torch.equal(model.log2phy, torch.from_numpy(ctl.maps("main").log2phy))
+    assert np.array_equal(c0.maps("main").phy2log, c1.maps("main").phy2log)
+    assert not np.array_equal(c0.maps("main").phy2log, np.tile(np.arange(12) % 8, (L, 1)))
+    # every transfer wave and every all-reduce is bracketed, and collectives pair up across ranks
+    for ctl in (c0, c1):
+        starts = events(ctl, "collective_start")
+        ends = events(ctl, "collective_end")
+        assert len(starts) == len(ends) and {r["op"] for r in starts} >= {"all_reduce", "batch_isend_irecv"}
+    key = lambda c: [(r["group"], r["cseq"], r["op"]) for r in events(c, "collective_start")]  # noqa: E731
+    assert key(c0) == key(c1)
+
+
+def test_window_keeps_expert_totals_after_commit():
+    """After a layer's maps change, the window still sums to the same per-expert load."""
+    L = 2
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16, window_size=32), group=group, keep_trace=True)
+        entry = ctl.add_model(model, "main")
+        drive(ctl, model, group, 3, target)
+        old = torch.from_numpy(entry.maps.phy2log.copy())
+        logical_before = aggregate_logical(entry.window.physical_load(), old, 8)
+        drive(ctl, model, group, 1, target, start=3)  # the due step (no new pass: remap only)
+        assert ctl.history[-1]["outcome"] == "committed"
+        new = torch.from_numpy(entry.maps.phy2log)
+        window = entry.window
+        # the due step's own pass was recorded before the remap; subtract it back out
+        newest = window.window[(window.next_index - 1) % window.window_size]
+        after = aggregate_logical(window.physical_load() - newest, new, 8)
+        before_plus = logical_before
+        return before_plus, after
+
+    for before, after in run_threads(2, body):
+        assert torch.equal(before, after)
+
+
+def test_async_commits_one_layer_per_step_and_outputs_never_change():
+    """Async mode: policy and transfers run in the worker; layers commit on later steps, outputs stay exact."""
+    L = 3
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16, use_async=True), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        seen = []
+        drive(ctl, model, group, 24, target, on_step=lambda s: seen.append((s, ctl.state, ctl.layer)))
+        ctl.close()
+        return ctl, model, seen
+
+    results = run_threads(2, body)
+    (c0, m0, seen0), (c1, m1, seen1) = results
+    assert seen0 == seen1  # both ranks in the same state at every step
+    done = [r for r in events(c0, "transition") if r["trigger"] == "layer_done"][:L]
+    assert [r["layer"] for r in done] == list(range(L))
+    assert len({r["step"] for r in done}) >= 2  # committed over several steps, not in one
+    assert any(state == "transferring" for _, state, _ in seen0)
+    for ctl, model in ((c0, m0), (c1, m1)):
+        assert ctl.history[0]["outcome"] == "committed" and ctl.history[0]["end_step"] > ctl.history[0]["step"]
+        assert model.check_weights(ctl.maps("main").phy2log) == []
+    assert np.array_equal(c0.maps("main").phy2log, c1.maps("main").phy2log)
+    # every waiting step issued its ready all-reduce on the main group
+    assert [r for r in events(c0, "collective_start") if r.get("parts") == ["ready"]]
+
+
+def test_injected_transfer_error_on_one_rank_aborts_consistently():
+    """A transfer error on one rank at layer 1: layer 0 stays new, layers 1.. keep old maps and weights."""
+    L = 3
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16, collective_timeout_s=0.5), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        initial = ctl.maps("main").phy2log.copy()
+
+        def hook(layer, name, local):
+            if rank == 0 and layer == 1:
+                raise RuntimeError("injected transfer error")
+
+        ctl.transfer_hooks.append(hook)
+        drive(ctl, model, group, 4, target)
+        return ctl, model, initial
+
+    results = run_threads(2, body)
+    maps = []
+    for ctl, model, initial in results:
+        assert ctl.state == "collecting"
+        h = ctl.history[-1]
+        assert h["outcome"] == "aborted" and h["layers_committed"] == 1
+        fault = [r for r in events(ctl, "transition") if r["trigger"] == "fault"][0]
+        assert fault["recoverable"] is True and fault["failed_layer"] == 1 and fault["source"] == "transferring"
+        phy = ctl.maps("main").phy2log
+        assert not np.array_equal(phy[0], initial[0])   # committed layer: new placement
+        assert np.array_equal(phy[1:], initial[1:])       # the rest: old
+        assert model.check_weights(phy) == []             # weights match the maps everywhere
+        assert torch.equal(model.log2phy, torch.from_numpy(ctl.maps("main").log2phy))
+        assert events(ctl, "transfer_group_reset")
+        maps.append(phy)
+    assert np.array_equal(maps[0], maps[1])
+
+
+def test_async_worker_error_becomes_a_shared_fault():
+    """An async transfer failing on one rank is seen by every rank on the same step (all-reduced flags)."""
+    L = 3
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16, use_async=True, collective_timeout_s=0.5), group=group,
+                             keep_trace=True)
+        ctl.add_model(model, "main")
+
+        def hook(layer, name, local):
+            if rank == 1 and layer == 2:
+                raise RuntimeError("injected worker error")
+
+        ctl.transfer_hooks.append(hook)
+        drive(ctl, model, group, 30, target)
+        ctl.close()
+        return ctl, model
+
+    results = run_threads(2, body)
+    steps = set()
+    for ctl, model in results:
+        fault = [r for r in events(ctl, "transition") if r["trigger"] == "fault"][0]
+        steps.add(fault["step"])
+        assert fault["dest"] == "collecting" and fault["layers_committed"] == 2
+        assert model.check_weights(ctl.maps("main").phy2log) == []
+    assert len(steps) == 1
+    assert np.array_equal(results[0][0].maps("main").phy2log, results[1][0].maps("main").phy2log)
+
+
+def test_broken_group_sends_the_machine_to_failed_and_recover_returns():
+    """An all-reduce that fails is not recoverable: failed; recover() brings it back to collecting."""
+    def body(rank, group):
+        model = _toy(rank, 2, layers=2)
+        ctl = EplbController(cfg(step_interval=8, collective_timeout_s=0.5), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        group.fail_all_reduce = rank == 0
+        drive(ctl, model, None, 2, skewed_target(2, 8), check=False)  # forward without collectives
+        state = ctl.state
+        ctl.step()  # steps in failed still count and are traced
+        group.fail_all_reduce = False
+        ctl.recover()
+        return state, ctl.state, ctl.history[-1]["outcome"]
+
+    for failed_state, after, outcome in run_threads(2, body):
+        assert failed_state == "failed" and after == "collecting" and outcome == "aborted"
+
+
+def test_gain_below_threshold_is_skipped_with_reason():
+    """A plan whose predicted gain is <= min_balancedness_gain goes back to collecting and says why."""
+    target = skewed_target(2, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=2)
+        ctl = EplbController(cfg(step_interval=8, min_balancedness_gain=0.999), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        before = ctl.maps("main").phy2log.copy()
+        drive(ctl, model, group, 2, target)
+        return ctl, before
+
+    for ctl, before in run_threads(2, body):
+        ready = [r for r in events(ctl, "transition") if r["trigger"] == "plan_ready"][0]
+        assert ready["moves"] > 0 and ready["worth"] is False and ready["dest"] == "collecting"
+        assert events(ctl, "plan_skipped")[0]["reason"] == "gain_below_threshold"
+        assert np.array_equal(ctl.maps("main").phy2log, before)
+
+
+def test_main_and_drafter_rearrange_together_on_thread_ranks():
+    """Main model and drafter: one load all-reduce on the due step, both models' layers move, both exact."""
+    def body(rank, group):
+        main, drafter = _toy(rank, 2, layers=2), _toy(rank, 2, layers=1, seed=7)
+        ctl = EplbController(cfg(step_interval=16), group=group, keep_trace=True)
+        ctl.add_model(main, "main")
+        ctl.add_model(drafter, "drafter")
+        main.set_load_target(skewed_target(2, 8, seed=1))
+        drafter.set_load_target(skewed_target(1, 8, seed=2))
+        for s in range(4):
+            x = main.make_batch(s, 64)
+            assert torch.equal(main.forward(x, group), main.reference_forward(x))
+            assert torch.equal(drafter.forward(x, group), drafter.reference_forward(x))
+            ctl.step()
+        return ctl, main, drafter
+
+    for ctl, main, drafter in run_threads(2, body):
+        h = ctl.history[0]
+        assert h["outcome"] == "committed" and h["num_layers"] == 3
+        loads = [r for r in events(ctl, "collective_start") if r["step"] == 3 and r.get("parts") == ["loads"]]
+        assert len(loads) == 1 and loads[0]["shape"] == [2 * 8 + 1 * 8]
+        assert main.check_weights(ctl.maps("main").phy2log) == []
+        assert drafter.check_weights(ctl.maps("drafter").phy2log) == []
+        done = [(r["model"], r["model_layer"]) for r in events(ctl, "transition") if r["trigger"] == "layer_done"]
+        assert done == [("main", 0), ("main", 1), ("drafter", 0)]
+
+
+def test_rearrange_on_demand_runs_now_and_restarts_the_interval():
+    """rearrange() plans and moves at once (sync) and the next due step is a full interval later."""
+    def body(rank, group):
+        model = _toy(rank, 2, layers=2)
+        ctl = EplbController(cfg(step_interval=16), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        drive(ctl, model, group, 2, skewed_target(2, 8))
+        entry = ctl.rearrange()
+        return entry, ctl.steps_until_due, model.check_weights(ctl.maps("main").phy2log)
+
+    for entry, until, bad in run_threads(2, body):
+        assert entry["outcome"] == "committed" and entry["forced"] is True
+        assert until == 16 and bad == []
+
+
+def test_policy_failure_in_the_async_worker_is_a_recoverable_fault():
+    """A policy that raises in the worker ends planning with a recoverable fault on every rank at the same step."""
+    from eplb_fsm.policy.base import AbstractEplbPolicy
+    from eplb_fsm.policy.registry import register_policy
+
+    class Exploding(AbstractEplbPolicy):
+        name = "test_exploding"
+
+        @classmethod
+        def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log=None):
+            raise RuntimeError("policy exploded")
+
+    register_policy("test_exploding", Exploding, replace=True)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=2)
+        ctl = EplbController(cfg(step_interval=8, use_async=True, policy="test_exploding"), group=group,
+                             keep_trace=True)
+        ctl.add_model(model, "main")
+        drive(ctl, model, group, 6, skewed_target(2, 8))
+        ctl.close()
+        fault = [r for r in events(ctl, "transition") if r["trigger"] == "fault"][0]
+        return fault["step"], fault["source"], fault["dest"], "policy exploded" in fault["reason"], ctl.state
+
+    first, second = run_threads(2, body)
+    assert first == second
+    assert first[1:] == ("planning", "collecting", True, "collecting")

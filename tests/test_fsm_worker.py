@@ -1,0 +1,115 @@
+"""BackgroundWorker: jobs run in order on one thread with its own asyncio loop; every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from eplb_fsm.fsm.worker import BackgroundWorker
+
+
+def test_jobs_run_in_submission_order_on_the_worker_thread():
+    """Jobs run one at a time, in order, on a thread other than the caller's."""
+    order, threads = [], set()
+    with BackgroundWorker() as worker:
+        jobs = [worker.submit(lambda i=i: (order.append(i), threads.add(threading.get_ident()), i)[2], kind="t")
+                for i in range(5)]
+        assert worker.wait_idle(5.0)
+        assert [job.result(timeout=1.0) for job in jobs] == list(range(5))
+    assert order == list(range(5))
+    assert threads and threading.get_ident() not in threads
+
+
+def test_error_is_reported_not_raised():
+    """A job that raises is done, not ok, and keeps its exception for the controller to report."""
+    with BackgroundWorker() as worker:
+        job = worker.submit(lambda: 1 / 0)
+        assert worker.wait_idle(5.0)
+        assert job.done() and not job.ok()
+        assert isinstance(job.error(), ZeroDivisionError)
+        with pytest.raises(ZeroDivisionError):
+            job.result(timeout=0)
+        # the worker survives a failed job
+        assert worker.submit(lambda: 7).result(timeout=5.0) == 7
+
+
+def test_done_is_false_while_running_and_age_grows():
+    """While a job runs, done() is False and its age (local time, for timeout flags) increases."""
+    gate = threading.Event()
+    with BackgroundWorker() as worker:
+        job = worker.submit(gate.wait, 5.0, kind="transfer", layer=3)
+        time.sleep(0.05)
+        assert not job.done() and job.error() is None and job.layer == 3
+        assert job.age() >= 0.05
+        assert worker.pending == 1 and not worker.idle()
+        gate.set()
+        assert worker.wait_idle(5.0) and job.ok()
+
+
+def test_wait_idle_times_out_on_a_stuck_job():
+    """wait_idle returns False when a job does not finish in time (a bounded wait, never a hang)."""
+    gate = threading.Event()
+    worker = BackgroundWorker()
+    try:
+        worker.submit(gate.wait, 5.0)
+        assert worker.wait_idle(0.1) is False
+    finally:
+        gate.set()
+        assert worker.close(timeout=5.0)
+
+
+def test_close_fails_queued_jobs():
+    """Jobs still queued when the worker closes end with an error instead of waiting forever."""
+    gate = threading.Event()
+    worker = BackgroundWorker()
+    running = worker.submit(gate.wait, 5.0)
+    queued = worker.submit(lambda: "never")
+    time.sleep(0.05)
+    closer = threading.Thread(target=worker.close, kwargs={"timeout": 5.0})
+    closer.start()
+    gate.set()
+    closer.join(5.0)
+    assert running.done()
+    assert queued.done() and isinstance(queued.error(), RuntimeError)
+    with pytest.raises(RuntimeError):
+        worker.submit(lambda: 1)
+
+
+async def test_coroutines_run_on_the_worker_loop():
+    """An async caller can await work scheduled on the worker's own loop."""
+    with BackgroundWorker() as worker:
+        async def where():
+            await asyncio.sleep(0)
+            return threading.get_ident()
+
+        ident = await asyncio.wrap_future(worker.run_coroutine(where()))
+        assert ident != threading.get_ident()
+        job = worker.submit(lambda: 42)
+        assert await asyncio.wrap_future(job.future) == 42
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_jobs_run_on_the_worker_stream():
+    """On GPU each job runs on the worker's own stream and done() waits for its recorded event."""
+    with BackgroundWorker(device="cuda") as worker:
+        assert worker.stream is not None
+        src = torch.randn(1 << 20, device="cuda")
+        dst = torch.empty_like(src)
+
+        def copy():
+            assert torch.cuda.current_stream() == worker.stream
+            dst.copy_(src)
+            return True
+
+        job = worker.submit(copy)
+        assert job.result(timeout=10.0)
+        deadline = time.monotonic() + 10.0
+        while not job.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert job.done() and job.cuda_event is not None
+        job.wait_stream()
+        assert torch.equal(dst, src)
