@@ -1,0 +1,140 @@
+"""``eplb-fsm bench replay``: time to a replay verdict on synthetic many-rank traces.
+
+Writes a healthy job and the same job with an injected hang (one rank never joins an
+all-reduce, every other rank waits inside it) as per-rank JSONL files in a temporary
+folder, then times ``replay_dir`` on each, next to a baseline measured in the same run:
+reading and ``json.loads``-ing every line of the same files with ``read_trace`` (what any
+reader must at least do), and once more with the files spread over worker processes
+(one per CPU, ``jobs=0``). One rank is simulated through the real machine and trace
+writer; its file is copied to the other ranks with the rank field changed.
+
+Wall times are the best of ``--repeat`` runs; ``cpu_s`` is this process's CPU time in
+that run, which stays meaningful when other work shares the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=64, help="world size (default 64)")
+    parser.add_argument("--steps", type=int, default=10_000, help="engine steps per rank (default 10000)")
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers transferred per rearrangement (default 4)")
+    parser.add_argument("--interval", type=int, default=100, help="steps between rearrangements (default 100)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed replays per trace set; the best is reported")
+
+
+def _write_world(src: Path, out_dir: Path, ranks: list[int]) -> int:
+    """Copy rank 0's file to each rank in ``ranks``; returns the bytes written per copy."""
+    from eplb_fsm.trace import trace_path
+
+    text = src.read_text(encoding="utf-8")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for r in ranks:
+        trace_path(out_dir, r).write_text(text.replace(',"rank":0,', f',"rank":{r},'), encoding="utf-8")
+    return len(text)
+
+
+def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interval: int, faults=None) -> Path:
+    from eplb_fsm.inspect.synth import SyntheticJob
+    from eplb_fsm.trace import trace_path
+
+    folder = tmp / f"template-{name}"
+    job = SyntheticJob(world=world, num_layers=layers, interval=interval, trace_dir=folder, ranks=[0], keep=False)
+    job.run(steps, faults)
+    job.close()
+    return trace_path(folder, 0)
+
+
+def _time(fn, repeat: int) -> tuple[float, float, float, object]:
+    """(best wall s, median wall s, CPU s of this process in the best run, result)."""
+    runs, result = [], None
+    for _ in range(max(1, repeat)):
+        c0, t0 = time.process_time(), time.perf_counter()
+        result = fn()
+        runs.append((time.perf_counter() - t0, time.process_time() - c0))
+    best = min(runs)
+    return best[0], statistics.median(r[0] for r in runs), best[1], result
+
+
+def run(args: argparse.Namespace) -> dict:
+    from eplb_fsm.inspect.replay import default_jobs, replay_dir
+    from eplb_fsm.inspect.synth import Faults, Stop
+    from eplb_fsm.trace import read_trace, trace_path
+
+    world, steps = args.ranks, args.steps
+    if world < 2 or steps < 2 * args.interval:
+        raise SystemExit("eplb-fsm bench replay: need --ranks >= 2 and --steps >= 2 * --interval")
+    culprit = world // 2
+    # the last rearrangement step that fits, so the hang leaves a long healthy prefix
+    hang_step = (steps // args.interval) * args.interval - 1
+    if hang_step >= steps:
+        hang_step -= args.interval
+    with tempfile.TemporaryDirectory(prefix="eplb-bench-replay-") as tmp_name:
+        tmp = Path(tmp_name)
+        t0 = time.perf_counter()
+        healthy_src = _simulate(tmp, "healthy", world, steps, args.layers, args.interval)
+        waiting_src = _simulate(tmp, "waiting", world, steps, args.layers, args.interval,
+                                Faults(stop={0: Stop(hang_step, "in_collective")}))
+        culprit_src = _simulate(tmp, "culprit", world, steps, args.layers, args.interval,
+                                Faults(stop={0: Stop(hang_step, "before_collective")}))
+        healthy_dir, hang_dir = tmp / "healthy", tmp / "hang"
+        per_rank = _write_world(healthy_src, healthy_dir, list(range(world)))
+        _write_world(waiting_src, hang_dir, [r for r in range(world) if r != culprit])
+        _write_world(culprit_src, hang_dir, [culprit])
+        generate_s = time.perf_counter() - t0
+        n_records = sum(1 for _ in open(trace_path(healthy_dir, 0), encoding="utf-8")) * world
+
+        def parse_only():
+            return sum(len(read_trace(trace_path(healthy_dir, r))[0]) for r in range(world))
+
+        parse_best, _, parse_cpu, parsed = _time(parse_only, args.repeat)
+        healthy_best, healthy_median, healthy_cpu, healthy = _time(lambda: replay_dir(healthy_dir), args.repeat)
+        hang_best, hang_median, hang_cpu, hang = _time(lambda: replay_dir(hang_dir), args.repeat)
+        jobs = min(default_jobs(), world)
+        parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeat)
+    assert parsed == n_records
+    return {
+        "ranks": world,
+        "steps": steps,
+        "layers": args.layers,
+        "interval": args.interval,
+        "records": n_records,
+        "bytes": per_rank * world,
+        "generate_s": round(generate_s, 3),
+        "baseline_parse_s": round(parse_best, 3),
+        "baseline_parse_cpu_s": round(parse_cpu, 3),
+        "healthy": {
+            "verdict": healthy.verdict,
+            "seconds": round(healthy_best, 3),
+            "median_s": round(healthy_median, 3),
+            "cpu_s": round(healthy_cpu, 3),
+            "records_per_s": round(n_records / healthy_best),
+            "over_parse": round(healthy_best / parse_best, 3),
+        },
+        "hang": {
+            "verdict": hang.verdict,
+            "culprit_ranks": hang.culprit_ranks,
+            "expected_culprit": culprit,
+            "step": hang.step,
+            "collective": hang.collective,
+            "seconds": round(hang_best, 3),
+            "median_s": round(hang_median, 3),
+            "cpu_s": round(hang_cpu, 3),
+        },
+        "parallel": {
+            "jobs": jobs,
+            "verdict": parallel.verdict,
+            "seconds": round(parallel_best, 3),
+            "over_serial": round(parallel_best / hang_best, 3),
+        },
+        "target_s": TARGET_S,
+        "meets_target": max(healthy_best, hang_best) < TARGET_S,
+    }

@@ -1,0 +1,48 @@
+"""Tools that read the machine and the traces: diagrams, replay and hang diagnosis.
+
+This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine),
+``summary`` (one rank's trace re-driven through the machine), ``replay`` (diagnosis across
+ranks), ``render`` (text report, timeline) and ``synth`` (synthetic traces).
+"""
+
+from eplb_fsm.inspect.diagrams import machine_edges, render_dot, render_mermaid, stale_files
+from eplb_fsm.inspect.render import format_report, format_timeline
+from eplb_fsm.inspect.replay import (
+    Finding,
+    MachineOracle,
+    NoTraces,
+    RankSummary,
+    Report,
+    diagnose,
+    load_dir,
+    read_records,
+    replay_dir,
+    summarize_rank,
+    summarize_text,
+)
+from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+
+__all__ = [
+    "Faults",
+    "Finding",
+    "MachineOracle",
+    "NoTraces",
+    "RankSummary",
+    "Report",
+    "Stop",
+    "SyntheticJob",
+    "diagnose",
+    "format_report",
+    "format_timeline",
+    "hang_faults",
+    "load_dir",
+    "machine_edges",
+    "read_records",
+    "render_dot",
+    "render_mermaid",
+    "replay_dir",
+    "stale_files",
+    "summarize_rank",
+    "summarize_text",
+    "write_traces",
+]

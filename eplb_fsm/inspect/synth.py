@@ -1,0 +1,321 @@
+"""Synthetic per-rank traces: a lockstep sync-mode job driven through the real machine.
+
+Each ``SyntheticRank`` pairs an ``EplbMachine`` with an ``EventTrace`` and records what
+the controller records: a ``header``, a compact ``step`` record for every step that keeps
+the state, a ``transition`` record for every other fired event (with ``num_layers`` and
+the event data), and ``collective_start``/``collective_end`` pairs from
+``EventTrace.collective``. ``SyntheticJob`` runs W such ranks step by step: every
+``interval`` steps a rearrangement all-reduces the load, plans, transfers every layer
+with one ``batch_isend_irecv`` per layer and commits (every third plan finds nothing
+worth moving and logs ``plan_skipped``).
+
+Faults are injected per rank, so tests, the docs and ``eplb-fsm bench replay`` get
+realistic broken traces: a rank that stops (before a step, before its collective, or
+inside it), a rank whose interval counter misses a step, a rank that issues a different
+collective, a rank that records an illegal transition, a rank with a different config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eplb_fsm.fsm.machine import EplbMachine, Fired
+from eplb_fsm.trace import EventTrace, trace_path
+
+# group names the controller writes: its EP group and its own transfer group
+GROUP = "ep"
+TRANSFER_GROUP = "ep_transfer"
+SLOT_BYTES = 4096
+
+# where a stopped rank stops within its step
+STOP_POINTS = ("before_step", "before_collective", "in_collective")
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A rank's trace ends at ``step``: before the step, before its first collective, or inside it."""
+
+    step: int
+    where: str = "before_step"
+
+    def __post_init__(self) -> None:
+        if self.where not in STOP_POINTS:
+            raise ValueError(f"where must be one of {', '.join(STOP_POINTS)}, got {self.where!r}")
+
+
+@dataclass
+class Faults:
+    """What to break, keyed by rank (every field optional).
+
+    - ``stop``: rank -> Stop (the rank's trace ends there: it died or hangs)
+    - ``skip_count``: rank -> step at which the rank's interval counter misses the step,
+      so it enters planning one step after the others
+    - ``wrong_collective``: rank -> (step, overrides): the first collective of that step is
+      issued with e.g. ``{"op": "all_gather"}`` or ``{"shape": [9, 9]}``
+    - ``illegal``: rank -> step: during that step's transfer the rank records
+      ``committed`` straight from transferring (a transition the machine refuses)
+    - ``transfer_error``: rank -> (step, layer): that rank's transfer of the layer fails
+      before it sends anything; the others' wave times out (``collective_error``), the
+      ready all-reduce tells everyone, every rank fires a recoverable ``fault`` and
+      re-creates the transfer group (``transfer_group_reset``), as the controller does
+    """
+
+    stop: dict[int, Stop] = field(default_factory=dict)
+    skip_count: dict[int, int] = field(default_factory=dict)
+    wrong_collective: dict[int, tuple[int, dict]] = field(default_factory=dict)
+    illegal: dict[int, int] = field(default_factory=dict)
+    transfer_error: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def hang_faults(world: int, culprit: int, step: int) -> Faults:
+    """A classic hang: ``culprit`` never reaches its collective at ``step``; the others wait inside it."""
+    stop = {r: Stop(step, "in_collective") for r in range(world) if r != culprit}
+    stop[culprit] = Stop(step, "before_collective")
+    return Faults(stop=stop)
+
+
+class _Clock:
+    """Deterministic timestamps: the job sets the step's base time, each record adds 100 us."""
+
+    def __init__(self, t0: float) -> None:
+        self.t = t0
+
+    def at_least(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def __call__(self) -> float:
+        self.t += 1e-4
+        return round(self.t, 6)
+
+
+class SyntheticRank:
+    """One rank: the real machine, its trace, and the counters the controller keeps."""
+
+    def __init__(self, rank: int, world: int, num_layers: int, trace_dir: str | os.PathLike | None,
+                 clock: _Clock, keep: bool = True) -> None:
+        self.rank = rank
+        self.num_layers = num_layers
+        self.clock = clock
+        self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep)
+        self.machine = EplbMachine(num_layers)
+        self.machine.listeners.append(self._record)
+        self.trace.set_context(state=self.machine.state, step=0)
+        self._extra: dict = {}
+        self.transfer_group = TRANSFER_GROUP
+        self.transfer_resets = 0
+        self.count = 0
+        self.rearrangements = 0
+        self.stopped = False
+
+    def _record(self, fired: Fired) -> None:
+        if fired.trigger == "step" and fired.source == fired.dest:
+            self.trace.emit("step")
+            return
+        data = dict(fired.data)
+        # as the controller does: layer_done records the layer it finished (its event
+        # datum), other transitions the machine's layer; layer_after is the counter after
+        layer = data.pop("layer", fired.layer)
+        data.update(self._extra)
+        self.trace.transition(fired.trigger, fired.source, fired.dest, layer=layer,
+                              num_layers=self.num_layers, layer_after=fired.layer, **data)
+
+    def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
+        """Fire through the machine; ``extra`` fields go into the transition record."""
+        self._extra = extra or {}
+        try:
+            return self.machine.fire(trigger, **data)
+        finally:
+            self._extra = {}
+
+    def collective(self, op: str, finish: bool = True, **fields: Any) -> bool:
+        """Record one collective; ``finish=False`` writes only its start (the rank hangs inside)."""
+        if finish:
+            with self.trace.collective(op, **fields):
+                pass
+            return True
+        group = fields.pop("group", "world")
+        cseq = self.trace.cseq.get(group, 0)
+        self.trace.cseq[group] = cseq + 1
+        shape = fields.pop("shape", None)
+        dtype = fields.pop("dtype", None)
+        self.trace.emit("collective_start", op=op, group=group, cseq=cseq,
+                        shape=list(shape) if shape is not None else None,
+                        dtype=str(dtype) if dtype is not None else None, **fields)
+        return False
+
+    def force_state(self, state: str, layer: int = 0) -> None:
+        """Put the machine where a buggy controller's record claims it went."""
+        self.machine.machine.set_state(state)
+        self.machine.layer = layer
+        self.trace.set_context(state=state)
+
+
+class SyntheticJob:
+    """W ranks stepping in lockstep (sync mode), with faults injected per rank.
+
+    ``ranks`` picks which ranks are simulated (default: all of ``range(world)``); the
+    benchmark simulates one and copies its file. ``config`` is the header config;
+    ``config_overrides`` gives some ranks different values.
+    """
+
+    def __init__(
+        self,
+        world: int = 4,
+        num_layers: int = 2,
+        num_experts: int = 8,
+        interval: int = 10,
+        trace_dir: str | os.PathLike | None = None,
+        config: dict | None = None,
+        config_overrides: dict[int, dict] | None = None,
+        ranks: list[int] | None = None,
+        keep: bool = True,
+        t0: float = 1_700_000_000.0,
+        step_s: float = 0.05,
+    ) -> None:
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.world = world
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.interval = interval
+        self.step_s = step_s
+        self.t0 = t0
+        self.step_no = 0
+        self.trace_dir = trace_dir
+        if config is None:
+            from eplb_fsm.config import EplbConfig
+
+            config = EplbConfig(window_size=interval, step_interval=interval).to_dict()
+        self.ranks: dict[int, SyntheticRank] = {}
+        for r in (range(world) if ranks is None else ranks):
+            clock = _Clock(t0)
+            rank = SyntheticRank(r, world, num_layers, trace_dir, clock, keep=keep)
+            cfg = dict(config)
+            cfg.update((config_overrides or {}).get(r, {}))
+            # the controller's header and model registration
+            rank.trace.header(cfg, mode="sync", device="cpu", group=GROUP, transfer_group=TRANSFER_GROUP)
+            rank.trace.emit("model_added", num_layers=num_layers, model="main", layers=num_layers,
+                            layer_offset=0, logical=num_experts, physical=num_experts,
+                            local=max(1, num_experts // world), groups=1, slot_bytes=SLOT_BYTES)
+            self.ranks[r] = rank
+
+    # -- driving ---------------------------------------------------------
+    def run(self, steps: int, faults: Faults | None = None) -> "SyntheticJob":
+        """Advance every live rank by ``steps`` engine steps."""
+        faults = faults or Faults()
+        for _ in range(steps):
+            step = self.step_no
+            for rank in self.ranks.values():
+                if not rank.stopped:
+                    rank.clock.at_least(self.t0 + step * self.step_s)
+                    self._rank_step(rank, step, faults)
+            self.step_no += 1
+        return self
+
+    def _rank_step(self, rank: SyntheticRank, step: int, faults: Faults) -> None:
+        r = rank.rank
+        stop = faults.stop.get(r)
+        if stop is not None and stop.step == step and stop.where == "before_step":
+            rank.stopped = True
+            return
+        rank.trace.set_context(step=step)
+        if faults.skip_count.get(r) != step:
+            rank.count += 1
+        due = rank.count >= self.interval
+        rank.fire("step", due=due)
+        if not due:
+            return
+        rank.count = 0
+        index = rank.rearrangements
+        rank.rearrangements += 1
+        if stop is not None and stop.step == step and stop.where == "before_collective":
+            rank.stopped = True
+            return
+        overrides: dict = {}
+        wrong = faults.wrong_collective.get(r)
+        if wrong is not None and wrong[0] == step:
+            overrides = dict(wrong[1])
+        size = self.num_layers * self.num_experts
+        fields = {"op": "all_reduce", "group": GROUP, "shape": [size], "dtype": "torch.float64",
+                  "parts": ["loads"], "sizes": [size]}
+        fields.update(overrides)
+        finish = not (stop is not None and stop.step == step and stop.where == "in_collective")
+        if not rank.collective(finish=finish, **fields):
+            rank.stopped = True
+            return
+        moves = 0 if index % 3 == 2 else 1 + (index % 4)
+        plan_extra = {"balancedness_before": 0.71, "balancedness_after": 0.93 if moves else 0.71,
+                      "gain": 0.22 if moves else 0.0, "moved_bytes": moves * SLOT_BYTES * self.num_layers,
+                      "changed_layers": self.num_layers if moves else 0, "policy_s": 0.0004, "forced": False}
+        rank.fire("plan_ready", extra=plan_extra, moves=moves, worth=moves > 0)
+        if moves == 0:
+            rank.trace.emit("plan_skipped", reason="no_moves", moves=0, gain=0.0, min_balancedness_gain=0.0)
+            rank.trace.emit("rearrangement", index=index, step=step, outcome="skipped", reason="no_moves")
+            return
+        for k in range(self.num_layers):
+            peers = sorted({(r + 1) % self.world, (r - 1) % self.world} - {r})
+            wave = {"group": rank.transfer_group, "layer": k, "wave": 0, "waves": 1, "sends": moves,
+                    "recvs": moves, "nbytes": moves * SLOT_BYTES, "peers": peers}
+            failing = sorted(f for f, at in faults.transfer_error.items() if at == (step, k))
+            if failing:
+                self._transfer_fault(rank, k, failing, wave, index, step)
+                return
+            rank.collective("batch_isend_irecv", **wave)
+            rank.collective("all_reduce", group=GROUP, shape=[3], dtype="torch.float64",
+                            parts=["ready"], sizes=[3])
+            if faults.illegal.get(r) == step:
+                # a buggy controller that commits right after the first layer
+                rank.trace.transition("committed", "transferring", "collecting", layer=k,
+                                      num_layers=self.num_layers, layer_after=k)
+                rank.force_state("collecting")
+                return
+            rank.fire("layer_done", extra={"model": "main", "model_layer": k, "moved": moves, "changed": True},
+                      layer=k)
+        rank.fire("committed", extra={"rearrangement": index, "moves": moves, "layers_committed": self.num_layers})
+        rank.trace.emit("rearrangement", index=index, step=step, outcome="committed", moves=moves,
+                        layers_committed=self.num_layers)
+
+    def _transfer_fault(self, rank: SyntheticRank, layer: int, failing: list[int], wave: dict,
+                        index: int, step: int) -> None:
+        """Layer ``layer`` failed on ``failing``: abort everywhere, then a fresh transfer group."""
+        if rank.rank not in failing:
+            try:
+                with rank.trace.collective("batch_isend_irecv", **wave):
+                    raise TimeoutError(f"timed out waiting for rank {failing[0]}")
+            except TimeoutError:
+                pass
+        rank.collective("all_reduce", group=GROUP, shape=[3], dtype="torch.float64", parts=["ready"], sizes=[3])
+        reason = f"transfer of layer {layer} failed on {len(failing)} rank(s)"
+        rank.fire("fault", extra={"reason": reason, "layers_committed": layer, "failed_layer": layer},
+                  recoverable=True)
+        rank.trace.emit("rearrangement", index=index, step=step, outcome="aborted", reason=reason,
+                        layers_committed=layer)
+        rank.transfer_resets += 1
+        rank.transfer_group = f"{TRANSFER_GROUP}.{rank.transfer_resets}"
+        rank.trace.emit("transfer_group_reset", group=rank.transfer_group)
+
+    # -- output ----------------------------------------------------------
+    def records(self) -> dict[int, list[dict]]:
+        """rank -> its records (needs ``keep=True``)."""
+        return {r: list(rank.trace.records or []) for r, rank in self.ranks.items()}
+
+    def close(self) -> None:
+        for rank in self.ranks.values():
+            rank.trace.close()
+
+
+def write_traces(traces: dict[int, list[dict]], trace_dir: str | os.PathLike) -> dict[int, Path]:
+    """Write in-memory records as per-rank JSONL files (the layout the controller writes)."""
+    paths = {}
+    for r, records in traces.items():
+        path = trace_path(trace_dir, r)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        paths[r] = path
+    return paths

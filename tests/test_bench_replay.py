@@ -1,0 +1,33 @@
+"""``eplb-fsm bench replay``: generates healthy and hung traces and times the verdicts."""
+
+from __future__ import annotations
+
+import json
+
+from eplb_fsm.cli import main
+
+
+def test_small_bench_reports_both_verdicts(capsys):
+    """A small run: healthy traces replay as healthy, the injected hang names the expected culprit."""
+    assert main(["bench", "replay", "--json", "--ranks", "8", "--steps", "600", "--interval", "50",
+                 "--layers", "2", "--repeat", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranks"] == 8 and data["steps"] == 600
+    assert data["healthy"]["verdict"] == "healthy"
+    assert data["hang"]["verdict"] == "hang"
+    assert data["hang"]["culprit_ranks"] == [data["hang"]["expected_culprit"]] == [4]
+    assert data["hang"]["step"] == 599 and data["hang"]["collective"]["op"] == "all_reduce"
+    assert data["records"] > 8 * 600
+    for key in ("seconds", "records_per_s", "over_parse"):
+        assert data["healthy"][key] > 0
+    assert data["baseline_parse_s"] > 0 and isinstance(data["meets_target"], bool)
+
+
+def test_bad_sizes_are_refused():
+    """Fewer than 2 ranks or fewer steps than two intervals is a usage error."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["bench", "replay", "--ranks", "1", "--steps", "100"])
+    with pytest.raises(SystemExit):
+        main(["bench", "replay", "--ranks", "4", "--steps", "50", "--interval", "100"])

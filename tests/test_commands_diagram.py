@@ -1,0 +1,74 @@
+"""``eplb-fsm diagram``: writes mermaid/DOT, refreshes the doc block, --check, optional images."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+
+from eplb_fsm.cli import main
+from eplb_fsm.inspect import diagrams
+
+
+def test_writes_mermaid_and_dot_by_default(tmp_path, capsys):
+    """With no --format the command writes eplb_machine.mmd and .dot matching the renderers."""
+    assert main(["diagram", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "eplb_machine.mmd").read_text() == diagrams.render_mermaid()
+    assert (tmp_path / "eplb_machine.dot").read_text() == diagrams.render_dot()
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_check_exits_1_when_stale_and_0_when_fresh(tmp_path, capsys):
+    """--check writes nothing, exits 1 on missing/stale files and 0 once they are regenerated."""
+    assert main(["diagram", "--out", str(tmp_path), "--check"]) == 1
+    assert not any(tmp_path.iterdir())
+    assert "stale" in capsys.readouterr().out
+    main(["diagram", "--out", str(tmp_path)])
+    assert main(["diagram", "--out", str(tmp_path), "--check"]) == 0
+
+
+def test_doc_block_is_refreshed(tmp_path):
+    """--doc rewrites the marked mermaid block of a markdown page; a page without markers is exit 2."""
+    doc = tmp_path / "machine.md"
+    doc.write_text(f"# Machine\n{diagrams.DOC_BEGIN}\n{diagrams.DOC_END}\ntail\n")
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--format", "mermaid", "--doc", str(doc)]) == 0
+    assert diagrams.embedded_mermaid(doc.read_text()) == diagrams.render_mermaid()
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--format", "mermaid", "--doc", str(doc),
+                 "--check"]) == 0
+    bare = tmp_path / "bare.md"
+    bare.write_text("# nothing\n")
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(bare)]) == 2
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(tmp_path / "absent.md")]) == 2
+
+
+def test_images_are_skipped_cleanly_without_pygraphviz(tmp_path, capsys, monkeypatch):
+    """svg/png without pygraphviz: a message on stderr, the text formats still written, exit 0."""
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "pygraphviz":
+            raise ImportError("not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    assert main(["diagram", "--out", str(tmp_path), "--format", "mermaid,svg,png"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped svg" in err and "skipped png" in err and "pip install" in err
+    assert (tmp_path / "eplb_machine.mmd").exists()
+    assert not (tmp_path / "eplb_machine.svg").exists()
+
+
+def test_images_are_written_with_pygraphviz(tmp_path):
+    """With pygraphviz installed, svg and png files are produced from the DOT text."""
+    pytest.importorskip("pygraphviz")
+    assert main(["diagram", "--out", str(tmp_path), "--format", "svg,png"]) == 0
+    assert (tmp_path / "eplb_machine.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert (tmp_path / "eplb_machine.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_format_is_a_usage_error(tmp_path, capsys):
+    """--format gif is rejected by argparse (exit 2) naming the valid formats."""
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", "--out", str(tmp_path), "--format", "gif"])
+    assert info.value.code == 2
+    assert "mermaid, dot, svg, png" in capsys.readouterr().err

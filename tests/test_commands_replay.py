@@ -1,0 +1,124 @@
+"""``eplb-fsm replay``: text and JSON reports, exit codes 0/1/2, the per-rank timeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eplb_fsm.cli import main
+from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.trace import trace_path
+
+WORLD = 4
+
+
+def make_dir(tmp_path, faults=None, steps=30, name="logs"):
+    job = SyntheticJob(world=WORLD, trace_dir=tmp_path / name, keep=False)
+    job.run(steps, faults)
+    job.close()
+    return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def healthy_dir(tmp_path_factory):
+    return make_dir(tmp_path_factory.mktemp("healthy"))
+
+
+@pytest.fixture(scope="module")
+def hang_dir(tmp_path_factory):
+    return make_dir(tmp_path_factory.mktemp("hang"), hang_faults(WORLD, culprit=2, step=19))
+
+
+def test_healthy_exit_0_and_verdict_first(healthy_dir, capsys):
+    """Healthy traces: exit 0 and the first line is the healthy verdict."""
+    assert main(["replay", str(healthy_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("healthy: 4 of 4 ranks agree")
+    assert "illegal transitions: none" in "\n".join(out)
+
+
+def test_hang_exit_1_with_culprit_in_the_verdict_line(hang_dir, capsys):
+    """A hang: exit 1, verdict line naming rank 2 and the collective, then every rank's position."""
+    assert main(["replay", str(hang_dir)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("hang: rank 2 never joined all_reduce (group ep, cseq 3")
+    assert any(line.strip().startswith("0-1,3") and "inside since step 19" in line for line in out)
+    assert any("collective: all_reduce group=ep cseq=3" in line for line in out)
+
+
+def test_json_report_fields(hang_dir, capsys):
+    """--json prints one object with verdict, culprit_ranks, step, state, layer, collective and more."""
+    assert main(["replay", str(hang_dir), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "hang" and data["culprit_ranks"] == [2]
+    assert (data["step"], data["state"], data["layer"]) == (19, "planning", None)
+    assert data["collective"] == {"op": "all_reduce", "group": "ep", "cseq": 3, "shape": [16],
+                                  "dtype": "torch.float64"}
+    assert data["illegal_transitions"] == [] and isinstance(data["warnings"], list)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+
+
+def test_unusable_input_exits_2(tmp_path, capsys):
+    """No folder, an empty folder, or unreadable files: exit 2 with a message on stderr."""
+    assert main(["replay", str(tmp_path / "absent")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path)]) == 2
+    assert "no rank*.jsonl" in capsys.readouterr().err
+    (tmp_path / "rank00000.jsonl").write_text("garbage\n")
+    assert main(["replay", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verdict"] == "unusable_input"
+
+
+def test_missing_rank_and_truncated_file_are_reported(tmp_path, capsys):
+    """A missing rank file exits 1 (missing_ranks); a truncated last line alone is a warning (exit 0)."""
+    logs = make_dir(tmp_path)
+    path = trace_path(logs, 1)
+    path.write_text(path.read_text()[:-30])
+    assert main(["replay", str(logs)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: last line of rank00001.jsonl is truncated" in out
+    trace_path(logs, 3).unlink()
+    assert main(["replay", str(logs), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "missing_ranks" and data["culprit_ranks"] == [3]
+    assert main(["replay", str(logs), "--world", "6", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["missing_ranks"] == [3, 4, 5]
+
+
+def test_rank_timeline(hang_dir, capsys):
+    """--rank R prints one line per record of that rank (plus title and header), exit 0."""
+    assert main(["replay", str(hang_dir), "--rank", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    n = sum(1 for _ in open(trace_path(hang_dir, 0)))
+    assert lines[0] == f"rank 0: {n} records"
+    assert len(lines) == n + 2
+    assert "collective_start" in lines[-1] and "all_reduce ep#3 [16]" in lines[-1]
+
+
+def test_rank_timeline_json_and_illegal_marks(tmp_path, capsys):
+    """--rank --json gives rows; an illegal transition is marked in both forms."""
+    logs = tmp_path / "logs"
+    job = SyntheticJob(world=WORLD, trace_dir=logs)
+    job.run(20, Faults(illegal={1: 9}))
+    job.close()
+    assert main(["replay", str(logs), "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("!! ") and "committed: transferring->collecting" in line for line in out.splitlines())
+    assert main(["replay", str(logs), "--rank", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    marked = [row for row in data["timeline"] if "illegal" in row]
+    assert len(marked) == 1 and marked[0]["step"] == 9
+    assert main(["replay", str(logs), "--rank", "9"]) == 2
+    assert "no trace for rank 9" in capsys.readouterr().err
+
+
+def test_rank_died_via_files(tmp_path, capsys):
+    """Files written by a job whose rank 3 stops early replay to rank_died on rank 3."""
+    job = SyntheticJob(world=WORLD)
+    job.run(30, Faults(stop={3: Stop(12)}))
+    write_traces(job.records(), tmp_path)
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "rank_died" and data["culprit_ranks"] == [3] and data["step"] == 11

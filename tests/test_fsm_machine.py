@@ -1,0 +1,294 @@
+"""The EPLB machine against its transition table: every legal and illegal event, guards, checks.
+
+The expected outcome of an event is computed here from ``TRANSITIONS`` with guard and
+counter semantics written out independently (``GUARD_SPEC`` / ``EFFECT_SPEC``), so the test
+proves the `transitions` wiring (row order, conditions, ``before`` callbacks, queued
+firing) does what the table says, and the hand-written walks pin the design §4 table.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from eplb_fsm.fsm.machine import (
+    COLLECTING,
+    COMMITTING,
+    EVENT_DATA,
+    FAILED,
+    PLANNING,
+    SCALING,
+    STATES,
+    TRANSFERRING,
+    TRANSITIONS,
+    EplbMachine,
+    Fired,
+    IllegalTransition,
+    check_definition,
+)
+
+NUM_LAYERS = 3
+
+# the event data each trigger is tried with: guards pass for some, fail for others
+DATA_VARIANTS: dict[str, list[dict]] = {
+    "step": [{"due": True}, {"due": False}, {}],
+    "plan_ready": [{"moves": 3, "worth": True}, {"moves": 0, "worth": True}, {"moves": 3, "worth": False}],
+    "layer_done": [{"layer": k} for k in (0, 1, 2, 7)],
+    "committed": [{}],
+    "scale_requested": [{}],
+    "groups_ready": [{}],
+    "switched": [{}],
+    "fault": [{"recoverable": True}, {"recoverable": False}, {}],
+    "recovered": [{}],
+}
+
+# machine context: (layer, scale_pending)
+CONTEXTS = list(itertools.product(range(NUM_LAYERS), (False, True)))
+
+GUARD_SPEC = {
+    "is_due": lambda ctx, data: bool(data.get("due", False)),
+    "is_worth_moving": lambda ctx, data: data.get("moves", 0) > 0 and data.get("worth", True),
+    "is_current_layer": lambda ctx, data: data.get("layer", -1) == ctx["layer"],
+    "has_more_layers": lambda ctx, data: ctx["layer"] < NUM_LAYERS - 1,
+    "is_last_layer": lambda ctx, data: ctx["layer"] == NUM_LAYERS - 1,
+    "is_scale_pending": lambda ctx, data: ctx["scale_pending"],
+    "is_recoverable": lambda ctx, data: bool(data.get("recoverable", True)),
+}
+
+EFFECT_SPEC = {
+    "start_first_layer": lambda ctx: ctx.update(layer=0),
+    "advance_layer": lambda ctx: ctx.update(layer=ctx["layer"] + 1),
+    "mark_scale_pending": lambda ctx: ctx.update(scale_pending=True),
+    "clear_scale_pending": lambda ctx: ctx.update(scale_pending=False),
+}
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def expected_outcome(state: str, layer: int, scale_pending: bool, trigger: str, data: dict):
+    """(row index, dest, layer, scale_pending) the table prescribes, or None when illegal."""
+    ctx = {"layer": layer, "scale_pending": scale_pending}
+    for index, row in enumerate(TRANSITIONS):
+        if row["trigger"] != trigger or state not in _as_list(row["source"]):
+            continue
+        if all(GUARD_SPEC[g](ctx, data) for g in _as_list(row.get("conditions"))) and not any(
+            GUARD_SPEC[g](ctx, data) for g in _as_list(row.get("unless"))
+        ):
+            for effect in _as_list(row.get("before")):
+                EFFECT_SPEC[effect](ctx)
+            return index, row["dest"] or state, ctx["layer"], ctx["scale_pending"]
+    return None
+
+
+def _cases(state: str, trigger: str):
+    for (layer, pending), data in itertools.product(CONTEXTS, DATA_VARIANTS[trigger]):
+        yield layer, pending, data, expected_outcome(state, layer, pending, trigger, data)
+
+
+PAIRS = [(s, t) for s in STATES for t in EVENT_DATA]
+
+
+def test_spec_covers_every_guard_effect_and_event():
+    """The independent guard/effect spec names every guard and callback the table uses."""
+    used_guards = {g for row in TRANSITIONS for key in ("conditions", "unless") for g in _as_list(row.get(key))}
+    used_effects = {e for row in TRANSITIONS for e in _as_list(row.get("before"))}
+    assert used_guards == set(GUARD_SPEC)
+    assert used_effects == set(EFFECT_SPEC)
+    assert set(DATA_VARIANTS) == set(EVENT_DATA)
+    assert not any(row.get("after") or row.get("prepare") for row in TRANSITIONS), "spec has no after/prepare"
+
+
+@pytest.mark.parametrize("state,trigger", PAIRS)
+def test_legal_events_reach_the_table_destination(state, trigger):
+    """Every event the table accepts from this state lands on the row's dest with the right layer."""
+    for layer, pending, data, outcome in _cases(state, trigger):
+        if outcome is None:
+            continue
+        _, dest, layer_after, pending_after = outcome
+        machine = EplbMachine(NUM_LAYERS, state=state, layer=layer, scale_pending=pending)
+        seen: list[Fired] = []
+        machine.listeners.append(seen.append)
+        fired = machine.fire(trigger, **data)
+        where = f"{state} layer={layer} pending={pending} {trigger}({data})"
+        assert machine.state == dest, where
+        assert machine.layer == layer_after, where
+        assert machine.scale_pending == pending_after, where
+        assert fired == Fired(trigger, state, dest, layer_after, data), where
+        assert seen == [fired], where
+
+
+@pytest.mark.parametrize("state,trigger", PAIRS)
+def test_illegal_events_raise_and_change_nothing(state, trigger):
+    """Every event the table refuses raises IllegalTransition and leaves state, layer, scale_pending."""
+    for layer, pending, data, outcome in _cases(state, trigger):
+        if outcome is not None:
+            continue
+        machine = EplbMachine(NUM_LAYERS, state=state, layer=layer, scale_pending=pending)
+        seen: list[Fired] = []
+        machine.listeners.append(seen.append)
+        before = machine.snapshot()
+        with pytest.raises(IllegalTransition) as info:
+            machine.fire(trigger, **data)
+        assert machine.snapshot() == before
+        assert seen == []
+        assert (info.value.trigger, info.value.state, info.value.layer, info.value.data) == (
+            trigger, state, layer, data,
+        )
+        # the machine is still usable afterwards: a step is legal from every state
+        machine.fire("step", due=False)
+        assert machine.state == state
+
+
+def test_every_row_is_exercised_and_some_pairs_are_illegal():
+    """The case grid hits every table row at least once and refuses some (state, event) pairs."""
+    hit: set[int] = set()
+    illegal_pairs = set()
+    for state, trigger in PAIRS:
+        for _, _, _, outcome in _cases(state, trigger):
+            if outcome is None:
+                illegal_pairs.add((state, trigger))
+            else:
+                hit.add(outcome[0])
+    assert hit == set(range(len(TRANSITIONS)))
+    # pairs with no row at all are illegal whatever the data
+    assert (COLLECTING, "committed") in illegal_pairs
+    assert (TRANSFERRING, "plan_ready") in illegal_pairs
+    assert (FAILED, "layer_done") in illegal_pairs
+
+
+def test_may_matches_the_table_sources():
+    """may(trigger) is true exactly when some row of that trigger leaves the current state."""
+    for state, trigger in PAIRS:
+        machine = EplbMachine(NUM_LAYERS, state=state)
+        has_row = any(r["trigger"] == trigger and state in _as_list(r["source"]) for r in TRANSITIONS)
+        assert machine.may(trigger) == has_row, (state, trigger)
+
+
+def test_full_rearrangement_walk_follows_design_table():
+    """collecting -> planning -> transferring k=0..L-1 -> committing -> collecting, per design §4."""
+    m = EplbMachine(NUM_LAYERS)
+    assert m.state == COLLECTING
+    m.fire("step", due=False)
+    assert m.state == COLLECTING
+    m.fire("step", due=True)
+    assert m.state == PLANNING
+    m.fire("step", due=True)  # the engine keeps stepping while a plan is in flight
+    assert m.state == PLANNING
+    m.fire("plan_ready", moves=5, worth=True)
+    assert (m.state, m.layer) == (TRANSFERRING, 0)
+    for k in range(NUM_LAYERS - 1):
+        fired = m.fire("layer_done", layer=k)
+        assert (m.state, m.layer, fired.changed) == (TRANSFERRING, k + 1, True)
+    m.fire("layer_done", layer=NUM_LAYERS - 1)
+    assert (m.state, m.layer) == (COMMITTING, NUM_LAYERS - 1)
+    m.fire("committed")
+    assert m.state == COLLECTING
+
+
+def test_guards_pick_the_first_passing_row():
+    """plan_ready with nothing worth moving goes back to collecting; the transferring row needs both."""
+    for data in ({"moves": 0, "worth": True}, {"moves": 4, "worth": False}):
+        m = EplbMachine(NUM_LAYERS, state=PLANNING)
+        fired = m.fire("plan_ready", **data)
+        assert (fired.dest, fired.changed) == (COLLECTING, True)
+    m = EplbMachine(NUM_LAYERS, state=COLLECTING)
+    assert m.fire("step", due=False).changed is False
+
+
+def test_layer_done_for_the_wrong_layer_is_illegal():
+    """A layer_done naming a layer other than the current one (skipped or repeated) is refused."""
+    m = EplbMachine(NUM_LAYERS, state=TRANSFERRING, layer=1)
+    for wrong in (0, 2, -1):
+        with pytest.raises(IllegalTransition, match=r"layer 1"):
+            m.fire("layer_done", layer=wrong)
+    assert (m.state, m.layer) == (TRANSFERRING, 1)
+
+
+def test_scale_path_sets_and_clears_scale_pending():
+    """scale_requested marks a pending reconfiguration, committed honours it, switched clears it."""
+    m = EplbMachine(1)
+    m.fire("scale_requested")
+    assert (m.state, m.scale_pending) == (SCALING, True)
+    m.fire("groups_ready")
+    assert m.state == PLANNING
+    m.fire("plan_ready", moves=2, worth=True)
+    m.fire("layer_done", layer=0)
+    m.fire("committed")
+    assert (m.state, m.scale_pending) == (SCALING, True)
+    m.fire("switched")
+    assert (m.state, m.scale_pending) == (COLLECTING, False)
+
+
+def test_faults_roll_back_or_fail_and_recover():
+    """A recoverable fault returns to collecting, an unrecoverable one to failed until recovered."""
+    m = EplbMachine(NUM_LAYERS, state=TRANSFERRING, layer=2)
+    m.fire("fault", recoverable=True)
+    assert m.state == COLLECTING
+    m = EplbMachine(NUM_LAYERS, state=COMMITTING)
+    m.fire("fault", recoverable=False)
+    assert m.state == FAILED
+    m.fire("fault", recoverable=True)  # failed only leaves through recovered
+    assert m.state == FAILED
+    m.fire("recovered")
+    assert m.state == COLLECTING
+
+
+def test_fire_rejects_unknown_events_and_data():
+    """An unknown trigger or unexpected event data is a ValueError and nothing changes."""
+    m = EplbMachine(NUM_LAYERS)
+    with pytest.raises(ValueError, match="unknown event"):
+        m.fire("explode")
+    with pytest.raises(ValueError, match="unexpected"):
+        m.fire("step", due=True, layer=3)
+    assert m.snapshot() == {"state": COLLECTING, "layer": 0, "num_layers": NUM_LAYERS, "scale_pending": False}
+
+
+def test_constructor_validates_arguments():
+    """num_layers < 1 and an unknown start state are rejected with the field named."""
+    with pytest.raises(ValueError, match="num_layers"):
+        EplbMachine(0)
+    with pytest.raises(ValueError, match="state must be one of"):
+        EplbMachine(2, state="sleeping")
+
+
+def test_illegal_transition_message_names_state_layer_and_data():
+    """The IllegalTransition message says which event, which state, which layer and data."""
+    err = IllegalTransition("layer_done", TRANSFERRING, 3, {"layer": 5})
+    assert "'layer_done'" in str(err) and "'transferring'" in str(err)
+    assert "layer 3" in str(err) and "'layer': 5" in str(err)
+    assert "layer" not in str(IllegalTransition("committed", COLLECTING, 3, {}))
+
+
+def test_check_definition_accepts_the_shipped_table():
+    """The machine's own table passes the definition check."""
+    check_definition()
+
+
+def test_check_definition_finds_an_unreachable_state():
+    """Dropping every way into scaling makes the check name scaling as unreachable."""
+    broken = [r for r in TRANSITIONS if r["dest"] != SCALING]
+    with pytest.raises(AssertionError, match="unreachable states.*scaling"):
+        check_definition(broken)
+
+
+def test_check_definition_finds_an_event_without_transition():
+    """An event in EVENT_DATA with no row (here: recovered) is reported."""
+    broken = [r for r in TRANSITIONS if r["trigger"] != "recovered"]
+    # keep failed reachable: the fault rows still lead there
+    with pytest.raises(AssertionError, match="events without a transition.*recovered"):
+        check_definition(broken)
+
+
+def test_check_definition_finds_unknown_state_names():
+    """A row naming a state that is not declared is reported."""
+    broken = list(TRANSITIONS) + [{"trigger": "switched", "source": SCALING, "dest": "limbo"}]
+    with pytest.raises(AssertionError, match="unknown states.*limbo"):
+        check_definition(broken)
+    broken = list(TRANSITIONS) + [{"trigger": "switched", "source": "limbo", "dest": SCALING}]
+    with pytest.raises(AssertionError, match="unknown states.*limbo"):
+        check_definition(broken)

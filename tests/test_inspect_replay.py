@@ -1,0 +1,413 @@
+"""Replay and hang diagnosis over synthetic traces recorded through the real machine and trace.
+
+``SyntheticJob`` runs W ranks in lockstep (interval 10: rearrangements at steps 9, 19,
+29, 39; each all-reduces the load on group ``ep``, then per layer a p2p batch on
+``ep_transfer`` and a ready all-reduce on ``ep``). Faults are injected per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from eplb_fsm.inspect import replay as rp
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.trace import trace_path
+
+WORLD = 4
+
+
+def job_records(faults: Faults | None = None, steps: int = 40, world: int = WORLD, **kwargs) -> dict[int, list[dict]]:
+    job = SyntheticJob(world=world, **kwargs)
+    job.run(steps, faults)
+    return job.records()
+
+
+@pytest.fixture(scope="module")
+def healthy() -> dict[int, list[dict]]:
+    return job_records()
+
+
+def fresh(records: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    return copy.deepcopy(records)
+
+
+def positions(report, status: str) -> list[int]:
+    return sorted(p["rank"] for p in report.at_divergence if p["status"] == status)
+
+
+# --------------------------------------------------------------------------- healthy
+
+
+def test_healthy_traces_are_healthy(healthy):
+    """A clean lockstep run: verdict healthy, zero illegal transitions, no findings, exit 0."""
+    report = rp.diagnose(healthy)
+    assert report.verdict == "healthy" and report.healthy and report.exit_code == 0
+    assert report.illegal_transitions == [] and report.findings == []
+    assert report.culprit_ranks == [] and report.collective is None
+    assert report.world == WORLD and report.missing_ranks == []
+    assert [r["rearrangements"] for r in report.ranks] == [3] * WORLD
+    assert all(r["illegal_transitions"] == 0 and r["open_collectives"] == [] for r in report.ranks)
+    assert format_report(report).splitlines()[0].startswith("healthy: 4 of 4 ranks agree")
+
+
+def test_unknown_record_kinds_are_tolerated(healthy):
+    """Records of kinds the replay does not know (and missing optional fields) change nothing."""
+    records = fresh(healthy)
+    for r, recs in records.items():
+        recs.insert(5, {"ts": 0, "rank": r, "world": WORLD, "event": "mystery", "state": "collecting",
+                        "step": 3, "seq": 10_000, "payload": [1, 2]})
+        recs.append({"event": "cache_flush"})
+    report = rp.diagnose(records)
+    assert report.verdict == "healthy", format_report(report)
+
+
+# --------------------------------------------------------------------------- hangs
+
+
+def test_collective_never_ended_on_one_rank_while_others_moved_on():
+    """Rank 2 starts the step-19 all-reduce and never ends it; the others finish and go on."""
+    report = rp.diagnose(job_records(Faults(stop={2: Stop(19, "in_collective")})))
+    assert report.verdict == "hang"
+    assert report.culprit_ranks == [2]
+    assert (report.step, report.state, report.layer) == (19, "planning", None)
+    assert report.collective == {"op": "all_reduce", "group": "ep", "cseq": 3, "shape": [16],
+                                 "dtype": "torch.float64"}
+    assert positions(report, "inside") == [2]
+    assert positions(report, "past") == [0, 1, 3]
+    # its trace stopping early is part of this hang, not a separate death
+    assert not any(f.kind == "rank_died" for f in report.findings)
+    assert report.exit_code == 1
+
+
+def test_rank_that_never_joins_leaves_the_others_waiting_inside():
+    """Classic hang: rank 1 never reaches the all-reduce that ranks 0, 2, 3 wait in."""
+    report = rp.diagnose(job_records(hang_faults(WORLD, culprit=1, step=29)))
+    assert report.verdict == "hang" and report.culprit_ranks == [1]
+    assert (report.step, report.state) == (29, "planning")
+    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 6
+    assert positions(report, "never_joined") == [1]
+    assert positions(report, "inside") == [0, 2, 3]
+    first = format_report(report).splitlines()[0]
+    assert first.startswith("hang: rank 1 never joined all_reduce (group ep, cseq 6")
+
+
+def test_every_rank_inside_the_same_collective_is_a_hang():
+    """All ranks started the collective and none finished: a hang with every rank listed."""
+    faults = Faults(stop={r: Stop(19, "in_collective") for r in range(WORLD)})
+    report = rp.diagnose(job_records(faults))
+    assert report.verdict == "hang" and report.culprit_ranks == [0, 1, 2, 3]
+    assert report.collective["cseq"] == 3
+
+
+def test_hang_whose_culprit_has_no_trace_names_the_missing_rank(healthy):
+    """Ranks 0-2 wait inside a collective and rank 3's file is missing: rank 3 is the culprit."""
+    records = job_records(hang_faults(WORLD, culprit=3, step=19))
+    del records[3]
+    report = rp.diagnose(records)
+    assert report.verdict == "hang" and report.culprit_ranks == [3]
+    assert report.missing_ranks == [3]
+    assert any(f.kind == "missing_ranks" for f in report.findings)
+
+
+def test_watchdog_stuck_reports_show_in_the_rank_positions():
+    """A stuck record after the open collective is quoted in that rank's position."""
+    job = SyntheticJob(world=WORLD)
+    job.run(40, hang_faults(WORLD, culprit=0, step=19))
+    for r in (1, 2, 3):
+        job.ranks[r].trace.emit("stuck", state="planning", layer=0, seconds=61.0, deadline_s=60.0,
+                                last_collective={"op": "all_reduce", "group": "ep", "cseq": 3})
+    report = rp.diagnose(job.records())
+    assert report.verdict == "hang" and report.culprit_ranks == [0]
+    notes = {p["rank"]: p["note"] for p in report.at_divergence}
+    assert "watchdog: stuck 61.0 s in planning" in notes[1]
+
+
+# --------------------------------------------------------------------------- mismatches
+
+
+def test_different_op_at_the_same_cseq():
+    """Rank 3 issues all_gather where the others issue all_reduce at ep cseq 3 (step 19)."""
+    report = rp.diagnose(job_records(Faults(wrong_collective={3: (19, {"op": "all_gather"})})))
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [3]
+    assert (report.step, report.state) == (19, "planning")
+    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 3
+    assert positions(report, "different") == [3]
+    assert "issued all_gather" in report.summary
+
+
+def test_different_shape_at_the_same_cseq():
+    """Rank 0 all-reduces a [99] tensor where the others send [16]: a mismatch naming rank 0."""
+    report = rp.diagnose(job_records(Faults(wrong_collective={0: (29, {"shape": [99]})})))
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [0]
+    assert report.step == 29 and report.collective["shape"] == [16]
+
+
+def test_per_rank_shapes_of_p2p_ops_are_not_a_mismatch(healthy):
+    """batch_isend_irecv moves different amounts per rank; differing shapes there are fine."""
+    records = fresh(healthy)
+    for rec in records[2]:
+        if rec.get("op") == "batch_isend_irecv":
+            rec["shape"] = [7, 3]
+    assert rp.diagnose(records).verdict == "healthy"
+
+
+def test_p2p_batches_out_of_step_by_layer_are_a_mismatch(healthy):
+    """Rank 1 lacks layer 0's p2p batch, so at ep_transfer cseq 0 it moves layer 1, the others layer 0."""
+    records = fresh(healthy)
+    drop = [i for i, rec in enumerate(records[1]) if rec.get("group") == "ep_transfer" and rec.get("cseq") == 0]
+    for i in reversed(drop):
+        del records[1][i]
+    for rec in records[1]:
+        if rec.get("group") == "ep_transfer":
+            rec["cseq"] -= 1
+    report = rp.diagnose(records)
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [1]
+    assert report.collective["group"] == "ep_transfer" and report.collective["cseq"] == 0
+    assert report.layer == 0 and report.step == 9
+
+
+def test_rank_that_skips_a_collective_but_goes_on():
+    """Rank 1 never issues the last ep_transfer batch yet its trace goes on: a mismatch, not a hang."""
+    records = job_records(steps=45)
+    last = max(r["cseq"] for r in records[1] if r.get("group") == "ep_transfer")
+    records[1] = [r for r in records[1] if not (r.get("group") == "ep_transfer" and r.get("cseq") == last)]
+    report = rp.diagnose(records)
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [1]
+    assert report.collective["cseq"] == last and report.step == 39
+    assert positions(report, "skipped") == [1]
+
+
+# --------------------------------------------------------------------------- step / decision divergence
+
+
+def test_rank_that_skipped_a_step_enters_planning_one_step_later():
+    """Rank 3's interval counter misses step 12, so it enters planning at step 20 instead of 19."""
+    report = rp.diagnose(job_records(Faults(skip_count={3: 12})))
+    assert report.verdict == "step_divergence"
+    assert report.culprit_ranks == [3]
+    assert (report.step, report.state, report.layer) == (19, "collecting", None)
+    assert report.collective is None
+    notes = {p["rank"]: p["note"] for p in report.at_divergence}
+    assert notes[3] == "step: collecting -> planning at step 20"
+    assert notes[0] == "step: collecting -> planning at step 19"
+
+
+def test_a_rank_deciding_differently_is_a_decision_divergence(healthy):
+    """Rank 1 finds its step-19 plan not worth moving while the others transfer it."""
+    records = fresh(healthy)
+    recs = records[1]
+    i = next(i for i, r in enumerate(recs) if r.get("trigger") == "plan_ready" and r["step"] == 19)
+    recs[i].update(dest="collecting", state="collecting", moves=0, worth=False, layer_after=1)
+    j = next(k for k in range(i, len(recs)) if recs[k]["event"] == "rearrangement")
+    del recs[i + 1:j]
+    report = rp.diagnose(records)
+    assert report.illegal_transitions == []
+    assert report.verdict == "decision_divergence" and report.culprit_ranks == [1]
+    assert (report.step, report.state) == (19, "planning")
+
+
+# --------------------------------------------------------------------------- deaths and input problems
+
+
+def test_rank_whose_trace_ends_early():
+    """Rank 1 stops before step 15 while the others run to 39: rank_died at its last step 14."""
+    report = rp.diagnose(job_records(Faults(stop={1: Stop(15)})))
+    assert report.verdict == "rank_died" and report.culprit_ranks == [1]
+    assert (report.step, report.state, report.layer) == (14, "collecting", None)
+    assert positions(report, "went_on") == [0, 2, 3]
+
+
+def test_truncated_last_line_is_tolerated_and_reported(healthy, tmp_path):
+    """A rank killed mid-write leaves half a line: skipped, warned about, the run stays healthy."""
+    write_traces(healthy, tmp_path)
+    path = trace_path(tmp_path, 2)
+    text = path.read_text()
+    path.write_text(text[: len(text) - 25])
+    records, bad, truncated = rp.read_records(path)
+    assert (bad, truncated) == (1, True) and len(records) == len(healthy[2]) - 1
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy", format_report(report)
+    assert any("rank 2" in w and "truncated" in w for w in report.warnings)
+    assert report.ranks[2]["truncated"] is True
+
+
+def test_unreadable_middle_line_is_counted_not_truncated(healthy, tmp_path):
+    """A garbled line in the middle is skipped and counted; the file is not marked truncated."""
+    write_traces(healthy, tmp_path)
+    path = trace_path(tmp_path, 0)
+    lines = path.read_text().splitlines()
+    lines[50] = lines[50][:10]
+    path.write_text("\n".join(lines) + "\n")
+    records, bad, truncated = rp.read_records(path)
+    assert (bad, truncated) == (1, False)
+    report = rp.replay_dir(tmp_path)
+    assert any("1 unreadable line" in w for w in report.warnings)
+
+
+def test_missing_rank_file(healthy, tmp_path):
+    """World 4 with rank00003.jsonl missing: verdict missing_ranks naming rank 3."""
+    write_traces(healthy, tmp_path)
+    trace_path(tmp_path, 3).unlink()
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "missing_ranks" and report.culprit_ranks == [3]
+    assert report.world == 4 and report.missing_ranks == [3]
+    assert report.step is None
+
+
+def test_illegal_transition_in_one_rank():
+    """Rank 0 records committed straight from transferring at step 9: illegal, with the reason."""
+    report = rp.diagnose(job_records(Faults(illegal={0: 9})))
+    assert report.verdict == "illegal_transition" and report.culprit_ranks == [0]
+    assert (report.step, report.state, report.layer) == (9, "transferring", 0)
+    assert len(report.illegal_transitions) == 1
+    bad = report.illegal_transitions[0]
+    assert (bad["rank"], bad["trigger"], bad["source"], bad["dest"]) == (0, "committed", "transferring", "collecting")
+    assert "not allowed in state 'transferring'" in bad["reason"]
+    # the divergence it causes is reported after it
+    assert [f.kind for f in report.findings][:2] == ["illegal_transition", "decision_divergence"]
+
+
+def test_a_dropped_transition_record_is_an_illegal_transition(healthy):
+    """Without its layer-0 layer_done, rank 2's layer-1 layer_done fails the is_current_layer guard."""
+    records = fresh(healthy)
+    recs = records[2]
+    i = next(i for i, r in enumerate(recs) if r.get("trigger") == "layer_done" and r["layer"] == 0)
+    del recs[i]
+    report = rp.diagnose(records)
+    assert report.verdict == "illegal_transition" and report.culprit_ranks == [2]
+    assert report.step == 9 and report.layer == 1
+    assert "not allowed" in report.illegal_transitions[0]["reason"]
+    assert len(report.illegal_transitions) == 1  # resynchronised, no cascade
+
+
+def test_step_record_in_the_wrong_state_is_illegal(healthy):
+    """A compact step record claiming planning while the replay is in collecting is refused."""
+    records = fresh(healthy)
+    rec = next(r for r in records[1] if r["event"] == "step" and r["step"] == 5)
+    rec["state"] = "planning"
+    report = rp.diagnose(records)
+    assert report.verdict == "illegal_transition" and report.culprit_ranks == [1] and report.step == 5
+
+
+def test_layer_after_disagreeing_with_the_machine_is_illegal(healthy):
+    """A layer_done whose layer_after is not what the machine computes is reported."""
+    records = fresh(healthy)
+    rec = next(r for r in records[3] if r.get("trigger") == "layer_done" and r["layer"] == 0)
+    rec["layer_after"] = 5
+    report = rp.diagnose(records)
+    assert report.verdict == "illegal_transition" and report.culprit_ranks == [3]
+    assert "layer 1 after it, the trace says 5" in report.illegal_transitions[0]["reason"]
+
+
+def test_config_mismatch():
+    """Rank 2's header has step_interval 20 while the others have 10: config_mismatch on rank 2."""
+    report = rp.diagnose(job_records(config_overrides={2: {"step_interval": 20}}))
+    assert report.verdict == "config_mismatch" and report.culprit_ranks == [2]
+    assert report.step == 0
+    assert "step_interval=20 (others 10)" in report.summary
+
+
+def test_failed_state_is_a_problem():
+    """Every rank ending in failed after an unrecoverable fault gives verdict failed."""
+    job = SyntheticJob(world=WORLD)
+    job.run(12)
+    for rank in job.ranks.values():
+        rank.fire("fault", recoverable=False)
+    report = rp.diagnose(job.records())
+    assert report.verdict == "failed" and report.culprit_ranks == [0, 1, 2, 3]
+    assert report.state == "failed" and report.step == 11
+
+
+def test_trace_starting_mid_run_replays_from_the_first_source(healthy):
+    """A rank whose file lost its beginning (no header) replays from its first transition's source."""
+    records = fresh(healthy)
+    cut = next(i for i, r in enumerate(records[1]) if r.get("trigger") == "layer_done")
+    records[1] = records[1][cut:]
+    report = rp.diagnose(records)
+    assert report.illegal_transitions == []
+    assert any("rank 1: no header" in w for w in report.warnings)
+
+
+# --------------------------------------------------------------------------- API details
+
+
+def test_diagnose_accepts_summaries_and_rejects_nothing(healthy):
+    """diagnose takes rank->records or RankSummary objects; no records at all is NoTraces."""
+    summaries = [rp.summarize_rank(recs, r) for r, recs in healthy.items()]
+    assert rp.diagnose(summaries).verdict == "healthy"
+    with pytest.raises(rp.NoTraces):
+        rp.diagnose({0: [], 1: []})
+
+
+def test_load_dir_errors_are_no_traces(tmp_path):
+    """No folder, no rank files, or only unreadable ones: NoTraces (the CLI's exit 2)."""
+    with pytest.raises(rp.NoTraces, match="not a directory"):
+        rp.replay_dir(tmp_path / "absent")
+    with pytest.raises(rp.NoTraces, match="no rank"):
+        rp.replay_dir(tmp_path)
+    (tmp_path / "rank00000.jsonl").write_text("not json\n{also not\n")
+    with pytest.raises(rp.NoTraces, match="no readable"):
+        rp.replay_dir(tmp_path)
+
+
+def test_parallel_loading_gives_the_same_report(tmp_path):
+    """jobs=2 (worker processes) and jobs=1 produce the same report."""
+    write_traces(job_records(hang_faults(WORLD, culprit=2, step=19)), tmp_path)
+    one = rp.replay_dir(tmp_path, jobs=1).to_dict()
+    two = rp.replay_dir(tmp_path, jobs=2).to_dict()
+    assert one == two and one["verdict"] == "hang"
+
+
+def test_report_json_has_the_documented_fields():
+    """to_dict() is JSON-serialisable with verdict, culprits, step, state, layer, collective, ..."""
+    report = rp.diagnose(job_records(hang_faults(WORLD, culprit=0, step=9)))
+    data = json.loads(json.dumps(report.to_dict()))
+    for key in ("verdict", "culprit_ranks", "step", "state", "layer", "collective", "illegal_transitions",
+                "ranks", "warnings", "findings", "at_divergence", "world", "missing_ranks"):
+        assert key in data
+    assert set(data["collective"]) == {"op", "group", "cseq", "shape", "dtype"}
+
+
+def test_ranks_text_compacts_runs():
+    """Rank lists print as ranges: [0,1,2,3,7,9,10] -> 0-3,7,9-10."""
+    assert rp.ranks_text([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+    assert rp.ranks_text([5]) == "5" and rp.ranks_text([]) == "-"
+
+
+
+def test_transfer_failure_aborted_everywhere_is_handled():
+    """Rank 2's layer-1 transfer fails, every rank fires fault and goes on: healthy, with a handled note."""
+    report = rp.diagnose(job_records(Faults(transfer_error={2: (19, 1)})))
+    assert report.verdict == "healthy" and report.exit_code == 0
+    assert len(report.handled) == 1
+    note = report.handled[0]
+    assert (note.kind, note.culprits, note.step, note.collective["group"]) == (
+        "collective_mismatch", [2], 19, "ep_transfer")
+    assert "handled by a fault on every rank" in report.summary
+    # later rearrangements run on the fresh group and line up again
+    assert all(r["rearrangements"] == 3 for r in report.ranks)
+
+
+def test_a_fault_on_only_some_ranks_is_not_handled(healthy):
+    """If only the failing rank aborts while the others commit, the divergence is the verdict."""
+    records = job_records(Faults(transfer_error={2: (19, 1)}))
+    clean = fresh(healthy)
+    for r in (0, 1, 3):
+        records[r] = clean[r]
+    report = rp.diagnose(records)
+    assert report.verdict == "decision_divergence" and report.culprit_ranks == [2]
+    assert report.handled == []
+
+
+def test_world_groups_include_header_groups_and_their_recreations(healthy):
+    """ep and ep_transfer (from headers), ep_transfer.N and groups every rank used are world-wide."""
+    summaries = {r: rp.summarize_rank(recs, r) for r, recs in healthy.items()}
+    summaries[0].collectives["ep_transfer.4"] = {}
+    summaries[1].collectives["side"] = {}
+    wide = rp.world_groups(summaries)
+    assert {"world", "ep", "ep_transfer", "ep_transfer.4"} <= wide
+    assert "side" not in wide

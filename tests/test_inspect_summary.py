@@ -1,0 +1,211 @@
+"""Stage 1 of the replay: one rank's walk through the machine, in memory and over file text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eplb_fsm.inspect import summary as sm
+from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults
+
+WORLD = 4
+
+
+def job_records(faults: Faults | None = None, steps: int = 40, world: int = WORLD) -> dict[int, list[dict]]:
+    job = SyntheticJob(world=world)
+    job.run(steps, faults)
+    return job.records()
+
+
+@pytest.fixture(scope="module")
+def healthy() -> dict[int, list[dict]]:
+    return job_records()
+
+
+def test_every_record_is_checked_and_counted(healthy):
+    """The rank summary counts every record, its compact steps, transitions and collectives."""
+    s = sm.summarize_rank(healthy[0], 0)
+    assert s.records == len(healthy[0])
+    assert s.step_records == sum(1 for r in healthy[0] if r["event"] == "step")
+    assert len(s.transitions) == sum(1 for r in healthy[0] if r["event"] == "transition")
+    starts = sum(1 for r in healthy[0] if r["event"] == "collective_start")
+    assert sum(len(g) for g in s.collectives.values()) == starts
+    assert set(s.collectives) == {"ep", "ep_transfer"}
+    assert (s.first_step, s.last_step, s.final_state) == (0, 39, "collecting")
+
+def test_oracle_memoises_machine_answers():
+    """The oracle fires a real machine once per distinct context and then answers from memory."""
+    oracle = sm.MachineOracle()
+    assert oracle.outcome("transferring", 0, 2, False, "layer_done", {"layer": 0}) == ("transferring", 1, False)
+    assert oracle.outcome("transferring", 0, 2, False, "layer_done", {"layer": 0}) == ("transferring", 1, False)
+    assert oracle.fired == 1
+    refused = oracle.outcome("transferring", 0, 2, False, "layer_done", {"layer": 1})
+    assert isinstance(refused, str) and "not allowed" in refused
+    assert isinstance(oracle.outcome("collecting", 0, 2, False, "explode", {}), str)
+
+def _comparable(s: sm.RankSummary):
+    d = s.to_dict()
+    d.pop("path")
+    colls = {g: {c: vars(e) for c, e in v.items()} for g, v in s.collectives.items()}
+    return d, s.transitions, colls, s.illegal, s.warnings, dict(s.events), s.bad_lines, s.truncated
+
+
+def _variants(records: list[dict]) -> dict[str, str]:
+    """JSONL texts of one rank's records, clean and damaged in the ways files get damaged."""
+    lines = [json.dumps(r, separators=(",", ":")) for r in records]
+    clean = "\n".join(lines) + "\n"
+    step_at = [i for i, r in enumerate(records) if r["event"] == "step"]
+    wrong_state = list(lines)
+    wrong_state[step_at[3]] = wrong_state[step_at[3]].replace('"collecting"', '"planning"')
+    due = list(lines)
+    due[step_at[4]] = due[step_at[4]][:-1] + ',"due":true}'
+    dummy = list(lines)
+    dummy[step_at[5]] = dummy[step_at[5]][:-1] + ',"dummy":true}'
+    garbage = list(lines)
+    garbage[step_at[6]] = garbage[step_at[6]][:20]
+    garbage.insert(30, "")
+    garbage.insert(31, "[1, 2]")
+    lost = [line for i, line in enumerate(lines) if i not in (step_at[7], step_at[8], step_at[-2])]
+    lost.remove(next(line for line in lost if '"collective_end"' in line))
+    return {
+        "two_runs": clean + clean,
+        "lost_lines": "\n".join(lost) + "\n",
+        "clean": clean,
+        "no_final_newline": clean[:-1],
+        "crlf": clean.replace("\n", "\r\n"),
+        "truncated": clean[:-20],
+        "truncated_then_blank": clean[:-20] + "\n\n",
+        "wrong_state": "\n".join(wrong_state) + "\n",
+        "due_step": "\n".join(due) + "\n",
+        "dummy_step": "\n".join(dummy) + "\n",
+        "garbage": "\n".join(garbage) + "\n",
+    }
+
+
+@pytest.mark.parametrize("faults", [None, hang_faults(WORLD, 1, 19), Faults(illegal={1: 9}),
+                                    Faults(skip_count={1: 3})], ids=["healthy", "hang", "illegal", "skip"])
+def test_file_fast_path_equals_record_by_record_replay(faults):
+    """summarize_text (runs of step lines checked in bulk) gives the same summary as parsing every line."""
+    records = job_records(faults)[1]
+    for name, text in _variants(records).items():
+        parsed = [sm._parse_line(line) for line in text.splitlines() if line.strip()]
+        good = [r for r in parsed if r is not None]
+        lines = [line for line in text.splitlines() if line.strip()]
+        expected = sm.summarize_rank(good, 1, bad_lines=len(parsed) - len(good),
+                                     truncated=sm._parse_line(lines[-1]) is None)
+        assert _comparable(sm.summarize_text(text, 1)) == _comparable(expected), name
+
+
+def test_clean_step_runs_take_the_bulk_path(healthy, monkeypatch):
+    """On a clean file no step line is json-parsed on its own: runs are matched in bulk."""
+    calls = []
+    real = sm._parse_line
+    monkeypatch.setattr(sm, "_parse_line", lambda line: calls.append(line) or real(line))
+    text = "\n".join(json.dumps(r, separators=(",", ":")) for r in healthy[0]) + "\n"
+    summary = sm.summarize_text(text, 0)
+    assert summary.step_records == 36 and summary.illegal == []
+    assert len(calls) <= 3  # only the first and last records, read for the summary
+
+
+def test_collective_outcomes_are_indexed_by_group_and_cseq():
+    """Start/end/error records become one entry per (group, cseq) with its status and duration."""
+    recs = [
+        {"event": "header", "rank": 0, "world": 2, "state": "collecting", "step": 0, "seq": 0},
+        {"event": "collective_start", "op": "all_reduce", "group": "ep", "cseq": 0, "shape": [4],
+         "state": "collecting", "step": 1, "seq": 1},
+        {"event": "collective_end", "op": "all_reduce", "group": "ep", "cseq": 0, "duration_s": 0.5,
+         "state": "collecting", "step": 1, "seq": 2},
+        {"event": "collective_start", "op": "barrier", "group": "x", "cseq": 0, "state": "collecting",
+         "step": 2, "seq": 3},
+        {"event": "collective_error", "op": "barrier", "group": "x", "cseq": 0, "error": "Timeout",
+         "state": "collecting", "step": 2, "seq": 4},
+        {"event": "collective_start", "op": "all_reduce", "group": "ep", "cseq": 1, "shape": [4],
+         "state": "collecting", "step": 3, "seq": 5},
+        {"event": "collective_end", "op": "all_gather", "group": "ep", "cseq": 7, "state": "collecting",
+         "step": 3, "seq": 6},
+    ]
+    s = sm.summarize_rank(recs)
+    assert s.rank == 0 and s.world == 2
+    ep, x = s.collectives["ep"], s.collectives["x"]
+    assert (ep[0].status, ep[0].duration_s, ep[1].status) == ("ended", 0.5, "open")
+    assert (x[0].status, x[0].error) == ("error", "Timeout")
+    assert [c.cseq for c in s.open_collectives()] == [1]
+    assert any("ep#7 without a start" in w for w in s.warnings)
+    assert s.max_cseq("ep") == 1 and s.max_cseq("nope") == -1
+
+
+def test_collective_signature_ignores_p2p_shapes_but_not_layers():
+    """Point-to-point ops compare by op, layer and wave; collectives also by shape."""
+    a = sm.Collective("batch_isend_irecv", "t", 0, [3, 4], None, 1, "transferring", 0, 1, 0)
+    b = sm.Collective("batch_isend_irecv", "t", 0, [9], None, 1, "transferring", 0, 1, 0)
+    c = sm.Collective("batch_isend_irecv", "t", 0, [9], None, 1, "transferring", 1, 1, 0)
+    assert a.signature() == b.signature() != c.signature()
+    d = sm.Collective("all_reduce", "ep", 0, [3], None, 1, "planning", None, 1)
+    e = sm.Collective("all_reduce", "ep", 0, [4], None, 1, "planning", None, 1)
+    assert d.signature() != e.signature()
+
+
+def test_missing_num_layers_is_checked_loosely_with_a_warning(healthy):
+    """Transition records without num_layers still replay (layer guards loosened) and say so."""
+    recs = [{k: v for k, v in r.items() if k != "num_layers"} for r in healthy[0]
+            if r["event"] not in ("model_added", "header")]
+    s = sm.summarize_rank(recs, 0)
+    assert s.illegal == []
+    assert any("no num_layers" in w for w in s.warnings)
+
+
+def test_records_stamped_with_another_state_are_counted(healthy):
+    """A collective record stamped with a state the replay is not in gives one summary warning."""
+    recs = [dict(r) for r in healthy[0]]
+    for r in recs:
+        if r["event"] == "collective_start" and r["step"] == 9:
+            r["state"] = "scaling"
+    s = sm.summarize_rank(recs, 0)
+    assert any("stamped with a state other than the replayed one" in w for w in s.warnings)
+
+
+def test_read_records_bulk_and_line_by_line(tmp_path):
+    """read_records parses a clean file in one go and a damaged one line by line."""
+    path = tmp_path / "rank00000.jsonl"
+    path.write_text('{"a":1}\n{"b":2}\n')
+    assert sm.read_records(path) == ([{"a": 1}, {"b": 2}], 0, False)
+    path.write_text('{"a":1}\n\n[3]\n{"b":2}\n{"c":')
+    assert sm.read_records(path) == ([{"a": 1}, {"b": 2}], 2, True)
+    path.write_text("")
+    assert sm.read_records(path) == ([], 0, False)
+
+
+def test_find_trace_files_picks_rank_files_only(tmp_path):
+    """Only rank<N>.jsonl files count, keyed and sorted by rank."""
+    for name in ("rank00002.jsonl", "rank00000.jsonl", "rank00001.log", "notes.jsonl", "rank7.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    assert list(sm.find_trace_files(tmp_path)) == [0, 2, 7]
+
+
+def test_a_second_header_starts_a_new_run(healthy):
+    """A controller appending to the file (a second header) makes the replay start over from it."""
+    recs = healthy[0] + healthy[0]
+    s = sm.summarize_rank(recs, 0)
+    single = sm.summarize_rank(healthy[0], 0)
+    assert s.illegal == [] and s.records == single.records and s.transitions == single.transitions
+    assert any("holds 2 runs" in w for w in s.warnings)
+
+
+def test_lost_lines_are_reported_by_seq(healthy):
+    """Records missing from the seq sequence (lost lines) give one warning with the count."""
+    recs = [r for r in healthy[0] if r["seq"] not in (5, 6, 30)]
+    s = sm.summarize_rank(recs, 0)
+    lost = "3 record(s) missing by seq (lost lines), the first between seq 1 and seq 11"
+    assert any(w.startswith(lost) for w in s.warnings)
+    assert not any("missing by seq" in w for w in sm.summarize_rank(healthy[0], 0).warnings)
+
+
+def test_transfer_group_resets_are_collected():
+    """transfer_group_reset records name the re-created group, which every rank belongs to."""
+    job = SyntheticJob(world=2)
+    job.run(40, Faults(transfer_error={1: (19, 0)}))
+    s = sm.summarize_rank(job.records()[0], 0)
+    assert s.named_groups == {"ep_transfer.1"}
+    assert [t.trigger for t in s.transitions].count("fault") == 1
+    assert "ep_transfer.1" in s.collectives

@@ -1,0 +1,122 @@
+"""The synthetic trace builder: realistic records through the real machine and trace, faults per rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.trace import read_trace, trace_path
+
+
+def test_records_follow_the_controller_layout():
+    """Header, model_added, compact steps, transitions with num_layers/layer_after, collectives in pairs."""
+    job = SyntheticJob(world=2, num_layers=3, interval=5)
+    job.run(10)
+    recs = job.records()[1]
+    assert [r["event"] for r in recs[:3]] == ["header", "model_added", "step"]
+    header = recs[0]
+    assert header["config"]["step_interval"] == 5 and header["group"] == "ep"
+    assert header["transfer_group"] == "ep_transfer" and header["world"] == 2 and header["rank"] == 1
+    assert [r["seq"] for r in recs] == list(range(len(recs)))
+    moves = [r for r in recs if r["event"] == "transition"]
+    assert [(r["trigger"], r["dest"]) for r in moves[:6]] == [
+        ("step", "planning"), ("plan_ready", "transferring"), ("layer_done", "transferring"),
+        ("layer_done", "transferring"), ("layer_done", "committing"), ("committed", "collecting")]
+    assert all(r["num_layers"] == 3 and "layer_after" in r for r in moves)
+    assert [r["layer"] for r in moves if r["trigger"] == "layer_done"][:3] == [0, 1, 2]
+    starts = [r for r in recs if r["event"] == "collective_start"]
+    ends = [r for r in recs if r["event"] == "collective_end"]
+    assert len(starts) == len(ends) and {r["group"] for r in starts} == {"ep", "ep_transfer"}
+
+
+def test_every_third_plan_is_skipped():
+    """Rearrangement #2 finds nothing to move: plan_ready back to collecting and plan_skipped."""
+    job = SyntheticJob(world=2, interval=4)
+    job.run(12)
+    recs = job.records()[0]
+    plans = [r for r in recs if r.get("trigger") == "plan_ready"]
+    assert [p["dest"] for p in plans] == ["transferring", "transferring", "collecting"]
+    assert sum(1 for r in recs if r["event"] == "plan_skipped") == 1
+
+
+def test_stops_end_a_rank_where_asked():
+    """before_step, before_collective and in_collective end the trace at the right record."""
+    job = SyntheticJob(world=3, interval=5)
+    job.run(10, Faults(stop={0: Stop(4, "before_step"), 1: Stop(4, "before_collective"),
+                             2: Stop(4, "in_collective")}))
+    last = {r: recs[-1] for r, recs in job.records().items()}
+    assert (last[0]["event"], last[0]["step"]) == ("step", 3)
+    assert (last[1]["event"], last[1]["trigger"], last[1]["step"]) == ("transition", "step", 4)
+    assert (last[2]["event"], last[2]["op"], last[2]["step"]) == ("collective_start", "all_reduce", 4)
+    with pytest.raises(ValueError, match="where must be one of"):
+        Stop(3, "mid_air")
+
+
+def test_hang_faults_stop_everyone_at_the_step():
+    """hang_faults: the culprit stops before its collective, every other rank inside it."""
+    faults = hang_faults(4, culprit=2, step=9)
+    assert faults.stop[2] == Stop(9, "before_collective")
+    assert {r: s.where for r, s in faults.stop.items() if r != 2} == {r: "in_collective" for r in (0, 1, 3)}
+
+
+def test_skip_count_delays_planning_by_one_step():
+    """A rank whose counter misses a step enters planning one step after the others."""
+    job = SyntheticJob(world=2, interval=5)
+    job.run(10, Faults(skip_count={1: 2}))
+    due = {r: [x["step"] for x in recs if x.get("dest") == "planning"] for r, recs in job.records().items()}
+    assert due == {0: [4, 9], 1: [5]}
+
+
+def test_wrong_collective_and_config_overrides():
+    """wrong_collective changes the first collective of that step; config_overrides one header."""
+    job = SyntheticJob(world=2, interval=5, config_overrides={1: {"window_size": 99}})
+    job.run(10, Faults(wrong_collective={0: (4, {"op": "broadcast", "shape": [1]})}))
+    recs = job.records()
+    first = next(r for r in recs[0] if r["event"] == "collective_start")
+    assert (first["op"], first["shape"]) == ("broadcast", [1])
+    assert recs[0][0]["config"]["window_size"] == 5 and recs[1][0]["config"]["window_size"] == 99
+
+
+def test_illegal_fault_records_a_refused_transition():
+    """The illegal fault writes committed straight from transferring and the rank goes on."""
+    job = SyntheticJob(world=2, interval=5)
+    job.run(10, Faults(illegal={1: 4}))
+    bad = [r for r in job.records()[1] if r.get("trigger") == "committed" and r["source"] == "transferring"]
+    assert len(bad) == 1 and bad[0]["step"] == 4
+    assert job.records()[1][-1]["step"] == 9
+
+
+def test_files_and_single_rank_simulation(tmp_path):
+    """trace_dir writes one JSONL file per simulated rank; ranks=[0] simulates only rank 0."""
+    job = SyntheticJob(world=8, trace_dir=tmp_path / "a", ranks=[0], keep=False)
+    job.run(12)
+    job.close()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["rank00000.jsonl"]
+    records, bad = read_trace(trace_path(tmp_path / "a", 0))
+    assert bad == 0 and records[0]["world"] == 8 and records[-1]["step"] == 11
+    mem = SyntheticJob(world=2)
+    mem.run(6)
+    paths = write_traces(mem.records(), tmp_path / "b")
+    assert read_trace(paths[1])[0] == mem.records()[1]
+    with pytest.raises(ValueError, match="interval"):
+        SyntheticJob(interval=0)
+
+
+
+def test_transfer_error_aborts_on_every_rank_and_resets_the_group():
+    """transfer_error: no wave on the failing rank, a timed-out wave elsewhere, fault everywhere, new group."""
+    job = SyntheticJob(world=3, interval=5)
+    job.run(15, Faults(transfer_error={1: (4, 1)}))
+    recs = job.records()
+    for r, rr in recs.items():
+        waves = [x for x in rr if x.get("op") == "batch_isend_irecv" and x["step"] == 4]
+        kinds = [x["event"] for x in waves]
+        if r == 1:
+            assert kinds == ["collective_start", "collective_end"]          # layer 0 only
+        else:
+            assert kinds == ["collective_start", "collective_end", "collective_start", "collective_error"]
+        faults = [x for x in rr if x.get("trigger") == "fault"]
+        assert [(f["step"], f["dest"], f["failed_layer"]) for f in faults] == [(4, "collecting", 1)]
+        resets = [x["group"] for x in rr if x["event"] == "transfer_group_reset"]
+        assert resets == ["ep_transfer.1"]
+        assert {x["group"] for x in rr if x.get("op") == "batch_isend_irecv" and x["step"] > 4} == {"ep_transfer.1"}
