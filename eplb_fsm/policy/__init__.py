@@ -10,6 +10,7 @@ from eplb_fsm.policy.bounds import (
 )
 from eplb_fsm.policy.default import DefaultEplbPolicy, balanced_packing, replicate_experts
 from eplb_fsm.policy.registry import available_policies, get_policy, register_policy
+from eplb_fsm.policy.movement import MovementAwarePolicy  # noqa: F401  (registers "movement_aware")
 
 __all__ = [
     "AbstractEplbPolicy",

@@ -60,23 +60,48 @@ def _moved_given_membership(member: np.ndarray, new: np.ndarray) -> np.ndarray:
     return (new >= 0) & ~held
 
 
-def _greedy_assignment(score: np.ndarray) -> np.ndarray:
-    """Row-wise greedy maximum matching of a square score matrix ``(R, A, A)``.
+def _greedy_assignment(score: np.ndarray, max_rounds: int = 2) -> np.ndarray:
+    """Row-wise matching of a square score matrix ``(R, A, A)`` by rounds of proposals.
 
-    Repeatedly takes the largest remaining entry; ties go to the lowest flat index, and
-    a tiny bonus on the diagonal keeps the identity when nothing is gained. Returns
-    ``target (R, A)``: the column matched to each row index.
+    Every round, each unmatched row index proposes to its best unmatched column and each
+    column accepts its best proposer (ties: the lower index); a small bonus that decays
+    with |row - column| makes equal scores spread out and keeps the identity when nothing
+    is gained. After ``max_rounds`` rounds the rest is matched in index order. Returns
+    ``target (R, A)``: the column matched to each row index. A greedy matching, not an
+    optimal assignment.
     """
     num_rows, size, _ = score.shape
-    work = score.astype(np.float64) + 1e-6 * np.eye(size)[None]
-    target = np.empty((num_rows, size), dtype=np.int64)
-    rows = np.arange(num_rows)
-    for _ in range(size):
-        flat = work.reshape(num_rows, -1).argmax(axis=1)
-        src, dst = np.divmod(flat, size)
-        target[rows, src] = dst
-        work[rows, src, :] = -np.inf
-        work[rows, :, dst] = -np.inf
+    idx = np.arange(size)
+    bonus = 1e-3 / (1.0 + np.abs(idx[:, None] - idx[None, :]))
+    work = score.astype(np.float64) + bonus[None]
+    target = np.full((num_rows, size), -1, dtype=np.int64)
+    row_free = np.ones((num_rows, size), dtype=bool)
+    col_free = np.ones((num_rows, size), dtype=bool)
+    rows = np.arange(num_rows)[:, None]
+    for _ in range(max_rounds):
+        if not row_free.any():
+            break
+        masked = np.where(row_free[:, :, None] & col_free[:, None, :], work, -np.inf)
+        choice = masked.argmax(2)  # (R, A) best free column of each row index
+        value = np.take_along_axis(masked, choice[:, :, None], 2)[:, :, 0]
+        proposal = np.where(row_free & np.isfinite(value), value, -np.inf)
+        # each column keeps its best proposer
+        offers = np.where(choice[:, :, None] == idx[None, None, :], proposal[:, :, None], -np.inf)
+        winner = offers.argmax(1)  # (R, A) per column
+        won = np.isfinite(np.take_along_axis(offers, winner[:, None, :], 1)[:, 0, :])
+        r, col = np.nonzero(won)
+        q = winner[r, col]
+        target[r, q] = col
+        row_free[r, q] = False
+        col_free[r, col] = False
+    # whatever is left (little overlap anyway) is matched in index order
+    left = row_free.sum(1)
+    if left.any():
+        free_rows = np.argsort(~row_free, axis=1, kind="stable")  # free row indices first, ascending
+        free_cols = np.argsort(~col_free, axis=1, kind="stable")
+        k = np.arange(size)[None, :] < left[:, None]
+        r = np.broadcast_to(np.arange(num_rows)[:, None], k.shape)[k]
+        target[r, free_rows[k]] = free_cols[k]
     return target
 
 
@@ -90,7 +115,7 @@ def relabel_ranks(
 
     Args:
         new_phy2log: (L, P) placement to renumber.
-        old_member: (L, G, N) :func:`rank_membership` of the old placement.
+        old_member: (L, G, N) :func:`rank_membership` of the old placement (any strides).
         num_ranks: G.
         num_nodes: with more than one node, whole nodes are matched first (by how many
             slots of a new node hold experts that lived on the old node) and ranks only
@@ -98,32 +123,28 @@ def relabel_ranks(
 
     Returns the renumbered (L, P) placement: rank blocks of S slots are permuted (and
     nodes' blocks of ranks), the contents of each block unchanged. The matching is
-    greedy (largest overlap first), not an optimal assignment.
+    greedy (:func:`_greedy_assignment`), not an optimal assignment.
     """
     new = np.asarray(new_phy2log, dtype=np.int64)
     num_layers, num_slots = new.shape
-    num_experts = old_member.shape[2]
     slots_per_rank = num_slots // num_ranks
     ranks_per_node = num_ranks // num_nodes
-    # composition[l, q, e]: how many slots of new rank q hold e
-    rank = np.arange(num_slots, dtype=np.int64) // slots_per_rank
-    width = num_experts + 1
-    expert = np.where(new >= 0, new, num_experts)
-    flat = (np.arange(num_layers, dtype=np.int64)[:, None] * num_ranks + rank[None, :]) * width + expert
-    composition = np.bincount(flat.ravel(), minlength=num_layers * num_ranks * width)
-    composition = composition.reshape(num_layers, num_ranks, width)[:, :, :num_experts].astype(np.float32)
-    # overlap[l, q, g]: slots of new rank q that would not move if q took old rank g's place
-    overlap = np.matmul(composition, old_member.astype(np.float32).transpose(0, 2, 1))
+    rows = np.arange(num_layers)[:, None]
+    # overlap[l, q, g]: slots of new rank q whose expert lived on old rank g
+    held = old_member[rows, :, np.maximum(new, 0)] & (new >= 0)[:, :, None]  # (L, P, G)
+    overlap = held.reshape(num_layers, num_ranks, slots_per_rank, num_ranks).sum(2, dtype=np.int32)
     if num_nodes > 1:
-        node_overlap = overlap.reshape(num_layers, num_nodes, ranks_per_node, num_nodes, ranks_per_node).sum((2, 4))
-        node_target = _greedy_assignment(node_overlap)  # new node -> old node
-        allowed = node_target[:, np.arange(num_ranks) // ranks_per_node][:, :, None] == (
-            np.arange(num_ranks) // ranks_per_node
-        )[None, None, :]
-        overlap = np.where(allowed, overlap, -1.0)
-    target = _greedy_assignment(overlap)  # new rank q -> rank number g
+        blocks = overlap.reshape(num_layers, num_nodes, ranks_per_node, num_nodes, ranks_per_node)
+        node_target = _greedy_assignment(blocks.sum((2, 4)))  # new node -> old node
+        # ranks are matched only inside matched nodes: one (ranks_per_node)^2 block per new node
+        sub = np.take_along_axis(blocks, node_target[:, :, None, None, None], axis=3)[:, :, :, 0, :]
+        inner = _greedy_assignment(sub.reshape(num_layers * num_nodes, ranks_per_node, ranks_per_node))
+        target = (node_target[:, :, None] * ranks_per_node + inner.reshape(num_layers, num_nodes, ranks_per_node))
+        target = target.reshape(num_layers, num_ranks)
+    else:
+        target = _greedy_assignment(overlap)  # new rank q -> rank number g
     out = np.empty_like(new)
-    out.reshape(num_layers, num_ranks, slots_per_rank)[np.arange(num_layers)[:, None], target] = new.reshape(
+    out.reshape(num_layers, num_ranks, slots_per_rank)[rows, target] = new.reshape(
         num_layers, num_ranks, slots_per_rank
     )
     return out
