@@ -19,6 +19,7 @@ import gc
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -292,6 +293,30 @@ def _majority(groups: dict[Any, list[int]]) -> Any:
     return max(groups, key=lambda k: (len(groups[k]), -min(groups[k])))
 
 
+def _break_tie(summaries: dict[int, RankSummary], g: str, c: int, by_sig: dict[tuple, list[int]],
+               default: tuple) -> tuple[tuple, str | None]:
+    """Equal numbers of ranks issued different collectives at (g, c) (e.g. one rank against one).
+
+    The expected one is the signature whose op the group also runs at its other sequence
+    numbers; an op seen nowhere else in the group is the odd one. Returns (reference
+    signature, a note for the finding), or (``default``, None) when that does not decide.
+    """
+    top = max(len(rs) for rs in by_sig.values())
+    tied = [k for k, rs in by_sig.items() if len(rs) == top]
+    seen: dict[Any, int] = {}
+    for s in summaries.values():
+        for cseq, e in s.collectives.get(g, {}).items():
+            if cseq != c:
+                seen[e.op] = seen.get(e.op, 0) + 1
+    familiar = [k for k in tied if seen.get(k[0], 0) > 0]
+    if len(familiar) != 1:
+        return default, None
+    ref = familiar[0]
+    odd = sorted({k[0] for k in tied if k != ref})
+    return ref, (f"as many ranks issued one collective as the other; {ref[0]} is what group {g} runs at its "
+                 f"other sequence numbers, {', '.join(map(str, odd))} appears nowhere else in it")
+
+
 def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -453,6 +478,9 @@ def _handled_by_fault(f: Finding, summaries: dict[int, RankSummary]) -> bool:
         first = next(ends, None)
         if first is None or first.trigger != "fault":
             return False
+        # a rollback that ends in `failed` did not handle it: the collective problem is the cause
+        if any(t.dest == FAILED and t.step == first.step for t in s.transitions):
+            return False
     return True
 
 
@@ -501,6 +529,9 @@ def _check_one_collective(summaries: dict[int, RankSummary], g: str, c: int, mem
     for r, e in entries.items():
         by_sig.setdefault(e.signature(), []).append(r)
     ref_sig = _majority(by_sig)
+    tie_note = None
+    if len(by_sig) > 1 and sorted(map(len, by_sig.values()))[-2:] == [len(by_sig[ref_sig])] * 2:
+        ref_sig, tie_note = _break_tie(summaries, g, c, by_sig, ref_sig)
     ref = entries[by_sig[ref_sig][0]]
     start_step = min((e.step for e in entries.values() if e.step is not None), default=None)
     open_ = sorted(r for r, e in entries.items() if e.status == "open")
@@ -548,7 +579,7 @@ def _check_one_collective(summaries: dict[int, RankSummary], g: str, c: int, mem
             "collective_mismatch", start_step, culprits,
             f"{_who(culprits)} issued {_coll_text(odd)} where {_who(by_sig[ref_sig])} issued "
             f"{_coll_text(ref)}, at step {start_step} in {ref.state}",
-            ranks=positions(), **where,
+            ranks=positions(), details=[tie_note] if tie_note else [], **where,
         )
     waiting = open_
     if (ended_before or no_file or skipped) and waiting:
@@ -559,6 +590,18 @@ def _check_one_collective(summaries: dict[int, RankSummary], g: str, c: int, mem
             f"{_who(culprits)} never joined {_coll_text(ref)} at step {start_step} in {ref.state}; "
             f"{_who(waiting)} wait inside it" + (f", {_who(left)} left it" if left else ""),
             ranks=positions(), details=details, **where,
+        )
+    # with bounded waits a hang ends in collective_error: the ranks that gave up had waited for
+    # ranks whose traces stop before they ever joined
+    gave_up = sorted(r for r, e in entries.items() if e.status == "error")
+    if (ended_before or no_file) and gave_up and not skipped:
+        culprits = sorted(ended_before + no_file)
+        return Finding(
+            "hang", start_step, culprits,
+            f"{_who(culprits)} never joined {_coll_text(ref)} at step {start_step} in {ref.state}; "
+            f"{_who(gave_up)} gave up waiting inside it ({_short_error(entries[gave_up[0]].error)})"
+            + (f", {_who([r for r in left if r not in gave_up])} finished it" if len(left) > len(gave_up) else ""),
+            ranks=positions(), details=[f"rank {r}: no trace file" for r in no_file], **where,
         )
     if skipped:
         return Finding(
@@ -582,6 +625,13 @@ def _check_one_collective(summaries: dict[int, RankSummary], g: str, c: int, mem
             ranks=positions(), **where,
         )
     return None
+
+
+def _short_error(text: Any) -> str:
+    """An error message without a C++ source location, cut after its first sentence."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", str(text or "")).strip()
+    first = text.split(". ")[0]
+    return first if len(first) <= 120 else first[:117] + "..."
 
 
 def _ended_before(s: RankSummary, step: int | None) -> bool:

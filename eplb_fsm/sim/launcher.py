@@ -40,8 +40,9 @@ class RankFailedError(RuntimeError):
     because of it), and its traceback is in the message.
     """
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], values: dict[int, Any] | None = None):
         self.failures = dict(failures)
+        self.values = dict(values or {})  # what the ranks that finished returned
         self.first = next(iter(self.failures))
         super().__init__(
             f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}"
@@ -51,9 +52,12 @@ class RankFailedError(RuntimeError):
 class RanksTimeoutError(TimeoutError):
     """Ranks still running at the deadline (they were killed); ``pending`` lists them."""
 
-    def __init__(self, pending: Sequence[int], timeout: float):
+    def __init__(self, pending: Sequence[int], timeout: float, values: dict[int, Any] | None = None,
+                 failures: dict[int, str] | None = None):
         self.pending = sorted(pending)
         self.timeout = timeout
+        self.values = dict(values or {})      # what the ranks that finished returned
+        self.failures = dict(failures or {})  # ranks that failed before the deadline
         super().__init__(f"rank(s) {self.pending} did not finish within {timeout:.1f} s (killed)")
 
 
@@ -143,8 +147,8 @@ def _launch_once(
     host: str,
     torch_threads: int | None,
     env: dict[str, str] | None,
-) -> tuple[list[Any] | None, dict[int, str], bool]:
-    """One launch attempt: (results or None, failures, whether set-up hit a taken port)."""
+) -> tuple[list[Any] | None, dict[int, str], bool, dict[int, Any]]:
+    """One launch attempt: (results or None, failures, whether set-up hit a taken port, values so far)."""
     port = find_free_port(host)
     init_method = f"tcp://{host}:{port}"
     results_q = ctx.Queue()
@@ -168,7 +172,7 @@ def _launch_once(
             now = time.monotonic()
             if now >= deadline:
                 pending = [r for r in range(world_size) if r not in values and r not in failures]
-                raise RanksTimeoutError(pending, timeout)
+                raise RanksTimeoutError(pending, timeout, values, failures)
             try:
                 rank, status, payload = results_q.get(timeout=min(0.2, deadline - now))
             except queue_mod.Empty:
@@ -194,14 +198,18 @@ def _launch_once(
                     with contextlib.suppress(queue_mod.Empty):
                         r2, s2, v2 = results_q.get(timeout=0.1)
                         _record(r2, s2, v2, values, failures)
+                # ranks that died meanwhile (os._exit, a signal) are failures too, not bystanders
+                for r, p in enumerate(procs):
+                    if r not in values and r not in failures and p.exitcode not in (None, 0):
+                        failures[r] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
         _stop(procs)
         results_q.close()
         results_q.join_thread()
     if failures:
-        return None, failures, port_taken
-    return [values[r] for r in range(world_size)], {}, False
+        return None, failures, port_taken, values
+    return [values[r] for r in range(world_size)], {}, False, values
 
 
 def _record(rank: int, status: str, payload: Any, values: dict, failures: dict) -> None:
@@ -244,11 +252,11 @@ def run_ranks(
         raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
     ctx = _context(start_method)
     for attempt in range(retries + 1):
-        values, failures, port_taken = _launch_once(
+        values, failures, port_taken, partial = _launch_once(
             ctx, fn, world_size, tuple(args), float(timeout), backend, host, torch_threads, env
         )
         if values is not None:
             return values
         if not (port_taken and attempt < retries):
-            raise RankFailedError(failures)
+            raise RankFailedError(failures, partial)
     raise AssertionError("unreachable")

@@ -136,6 +136,9 @@ class ToyMoE:
             self.expert_weights.append([w, b])
         # set by the controller (set_eplb_state); a standalone model routes on its own maps
         self.load_pass: torch.Tensor | None = None
+        # the forward's all-reduce (sum in place), called as fn(tensor, group, layer); None: a plain
+        # all-reduce on ``group``. A harness may trace or bound it (eplb_fsm.sim.inject does both)
+        self.engine_all_reduce: Any = None
         from eplb_fsm.maps import derive_log2phy
 
         log2phy, counts = derive_log2phy(placement, num_experts, max(P - num_experts + 1, 1))
@@ -152,6 +155,21 @@ class ToyMoE:
         self.replica_count = replica_count
         self.state_updates += 1
 
+    # -- elastic EP ------------------------------------------------------
+    @property
+    def non_expert_weights(self) -> list[torch.Tensor]:
+        """The weights every rank holds whole (the gates): what a joining rank is sent."""
+        return self.gate
+
+    def set_ep_world(self, rank: int, world_size: int) -> None:
+        """Serve as ``rank`` of ``world_size`` after an elastic switch (S slots per rank stay)."""
+        S = self.num_local_physical_experts
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.num_physical_experts = S * self.world_size
+        self.num_redundant_experts = self.num_physical_experts - self.num_logical_experts
+        self.last_global_load = torch.zeros(self.num_moe_layers, self.num_physical_experts, dtype=torch.int64)
+
     # -- weights ---------------------------------------------------------
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Original weights of a logical expert (cached)."""
@@ -161,14 +179,20 @@ class ToyMoE:
         return self._expert_cache[key]
 
     def check_weights(self, phy2log: Any) -> list[tuple[int, int]]:
-        """(layer, local row) of every slot whose weights differ from its expert's originals."""
+        """(layer, local row) of every slot whose weights differ from its expert's originals.
+
+        Empty slots (-1, elastic EP) hold nothing in particular and are not checked.
+        """
         placement = np.asarray(phy2log)
         S = self.num_local_physical_experts
         bad = []
         for layer in range(self.num_moe_layers):
             w, b = self.expert_weights[layer]
             for row in range(S):
-                ew, eb = self.expert(layer, int(placement[layer, self.rank * S + row]))
+                expert = int(placement[layer, self.rank * S + row])
+                if expert < 0:
+                    continue
+                ew, eb = self.expert(layer, expert)
                 if not (torch.equal(w[row], ew) and torch.equal(b[row], eb)):
                     bad.append((layer, row))
         return bad
@@ -237,7 +261,10 @@ class ToyMoE:
             y = self._apply(x, w_all, b_all, rows) * coef * local.unsqueeze(-1)
             partial = y.sum(dim=1)
             if group is not None and self.world_size > 1:
-                _sum_over_ranks(partial, group)
+                if self.engine_all_reduce is not None:
+                    self.engine_all_reduce(partial, group, layer)
+                else:
+                    _sum_over_ranks(partial, group)
             x = quantize(x + partial)
         return x
 

@@ -1,0 +1,175 @@
+"""``--inject`` specs: parsing, the errors bad specs get, and how simulate wires injection in."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.cli import build_parser, main
+from eplb_fsm.sim.inject import KINDS, Injection, Injector, check_injection, parse_spec, parse_specs
+
+SMALL = ["--ranks", "2", "--layers", "3", "--experts", "8", "--redundant", "4", "--hidden", "8",
+         "--tokens", "48", "--steps", "24", "--interval", "8", "--window", "8", "--no-png", "--no-progress"]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("skip-step:rank=1,step=3", Injection("skip-step", 1, step=3)),
+    ("stall-layer:rank=0,layer=2", Injection("stall-layer", 0, layer=2)),
+    ("wrong-collective:rank=1,step=9", Injection("wrong-collective", 1, step=9)),
+    ("die:rank=3,step=0", Injection("die", 3, step=0)),
+    (" die : step=5 , rank=1 ", Injection("die", 1, step=5)),  # spaces and key order do not matter
+])
+def test_good_specs_parse(spec, expected):
+    inj = parse_spec(spec)
+    assert inj == expected
+    assert parse_spec(inj.spec) == inj  # the canonical form parses back to the same injection
+
+
+def test_every_kind_has_a_canonical_spec():
+    for kind, keys in KINDS.items():
+        spec = f"{kind}:" + ",".join(f"{k}=1" for k in keys)
+        assert parse_spec(spec).spec == spec
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("explode:rank=1,step=2", ["unknown kind 'explode'", "skip-step", "stall-layer", "wrong-collective", "die"]),
+    ("die:rank=1", ["missing key step", "die needs rank=N,step=N"]),
+    ("die", ["missing key rank, step"]),
+    ("stall-layer:rank=1,step=2", ["unknown key 'step' for stall-layer", "rank, layer"]),
+    ("die:rank=1,step=2,layer=0", ["unknown key 'layer' for die"]),
+    ("die:rank=one,step=2", ["rank must be a non-negative integer", "'one'"]),
+    ("die:rank=-1,step=2", ["rank must be a non-negative integer", "'-1'"]),
+    ("die:rank=1,rank=0,step=2", ["key 'rank' given twice"]),
+    ("die:rank,step=2", ["'rank' is not key=value"]),
+    ("rank=1,step=2", ["must look like KIND:key=value"]),
+    ("", ["must look like KIND:key=value"]),
+])
+def test_bad_specs_name_the_spec_and_the_rule(spec, words):
+    with pytest.raises(ValueError) as err:
+        parse_spec(spec)
+    text = str(err.value)
+    assert text.startswith(f"--inject {spec!r}: ")
+    for word in words:
+        assert word in text
+
+
+def test_range_checks_against_the_run():
+    with pytest.raises(ValueError, match=r"rank 2 is out of range: the run has 2 rank\(s\) \(0\.\.1\)"):
+        parse_specs(["die:rank=2,step=1"], ranks=2)
+    with pytest.raises(ValueError, match=r"step 24 is out of range: the run has 24 step\(s\)"):
+        parse_specs(["skip-step:rank=0,step=24"], ranks=2, steps=24)
+    with pytest.raises(ValueError, match=r"layer 3 is out of range: the model has 3 layer\(s\)"):
+        parse_specs(["stall-layer:rank=0,layer=3"], ranks=2, layers=3)
+    with pytest.raises(ValueError, match="given twice"):
+        parse_specs(["die:rank=0,step=1", "die:step=1,rank=0"], ranks=2)
+    check_injection(parse_spec("stall-layer:rank=1,layer=2"), ranks=2, steps=5, layers=3)  # fine
+    assert len(parse_specs(["die:rank=0,step=3", "skip-step:rank=1,step=2"], ranks=2, steps=24)) == 2
+
+
+@pytest.mark.parametrize("spec, word", [
+    ("die:rank=5,step=1", "rank 5 is out of range"),
+    ("boom:rank=0", "unknown kind 'boom'"),
+    ("stall-layer:rank=0", "missing key layer"),
+    ("skip-step:rank=0,step=3,layer=1", "unknown key 'layer'"),
+])
+def test_simulate_refuses_bad_specs_with_exit_2(spec, word, capsys):
+    """Bad specs stop simulate before any process starts: exit 2 and a message naming the spec."""
+    code = main(["simulate", *SMALL, "--inject", spec])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--inject {spec!r}" in err and word in err
+
+
+def test_simulate_help_documents_inject_and_watchdog():
+    text = build_parser()._subparsers._group_actions[0].choices["simulate"].format_help()
+    flat = " ".join(text.split())
+    for word in ("--inject SPEC", "skip-step:rank=R,step=S", "stall-layer:rank=R,layer=K",
+                 "wrong-collective:rank=R,step=S", "die:rank=R,step=S", "--watchdog S", "stuck"):
+        assert word in flat, word
+
+
+def test_inject_shortens_timeouts_and_turns_the_watchdog_on(tmp_path):
+    """--inject: collective timeout 5 s and watchdog at half of it, unless given; the hook is added."""
+    from eplb_fsm.commands.simulate import build_options
+
+    parser = build_parser()
+    plain = build_options(parser.parse_args(["simulate", *SMALL, "--log-dir", str(tmp_path / "a")]))
+    assert (plain.collective_timeout_s, plain.watchdog_deadline_s, plain.hooks) == (20.0, 0.0, ())
+    opts = build_options(parser.parse_args(["simulate", *SMALL, "--log-dir", str(tmp_path / "b"),
+                                            "--inject", "die:rank=1,step=4", "--inject", "skip-step:rank=0,step=2"]))
+    assert (opts.collective_timeout_s, opts.watchdog_deadline_s) == (5.0, 2.5)
+    assert opts.extra["inject"] == ["die:rank=1,step=4", "skip-step:rank=0,step=2"]
+    assert opts.hooks == (("eplb_fsm.sim.inject:make_injector",
+                           {"specs": ["die:rank=1,step=4", "skip-step:rank=0,step=2"], "collective_timeout_s": 5.0}),)
+    given = build_options(parser.parse_args(["simulate", *SMALL, "--log-dir", str(tmp_path / "c"),
+                                             "--inject", "die:rank=1,step=4", "--collective-timeout", "3",
+                                             "--watchdog", "0"]))
+    assert (given.collective_timeout_s, given.watchdog_deadline_s) == (3.0, 0.0)
+    watched = build_options(parser.parse_args(["simulate", *SMALL, "--log-dir", str(tmp_path / "d"),
+                                               "--watchdog", "1.5"]))
+    assert watched.watchdog_deadline_s == 1.5
+    with pytest.raises(ValueError, match="--watchdog must be"):
+        build_options(parser.parse_args(["simulate", *SMALL, "--watchdog", "-1"]))
+
+
+class _Machine:
+    def __init__(self) -> None:
+        self.listeners = []
+
+
+class _Controller:
+    """Just enough of EplbController for the hook's bookkeeping."""
+
+    def __init__(self) -> None:
+        self.machine = _Machine()
+        self.transfer_hooks = []
+        self.history = []
+        self.steps = 0
+
+
+class _Ctx:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world, self.group = rank, 2, None
+        self.controller = _Controller()
+        self.model = object()
+        self.extra: dict = {}
+
+
+def test_injector_acts_only_on_its_rank():
+    """Each rank gets the same hook; only the named rank skips, stalls or misbehaves."""
+    inj = Injector(["skip-step:rank=1,step=3", "stall-layer:rank=1,layer=0"], collective_timeout_s=2.0)
+    assert inj.engine_timeout_s == 16.0 and inj.stall_hold_s == 18.0
+    other, mine = _Ctx(0), _Ctx(1)
+    inj.on_start(other)
+    assert other.controller.transfer_hooks == [] and inj.before_step(other, 3) is None
+    inj1 = Injector(["skip-step:rank=1,step=3", "stall-layer:rank=1,layer=0"], collective_timeout_s=2.0)
+    inj1.on_start(mine)
+    assert len(mine.controller.transfer_hooks) == 1
+    assert inj1.before_step(mine, 2) is None
+    assert inj1.before_step(mine, 3) == {"skip_step": True}
+    assert mine.extra["inject"]["done"] == [{"spec": "skip-step:rank=1,step=3", "step": 3,
+                                            "what": "controller.step() not called"}]
+    # the stall hook ignores other layers and, released at the end of the run, gives up with an error
+    hook = mine.controller.transfer_hooks[0]
+    hook(1, "main", 1)
+    inj1.on_finish(mine, {})
+    with pytest.raises(RuntimeError, match="injected stall: layer 0 was never transferred"):
+        hook(0, "main", 0)
+    hook(0, "main", 0)  # once only
+
+
+def test_injector_stops_the_rank_after_a_fault():
+    """A fault transition makes the rank raise RankFault at the end of that step (exit non-zero)."""
+    from eplb_fsm.fsm.machine import Fired
+    from eplb_fsm.sim.inject import RankFault
+
+    ctx = _Ctx(0)
+    inj = Injector([], collective_timeout_s=2.0)
+    inj.on_start(ctx)
+    inj.after_step(ctx, 0)  # nothing happened
+    ctx.controller.steps = 5
+    for listener in ctx.controller.machine.listeners:
+        listener(Fired("fault", "transferring", "failed", 1, {"recoverable": False}))
+    ctx.controller.history.append({"outcome": "aborted", "reason": "all_reduce of ['ready'] failed"})
+    with pytest.raises(RankFault, match=r"rank 0 stopped at step 4: its controller fired fault at step 4 "
+                                        r"\(transferring -> failed: all_reduce of \['ready'\] failed\)"):
+        inj.after_step(ctx, 4)
