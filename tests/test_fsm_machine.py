@@ -224,6 +224,36 @@ def test_scale_path_sets_and_clears_scale_pending():
     assert (m.state, m.scale_pending) == (COLLECTING, False)
 
 
+def test_joiner_path_from_scaling_reaches_the_switch():
+    """A joiner starts in scaling without scale_requested: groups_ready marks the switch pending."""
+    m = EplbMachine(1, state=SCALING)
+    m.fire("groups_ready")
+    assert (m.state, m.scale_pending) == (PLANNING, True)
+    m.fire("plan_ready", moves=1, worth=True)
+    m.fire("layer_done", layer=0)
+    m.fire("committed")
+    assert m.state == SCALING
+    m.fire("switched")
+    assert (m.state, m.scale_pending) == (COLLECTING, False)
+
+
+@pytest.mark.parametrize("recoverable, dest", [(True, COLLECTING), (False, FAILED)])
+def test_a_fault_aborts_a_pending_scale(recoverable, dest):
+    """A fault during a scale clears scale_pending, so the next commit goes back to collecting."""
+    m = EplbMachine(1)
+    m.fire("scale_requested")
+    m.fire("groups_ready")
+    m.fire("fault", recoverable=recoverable)
+    assert (m.state, m.scale_pending) == (dest, False)
+    if dest == FAILED:
+        m.fire("recovered")
+    m.fire("step", due=True)
+    m.fire("plan_ready", moves=1, worth=True)
+    m.fire("layer_done", layer=0)
+    m.fire("committed")
+    assert m.state == COLLECTING
+
+
 def test_faults_roll_back_or_fail_and_recover():
     """A recoverable fault returns to collecting, an unrecoverable one to failed until recovered."""
     m = EplbMachine(NUM_LAYERS, state=TRANSFERRING, layer=2)

@@ -156,3 +156,13 @@ def test_bad_shapes_are_refused():
         ToyMoE(num_experts=8, num_redundant=3, world_size=2)
     with pytest.raises(ValueError, match="top_k"):
         ToyMoE(num_experts=4, num_redundant=0, top_k=5)
+
+
+def test_toy_model_resizes_and_skips_empty_slots():
+    """set_ep_world keeps S slots per rank; check_weights ignores empty (-1) slots."""
+    model = ToyMoE(1, 4, 4, 4, 2, 1, 4)
+    model.set_ep_world(0, 2)
+    assert (model.num_physical_experts, model.num_redundant_experts, model.world_size) == (4, 0, 2)
+    placement = np.array([[-1, -1, 3, 3]])
+    model.expert_weights[0][0].zero_()
+    assert model.check_weights(placement) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import threading
@@ -25,7 +26,27 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["add_arguments", "build_options", "run_simulation", "build_report", "format_report", "run"]
+__all__ = ["add_arguments", "build_options", "run_simulation", "build_report", "build_failed_report", "replay_verdict",
+           "format_report", "run"]
+
+
+_INJECT_HELP = """\
+fault injection (--inject SPEC, repeatable; R rank, S step, K layer, from 0):
+  skip-step:rank=R,step=S         rank R's engine does not call controller.step() at
+                                  step S: its counters fall one step behind
+  stall-layer:rank=R,layer=K      rank R never transfers layer K (its transfer blocks
+                                  without posting sends): peers time out
+  wrong-collective:rank=R,step=S  rank R broadcasts instead of the controller's
+                                  all-reduce at step S (or the next one after S)
+  die:rank=R,step=S               rank R's process exits (os._exit) at step S
+
+With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
+the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
+first fault and exits non-zero, and the report ends with the replay verdict of the
+traces left in --log-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
+trace record when planning, a transferring layer or committing makes no progress for
+S seconds.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,9 +71,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--min-gain", type=float, default=0.0,
                    help="skip a rearrangement whose predicted balancedness gain is <= this, default 0")
     r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none)")
-    r.add_argument("--collective-timeout", type=float, default=20.0,
-                   help="seconds any wait on other ranks may take before it is a fault, default 20")
+    r.add_argument("--collective-timeout", type=float, default=None,
+                   help="seconds any wait on other ranks may take before it is a fault, default 20 "
+                        "(5 with --inject)")
+    r.add_argument("--watchdog", type=float, default=None, metavar="S",
+                   help="log a 'stuck' trace record when planning, a transferring layer or committing makes "
+                        "no progress for S seconds (0: off); default off, half the collective timeout with "
+                        "--inject")
+    r.add_argument("--inject", action="append", default=None, metavar="SPEC",
+                   help="make a rank misbehave (repeatable; the kinds are listed below)")
+    r.add_argument("--scale", action="append", default=None, metavar="STEP:RANKS",
+                   help="elastic EP (repeatable): at step STEP the serving ranks scale the EP group to RANKS "
+                        "(leaving ranks exit, joiners start as new processes; slots per rank stay fixed). "
+                        "STEP:RANKS:absent never starts the joiners (the scale must abort). See docs/elastic.md")
+    r.add_argument("--join-timeout", type=float, default=None, metavar="S",
+                   help="seconds a scale waits for its new group (joiners arriving), default: the collective "
+                        "timeout")
     r.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole run in seconds, default 300")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _INJECT_HELP
     o = parser.add_argument_group("output")
     o.add_argument("--log-dir", default=None, help="where traces and the PNG go (default: a new temp dir)")
     o.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -62,9 +99,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no live progress line on stderr")
 
 
+def _timeouts(args: argparse.Namespace) -> tuple[float, float]:
+    """(collective timeout, watchdog deadline) in seconds: shorter defaults while injecting faults."""
+    injecting = bool(getattr(args, "inject", None))
+    timeout = getattr(args, "collective_timeout", None)
+    if timeout is None:
+        timeout = 5.0 if injecting else 20.0
+    watchdog = getattr(args, "watchdog", None)
+    if watchdog is None:
+        watchdog = timeout / 2 if injecting else 0.0
+    return float(timeout), float(watchdog)
+
+
 def _hook_specs(args: argparse.Namespace) -> list:
-    """Per-rank hooks requested on the command line (none yet; fault injection and scaling plug in here)."""
-    return list(getattr(args, "hooks", None) or [])
+    """Per-rank hooks requested on the command line (fault injection; scaling plugs in here too)."""
+    specs = list(getattr(args, "hooks", None) or [])
+    if getattr(args, "inject", None):
+        specs.append(("eplb_fsm.sim.inject:make_injector",
+                      {"specs": list(args.inject), "collective_timeout_s": _timeouts(args)[0]}))
+    return specs
 
 
 def build_options(args: argparse.Namespace):
@@ -85,15 +138,39 @@ def build_options(args: argparse.Namespace):
         raise ValueError(f"--dummy-every must be >= 0, got {args.dummy_every}")
     if not (args.drift >= 0 and math.isfinite(args.drift)):
         raise ValueError(f"--drift must be a finite number >= 0, got {args.drift}")
+    timeout, watchdog = _timeouts(args)
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"--collective-timeout must be a finite number > 0, got {timeout}")
+    if not (watchdog >= 0 and math.isfinite(watchdog)):
+        raise ValueError(f"--watchdog must be a finite number >= 0 (0: off), got {watchdog}")
+    injections = []
+    if getattr(args, "inject", None):
+        from eplb_fsm.sim.inject import parse_specs
+
+        injections = parse_specs(args.inject, args.ranks, args.steps, args.layers)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="eplb-simulate-")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
         top_k=args.top_k, tokens=args.tokens, steps=args.steps, interval=args.interval, window=args.window,
         mode=args.mode, load=args.load, seed=args.seed, drift=args.drift, dummy_every=args.dummy_every,
-        policy=args.policy, min_balancedness_gain=args.min_gain, collective_timeout_s=args.collective_timeout,
-        log_dir=str(log_dir), hooks=tuple(_hook_specs(args)),
+        policy=args.policy, min_balancedness_gain=args.min_gain, collective_timeout_s=timeout,
+        watchdog_deadline_s=watchdog, log_dir=str(log_dir), hooks=tuple(_hook_specs(args)),
     )
+    if injections:
+        opts.extra["inject"] = [inj.spec for inj in injections]
+    if getattr(args, "scale", None):
+        from eplb_fsm.sim.elastic import parse_scale_specs
+
+        if injections:
+            raise ValueError("--scale and --inject cannot be combined yet (the injector assumes a fixed group)")
+
+        events = parse_scale_specs(args.scale, args.ranks, args.steps, args.experts, args.redundant)
+        opts.extra["scale"] = [e.spec for e in events]
+        join_timeout = getattr(args, "join_timeout", None)
+        if join_timeout is not None and not (join_timeout > 0 and math.isfinite(join_timeout)):
+            raise ValueError(f"--join-timeout must be a finite number > 0, got {join_timeout}")
+        opts.extra["join_timeout_s"] = join_timeout
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.policy import get_policy
 
@@ -164,19 +241,51 @@ class _Progress:
 
 def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, timeout: float = 300.0,
                    png: str | None = None, want_png: bool = True) -> dict:
-    """Run every rank, then build the report (see :func:`build_report`)."""
-    from eplb_fsm.sim.launcher import run_ranks
+    """Run every rank, then build the report (see :func:`build_report`).
+
+    When ranks fail (a rank raised, died, or missed the deadline ``timeout``) the report is
+    :func:`build_failed_report`'s instead, with ``ok`` false; the traces stay in
+    ``opts.log_dir``. With injected faults, or after a failure, the report ends with the
+    replay verdict of the traces (``report["replay"]``).
+    """
+    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, run_ranks
     from eplb_fsm.sim.run import run_rank
 
     stream = stream if stream is not None else sys.stderr
+    scaling = bool(opts.extra.get("scale"))
+
+    def launch() -> list:
+        if scaling:  # elastic EP: processes leave and join (eplb_fsm.sim.elastic)
+            from eplb_fsm.sim.elastic import run_elastic
+
+            return run_elastic(opts, timeout=timeout)
+        return run_ranks(run_rank, opts.ranks, args=(opts,), timeout=timeout)
+
     t0 = time.perf_counter()
-    if progress:
-        with _Progress(opts, stream):
-            results = run_ranks(run_rank, opts.ranks, args=(opts,), timeout=timeout)
-    else:
-        results = run_ranks(run_rank, opts.ranks, args=(opts,), timeout=timeout)
+    try:
+        if progress:
+            with _Progress(opts, stream):
+                results = launch()
+        else:
+            results = launch()
+    except (RankFailedError, RanksTimeoutError) as exc:
+        report = build_failed_report(opts, exc, time.perf_counter() - t0)
+        report["replay"] = replay_verdict(opts.log_dir)
+        report["png"], report["png_note"] = None, None
+        return report
     wall = time.perf_counter() - t0
-    report = build_report(opts, results, wall)
+    if scaling:
+        from eplb_fsm.sim.elastic import elastic_report, final_members
+
+        everyone, results = results, final_members(results)
+        report = elastic_report(opts, everyone, build_report(opts, results, wall))
+    else:
+        report = build_report(opts, results, wall)
+    if opts.extra.get("inject"):
+        report["inject"] = list(opts.extra["inject"])
+        report["replay"] = replay_verdict(opts.log_dir)
+        # every rank finished, but an injected fault that left a divergence in the traces is not ok
+        report["ok"] = bool(report["ok"] and report["replay"]["verdict"] == "healthy")
     report["png"], report["png_note"] = None, None
     if want_png:
         from eplb_fsm.sim.plot import plot_balancedness
@@ -187,6 +296,94 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
         report["png"], report["png_note"] = plot_balancedness(results[0]["balancedness"], report["rearrangements"],
                                                               path, title=title)
     return report
+
+
+def _last_record(path: Path) -> dict | None:
+    """The last readable record of a trace file (a half-written last line is skipped)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - 65536))
+            lines = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def _reason(text: str) -> str:
+    """The last line of a rank's traceback (the exception), or the launcher's note."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    # "package.module.SomeError: message" -> "SomeError: message"
+    last = re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1])
+    # gloo's messages: drop the C++ source location and the boilerplate after the first sentence
+    last = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", last)
+    return last.split(". This is typically")[0]
+
+
+def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
+    """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
+    from eplb_fsm.sim.launcher import RanksTimeoutError
+    from eplb_fsm.trace import trace_path
+
+    failures = dict(getattr(exc, "failures", {}) or {})
+    values = dict(getattr(exc, "values", {}) or {})
+    pending = set(getattr(exc, "pending", []) or [])
+    ranks = []
+    for r in range(opts.ranks):
+        path = trace_path(opts.log_dir, r)
+        last = _last_record(path) if path.is_file() else None
+        if r in values:
+            status, reason = "finished", None
+        elif r in failures:
+            reason = _reason(failures[r])
+            status = "died" if reason.startswith("process exited with code") else "failed"
+        elif r in pending:
+            status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):.0f} s deadline (killed)"
+        else:
+            status, reason = "stopped", "stopped by the launcher after another rank failed"
+        if last and last.get("event") == "rearrangement":  # its `step` is the due step
+            last = dict(last, step=last.get("end_step", last.get("step")))
+        ranks.append({"rank": r, "status": status, "reason": reason,
+                      "last_step": last.get("step") if last else None,
+                      "last_state": last.get("state") if last else None,
+                      "last_event": last.get("event") if last else None,
+                      "trace": str(path) if path.is_file() else None})
+    report = {
+        "config": opts.config_dict(),
+        "ok": False,
+        "failed": True,
+        "error": "timeout" if isinstance(exc, RanksTimeoutError) else "ranks_failed",
+        "ranks": ranks,
+        "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
+        "final_states": [e["last_state"] for e in ranks],
+        "log_dir": opts.log_dir,
+        "traces": [e["trace"] for e in ranks if e["trace"]],
+        "wall_s": _r(wall_s, 2),
+    }
+    if opts.extra.get("inject"):
+        report["inject"] = list(opts.extra["inject"])
+    return report
+
+
+def replay_verdict(log_dir: str) -> dict:
+    """Replay the traces of ``log_dir`` (eplb_fsm.inspect.replay): the verdict and where it points."""
+    try:
+        from eplb_fsm.inspect.replay import replay_dir
+
+        rep = replay_dir(log_dir)
+    except Exception as exc:  # the report must come out even if the traces can't be replayed
+        return {"verdict": "unavailable", "summary": f"{type(exc).__name__}: {exc}", "culprit_ranks": []}
+    return {"verdict": rep.verdict, "summary": rep.summary, "culprit_ranks": rep.culprit_ranks, "step": rep.step,
+            "state": rep.state, "layer": rep.layer, "collective": rep.collective,
+            "illegal_transitions": len(rep.illegal_transitions)}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -259,8 +456,35 @@ def build_report(opts, results: list[dict], wall_s: float) -> dict:
     return report
 
 
+def _format_failed(report: dict) -> list[str]:
+    c = report["config"]
+    what = "did not finish in time" if report.get("error") == "timeout" else "failed"
+    lines = [
+        f"eplb-fsm simulate: {c['ranks']} ranks, {c['layers']} layers, {c['experts']} experts + {c['redundant']} "
+        f"redundant, {c['steps']} steps, interval {c['interval']}, window {c['window']}, {c['mode']}, load {c['load']}",
+    ]
+    if report.get("inject"):
+        lines.append("injected: " + " ".join(report["inject"]))
+    lines += ["", f"the run {what}: rank(s) {', '.join(map(str, report['failed_ranks'])) or '-'}"]
+    for e in report["ranks"]:
+        where = (f"last record: step {e['last_step']}, {e['last_state']} ({e['last_event']})"
+                 if e["last_event"] else "no trace")
+        lines.append(f"  rank {e['rank']}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
+    lines += ["", f"traces: {report['log_dir']}", f"wall time: {report['wall_s']} s"]
+    return lines
+
+
+def _format_replay(report: dict) -> list[str]:
+    rep = report.get("replay")
+    if not rep:
+        return []
+    return [f"replay: {rep['verdict']}: {rep['summary']}"]
+
+
 def format_report(report: dict) -> str:
     """The report as text for a terminal."""
+    if report.get("failed"):
+        return "\n".join(_format_failed(report) + _format_replay(report))
     c = report["config"]
     lines = [
         f"eplb-fsm simulate: {c['ranks']} ranks, {c['layers']} layers, {c['experts']} experts + {c['redundant']} "
@@ -297,8 +521,14 @@ def format_report(report: dict) -> str:
         lines.append(f"balancedness plot: {report['png']}")
     elif report.get("png_note"):
         lines.append(f"no plot: {report['png_note']}")
+    for sc in report.get("scalings", ()):
+        lines.append(f"scale at step {sc['step']}: {sc['from_ranks']} -> {sc.get('requested_ranks')} ranks: "
+                     f"{sc['outcome']}, {sc['moved_slots']} slots moved, {sc['seconds']} s"
+                     + (f" ({sc['reason']})" if sc.get("reason") else ""))
     lines.append(f"wall time: {report['wall_s']} s")
-    return "\n".join(lines)
+    if report.get("inject"):
+        lines.append("injected: " + " ".join(report["inject"]))
+    return "\n".join(lines + _format_replay(report))
 
 
 def run(args: argparse.Namespace) -> int:

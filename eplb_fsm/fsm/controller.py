@@ -56,6 +56,7 @@ from eplb_fsm.fsm.machine import (
     COMMITTING,
     FAILED,
     PLANNING,
+    SCALING,
     TRANSFERRING,
     EplbMachine,
     Fired,
@@ -190,6 +191,13 @@ class EplbController:
     ``device``: where the load counters and maps live (the router's device).
     ``trace_dir``: where this rank's JSONL trace goes (``None``: no file;
     ``keep_trace=True`` also keeps every record in ``trace.records``).
+    ``role``: ``"member"`` (default) or ``"joiner"``: a process that joins a serving
+    group in elastic EP starts in ``scaling``; use :meth:`join`, which sets it and
+    ``start_step`` (the engine step counter to start from: the scale's step).
+
+    Elastic EP (docs/elastic.md): with a ``transfer.groups.StoreGroup`` as ``group``,
+    :meth:`request_scale` shrinks or grows the EP group while serving and
+    :meth:`join` starts a new process's controller inside such a scale.
 
     Every rank must construct the controller, add the same models in the same order,
     and call ``step`` / ``rearrange`` / ``recover`` the same number of times.
@@ -204,30 +212,42 @@ class EplbController:
         *,
         keep_trace: bool = False,
         clock: Callable[[], float] = time.time,
+        role: str = "member",
+        start_step: int = 0,
     ) -> None:
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
+        if role not in ("member", "joiner"):
+            raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
+        self.role = role
         self.config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.policy = get_policy(config.policy)
         self.group, self.rank, self.world = _resolve_group(group)
         self._custom_group = self.group is not None and _is_collective_group(self.group)
-        self.group_name = GROUP_NAME if self.group is not None else LOCAL_GROUP_NAME
+        self.group_name = getattr(self.group, "trace_name", GROUP_NAME) if self.group is not None \
+            else LOCAL_GROUP_NAME
+        # elastic EP: the group's generation (0 until a scale) and this rank's scale requests
+        self.generation = int(getattr(self.group, "generation", 0) or 0)
+        self.scalings: list[dict] = []
+        initial = SCALING if role == "joiner" else COLLECTING
         self._comm_device = self._collective_device()
         self.trace = SharedTrace(self.rank, self.world, trace_dir, clock=clock, keep=keep_trace)
-        self.trace.set_context(state=COLLECTING, step=0)
+        self.trace.set_context(state=initial, step=int(start_step))
         self.trace.header(
             config.to_dict(),
             mode="async" if config.use_async else "sync",
             device=str(self.device),
             group=self.group_name,
-            transfer_group=TRANSFER_GROUP_NAME if self.group is not None else LOCAL_GROUP_NAME,
+            transfer_group=self._transfer_base() if self.group is not None else LOCAL_GROUP_NAME,
+            **({"role": role, "generation": self.generation,
+                "machine": {"state": SCALING, "scale_pending": True}} if role == "joiner" else {}),
         )
-        self.machine = EplbMachine(num_layers=1)
+        self.machine = EplbMachine(num_layers=1, state=initial, scale_pending=role == "joiner")
         self.models: list[ModelEntry] = []
         self._windows: list[LoadWindow] = []
         # counters every rank advances identically
-        self.steps = 0                      # engine steps taken (profile steps excluded)
+        self.steps = int(start_step)        # engine steps taken (profile steps excluded)
         self._since = 0                     # steps since start / the last rearrangement began
         self._threshold = config.first_rearrangement_step
         self._log_balancedness = bool(config.log_balancedness)
@@ -277,7 +297,12 @@ class EplbController:
         if self.group is None:
             return LOCAL_GROUP_NAME
         gen = self._transfer_generation
-        return TRANSFER_GROUP_NAME if gen <= 0 else f"{TRANSFER_GROUP_NAME}.{gen}"
+        base = self._transfer_base()
+        return base if gen <= 0 else f"{base}.{gen}"
+
+    def _transfer_base(self) -> str:
+        """``ep_transfer`` for the first EP group, ``ep_transfer@<g>`` for a later generation's."""
+        return TRANSFER_GROUP_NAME if self.generation == 0 else f"{TRANSFER_GROUP_NAME}@{self.generation}"
 
     def _new_transfer_group(self) -> None:
         """(Re)create the process group the weight transfers run on (collective over the EP ranks).
@@ -320,7 +345,8 @@ class EplbController:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         if any(entry.name == name for entry in self.models):
             raise ValueError(f"a model named {name!r} is already added")
-        if self.machine.state != COLLECTING or self._current is not None:
+        joining = self.role == "joiner" and self.machine.state == SCALING
+        if (self.machine.state != COLLECTING and not joining) or self._current is not None:
             raise ValueError(f"models can only be added while collecting, state is {self.machine.state!r}")
         shape = validate_model(model, self.world, self.config.num_redundant_experts)
         L = shape["num_moe_layers"]
@@ -417,9 +443,10 @@ class EplbController:
         return fired
 
     # ------------------------------------------------------------- collectives
-    def _all_reduce(self, parts: dict[str, torch.Tensor], timeout_s: float) -> dict[str, torch.Tensor]:
+    def _all_reduce(self, parts: dict[str, torch.Tensor], timeout_s: float, **fields: Any) -> dict[str, torch.Tensor]:
         """Sum ``parts`` over the EP group in ONE all-reduce (float64, concatenated).
 
+        ``fields`` go into its trace records (e.g. ``layer`` for a layer's agreement).
         Raises ``_GroupBroken`` if the collective raises or does not finish in time.
         """
         names = list(parts)
@@ -428,7 +455,7 @@ class EplbController:
         buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
         try:
             with self.trace.collective("all_reduce", group=self.group_name, shape=tuple(buf.shape),
-                                       dtype=buf.dtype, parts=names, sizes=sizes):
+                                       dtype=buf.dtype, parts=names, sizes=sizes, **fields):
                 if self._custom_group:
                     self.group.all_reduce(buf, timeout_s)
                 elif self.group is not None:
@@ -535,6 +562,72 @@ class EplbController:
         if len(self.history) > count:
             return self.history[-1]
         return None
+
+    def request_scale(
+        self,
+        new_world_size: int,
+        rank_mapping: dict[int, int] | None = None,
+        *,
+        timeout_s: float | None = None,
+        generation: int | None = None,
+    ) -> dict:
+        """Grow or shrink the EP group now (elastic EP); every rank of the current group calls it at the same point.
+
+        ``new_world_size``: ranks after the scale (S slots per rank stay, so P' = S * G').
+        ``rank_mapping``: ``{old_rank: new_rank or -1}``; default: on scale-down the highest
+        ranks leave, on scale-up old ranks keep their numbers and joiners take the rest
+        (they call :meth:`join`). ``timeout_s`` bounds forming the new group (joiners
+        arriving; default ``collective_timeout_s``); transfers and agreements keep
+        ``collective_timeout_s``.
+        ``generation``: the new group's number (default: the current one + 1; every request
+        uses one up, even one that aborts). The group must be a
+        ``transfer.groups.StoreGroup`` (or have its ``successor``/``store``/``key``).
+
+        Runs the whole scale before returning, in sync and async mode (async first drains
+        a rearrangement in flight). Returns this rank's entry (also in ``scalings``):
+        ``outcome`` is ``switched`` (serving in the new group, ``rank`` is the new rank),
+        ``left`` (this rank left: its controller is closed, stop calling it), ``aborted``
+        (the old group keeps serving, nothing lost) or ``failed`` (state failed; see
+        ``reason`` and ``lost_experts``); plus ``moved_slots``, ``moved_bytes``, ``seconds``.
+        Raises ``ValueError`` on a bad request before anything changes.
+        """
+        from eplb_fsm.fsm import scaling
+
+        return scaling.request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s,
+                                     generation=generation)
+
+    @classmethod
+    def join(
+        cls,
+        config: EplbConfig,
+        models: Any,
+        *,
+        store: Any,
+        generation: int,
+        rank: int,
+        world_size: int,
+        trace_dir: str | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float | None = None,
+        keep_trace: bool = False,
+    ) -> "EplbController":
+        """Start the controller of a process that joins a serving group (elastic scale-up).
+
+        ``models``: ``{name: model}`` (or ``[(name, model), ...]``) in the order the serving
+        ranks added theirs, each built for ``world_size`` ranks at ``rank`` (its expert rows
+        and ``non_expert_weights`` are overwritten). ``store``: a
+        ``transfer.groups.StoreInfo`` (or a connected store), ``generation``: the number
+        of the group being formed. Waits at most ``timeout_s`` (default
+        ``config.collective_timeout_s``) for the serving ranks' handover, receives the maps,
+        counters and non-expert weights, takes part in the scale's rearrangement and returns
+        the controller in ``collecting``; then call ``step()`` like every other rank.
+        Raises ``fsm.scaling.ScaleAborted`` if the scale does not complete.
+        """
+        from eplb_fsm.fsm import scaling
+
+        return scaling.join(cls, config, models, store=store, generation=generation, rank=rank,
+                            world_size=world_size, trace_dir=trace_dir, device=device, timeout_s=timeout_s,
+                            keep_trace=keep_trace)
 
     def recover(self) -> None:
         """Leave ``failed`` once the engine has repaired the group (every rank together)."""
@@ -727,7 +820,7 @@ class EplbController:
             flags = torch.tensor([0.0 if error else 1.0, 1.0 if error else 0.0, 0.0], dtype=torch.float64)
             # a peer may itself be waiting out a transfer timeout before it reaches this all-reduce
             try:
-                agreed = self._all_reduce({"ready": flags}, 2 * self._timeout)["ready"]
+                agreed = self._all_reduce({"ready": flags}, 2 * self._timeout, layer=layer)["ready"]
             except _GroupBroken as exc:
                 self._group_fault(exc)
                 return

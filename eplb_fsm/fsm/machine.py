@@ -58,12 +58,15 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "committed", "source": COMMITTING, "dest": SCALING, "conditions": "is_scale_pending"},
     {"trigger": "committed", "source": COMMITTING, "dest": COLLECTING},
     {"trigger": "scale_requested", "source": COLLECTING, "dest": SCALING, "before": "mark_scale_pending"},
-    {"trigger": "groups_ready", "source": SCALING, "dest": PLANNING},
+    # a joiner starts in scaling without having seen scale_requested: groups_ready marks the
+    # switch pending on every rank, so the committed -> scaling row holds for all of them
+    {"trigger": "groups_ready", "source": SCALING, "dest": PLANNING, "before": "mark_scale_pending"},
     {"trigger": "switched", "source": SCALING, "dest": COLLECTING, "before": "clear_scale_pending"},
+    # a fault aborts a scale too: no switch stays pending after it
     {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING],
-     "dest": COLLECTING, "conditions": "is_recoverable"},
+     "dest": COLLECTING, "conditions": "is_recoverable", "before": "clear_scale_pending"},
     {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED],
-     "dest": FAILED},
+     "dest": FAILED, "before": "clear_scale_pending"},
     {"trigger": "recovered", "source": FAILED, "dest": COLLECTING},
 )
 

@@ -18,6 +18,12 @@ protocol when it has these attributes and this one method:
 
 ``validate_model`` checks all of it and raises ``ValueError`` naming the attribute and
 the rule, before the controller changes anything.
+
+Elastic EP (docs/elastic.md) uses two optional members: ``non_expert_weights`` (the
+tensors every rank holds whole; a joining rank receives them in place) and
+``set_ep_world(rank, world_size)`` (called when the group changes; S stays, P and R
+follow). Without the latter the controller updates ``num_physical_experts`` and
+``num_redundant_experts`` itself.
 """
 
 from __future__ import annotations

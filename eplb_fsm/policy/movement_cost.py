@@ -12,6 +12,12 @@ Everything that stays on a rank is free, whatever row it ends up in.
   share a rank, not on the rank's number.
 - :func:`align_rows` orders the slots of every rank so that an expert that stays on a
   rank keeps the row it had, which turns moves inside a rank into no-ops.
+- :func:`renumbered_default` both of the above, as the movement-aware policy's fallback.
+
+The counting helpers the movement-aware policy shares (:func:`expert_counts`,
+:func:`membership`, :func:`rank_counts`, :func:`slot_loads`, :func:`moves_per_layer`)
+take the old placement's membership once, as ``held (L, N, G)`` bool, and answer with
+flat gathers instead of comparing placements slot by slot.
 
 All functions are numpy, vectorised over layers (and ranks); inputs are int64 arrays with
 -1 for an empty slot.
@@ -21,21 +27,92 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["align_rows", "moved_slots", "rank_membership", "relabel_ranks"]
+__all__ = [
+    "align_rows",
+    "expert_counts",
+    "moved_slots",
+    "moves_per_layer",
+    "membership",
+    "rank_counts",
+    "rank_membership",
+    "relabel_ranks",
+    "renumbered_default",
+    "slot_loads",
+]
+
+
+def expert_counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """``(L, P) -> (L, N)`` int64: replicas of every expert (empty slots ignored)."""
+    num_layers = phy2log.shape[0]
+    width = num_experts + 1  # column N collects the empty slots and is dropped
+    flat = np.where(phy2log >= 0, phy2log, num_experts) + width * np.arange(num_layers)[:, None]
+    return np.bincount(flat.ravel(), minlength=num_layers * width).reshape(num_layers, width)[:, :num_experts]
+
+
+def _rank_index(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """``(L, P) -> (L, P)`` flat index of (layer, expert, rank) of every slot in an (L, N, G) array; -1 if empty."""
+    num_layers, num_slots = phy2log.shape
+    rank = np.arange(num_slots) // (num_slots // num_ranks)
+    flat = (phy2log + num_experts * np.arange(num_layers)[:, None]) * num_ranks + rank
+    return np.where(phy2log >= 0, flat, -1) if (phy2log < 0).any() else flat
+
+
+def membership(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """``(L, P) -> (L, N, G)`` bool: expert e has a slot on rank g (empty slots ignored).
+
+    A scatter of L * P flags, without the int64 count array a bincount would allocate
+    (L * N * G of them: megabytes at DeepSeek-V3 sizes, fresh pages on every call).
+    """
+    num_layers = phy2log.shape[0]
+    flat = _rank_index(phy2log, num_experts, num_ranks).ravel()
+    out = np.zeros(num_layers * num_experts * num_ranks, dtype=bool)
+    out[flat[flat >= 0] if flat.size and flat.min() < 0 else flat] = True
+    return out.reshape(num_layers, num_experts, num_ranks)
+
+
+def rank_counts(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """``(L, P) -> (L, N, G)``: slots of expert e on rank g (empty slots ignored).
+
+    The narrowest integer type that holds P / G (int8 up to 127 slots per rank), for the
+    same reason as :func:`membership`: the flags, plus one for every further copy of an
+    expert on a rank (found by sorting each rank's S entries).
+    """
+    num_layers, num_slots = phy2log.shape
+    slots_per_rank = num_slots // num_ranks
+    dtype = np.int8 if slots_per_rank < 128 else np.int16 if slots_per_rank < 32768 else np.int64
+    flat = _rank_index(phy2log, num_experts, num_ranks)
+    out = membership(phy2log, num_experts, num_ranks).reshape(-1).astype(dtype)
+    same = np.sort(flat.reshape(-1, slots_per_rank), axis=1)
+    again = (same[:, 1:] == same[:, :-1]) & (same[:, 1:] >= 0)
+    if again.any():
+        np.add.at(out, same[:, 1:][again], 1)
+    return out.reshape(num_layers, num_experts, num_ranks)
+
+
+def slot_loads(w: np.ndarray, phy2log: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``w (L, N), phy2log (L, P), count (L, N) -> (L, P)``: expert load / replica count, 0 if empty."""
+    num_experts = w.shape[1]
+    flat = np.maximum(phy2log, 0) + num_experts * np.arange(phy2log.shape[0])[:, None]
+    load = w.ravel()[flat] / np.maximum(count.ravel()[flat], 1)
+    return np.where(phy2log >= 0, load, 0.0) if (phy2log < 0).any() else load
+
+
+def moves_per_layer(held: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``held (L, N, G)`` bool (old membership), ``new (L, P)`` -> ``(L,)`` moved slots of ``new``."""
+    num_layers, num_experts, num_ranks = held.shape
+    num_slots = new.shape[1]
+    rank = np.arange(num_slots) // (num_slots // num_ranks)
+    flat = (np.maximum(new, 0) + num_experts * np.arange(num_layers)[:, None]) * num_ranks + rank
+    moved = ~held.ravel()[flat]
+    if (new < 0).any():
+        moved &= new >= 0
+    return moved.sum(1)
 
 
 def rank_membership(phy2log: np.ndarray, num_ranks: int, num_experts: int) -> np.ndarray:
     """``(L, P) -> (L, G, N)`` bool: ``out[l, g, e]`` when some slot of rank g holds e in layer l."""
     phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_slots = phy2log.shape
-    slots_per_rank = num_slots // num_ranks
-    # One extra expert column collects the empty slots (-1) and is dropped.
-    width = num_experts + 1
-    expert = np.where(phy2log >= 0, phy2log, num_experts)
-    rank = np.arange(num_slots, dtype=np.int64) // slots_per_rank
-    flat = (np.arange(num_layers, dtype=np.int64)[:, None] * num_ranks + rank[None, :]) * width + expert
-    seen = np.bincount(flat.ravel(), minlength=num_layers * num_ranks * width) > 0
-    return seen.reshape(num_layers, num_ranks, width)[:, :, :num_experts]
+    return membership(phy2log, num_experts, num_ranks).transpose(0, 2, 1)
 
 
 def moved_slots(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -47,62 +124,79 @@ def moved_slots(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int
     new = np.asarray(new_phy2log, dtype=np.int64)
     if old.shape != new.shape or old.ndim != 2:
         raise ValueError(f"old and new placements must have the same 2-D shape, got {old.shape} and {new.shape}")
-    num_experts = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
-    member = rank_membership(old, num_ranks, max(num_experts, 1))
-    return _moved_given_membership(member, new)
-
-
-def _moved_given_membership(member: np.ndarray, new: np.ndarray) -> np.ndarray:
     num_layers, num_slots = new.shape
-    num_ranks = member.shape[1]
-    rank = np.arange(num_slots, dtype=np.int64) // (num_slots // num_ranks)
-    held = member[np.arange(num_layers)[:, None], rank[None, :], np.maximum(new, 0)]
-    return (new >= 0) & ~held
+    num_experts = max(int(max(old.max(initial=-1), new.max(initial=-1))) + 1, 1)
+    held = membership(old, num_experts, num_ranks)
+    rank = np.arange(num_slots) // (num_slots // num_ranks)
+    flat = (np.maximum(new, 0) + num_experts * np.arange(num_layers)[:, None]) * num_ranks + rank
+    return (new >= 0) & ~held.ravel()[flat]
 
 
 def _greedy_assignment(score: np.ndarray, max_rounds: int = 2) -> np.ndarray:
-    """Row-wise matching of a square score matrix ``(R, A, A)`` by rounds of proposals.
+    """Row-wise matching of a square integer score matrix ``(R, A, A)`` by rounds of proposals.
 
     Every round, each unmatched row index proposes to its best unmatched column and each
-    column accepts its best proposer (ties: the lower index); a small bonus that decays
-    with |row - column| makes equal scores spread out and keeps the identity when nothing
-    is gained. After ``max_rounds`` rounds the rest is matched in index order. Returns
-    ``target (R, A)``: the column matched to each row index. A greedy matching, not an
-    optimal assignment.
+    column accepts its best proposer (ties: the lower index); between equal scores the
+    column (proposer) nearer to the row index (column) wins, which spreads equal scores
+    out and keeps the identity when nothing is gained. After ``max_rounds`` rounds the
+    rest is matched in index order. Returns ``target (R, A)``: the column matched to each
+    row index. A greedy matching, not an optimal assignment.
+
+    Scores are integers (shared slots), so one int32 key ``score * 2A - |row - column|``
+    orders candidates by score, then by nearness; int32 halves the float64 traffic.
     """
     num_rows, size, _ = score.shape
     idx = np.arange(size)
-    bonus = 1e-3 / (1.0 + np.abs(idx[:, None] - idx[None, :]))
-    work = score.astype(np.float64) + bonus[None]
+    taken = -(2**30)  # added to a column once it is matched; far below any real key
+    work = score.astype(np.int32) * np.int32(2 * size) - np.abs(idx[:, None] - idx[None, :]).astype(np.int32)
     target = np.full((num_rows, size), -1, dtype=np.int64)
     row_free = np.ones((num_rows, size), dtype=bool)
-    col_free = np.ones((num_rows, size), dtype=bool)
-    rows = np.arange(num_rows)[:, None]
-    for _ in range(max_rounds):
-        if not row_free.any():
-            break
-        masked = np.where(row_free[:, :, None] & col_free[:, None, :], work, -np.inf)
-        choice = masked.argmax(2)  # (R, A) best free column of each row index
+    col_block = np.zeros((num_rows, 1, size), dtype=np.int32)
+    for round_index in range(max_rounds):
+        masked = work if round_index == 0 else work + col_block
+        choice = masked.argmax(2)  # (R, A): best free column of each row index
         value = np.take_along_axis(masked, choice[:, :, None], 2)[:, :, 0]
-        proposal = np.where(row_free & np.isfinite(value), value, -np.inf)
-        # each column keeps its best proposer
-        offers = np.where(choice[:, :, None] == idx[None, None, :], proposal[:, :, None], -np.inf)
-        winner = offers.argmax(1)  # (R, A) per column
-        won = np.isfinite(np.take_along_axis(offers, winner[:, None, :], 1)[:, 0, :])
-        r, col = np.nonzero(won)
-        q = winner[r, col]
-        target[r, q] = col
-        row_free[r, q] = False
-        col_free[r, col] = False
+        r, q = np.nonzero(row_free & (value > taken // 2))
+        if r.size == 0:
+            break
+        col = choice[r, q]
+        # each column accepts its best proposer, lowest row index on ties: sort the
+        # proposals by (layer, column, -value, row) and keep the first of every column
+        key = r * size + col
+        order = np.lexsort((q, -value[r, q], key))
+        key = key[order]
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = key[1:] != key[:-1]
+        win = order[first]
+        target[r[win], q[win]] = col[win]
+        row_free[r[win], q[win]] = False
+        col_block[r[win], 0, col[win]] = taken
     # whatever is left (little overlap anyway) is matched in index order
     left = row_free.sum(1)
     if left.any():
+        col_free = col_block[:, 0, :] == 0
         free_rows = np.argsort(~row_free, axis=1, kind="stable")  # free row indices first, ascending
         free_cols = np.argsort(~col_free, axis=1, kind="stable")
         k = np.arange(size)[None, :] < left[:, None]
         r = np.broadcast_to(np.arange(num_rows)[:, None], k.shape)[k]
         target[r, free_rows[k]] = free_cols[k]
     return target
+
+
+def _overlap(new: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """``new (L, P), held (L, N, G) -> (L, G, G)``: slots of new rank q whose expert old rank g held."""
+    num_layers, num_slots = new.shape
+    _, num_experts, num_ranks = held.shape
+    slots_per_rank = num_slots // num_ranks
+    flat = (np.maximum(new, 0) + num_experts * np.arange(num_layers)[:, None]).ravel()
+    rows = held.reshape(num_layers * num_experts, num_ranks)[flat]  # (L * P, G): who held each slot's expert
+    if (new < 0).any():
+        rows &= (new >= 0).reshape(-1, 1)
+    rows = rows.view(np.uint8).reshape(num_layers, num_ranks, slots_per_rank, num_ranks)
+    out = rows[:, :, 0].astype(np.int32)
+    for row in range(1, slots_per_rank):  # S adds of (L, G, G) beat a reduction over a middle axis
+        out += rows[:, :, row]
+    return out
 
 
 def relabel_ranks(
@@ -115,7 +209,8 @@ def relabel_ranks(
 
     Args:
         new_phy2log: (L, P) placement to renumber.
-        old_member: (L, G, N) :func:`rank_membership` of the old placement (any strides).
+        old_member: (L, G, N) :func:`rank_membership` of the old placement (any strides;
+            the transpose of an (L, N, G) array is cheapest).
         num_ranks: G.
         num_nodes: with more than one node, whole nodes are matched first (by how many
             slots of a new node hold experts that lived on the old node) and ranks only
@@ -130,16 +225,15 @@ def relabel_ranks(
     slots_per_rank = num_slots // num_ranks
     ranks_per_node = num_ranks // num_nodes
     rows = np.arange(num_layers)[:, None]
-    # overlap[l, q, g]: slots of new rank q whose expert lived on old rank g
-    held = old_member[rows, :, np.maximum(new, 0)] & (new >= 0)[:, :, None]  # (L, P, G)
-    overlap = held.reshape(num_layers, num_ranks, slots_per_rank, num_ranks).sum(2, dtype=np.int32)
+    held = np.ascontiguousarray(np.asarray(old_member, dtype=bool).transpose(0, 2, 1))  # (L, N, G)
+    overlap = _overlap(new, held)  # overlap[l, q, g], int32
     if num_nodes > 1:
         blocks = overlap.reshape(num_layers, num_nodes, ranks_per_node, num_nodes, ranks_per_node)
         node_target = _greedy_assignment(blocks.sum((2, 4)))  # new node -> old node
         # ranks are matched only inside matched nodes: one (ranks_per_node)^2 block per new node
         sub = np.take_along_axis(blocks, node_target[:, :, None, None, None], axis=3)[:, :, :, 0, :]
         inner = _greedy_assignment(sub.reshape(num_layers * num_nodes, ranks_per_node, ranks_per_node))
-        target = (node_target[:, :, None] * ranks_per_node + inner.reshape(num_layers, num_nodes, ranks_per_node))
+        target = node_target[:, :, None] * ranks_per_node + inner.reshape(num_layers, num_nodes, ranks_per_node)
         target = target.reshape(num_layers, num_ranks)
     else:
         target = _greedy_assignment(overlap)  # new rank q -> rank number g
@@ -150,6 +244,29 @@ def relabel_ranks(
     return out
 
 
+def _first_come_rows(old_rows: np.ndarray, new_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row by row: old row i keeps its expert if an unused new entry holds it (the first such).
+
+    ``(B, S), (B, S) -> hit (B, S)`` (old rows kept), ``used (B, S)`` (new entries taken).
+    """
+    used = np.zeros(new_rows.shape, dtype=bool)
+    hit = np.zeros(old_rows.shape, dtype=bool)
+    blocks = np.arange(new_rows.shape[0])
+    for row in range(old_rows.shape[1]):
+        want = old_rows[:, row]
+        match = (new_rows == want[:, None]) & ~used & (want[:, None] >= 0)
+        hit[:, row] = match.any(axis=1)
+        pos = match.argmax(axis=1)
+        used[blocks[hit[:, row]], pos[hit[:, row]]] = True
+    return hit, used
+
+
+def _has_repeat(rows: np.ndarray) -> np.ndarray:
+    """``(B, S) -> (B,)``: some expert (>= 0) appears twice in the row."""
+    same = np.sort(rows, axis=1)
+    return ((same[:, 1:] == same[:, :-1]) & (same[:, 1:] >= 0)).any(1)
+
+
 def align_rows(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
     """Reorder the slots inside every rank of ``new_phy2log`` to match the old rows.
 
@@ -157,28 +274,51 @@ def align_rows(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
     rows; the other experts fill the remaining rows in their original order. Only the
     order within a rank changes, so the set of moved slots and the balancedness are the
     same; unchanged rows need no copy at all.
+
+    In a rank where no expert repeats (old or new), "kept" is plain membership, two flat
+    gathers for all ranks at once; ranks with a repeated expert are matched row by row,
+    the k-th old copy to the k-th new copy.
     """
     old = np.asarray(old_phy2log, dtype=np.int64)
     new = np.asarray(new_phy2log, dtype=np.int64)
     num_layers, num_slots = new.shape
     slots_per_rank = num_slots // num_ranks
-    old_rows = old.reshape(-1, slots_per_rank)
+    old_rows = old.reshape(-1, slots_per_rank)  # (B, S), B = L * G rank blocks
     new_rows = new.reshape(-1, slots_per_rank)
-    out = np.full_like(new_rows, -2)
-    used = np.zeros(new_rows.shape, dtype=bool)
-    blocks = np.arange(new_rows.shape[0])
-    for row in range(slots_per_rank):
-        want = old_rows[:, row]
-        match = (new_rows == want[:, None]) & ~used & (want[:, None] >= 0)
-        hit = match.any(axis=1)
-        pos = match.argmax(axis=1)
-        out[hit, row] = want[hit]
-        used[blocks[hit], pos[hit]] = True
-    # fill the rows nobody claimed with the unused new experts, in order
-    free_rows = out == -2
-    rest_order = np.argsort(used, axis=1, kind="stable")  # unused first, in original order
-    rest = np.take_along_axis(new_rows, rest_order, axis=1)
-    fill_rank = np.cumsum(free_rows, axis=1) - 1  # k-th free row takes the k-th unused expert
-    filled = np.take_along_axis(rest, np.maximum(fill_rank, 0), axis=1)
-    out = np.where(free_rows, filled, out)
+    num_experts = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
+    old_index = _rank_index(old, num_experts, num_ranks)
+    new_index = _rank_index(new, num_experts, num_ranks)
+    hit = membership(new, num_experts, num_ranks).reshape(-1)[old_index].reshape(old_rows.shape)
+    used = membership(old, num_experts, num_ranks).reshape(-1)[new_index].reshape(new_rows.shape)
+    hit &= old_rows >= 0
+    used &= new_rows >= 0
+    repeat = np.flatnonzero(_has_repeat(old_rows) | _has_repeat(new_rows))
+    if repeat.size:
+        hit[repeat], used[repeat] = _first_come_rows(old_rows[repeat], new_rows[repeat])
+    # fill the rows nobody claimed with the unused new experts, in order: the k-th free
+    # row of a rank takes its k-th unused entry (flat scatters, no per-rank sort)
+    free, spare = ~hit, ~used
+    base = (np.arange(old_rows.shape[0]) * slots_per_rank)[:, None]
+    row_at = np.empty(old_rows.size, dtype=np.int64)  # flat (rank, k) -> flat row of its k-th free row
+    row_at[(base + np.cumsum(free, axis=1) - 1)[free]] = (base + np.arange(slots_per_rank))[free]
+    out = np.where(hit, old_rows, 0).reshape(-1)
+    out[row_at[(base + np.cumsum(spare, axis=1) - 1)[spare]]] = new_rows[spare]
     return out.reshape(num_layers, num_slots)
+
+
+def renumbered_default(
+    old: np.ndarray, held: np.ndarray, new: np.ndarray, num_ranks: int, num_nodes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``new`` (L, P) renumbered to match ``old`` (L, P), rows aligned; and its moves (L,).
+
+    ``held`` (L, N, G) is the old placement's membership. The greedy renumbering can lose
+    against ``new``'s own numbering; such layers keep it, so a layer never moves more
+    than ``new`` as given would.
+    """
+    relabeled = relabel_ranks(new, held.transpose(0, 2, 1), num_ranks, num_nodes)
+    moved = moves_per_layer(held, relabeled)
+    plain = moves_per_layer(held, new)
+    worse = moved > plain
+    if worse.any():
+        relabeled[worse] = new[worse]
+    return align_rows(old, relabeled, num_ranks), np.minimum(moved, plain)

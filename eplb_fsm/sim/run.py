@@ -115,7 +115,8 @@ class SimHooks:
         """After the controller and model exist, before the first step."""
 
     def before_step(self, ctx: RankContext, step: int) -> dict | None:
-        """Before step ``step``'s forward; may return overrides: ``{"is_dummy": bool}``."""
+        """Before step ``step``'s forward; may return overrides: ``{"is_dummy": bool}``, and
+        ``{"skip_step": True}`` (the forward runs but ``controller.step`` is not called: fault injection)."""
 
     def after_step(self, ctx: RankContext, step: int) -> None:
         """After ``controller.step`` of step ``step``."""
@@ -323,7 +324,10 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
                 series.append((step, balancedness_from_rank_loads(
                     rank_loads_physical(model.last_global_load, world))))
             before = controller.state
-            state = controller.step(is_dummy=is_dummy, log_stats=True)
+            if overrides.get("skip_step"):
+                state = before  # this rank's engine forgot the controller this step
+            else:
+                state = controller.step(is_dummy=is_dummy, log_stats=True)
             if state != before:
                 states_seen.append((step, state))
             _call(hooks, "after_step", ctx, step)

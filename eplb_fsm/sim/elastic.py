@@ -1,0 +1,476 @@
+"""Elastic simulation: ranks leave and join while the toy engine serves (``simulate --scale``).
+
+``--scale STEP:RANKS`` (repeatable) asks every rank serving at step STEP to call
+``EplbController.request_scale(RANKS)`` before that step's forward pass. The launcher
+here owns the processes:
+
+- it hosts the TCP store every EP group is built from (``transfer.groups``): generation
+  0 for the first ranks, generation i+1 for the i-th ``--scale``; no rank ever calls
+  ``init_process_group``;
+- a scale-down's leaving ranks finish the transfer, return their result and exit cleanly;
+- a scale-up's joiners are fresh processes, started when old rank 0 announces the scale in
+  the store (at the scale step); they call ``EplbController.join`` and then serve from
+  that step on. The serving ranks wait for them at most ``join_timeout_s``;
+- ``STEP:RANKS:absent`` is a drill for the fault path: the joiners are never started, so
+  the scale must abort within the timeout and the old group go on serving.
+
+Every wait is bounded: each rank's collectives by the controller's timeouts, joiners by
+``join_timeout_s``, the whole run by the launcher's deadline (then every process is
+killed). Each process reports one result dict (the keys of ``sim.run.run_rank``'s, plus
+``role``, ``process``, ``start_step``, ``left``, ``scalings``, ``checks`` (after each scale),
+``weight_checks`` / ``bad_weight_steps`` (every row checked after every step)); a process that
+raises or dies makes the run raise ``RankFailedError`` after stopping the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue as queue_mod
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["ScaleEvent", "parse_scale_specs", "run_elastic", "run_elastic_rank", "elastic_report", "JOINER_ID"]
+
+# process ids of joiners: JOINER_ID * (scale index + 1) + new rank (first ranks: their rank)
+JOINER_ID = 1000
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One ``--scale``: at ``step`` the serving ranks go to ``ranks``; ``absent``: joiners never start."""
+
+    step: int
+    ranks: int
+    absent: bool = False
+
+    @property
+    def spec(self) -> str:
+        return f"{self.step}:{self.ranks}" + (":absent" if self.absent else "")
+
+
+def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int, redundant: int) -> list[ScaleEvent]:
+    """``["100:2", "200:4"]`` (or ScaleEvents) -> validated events; ValueError naming ``--scale`` and the rule.
+
+    Steps must increase and lie in [1, steps); each size needs P' = S * RANKS >= experts
+    (S = (experts + redundant) / ranks slots per rank stay fixed).
+    """
+    events: list[ScaleEvent] = []
+    if (experts + redundant) % ranks:
+        raise ValueError(f"--experts + --redundant ({experts + redundant}) must be divisible by --ranks ({ranks})")
+    per_rank = (experts + redundant) // ranks
+    for spec in specs or ():
+        if isinstance(spec, ScaleEvent):
+            event = spec
+        else:
+            parts = str(spec).split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "absent"):
+                raise ValueError(f"--scale {spec!r}: expected STEP:RANKS (or STEP:RANKS:absent)")
+            try:
+                event = ScaleEvent(int(parts[0]), int(parts[1]), len(parts) == 3)
+            except ValueError:
+                raise ValueError(f"--scale {spec!r}: STEP and RANKS must be integers") from None
+        if not 1 <= event.step < steps:
+            raise ValueError(f"--scale {event.spec}: STEP must be in [1, --steps={steps})")
+        if events and event.step <= events[-1].step:
+            raise ValueError(f"--scale {event.spec}: steps must increase (after {events[-1].step})")
+        if event.ranks < 1:
+            raise ValueError(f"--scale {event.spec}: RANKS must be >= 1")
+        if per_rank * event.ranks < experts:
+            raise ValueError(f"--scale {event.spec}: {event.ranks} ranks x {per_rank} slots per rank = "
+                             f"{per_rank * event.ranks} slots cannot hold {experts} experts")
+        events.append(event)
+    return events
+
+
+def _events(opts: Any) -> list[ScaleEvent]:
+    return parse_scale_specs(opts.extra.get("scale") or (), opts.ranks, opts.steps, opts.experts, opts.redundant)
+
+
+def _spawn_key(index: int) -> str:
+    return f"sim/spawn/{index}"
+
+
+def _crc(array: Any) -> int:
+    import numpy as np
+
+    return zlib.crc32(np.ascontiguousarray(np.asarray(array, dtype=np.int64)).tobytes())
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: Any,
+                     join: dict | None = None) -> dict:
+    """One process of an elastic run: a first rank (``role="initial"``) or a joiner."""
+    import torch
+
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.sim.model import ToyMoE
+    from eplb_fsm.sim.run import RankContext, _call, _write_progress, build_hooks, progress_path, target_at
+    from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
+    from eplb_fsm.transfer.groups import StoreGroup, connect_store
+
+    events = _events(opts)
+    join_timeout = float(opts.extra.get("join_timeout_s") or opts.collective_timeout_s)
+    if opts.log_dir and opts.redirect_output:
+        Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
+        name = f"rank{rank:05d}.log" if join is None else f"rank{rank:05d}.g{join['generation']}.log"
+        fd = os.open(Path(opts.log_dir) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.close(fd)
+    slots = (opts.experts + opts.redundant) // opts.ranks
+    config = EplbConfig(
+        window_size=opts.window, step_interval=opts.interval, num_redundant_experts=slots * world - opts.experts,
+        use_async=opts.mode == "async", policy=opts.policy, log_balancedness=True,
+        log_balancedness_interval=max(1, opts.log_interval), min_balancedness_gain=opts.min_balancedness_gain,
+        collective_timeout_s=opts.collective_timeout_s, watchdog_deadline_s=opts.watchdog_deadline_s,
+    )
+    model = ToyMoE(opts.layers, opts.experts, slots * world - opts.experts, opts.hidden, opts.top_k, rank, world,
+                   seed=opts.seed, gate_strength=opts.gate_strength)
+    store = connect_store(store_info, max(join_timeout, opts.collective_timeout_s) + 30.0)
+    if join is None:
+        group = StoreGroup(store, 0, rank, world, opts.collective_timeout_s, namespace=store_info.namespace,
+                           info=store_info)
+        controller = EplbController(config, group=group, trace_dir=opts.log_dir)
+        controller.add_model(model, "main")
+        first_event = 0
+    else:
+        # a fresh process has no weights: prove that everything it serves with arrives
+        with torch.no_grad():
+            for tensors in model.expert_weights:
+                for t in tensors:
+                    t.zero_()
+            for t in model.non_expert_weights:
+                t.zero_()
+        controller = EplbController.join(config, {"main": model}, store=store_info,
+                                         generation=join["generation"], rank=rank, world_size=world,
+                                         trace_dir=opts.log_dir, timeout_s=join_timeout)
+        first_event = join["index"] + 1
+    start = controller.steps
+    hooks = build_hooks(opts.hooks)
+    ctx = RankContext(rank, world, opts, model, controller, controller.group)
+    ctx.extra["role"] = role
+    _call(hooks, "on_start", ctx)
+    checks: list[dict] = []
+
+    def check(label: str, generation: int) -> None:
+        entry = controller.models[0]
+        bad = model.check_weights(entry.maps.phy2log)
+        checks.append({"at": label, "step": controller.steps, "generation": generation, "world": controller.world,
+                       "rank": controller.rank, "bad_rows": bad[:20], "maps_crc": _crc(entry.maps.phy2log),
+                       "gates_exact": all(torch.equal(a, b) for a, b in zip(model.non_expert_weights,
+                                                                              _fresh_gates(opts, world)))})
+
+    if join is not None:
+        check("joined", join["generation"])
+    checks_total = mismatches = weight_checks = 0
+    bad_weight_steps: list[int] = []
+    first_mismatch = None
+    series: list[tuple[int, float]] = []
+    left = False
+    progress = progress_path(opts.log_dir, rank) if opts.log_dir else None
+    if progress is not None:
+        progress.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    step = start
+    stop_reason = None
+    try:
+        for step in range(start, opts.steps):
+            ctx.step = step
+            for index, event in enumerate(events):
+                if event.step != step or index < first_event:
+                    continue
+                if event.ranks == controller.world:
+                    checks.append({"at": "skipped", "step": step, "generation": index + 1,
+                                   "reason": f"already {event.ranks} ranks"})
+                    continue
+                if event.ranks > controller.world and controller.rank == 0:
+                    store.set(_spawn_key(index), pickle.dumps({
+                        "index": index, "generation": index + 1, "from": controller.world, "to": event.ranks,
+                        "joiners": list(range(controller.world, event.ranks)), "step": step}))
+                result = controller.request_scale(event.ranks, timeout_s=join_timeout, generation=index + 1)
+                if result["outcome"] == "left":
+                    left = True
+                    break
+                if result["outcome"] == "failed":
+                    stop_reason = result["reason"]
+                    break
+                ctx.world, ctx.rank, ctx.group = controller.world, controller.rank, controller.group
+                check(result["outcome"], index + 1)
+            if left or stop_reason:
+                break
+            overrides: dict = {}
+            for out in _call(hooks, "before_step", ctx, step):
+                if out:
+                    overrides.update(out)
+            is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
+                                          == opts.dummy_every - 1))
+            if not is_dummy:
+                model.set_load_target(target_at(opts, step))
+                x = model.make_batch(step, opts.tokens)
+                out = model.forward(x, controller.group)
+                checks_total += 1
+                if not torch.equal(out, model.reference_forward(x)):
+                    mismatches += 1
+                    if first_mismatch is None:
+                        first_mismatch = step
+                series.append((step, balancedness_from_rank_loads(
+                    rank_loads_physical(model.last_global_load, controller.world))))
+            before = controller.state
+            if overrides.get("skip_step"):
+                state = before
+            else:
+                state = controller.step(is_dummy=is_dummy, log_stats=True)
+            _call(hooks, "after_step", ctx, step)
+            # every row against the committed maps, every step (cheap at simulation sizes)
+            if model.check_weights(controller.models[0].maps.phy2log):
+                bad_weight_steps.append(step)
+            weight_checks += 1
+            if progress is not None and (step % opts.progress_every == 0 or state != before):
+                _write_progress(progress, {"rank": controller.rank, "step": step + 1, "steps": opts.steps,
+                                           "state": state, "layer": controller.layer, "world": controller.world,
+                                           "rearrangements": sum(h["outcome"] == "committed"
+                                                                 for h in controller.history)})
+            if ctx.stop:
+                break
+        wall = time.perf_counter() - t0
+        entry = controller.models[0]
+        bad_rows = model.check_weights(entry.maps.phy2log)
+        result = {
+            "rank": controller.rank if not left else rank,
+            "world": controller.world,
+            "steps": step + (0 if left else 1),
+            "start_step": start,
+            "role": role,
+            "process": rank if join is None else JOINER_ID * (join["index"] + 1) + rank,
+            "left": left,
+            "stop_reason": stop_reason,
+            "final_state": controller.state,
+            "final_layer": controller.layer,
+            "history": controller.history,
+            "scalings": controller.scalings,
+            "checks": checks,
+            "balancedness": series,
+            "controller_balancedness": controller.balancedness_log,
+            "state_seconds": controller.state_seconds,
+            "output_checks": checks_total,
+            "mismatches": mismatches,
+            "first_mismatch_step": first_mismatch,
+            "weights_exact": not bad_rows and not bad_weight_steps,
+            "bad_rows": bad_rows[:20],
+            "weight_checks": weight_checks,
+            "bad_weight_steps": bad_weight_steps[:20],
+            "maps_agree": True,  # the parent compares the ranks' maps (and per-scale checksums)
+            "phy2log": entry.maps.phy2log.tolist(),
+            "slot_bytes": entry.slot_bytes[0],
+            "trace": str(controller.trace.path) if controller.trace.path else None,
+            "wall_s": wall,
+            "extra": ctx.extra,
+        }
+        _call(hooks, "on_finish", ctx, result)
+        _write_progress(progress, {"rank": controller.rank, "step": step + 1, "steps": opts.steps,
+                                   "state": "left" if left else controller.state, "layer": controller.layer,
+                                   "done": True, "world": controller.world,
+                                   "rearrangements": sum(h["outcome"] == "committed" for h in controller.history)})
+        return result
+    finally:
+        controller.close()
+
+
+def _fresh_gates(opts: Any, world: int) -> list:
+    """The gates a model built from the seed has (what a joiner must have received)."""
+    from eplb_fsm.sim.model import ToyMoE
+
+    key = (opts.seed, opts.layers, opts.experts, opts.hidden)
+    cached = _GATES.get(key)
+    if cached is None:
+        probe = ToyMoE(opts.layers, opts.experts, 0, opts.hidden, min(opts.top_k, opts.experts), 0, 1,
+                       seed=opts.seed)
+        cached = _GATES[key] = probe.non_expert_weights
+    return cached
+
+
+_GATES: dict = {}
+
+
+def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
+                  pid_key: int, results: Any) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = run_elastic_rank(role, rank, world, opts, store_info, join)
+    except BaseException:
+        results.put((pid_key, "error", traceback.format_exc()))
+        return
+    results.put((pid_key, "ok", value))
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = None) -> list[dict]:
+    """Run an elastic simulation; returns every process's result (first ranks, then joiners).
+
+    Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
+    ``RanksTimeoutError`` at the deadline; no child outlives the call.
+    """
+    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, _context, _stop
+    from eplb_fsm.transfer.groups import host_store
+
+    events = _events(opts)
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    ctx = _context(start_method)
+    store, info = host_store(timeout_s=max(60.0, opts.collective_timeout_s + 30.0), namespace="eplb")
+    results_q = ctx.Queue()
+    procs: dict[int, Any] = {}
+    values: dict[int, dict] = {}
+    failures: dict[int, str] = {}
+    spawned: set[int] = set()
+    deadline = time.monotonic() + timeout
+
+    def start(role: str, rank: int, world: int, join: dict | None) -> None:
+        key = rank if join is None else JOINER_ID * (join["index"] + 1) + rank
+        p = ctx.Process(target=_process_main, args=(role, rank, world, opts, info, join, key, results_q),
+                        name=f"eplb-elastic-{key}", daemon=True)
+        p.start()
+        procs[key] = p
+
+    def poll_spawns() -> None:
+        for index, event in enumerate(events):
+            if index in spawned or not store.check([_spawn_key(index)]):
+                continue
+            spawned.add(index)
+            announce = pickle.loads(store.get(_spawn_key(index)))
+            if event.absent:
+                continue
+            for r in announce["joiners"]:
+                start("joiner", r, announce["to"], {"index": index, "generation": announce["generation"],
+                                                   "step": announce["step"]})
+
+    try:
+        for r in range(opts.ranks):
+            start("initial", r, opts.ranks, None)
+        while True:
+            poll_spawns()
+            if len(values) + len(failures) == len(procs):
+                poll_spawns()  # a last announcement may have come with the last result
+                if len(values) + len(failures) == len(procs):
+                    break
+            now = time.monotonic()
+            if now >= deadline:
+                pending = [k for k in procs if k not in values and k not in failures]
+                raise RanksTimeoutError(pending, timeout, values, failures)
+            try:
+                key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
+            except queue_mod.Empty:
+                for key, p in procs.items():
+                    if key in values or key in failures or p.exitcode is None:
+                        continue
+                    with contextlib.suppress(queue_mod.Empty):
+                        k2, s2, v2 = results_q.get(timeout=0.5)
+                        (values if s2 == "ok" else failures)[k2] = v2
+                        continue
+                    failures[key] = f"process exited with code {p.exitcode} without reporting"
+                if failures:
+                    break
+                continue
+            (values if status == "ok" else failures)[key] = payload
+            if failures:
+                grace = time.monotonic() + 1.0
+                while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
+                    with contextlib.suppress(queue_mod.Empty):
+                        k2, s2, v2 = results_q.get(timeout=0.1)
+                        (values if s2 == "ok" else failures)[k2] = v2
+                break
+    finally:
+        _stop(list(procs.values()))
+        results_q.close()
+        results_q.join_thread()
+        del store
+    if failures:
+        raise RankFailedError(failures, values)
+    return [values[k] for k in sorted(values)]
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def final_members(results: Sequence[dict]) -> list[dict]:
+    """The processes serving at the end (not left, not stopped), by final rank."""
+    finals = [r for r in results if not r["left"]]
+    return sorted(finals, key=lambda r: r["rank"])
+
+
+def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
+    """Add the elastic fields to ``base`` (``build_report`` of the final members); returns it.
+
+    ``scalings``: one entry per ``--scale`` (``step``, ``from_ranks``, ``to_ranks``,
+    ``moved_slots``, ``moved_bytes``, ``seconds`` (slowest rank), ``outcome``, ``generation``,
+    ``kind``, ``agree``); ``outputs_unchanged`` and ``weights_exact`` cover every process,
+    leaving ones included, and the checks after every scale; ``processes`` lists them.
+    """
+    events = _events(opts)
+    scalings = []
+    for index, event in enumerate(events):
+        gen = index + 1
+        entries = [s for r in results for s in r["scalings"] if s["generation"] == gen]
+        skipped = [c for r in results for c in r["checks"] if c.get("at") == "skipped" and c["generation"] == gen]
+        if not entries:
+            scalings.append({"step": event.step, "generation": gen, "requested_ranks": event.ranks,
+                             "outcome": "skipped" if skipped else "not_reached", "from_ranks": None,
+                             "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0, "agree": True})
+            continue
+        outcomes = {s["outcome"] for s in entries} - {"left"}
+        ref = entries[0]
+        scalings.append({
+            "step": ref["step"],
+            "generation": gen,
+            "kind": ref["kind"],
+            "from_ranks": ref["from_ranks"],
+            "to_ranks": ref["to_ranks"],
+            "requested_ranks": ref["requested_ranks"],
+            "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
+            "moved_slots": max(s["moved_slots"] for s in entries),
+            "moved_bytes": max(s["moved_bytes"] for s in entries),
+            "seconds": round(max(s["seconds"] for s in entries), 4),
+            "reason": next((s["reason"] for s in entries if s["reason"]), None),
+            "lost_experts": next((s["lost_experts"] for s in entries if s["lost_experts"]), []),
+            "agree": len({(s["outcome"] if s["outcome"] != "left" else "switched", s["moved_slots"])
+                          for s in entries}) == 1,
+        })
+    # after each scale every member must hold bit-exact rows and the same maps
+    scale_checks_ok = True
+    by_gen: dict[int, set] = {}
+    for r in results:
+        for c in r["checks"]:
+            if "bad_rows" in c:
+                scale_checks_ok &= not c["bad_rows"] and c["gates_exact"]
+                by_gen.setdefault(c["generation"], set()).add(c["maps_crc"])
+    maps_each_scale = all(len(v) == 1 for v in by_gen.values())
+    finals = final_members(results)
+    joined = max((r["start_step"] for r in finals), default=0)
+    sigs = [[(h["step"], h["outcome"], h["moves"]) for h in r["history"] if h["step"] >= joined] for r in finals]
+    base["histories_agree"] = all(s == sigs[0] for s in sigs)
+    base["outputs_unchanged"] = all(r["mismatches"] == 0 for r in results) and any(r["output_checks"] for r in results)
+    base["output_checks"] = sum(r["output_checks"] for r in results)
+    base["weights_exact"] = all(r["weights_exact"] for r in results) and scale_checks_ok
+    base["maps_agree"] = bool(base["maps_agree"]) and maps_each_scale
+    base["scalings"] = scalings
+    base["final_ranks"] = len(finals)
+    base["processes"] = [{"process": r["process"], "role": r["role"], "start_step": r["start_step"],
+                          "end_step": r["steps"], "left": r["left"], "final_rank": None if r["left"] else r["rank"],
+                          "final_state": r["final_state"], "stop_reason": r["stop_reason"]} for r in results]
+    base["traces"] = sorted({r["trace"] for r in results if r["trace"]})
+    base["ok"] = bool(base["outputs_unchanged"] and base["weights_exact"] and base["maps_agree"]
+                      and base["histories_agree"] and len(set(base["final_states"])) == 1
+                      and all(s["agree"] for s in scalings) and not any(r["stop_reason"] for r in results))
+    return base

@@ -1,0 +1,174 @@
+"""Elastic EP end to end: real processes leave and join, real groups swap, nothing served wrong.
+
+Each scenario is one launch (``simulate --scale``): 4 -> 2 -> 4 and 2 -> 3 -> 2, sync and
+async. Every step checks every weight row and the output bit for bit; every scale step
+checks rows, gates and maps on every member. The second scale of each scenario lands
+right after a due step, so async mode must drain a rearrangement in flight first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eplb_fsm.cli import main
+from eplb_fsm.sim.elastic import JOINER_ID, ScaleEvent, parse_scale_specs
+from eplb_fsm.trace import read_trace
+
+SHAPE = ["--layers", "2", "--experts", "8", "--hidden", "8", "--tokens", "32", "--window", "8",
+         "--interval", "10", "--collective-timeout", "15", "--join-timeout", "15"]
+SCENARIOS = {
+    "4-2-4-sync": ["--ranks", "4", "--redundant", "8", "--steps", "30", "--scale", "12:2", "--scale", "22:4",
+                   "--mode", "sync"],
+    "4-2-4-async": ["--ranks", "4", "--redundant", "8", "--steps", "30", "--scale", "12:2", "--scale", "22:4",
+                    "--mode", "async"],
+    "2-3-2-sync": ["--ranks", "2", "--redundant", "0", "--steps", "30", "--scale", "12:3", "--scale", "22:2",
+                   "--mode", "sync"],
+    "2-3-2-async": ["--ranks", "2", "--redundant", "0", "--steps", "30", "--scale", "12:3", "--scale", "22:2",
+                    "--mode", "async"],
+}
+WORLDS = {"4-2-4": (4, 2, 4), "2-3-2": (2, 3, 2)}
+
+
+def _simulate(args: list[str], log_dir: Path) -> dict:
+    from eplb_fsm.cli import build_parser
+    from eplb_fsm.commands.simulate import build_options, run_simulation
+
+    ns = build_parser().parse_args(["simulate", *SHAPE, *args, "--log-dir", str(log_dir), "--no-png"])
+    return run_simulation(build_options(ns), progress=False, timeout=120.0, want_png=False)
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def scenario(request, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp(request.param)
+    return request.param, _simulate(SCENARIOS[request.param], log_dir), log_dir
+
+
+def _records(log_dir: Path) -> dict[str, list[dict]]:
+    return {p.name: read_trace(p)[0] for p in sorted(log_dir.glob("rank*.jsonl"))}
+
+
+@pytest.mark.multiprocess
+def test_every_scale_switches_and_serves_exactly(scenario):
+    """Both scales switch; outputs, every weight row and the maps stay exact at every step and every scale."""
+    name, report, _ = scenario
+    first, middle, last = WORLDS[name[:5]]
+    assert report["ok"], report
+    assert report["outputs_unchanged"] and report["weights_exact"] and report["maps_agree"]
+    assert report["histories_agree"]
+    scalings = report["scalings"]
+    assert [(s["from_ranks"], s["to_ranks"], s["outcome"]) for s in scalings] == [
+        (first, middle, "switched"), (middle, last, "switched")]
+    assert [s["step"] for s in scalings] == [12, 22]
+    for s in scalings:
+        assert s["moved_slots"] > 0 and s["seconds"] > 0 and s["agree"]
+    assert report["final_ranks"] == last and report["final_states"] == ["collecting"] * last
+    assert report["output_checks"] > 30 * min(WORLDS[name[:5]])
+
+
+@pytest.mark.multiprocess
+def test_leaving_ranks_exit_and_joiners_are_fresh_processes(scenario):
+    """Leaving processes stop at the scale step; joiners are new processes that start serving at theirs."""
+    name, report, log_dir = scenario
+    first, middle, last = WORLDS[name[:5]]
+    procs = report["processes"]
+    left = [p for p in procs if p["left"]]
+    joiners = [p for p in procs if p["role"] == "joiner"]
+    if middle < first:  # 4 -> 2 -> 4: two leave at 12, two join at 22
+        assert sorted(p["process"] for p in left) == [2, 3] and all(p["end_step"] == 12 for p in left)
+        assert sorted(p["process"] for p in joiners) == [2 * JOINER_ID + 2, 2 * JOINER_ID + 3]
+        assert all(p["start_step"] == 22 and p["end_step"] == 30 for p in joiners)
+    else:  # 2 -> 3 -> 2: one joins at 12 and leaves again at 22
+        assert [p["process"] for p in joiners] == [JOINER_ID + 2]
+        assert joiners[0]["start_step"] == 12 and joiners[0]["left"] and joiners[0]["end_step"] == 22
+    pids = {}
+    for fname, recs in _records(log_dir).items():
+        for rec in recs:
+            if rec["event"] == "header":
+                pids.setdefault(rec["pid"], []).append((fname, rec.get("role", "member")))
+    assert sum(len(v) for v in pids.values()) == first + len(joiners)
+    assert all(len(v) == 1 for v in pids.values())  # every header comes from its own process
+
+
+@pytest.mark.multiprocess
+def test_traces_describe_every_group_switch(scenario):
+    """Each scale leaves scale_requested, group_switch (old/new group, rank, world) and a scaling summary."""
+    name, report, log_dir = scenario
+    recs = _records(log_dir)
+    rank0 = recs["rank00000.jsonl"]
+    switches = [r for r in rank0 if r["event"] == "group_switch"]
+    assert [(s["old_group"], s["new_group"]) for s in switches] == [("ep", "ep@1"), ("ep@1", "ep@2")]
+    assert [s["new_world"] for s in switches] == list(WORLDS[name[:5]][1:])
+    triggers = [r["trigger"] for r in rank0 if r["event"] == "transition" and r["trigger"] in (
+        "scale_requested", "groups_ready", "switched")]
+    assert triggers == ["scale_requested", "groups_ready", "switched"] * 2
+    summaries = [r for r in rank0 if r["event"] == "scaling"]
+    assert [s["outcome"] for s in summaries] == ["switched", "switched"]
+    for fname, rs in recs.items():
+        leaves = [r for r in rs if r["event"] == "group_switch" and r["role"] == "leaving"]
+        for leave in leaves:  # a leaving rank's session ends with its switch and summary
+            after = rs[rs.index(leave) + 1:]
+            assert [r["event"] for r in after][:1] == ["scaling"]
+            assert all(r["event"] in ("scaling", "header", "model_added") or r["step"] > leave["step"]
+                       for r in after)
+    if name.endswith("async"):  # each scale came right after a due step: the rearrangement was drained first
+        cuts = [i for i, r in enumerate(rank0) if r.get("trigger") == "scale_requested"]
+        for lo, hi in zip([0] + cuts, cuts):
+            assert any(r["event"] == "scale_drain" for r in rank0[lo:hi])
+
+
+def _replay_knows_group_switches() -> bool:
+    """Whether the replay reads group_switch records (then a swap must replay healthy, no excuse)."""
+    folder = Path(__file__).resolve().parents[1] / "eplb_fsm" / "inspect"
+    return any("group_switch" in p.read_text(encoding="utf-8") for p in folder.glob("*.py"))
+
+
+@pytest.mark.multiprocess
+def test_traces_with_group_swaps_replay_healthy(scenario):
+    """eplb-fsm replay reads the traces of a run with group swaps as healthy (once it knows group_switch)."""
+    pytest.importorskip("eplb_fsm.inspect.replay")
+    from eplb_fsm.inspect.replay import replay_dir
+
+    _, _, log_dir = scenario
+    rep = replay_dir(log_dir)
+    if rep.verdict != "healthy" and not _replay_knows_group_switches():
+        pytest.xfail(f"replay does not read group_switch records yet (docs/elastic.md): {rep.summary}")
+    assert rep.verdict == "healthy", rep.summary
+
+
+@pytest.mark.multiprocess
+def test_absent_joiner_aborts_within_the_timeout_and_keeps_serving(tmp_path, capsys):
+    """A scale-up whose joiner never starts aborts after --join-timeout; the old group serves on, exactly."""
+    log_dir = tmp_path / "logs"
+    code = main(["simulate", *SHAPE[:-2], "--join-timeout", "2", "--ranks", "2", "--redundant", "0",
+                 "--steps", "16", "--scale", "8:3:absent", "--json", "--no-png", "--no-progress",
+                 "--log-dir", str(log_dir)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["ok"]
+    (scale,) = report["scalings"]
+    assert (scale["from_ranks"], scale["to_ranks"], scale["outcome"]) == (2, 2, "aborted")
+    assert 2.0 <= scale["seconds"] < 6.0 and "not complete" in scale["reason"]
+    assert report["final_ranks"] == 2 and report["outputs_unchanged"] and report["weights_exact"]
+    assert report["steps"] == 16
+    from eplb_fsm.inspect.replay import replay_dir
+
+    assert replay_dir(log_dir).verdict == "healthy"  # no group changed: today's replay reads it whole
+    rank1 = read_trace(log_dir / "rank00001.jsonl")[0]
+    kinds = [r["event"] for r in rank1 if r["step"] == 8 and r["event"] in ("scale_aborted", "transition")]
+    assert kinds[:3] == ["transition", "scale_aborted", "transition"]
+    fault = next(r for r in rank1 if r.get("trigger") == "fault")
+    assert (fault["source"], fault["dest"], fault["recoverable"]) == ("scaling", "collecting", True)
+    later = {r["group"] for r in rank1 if r["event"] == "collective_start" and r["step"] > 8}
+    assert later == {"ep", "ep_transfer"}  # the old group and its transfer group serve on, same names
+
+
+def test_scale_specs_are_validated():
+    """--scale STEP:RANKS parses, and impossible steps or sizes are ValueErrors naming --scale."""
+    events = parse_scale_specs(["5:2", "9:4:absent"], 4, 20, 8, 8)
+    assert events == [ScaleEvent(5, 2), ScaleEvent(9, 4, True)]
+    for bad, match in (["0:2"], "STEP"), (["5:2", "5:3"], "increase"), (["5:x"], "integers"), \
+            (["5:1"], "cannot hold"), (["5"], "STEP:RANKS"), (["25:2"], "STEP"):
+        with pytest.raises(ValueError, match=match):
+            parse_scale_specs(bad, 4, 20, 8, 8)

@@ -1,0 +1,108 @@
+"""Store-built EP groups: real gloo groups without init_process_group, bounded when a member is missing.
+
+Members run as threads of this process (gloo does not mind), so no process is spawned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from eplb_fsm.transfer.groups import GroupBuildError, StoreGroup, StoreInfo, connect_store, host_store
+
+
+def _in_threads(fns, timeout=30.0):
+    """Run each fn in a thread; return their results (re-raise the first error)."""
+    out: list = [None] * len(fns)
+    errors: list = []
+
+    def body(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a member hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def store():
+    master, info = host_store(timeout_s=20.0)
+    yield master, info
+    del master
+
+
+def test_store_info_validates_its_fields():
+    """A bad host, port or namespace is a ValueError naming the field."""
+    with pytest.raises(ValueError, match="port"):
+        StoreInfo("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="namespace"):
+        StoreInfo("127.0.0.1", 1234, namespace="a/b")
+    with pytest.raises(ValueError, match="host"):
+        StoreInfo("", 1234)
+
+
+def test_two_members_all_reduce_exchange_messages_and_build_a_successor(store):
+    """Two members sum, swap point-to-point messages in queue order, then form generation 1."""
+    _, info = store
+
+    def member(rank):
+        group = StoreGroup.connect(info, 0, rank, 2, timeout_s=10.0)
+        t = torch.tensor([rank + 1.0, 10.0 * rank], dtype=torch.float64)
+        group.all_reduce(t, 5.0)
+        comm = group.transfer_communicator(5.0)
+        mine = [torch.full((3,), float(rank * 10 + k)) for k in range(2)]
+        got = [torch.zeros(3) for _ in range(2)]
+        peer = 1 - rank
+        for k in range(2):
+            comm.add_send(mine[k], rank, peer)
+            comm.add_recv(got[k], peer, rank)
+        comm.execute()
+        nxt = group.successor(1, 1 - rank, 2, 10.0)
+        u = torch.tensor([float(nxt.rank)], dtype=torch.float64)
+        nxt.all_reduce(u, 5.0)
+        return t.tolist(), [g[0].item() for g in got], nxt.trace_name, u.item(), group.trace_name
+
+    a, b = _in_threads([lambda: member(0), lambda: member(1)])
+    assert a[0] == b[0] == [3.0, 10.0]
+    assert a[1] == [10.0, 11.0] and b[1] == [0.0, 1.0]
+    assert (a[2], a[3], a[4]) == ("ep@1", 1.0, "ep")
+
+
+def test_a_missing_member_fails_the_build_within_the_timeout(store):
+    """A group whose second member never comes raises GroupBuildError after ~timeout_s, not a hang."""
+    _, info = store
+    t0 = time.monotonic()
+    with pytest.raises(GroupBuildError, match="not complete within"):
+        StoreGroup(connect_store(info, 5.0), 7, 0, 2, timeout_s=0.5, namespace=info.namespace)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_successor_generation_must_grow(store):
+    """A successor may not reuse or go back to an earlier generation's store prefix."""
+    _, info = store
+    group = StoreGroup.connect(info, 3, 0, 1, timeout_s=5.0)
+    with pytest.raises(ValueError, match="generation"):
+        group.successor(3, 0, 1)
+    assert group.key("handover", 4) == "eplb/g4/handover"
+
+
+def test_communicator_rejects_messages_to_itself(store):
+    """Sends and receives name a peer of the group, never the rank itself."""
+    _, info = store
+    comm = StoreGroup.connect(info, 9, 0, 1, timeout_s=5.0).transfer_communicator(5.0)
+    with pytest.raises(ValueError, match="dst"):
+        comm.add_send(torch.zeros(1), 0, 0)
+    with pytest.raises(ValueError, match="src"):
+        comm.add_send(torch.zeros(1), 1, 0)
