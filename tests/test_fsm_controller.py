@@ -633,3 +633,29 @@ def test_policy_failure_in_the_async_worker_is_a_recoverable_fault():
     first, second = run_threads(2, body)
     assert first == second
     assert first[1:] == ("planning", "collecting", True, "collecting")
+
+
+def test_movement_aware_policy_takes_its_target_from_the_config():
+    """policy='movement_aware' is built from the config, so movement_balancedness_target reaches it."""
+    ctl = EplbController(cfg(policy="movement_aware", movement_balancedness_target=0.95))
+    assert ctl.policy.target == 0.95
+    ctl.close()
+
+
+def test_movement_aware_rearrangement_keeps_weights_exact():
+    """A sync rearrangement under the movement-aware policy commits agreeing maps with exact weights."""
+    L = 2
+    target = skewed_target(L, 8)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=L)
+        ctl = EplbController(cfg(step_interval=16, policy="movement_aware"), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        drive(ctl, model, group, 20, target)
+        return ctl, model
+
+    (c0, m0), (c1, m1) = run_threads(2, body)
+    assert any(h["outcome"] == "committed" for h in c0.history)
+    assert np.array_equal(c0.maps("main").phy2log, c1.maps("main").phy2log)
+    for ctl, model in ((c0, m0), (c1, m1)):
+        assert model.check_weights(ctl.maps("main").phy2log) == []

@@ -222,7 +222,9 @@ class EplbController:
         self.role = role
         self.config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.policy = get_policy(config.policy)
+        policy_cls = get_policy(config.policy)
+        # a policy with settings in the config (e.g. movement_aware's target) builds itself from it
+        self.policy = policy_cls.from_config(config) if hasattr(policy_cls, "from_config") else policy_cls
         self.group, self.rank, self.world = _resolve_group(group)
         self._custom_group = self.group is not None and _is_collective_group(self.group)
         self.group_name = getattr(self.group, "trace_name", GROUP_NAME) if self.group is not None \
