@@ -1,0 +1,174 @@
+"""The controller's collectives: which EP group it talks on, its all-reduce, its transfer group.
+
+Two kinds of group reach the controller: a ``torch.distributed`` process group (or
+``None``: the default group if one is initialized, else a single rank), or a *collective
+group* object with ``rank``, ``world_size``, ``all_reduce(tensor, timeout_s)`` and
+``transfer_communicator(timeout_s)`` (an engine's own communication layer, the elastic
+``transfer.groups.StoreGroup``, in-process ranks in tests).
+
+Every agreement between ranks goes through :meth:`CollectivesMixin._all_reduce`: one
+float64 all-reduce (sum) of the named parts, concatenated, so a step that needs several
+shared values still issues a single collective. A failure or timeout there raises
+:class:`GroupBroken`: the EP group can no longer be trusted.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
+
+__all__ = [
+    "GROUP_NAME",
+    "TRANSFER_GROUP_NAME",
+    "LOCAL_GROUP_NAME",
+    "GroupBroken",
+    "CollectivesMixin",
+    "flags",
+    "is_collective_group",
+    "resolve_group",
+]
+
+GROUP_NAME = "ep"                 # trace name of the EP group (the engine's)
+TRANSFER_GROUP_NAME = "ep_transfer"  # trace name of the controller's own transfer group
+LOCAL_GROUP_NAME = "local"        # trace name when there is no process group (world 1)
+
+
+class GroupBroken(RuntimeError):
+    """A collective on the EP group failed or timed out: the group is no longer trusted."""
+
+
+def flags(*values: float) -> torch.Tensor:
+    """A (len(values),) float64 CPU tensor: per-rank counts that an all-reduce sums into shared ones."""
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
+def is_collective_group(group: Any) -> bool:
+    """True for a group object that brings its own all-reduce and transfer communicator."""
+    return callable(getattr(group, "all_reduce", None)) and callable(getattr(group, "transfer_communicator", None))
+
+
+def resolve_group(group: Any) -> tuple[Any, int, int]:
+    """``(group, rank, world)`` for what the engine passed (``None``: default group or a single rank)."""
+    if group is not None and is_collective_group(group):
+        rank, world = int(group.rank), int(group.world_size)
+        if not 0 <= rank < world:
+            raise ValueError(f"group: rank {rank} is outside a group of {world}")
+        return group, rank, world
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        dist = None
+    if group is None and dist is not None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        return None, 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return group, rank, dist.get_world_size(group)
+
+
+class CollectivesMixin:
+    """The EP-group all-reduce and the transfer group, for :class:`~eplb_fsm.fsm.controller.EplbController`.
+
+    Uses the controller's ``group``, ``group_name``, ``_custom_group`` (a collective-group
+    object rather than a torch group), ``_comm_device``, ``generation``, ``_timeout`` and
+    ``trace``; owns ``transfer_group``, ``_communicator`` and ``_transfer_generation``.
+    """
+
+    def _collective_device(self) -> torch.device:
+        """Where the all-reduce buffer lives: the controller's device for NCCL, else the CPU."""
+        if self.group is None or self._custom_group:
+            return torch.device("cpu")
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group)).lower()
+        return self.device if backend == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, parts: dict[str, torch.Tensor], timeout_s: float, **fields: Any) -> dict[str, torch.Tensor]:
+        """Sum ``parts`` over the EP group in ONE all-reduce (float64, concatenated).
+
+        ``parts``: name -> tensor of any shape; returns name -> the summed tensor, same
+        shape (float64, on the collective device). ``fields`` go into its trace records
+        (e.g. ``layer`` for a layer's agreement). Raises :class:`GroupBroken` if the
+        collective raises or does not finish in time.
+
+        Looked up on the instance on purpose: fault injection (sim.inject) replaces it
+        for one call.
+        """
+        names = list(parts)
+        flat = [parts[n].reshape(-1).to(device=self._comm_device, dtype=torch.float64) for n in names]
+        sizes = [t.numel() for t in flat]
+        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        try:
+            with self.trace.collective("all_reduce", group=self.group_name, shape=tuple(buf.shape),
+                                       dtype=buf.dtype, parts=names, sizes=sizes, **fields):
+                if self._custom_group:
+                    self.group.all_reduce(buf, timeout_s)
+                elif self.group is not None:
+                    import torch.distributed as dist
+
+                    work = dist.all_reduce(buf, group=self.group, async_op=True)
+                    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            raise GroupBroken(f"all_reduce of {names} failed: {type(exc).__name__}: {exc}") from exc
+        out = {}
+        for name, piece in zip(names, torch.split(buf, sizes)):
+            out[name] = piece.reshape(parts[name].shape)
+        return out
+
+    # ------------------------------------------------------------ transfer group
+    @property
+    def transfer_group_name(self) -> str:
+        """Trace name of the current transfer group: ``ep_transfer``, then ``ep_transfer.<n>`` after resets."""
+        if self.group is None:
+            return LOCAL_GROUP_NAME
+        gen = self._transfer_generation
+        base = self._transfer_base()
+        return base if gen <= 0 else f"{base}.{gen}"
+
+    def _transfer_base(self) -> str:
+        """``ep_transfer`` for the first EP group, ``ep_transfer@<g>`` for a later generation's."""
+        return TRANSFER_GROUP_NAME if self.generation == 0 else f"{TRANSFER_GROUP_NAME}@{self.generation}"
+
+    def _new_transfer_group(self) -> None:
+        """(Re)create the process group the weight transfers run on (collective over the EP ranks).
+
+        Each new group gets a new trace name, so its collective sequence (``cseq``) starts
+        from 0 on every rank whatever the old group saw.
+        """
+        self._transfer_generation += 1
+        if self.group is None:
+            self._communicator = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
+            return
+        if self._custom_group:
+            self._communicator = self.group.transfer_communicator(self._timeout)
+            self._name_communicator()
+            return
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.group)
+        self.transfer_group = dist.new_group(
+            ranks=ranks,
+            timeout=datetime.timedelta(seconds=self._timeout),
+            use_local_synchronization=True,
+        )
+        # no stream of its own: in async mode the worker already runs each job on its stream
+        self._communicator = TorchDistCommunicator(
+            self.transfer_group, timeout=self._timeout, name=self.transfer_group_name
+        )
+
+    def _name_communicator(self) -> None:
+        """Give the communicator the transfer group's trace name (one with a fixed name keeps it)."""
+        try:
+            self._communicator.name = self.transfer_group_name
+        except AttributeError:
+            pass
+
+    def _wrap(self, value: Any) -> Any:
+        """One rank's weights as the communicator wants them (a multi-rank one takes a list of ranks')."""
+        return [value] if getattr(self._communicator, "multi_rank", False) else value

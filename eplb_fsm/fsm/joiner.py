@@ -1,0 +1,130 @@
+"""Elastic EP: the joiner's side of a scale-up (``EplbController.join``).
+
+A joiner is a new process. It waits for the handover that rank 0 of the serving group
+publishes (:func:`~eplb_fsm.fsm.scale_handover.handover_state`), checks that its config
+and models match the serving ranks', joins the new group, builds its controller in
+``scaling`` with the shared counters and the maps projected onto the new ranks, then
+takes the same transitions as the serving ranks from ``groups_ready`` on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from eplb_fsm.fsm.machine import SCALING
+from eplb_fsm.fsm.scale_handover import (
+    config_for_handover,
+    install_maps,
+    join_handshake,
+    non_expert_specs,
+    resize_models,
+)
+from eplb_fsm.fsm.scale_plan import make_scale_plan, remap_columns, slot_columns
+from eplb_fsm.fsm.scale_rearrange import rearrange_for_scale, scaling_record, tag_history
+
+__all__ = ["ScaleAborted", "join"]
+
+
+class ScaleAborted(RuntimeError):
+    """A joiner's scale operation did not complete (the scale was aborted or its group broke)."""
+
+
+def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
+         trace_dir: str | None = None, device: Any = None, timeout_s: float | None = None,
+         keep_trace: bool = False, namespace: str = "eplb"):
+    """Start a joiner's controller: wait for the handover, build the group, take part in the scale.
+
+    See ``EplbController.join``. Returns the controller in ``collecting`` (serving in the
+    new group) or raises :class:`ScaleAborted` (its trace says why) / ``ValueError``.
+    """
+    from eplb_fsm.transfer.groups import StoreGroup, StoreInfo, connect_store
+
+    started = time.perf_counter()
+    timeout = float(config.collective_timeout_s if timeout_s is None else timeout_s)
+    named = list(models.items()) if isinstance(models, Mapping) else list(models)
+    if not named or any(not (isinstance(p, tuple) and len(p) == 2) for p in named):
+        raise ValueError("models must be a dict {name: model} or a list of (name, model) pairs, not empty")
+    if isinstance(store, StoreInfo):
+        namespace = store.namespace
+        info, store = store, connect_store(store, timeout)
+    else:
+        info = None
+    key = f"{namespace}/g{generation}/handover"
+    try:
+        store.wait([key], datetime.timedelta(seconds=float(timeout)))
+        state = pickle.loads(store.get(key))
+    except Exception as exc:
+        raise ScaleAborted(f"no handover for generation {generation} within {timeout:g} s: {exc}") from exc
+    sp = make_scale_plan(state["old_world"], state["new_world"], state["rank_mapping"], generation)
+    if sp.kind != "scale_up" or world_size != sp.new_world or rank not in sp.joiners:
+        raise ValueError(f"rank {rank} of {world_size} is not a joiner of generation {generation} "
+                         f"({sp.old_world} -> {sp.new_world} ranks, joiners {list(sp.joiners)})")
+    _check_matches(config, named, state)
+    redundant = {spec["slots_per_rank"] * sp.new_world - spec["num_logical"] for spec in state["models"]}
+    if len(redundant) == 1:
+        config = config.replace(num_redundant_experts=redundant.pop())
+    try:
+        group = StoreGroup(store, generation, rank, world_size, timeout, namespace=namespace, info=info)
+    except Exception as exc:
+        raise ScaleAborted(f"the group of generation {generation} was not complete: {exc}") from exc
+    ctl = cls(config, group=group, device=device, trace_dir=trace_dir, keep_trace=keep_trace, role="joiner",
+              start_step=int(state["steps"]))
+    try:
+        _take_handover(ctl, sp, named, state)
+        step = ctl.steps
+        history_len = len(ctl.history)
+        if join_handshake(ctl, sp):
+            full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
+            rearrange_for_scale(ctl, sp, sp.new_world, full, full)
+            tag_history(ctl, sp, history_len)
+        if ctl.state != SCALING:
+            reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the handshake failed"
+            scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason)
+            raise ScaleAborted(f"scale to generation {generation} aborted: {reason}")
+        resize_models(ctl, rank, world_size)
+        ctl._restart_interval()
+        ctl._fire("switched", extra={"generation": generation, "role": "joiner"})
+        scaling_record(ctl, sp, "joiner", "switched", started, step, -1)
+        return ctl
+    except BaseException:
+        ctl.close()
+        raise
+
+
+def _check_matches(config: Any, named: list, state: dict) -> None:
+    """The joiner's config and models must be the serving ranks' (ValueError naming the difference)."""
+    mine = config_for_handover(config)
+    if mine != state["config"]:
+        diff = sorted(k for k in mine if mine[k] != state["config"].get(k))
+        raise ValueError(f"config differs from the serving ranks' in {diff}")
+    if [n for n, _ in named] != [m["name"] for m in state["models"]]:
+        raise ValueError(f"models must be {[m['name'] for m in state['models']]} in that order, "
+                         f"got {[n for n, _ in named]}")
+    for (name, model), spec in zip(named, state["models"]):
+        got = non_expert_specs(model)
+        if got != [(tuple(shape), str(dtype)) for shape, dtype in spec["non_expert"]]:
+            raise ValueError(f"model {name!r}: non_expert_weights {got} differ from the serving ranks' "
+                             f"{spec['non_expert']}")
+
+
+def _take_handover(ctl: Any, sp: Any, named: list, state: dict) -> None:
+    """Counters from the handover, then each model added with its maps projected onto the new ranks."""
+    ctl.steps = int(state["steps"])
+    ctl._since = int(state["since"])
+    ctl._threshold = int(state["threshold"])
+    ctl._count = int(state["count"])
+    ctl.trace.set_context(step=ctl.steps)
+    to_new = slot_columns(list(sp.old_of_new), state["models"][0]["slots_per_rank"])
+    for (name, model), spec in zip(named, state["models"]):
+        entry = ctl.add_model(model, name)
+        install_maps(ctl, entry, remap_columns(np.asarray(spec["phy2log"]), to_new))
+        entry.window.next_index = int(spec["window"]["next_index"])
+        entry.window.filled = int(spec["window"]["filled"])
+    ctl.trace.emit("group_switch", generation=sp.generation, phase="prepare", role="joiner", kind=sp.kind,
+                   old_group=None, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
+                   old_rank=-1, new_rank=ctl.rank, old_world=sp.old_world, new_world=ctl.world)

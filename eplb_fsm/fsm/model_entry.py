@@ -1,0 +1,104 @@
+"""What the controller keeps for each balanced model (main model, drafter): maps, window, buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from eplb_fsm.fsm.model_protocol import bytes_per_slot, validate_model
+from eplb_fsm.maps import ExpertMaps
+from eplb_fsm.stats import LoadWindow
+from eplb_fsm.transfer import TransferBuffer
+
+__all__ = ["ModelEntry", "build_model_entry"]
+
+
+@dataclass
+class ModelEntry:
+    """One balanced model and what the controller keeps for it."""
+
+    name: str
+    model: Any
+    index: int
+    layer_offset: int            # global index of its layer 0 (models' layers are concatenated)
+    num_layers: int
+    num_logical: int
+    num_physical: int
+    num_local: int
+    num_groups: int
+    maps: ExpertMaps
+    window: LoadWindow
+    log2phy: torch.Tensor        # (L, N, K) handed to the model, updated in place
+    replica_count: torch.Tensor  # (L, N) handed to the model, updated in place
+    buffer: Any                  # transfer.TransferBuffer (one layer)
+    slot_bytes: list[int]        # bytes of one slot's weights, per layer
+
+    def describe(self) -> dict:
+        return {
+            "model": self.name,
+            "layers": self.num_layers,
+            "layer_offset": self.layer_offset,
+            "logical": self.num_logical,
+            "physical": self.num_physical,
+            "local": self.num_local,
+            "groups": self.num_groups,
+            "slot_bytes": self.slot_bytes[0] if self.slot_bytes else 0,
+        }
+
+    def install_maps(self, maps: ExpertMaps, device: torch.device) -> None:
+        """Replace the maps wholesale (new tensors on ``device``) and hand them to the model."""
+        self.maps = maps
+        self.log2phy = torch.from_numpy(maps.log2phy.copy()).to(device)
+        self.replica_count = torch.from_numpy(maps.replica_count.copy()).to(device)
+        self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
+
+    def commit_row(self, layer: int, new_row: np.ndarray) -> None:
+        """Flip one layer's maps to ``new_row`` (P,) in place and move its window counts along.
+
+        The router's tensors are updated in place, so the model sees the new layer at once.
+        """
+        old_row = self.maps.phy2log[layer].copy()
+        self.maps.replace_layer(layer, new_row)
+        self.window.remap_layer(layer, old_row, new_row, self.num_logical)
+        self.log2phy[layer].copy_(torch.from_numpy(self.maps.log2phy[layer]))
+        self.replica_count[layer].copy_(torch.from_numpy(self.maps.replica_count[layer]))
+        self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
+
+
+def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world: int, num_redundant: int,
+                      window_size: int, device: torch.device, phy2log: Any = None) -> ModelEntry:
+    """Validate ``model`` for ``world`` ranks and build its entry (maps, window, router tensors, buffer).
+
+    ``phy2log`` (L, P): its current placement (default: the initial contiguous one). The
+    model is not told about the entry yet (the controller does that once it is added).
+    """
+    shape = validate_model(model, world, num_redundant)
+    L = shape["num_moe_layers"]
+    N = shape["num_logical_experts"]
+    P = shape["num_physical_experts"]
+    if phy2log is None:
+        maps = ExpertMaps.initial(L, N, P)
+    else:
+        maps = ExpertMaps.from_phy2log(phy2log, N)
+        if maps.phy2log.shape != (L, P):
+            raise ValueError(f"phy2log must have shape ({L}, {P}), got {maps.phy2log.shape}")
+    return ModelEntry(
+        name=name,
+        model=model,
+        index=index,
+        layer_offset=layer_offset,
+        num_layers=L,
+        num_logical=N,
+        num_physical=P,
+        num_local=shape["num_local_physical_experts"],
+        num_groups=shape["num_expert_groups"],
+        maps=maps,
+        window=LoadWindow(L, P, window_size, device=device),
+        log2phy=torch.from_numpy(maps.log2phy.copy()).to(device),
+        replica_count=torch.from_numpy(maps.replica_count.copy()).to(device),
+        buffer=TransferBuffer(),
+        slot_bytes=[bytes_per_slot(model, layer) for layer in range(L)],
+    )

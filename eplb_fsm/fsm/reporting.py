@@ -1,0 +1,134 @@
+"""What the controller reports: the shared trace, rearrangement records, balancedness log.
+
+Nothing here feeds a decision: every value is local bookkeeping for ``history``,
+``balancedness_log``, the trace (docs/events.md) and structlog lines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from eplb_fsm.fsm.planning import Plan
+from eplb_fsm.stats import rank_loads_physical
+from eplb_fsm.trace import EventTrace
+
+__all__ = ["SharedTrace", "Rearrangement", "ReportingMixin"]
+
+_log = structlog.get_logger("eplb_fsm")
+
+
+class SharedTrace(EventTrace):
+    """An EventTrace whose records may come from several threads (engine, worker, watchdog).
+
+    One lock makes each record's ``seq`` and its line go out together.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        with self._lock:
+            return super().emit(event, **fields)
+
+
+@dataclass
+class Rearrangement:
+    """Book-keeping of the rearrangement in flight (becomes a ``history`` entry)."""
+
+    index: int
+    step: int
+    forced: bool
+    started: float
+    plan: Plan | None = None
+    job: Any = None                   # async: the worker job in flight (plan or layer)
+    layers_committed: int = 0
+
+
+class ReportingMixin:
+    """Rearrangement records and balancedness logging for :class:`~eplb_fsm.fsm.controller.EplbController`.
+
+    Owns ``_current`` (the :class:`Rearrangement` in flight, or None), ``_count``,
+    ``history`` and ``balancedness_log``.
+    """
+
+    def _begin(self, step: int, forced: bool) -> Rearrangement:
+        """Open the record of a rearrangement that starts at engine step ``step``."""
+        self._count += 1
+        return Rearrangement(index=self._count, step=step, forced=forced, started=time.perf_counter())
+
+    def _summary_fields(self) -> dict:
+        """The ``committed`` transition's fields for the rearrangement in flight."""
+        current = self._current
+        plan = current.plan
+        return {
+            "rearrangement": current.index,
+            "moves": plan.moves if plan else 0,
+            "moved_bytes": plan.moved_bytes if plan else 0,
+            "layers_committed": current.layers_committed,
+            "steps_taken": self.steps - current.step,
+            "seconds": round(time.perf_counter() - current.started, 6),
+        }
+
+    def _finish(self, outcome: str, reason: str | None = None) -> None:
+        """Close the rearrangement in flight: a ``history`` entry and a ``rearrangement`` record."""
+        current = self._current
+        if current is None:
+            return
+        plan = current.plan
+        entry = {
+            "index": current.index,
+            "step": current.step,
+            "end_step": max(self.steps - 1, current.step),
+            "forced": current.forced,
+            "outcome": outcome,
+            "reason": reason,
+            "moves": plan.moves if plan else 0,
+            "moved_bytes": plan.moved_bytes if plan else 0,
+            "changed_layers": int(sum(plan.changed)) if plan else 0,
+            "layers_committed": current.layers_committed,
+            "num_layers": self.machine.num_layers,
+            "balancedness_before": plan.balancedness_before if plan else None,
+            "balancedness_after": plan.balancedness_after if plan else None,
+            "policy_s": plan.policy_s if plan else None,
+            "seconds": time.perf_counter() - current.started,
+            "state": self.machine.state,
+        }
+        self.history.append(entry)
+        self.trace.emit("rearrangement", **{k: (round(v, 6) if isinstance(v, float) else v)
+                                            for k, v in entry.items() if k != "state"})
+        if outcome == "committed":
+            _log.info("eplb rearrangement committed", rank=self.rank, step=current.step, moves=entry["moves"],
+                      balancedness_before=entry["balancedness_before"],
+                      balancedness_after=entry["balancedness_after"])
+        self._current = None
+
+    def _log_pass_balancedness(self, step: int, flat: torch.Tensor) -> None:
+        """Balancedness of the current placements under this pass's (all-reduced) load.
+
+        ``flat``: (sum_m L_m * P_m,) the models' physical load passes, concatenated.
+        """
+        per_model: dict[str, float] = {}
+        means = maxes = 0.0
+        start = 0
+        for entry in self.models:
+            n = entry.num_layers * entry.num_physical
+            physical = flat[start:start + n].reshape(entry.num_layers, entry.num_physical).cpu()
+            start += n
+            loads = rank_loads_physical(physical, self.world)
+            mean, peak = float(loads.mean(dim=1).sum()), float(loads.max(dim=1).values.sum())
+            means += mean
+            maxes += peak
+            per_model[entry.name] = mean / peak if peak > 0 else 1.0
+        value = means / maxes if maxes > 0 else 1.0
+        self.balancedness_log.append((step, value))
+        self.trace.emit("balancedness", value=round(value, 6), models={k: round(v, 6) for k, v in per_model.items()},
+                        tokens=float(flat.sum()))
+        _log.info("eplb balancedness", rank=self.rank, step=step, balancedness=round(value, 6),
+                  models=per_model)

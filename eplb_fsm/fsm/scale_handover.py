@@ -1,0 +1,208 @@
+"""Elastic EP: moving a controller between EP groups, and the joiners' handover.
+
+The group swap: :func:`use_group` moves this rank's collectives (and transfers) to another
+group, :func:`set_space` re-expresses every model's maps and load window in the new slot
+space, :func:`resize_models` tells the models their new rank and world. A leaving rank
+writes its last ``group_switch`` record with :func:`leave`.
+
+The handover to joiners: rank 0 of the old group publishes :func:`handover_state` (maps,
+counters, config) in the store before the new group forms; once it has formed, every
+rank of it runs :func:`join_handshake`: one "go" all-reduce, then the non-expert weights
+go from the old ranks to the joiners, point to point.
+
+All functions take the controller (``ctl``) first and act on it for the scale flows
+in :mod:`eplb_fsm.fsm.scaling` and :mod:`eplb_fsm.fsm.joiner`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from eplb_fsm.fsm.collectives import flags
+from eplb_fsm.fsm.scale_plan import ScalePlan, remap_columns, resize_window
+from eplb_fsm.maps import ExpertMaps
+
+__all__ = [
+    "handover_state",
+    "install_maps",
+    "join_handshake",
+    "late_timeout",
+    "leave",
+    "reduce_on",
+    "resize_models",
+    "set_space",
+    "use_group",
+]
+
+
+def late_timeout(ctl: Any) -> float:
+    """How long an agreement after a broken group waits: a peer may still be inside a transfer
+    (``timeout``) and then the failed agreement on the broken group (``2 * timeout``)."""
+    return 4 * ctl._timeout + 5.0
+
+
+def reduce_on(ctl: Any, group: Any, name: str, parts: dict, timeout_s: float) -> dict:
+    """The controller's traced all-reduce on another group (raises its ``GroupBroken``)."""
+    saved = (ctl.group, ctl.group_name)
+    ctl.group, ctl.group_name = group, name
+    try:
+        return ctl._all_reduce(parts, timeout_s)
+    finally:
+        ctl.group, ctl.group_name = saved
+
+
+def use_group(ctl: Any, group: Any, communicator: Any, rank: int, world: int, *, role: str, phase: str,
+              sp: ScalePlan) -> None:
+    """Move this rank's collectives to ``group`` and say so in the trace (``group_switch``)."""
+    old_name, old_rank, old_world = ctl.group_name, ctl.rank, ctl.world
+    ctl.group = group
+    ctl.rank, ctl.world = rank, world
+    ctl.generation = int(getattr(group, "generation", ctl.generation))
+    ctl.group_name = getattr(group, "trace_name", ctl.group_name)
+    ctl._transfer_generation = 0
+    ctl._communicator = communicator
+    ctl._name_communicator()
+    ctl.trace.set_world(rank, world)
+    ctl.trace.emit("group_switch", generation=ctl.generation, phase=phase, role=role, kind=sp.kind,
+                   old_group=old_name, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
+                   old_rank=old_rank, new_rank=rank, old_world=old_world, new_world=world)
+
+
+def leave(ctl: Any, sp: ScalePlan, phase: str) -> None:
+    """A leaving rank's last record: it belongs to no group from here on."""
+    ctl.trace.emit("group_switch", generation=sp.generation, phase=phase, role="leaving", kind=sp.kind,
+                   old_group=ctl.group_name, new_group=None, transfer_group=None,
+                   old_rank=ctl.rank, new_rank=-1, old_world=ctl.world, new_world=sp.new_world)
+
+
+def set_space(ctl: Any, columns: np.ndarray) -> None:
+    """Re-express every model's maps and window in a new slot index space (whole ranks move).
+
+    ``columns`` (P',): the old slot each new slot takes (-1: empty), see ``slot_columns``.
+    """
+    for entry in ctl.models:
+        phy2log = remap_columns(entry.maps.phy2log, columns)
+        window = resize_window(entry.window, columns)
+        entry.window = window
+        ctl._windows[entry.index] = window
+        entry.num_physical = int(columns.size)
+        install_maps(ctl, entry, phy2log)
+
+
+def install_maps(ctl: Any, entry: Any, phy2log: np.ndarray) -> None:
+    """Give a model entry the maps of ``phy2log`` (L, P) (empty slots allowed) and hand them to the model."""
+    maps = ExpertMaps.from_phy2log(phy2log, entry.num_logical,
+                                   max_replicas=max(phy2log.shape[1] - entry.num_logical + 1, 1), allow_empty=True)
+    entry.install_maps(maps, ctl.device)
+
+
+def resize_models(ctl: Any, rank: int, world: int) -> None:
+    """Tell each model its new rank and world (``set_ep_world`` if it has one, else the counts)."""
+    for entry in ctl.models:
+        model = entry.model
+        setter = getattr(model, "set_ep_world", None)
+        if callable(setter):
+            setter(rank, world)
+        else:
+            model.num_physical_experts = entry.num_physical
+            model.num_redundant_experts = entry.num_physical - entry.num_logical
+    redundant = {e.num_physical - e.num_logical for e in ctl.models}
+    if len(redundant) == 1:
+        ctl.config = ctl.config.replace(num_redundant_experts=redundant.pop())
+
+
+# ---------------------------------------------------------------------------------------
+# the handover to joiners
+
+
+def handover_state(ctl: Any, sp: ScalePlan) -> dict:
+    """What a joiner starts from (rank 0 publishes it, pickled, under the generation's ``handover`` key)."""
+    return {
+        "generation": sp.generation,
+        "old_world": sp.old_world,
+        "new_world": sp.new_world,
+        "rank_mapping": dict(sp.rank_mapping),
+        "steps": ctl.steps,
+        "since": ctl._since,
+        "threshold": ctl._threshold,
+        "count": ctl._count,
+        "mode": "async" if ctl.config.use_async else "sync",
+        "config": config_for_handover(ctl.config),
+        "models": [{
+            "name": e.name, "num_layers": e.num_layers, "num_logical": e.num_logical,
+            "slots_per_rank": e.num_local, "phy2log": e.maps.phy2log.copy(),
+            "window": {"next_index": e.window.next_index, "filled": e.window.filled,
+                       "size": e.window.window_size},
+            "non_expert": non_expert_specs(e.model),
+        } for e in ctl.models],
+    }
+
+
+def config_for_handover(config: Any) -> dict:
+    """The settings a joiner must share (redundancy follows from the new world size, so it may differ)."""
+    return {k: v for k, v in config.to_dict().items() if k != "num_redundant_experts"}
+
+
+def non_expert_specs(model: Any) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each of a model's ``non_expert_weights`` (what a joiner's must match)."""
+    return [(tuple(t.shape), str(t.dtype)) for t in (getattr(model, "non_expert_weights", None) or [])]
+
+
+def join_handshake(ctl: Any, sp: ScalePlan) -> bool:
+    """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners."""
+    try:
+        go = ctl._all_reduce({"scale_go": flags(1.0)}, 2 * ctl._timeout + 5.0)["scale_go"]
+    except Exception as exc:
+        ctl._group_fault(exc)
+        return False
+    if int(round(float(go[0]))) != sp.new_world:
+        ctl._abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
+        return False
+    senders = [sp.new_rank(i) for i in range(sp.old_world)]
+    try:
+        nbytes = _send_non_expert(ctl, sp, senders)
+    except Exception as exc:
+        ctl._group_fault(exc)
+        return False
+    ctl.trace.emit("handover", generation=sp.generation, nbytes=nbytes, senders=senders, joiners=list(sp.joiners))
+    return True
+
+
+def _handover_tensors(ctl: Any) -> list[torch.Tensor]:
+    out = []
+    for entry in ctl.models:
+        tensors = getattr(entry.model, "non_expert_weights", None)
+        if tensors is None:
+            continue
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+                raise ValueError(f"model {entry.name!r}: non_expert_weights must be contiguous tensors")
+            out.append(t)
+    return out
+
+
+def _send_non_expert(ctl: Any, sp: ScalePlan, senders: Sequence[int]) -> int:
+    """Every joiner gets every non-expert tensor; tensor k comes from sender k mod len(senders)."""
+    tensors = _handover_tensors(ctl)
+    comm = ctl._communicator
+    me = ctl.rank
+    nbytes = sends = recvs = 0
+    for k, t in enumerate(tensors):
+        src = senders[k % len(senders)]
+        msg = t.reshape(-1).view(torch.uint8)
+        for j in sp.joiners:
+            if me == src:
+                comm.add_send(msg, src, j)
+                sends += 1
+                nbytes += msg.numel()
+            elif me == j:
+                comm.add_recv(msg, src, j)
+                recvs += 1
+                nbytes += msg.numel()
+    with ctl.trace.collective("batch_isend_irecv", group=ctl.transfer_group_name, purpose="handover",
+                              layer=None, wave=0, waves=1, sends=sends, recvs=recvs, nbytes=nbytes):
+        comm.execute()
+    return nbytes
