@@ -12,7 +12,8 @@ from eplb_fsm.policy import get_policy
 from eplb_fsm.policy.bounds import balancedness
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import MovementAwarePolicy, plan_movement
-from eplb_fsm.policy.movement_cost import align_rows, moved_slots, rank_membership, relabel_ranks
+from eplb_fsm.policy.movement_cost import moved_slots, rank_membership
+from eplb_fsm.policy.movement_renumber import align_rows, relabel_ranks
 from eplb_fsm.sim.loads import drift, load_scenarios, scenario_load
 
 # --------------------------------------------------------------------------- generators

@@ -27,6 +27,7 @@ GOAL_FLOOR = 1.006
 NODE_SLACK = 0.01
 # Goals below the current max are lowered by this relative amount (see layer_goals).
 _TOL = 1e-9
+_STEPS = np.arange(1.0, 65.0)
 
 
 def water_level(current_max: np.ndarray, default_max: np.ndarray, budget: float) -> float:
@@ -54,8 +55,8 @@ def lagrange_levels(rank_loads: np.ndarray, floor: np.ndarray, budget: float) ->
     A layer whose goal is below k of its ranks must fix those k (the cost), and no goal
     goes below ``floor``; with the ranks sorted, fixing k ranks gives the goal
     ``max(R[l, k], floor[l])``. Each layer takes the k that maximises (reduction of its
-    max - mu * k) for a price mu per rank; mu is searched for the largest price whose
-    plan still fits the budget (a Lagrangian relaxation of the knapsack).
+    max - mu * k) for a price mu per rank; mu is the largest price on a grid whose plan
+    still fits the budget (a Lagrangian relaxation of the knapsack), found by bisection.
     """
     num_layers, num_ranks = rank_loads.shape
     r = -np.sort(-rank_loads, axis=1)
@@ -71,26 +72,37 @@ def lagrange_levels(rank_loads: np.ndarray, floor: np.ndarray, budget: float) ->
     k = np.arange(width)
     rows = np.arange(num_layers)
 
-    def plans(mu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pick = (reduction[None] - mu[:, None, None] * k).argmax(2)  # (M, L)
-        return pick, reduction[rows, pick].sum(1)
+    def plan(mu: float) -> tuple[np.ndarray, float]:
+        pick = (reduction - mu * k).argmax(1)  # (L,) ranks to fix at price mu
+        return pick, float(reduction[rows, pick].sum())
+
+    def largest_fit(mu: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """Largest index i of the ascending prices ``mu`` whose plan still reduces by ``need``
+        (-1 if none), by bisection: a higher price never fixes more ranks in any layer, so
+        the total reduction falls with the price."""
+        lo, hi, best = -1, mu.size, None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            pick, total = plan(float(mu[mid]))
+            if total >= need:
+                lo, best = mid, pick
+            else:
+                hi = mid
+        return lo, best
 
     # a geometric grid of prices, then a linear one between the two that bracket the need
-    # (a few vectorised passes instead of a long bisection loop)
     hi = float(reduction.max()) + 1.0
     mu = hi * 0.5 ** np.arange(40.0)[::-1]  # ascending
     lo_mu, hi_mu = 0.0, hi
     best = np.full(num_layers, width - 1)
     for _ in range(2):
-        pick, total = plans(mu)
-        ok = total >= need  # True for small prices, False for large ones
-        if ok.any():
-            i = int(np.nonzero(ok)[0].max())
-            best, lo_mu = pick[i], float(mu[i])
+        i, pick = largest_fit(mu)
+        if i >= 0:
+            best, lo_mu = pick, float(mu[i])
             hi_mu = float(mu[i + 1]) if i + 1 < mu.size else hi_mu
         else:
             hi_mu = float(mu[0])
-        mu = np.linspace(lo_mu, hi_mu, 66)[1:-1]
+        mu = lo_mu + _STEPS * ((hi_mu - lo_mu) / 65)  # np.linspace(lo_mu, hi_mu, 66)[1:-1], bit for bit
     return level[rows, best]
 
 

@@ -24,7 +24,7 @@ __all__ = ["COUNT_CAP", "rebalance_counts"]
 
 # Experts whose load per replica exceeds this multiple of the default's largest load per
 # replica get more replicas before the search.
-COUNT_CAP = 1.25
+COUNT_CAP = 2.0
 
 
 def _node_major(node: np.ndarray, key: np.ndarray) -> np.ndarray:
@@ -36,18 +36,19 @@ def _node_major(node: np.ndarray, key: np.ndarray) -> np.ndarray:
 def _take(amount: np.ndarray, order: np.ndarray, node: np.ndarray, moves: np.ndarray) -> np.ndarray:
     """Take up to ``moves[l, node]`` units from ``amount`` (n, N), experts in ``order`` (n, N)."""
     width = moves.shape[1]
-    a = np.take_along_axis(amount, order, 1)
+    order = (order + (np.arange(order.shape[0]) * order.shape[1])[:, None]).ravel()  # flat
+    a = amount.ravel()[order].reshape(amount.shape)
     before = np.cumsum(a, 1) - a  # units before e (in its layer)
     if width == 1:
         got = np.clip(moves - before, 0, a)
     else:
-        nd = np.take_along_axis(node, order, 1)
+        nd = node.ravel()[order].reshape(amount.shape)
         start_of_node = np.take_along_axis(before, np.argmax(nd[:, :, None] == np.arange(width), 1), 1)
         before -= np.take_along_axis(start_of_node, nd, 1)  # units of this node before e
         got = np.clip(np.take_along_axis(moves, nd, 1) - before, 0, a)
-    out = np.zeros_like(amount)
-    np.put_along_axis(out, order, got, 1)
-    return out
+    out = np.empty(amount.size, dtype=amount.dtype)
+    out[order] = got.ravel()
+    return out.reshape(amount.shape)
 
 
 def rebalance_counts(st: "SearchState", cap: np.ndarray) -> None:

@@ -38,32 +38,25 @@ _WIDE_PARTNERS = 8
 _TIE = 1e-4
 # float32 swap scoring: an improvement must exceed this fraction of the goal.
 _SWAP_TOL = 1e-5
-# 1 / max(cost, FREE_COST) for a swap's cost in moved slots (-2 .. 2).
-_INV_COST = np.array([1.0 / max(c, FREE_COST) for c in range(-2, 3)], dtype=np.float32)
 _TOL = 1e-9
 
 
-def _not_held(st: "SearchState", rows: np.ndarray, experts: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """1 where the old placement did not have ``experts`` on ``ranks`` in ``rows`` (int8, broadcast)."""
-    return (~st.held.reshape(-1)[(rows * st.N + experts) * st.G + ranks]).astype(np.int8)
-
-
 def repoints(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
-    """Best re-point per layer: ``(eff, slot, new expert, touched ranks (n, G), cost, loads after (n, G))``.
+    """Best re-point per layer: ``(eff, rank, new expert, donor, cost, loads after (n, G))``.
 
     ``eff`` (n,) is the excess removed per moved slot, -inf where no re-point helps
-    within the move limit. Tried: the 2 experts of the
-    most loaded rank whose extra replica relieves most, times the 6 donors whose other
+    within the move limit; the donor gives up one slot on ``rank`` to a replica of the
+    new expert (both flat (layer, expert) indices). Tried: the 2 experts of the most
+    loaded rank whose extra replica relieves most, times the 6 donors whose other
     replicas gain least, times every rank holding the donor (the freed slot's rank).
-    Arrays are (n, hot, donor, G); indices into the state are flat.
+    Arrays are (n, hot, donor, G).
     """
     n, S, G, N = len(lr), st.S, st.G, st.N
-    rows = np.arange(n)
-    eb = (lr * N)[:, None]  # flat (layer, expert) base
-    w, count, on_rank = st.w.reshape(-1), st.count.reshape(-1), st.on_rank.reshape(st.L * N, G)
+    rows = st.rows[:n]
+    eb = st.expert_base[lr]  # (n, 1) flat (layer, expert) base
+    w, count, on_rank = st.w_f, st.count_f, st.on_rank_rows
     E = np.maximum(RL - T[:, None], 0.0).sum(1)  # (n,) current excess
-    top = RL.argmax(1)
-    hot = eb + st.cur.reshape(-1)[(lr * st.P + top * S)[:, None] + np.arange(S)]  # (n, S) flat experts of the max rank
+    hot = eb + st.cur_f[(st.slot_base[lr] + RL.argmax(1) * S)[:, None] + st.slot_range]  # (n, S) max rank's experts
     w_hot, c_hot = w[hot], count[hot]
     relieved = RL[:, None, :] - on_rank[hot] * (w_hot / c_hot - w_hot / (c_hot + 1))[..., None]  # (n, S, G)
     T3 = T[:, None, None]
@@ -91,8 +84,8 @@ def repoints(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     after = excess.sum(-1, keepdims=True) - excess
     after += np.maximum(loads + swing - T4, 0.0)
     gain = E[:, None, None, None] - after
-    held = st.held.reshape(-1, G)
-    cost = (held[x].view(np.int8)[:, None] - held[y].view(np.int8)[:, :, None])  # moved: not held by g before
+    held = st.held8.reshape(-1, G)
+    cost = held[x][:, None] - held[y][:, :, None]  # moved slots added: y new to rank g, x was held there
     ok = (x_on > 0)[:, None] & (x_ok[:, None] & (x[:, None, :] != y[:, :, None]))[..., None]
     ok &= gain > _TOL * T4
     if st.nodes > 1:
@@ -101,17 +94,11 @@ def repoints(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     ok &= cost <= (st.limit[lr] - st.moves[lr])[:, None, None, None]
     eff = np.where(ok, gain / np.maximum(cost, FREE_COST), -np.inf).reshape(n, -1)
     best = eff.argmax(1)
-    eff = eff[rows, best]
     iy, rest = np.divmod(best, kx * G)
     ix, rank = np.divmod(rest, G)
-    new_expert, donor = y[rows, iy], x[rows, ix]
-    # the slot: the first one of that rank holding the donor
-    in_rank = st.cur.reshape(-1)[(lr * st.P + rank * S)[:, None] + np.arange(S)]
-    slot = rank * S + (in_rank == (donor - eb[:, 0])[:, None]).argmax(1)
-    touched = (on_rank[new_expert] > 0) | (on_rank[donor] > 0)
     after = loads[rows, iy, ix]  # (n, G) rank loads after the re-point
     after[rows, rank] += swing[rows, iy, ix, 0]
-    return eff, slot, new_expert - eb[:, 0], touched, cost[rows, iy, ix, rank].astype(np.int64), after
+    return eff[rows, best], rank, y[rows, iy], x[rows, ix], cost[rows, iy, ix, rank].astype(np.int64), after
 
 
 def pair_swaps(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
@@ -124,28 +111,30 @@ def pair_swaps(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray)
     ``eff`` is the excess removed per moved slot (-inf: no useful swap or over the move
     limit); ``delta`` the load moved from o to u.
     """
-    n, S, Gn = len(lr), st.S, st.Gn
+    n, S, G, Gn = len(lr), st.S, st.G, st.Gn
     if Gn < 2 or n == 0:
         return None
     half = Gn // 2
-    order = np.argsort(-RL.reshape(n, st.nodes, Gn), axis=2) + (np.arange(st.nodes) * Gn)[:, None]  # ranks, heaviest first
+    order = np.argsort(-RL.reshape(n, st.nodes, Gn), axis=2)  # ranks of each node, heaviest first
+    if st.nodes > 1:
+        order += (np.arange(st.nodes) * Gn)[:, None]
     heavy = order[:, :, :half]
     # pairs: (layer, node, k) while the k-th heaviest rank is above the goal
-    pr, pn, pk = np.nonzero(RL[np.arange(n)[:, None, None], heavy] > T[:, None, None])
+    pr, pn, pk = np.nonzero(RL[st.rows[:n, None, None], heavy] > T[:, None, None])
     if pr.size == 0:
         return None
     o = heavy[pr, pn, pk]
     u = order[pr, pn, Gn - 1 - pk]  # the k-th lightest
     rows = lr[pr]
     t = T[pr]
-    a = RL[pr, o] - t  # excess of the heavy rank (> 0)
-    b = RL[pr, u] - t  # excess of the light rank (usually < 0)
-    ar = np.arange(S)
-    fo = (rows * st.P + o * S)[:, None] + ar  # (M, S) flat slots of the heavy rank
-    fu = (rows * st.P + u * S)[:, None] + ar  # ... of the light rank
-    cur, sl, moved = st.cur.reshape(-1), st.slot_load.reshape(-1), st.moved.reshape(-1)
-    ea, eb = cur[fo], cur[fu]
-    la, lb = sl[fo], sl[fu]
+    RL_flat = RL.reshape(-1)
+    a = RL_flat[pr * G + o] - t  # excess of the heavy rank (> 0)
+    b = RL_flat[pr * G + u] - t  # excess of the light rank (usually < 0)
+    base = st.slot_base[rows]
+    fo = (base + o * S)[:, None] + st.slot_range  # (M, S) flat slots of the heavy rank
+    fu = (base + u * S)[:, None] + st.slot_range  # ... of the light rank
+    ea, eb = st.cur_f[fo], st.cur_f[fu]
+    la, lb = st.sl_f[fo], st.sl_f[fu]
     # d[m, i, j]: load that swapping slot i of o with slot j of u moves from o to u
     # (float32 is plenty to rank candidates; two replicas of one expert give d == 0)
     d = la.astype(np.float32)[:, :, None] - lb.astype(np.float32)[:, None, :]
@@ -155,29 +144,29 @@ def pair_swaps(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray)
     gain = np.minimum(a3, d)
     gain -= np.maximum(b3 + d, 0.0)
     gain += np.maximum(b3, 0.0)
-    # moved slots added: each slot's new state minus its current one
-    r2 = rows[:, None]
-    cost_a = _not_held(st, r2, eb, o[:, None]) - moved[fu]  # o's slot gets eb
-    cost_b = _not_held(st, r2, ea, u[:, None]) - moved[fo]  # u's slot gets ea
+    # moved slots added (int8): each slot's new state (its new expert not held by its
+    # rank before) minus its current one
+    rN = st.expert_base[rows]
+    cost_a = 1 - st.held8[(rN + eb) * G + o[:, None]] - st.moved8[fu]  # o's slot gets eb
+    cost_b = 1 - st.held8[(rN + ea) * G + u[:, None]] - st.moved8[fo]  # u's slot gets ea
     cost = cost_b[:, :, None] + cost_a[:, None, :]
-    gain *= _INV_COST[cost + 2]
+    gain /= np.maximum(cost, np.float32(FREE_COST))  # by 2, 1 or 0.5: exact in float32
     # ties (e.g. every swap that fixes the heavy rank): the most even split of the pair
     d -= (0.5 * (a - b)).astype(np.float32)[:, None, None]
     np.abs(d, out=d)
     d *= _TIE
     gain -= d
-    flat = gain.reshape(len(pr), S * S)
-    best = flat.argmax(1)
+    best = gain.reshape(len(pr), S * S).argmax(1)
     m = np.arange(len(pr))
-    eff = flat[m, best].astype(np.float64)
     ia, ib = np.divmod(best, S)
+    eff = gain[m, ia, ib].astype(np.float64)
     cost = cost_b[m, ia].astype(np.int64) + cost_a[m, ib]
     # useful swaps only, within the move limit (heaviest pairs of a layer first)
-    good = eff > _SWAP_TOL * T[pr]
-    spent = np.cumsum(np.where(good, np.maximum(cost, 0), 0))
-    first = np.searchsorted(pr, pr)  # pairs of a layer are contiguous
-    spent_in_layer = spent - np.where(first > 0, spent[first - 1], 0)
-    good &= spent_in_layer <= (st.limit[rows] - st.moves[rows])
+    good = eff > _SWAP_TOL * t
+    paid = np.where(good, np.maximum(cost, 0), 0)
+    spent = np.cumsum(paid)
+    spent -= (spent - paid)[np.searchsorted(pr, pr)]  # pairs of a layer are contiguous: spent within it
+    good &= spent <= st.limit[rows] - st.moves[rows]
     delta = la[m, ia] - lb[m, ib]
     return pr, np.where(good, eff, -np.inf), o * S + ia, u * S + ib, o, u, cost, delta
 
@@ -199,17 +188,17 @@ def widened_swap(st: "SearchState", lr: np.ndarray) -> np.ndarray:
     ok_partner = np.take_along_axis(same, partners, 1)
     sa = top[:, None] * S + np.arange(S)  # (n, S)
     sb = (partners[:, :, None] * S + np.arange(S)).reshape(n, -1)  # (n, k*S)
-    base = (lr * st.P)[:, None]
-    cur, sl, moved = st.cur.reshape(-1), st.slot_load.reshape(-1), st.moved.reshape(-1)
-    ea, eb = cur[base + sa], cur[base + sb]
-    d = sl[base + sa][:, :, None] - sl[base + sb][:, None, :]  # (n, S, k*S)
+    fa, fb = st.slot_base[lr][:, None] + sa, st.slot_base[lr][:, None] + sb
+    ea, eb = st.cur_f[fa], st.cur_f[fb]
+    d = st.sl_f[fa][:, :, None] - st.sl_f[fb][:, None, :]  # (n, S, k*S)
     a = (RL[rows, top] - T)[:, None, None]
     b = np.repeat(np.take_along_axis(RL, partners, 1) - T[:, None], S, axis=1)[:, None, :]
     gain = np.maximum(a, 0.0) + np.maximum(b, 0.0) - np.maximum(a - d, 0.0) - np.maximum(b + d, 0.0)
     q = np.repeat(partners, S, axis=1)  # rank of each partner slot
-    l2 = lr[:, None]
-    cost_a = _not_held(st, l2, eb, top[:, None]).astype(np.int64) - moved[base + sb]  # top's slot gets eb
-    cost_b = _not_held(st, l2[:, :, None], ea[:, :, None], q[:, None, :]).astype(np.int64) - moved[base + sa][:, :, None]
+    rN = st.expert_base[lr]
+    cost_a = 1 - st.held8[(rN + eb) * st.G + top[:, None]].astype(np.int64) - st.moved8[fb]  # top's slot gets eb
+    cost_b = (1 - st.held8[((rN + ea) * st.G)[:, :, None] + q[:, None, :]].astype(np.int64)
+              - st.moved8[fa][:, :, None])  # the partner's slot gets ea
     cost = cost_b + cost_a[:, None, :]
     ok = (gain > _TOL * T[:, None, None]) & np.repeat(ok_partner, S, axis=1)[:, None, :]
     ok &= (st.moves[lr][:, None, None] + cost) <= st.limit[lr][:, None, None]

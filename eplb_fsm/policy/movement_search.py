@@ -5,8 +5,8 @@ them) and everything the candidate scores need, kept up to date change by change
 
 - ``cur`` (A, P) int64 placement; ``count`` (A, N) replica counts;
 - ``slot_load`` (A, P) expert load / count; ``rank_load`` (A, G) their sums per rank;
-- ``on_rank`` (A, N, G) slots of expert e on rank g; ``held`` (A, N, G) bool, the *old*
-  placement's membership (what counts as a move);
+- ``on_rank`` (A, N, G) slots of expert e on rank g (int8); ``held`` (A, N, G) bool, the
+  *old* placement's membership (what counts as a move);
 - ``moved`` (A, P) bool slots whose expert is new to their rank; ``moves`` (A,) their sum;
 - ``goal`` (A,) the max rank load to reach; ``limit`` (A,) moves a layer may spend.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_fsm.policy.movement_cost import expert_counts, slot_loads
 from eplb_fsm.policy.movement_moves import FREE_COST, best_prefix, pair_swaps, repoints, widened_swap
 
 __all__ = ["MAX_ROUNDS", "SearchState"]
@@ -32,9 +31,16 @@ MAX_ROUNDS = 10
 # Rounds that consider re-points at all ...
 _REPOINT_ROUNDS = 3
 # ... and only while more than this share of the live layers takes one.
-_REPOINT_MIN_SHARE = 0.2
+_REPOINT_MIN_SHARE = 0.25
 # Rounds at the start in which a layer with a useful re-point does only that.
 _REPOINT_FIRST_ROUNDS = 2
+# ... and the few layers without one (under this share of the live layers) wait a round
+# for their swaps: a candidate pass costs about the same for a few layers as for all.
+_SWAP_WAIT_SHARE = 0.25
+# The search ends once fewer than this share of the searched layers are still live: a
+# round costs nearly as much for a handful of layers as for all of them, and the budget
+# fallback closes what those few would still gain.
+_FEW_LIVE_SHARE = 0.05
 
 
 class SearchState:
@@ -42,117 +48,127 @@ class SearchState:
 
     Args:
         w: (A, N) float64 loads. cur: (A, P) int64 starting placement, no empty slot
-            (taken over and updated in place). held: (A, N, G) bool old membership.
-        on_rank: (A, N, G) int64 slot counts of ``cur``. goal, limit: (A,).
+            (taken over and updated in place); count (A, N) its replica counts and
+            slot_load (A, P) its slot loads. held: (A, N, G) bool old membership.
+        on_rank: (A, N, G) slot counts of ``cur`` (a narrow int type, see
+            :func:`~eplb_fsm.policy.movement_cost.rank_counts`). goal, limit: (A,).
         num_ranks, num_nodes: G and the nodes (> 1 only in hierarchical mode, where
             every change stays inside a node).
     """
 
-    def __init__(self, w, cur, held, on_rank, goal, num_ranks, num_nodes, limit):
-        self.w = w
-        self.cur = np.ascontiguousarray(cur)
-        self.held = np.ascontiguousarray(held)
-        self.on_rank = np.ascontiguousarray(on_rank)
-        self.goal = goal
-        self.limit = limit
+    def __init__(self, w, cur, count, slot_load, held, on_rank, goal, num_ranks, num_nodes, limit):
         self.L, self.P = cur.shape
         self.N = w.shape[1]
         self.G = num_ranks
         self.nodes = num_nodes
         self.S = self.P // num_ranks
         self.Gn = num_ranks // num_nodes
+        self.w = np.ascontiguousarray(w)
+        self.cur = np.ascontiguousarray(cur)
+        self.count = np.ascontiguousarray(count)
+        self.slot_load = np.ascontiguousarray(slot_load)
+        self.rank_load = self.slot_load.reshape(self.L, num_ranks, self.S).sum(-1)
+        self.held = np.ascontiguousarray(held)
+        self.on_rank = np.ascontiguousarray(on_rank)
+        self.goal = goal
+        self.limit = limit
         self.rank_of_slot = np.arange(self.P) // self.S
         self.node_of_rank = np.arange(num_ranks) // self.Gn
-        self.count = np.ascontiguousarray(expert_counts(self.cur, self.N))
-        self.slot_load = slot_loads(w, self.cur, self.count)
-        self.rank_load = self.slot_load.reshape(self.L, num_ranks, self.S).sum(-1)
-        rows = np.arange(self.L)
-        # flat index of (layer, expert) and of (layer, expert, rank of the slot) per slot
-        self.expert_base = (rows * self.N)[:, None]
-        self.moved = ~self.held.reshape(-1)[(self.cur + self.expert_base) * num_ranks + self.rank_of_slot]
+        # flat bases: slot (layer, p) is layer * P + p, expert (layer, e) is layer * N + e
+        self.rows = np.arange(self.L)
+        self.slot_range = np.arange(self.S)
+        self.slot_base = self.rows * self.P
+        self.expert_base = (self.rows * self.N)[:, None]
+        # flat views, current because every update is in place: per slot, per (layer, expert)
+        # and per (layer, expert) row of G ranks; bool arrays also as int8 (0/1)
+        self.cur_f, self.sl_f = self.cur.reshape(-1), self.slot_load.reshape(-1)
+        self.w_f, self.count_f = self.w.reshape(-1), self.count.reshape(-1)
+        self.on_rank_rows = self.on_rank.reshape(-1, num_ranks)
+        self.held_rows = self.held.reshape(-1, num_ranks)
+        self.held8 = self.held.reshape(-1).view(np.int8)
+        self.moved = ~self.held8.view(bool)[(self.cur + self.expert_base) * num_ranks + self.rank_of_slot]
+        self.moved_f = self.moved.reshape(-1)
+        self.moved8 = self.moved_f.view(np.int8)
         self.moves = self.moved.sum(1)
         # node of every expert (fixed: repairs never move an expert to another node)
         node_of_expert = np.zeros(self.L * self.N, dtype=np.int64)
-        node_of_expert[(self.cur + self.expert_base).ravel()] = np.tile(self.node_of_rank[self.rank_of_slot], self.L)
+        if num_nodes > 1:
+            node_of_expert[(self.cur + self.expert_base).ravel()] = np.tile(self.node_of_rank[self.rank_of_slot], self.L)
         self.node_of_expert = node_of_expert.reshape(self.L, self.N)
         self.rounds = 0
 
     # -- bookkeeping ------------------------------------------------------
     def set_slots(self, rows: np.ndarray, slots: np.ndarray, experts: np.ndarray, unique: bool = True) -> None:
-        """Point ``slots`` of ``rows`` (distinct pairs) at ``experts``; counts are the caller's job.
+        """Point ``slots`` of ``rows`` (distinct pairs) at ``experts``; counts and ``moves`` are the caller's job.
 
         ``unique``: no two changes share a (layer, rank), so plain fancy updates are exact;
         otherwise ``ufunc.at`` accumulates the repeats.
         """
-        ranks = self.rank_of_slot[slots]
         flat = rows * self.P + slots
-        cur = self.cur.reshape(-1)
-        base = rows * (self.N * self.G) + ranks
+        base = rows * (self.N * self.G) + self.rank_of_slot[slots]
+        gone, come = base + self.cur_f[flat] * self.G, base + experts * self.G
         on_rank = self.on_rank.reshape(-1)
-        gone, come = base + cur[flat] * self.G, base + experts * self.G
         if unique:
             on_rank[gone] -= 1
             on_rank[come] += 1
         else:
             np.subtract.at(on_rank, gone, 1)
             np.add.at(on_rank, come, 1)
-        cur[flat] = experts
-        now = ~self.held.reshape(-1)[come]
-        moved = self.moved.reshape(-1)
-        self.moves += np.bincount(rows, now.astype(np.int64) - moved[flat], minlength=self.L).astype(np.int64)
-        moved[flat] = now
+        self.cur_f[flat] = experts
+        self.moved8[flat] = 1 - self.held8[come]  # the new expert is new to the rank
 
     def swap(self, rows: np.ndarray, slot_a: np.ndarray, slot_b: np.ndarray) -> None:
         """Exchange the experts of ``slot_a`` and ``slot_b`` in ``rows``; no two pairs share a rank."""
         fa = rows * self.P + slot_a
         fb = rows * self.P + slot_b
-        cur = self.cur.reshape(-1)
-        sl = self.slot_load.reshape(-1)
-        xa, xb, la, lb = cur[fa], cur[fb], sl[fa], sl[fb]
+        xa, xb, la, lb = self.cur_f[fa], self.cur_f[fb], self.sl_f[fa], self.sl_f[fb]
         self.set_slots(np.concatenate([rows, rows]), np.concatenate([slot_a, slot_b]), np.concatenate([xb, xa]))
-        sl[fa] = lb
-        sl[fb] = la
+        self.sl_f[fa] = lb
+        self.sl_f[fb] = la
         rank_load = self.rank_load.reshape(-1)
         rank_load[rows * self.G + self.rank_of_slot[slot_a]] += lb - la
         rank_load[rows * self.G + self.rank_of_slot[slot_b]] += la - lb
+        self.moves = self.moved.sum(1)
 
     def recount(self, rows: np.ndarray, slots: np.ndarray, new: np.ndarray, distinct: bool = True) -> None:
         """Re-point ``slots`` of ``rows`` at ``new`` experts, updating counts and the rows' loads.
 
         ``distinct``: at most one change per layer (a round's re-points); otherwise any number.
         """
-        old = self.cur.reshape(-1)[rows * self.P + slots]
-        count = self.count.reshape(-1)
+        old = self.cur_f[rows * self.P + slots]
         if distinct:
-            count[rows * self.N + old] -= 1
-            count[rows * self.N + new] += 1
+            self.count_f[rows * self.N + old] -= 1
+            self.count_f[rows * self.N + new] += 1
         else:
-            np.subtract.at(count, rows * self.N + old, 1)
-            np.add.at(count, rows * self.N + new, 1)
+            np.subtract.at(self.count_f, rows * self.N + old, 1)
+            np.add.at(self.count_f, rows * self.N + new, 1)
         self.set_slots(rows, slots, new, unique=distinct)
         touched = rows if distinct else np.unique(rows)
-        self.slot_load[touched] = slot_loads(self.w[touched], self.cur[touched], self.count[touched])
-        self.rank_load[touched] = self.slot_load[touched].reshape(len(touched), self.G, self.S).sum(-1)
+        flat = self.cur[touched] + self.expert_base[touched]  # (k, P) flat (layer, expert); counts >= 1
+        load = self.w_f[flat] / self.count_f[flat]
+        self.slot_load[touched] = load
+        self.rank_load[touched] = load.reshape(len(touched), self.G, self.S).sum(-1)
+        self.moves = self.moved.sum(1)
 
     # -- main loop ----------------------------------------------------------
-    def run(self, budget: float, fixed_max: float) -> None:
-        """Search until every layer meets its goal, is stuck or out of moves, the rounds are
-        spent, or the budget on the sum of layer maxima holds (``fixed_max``: the sum over
-        the layers outside the search)."""
+    def run(self, budget: float, fixed_max: float, max_rounds: int = MAX_ROUNDS) -> None:
+        """Search until every layer meets its goal, is stuck or out of moves, ``max_rounds``
+        are spent, or the budget on the sum of layer maxima holds (``fixed_max``: the sum
+        over the layers outside the search)."""
         layer_max = self.rank_load.max(1)
         live = layer_max > self.goal
         searched = np.flatnonzero(live)
         repoints_pay = True  # until a round where (almost) no layer takes one
-        while self.rounds < MAX_ROUNDS:
+        while self.rounds < max_rounds:
             lr = np.flatnonzero(live)
             n = lr.size
-            if n == 0:
+            if n == 0 or n < _FEW_LIVE_SHARE * searched.size:
                 break
             self.rounds += 1
             RL, T = self.rank_load[lr], self.goal[lr]
             first_rounds = self.rounds <= _REPOINT_FIRST_ROUNDS
             if self.rounds <= _REPOINT_ROUNDS and repoints_pay:
-                rp_eff, rp_slot, rp_new, touched, rp_cost, rp_after = repoints(self, lr, RL, T)
+                rp_eff, rp_rank, rp_new, rp_donor, rp_cost, rp_after = repoints(self, lr, RL, T)
                 has_rp = np.isfinite(rp_eff)
                 any_rp = bool(has_rp.any())
             else:
@@ -160,10 +176,12 @@ class SearchState:
             # swaps: in the first rounds only for layers without a useful re-point
             if any_rp and first_rounds:
                 sw_idx = np.flatnonzero(~has_rp)
-                swaps = pair_swaps(self, lr[sw_idx], RL[sw_idx], T[sw_idx]) if sw_idx.size else None
+                waiting = sw_idx.size <= _SWAP_WAIT_SHARE * n
+                swaps = None if waiting else pair_swaps(self, lr[sw_idx], RL[sw_idx], T[sw_idx])
                 if swaps is not None:
                     swaps = (sw_idx[swaps[0]],) + swaps[1:]  # pair layers index lr
             else:
+                waiting = False
                 swaps = pair_swaps(self, lr, RL, T)
             if swaps is not None:
                 pr, eff, slot_a, slot_b, o, u, sw_cost, delta = swaps
@@ -181,6 +199,8 @@ class SearchState:
             if swaps is not None:
                 pick = np.isfinite(eff)
                 if any_rp:
+                    # ranks holding the re-point's new expert or donor (only pairs elsewhere)
+                    touched = (self.on_rank_rows[rp_new] > 0) | (self.on_rank_rows[rp_donor] > 0)
                     pick &= ~use_rp[pr] | (~touched[pr, o] & ~touched[pr, u])
                 moved_load = np.where(pick, delta, 0.0)
                 after[pr, o] -= moved_load  # pairs of a layer share no rank: no repeated index
@@ -218,11 +238,15 @@ class SearchState:
             if any_rp:
                 i = np.flatnonzero(use_rp)
                 taken = i.size
-                self.recount(lr[i], rp_slot[i], rp_new[i])
+                rows, donor = lr[i], rp_donor[i] - self.expert_base[lr[i], 0]
+                # the freed slot: the first one of the chosen rank holding the donor
+                first = self.slot_base[rows] + rp_rank[i] * self.S
+                at = (self.cur_f[first[:, None] + self.slot_range] == donor[:, None]).argmax(1)
+                self.recount(rows, rp_rank[i] * self.S + at, rp_new[i] - self.expert_base[lr[i], 0])
             repoints_pay = taken > _REPOINT_MIN_SHARE * n
             if last:
                 break
-            if not acts.all():
+            if not waiting and not acts.all():
                 idle = lr[~acts]
                 found = widened_swap(self, idle)
                 live[idle[~found]] = False
