@@ -122,3 +122,34 @@ def test_rank_died_via_files(tmp_path, capsys):
     assert main(["replay", str(tmp_path), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "rank_died" and data["culprit_ranks"] == [3] and data["step"] == 11
+
+
+def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
+    """A 4 -> 2 -> 4 job: exit 0 with the scales listed; --rank 3 shows both sessions and marks only the joiner's."""
+    logs = tmp_path / "logs"
+    job = SyntheticJob(world=WORLD, num_layers=2, interval=10, trace_dir=logs)
+    job.run(12)
+    job.scale(2)
+    job.run(6)
+    job.scale(4)
+    job.run(5)
+    job.close()
+    assert main(["replay", str(logs)]) == 0
+    out = capsys.readouterr().out
+    assert "scales (2):\n    generation 1 at step 12: scale_down 4 -> 2 ranks, switched" in out
+    assert "traces: 4 of world 4 (6 sessions)" in out
+    path = trace_path(logs, 3)
+    lines = path.read_text().splitlines()
+    joiner = next(i for i, line in enumerate(lines) if '"role":"joiner"' in line)
+    ready = next(i for i in range(joiner, len(lines)) if '"trigger":"groups_ready"' in lines[i])
+    bad = json.loads(lines[ready])
+    lines[ready] = json.dumps({**bad, "source": "collecting"}, separators=(",", ":"))  # the session-1 record
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(logs), "--rank", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sessions"] == 2 and [i["session"] for i in data["illegal_transitions"]] == [1]
+    marked = [row for row in data["timeline"] if "illegal" in row]
+    assert len(marked) == 1 and marked[0]["seq"] == bad["seq"]
+    assert main(["replay", str(logs), "--rank", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "header (joiner of generation 2, a new session)" in text and "group_switch ep->None (leaving" in text

@@ -209,3 +209,52 @@ def test_transfer_group_resets_are_collected():
     assert s.named_groups == {"ep_transfer.1"}
     assert [t.trigger for t in s.transitions].count("fault") == 1
     assert "ep_transfer.1" in s.collectives
+
+
+def _down_up_records() -> dict[int, list[dict]]:
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(2)
+    job.run(6)
+    job.scale(4)
+    job.run(6)
+    return job.records()
+
+
+def test_a_joiner_header_keeps_the_session_before_it():
+    """A leaving rank's run then a joiner's in one file: both are summarised; the joiner starts in scaling."""
+    recs = _down_up_records()[3]
+    s = sm.summarize_rank(recs, 3)
+    (first,) = s.previous
+    assert (first.session, first.role, first.left["generation"], first.last_step) == (0, "member", 1, 12)
+    assert (s.session, s.role, s.generation, s.first_step) == (1, "joiner", 2, 18)
+    assert first.illegal == [] and s.illegal == [] and s.warnings == []
+    assert s.transitions[0].trigger == "groups_ready" and s.transitions[0].generation == 2
+    assert set(s.collectives) == {"ep@2", "ep_transfer@2"} and set(first.collectives) == {"ep", "ep_transfer"}
+    assert first.records + s.records == len(recs)
+
+
+def test_two_session_text_gives_the_same_summaries_as_records():
+    """summarize_text (bulk step runs) and summarize_rank agree on both sessions of a joiner's file."""
+    recs = _down_up_records()[2]
+    text = "\n".join(json.dumps(r, separators=(",", ":")) for r in recs) + "\n"
+    bulk, plain = sm.summarize_text(text, 2), sm.summarize_rank(recs, 2)
+    for a, b in zip(bulk.previous + [bulk], plain.previous + [plain]):
+        assert _comparable(a) == _comparable(b)
+        assert (a.switches, a.left, a.scalings, a.role) == (b.switches, b.left, b.scalings, b.role)
+
+
+def test_interleaved_sessions_are_told_apart_by_seq():
+    """Two sessions writing one file at once (a renumbered rank and a joiner) are routed record by record."""
+    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(2, rank_mapping={0: -1, 1: 0, 2: 1})
+    job.run(6)
+    job.scale(3)
+    job.run(6)
+    old, joiner = job.sessions[2], job.sessions[3]
+    mixed = sorted(old.trace.records + joiner.trace.records, key=lambda r: r["ts"])
+    s = sm.summarize_rank(mixed, 2)
+    (first,) = s.previous
+    assert (first.records, s.records) == (len(old.trace.records), len(joiner.trace.records))
+    assert first.illegal == [] and s.illegal == [] and s.role == "joiner" and first.final_state == "collecting"

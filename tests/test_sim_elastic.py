@@ -58,6 +58,7 @@ def test_every_scale_switches_and_serves_exactly(scenario):
     assert report["ok"], report
     assert report["outputs_unchanged"] and report["weights_exact"] and report["maps_agree"]
     assert report["histories_agree"]
+    assert report["replay"]["verdict"] == "healthy", report["replay"]
     scalings = report["scalings"]
     assert [(s["from_ranks"], s["to_ranks"], s["outcome"]) for s in scalings] == [
         (first, middle, "switched"), (middle, last, "switched")]
@@ -151,10 +152,11 @@ def test_absent_joiner_aborts_within_the_timeout_and_keeps_serving(tmp_path, cap
     assert (scale["from_ranks"], scale["to_ranks"], scale["outcome"]) == (2, 2, "aborted")
     assert 2.0 <= scale["seconds"] < 6.0 and "not complete" in scale["reason"]
     assert report["final_ranks"] == 2 and report["outputs_unchanged"] and report["weights_exact"]
-    assert report["steps"] == 16
+    assert report["steps"] == 16 and report["replay"]["verdict"] == "healthy"
     from eplb_fsm.inspect.replay import replay_dir
 
-    assert replay_dir(log_dir).verdict == "healthy"  # no group changed: today's replay reads it whole
+    rep = replay_dir(log_dir)
+    assert rep.verdict == "healthy" and [s["outcome"] for s in rep.scales] == ["aborted"]
     rank1 = read_trace(log_dir / "rank00001.jsonl")[0]
     kinds = [r["event"] for r in rank1 if r["step"] == 8 and r["event"] in ("scale_aborted", "transition")]
     assert kinds[:3] == ["transition", "scale_aborted", "transition"]

@@ -55,27 +55,51 @@ def _timeline(args: argparse.Namespace) -> int:
         return 2
     records, bad, truncated = read_records(path)
     summary = summarize_rank(records, args.rank, path=str(path), bad_lines=bad, truncated=truncated)
-    refused = {i["seq"]: i["reason"] for i in summary.illegal}
+    sessions = list(summary.previous) + [summary]
+    illegal = [dict(i, session=n) if len(sessions) > 1 else i for n, s in enumerate(sessions) for i in s.illegal]
+    refused = {(i.get("session", 0), i["seq"]): i["reason"] for i in illegal}
+    where = _sessions_of(records)
     if args.json:
         rows = timeline_rows(records)
-        for row in rows:
-            if row["seq"] in refused:
-                row["illegal"] = refused[row["seq"]]
+        for row, at in zip(rows, where):
+            if at is not None and (at, row["seq"]) in refused:
+                row["illegal"] = refused[(at, row["seq"])]
         _out(json.dumps({"rank": args.rank, "path": str(path), "bad_lines": bad, "truncated": truncated,
-                         "illegal_transitions": summary.illegal, "timeline": rows}))
+                         "sessions": len(sessions), "illegal_transitions": illegal, "timeline": rows}))
         return 0
     text = format_timeline(records, args.rank).split("\n")
     out = text[:2]
-    for rec, line in zip(records, text[2:]):
-        out.append(("!! " if rec.get("seq") in refused and rec.get("event") in ("transition", "step") else "   ")
+    for rec, at, line in zip(records, where, text[2:]):
+        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step") else "   ")
                    + line)
     out[1] = "   " + out[1]
     if bad:
         out.append(f"({bad} unreadable line(s) skipped" + ("; the last line is truncated)" if truncated else ")"))
-    for i in summary.illegal:
-        out.append(f"!! seq {i['seq']} step {i['step']}: {i['trigger']} {i['source']}->{i['dest']}: {i['reason']}")
+    for i in illegal:
+        session = f"session {i['session']} " if "session" in i else ""
+        out.append(f"!! {session}seq {i['seq']} step {i['step']}: {i['trigger']} {i['source']}->{i['dest']}: "
+                   f"{i['reason']}")
     _out("\n".join(out))
     return 0
+
+
+def _sessions_of(records: list[dict]) -> list[int | None]:
+    """Which replayed session each record belongs to (None: an earlier run the replay dropped).
+
+    Sessions are numbered as the replay numbers them: a joiner's header (elastic EP) starts
+    the next session of the same job, any other later header starts the job over.
+    """
+    marks: list[tuple[int, int]] = []
+    run, session, seen = 0, 0, False
+    for rec in records:
+        if rec.get("event") == "header" and seen:
+            if rec.get("role") == "joiner":
+                session += 1
+            else:
+                run, session = run + 1, 0
+        seen = True
+        marks.append((run, session))
+    return [session if r == run else None for r, session in marks]
 
 
 def run(args: argparse.Namespace) -> int:

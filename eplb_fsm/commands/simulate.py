@@ -245,8 +245,9 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
 
     When ranks fail (a rank raised, died, or missed the deadline ``timeout``) the report is
     :func:`build_failed_report`'s instead, with ``ok`` false; the traces stay in
-    ``opts.log_dir``. With injected faults, or after a failure, the report ends with the
-    replay verdict of the traces (``report["replay"]``).
+    ``opts.log_dir``. With injected faults, with ``--scale`` (elastic EP: the replay follows
+    the group swaps), or after a failure, the report ends with the replay verdict of the
+    traces (``report["replay"]``).
     """
     from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, run_ranks
     from eplb_fsm.sim.run import run_rank
@@ -283,8 +284,10 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
         report = build_report(opts, results, wall)
     if opts.extra.get("inject"):
         report["inject"] = list(opts.extra["inject"])
+    if opts.extra.get("inject") or scaling:
         report["replay"] = replay_verdict(opts.log_dir)
-        # every rank finished, but an injected fault that left a divergence in the traces is not ok
+        # every rank finished, but traces that diverge (an injected fault, or a group swap the
+        # ranks did not make alike) are not ok
         report["ok"] = bool(report["ok"] and report["replay"]["verdict"] == "healthy")
     report["png"], report["png_note"] = None, None
     if want_png:

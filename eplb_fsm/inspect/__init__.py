@@ -1,8 +1,10 @@
 """Tools that read the machine and the traces: diagrams, replay and hang diagnosis.
 
 This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine),
-``summary`` (one rank's trace re-driven through the machine), ``replay`` (diagnosis across
-ranks), ``render`` (text report, timeline) and ``synth`` (synthetic traces).
+``summary`` (one rank file re-driven through the machine: ``walker``, ``model``),
+``replay`` (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, and
+``elastic`` for group swaps, joiners and leaving ranks), ``render`` (text report, timeline)
+and ``synth`` (synthetic traces; ``synth_elastic`` adds scale-down and scale-up).
 """
 
 from eplb_fsm.inspect.diagrams import machine_edges, render_dot, render_mermaid, stale_files

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from eplb_fsm.inspect.elastic import scale_text
 from eplb_fsm.inspect.replay import Finding, Report, ranks_text
 
 
-def _grouped(positions: list[dict]) -> list[tuple[list[int], str]]:
-    """Ranks with the same note share a line (64 ranks waiting in one collective are one line)."""
-    groups: dict[str, list[int]] = {}
+def _grouped(positions: list[dict]) -> list[tuple[str, str]]:
+    """Ranks with the same note share a line (64 ranks waiting in one collective are one line).
+
+    A participant an elastic job needs more than a rank number for (``label``: a joiner, a
+    rank that left) is named by its label."""
+    groups: dict[str, list[dict]] = {}
     for p in positions:
-        groups.setdefault(p["note"] or p["status"], []).append(p["rank"])
-    return sorted(((sorted(rs), note) for note, rs in groups.items()), key=lambda item: item[0][0])
+        groups.setdefault(p["note"] or p["status"], []).append(p)
+    rows = []
+    for note, ps in groups.items():
+        plain = sorted({p["rank"] for p in ps if not p.get("label")})
+        named = sorted({(p["rank"], p.get("session", 0), p["label"]) for p in ps if p.get("label")})
+        who = ", ".join(([ranks_text(plain)] if plain else []) + [n[2].removeprefix("rank ") for n in named])
+        first = min([(r, 0) for r in plain] + [n[:2] for n in named])
+        rows.append((first, who, note))
+    return [(who, note) for _, who, note in sorted(rows)]
 
 
 def _where(f: Finding | Report) -> str:
@@ -36,8 +47,8 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         if report.at_divergence:
             lines.append("  ranks at this point:")
             rows = _grouped(report.at_divergence)
-            for ranks, note in rows[:max_rank_lines]:
-                lines.append(f"    {ranks_text(ranks):<12} {note}")
+            for who, note in rows[:max_rank_lines]:
+                lines.append(f"    {who:<12} {note}")
             if len(rows) > max_rank_lines:
                 lines.append(f"    ... {len(rows) - max_rank_lines} more")
         first = report.findings[0] if report.findings else None
@@ -54,10 +65,14 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         lines.append(f"  handled (every rank aborted that rearrangement with a fault) ({len(report.handled)}):")
         for f in report.handled:
             lines.append(f"    {f.kind} at {_where(f)}: {f.summary}")
+    if report.scales:
+        lines.append(f"  scales ({len(report.scales)}):")
+        lines += [f"    {scale_text(n)}" for n in report.scales]
     if report.illegal_transitions:
         lines.append(f"  illegal transitions ({len(report.illegal_transitions)}):")
         for i in report.illegal_transitions[:20]:
-            lines.append(f"    rank {i['rank']} seq {i['seq']} step {i['step']}: {i['trigger']} "
+            session = f" (session {i['session']})" if i.get("session") else ""
+            lines.append(f"    rank {i['rank']}{session} seq {i['seq']} step {i['step']}: {i['trigger']} "
                          f"{i['source']}->{i['dest']}: {i['reason']}")
         if len(report.illegal_transitions) > 20:
             lines.append(f"    ... {len(report.illegal_transitions) - 20} more")
@@ -69,8 +84,10 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
     ranks = report.ranks
     n_records = sum(r["records"] for r in ranks)
     lasts = [r["last_step"] for r in ranks if isinstance(r["last_step"], int)]
+    files = len({r["rank"] for r in ranks})
     lines.append(
-        f"  traces: {len(ranks)} of world {report.world}"
+        f"  traces: {files} of world {report.world}"
+        + (f" ({len(ranks)} sessions)" if len(ranks) != files else "")
         + (f" (missing {ranks_text(report.missing_ranks)})" if report.missing_ranks else "")
         + f", {n_records} records, last steps {min(lasts) if lasts else '-'}..{max(lasts) if lasts else '-'}"
     )
@@ -105,6 +122,11 @@ def timeline_rows(records: Iterable[dict]) -> list[dict]:
                 coll += f" {rec.get('error')}"
         elif ev == "stuck":
             what = f"stuck {rec.get('seconds')}s (last {rec.get('last_collective')})"
+        elif ev == "group_switch":
+            what = (f"group_switch {rec.get('old_group')}->{rec.get('new_group')} ({rec.get('role')}, "
+                    f"rank {rec.get('old_rank')}->{rec.get('new_rank')}, world {rec.get('new_world')})")
+        elif ev == "header" and rec.get("role") == "joiner":
+            what = f"header (joiner of generation {rec.get('generation')}, a new session)"
         rows.append({
             "seq": rec.get("seq"),
             "t": round(ts - t0, 6) if isinstance(ts, (int, float)) and t0 is not None else None,

@@ -13,6 +13,11 @@ Faults are injected per rank, so tests, the docs and ``eplb-fsm bench replay`` g
 realistic broken traces: a rank that stops (before a step, before its collective, or
 inside it), a rank whose interval counter misses a step, a rank that issues a different
 collective, a rank that records an illegal transition, a rank with a different config.
+
+``SyntheticJob.scale(new_world, ...)`` adds elastic EP between two ``run`` calls: a
+scale-down (leaving ranks send their experts away and stop) or a scale-up (joiners append a
+session to the rank files they take over), with its faults (``synth_elastic``). ``run``'s
+faults are keyed by the ranks' current numbers.
 """
 
 from __future__ import annotations
@@ -96,15 +101,18 @@ class SyntheticRank:
     """One rank: the real machine, its trace, and the counters the controller keeps."""
 
     def __init__(self, rank: int, world: int, num_layers: int, trace_dir: str | os.PathLike | None,
-                 clock: _Clock, keep: bool = True) -> None:
+                 clock: _Clock, keep: bool = True, machine: EplbMachine | None = None, step: int = 0) -> None:
         self.rank = rank
+        self.file_rank = rank                  # the file it writes, whatever its rank becomes
         self.num_layers = num_layers
         self.clock = clock
         self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep)
-        self.machine = EplbMachine(num_layers)
+        self.machine = machine or EplbMachine(num_layers)
         self.machine.listeners.append(self._record)
-        self.trace.set_context(state=self.machine.state, step=0)
+        self.trace.set_context(state=self.machine.state, step=step)
         self._extra: dict = {}
+        self.group = GROUP                     # its EP group's trace name (ep@<g> after a scale)
+        self.transfer_base = TRANSFER_GROUP
         self.transfer_group = TRANSFER_GROUP
         self.transfer_resets = 0
         self.count = 0
@@ -190,7 +198,12 @@ class SyntheticJob:
             from eplb_fsm.config import EplbConfig
 
             config = EplbConfig(window_size=interval, step_interval=interval).to_dict()
-        self.ranks: dict[int, SyntheticRank] = {}
+        self.config = dict(config)
+        self.slots_per_rank = max(1, num_experts // world)
+        self.keep = keep
+        self.generation = 0
+        self.ranks: dict[int, SyntheticRank] = {}       # the serving ranks, by current rank
+        self.sessions: list[SyntheticRank] = []        # every rank ever, in the order they started
         for r in (range(world) if ranks is None else ranks):
             clock = _Clock(t0)
             rank = SyntheticRank(r, world, num_layers, trace_dir, clock, keep=keep)
@@ -200,8 +213,9 @@ class SyntheticJob:
             rank.trace.header(cfg, mode="sync", device="cpu", group=GROUP, transfer_group=TRANSFER_GROUP)
             rank.trace.emit("model_added", num_layers=num_layers, model="main", layers=num_layers,
                             layer_offset=0, logical=num_experts, physical=num_experts,
-                            local=max(1, num_experts // world), groups=1, slot_bytes=SLOT_BYTES)
+                            local=self.slots_per_rank, groups=1, slot_bytes=SLOT_BYTES)
             self.ranks[r] = rank
+            self.sessions.append(rank)
 
     # -- driving ---------------------------------------------------------
     def run(self, steps: int, faults: Faults | None = None) -> "SyntheticJob":
@@ -240,7 +254,7 @@ class SyntheticJob:
         if wrong is not None and wrong[0] == step:
             overrides = dict(wrong[1])
         size = self.num_layers * self.num_experts
-        fields = {"op": "all_reduce", "group": GROUP, "shape": [size], "dtype": "torch.float64",
+        fields = {"op": "all_reduce", "group": rank.group, "shape": [size], "dtype": "torch.float64",
                   "parts": ["loads"], "sizes": [size]}
         fields.update(overrides)
         finish = not (stop is not None and stop.step == step and stop.where == "in_collective")
@@ -265,7 +279,7 @@ class SyntheticJob:
                 self._transfer_fault(rank, k, failing, wave, index, step)
                 return
             rank.collective("batch_isend_irecv", **wave)
-            rank.collective("all_reduce", group=GROUP, shape=[3], dtype="torch.float64",
+            rank.collective("all_reduce", group=rank.group, shape=[3], dtype="torch.float64",
                             parts=["ready"], sizes=[3])
             if faults.illegal.get(r) == step:
                 # a buggy controller that commits right after the first layer
@@ -288,23 +302,32 @@ class SyntheticJob:
                     raise TimeoutError(f"timed out waiting for rank {failing[0]}")
             except TimeoutError:
                 pass
-        rank.collective("all_reduce", group=GROUP, shape=[3], dtype="torch.float64", parts=["ready"], sizes=[3])
+        rank.collective("all_reduce", group=rank.group, shape=[3], dtype="torch.float64", parts=["ready"], sizes=[3])
         reason = f"transfer of layer {layer} failed on {len(failing)} rank(s)"
         rank.fire("fault", extra={"reason": reason, "layers_committed": layer, "failed_layer": layer},
                   recoverable=True)
         rank.trace.emit("rearrangement", index=index, step=step, outcome="aborted", reason=reason,
                         layers_committed=layer)
         rank.transfer_resets += 1
-        rank.transfer_group = f"{TRANSFER_GROUP}.{rank.transfer_resets}"
+        rank.transfer_group = f"{rank.transfer_base}.{rank.transfer_resets}"
         rank.trace.emit("transfer_group_reset", group=rank.transfer_group)
+
+    def scale(self, new_world: int, **kwargs: Any) -> dict:
+        """Scale the serving ranks to ``new_world`` before the next step (see ``synth_elastic.scale``)."""
+        from eplb_fsm.inspect.synth_elastic import scale
+
+        return scale(self, new_world, **kwargs)
 
     # -- output ----------------------------------------------------------
     def records(self) -> dict[int, list[dict]]:
-        """rank -> its records (needs ``keep=True``)."""
-        return {r: list(rank.trace.records or []) for r, rank in self.ranks.items()}
+        """file rank -> its records, every session of the file in order (needs ``keep=True``)."""
+        out: dict[int, list[dict]] = {}
+        for rank in self.sessions:
+            out.setdefault(rank.file_rank, []).extend(rank.trace.records or [])
+        return dict(sorted(out.items()))
 
     def close(self) -> None:
-        for rank in self.ranks.values():
+        for rank in self.sessions:
             rank.trace.close()
 
 

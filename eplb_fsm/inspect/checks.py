@@ -1,0 +1,242 @@
+"""Stage 2 of the replay: the checks across participants, each returning findings.
+
+Headers (configuration), illegal transitions, the order of state changes (the n-th state
+change is the same event at the same step everywhere; a joiner's sequence starts at the
+others' ``groups_ready`` of its generation), traces that stop early, ranks left
+``failed``, watchdog reports. The collectives are checked in ``collective_checks``.
+Participants, labels and group membership come from ``elastic.Cast``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.inspect.elastic import Cast, Key, build_cast, config_payloads
+from eplb_fsm.inspect.findings import Finding, canon, last_seen, majority
+from eplb_fsm.inspect.model import WORLD_GROUP, RankSummary
+
+# ranks are not stopped in lockstep: a trace ending one step before the others is not a death
+DIED_SLACK_STEPS = 1
+
+
+def check_headers(cast: Cast, warnings: list[str]) -> list[Finding]:
+    """Headers must agree: schema, mode and config everywhere; world and the fields a scale
+    changes (``num_redundant_experts``) among the sessions that started in the same generation."""
+    payload: dict[Key, tuple[dict, dict]] = {}
+    shared: dict[str, list[Key]] = {}
+    per_gen: dict[int, dict[str, list[Key]]] = {}
+    for k, s in cast.parts.items():
+        if s.header is None:
+            warnings.append(f"{cast.label(k)}: no header record (the trace may have lost its beginning)")
+            continue
+        payload[k] = config_payloads(s)
+        shared.setdefault(canon(payload[k][0]), []).append(k)
+        gen = s.generation if s.role == "joiner" else 0
+        per_gen.setdefault(gen, {}).setdefault(canon(payload[k][1]), []).append(k)
+    diffs: dict[Key, list[str]] = {}
+    for part, groups in [(0, shared)] + [(1, g) for _, g in sorted(per_gen.items())]:
+        if len(groups) < 2:
+            continue
+        ref_key = majority(groups)
+        ref = json.loads(ref_key)
+        for key, ks in groups.items():
+            if key != ref_key:
+                for k in ks:
+                    diffs.setdefault(k, []).extend(_differences(payload[k][part], ref))
+    found: list[Finding] = []
+    if diffs:
+        culprits = sorted(diffs)
+        others = sorted(k for k in payload if k not in diffs)
+        text = {k: ", ".join(diffs[k]) for k in culprits}
+        step = min((cast.parts[k].header.get("step") or 0) for k in culprits)
+        found.append(Finding.of(
+            "config_mismatch", step, culprits,
+            f"{cast.who(culprits)} started with a different configuration than {cast.who(others)}: "
+            + text[culprits[0]],
+            state=cast.parts[culprits[0]].header.get("state"),
+            ranks=[cast.position(k, "different_config", text[k], step) if k in diffs
+                   else cast.position(k, "reference", "the majority's configuration", step) for k in sorted(payload)],
+        ))
+    versions: dict[str, list[Key]] = {}
+    for k, s in cast.parts.items():
+        if s.header is not None:
+            versions.setdefault(json.dumps(s.header.get("versions"), sort_keys=True), []).append(k)
+    if len(versions) > 1:
+        warnings.append("ranks run different package versions: " + "; ".join(
+            f"{cast.who(ks)}: {json.loads(v)}" for v, ks in sorted(versions.items(), key=lambda kv: min(kv[1]))))
+    return found
+
+
+def _differences(mine: dict, ref: dict) -> list[str]:
+    diffs = [f"{top}={mine[top]!r} (others {ref[top]!r})" for top in ("schema", "world", "mode")
+             if top in mine and mine[top] != ref.get(top)]
+    a, b = mine.get("config") or {}, ref.get("config") or {}
+    if isinstance(a, dict) and isinstance(b, dict):
+        diffs += [f"{k}={a.get(k)!r} (others {b.get(k)!r})" for k in sorted(set(a) | set(b))
+                  if canon(a.get(k)) != canon(b.get(k))]
+    elif canon(a) != canon(b):
+        diffs.append(f"config={a!r} (others {b!r})")
+    return diffs
+
+
+def check_illegal(cast: Cast) -> list[Finding]:
+    found = []
+    for k, s in cast.parts.items():
+        if not s.illegal:
+            continue
+        first = s.illegal[0]
+        more = f" ({len(s.illegal) - 1} more on this rank)" if len(s.illegal) > 1 else ""
+        found.append(Finding.of(
+            "illegal_transition", first["step"], [k],
+            f"{cast.label(k)} recorded {first['trigger']} {first['source']}->{first['dest']} at step {first['step']}, "
+            f"which the machine does not allow: {first['reason']}{more}",
+            state=first["replayed_state"], layer=first["layer"],
+            ranks=[cast.position(k, "illegal", first["reason"], first["step"], first["replayed_state"],
+                                 first["layer"])],
+        ))
+    return found
+
+
+def align_transitions(cast: Cast, offsets: dict[Key, int]) -> list[Finding]:
+    """The n-th state change must be the same event at the same step on every participant.
+
+    ``offsets`` places each participant's first transition in the job's sequence (0 for the
+    first ranks; a joiner's at the others' ``groups_ready`` of its generation); one that
+    ended (a rank that left) simply has no entry past its end.
+    """
+    keys = sorted(k for k in offsets if k in cast.parts)
+    if len(keys) < 2:
+        return []
+    compare = {k: [(t.key(), t.step) for t in cast.parts[k].transitions] for k in keys}
+    longest = max(offsets[k] + len(compare[k]) for k in keys)
+    plain = all(offsets[k] == 0 for k in keys)
+    for i in range(longest):
+        if plain:
+            at_i = [c[i] for c in compare.values() if i < len(c)]
+        else:
+            at_i = [compare[k][i - offsets[k]] for k in keys if 0 <= i - offsets[k] < len(compare[k])]
+        if len(at_i) < 2 or len(set(at_i)) == 1:
+            continue
+        at = {k: cast.parts[k].transitions[i - offsets[k]] for k in keys
+              if 0 <= i - offsets[k] < len(compare[k])}
+        ended = [k for k in keys if i - offsets[k] >= len(compare[k]) and not cast.parts[k].ended_on_purpose]
+        finding = _transition_divergence(cast, i, at, ended)
+        if finding is not None:
+            return [finding]
+    return []
+
+
+def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key]) -> Finding | None:
+    def context(status_of) -> list[dict]:
+        rows = [cast.position(k, status_of(t), f"{t.text()} at step {t.step}", t.step, t.source, t.layer_k)
+                for k, t in at.items()]
+        rows += [cast.position(k, "ended", f"trace ended before: {last_seen(cast.parts[k])}",
+                               cast.parts[k].last_step) for k in ended]
+        return sorted(rows, key=lambda p: (p["rank"], p["session"]))
+
+    by_key: dict[tuple, list[Key]] = {}
+    for k, t in at.items():
+        by_key.setdefault(t.key(), []).append(k)
+    if len(by_key) > 1:
+        ref_key = majority(by_key)
+        ref = at[by_key[ref_key][0]]
+        culprits = sorted(k for key, ks in by_key.items() if key != ref_key for k in ks)
+        odd = at[culprits[0]]
+        return Finding.of(
+            "decision_divergence", min(t.step for t in at.values() if t.step is not None), culprits,
+            f"{cast.who(culprits)} took {odd.text()} at step {odd.step} where {cast.who(by_key[ref_key])} "
+            f"took {ref.text()} (state change #{i})",
+            state=ref.source, layer=ref.layer_k, ranks=context(lambda t: "same" if t.key() == ref_key else "different"),
+        )
+    by_step: dict[Any, list[Key]] = {}
+    for k, t in at.items():
+        by_step.setdefault(t.step, []).append(k)
+    if len(by_step) > 1:
+        ref_step = majority(by_step)
+        ref = at[by_step[ref_step][0]]
+        culprits = sorted(k for s, ks in by_step.items() if s != ref_step for k in ks)
+        steps = sorted(s for s in by_step if s is not None)
+        odd_steps = ", ".join(f"{cast.who(by_step[s])} at step {s}" for s in steps if s != ref_step)
+        return Finding.of(
+            "step_divergence", steps[0] if steps else None, culprits,
+            f"state change #{i} ({ref.text()}) happened at different steps: {cast.who(by_step[ref_step])} "
+            f"at step {ref_step}, {odd_steps}: a skipped or extra step",
+            state=ref.source, layer=ref.layer_k,
+            ranks=context(lambda t: "same" if t.step == ref_step else "different_step"),
+        )
+    return None
+
+
+def world_groups(summaries: dict[int, RankSummary]) -> set[str]:
+    """Groups every rank of the (first) world belongs to: ``world``, the groups the first
+    ranks' headers name (``group``, ``transfer_group``), their re-creations (``ep_transfer.1``,
+    named by ``transfer_group_reset``), and any other group every first rank uses."""
+    cast = build_cast(summaries, None, [])
+    names = set(cast.group_gen)
+    for s in cast.parts.values():
+        names |= s.named_groups | set(s.collectives)
+    return {WORLD_GROUP} | {g for g in names if cast.generation_of(g) == 0 or (
+        cast.generation_of(g) is None and cast.used_by_every_first_rank(g))}
+
+
+def check_ends(cast: Cast, folded: set[Key]) -> list[Finding]:
+    """A trace that stops while the others went on: the rank died (unless it left on purpose)."""
+    lasts = {k: s.last_step for k, s in cast.parts.items() if isinstance(s.last_step, int)}
+    if len(lasts) < 2:
+        return []
+    top = max(lasts.values())
+    found = []
+    for k, last in sorted(lasts.items()):
+        s = cast.parts[k]
+        if top - last <= DIED_SLACK_STEPS or k in folded or s.ended_on_purpose:
+            continue
+        others = {o: v for o, v in lasts.items() if o != k and not cast.parts[o].ended_on_purpose}
+        positions = [cast.position(k, "stopped", last_seen(s), last, s.final_state, s.final_layer)]
+        for o, other_last in sorted(others.items()):
+            went = other_last > last + DIED_SLACK_STEPS
+            positions.append(cast.position(o, "went_on" if went else "stopped",
+                                           f"{'went on to' if went else 'stopped at'} step {other_last} in "
+                                           f"{cast.parts[o].final_state}", other_last, cast.parts[o].final_state))
+        went_on = [o for o, v in others.items() if v > last + DIED_SLACK_STEPS]
+        found.append(Finding.of(
+            "rank_died", last, [k],
+            f"{cast.label(k)}'s trace stops at step {last} in {s.final_state} while {cast.who(went_on)} went on "
+            f"(to step {top})" + ("; its last line is truncated" if s.truncated else ""),
+            state=s.final_state, layer=s.final_layer, ranks=positions,
+        ))
+    return found
+
+
+def check_failed(cast: Cast) -> list[Finding]:
+    failed = sorted(k for k, s in cast.parts.items() if s.final_state == FAILED and not s.ended_on_purpose)
+    if not failed:
+        return []
+    steps = {}
+    for k in failed:
+        into = [t for t in cast.parts[k].transitions if t.dest == FAILED]
+        steps[k] = into[-1].step if into else cast.parts[k].last_step
+    first = min(failed, key=lambda k: (steps[k] is None, steps[k]))
+    return [Finding.of(
+        "failed", steps[first], failed,
+        f"{cast.who(failed)} ended in the failed state (first at step {steps[first]}); the engine must recover them",
+        state=FAILED,
+        ranks=[cast.position(k, "failed", last_seen(cast.parts[k]), steps[k], FAILED) for k in failed],
+    )]
+
+
+def check_stuck(cast: Cast) -> list[Finding]:
+    stuck = sorted(k for k, s in cast.parts.items() if s.stuck and not s.progress_after_stuck)
+    if not stuck:
+        return []
+    first = cast.parts[stuck[0]].stuck[-1]
+    return [Finding.of(
+        "stuck", first.get("step"), stuck,
+        f"the watchdog of {cast.who(stuck)} reported no progress in {first.get('state')} "
+        f"(layer {first.get('layer')}, {first.get('seconds')} s, last collective {first.get('last_collective')}) "
+        "and nothing moved afterwards",
+        state=first.get("state"), layer=first.get("layer"),
+        collective=first.get("last_collective") if isinstance(first.get("last_collective"), dict) else None,
+        ranks=[cast.position(k, "stuck", last_seen(cast.parts[k]), cast.parts[k].last_step) for k in stuck],
+    )]

@@ -1,0 +1,220 @@
+"""Stage 2 of the replay, collectives: every group's collectives lined up by sequence number.
+
+The n-th collective of a group (``cseq``) must be the same op, shape (except point-to-point
+ops), ``layer`` and ``wave`` on every member, and it must end everywhere. Members come from
+``elastic.Cast`` (generation membership, switches, untraced ranks). The first problem of
+each group becomes a finding: a mismatch, a rank that skipped one and went on, or a hang
+(who waits inside, who never joined). ``handled_by_fault`` tells a problem every member
+rolled back from with a ``fault`` (the machine doing its job) from a real divergence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
+from eplb_fsm.inspect.model import Collective, RankSummary
+
+
+def handled_by_fault(f: Finding, cast: Cast) -> bool:
+    """A collective problem after which every member aborted the rearrangement with ``fault``.
+
+    That is the machine doing its job (design §8): the collective failed or timed out
+    somewhere, every rank agreed and rolled back. The finding is kept as a note.
+    """
+    if f.kind not in ("collective_mismatch", "hang") or not isinstance(f.step, int):
+        return False
+    for k in (f.members or list(cast.parts)):
+        s = cast.parts.get(k)
+        if s is None:
+            continue
+        ends = (t for t in s.transitions
+                if isinstance(t.step, int) and t.step >= f.step and t.trigger in ("fault", "committed"))
+        first = next(ends, None)
+        if first is None or first.trigger != "fault":
+            return False
+        # a rollback that ends in `failed` did not handle it: the collective problem is the cause
+        if any(t.dest == FAILED and t.step == first.step for t in s.transitions):
+            return False
+    return True
+
+
+def check_collectives(cast: Cast) -> list[Finding]:
+    """Line every group's collectives up by cseq among its members; report each group's first problem.
+
+    A member that switched away from the group's generation for good (or left) takes part
+    up to the last collective it issued there and no further.
+    """
+    found: list[Finding] = []
+    parts = cast.parts
+    for g in sorted({g for s in parts.values() for g in s.collectives}):
+        members = cast.members(g)
+        top = max(parts[k].max_cseq(g) for k in members if k in parts)
+        streams = [parts[k].collectives.get(g, {}) if k in parts else {} for k in members]
+        limits = [parts[k].max_cseq(g) if k in parts and cast.away(k, g) else math.inf for k in members]
+        everyone = min(limits, default=math.inf)
+        for c in range(top + 1):
+            if c <= everyone:
+                active, active_streams = members, streams
+            else:
+                idx = [i for i, lim in enumerate(limits) if c <= lim]
+                active, active_streams = [members[i] for i in idx], [streams[i] for i in idx]
+            # fast path: every member ended the same collective at this cseq
+            first = active_streams[0].get(c) if active_streams else None
+            if first is not None and first.status != "open":
+                sig = first.signature()
+                if all((e := st.get(c)) is not None and e.status != "open" and e.signature() == sig
+                       for st in active_streams):
+                    continue
+            finding = _check_one_collective(cast, g, c, active)
+            if finding is not None:
+                found.append(finding)
+                break
+    return found
+
+
+def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]], default: tuple) -> tuple[tuple, str | None]:
+    """Equal numbers of members issued different collectives at (g, c) (e.g. one rank against one).
+
+    The expected one is the signature whose op the group also runs at its other sequence
+    numbers; an op seen nowhere else in the group is the odd one. Returns (reference
+    signature, a note for the finding), or (``default``, None) when that does not decide.
+    """
+    top = max(len(ks) for ks in by_sig.values())
+    tied = [k for k, ks in by_sig.items() if len(ks) == top]
+    seen: dict[Any, int] = {}
+    for s in cast.parts.values():
+        for cseq, e in s.collectives.get(g, {}).items():
+            if cseq != c:
+                seen[e.op] = seen.get(e.op, 0) + 1
+    familiar = [k for k in tied if seen.get(k[0], 0) > 0]
+    if len(familiar) != 1:
+        return default, None
+    ref = familiar[0]
+    odd = sorted({k[0] for k in tied if k != ref})
+    return ref, (f"as many ranks issued one collective as the other; {ref[0]} is what group {g} runs at its "
+                 f"other sequence numbers, {', '.join(map(str, odd))} appears nowhere else in it")
+
+
+def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Finding | None:
+    parts = cast.parts
+    entries: dict[Key, Collective] = {}
+    absent: list[Key] = []
+    for k in members:
+        s = parts.get(k)
+        e = s.collectives.get(g, {}).get(c) if s is not None else None
+        if e is None:
+            absent.append(k)
+        else:
+            entries[k] = e
+    if not entries:
+        return None
+    by_sig: dict[tuple, list[Key]] = {}
+    for k, e in entries.items():
+        by_sig.setdefault(e.signature(), []).append(k)
+    ref_sig = majority(by_sig)
+    tie_note = None
+    if len(by_sig) > 1 and sorted(map(len, by_sig.values()))[-2:] == [len(by_sig[ref_sig])] * 2:
+        ref_sig, tie_note = _break_tie(cast, g, c, by_sig, ref_sig)
+    ref = entries[by_sig[ref_sig][0]]
+    start_step = min((e.step for e in entries.values() if e.step is not None), default=None)
+    open_ = sorted(k for k, e in entries.items() if e.status == "open")
+    left = sorted(k for k, e in entries.items() if e.status != "open")
+    # absent members: no trace, trace ended before this collective, or went on without it
+    no_file = [k for k in absent if k not in parts]
+    ended_before = [k for k in absent if k in parts and _ended_before(parts[k], start_step)]
+    skipped = [k for k in absent if k in parts and k not in ended_before]
+    who = cast.who
+
+    def positions() -> list[dict]:
+        out = []
+        for k in members:
+            s = parts.get(k)
+            if s is None:
+                out.append(cast.position(k, "no_trace", "no trace file"))
+                continue
+            e = entries.get(k)
+            if e is None:
+                if k in skipped:
+                    out.append(cast.position(k, "skipped", f"never issued it but went on: {last_seen(s)}",
+                                             s.last_step, (s.last or {}).get("state")))
+                else:
+                    out.append(cast.position(k, "never_joined", f"never joined; {last_seen(s)}",
+                                             s.last_step, (s.last or {}).get("state")))
+            elif e.signature() != ref_sig:
+                out.append(cast.position(k, "different", f"issued {coll_text(e)} at step {e.step} instead"
+                                         + ("" if e.status != "open" else ", never finished"), e.step, e.state,
+                                         e.layer))
+            elif e.status == "open":
+                out.append(cast.position(k, "inside", f"inside since step {e.step} ({e.state}), never finished; "
+                                         + last_seen(s), e.step, e.state, e.layer))
+            elif e.status == "error":
+                out.append(cast.position(k, "error", f"left it with an error: {e.error}", e.step, e.state, e.layer))
+            else:
+                later = s.last_step is not None and e.step is not None and (
+                    s.last_step > e.step or s.max_cseq(g) > c)
+                note = f"finished it, moved on: {last_seen(s)}" if later else "finished it"
+                out.append(cast.position(k, "past" if later else "finished", note, e.step, e.state, e.layer))
+        return out
+
+    where = dict(state=ref.state, layer=ref.layer, collective=ref.describe(),
+                 members=[k for k in members if k in parts])
+    if len(by_sig) > 1:
+        culprits = sorted(k for key, ks in by_sig.items() if key != ref_sig for k in ks)
+        odd = entries[culprits[0]]
+        return Finding.of(
+            "collective_mismatch", start_step, culprits,
+            f"{who(culprits)} issued {coll_text(odd)} where {who(by_sig[ref_sig])} issued "
+            f"{coll_text(ref)}, at step {start_step} in {ref.state}",
+            ranks=positions(), details=[tie_note] if tie_note else [], **where,
+        )
+    if (ended_before or no_file or skipped) and open_:
+        culprits = sorted(ended_before + no_file + skipped)
+        return Finding.of(
+            "hang", start_step, culprits,
+            f"{who(culprits)} never joined {coll_text(ref)} at step {start_step} in {ref.state}; "
+            f"{who(open_)} wait inside it" + (f", {who(left)} left it" if left else ""),
+            ranks=positions(), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
+        )
+    # with bounded waits a hang ends in collective_error: the members that gave up had waited
+    # for members whose traces stop before they ever joined
+    gave_up = sorted(k for k, e in entries.items() if e.status == "error")
+    if (ended_before or no_file) and gave_up and not skipped:
+        culprits = sorted(ended_before + no_file)
+        return Finding.of(
+            "hang", start_step, culprits,
+            f"{who(culprits)} never joined {coll_text(ref)} at step {start_step} in {ref.state}; "
+            f"{who(gave_up)} gave up waiting inside it ({short_error(entries[gave_up[0]].error)})"
+            + (f", {who([k for k in left if k not in gave_up])} finished it" if len(left) > len(gave_up) else ""),
+            ranks=positions(), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
+        )
+    if skipped:
+        return Finding.of(
+            "collective_mismatch", start_step, skipped,
+            f"{who(skipped)} never issued {coll_text(ref)} (step {start_step}) but went on; "
+            f"{who(sorted(entries))} did",
+            ranks=positions(), **where,
+        )
+    if open_ and left:
+        return Finding.of(
+            "hang", start_step, open_,
+            f"{who(open_)} started {coll_text(ref)} at step {start_step} in {ref.state} and never finished; "
+            f"{who(left)} {'finished' if all(entries[k].status == 'ended' for k in left) else 'left'} it",
+            ranks=positions(), **where,
+        )
+    if open_:
+        return Finding.of(
+            "hang", start_step, open_,
+            f"every rank that joined {coll_text(ref)} (step {start_step}, {ref.state}) is still inside it"
+            + (f"; {who(no_file)} have no trace" if no_file else ""),
+            ranks=positions(), **where,
+        )
+    return None
+
+
+def _ended_before(s: RankSummary, step: int | None) -> bool:
+    """The participant's trace stops at or before ``step`` (with no records past it)."""
+    return step is None or s.last_step is None or s.last_step <= step

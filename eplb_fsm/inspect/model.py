@@ -1,0 +1,240 @@
+"""What the replay works with: the machine as an oracle, and one trace session's summary.
+
+``MachineOracle`` answers what the machine does with an event in a context. ``RankSummary``
+is what stage 1 (``eplb_fsm.inspect.summary``) keeps from one session of a rank file:
+the state-changing transitions, the collectives per group and sequence number, illegal
+transitions, watchdog and fault records, and for elastic EP the session's role, its
+``group_switch`` records and scale outcomes. ``Collective`` and ``Transition`` are its
+entries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from eplb_fsm.fsm.machine import TRANSFERRING, EplbMachine, IllegalTransition
+
+# ops whose tensor shape legitimately differs per rank (point-to-point traffic)
+PER_RANK_SHAPE = re.compile(r"send|recv|p2p|all_?to_?all", re.I)
+# a group every rank of the world is a member of (others are named by the headers)
+WORLD_GROUP = "world"
+# transitions that belong to a scale: their records carry the generation
+SCALE_TRIGGERS = frozenset({"scale_requested", "groups_ready", "switched"})
+
+_PER_RANK_OPS: dict[Any, bool] = {}
+
+
+# ---------------------------------------------------------------------------------------
+# the machine, as an oracle
+
+
+class MachineOracle:
+    """What the machine does with an event in a context: (dest, layer, scale_pending) or an error.
+
+    Answers come from firing a fresh ``EplbMachine`` set to the context, memoised by
+    (state, layer, num_layers, scale_pending, trigger, data): the guards and counter
+    updates depend on nothing else, so the memo is exact and a long trace costs a dict
+    lookup per record.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple, tuple | str] = {}
+        self.fired = 0
+
+    def outcome(self, state: str, layer: int, num_layers: int, pending: bool, trigger: str,
+                data: dict) -> tuple[str, int, bool] | str:
+        try:
+            key = (state, layer, num_layers, pending, trigger, tuple(sorted(data.items())))
+            hit = self._memo.get(key)
+        except TypeError:  # unhashable event data: fire without the memo
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        self.fired += 1
+        try:
+            m = EplbMachine(num_layers, state=state, layer=layer, scale_pending=pending)
+            m.fire(trigger, **data)
+            out: tuple | str = (m.state, m.layer, m.scale_pending)
+        except IllegalTransition as exc:
+            out = str(exc)
+        except ValueError as exc:  # unknown event, unexpected data, bad state
+            out = str(exc)
+        if key is not None:
+            self._memo[key] = out
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# stage 1: one rank
+
+
+@dataclass
+class Collective:
+    """One rank's view of one collective: the start record and how it ended."""
+
+    op: str | None
+    group: str
+    cseq: int
+    shape: Any
+    dtype: Any
+    step: int | None
+    state: str | None
+    layer: Any
+    seq: int | None
+    wave: Any = None
+    status: str = "open"          # open | ended | error
+    duration_s: float | None = None
+    error: str | None = None
+
+    def signature(self) -> tuple:
+        """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave."""
+        per_rank = _PER_RANK_OPS.get(self.op)
+        if per_rank is None:
+            per_rank = _PER_RANK_OPS[self.op] = bool(self.op and PER_RANK_SHAPE.search(str(self.op)))
+        shape = self.shape
+        if per_rank:
+            shape = None
+        elif type(shape) is list:
+            shape = tuple(shape) if all(type(d) is int for d in shape) else _freeze(shape)
+        elif shape is not None:
+            shape = _freeze(shape)
+        return (self.op, shape, self.layer, self.wave)
+
+    def describe(self) -> dict:
+        return {"op": self.op, "group": self.group, "cseq": self.cseq, "shape": self.shape, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A state-changing transition of one rank (internal steps are only counted)."""
+
+    step: int | None
+    trigger: str
+    source: str
+    dest: str
+    layer: Any
+    seq: int | None
+    generation: int | None = None     # scale_requested / groups_ready / switched: the scale's
+
+    @property
+    def layer_k(self) -> Any:
+        """The layer when it means something (a transition into, out of or within transferring)."""
+        return self.layer if TRANSFERRING in (self.source, self.dest) else None
+
+    def key(self) -> tuple:
+        return (self.trigger, self.source, self.dest, self.layer_k, self.generation)
+
+    def text(self) -> str:
+        lay = f" layer {self.layer}" if self.layer_k is not None else ""
+        gen = f" (generation {self.generation})" if self.generation is not None else ""
+        return f"{self.trigger}: {self.source} -> {self.dest}{lay}{gen}"
+
+
+@dataclass
+class RankSummary:
+    """Everything the cross-rank stage needs from one session of a rank file (usually the whole file)."""
+
+    rank: int
+    path: str | None = None
+    records: int = 0
+    bad_lines: int = 0
+    truncated: bool = False
+    header: dict | None = None
+    world: int | None = None
+    num_layers: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    last: dict | None = None                  # compact copy of the last record
+    final_state: str | None = None
+    final_layer: int | None = None
+    step_records: int = 0
+    transitions: list[Transition] = field(default_factory=list)
+    collectives: dict[str, dict[int, Collective]] = field(default_factory=dict)
+    illegal: list[dict] = field(default_factory=list)
+    events: Counter = field(default_factory=Counter)
+    stuck: list[dict] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    progress_after_stuck: bool = True
+    warnings: list[str] = field(default_factory=list)
+    # groups that records name as re-created for every rank (``transfer_group_reset``)
+    named_groups: set[str] = field(default_factory=set)
+    # elastic EP: which session of the file this is (0 first), how it started and ended
+    session: int = 0
+    role: str = "member"                      # member (a first rank) or joiner (header role)
+    generation: int = 0                       # the group generation the session started in
+    switches: list[dict] = field(default_factory=list)    # its group_switch records
+    left: dict | None = None                  # the group_switch that ended it on purpose (role leaving)
+    scalings: list[dict] = field(default_factory=list)    # its `scaling` summaries
+    scale_aborts: list[dict] = field(default_factory=list)  # its `scale_aborted` records
+    scale_requests: list[dict] = field(default_factory=list)  # its scale_requested transitions (who leaves)
+    # earlier sessions of the same file that belong to the same job (a rank that left, then
+    # a joiner that took its number); filled on the file's last session only
+    previous: list["RankSummary"] = field(default_factory=list)
+
+    def open_collectives(self) -> list[Collective]:
+        return [c for g in self.collectives.values() for c in g.values() if c.status == "open"]
+
+    def max_cseq(self, group: str) -> int:
+        entries = self.collectives.get(group)
+        return max(entries) if entries else -1
+
+    def rearrangements(self) -> int:
+        return sum(1 for t in self.transitions if t.trigger == "plan_ready" and t.dest == TRANSFERRING)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "path": self.path,
+            "records": self.records,
+            "bad_lines": self.bad_lines,
+            "truncated": self.truncated,
+            "world": self.world,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "final_state": self.final_state,
+            "final_layer": self.final_layer,
+            "step_records": self.step_records,
+            "transitions": len(self.transitions),
+            "rearrangements": self.rearrangements(),
+            "collectives": sum(len(g) for g in self.collectives.values()),
+            "open_collectives": [c.describe() for c in self.open_collectives()],
+            "illegal_transitions": len(self.illegal),
+            "stuck_reports": len(self.stuck),
+            "faults": len(self.faults),
+            "last": self.last,
+            "session": self.session,
+            "role": self.role,
+            "generation": self.generation,
+            "left_step": None if self.left is None else self.left.get("step"),
+        }
+
+    @property
+    def ended_on_purpose(self) -> bool:
+        """The session stopped writing by design: it left the group (or was leaving when the old
+        group broke: its last ``scaling`` says role leaving, outcome failed), or it was a joiner
+        whose scale aborted (``join`` raises)."""
+        if self.left is not None:
+            return True
+        last = self.scalings[-1] if self.scalings else {}
+        if last.get("role") == "leaving":
+            return last.get("outcome") in ("left", "failed")
+        return self.role == "joiner" and last.get("outcome") == "aborted"
+
+
+_LAST_KEYS = ("seq", "step", "state", "event", "trigger", "source", "dest", "layer", "op", "group", "cseq", "ts")
+
+
+def _compact(rec: dict) -> dict:
+    return {k: rec[k] for k in _LAST_KEYS if k in rec}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+

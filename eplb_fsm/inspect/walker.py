@@ -1,0 +1,385 @@
+"""Stage 1 of the replay, record by record: one session of a rank file re-driven through the machine.
+
+``_Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
+``summary.summarize_text`` drive it; the latter hands it whole runs of compact step lines at
+once). Every ``transition`` is re-driven through the machine definition (``MachineOracle``),
+a compact ``step`` record is the internal ``step`` transition of its state, every other
+record is checked against the replayed state; collectives are indexed by group and
+sequence number. An illegal transition is recorded with its reason and the walk
+resynchronises on what the record claims, so one bad record is reported once.
+
+A later header starts a new session. A joiner's header (``role: joiner``, elastic EP) starts
+one that belongs to the same job: the session before it is kept (a rank that left, whose
+number the joiner took), and the joiner's machine starts where its header's ``machine``
+says (``scaling``, scale pending). Any other header means a new job appended to the file:
+the earlier runs are dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from eplb_fsm.fsm.machine import COMMITTING, EVENT_DATA, TRANSFERRING
+from eplb_fsm.inspect.model import (
+    SCALE_TRIGGERS,
+    WORLD_GROUP,
+    Collective,
+    MachineOracle,
+    RankSummary,
+    Transition,
+    _compact,
+)
+
+# what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
+_SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
+                "old_rank", "new_rank", "old_world", "new_world")
+_SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
+                 "reason", "degraded", "lost_experts")
+_ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
+_REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
+
+
+def _start_from_header(w: "_Walker", header: dict) -> None:
+    """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
+    if header.get("role") == "joiner":
+        w.s.role = "joiner"
+        gen = header.get("generation")
+        w.s.generation = gen if type(gen) is int else 0
+    machine = header.get("machine")
+    if isinstance(machine, dict) and isinstance(machine.get("state"), str):
+        w.state = machine["state"]
+        w.pending = bool(machine.get("scale_pending", False))
+        if type(machine.get("layer")) is int:
+            w.layer = machine["layer"]
+
+
+class _Walker:
+    """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
+
+    def __init__(self, rank: int | None, oracle: MachineOracle, path: str | None = None,
+                 bad_lines: int = 0, truncated: bool = False) -> None:
+        self.rank_given = rank is not None
+        self.s = RankSummary(rank=-1 if rank is None else int(rank), path=path, bad_lines=bad_lines,
+                             truncated=truncated)
+        self.oracle = oracle
+        self.sessions = 1
+        self.done: list[RankSummary] = []  # earlier sessions of the file that belong to the same job
+        # the last record fed (or, after a bulk run of step lines, the run's last line, parsed on demand)
+        self.last: dict | None = None
+        self.last_line: str | None = None
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start (or restart, at a later controller's header) the replay of a session."""
+        self.state: str | None = None
+        self.layer = 0
+        self.pending = False
+        self.num_layers: int | None = None
+        self.world = None
+        self.n_steps = 0
+        self.records = 0
+        self.first: dict | None = None     # first record that is not a header
+        # a compact step record (due false) keeps the current (state, layer, pending): known good
+        self.plain_ok = False
+        self._step_ok: dict[tuple, bool] = {}
+        self._mismatch = 0
+        self._mismatch_example = None
+        self._warned_layers = False
+        # lost lines: seq must advance by one per record (checked at every non-step record)
+        self._prev_seq: int | None = None
+        self._steps_at_prev = 0
+        self._lost = 0
+        self._lost_between: tuple[int, int] | None = None
+
+    def _new_session(self, header: dict) -> None:
+        """A later header: another controller appended to this file.
+
+        A joiner's header (``role: joiner``) continues the same job: the session before it
+        is real (a rank that left, whose number the joiner took) and is kept as its own
+        participant. Any other header starts a new job: what came before is stale and only
+        the last run is replayed.
+        """
+        old = self.s
+        self.sessions += 1
+        if header.get("role") == "joiner":
+            self.done.append(self.finish(self.last_record()))
+            self.s = RankSummary(rank=old.rank, path=old.path, session=len(self.done))
+        else:
+            self.done = []
+            self.s = RankSummary(rank=old.rank, path=old.path, bad_lines=old.bad_lines, truncated=old.truncated,
+                                 warnings=old.warnings)
+            self.s.warnings.append(
+                f"the file holds {self.sessions} runs (a header at seq {header.get('seq')}, step "
+                f"{header.get('step')}); replaying the last one"
+            )
+        self._begin()
+
+    # -- helpers ---------------------------------------------------------
+    def _illegal(self, rec: dict, reason: str, replayed: str | None) -> None:
+        self.s.illegal.append({
+            "rank": self.s.rank, "seq": rec.get("seq"), "step": rec.get("step"),
+            "trigger": rec.get("trigger", rec.get("event")),
+            "source": rec.get("source", rec.get("state")), "dest": rec.get("dest", rec.get("state")),
+            "replayed_state": replayed, "layer": rec.get("layer", self.layer), "reason": reason,
+        })
+
+    def _steps_keep_state(self, due: Any) -> bool:
+        key = (self.state, self.layer, self.pending, due)
+        ok = self._step_ok.get(key)
+        if ok is None:
+            out = self.oracle.outcome(self.state, self.layer, self.num_layers or 1 << 20, self.pending, "step",
+                                      {"due": due})
+            ok = isinstance(out, tuple) and out[0] == self.state and out[1] == self.layer
+            self._step_ok[key] = ok
+        return ok
+
+    # -- elastic EP: is the session still writing, and what comes next -----
+    def live(self) -> bool:
+        """Whether the current session may still write (it has records and did not end on purpose)."""
+        return bool(self.records) and not self.s.ended_on_purpose
+
+    def next_seq(self) -> int | None:
+        """The ``seq`` this session's next record will carry (None before any)."""
+        if self._prev_seq is None:
+            return None
+        return self._prev_seq + 1 + self.n_steps - self._steps_at_prev
+
+    def last_record(self) -> dict | None:
+        return self.last if self.last is not None else _parse_line(self.last_line or "")
+
+    # -- feeding ---------------------------------------------------------
+    def plain_steps(self, count: int) -> bool:
+        """``count`` compact step records (due false) stamped with the current state, already
+        validated by the reader; False (nothing counted) when the replay can't take them as a run."""
+        if self.state is None:
+            return False
+        if not self.plain_ok:
+            if not self._steps_keep_state(False):
+                return False
+            self.plain_ok = True
+        self.n_steps += count
+        self.records += count
+        return True
+
+    def step_record(self, rec: dict) -> None:
+        self.records += 1
+        if self.first is None:
+            self.first = rec
+        st = rec.get("state")
+        due = rec.get("due", False)
+        if self.state is None:
+            self.state = st
+        elif st != self.state:
+            self._illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
+            self.state = st
+            self.plain_ok = False
+        ok = self._steps_keep_state(due)
+        if not ok:
+            self._illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
+                          self.state)
+        self.plain_ok = ok and not due
+        self.n_steps += 1
+
+    def record(self, rec: dict) -> None:
+        ev = rec.get("event")
+        if ev == "step":
+            self.last = rec
+            self.step_record(rec)
+            return
+        if ev == "header" and (self.s.header is not None or self.records):
+            self._new_session(rec)
+        self.last = rec
+        self.records += 1
+        self.plain_ok = False
+        if self.first is None and ev != "header":
+            self.first = rec
+        seq = rec.get("seq")
+        if type(seq) is int:
+            if self._prev_seq is not None:
+                expected = self._prev_seq + 1 + self.n_steps - self._steps_at_prev
+                if seq > expected:
+                    self._lost += seq - expected
+                    if self._lost_between is None:
+                        self._lost_between = (self._prev_seq, seq)
+            self._prev_seq = seq
+            self._steps_at_prev = self.n_steps
+        s = self.s
+        s.events[ev] += 1
+        if self.world is None and "world" in rec:
+            self.world = rec.get("world")
+        if ev == "transition":
+            self._transition(rec)
+            return
+
+        # every other record: its stamped state should be the replayed one
+        st = rec.get("state")
+        if self.state is None:
+            self.state = st
+        elif st is not None and st != self.state and ev != "header" and ev != "stuck":
+            self._mismatch += 1
+            if self._mismatch_example is None:
+                self._mismatch_example = (rec.get("seq"), ev, st, self.state)
+
+        if ev == "collective_start":
+            group = str(rec.get("group", WORLD_GROUP))
+            cseq = rec.get("cseq")
+            entries = s.collectives.setdefault(group, {})
+            if cseq in entries:
+                s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
+            entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
+                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"))
+        elif ev == "collective_end" or ev == "collective_error":
+            group = str(rec.get("group", WORLD_GROUP))
+            entry = s.collectives.get(group, {}).get(rec.get("cseq"))
+            if entry is None:
+                s.warnings.append(f"{ev} for {group}#{rec.get('cseq')} without a start (seq {rec.get('seq')})")
+            else:
+                if ev == "collective_end":
+                    entry.status = "ended"
+                    entry.duration_s = rec.get("duration_s")
+                else:
+                    entry.status = "error"
+                    entry.error = rec.get("error")
+                if rec.get("op") != entry.op:
+                    s.warnings.append(f"{group}#{entry.cseq}: started as {entry.op!r}, ended as {rec.get('op')!r}")
+        elif ev == "header":
+            if s.header is None:
+                s.header = rec
+                if rec.get("world") is not None:
+                    self.world = rec.get("world")
+                cfg = rec.get("config") if isinstance(rec.get("config"), dict) else {}
+                nl = rec.get("num_layers", cfg.get("num_layers"))
+                if self.num_layers is None and isinstance(nl, int):
+                    self.num_layers = nl
+                _start_from_header(self, rec)
+            if not self.rank_given and s.rank < 0 and "rank" in rec:
+                s.rank = int(rec["rank"])
+        elif ev == "group_switch":
+            switch = {k: rec.get(k) for k in _SWITCH_KEYS}
+            s.switches.append(switch)
+            if rec.get("role") == "leaving" or (rec.get("new_rank") == -1 and rec.get("new_group") is None):
+                s.left = switch
+        elif ev == "scaling":
+            s.scalings.append({k: rec.get(k) for k in _SCALING_KEYS})
+        elif ev == "scale_aborted":
+            s.scale_aborts.append({k: rec.get(k) for k in _ABORT_KEYS})
+        elif ev == "transfer_group_reset" and rec.get("group") is not None:
+            s.named_groups.add(str(rec["group"]))
+        elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
+            self.num_layers = rec["num_layers"]
+        elif ev == "stuck":
+            s.stuck.append(_compact(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
+            s.progress_after_stuck = False
+        elif ev == "fault":
+            s.faults.append(_compact(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+
+    def _transition(self, rec: dict) -> None:
+        s = self.s
+        trig = rec.get("trigger")
+        src = rec.get("source")
+        dst = rec.get("dest")
+        rec_layer = rec.get("layer")
+        if rec.get("num_layers") is not None:
+            self.num_layers = int(rec["num_layers"])
+        allowed = EVENT_DATA.get(trig)
+        data_src = rec.get("data") if isinstance(rec.get("data"), dict) else rec
+        data = {} if allowed is None else {k: data_src[k] for k in allowed if k in data_src}
+        if self.state is None:  # the trace starts here: trust the first source
+            self.state = src
+            if src == TRANSFERRING and isinstance(rec_layer, int):
+                self.layer = rec_layer
+        reasons = []
+        replayed = self.state
+        if src != self.state:
+            reasons.append(f"recorded source {src!r} but the replayed state is {self.state!r}")
+            self.state = src
+        nl = self.num_layers
+        if nl is None:
+            if trig == "layer_done" and dst == COMMITTING and isinstance(data.get("layer"), int):
+                nl = data["layer"] + 1
+            else:
+                nl = 1 << 20
+            if not self._warned_layers:
+                s.warnings.append("transition records carry no num_layers; layer guards are checked loosely")
+                self._warned_layers = True
+        if allowed is None:
+            out: tuple | str = f"unknown event {trig!r}"
+        else:
+            out = self.oracle.outcome(self.state, self.layer, nl, self.pending, trig, data)
+        layer_after = rec.get("layer_after")
+        if isinstance(out, str):
+            reasons.append(f"the machine refuses it: {out}")
+        elif out[0] != dst:
+            reasons.append(f"the machine goes to {out[0]!r}, the trace says {dst!r}")
+        elif isinstance(layer_after, int) and out[1] != layer_after and dst == TRANSFERRING:
+            reasons.append(f"the machine is at layer {out[1]} after it, the trace says {layer_after}")
+        if reasons:
+            self._illegal(rec, "; ".join(reasons), replayed)
+            # resynchronise on what the trace claims
+            self.state = dst
+            if dst == TRANSFERRING:
+                if isinstance(layer_after, int):
+                    self.layer = layer_after
+                elif trig == "layer_done" and isinstance(data.get("layer"), int):
+                    self.layer = data["layer"] + 1
+                elif isinstance(rec_layer, int):
+                    self.layer = rec_layer
+                else:
+                    self.layer = 0
+            if trig == "scale_requested":
+                self.pending = True
+            elif trig == "switched":
+                self.pending = False
+        else:
+            self.state, self.layer, self.pending = out
+        if not (trig == "step" and src == dst):
+            s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
+                                            rec.get("generation") if trig in SCALE_TRIGGERS else None))
+            if trig == "fault":
+                s.faults.append(_compact(rec))
+            elif trig == "scale_requested":
+                s.scale_requests.append({k: rec.get(k) for k in _REQUEST_KEYS})
+            s.progress_after_stuck = True
+
+    def result(self, last: dict | None) -> RankSummary:
+        """The file's last session, with the earlier sessions of the same job in ``previous``."""
+        summary = self.finish(last)
+        summary.previous = self.done
+        return summary
+
+    def finish(self, last: dict | None) -> RankSummary:
+        """The summary of the current session, given its last readable record."""
+        s = self.s
+        first = self.first
+        if s.rank < 0 and last is not None and "rank" in last:
+            s.rank = int(last["rank"])
+        s.records = self.records
+        s.step_records = self.n_steps
+        s.world = self.world
+        s.num_layers = self.num_layers
+        s.first_step = first.get("step") if first is not None else None
+        if last is not None:
+            s.last = _compact(last)
+            s.last_step = last.get("step")
+        s.final_state = self.state
+        s.final_layer = self.layer if self.state == TRANSFERRING else None
+        if self._lost:
+            a, b = self._lost_between
+            s.warnings.append(f"{self._lost} record(s) missing by seq (lost lines), the first between seq {a} "
+                              f"and seq {b}")
+        if self._mismatch:
+            seq, ev, st, rep = self._mismatch_example
+            s.warnings.append(
+                f"{self._mismatch} record(s) stamped with a state other than the replayed one "
+                f"(first: seq {seq} {ev} says {st!r}, replay is in {rep!r})"
+            )
+        return s
+
+
+def _parse_line(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if type(rec) is dict else None

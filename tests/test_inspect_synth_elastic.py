@@ -1,0 +1,97 @@
+"""The synthetic builder's elastic EP: scale records as the controller writes them, faults per scale."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.inspect.synth import SyntheticJob
+from eplb_fsm.trace import read_trace, trace_path
+
+
+def _events(recs: list[dict], step: int) -> list[str]:
+    return [r.get("trigger", r["event"]) for r in recs if r["step"] == step and r["event"] not in (
+        "step", "collective_end")]
+
+
+def test_scale_down_leaving_rank_ends_with_its_switch():
+    """A leaving rank sends its layers in the old group, fires switched, writes group_switch (-1) and scaling."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(2)
+    recs = job.records()[3]
+    assert _events(recs, 12) == [
+        "scale_requested", "collective_start", "groups_ready", "collective_start", "plan_ready",
+        "collective_start", "collective_start", "layer_done", "collective_start", "collective_start", "layer_done",
+        "committed", "rearrangement", "switched", "group_switch", "scaling"]
+    switch = recs[-2]
+    assert (switch["role"], switch["new_group"], switch["new_rank"], switch["old_world"]) == ("leaving", None, -1, 4)
+    assert recs[-1]["rank"] == -1 and recs[-1]["outcome"] == "left"
+    assert {r["group"] for r in recs if r["event"] == "collective_start" and r["step"] == 12} == {"ep", "ep_transfer"}
+    assert sorted(job.ranks) == [0, 1] and job.world == 2
+
+
+def test_survivors_move_to_the_new_group_with_new_rank_and_world():
+    """Survivors' group_switch names ep@1 / ep_transfer@1; their later records carry world 2 and use ep@1."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(2, rank_mapping={0: -1, 1: -1, 2: 0, 3: 1})
+    job.run(12)
+    recs = job.records()[3]
+    switch = next(r for r in recs if r["event"] == "group_switch")
+    assert (switch["old_group"], switch["new_group"], switch["transfer_group"]) == ("ep", "ep@1", "ep_transfer@1")
+    assert (switch["old_rank"], switch["new_rank"], switch["rank"], switch["world"]) == (3, 1, 1, 2)
+    later = [r for r in recs if r["event"] == "collective_start" and r["step"] > 12]
+    assert later and {r["group"] for r in later} == {"ep@1", "ep_transfer@1"}
+
+
+def test_joiner_appends_a_session_to_the_file_of_the_rank_it_takes(tmp_path):
+    """Scale-up: the joiner's header (role joiner, generation, machine) follows the leaver's records in rank00003."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path)
+    job.run(12)
+    job.scale(2)
+    job.run(5)
+    job.scale(4)
+    job.run(3)
+    job.close()
+    recs = read_trace(trace_path(tmp_path, 3))[0]
+    headers = [i for i, r in enumerate(recs) if r["event"] == "header"]
+    assert len(headers) == 2 and recs == job.records()[3]
+    joiner = recs[headers[1]]
+    assert (joiner["role"], joiner["generation"], joiner["seq"], joiner["step"]) == ("joiner", 2, 0, 17)
+    assert joiner["machine"] == {"state": "scaling", "scale_pending": True} and joiner["group"] == "ep@2"
+    first = next(r for r in recs[headers[1]:] if r["event"] == "transition")
+    assert (first["trigger"], first["source"], first["step"]) == ("groups_ready", "scaling", 17)
+
+
+def test_absent_joiners_abort_the_scale_up():
+    """absent=True: scale_aborted (prepare) and a recoverable fault on every old rank; no joiner session."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(3, absent=True)
+    job.run(3)
+    records = job.records()
+    assert sorted(records) == [0, 1] and job.world == 2 and job.generation == 1
+    assert _events(records[1], 12) == ["scale_requested", "collective_start", "scale_aborted", "fault", "scaling"]
+
+
+def test_dying_leaving_rank_breaks_the_old_group_and_survivors_salvage():
+    """die={2: 0}: rank 2 stops before layer 0; the others fail, then survivors recover and switch (degraded)."""
+    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job.run(12)
+    assert job.scale(2, die={2: 0})["degraded"]
+    records = job.records()
+    assert records[2][-1]["trigger"] == "plan_ready"
+    moves = [r["trigger"] for r in records[0] if r["event"] == "transition" and r["step"] == 12]
+    assert moves == ["scale_requested", "groups_ready", "plan_ready", "fault", "recovered", "scale_requested",
+                     "switched"]
+    assert any(r["event"] == "collective_start" and r["group"] == "ep@1" for r in records[0])
+
+
+def test_bad_scale_requests_are_rejected():
+    """Same size, a mapping that misses a rank or collides, or die on a rank that stays: ValueError."""
+    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    for kwargs, match in [({"new_world": 3}, "differ"), ({"new_world": 2, "rank_mapping": {0: 0}}, "every"),
+                          ({"new_world": 2, "rank_mapping": {0: 0, 1: 0, 2: -1}}, "distinct"),
+                          ({"new_world": 2, "die": {0: 1}}, "die")]:
+        with pytest.raises(ValueError, match=match):
+            job.scale(**kwargs)
