@@ -60,7 +60,7 @@ def test_simulate_json_report(tmp_path, capsys):
     for trace in report["traces"]:
         assert Path(trace).is_file() and Path(trace).parent == log_dir
     assert report["png"] and Path(report["png"]).stat().st_size > 1000
-    assert "\rsimulate step" in err and "r0:" in err and "r1:" in err
+    assert "simulate step" in err and "r0:" in err and "r1:" in err
 
 
 @pytest.mark.multiprocess
@@ -101,3 +101,22 @@ def test_plot_says_why_without_matplotlib(tmp_path, monkeypatch):
     path, note = plot.plot_balancedness([(0, 0.5), (1, 0.9)], [], tmp_path / "b.png")
     assert path is None and "matplotlib" in note
     assert not (tmp_path / "b.png").exists()
+
+
+def test_progress_redraws_on_a_terminal_and_writes_lines_to_a_log():
+    """The progress line uses \\r redraws on a terminal and plain newline-ended lines in a log."""
+    import io
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    opts = SimpleNamespace(ranks=2, steps=10, log_dir="/nonexistent")
+    tty, log = Tty(), io.StringIO()
+    _Progress(opts, tty).draw()
+    _Progress(opts, log).draw()
+    assert tty.getvalue().startswith("\rsimulate step -/10") and "\n" not in tty.getvalue()
+    assert log.getvalue() == "simulate step -/10 | r0:starting r1:starting | rearrangements 0\n"

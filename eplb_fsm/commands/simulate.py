@@ -189,7 +189,9 @@ class _Progress:
     def __init__(self, opts, stream: TextIO, interval_s: float = 0.25) -> None:
         self.opts = opts
         self.stream = stream
-        self.interval_s = interval_s
+        # a log file (CI, a pipe) gets a plain line every few seconds instead of \r redraws
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.interval_s = interval_s if self.tty else max(interval_s, 5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="simulate-progress", daemon=True)
         self._width = 0
@@ -215,6 +217,10 @@ class _Progress:
 
     def draw(self) -> None:
         text = self.line()
+        if not self.tty:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            return
         pad = max(0, self._width - len(text))
         self._width = len(text)
         self.stream.write("\r" + text + " " * pad)
@@ -232,8 +238,9 @@ class _Progress:
         self._stop.set()
         self._thread.join(2.0)
         self.draw()
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 # --------------------------------------------------------------------------- run + report
