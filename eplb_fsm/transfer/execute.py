@@ -3,6 +3,10 @@
 Per layer (design §6) each rank:
 
 1. plans the layer from the replicated old/new rows (:mod:`eplb_fsm.transfer.plan`);
+   the plans, messages and copy runs of every layer are kept per (maps, group size,
+   local ranks, batching) in a small LRU cache, so a repeated rearrangement neither
+   re-validates nor re-plans: the CPU left on the critical path between layers is
+   posting the messages and the copies;
 2. runs the waves of point-to-point messages: sends read the old weight rows, receives
    land in the buffer's primary rows (one wave, or several with migration batching);
 3. while the first wave is in flight, copies its *local* rows (new expert already on
@@ -23,7 +27,9 @@ are committed (new), it and the ones after are untouched (old).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -106,6 +112,7 @@ class PendingLayer:
     layouts: dict[int, Layout]
     communicator: Any = field(repr=False, default=None)
     committed: bool = False
+    commit_runs: dict[int, tuple[tuple[int, int, int], ...]] | None = field(repr=False, default=None)
 
     @property
     def moved_rows(self) -> int:
@@ -141,9 +148,20 @@ def _as_maps(name: str, m: Any, ndim: int) -> np.ndarray:
 
 
 def _prepare_maps(
-    old_phy2log: Any, new_phy2log: Any, world_size: int, rank_mapping: Mapping[int, int] | None, ndim: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Maps as int64 (L, P) in the group's index space, checked layer by layer."""
+    old_phy2log: Any,
+    new_phy2log: Any,
+    world_size: int,
+    rank_mapping: Mapping[int, int] | None,
+    ndim: int,
+    local_ranks: tuple[int, ...],
+    migration_batching: bool,
+) -> tuple[np.ndarray, np.ndarray, "_Schedule"]:
+    """Maps as int64 (L, P) in the group's index space, checked layer by layer, and their schedule.
+
+    The schedule (every layer's plan, messages and copy runs) is cached per (maps, group
+    size, local ranks, batching): the same maps were validated when it was built, so a
+    cache hit skips the per-layer checks and the planning.
+    """
     old = _as_maps("old_phy2log", old_phy2log, ndim)
     new = _as_maps("new_phy2log", new_phy2log, ndim)
     if rank_mapping is not None:
@@ -156,9 +174,22 @@ def _prepare_maps(
         raise ValueError(
             f"phy2log: P={old.shape[1]} slots must divide by the group size G={world_size} (P % G == 0)"
         )
-    for k in range(old.shape[0]):
-        check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
-    return old, new
+    old = np.ascontiguousarray(old)
+    new = np.ascontiguousarray(new)
+    key = (old.shape, old.tobytes(), new.tobytes(), int(world_size), tuple(local_ranks), bool(migration_batching))
+    with _SCHEDULES_LOCK:
+        sched = _SCHEDULES.get(key)
+        if sched is not None:
+            _SCHEDULES.move_to_end(key)
+    if sched is None:
+        for k in range(old.shape[0]):
+            check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
+        sched = _Schedule(old, new, int(world_size), tuple(local_ranks), bool(migration_batching))
+        with _SCHEDULES_LOCK:
+            _SCHEDULES[key] = sched
+            while len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
+                _SCHEDULES.popitem(last=False)
+    return sched.old, sched.new, sched
 
 
 def _check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None) -> list[torch.Tensor]:
@@ -228,26 +259,36 @@ def _check_layer_weights(
 # data movement
 
 
-def _runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> list[tuple[int, int, int]]:
+Run = tuple[int, int, int]
+
+
+def _runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
     """(dst_start, src_start, length) runs where both row sequences advance by one."""
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
         if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
             a, b, n = runs[-1]
             runs[-1] = (a, b, n + 1)
         else:
             runs.append((d, s, 1))
-    return runs
+    return tuple(runs)
 
 
-def _copy_rows(dst: list[torch.Tensor], dst_rows: np.ndarray, src: list[torch.Tensor], src_rows: np.ndarray) -> None:
-    if dst_rows.size == 0:
+def _copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
+    if not runs:
         return
-    runs = _runs(dst_rows, src_rows)
     for d_t, s_t in zip(dst, src):
         nb = d_t.is_cuda
         for a, b, n in runs:
-            d_t[a : a + n].copy_(s_t[b : b + n], non_blocking=nb)
+            if n == 1:
+                d_t[a].copy_(s_t[b], non_blocking=nb)
+            else:
+                d_t[a : a + n].copy_(s_t[b : b + n], non_blocking=nb)
+
+
+def _copy_rows(dst: list[torch.Tensor], dst_rows: np.ndarray, src: list[torch.Tensor], src_rows: np.ndarray) -> None:
+    if dst_rows.size:
+        _copy_runs(dst, src, _runs(dst_rows, src_rows))
 
 
 def _as_bytes(row: torch.Tensor, for_recv: bool) -> torch.Tensor:
@@ -256,6 +297,28 @@ def _as_bytes(row: torch.Tensor, for_recv: bool) -> torch.Tensor:
             raise RuntimeError("receive target must be contiguous")
         row = row.contiguous()
     return row.reshape(-1).view(torch.uint8)
+
+
+class _RowBytes:
+    """``rows[i]``: row i of a tensor as a flat uint8 tensor (a view when the tensor is contiguous)."""
+
+    __slots__ = ("_t", "_bytes", "_for_recv")
+
+    def __init__(self, t: torch.Tensor, for_recv: bool) -> None:
+        self._t = t
+        self._for_recv = for_recv
+        self._bytes = None
+        if t.is_contiguous() and t.ndim >= 1 and t.shape[0] > 0 and t[0].numel() > 0:
+            self._bytes = t.view(t.shape[0], -1).view(torch.uint8)
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if self._bytes is not None:
+            return self._bytes[row]
+        return _as_bytes(self._t[row], self._for_recv)
+
+
+def _row_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum((t[0].numel() if t.shape[0] else 0) * t.element_size() for t in tensors)
 
 
 def _traces_for(trace: Any, comm: Communicator) -> list[tuple[Any, int | None]]:
@@ -272,21 +335,119 @@ def _traces_for(trace: Any, comm: Communicator) -> list[tuple[Any, int | None]]:
 
 
 @dataclass(frozen=True)
+class _WaveOps:
+    """One wave's messages per local rank: ((peer, row), ...) in posting order."""
+
+    sends: dict[int, tuple[tuple[int, int], ...]]
+    recvs: dict[int, tuple[tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
 class _PreparedLayer:
-    """A layer's plans (one per local rank) and waves: everything decided, nothing moved."""
+    """A layer's plans (one per local rank), waves, messages and copy runs: nothing moved."""
 
     layer: int
     plans: dict[int, LayerPlan]
     waves: list[Wave]
+    ops: tuple[_WaveOps, ...] = ()
+    local_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)
+    commit: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    commit_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)
 
 
 def _prepare_layer(
-    layer: int, old_row: np.ndarray, new_row: np.ndarray, comm: Communicator, migration_batching: bool
+    layer: int, old_row: np.ndarray, new_row: np.ndarray, world_size: int, local_ranks: tuple[int, ...],
+    migration_batching: bool,
 ) -> _PreparedLayer:
-    transfers = layer_transfers(old_row, new_row, comm.world_size, validate=False)
-    plans = {r: plan_from_transfers(old_row, new_row, transfers, r) for r in comm.local_ranks}
+    transfers = layer_transfers(old_row, new_row, world_size, validate=False)
+    plans = {r: plan_from_transfers(old_row, new_row, transfers, r) for r in local_ranks}
     waves = plan_waves(transfers) if migration_batching else single_wave(transfers)
-    return _PreparedLayer(layer, plans, waves)
+    ops = []
+    for wave in waves:
+        pairs = set(wave.pairs)
+        sends, recvs = {}, {}
+        for r, plan in plans.items():
+            sends[r] = tuple(
+                (peer, row)
+                for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist())
+                if (r, peer) in pairs
+            )
+            recvs[r] = tuple(
+                (peer, row)
+                for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist())
+                if (peer, r) in pairs
+            )
+        ops.append(_WaveOps(sends, recvs))
+    commit = {r: plan.commit_rows() for r, plan in plans.items()}
+    return _PreparedLayer(
+        layer,
+        plans,
+        waves,
+        tuple(ops),
+        {r: _runs(plan.local_rows, plan.local_src_rows) for r, plan in plans.items()},
+        commit,
+        {r: _runs(dst, src) for r, (dst, src) in commit.items()},
+    )
+
+
+def _split_runs(prev: _PreparedLayer, nxt: _PreparedLayer) -> tuple[dict[int, tuple[Run, ...]], dict[int, tuple[Run, ...]]]:
+    """Split ``prev``'s commit into what must run before ``nxt`` writes the buffer, and the rest."""
+    early, late = {}, {}
+    for r, (dst, src) in prev.commit.items():
+        plan = nxt.plans[r]
+        overwritten = np.concatenate([plan.recv_rows, plan.local_rows])
+        hit = np.isin(src, overwritten)
+        early[r] = _runs(dst[hit], src[hit])
+        if (~hit).any():
+            late[r] = _runs(dst[~hit], src[~hit])
+    return early, late
+
+
+class _Schedule:
+    """Every layer of one (old, new) pair of maps, prepared on first use and kept.
+
+    Built for one group size, set of local ranks and batching mode; the maps it holds are
+    read-only copies. Layers (and the commit split between consecutive layers) are
+    prepared lazily, so a first call still plans layer k+1 while layer k is in flight.
+    """
+
+    def __init__(self, old: np.ndarray, new: np.ndarray, world_size: int, local_ranks: tuple[int, ...], batching: bool):
+        self.old = old.copy()
+        self.new = new.copy()
+        self.old.flags.writeable = False
+        self.new.flags.writeable = False
+        self.world_size = world_size
+        self.local_ranks = local_ranks
+        self.batching = batching
+        n = old.shape[0]
+        self._layers: list[_PreparedLayer | None] = [None] * n
+        self._splits: list[tuple[dict, dict] | None] = [None] * max(n - 1, 0)
+
+    def layer(self, k: int) -> _PreparedLayer:
+        prep = self._layers[k]
+        if prep is None:
+            prep = _prepare_layer(k, self.old[k], self.new[k], self.world_size, self.local_ranks, self.batching)
+            self._layers[k] = prep
+        return prep
+
+    def split(self, k: int) -> tuple[dict[int, tuple[Run, ...]], dict[int, tuple[Run, ...]]]:
+        """(early, late) runs of layer k's commit with respect to layer k+1."""
+        sp = self._splits[k]
+        if sp is None:
+            sp = _split_runs(self.layer(k), self.layer(k + 1))
+            self._splits[k] = sp
+        return sp
+
+
+_SCHEDULE_CACHE_SIZE = 16
+_SCHEDULES: "OrderedDict[tuple, _Schedule]" = OrderedDict()
+_SCHEDULES_LOCK = threading.Lock()
+
+
+def clear_schedule_cache() -> None:
+    """Forget every cached schedule (benchmarks use it to time planning as a new rearrangement would)."""
+    with _SCHEDULES_LOCK:
+        _SCHEDULES.clear()
 
 
 def _run_layer(
@@ -304,50 +465,47 @@ def _run_layer(
     """
 
     def local_copies() -> None:
-        for r, plan in prep.plans.items():
-            _copy_rows(buffers[r], plan.local_rows, weights[r], plan.local_src_rows)
+        for r, runs in prep.local_runs.items():
+            _copy_runs(buffers[r], weights[r], runs)
         if meanwhile is not None:
             meanwhile()
 
     if not prep.waves:
         local_copies()
         return
+    send_bytes = {r: [_RowBytes(t, False) for t in weights[r]] for r in prep.plans}
+    recv_bytes = {r: [_RowBytes(t, True) for t in buffers[r]] for r in prep.plans}
+    row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
-        _run_wave(prep, w, wave, weights, buffers, comm, traces, local_copies if w == 0 else None)
+        _run_wave(prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces, local_copies if w == 0 else None)
 
 
 def _run_wave(
     prep: _PreparedLayer,
     w: int,
     wave: Wave,
-    weights: dict[int, list[torch.Tensor]],
-    buffers: dict[int, list[torch.Tensor]],
+    send_bytes: dict[int, list[_RowBytes]],
+    recv_bytes: dict[int, list[_RowBytes]],
+    row_nbytes: dict[int, int],
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None,
 ) -> None:
     layer, num_waves = prep.layer, len(prep.waves)
-    pairs = set(wave.pairs)
+    ops = prep.ops[w]
+    add_send, add_recv = comm.add_send, comm.add_recv
+    for r in prep.plans:
+        for peer, row in ops.sends[r]:
+            for tb in send_bytes[r]:
+                add_send(tb[row], r, peer)
+        for peer, row in ops.recvs[r]:
+            for tb in recv_bytes[r]:
+                add_recv(tb[row], peer, r)
     stats: dict[int, list[int]] = {}
-    for r, plan in prep.plans.items():
-        sends = recvs = nbytes = 0
-        for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist()):
-            if (r, peer) not in pairs:
-                continue
-            for t in weights[r]:
-                msg = _as_bytes(t[row], for_recv=False)
-                comm.add_send(msg, r, peer)
-                nbytes += msg.numel()
-            sends += 1
-        for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()):
-            if (peer, r) not in pairs:
-                continue
-            for t in buffers[r]:
-                msg = _as_bytes(t[row], for_recv=True)
-                comm.add_recv(msg, peer, r)
-                nbytes += msg.numel()
-            recvs += 1
-        stats[r] = [sends, recvs, nbytes]
+    if traces:
+        for r in prep.plans:
+            n_s, n_r = len(ops.sends[r]), len(ops.recvs[r])
+            stats[r] = [n_s, n_r, (n_s + n_r) * row_nbytes[r]]
     start = getattr(comm, "start", None)
     wait = getattr(comm, "wait", None)
     with contextlib.ExitStack() as stack:
@@ -406,10 +564,18 @@ def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseExc
     return TransferError(f"layer {layer}, wave {w}/{num_waves}: {type(exc).__name__}: {exc}", layer=layer, wave=w)
 
 
-def _commit(plans: dict[int, LayerPlan], weights: dict[int, list[torch.Tensor]], buffers: dict[int, list[torch.Tensor]]) -> None:
+def _commit(
+    plans: dict[int, LayerPlan],
+    weights: dict[int, list[torch.Tensor]],
+    buffers: dict[int, list[torch.Tensor]],
+    runs: dict[int, tuple[Run, ...]] | None = None,
+) -> None:
     for r, plan in plans.items():
-        dst, src = plan.commit_rows()
-        _copy_rows(weights[r], dst, buffers[r], src)
+        if runs is not None:
+            _copy_runs(weights[r], buffers[r], runs[r])
+        else:
+            dst, src = plan.commit_rows()
+            _copy_rows(weights[r], dst, buffers[r], src)
 
 
 def _stream(comm: Communicator) -> contextlib.AbstractContextManager:
@@ -459,7 +625,9 @@ def rearrange_expert_weights_inplace(
     layer's messages fail (``committed_layers`` layers are new, the rest old).
     """
     comm = _resolve_communicator(group, communicator, timeout)
-    old, new = _prepare_maps(old_phy2log, new_phy2log, comm.world_size, rank_mapping, ndim=2)
+    old, new, sched = _prepare_maps(
+        old_phy2log, new_phy2log, comm.world_size, rank_mapping, 2, tuple(comm.local_ranks), migration_batching
+    )
     num_layers, p = old.shape
     rows = p // comm.world_size
     weights = _check_all_weights(comm, expert_weights, num_layers, rows)
@@ -474,83 +642,65 @@ def rearrange_expert_weights_inplace(
             return
         try:
             with _stream(comm):
-                _rearrange_layers(old, new, weights, buffers, comm, traces, migration_batching, buf)
+                _rearrange_layers(sched, weights, buffers, comm, traces, buf)
         finally:
             _finish(comm)
 
 
 def _rearrange_layers(
-    old: np.ndarray,
-    new: np.ndarray,
+    sched: _Schedule,
     weights: dict[int, list[list[torch.Tensor]]],
     buffers: dict[int, list[torch.Tensor]],
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
-    migration_batching: bool,
     buf: TransferBuffer,
 ) -> None:
     """All layers, pipelined over the one buffer.
 
     While layer k's first wave is in flight, this process also finishes layer k-1's
-    commit and plans layer k+1. Only the part of layer k-1's commit that reads buffer rows
-    layer k is about to overwrite runs before layer k starts. If layer k fails, layer
-    k-1's commit is completed first, so layers < k are new and layers >= k are old.
+    commit and (first use of these maps only) plans layer k+1. Only the part of layer
+    k-1's commit that reads buffer rows layer k is about to overwrite runs before layer k
+    starts. If layer k fails, layer k-1's commit is completed first, so layers < k are
+    new and layers >= k are old.
     """
-    num_layers = old.shape[0]
-    prep = _prepare_layer(0, old[0], new[0], comm, migration_batching)
-    prev: tuple[dict[int, list[torch.Tensor]], dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
+    num_layers = sched.old.shape[0]
+    prev_w: dict[int, list[torch.Tensor]] | None = None
     for k in range(num_layers):
+        prep = sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
-        late: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if prev is not None:
-            early, late = _split_commit(prev[1], prep)
-            _apply_commit(early, prev[0], buffers)
-        state = {"late_done": not late, "next": None}
+        late: dict[int, tuple[Run, ...]] = {}
+        if prev_w is not None:
+            early, late = sched.split(k - 1)
+            _apply_runs(early, prev_w, buffers)
+        state = {"late_done": not late}
 
-        def meanwhile(k: int = k, late=late, prev=prev, state=state) -> None:
+        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state) -> None:
             if not state["late_done"]:
-                _apply_commit(late, prev[0], buffers)
+                _apply_runs(late, prev_w, buffers)
                 state["late_done"] = True
             if k + 1 < num_layers:
-                state["next"] = _prepare_layer(k + 1, old[k + 1], new[k + 1], comm, migration_batching)
+                sched.split(k)  # plans layer k+1 too (a no-op once the schedule is complete)
 
         buf.generation += 1
         try:
             _run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile)
         except TransferError as exc:
             if not state["late_done"]:
-                _apply_commit(late, prev[0], buffers)  # layer k-1 ends fully new
+                _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
             exc.committed_layers = k
             raise
-        prev = (layer_w, {r: plan.commit_rows() for r, plan in prep.plans.items()})
-        if k + 1 < num_layers:
-            prep = state["next"] or _prepare_layer(k + 1, old[k + 1], new[k + 1], comm, migration_batching)
-    if prev is not None:
-        _apply_commit(prev[1], prev[0], buffers)
+        prev_w = layer_w
+    if prev_w is not None:
+        _apply_runs(sched.layer(num_layers - 1).commit_runs, prev_w, buffers)
 
 
-def _split_commit(
-    entries: dict[int, tuple[np.ndarray, np.ndarray]], nxt: _PreparedLayer
-) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """Split a layer's commit into what must run before ``nxt`` writes the buffer, and the rest."""
-    early, late = {}, {}
-    for r, (dst, src) in entries.items():
-        plan = nxt.plans[r]
-        overwritten = np.concatenate([plan.recv_rows, plan.local_rows])
-        hit = np.isin(src, overwritten)
-        early[r] = (dst[hit], src[hit])
-        if (~hit).any():
-            late[r] = (dst[~hit], src[~hit])
-    return early, late
-
-
-def _apply_commit(
-    entries: dict[int, tuple[np.ndarray, np.ndarray]],
+def _apply_runs(
+    runs: dict[int, tuple[Run, ...]],
     weights: dict[int, list[torch.Tensor]],
     buffers: dict[int, list[torch.Tensor]],
 ) -> None:
-    for r, (dst, src) in entries.items():
-        _copy_rows(weights[r], dst, buffers[r], src)
+    for r, rr in runs.items():
+        _copy_runs(weights[r], buffers[r], rr)
 
 
 def transfer_layer_to_buffer(
@@ -577,13 +727,17 @@ def transfer_layer_to_buffer(
     if not isinstance(buffer, TransferBuffer):
         raise ValueError(f"buffer: must be a TransferBuffer, got {type(buffer).__name__}")
     comm = _resolve_communicator(group, communicator, timeout)
-    old, new = _prepare_maps(old_phy2log_row, new_phy2log_row, comm.world_size, rank_mapping, ndim=1)
+    old, new, sched = _prepare_maps(
+        old_phy2log_row, new_phy2log_row, comm.world_size, rank_mapping, 1, tuple(comm.local_ranks), migration_batching
+    )
     rows = old.shape[1] // comm.world_size
     weights = _check_layer_weights(comm, layer_weights, rows)
     traces = _traces_for(trace, comm)
     buffers = {r: buffer.ensure(r, weights[r]) for r in comm.local_ranks}
     buffer.generation += 1
-    prep = _prepare_layer(layer, old[0], new[0], comm, migration_batching)
+    prep = sched.layer(0)
+    if prep.layer != layer:
+        prep = dataclasses.replace(prep, layer=layer)
     with _stream(comm):
         _run_layer(prep, weights, buffers, comm, traces)
     return PendingLayer(
@@ -593,6 +747,7 @@ def transfer_layer_to_buffer(
         generation=buffer.generation,
         layouts={r: _layout(w) for r, w in weights.items()},
         communicator=comm,
+        commit_runs=prep.commit_runs,
     )
 
 
@@ -620,6 +775,6 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
             raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred")
     buffers = {r: pending.buffer.tensors(r) for r in pending.plans}
     with _stream(comm):
-        _commit(pending.plans, weights, buffers)
+        _commit(pending.plans, weights, buffers, pending.commit_runs)
     _finish(comm)
     pending.committed = True

@@ -1,0 +1,128 @@
+"""The executor's per-maps schedule cache: a repeated rearrangement skips validation and
+planning, and gives the same bit-exact result as a cold one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import eplb_fsm.transfer.execute as execute
+from eplb_fsm.transfer import (
+    InProcessCommunicator,
+    TransferBuffer,
+    commit_layer_from_buffer,
+    rearrange_expert_weights_inplace,
+    transfer_layer_to_buffer,
+)
+
+G = 3
+OLD = np.array([[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]])
+NEW = np.array([[2, 4, 0, 5, 1, 3], [0, 3, 5, 4, 1, 2]])
+
+
+def _world(m: np.ndarray):
+    """Per rank, per layer: a float32 (S, 4) and an int8 (S, 3) tensor; row bytes encode (layer, expert)."""
+    s = m.shape[1] // G
+    return [
+        [
+            [
+                torch.tensor([[k * 100 + e + 0.25 * j for j in range(4)] for e in m[k, r * s : (r + 1) * s]], dtype=torch.float32),
+                torch.tensor([[(k * 7 + e * 3 + j) % 127 for j in range(3)] for e in m[k, r * s : (r + 1) * s]], dtype=torch.int8),
+            ]
+            for k in range(m.shape[0])
+        ]
+        for r in range(G)
+    ]
+
+
+def _same(a, b) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for ra, rb in zip(a, b)
+        for la, lb in zip(ra, rb)
+        for x, y in zip(la, lb)
+    )
+
+
+def _count_planning(monkeypatch) -> list[int]:
+    calls = [0]
+    real = execute.layer_transfers
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "layer_transfers", counted)
+    return calls
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_repeated_maps_reuse_the_plan_and_stay_bit_exact(monkeypatch, batching):
+    execute._SCHEDULES.clear()
+    calls = _count_planning(monkeypatch)
+    buf = TransferBuffer()
+    for _ in range(3):  # old -> new -> old, three times: the second and third rounds are cache hits
+        weights = _world(OLD)
+        comm = InProcessCommunicator(G)
+        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, migration_batching=batching, buffer=buf)
+        assert _same(weights, _world(NEW))
+        rearrange_expert_weights_inplace(NEW, OLD, weights, communicator=comm, migration_batching=batching, buffer=buf)
+        assert _same(weights, _world(OLD))
+    assert calls[0] == 2 * OLD.shape[0]  # each layer of each direction planned once
+
+
+def test_batching_and_group_size_have_their_own_plans():
+    execute._SCHEDULES.clear()
+    execs = []
+    for batching in (False, True, False):
+        weights = _world(OLD)
+        comm = InProcessCommunicator(G)
+        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, migration_batching=batching, buffer=TransferBuffer())
+        assert _same(weights, _world(NEW))
+        execs.append(comm.executes)
+    assert execs[0] == execs[2] == OLD.shape[0] and execs[1] > execs[0]  # waves with batching
+    # the same maps in a group whose size does not divide P are still rejected
+    with pytest.raises(ValueError, match="P % G"):
+        rearrange_expert_weights_inplace(OLD, NEW, [[]] * 4, communicator=InProcessCommunicator(4), buffer=TransferBuffer())
+
+
+def test_cache_does_not_alias_the_callers_maps():
+    execute._SCHEDULES.clear()
+    old, new = OLD.copy(), NEW.copy()
+    weights = _world(OLD)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+    old[:], new[:] = NEW, OLD  # the caller reuses its arrays for the way back
+    rearrange_expert_weights_inplace(old, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+    assert _same(weights, _world(OLD))
+    # a bad map that was never validated is still rejected, even for known shapes
+    bad = NEW.copy()
+    bad[0, 0] = 99
+    with pytest.raises(ValueError, match="expert ids"):
+        rearrange_expert_weights_inplace(OLD, bad, _world(OLD), communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+
+
+def test_one_layer_entry_points_share_the_cache_and_keep_their_label():
+    execute._SCHEDULES.clear()
+    for label in (0, 5):
+        weights = _world(OLD)
+        layer_w = [weights[r][1] for r in range(G)]
+        pending = transfer_layer_to_buffer(OLD[1], NEW[1], layer_w, TransferBuffer(), layer=label, communicator=InProcessCommunicator(G))
+        assert pending.layer == label
+        commit_layer_from_buffer(pending, layer_w)
+        want = _world(NEW)
+        assert _same([[weights[r][1]] for r in range(G)], [[want[r][1]] for r in range(G)])
+    assert len(execute._SCHEDULES) == 1
+
+
+def test_cache_is_bounded():
+    execute._SCHEDULES.clear()
+    rng = np.random.default_rng(0)
+    for _ in range(execute._SCHEDULE_CACHE_SIZE + 5):
+        new = rng.integers(-1, 6, size=(2, 6))  # replicas and empty slots
+        want = _world(np.where(new >= 0, new, OLD))  # an empty new slot keeps its old weights
+        for _ in range(2):  # cold, then a cache hit
+            weights = _world(OLD)
+            rearrange_expert_weights_inplace(OLD, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+            assert _same(weights, want)
+    assert len(execute._SCHEDULES) <= execute._SCHEDULE_CACHE_SIZE
