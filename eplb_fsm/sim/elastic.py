@@ -113,8 +113,9 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
-    from eplb_fsm.sim.run import RankContext, _call, _write_progress, build_hooks, progress_path, target_at
-    from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
+    from eplb_fsm.sim.run import (
+        OutputTally, RankContext, _call, _write_progress, build_hooks, engine_step, progress_path,
+    )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
     events = _events(opts)
@@ -170,10 +171,9 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
 
     if join is not None:
         check("joined", join["generation"])
-    checks_total = mismatches = weight_checks = 0
+    tally = OutputTally()
+    weight_checks = 0
     bad_weight_steps: list[int] = []
-    first_mismatch = None
-    series: list[tuple[int, float]] = []
     left = False
     progress = progress_path(opts.log_dir, rank) if opts.log_dir else None
     if progress is not None:
@@ -206,28 +206,8 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 check(result["outcome"], index + 1)
             if left or stop_reason:
                 break
-            overrides: dict = {}
-            for out in _call(hooks, "before_step", ctx, step):
-                if out:
-                    overrides.update(out)
-            is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
-                                          == opts.dummy_every - 1))
-            if not is_dummy:
-                model.set_load_target(target_at(opts, step))
-                x = model.make_batch(step, opts.tokens)
-                out = model.forward(x, controller.group)
-                checks_total += 1
-                if not torch.equal(out, model.reference_forward(x)):
-                    mismatches += 1
-                    if first_mismatch is None:
-                        first_mismatch = step
-                series.append((step, balancedness_from_rank_loads(
-                    rank_loads_physical(model.last_global_load, controller.world))))
-            before = controller.state
-            if overrides.get("skip_step"):
-                state = before
-            else:
-                state = controller.step(is_dummy=is_dummy, log_stats=True)
+            before, state = engine_step(ctx, hooks, opts, model, controller, controller.group, controller.world,
+                                        step, tally)
             _call(hooks, "after_step", ctx, step)
             # every row against the committed maps, every step (cheap at simulation sizes)
             if model.check_weights(controller.models[0].maps.phy2log):
@@ -257,12 +237,12 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
             "history": controller.history,
             "scalings": controller.scalings,
             "checks": checks,
-            "balancedness": series,
+            "balancedness": tally.series,
             "controller_balancedness": controller.balancedness_log,
             "state_seconds": controller.state_seconds,
-            "output_checks": checks_total,
-            "mismatches": mismatches,
-            "first_mismatch_step": first_mismatch,
+            "output_checks": tally.checks,
+            "mismatches": tally.mismatches,
+            "first_mismatch_step": tally.first_mismatch,
             "weights_exact": not bad_rows and not bad_weight_steps,
             "bad_rows": bad_rows[:20],
             "weight_checks": weight_checks,

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
+
 __all__ = [
     "SimOptions",
     "RankContext",
@@ -256,6 +258,47 @@ def _maps_agree(phy2log: np.ndarray, group: Any, world: int) -> bool:
     return bool(torch.equal(lo, mine) and torch.equal(hi, mine))
 
 
+@dataclass
+class OutputTally:
+    """What one rank's forward passes showed: output checks, mismatches, per-step balancedness."""
+
+    checks: int = 0
+    mismatches: int = 0
+    first_mismatch: int | None = None
+    series: list = field(default_factory=list)
+
+
+def engine_step(ctx: RankContext, hooks: list[Any], opts: SimOptions, model: Any, controller: Any,
+                group: Any, world: int, step: int, tally: OutputTally) -> tuple[str, str]:
+    """One simulated engine step: hooks, forward with its output check, ``controller.step``.
+
+    Returns ``(state before, state after)``. A hook may mark the step dummy or make this
+    rank skip its ``controller.step`` call (fault injection).
+    """
+    overrides: dict = {}
+    for result in _call(hooks, "before_step", ctx, step):
+        if result:
+            overrides.update(result)
+    is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
+                                  == opts.dummy_every - 1))
+    if not is_dummy:
+        model.set_load_target(target_at(opts, step))
+        x = model.make_batch(step, opts.tokens)
+        out = model.forward(x, group)
+        tally.checks += 1
+        if not torch.equal(out, model.reference_forward(x)):
+            tally.mismatches += 1
+            if tally.first_mismatch is None:
+                tally.first_mismatch = step
+        # the batch's balancedness under the placement it was routed with (local:
+        # every rank routes the whole batch)
+        tally.series.append((step, balancedness_from_rank_loads(rank_loads_physical(model.last_global_load, world))))
+    before = controller.state
+    if overrides.get("skip_step"):
+        return before, before  # this rank's engine forgot the controller this step
+    return before, controller.step(is_dummy=is_dummy, log_stats=True)
+
+
 def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     """Simulate ``opts.steps`` engine steps on this rank; returns the rank's result dict."""
     import torch.distributed as dist
@@ -293,41 +336,14 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, group)
     _call(hooks, "on_start", ctx)
-    from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
-
-    checks = mismatches = 0
-    series: list[tuple[int, float]] = []
-    first_mismatch = None
+    tally = OutputTally()
     states_seen: list[tuple[int, str]] = []
     t0 = time.perf_counter()
     step = 0
     try:
         for step in range(opts.steps):
             ctx.step = step
-            overrides: dict = {}
-            for result in _call(hooks, "before_step", ctx, step):
-                if result:
-                    overrides.update(result)
-            is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
-                                          == opts.dummy_every - 1))
-            if not is_dummy:
-                model.set_load_target(target_at(opts, step))
-                x = model.make_batch(step, opts.tokens)
-                out = model.forward(x, group)
-                checks += 1
-                if not torch.equal(out, model.reference_forward(x)):
-                    mismatches += 1
-                    if first_mismatch is None:
-                        first_mismatch = step
-                # the batch's balancedness under the placement it was routed with (local:
-                # every rank routes the whole batch)
-                series.append((step, balancedness_from_rank_loads(
-                    rank_loads_physical(model.last_global_load, world))))
-            before = controller.state
-            if overrides.get("skip_step"):
-                state = before  # this rank's engine forgot the controller this step
-            else:
-                state = controller.step(is_dummy=is_dummy, log_stats=True)
+            before, state = engine_step(ctx, hooks, opts, model, controller, group, world, step, tally)
             if state != before:
                 states_seen.append((step, state))
             _call(hooks, "after_step", ctx, step)
@@ -348,12 +364,12 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
             "final_state": controller.state,
             "final_layer": controller.layer,
             "history": controller.history,
-            "balancedness": series,
+            "balancedness": tally.series,
             "controller_balancedness": controller.balancedness_log,
             "state_seconds": controller.state_seconds,
-            "output_checks": checks,
-            "mismatches": mismatches,
-            "first_mismatch_step": first_mismatch,
+            "output_checks": tally.checks,
+            "mismatches": tally.mismatches,
+            "first_mismatch_step": tally.first_mismatch,
             "weights_exact": not bad_rows,
             "bad_rows": bad_rows[:20],
             "maps_agree": _maps_agree(entry.maps.phy2log, group, world),
