@@ -14,7 +14,7 @@ import pytest
 from eplb_fsm.inspect import replay as rp
 from eplb_fsm.inspect.elastic import build_cast, group_base
 from eplb_fsm.inspect.render import format_report
-from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults, write_traces
 
 
 def down_up(faults: Faults | None = None, steps_after: int = 10, **kwargs) -> SyntheticJob:

@@ -58,7 +58,6 @@ def _fill(weights, old, rank: int, s: int) -> None:
 
 
 def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
-    import numpy as np
     import torch
     import torch.distributed as dist
 
