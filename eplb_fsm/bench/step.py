@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 TARGET_OVERHEAD_US = 20.0
 
@@ -47,6 +46,8 @@ class _StubModel:
         self.num_local_physical_experts = slots
         self.num_redundant_experts = slots - experts
         self.num_expert_groups = 1
+        import torch  # here, not at module level: the CLI imports this module to build --help
+
         self.expert_weights = [[torch.zeros(slots, 1)] for _ in range(layers)]
 
     def set_eplb_state(self, load_pass, log2phy, replica_count) -> None:
