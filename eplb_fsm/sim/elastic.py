@@ -115,6 +115,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     from eplb_fsm.sim.model import ToyMoE
     from eplb_fsm.sim.run import (
         OutputTally, RankContext, _call, _write_progress, build_hooks, engine_step, progress_path,
+        write_step_progress,
     )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
@@ -214,10 +215,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 bad_weight_steps.append(step)
             weight_checks += 1
             if progress is not None and (step % opts.progress_every == 0 or state != before):
-                _write_progress(progress, {"rank": controller.rank, "step": step + 1, "steps": opts.steps,
-                                           "state": state, "layer": controller.layer, "world": controller.world,
-                                           "rearrangements": sum(h["outcome"] == "committed"
-                                                                 for h in controller.history)})
+                write_step_progress(progress, controller, controller.rank, step, opts, state, world=controller.world)
             if ctx.stop:
                 break
         wall = time.perf_counter() - t0

@@ -258,6 +258,15 @@ def _maps_agree(phy2log: np.ndarray, group: Any, world: int) -> bool:
     return bool(torch.equal(lo, mine) and torch.equal(hi, mine))
 
 
+def write_step_progress(path: Path, controller: Any, rank: int, step: int, opts: SimOptions, state: str,
+                        **extra: Any) -> None:
+    """The progress file simulate's live line reads: this rank's step, state, layer, rearrangements."""
+    _write_progress(path, {"rank": rank, "step": step + 1, "steps": opts.steps, "state": state,
+                           "layer": controller.layer,
+                           "rearrangements": sum(h["outcome"] == "committed" for h in controller.history),
+                           **extra})
+
+
 @dataclass
 class OutputTally:
     """What one rank's forward passes showed: output checks, mismatches, per-step balancedness."""
@@ -348,10 +357,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
                 states_seen.append((step, state))
             _call(hooks, "after_step", ctx, step)
             if progress is not None and (step % opts.progress_every == 0 or state != before):
-                _write_progress(progress, {"rank": rank, "step": step + 1, "steps": opts.steps, "state": state,
-                                           "layer": controller.layer,
-                                           "rearrangements": sum(h["outcome"] == "committed"
-                                                                 for h in controller.history)})
+                write_step_progress(progress, controller, rank, step, opts, state)
             if ctx.stop:
                 break
         wall = time.perf_counter() - t0
