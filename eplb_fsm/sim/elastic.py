@@ -114,7 +114,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
     from eplb_fsm.sim.run import (
-        OutputTally, RankContext, _call, _write_progress, build_hooks, engine_step, progress_path,
+        OutputTally, RankContext, _call, build_hooks, engine_step, progress_path,
         write_step_progress,
     )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
@@ -253,10 +253,8 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
             "extra": ctx.extra,
         }
         _call(hooks, "on_finish", ctx, result)
-        _write_progress(progress, {"rank": controller.rank, "step": step + 1, "steps": opts.steps,
-                                   "state": "left" if left else controller.state, "layer": controller.layer,
-                                   "done": True, "world": controller.world,
-                                   "rearrangements": sum(h["outcome"] == "committed" for h in controller.history)})
+        write_step_progress(progress, controller, controller.rank, step, opts,
+                            "left" if left else controller.state, done=True, world=controller.world)
         return result
     finally:
         controller.close()

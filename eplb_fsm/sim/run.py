@@ -386,9 +386,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
             "extra": ctx.extra,
         }
         _call(hooks, "on_finish", ctx, result)
-        _write_progress(progress, {"rank": rank, "step": step + 1, "steps": opts.steps, "state": controller.state,
-                                   "layer": controller.layer, "done": True,
-                                   "rearrangements": sum(h["outcome"] == "committed" for h in controller.history)})
+        write_step_progress(progress, controller, rank, step, opts, controller.state, done=True)
         return result
     finally:
         controller.close()
