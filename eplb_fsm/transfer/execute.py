@@ -9,10 +9,12 @@ Per layer (design §6) each rank:
    posting the messages and the copies;
 2. runs the waves of point-to-point messages: sends read the old weight rows, receives
    land in the buffer's primary rows (one wave, or several with migration batching);
-3. while the first wave is in flight, copies its *local* rows (new expert already on
-   this rank) from the weights into the buffer;
-4. commits: local, primary and duplicate rows are copied from the buffer into the
-   weights (a duplicate from its primary's buffer row).
+3. while the first wave is in flight, copies into the buffer the source of one *local*
+   row (new expert already on this rank) per in-rank cycle (:mod:`.local_copies`);
+4. commits: the other local rows straight from their source rows, in an order that
+   reads every row before overwriting it, then the staged local, primary and duplicate
+   rows from the buffer (a duplicate from its primary's buffer row). Locally moved rows
+   are thus copied once, not twice.
 
 Steps 1–3 never write the weights, so the old weights stay valid until step 4; the
 one-layer entry points split the two halves for the asynchronous controller
@@ -38,6 +40,7 @@ import torch
 
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, TransferError
+from eplb_fsm.transfer.local_copies import order_local_copies
 from eplb_fsm.transfer.plan import LayerPlan, check_layer_maps, layer_transfers, plan_from_transfers
 from eplb_fsm.transfer.rank_mapping import expand_maps
 
@@ -112,7 +115,7 @@ class PendingLayer:
     layouts: dict[int, Layout]
     communicator: Any = field(repr=False, default=None)
     committed: bool = False
-    commit_runs: dict[int, tuple[tuple[int, int, int], ...]] | None = field(repr=False, default=None)
+    commits: dict[int, "_Commit"] | None = field(repr=False, default=None)
 
     @property
     def moved_rows(self) -> int:
@@ -286,9 +289,21 @@ def _copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[
                 d_t[a : a + n].copy_(s_t[b : b + n], non_blocking=nb)
 
 
-def _copy_rows(dst: list[torch.Tensor], dst_rows: np.ndarray, src: list[torch.Tensor], src_rows: np.ndarray) -> None:
-    if dst_rows.size:
-        _copy_runs(dst, src, _runs(dst_rows, src_rows))
+def _direct_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
+    """Like :func:`_runs` for copies within one tensor, in the given order.
+
+    Consecutive copies merge into one slice copy only while the destination and source
+    ranges stay disjoint (a slice copy over overlapping rows would read rows it writes).
+    """
+    runs: list[Run] = []
+    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
+        if runs:
+            a, b, n = runs[-1]
+            if a + n == d and b + n == s and abs(a - b) > n:
+                runs[-1] = (a, b, n + 1)
+                continue
+        runs.append((d, s, 1))
+    return tuple(runs)
 
 
 def _as_bytes(row: torch.Tensor, for_recv: bool) -> torch.Tensor:
@@ -350,9 +365,53 @@ class _PreparedLayer:
     plans: dict[int, LayerPlan]
     waves: list[Wave]
     ops: tuple[_WaveOps, ...] = ()
-    local_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)
-    commit: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    commit_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)
+    local_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)  # staged local rows: weights -> buffer
+    commit: dict[int, "_Commit"] = field(default_factory=dict)
+    staged: dict[int, np.ndarray] = field(default_factory=dict)  # buffer rows the local copies write
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """One rank's commit of one layer.
+
+    ``direct``: weights → weights copies of local rows, in the order that reads every
+    source row before it is overwritten (:func:`order_local_copies`); they run first.
+    ``dst``/``src``: then weight rows written from buffer rows (staged local, primary and
+    duplicate rows; ascending by ``dst``), ``runs`` the same as coalesced runs.
+    """
+
+    direct: tuple[Run, ...]
+    direct_reads: np.ndarray
+    dst: np.ndarray
+    src: np.ndarray
+    runs: tuple[Run, ...]
+
+    def part(self, keep: np.ndarray, with_direct: bool) -> "_Commit":
+        """The direct copies (or none) and the buffer writes selected by ``keep``."""
+        d, s = self.dst[keep], self.src[keep]
+        direct = self.direct if with_direct else ()
+        reads = self.direct_reads if with_direct else _NO_ROWS
+        return _Commit(direct, reads, d, s, _runs(d, s))
+
+    @property
+    def empty(self) -> bool:
+        return not self.direct and not self.runs
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def _commit_of(plan: LayerPlan) -> tuple[_Commit, tuple[Run, ...], np.ndarray]:
+    """(commit, staged local runs weights -> buffer, staged buffer rows) of one rank's plan."""
+    order = order_local_copies(plan.local_rows, plan.local_src_rows)
+    dst = np.concatenate([order.staged_rows, plan.primary_rows, plan.duplicate_rows])
+    src = np.concatenate([order.staged_rows, plan.primary_rows, plan.duplicate_src_rows])
+    by_dst = np.argsort(dst, kind="stable")
+    dst, src = dst[by_dst], src[by_dst]
+    commit = _Commit(
+        _direct_runs(order.direct_rows, order.direct_src_rows), order.direct_src_rows, dst, src, _runs(dst, src)
+    )
+    return commit, _runs(order.staged_rows, order.staged_src_rows), order.staged_rows
 
 
 def _prepare_layer(
@@ -378,28 +437,28 @@ def _prepare_layer(
                 if (peer, r) in pairs
             )
         ops.append(_WaveOps(sends, recvs))
-    commit = {r: plan.commit_rows() for r, plan in plans.items()}
-    return _PreparedLayer(
-        layer,
-        plans,
-        waves,
-        tuple(ops),
-        {r: _runs(plan.local_rows, plan.local_src_rows) for r, plan in plans.items()},
-        commit,
-        {r: _runs(dst, src) for r, (dst, src) in commit.items()},
-    )
+    commits, local_runs, staged = {}, {}, {}
+    for r, plan in plans.items():
+        commits[r], local_runs[r], staged[r] = _commit_of(plan)
+    return _PreparedLayer(layer, plans, waves, tuple(ops), local_runs, commits, staged)
 
 
-def _split_runs(prev: _PreparedLayer, nxt: _PreparedLayer) -> tuple[dict[int, tuple[Run, ...]], dict[int, tuple[Run, ...]]]:
-    """Split ``prev``'s commit into what must run before ``nxt`` writes the buffer, and the rest."""
+def _split_runs(prev: _PreparedLayer, nxt: _PreparedLayer) -> tuple[dict[int, _Commit], dict[int, _Commit]]:
+    """Split ``prev``'s commit into what must run before ``nxt`` writes the buffer, and the rest.
+
+    Early: the buffer writes whose buffer rows ``nxt`` overwrites (its receives and staged
+    local rows), preceded by all of ``prev``'s direct copies if any of those writes hits a
+    row a direct copy still reads. Late: everything else, direct copies first.
+    """
     early, late = {}, {}
-    for r, (dst, src) in prev.commit.items():
-        plan = nxt.plans[r]
-        overwritten = np.concatenate([plan.recv_rows, plan.local_rows])
-        hit = np.isin(src, overwritten)
-        early[r] = _runs(dst[hit], src[hit])
-        if (~hit).any():
-            late[r] = _runs(dst[~hit], src[~hit])
+    for r, commit in prev.commit.items():
+        overwritten = np.concatenate([nxt.plans[r].recv_rows, nxt.staged[r]])
+        hit = np.isin(commit.src, overwritten)
+        direct_early = bool(commit.direct) and bool(np.isin(commit.dst[hit], commit.direct_reads).any())
+        early[r] = commit.part(hit, with_direct=direct_early)
+        rest = commit.part(~hit, with_direct=not direct_early)
+        if not rest.empty:
+            late[r] = rest
     return early, late
 
 
@@ -564,18 +623,6 @@ def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseExc
     return TransferError(f"layer {layer}, wave {w}/{num_waves}: {type(exc).__name__}: {exc}", layer=layer, wave=w)
 
 
-def _commit(
-    plans: dict[int, LayerPlan],
-    weights: dict[int, list[torch.Tensor]],
-    buffers: dict[int, list[torch.Tensor]],
-    runs: dict[int, tuple[Run, ...]] | None = None,
-) -> None:
-    for r, plan in plans.items():
-        if runs is not None:
-            _copy_runs(weights[r], buffers[r], runs[r])
-        else:
-            dst, src = plan.commit_rows()
-            _copy_rows(weights[r], dst, buffers[r], src)
 
 
 def _stream(comm: Communicator) -> contextlib.AbstractContextManager:
@@ -668,7 +715,7 @@ def _rearrange_layers(
     for k in range(num_layers):
         prep = sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
-        late: dict[int, tuple[Run, ...]] = {}
+        late: dict[int, _Commit] = {}
         if prev_w is not None:
             early, late = sched.split(k - 1)
             _apply_runs(early, prev_w, buffers)
@@ -691,16 +738,18 @@ def _rearrange_layers(
             raise
         prev_w = layer_w
     if prev_w is not None:
-        _apply_runs(sched.layer(num_layers - 1).commit_runs, prev_w, buffers)
+        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, buffers)
 
 
 def _apply_runs(
-    runs: dict[int, tuple[Run, ...]],
+    commits: dict[int, _Commit],
     weights: dict[int, list[torch.Tensor]],
     buffers: dict[int, list[torch.Tensor]],
 ) -> None:
-    for r, rr in runs.items():
-        _copy_runs(weights[r], buffers[r], rr)
+    """Run commits: each rank's direct copies (weights -> weights), then its buffer writes."""
+    for r, commit in commits.items():
+        _copy_runs(weights[r], weights[r], commit.direct)
+        _copy_runs(weights[r], buffers[r], commit.runs)
 
 
 def transfer_layer_to_buffer(
@@ -747,7 +796,7 @@ def transfer_layer_to_buffer(
         generation=buffer.generation,
         layouts={r: _layout(w) for r, w in weights.items()},
         communicator=comm,
-        commit_runs=prep.commit_runs,
+        commits=prep.commit,
     )
 
 
@@ -775,6 +824,6 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
             raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred")
     buffers = {r: pending.buffer.tensors(r) for r in pending.plans}
     with _stream(comm):
-        _commit(pending.plans, weights, buffers, pending.commit_runs)
+        _apply_runs(pending.commits, weights, buffers)
     _finish(comm)
     pending.committed = True

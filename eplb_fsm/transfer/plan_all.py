@@ -1,0 +1,151 @@
+"""Vectorised planning of every layer at once; results identical to :mod:`.plan`.
+
+:func:`.plan.layer_transfers` works on dense (G, E) tables per layer, which at
+DeepSeek-V3 shape (L=58, P=288, G=32) costs tens of milliseconds per rank once repeated
+over all layers. Here the same §6 rules run once over sparse (layer, expert, rank) keys:
+
+- holders: the distinct (l, e, r) of ``old`` with the first row of r holding e;
+- needers: the same from ``new`` (the first row is the receiver's primary row);
+- receivers: needers that are not holders; senders of a receiver: the holders of its
+  (l, e) group, a contiguous run of the sorted holders in ascending rank;
+- pairing k = R // S: sender i serves receivers i·k … i·k+k−1 plus receiver S·k+i.
+
+Arrays: ``old``, ``new`` are (L, P) int64, -1 for an empty slot, already validated
+(see :func:`.plan.check_layer_maps`); S = P / G slots per rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, _ro
+
+__all__ = ["all_layer_transfers", "plans_for_rank"]
+
+
+def _first_per_key(m: np.ndarray, g: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct keys (l·E + e)·G + r of the non-empty slots of ``m`` (L, P), and the
+    first row of rank r holding e in layer l for each key. Both (K,) int64."""
+    num_layers, p = m.shape
+    s = p // g
+    layer, slot = np.nonzero(m >= 0)  # row-major: ascending (l, r, row)
+    key = (layer * num_experts + m[layer, slot]) * g + slot // s
+    # np.unique's return_index is the first occurrence (stable sort): the lowest row
+    uniq, first = np.unique(key, return_index=True)
+    return uniq, slot[first] % s
+
+
+def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> list[LayerTransfers]:
+    """Every layer's transfers, equal to ``layer_transfers(old[l], new[l], G, validate=False)``.
+
+    ``old``, ``new``: (L, P) int64, validated. Returns L :class:`LayerTransfers`, each
+    sorted by (src, dst, expert) with read-only int64 arrays.
+    """
+    old = np.asarray(old, dtype=np.int64)
+    new = np.asarray(new, dtype=np.int64)
+    num_layers, p = old.shape
+    g = int(num_ranks)
+    s = p // g
+    # any E above the largest id keeps keys distinct; the result does not depend on it
+    num_experts = max(1, int(max(old.max(initial=-1), new.max(initial=-1))) + 1)
+    hkey, hrow = _first_per_key(old, g, num_experts)  # (H,) holders
+    nkey, nrow = _first_per_key(new, g, num_experts)  # (N,) needers
+    # receivers: needers whose (l, e, r) is not among the holders
+    pos = np.searchsorted(hkey, nkey)
+    held = pos < hkey.size
+    held[held] = hkey[pos[held]] == nkey[held]
+    rkey, dst_row = nkey[~held], nrow[~held]  # (T,) sorted, so grouped by (l, e)
+    # (l, e) group of each holder / receiver; both lists are sorted, so each group is a
+    # contiguous run in ascending rank order. Group offsets come from dense (L·E,) counts,
+    # cheaper than searchsorted on the keys.
+    hgrp = hkey // g
+    rgrp = rkey // g
+    num_groups = num_layers * num_experts
+    s_cnt = np.bincount(hgrp, minlength=num_groups)
+    r_cnt = np.bincount(rgrp, minlength=num_groups)
+    s_e = s_cnt[rgrp]  # senders of the receiver's group (>= 1 for valid maps)
+    r_e = r_cnt[rgrp]  # receivers of the group
+    s_start = (np.cumsum(s_cnt) - s_cnt)[rgrp]
+    j = np.arange(rkey.size) - (np.cumsum(r_cnt) - r_cnt)[rgrp]  # position within the group
+    k = r_e // s_e
+    # receivers below S·k go in blocks of k; the remainder one per sender
+    i = np.where(j < s_e * k, j // np.maximum(k, 1), j - s_e * k)
+    sender = s_start + i
+    src, src_row = hkey[sender] % g, hrow[sender]
+    dst = rkey % g
+    expert = rgrp % num_experts
+    layer = rgrp // num_experts
+    # order by (layer, src, dst, expert): one argsort of a combined key beats np.lexsort
+    order = np.argsort(((layer * g + src) * g + dst) * num_experts + expert, kind="stable")
+    cols = [a[order] for a in (src, dst, expert, src_row, dst_row)]
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=num_layers))])
+    return [
+        LayerTransfers(g, s, *(_ro(c[bounds[l] : bounds[l + 1]]) for c in cols))
+        for l in range(num_layers)
+    ]
+
+
+def plans_for_rank(
+    old: np.ndarray, new: np.ndarray, transfers: list[LayerTransfers], rank: int
+) -> list[LayerPlan]:
+    """``rank``'s plan for every layer, equal to ``plan_from_transfers(old[l], new[l], transfers[l], rank)``.
+
+    ``old``, ``new``: (L, P) int64, validated; ``transfers``: L :class:`LayerTransfers`
+    (e.g. from :func:`all_layer_transfers`). Returns L :class:`LayerPlan`.
+    """
+    old = np.asarray(old, dtype=np.int64)
+    new = np.asarray(new, dtype=np.int64)
+    num_layers = old.shape[0]
+    if num_layers == 0:
+        return []
+    g, s = transfers[0].num_ranks, transfers[0].slots_per_rank
+    if not 0 <= rank < g:
+        raise ValueError(f"rank: must be in [0, {g}), got {rank}")
+    o = old[:, rank * s : (rank + 1) * s]  # (L, S)
+    n = new[:, rank * s : (rank + 1) * s]
+    rows = np.arange(s, dtype=np.int64)
+    empty = n < 0
+    changed = ~empty & (n != o)
+    unchanged = ~empty & ~changed
+    if s:
+        # first old row holding each new row's expert (argmax = first True), -1 if none
+        match = n[:, :, None] == o[:, None, :]  # (L, S new rows, S old rows)
+        has = match.any(axis=2)
+        first_old = np.where(has, match.argmax(axis=2), -1)
+        # first new row with the same expert: a remote row is primary iff that is itself.
+        # Every row needing a remote expert is remote, so the first one is the primary.
+        first_same = (n[:, :, None] == n[:, None, :]).argmax(axis=2)  # (L, S)
+    else:
+        has = np.zeros((num_layers, 0), dtype=bool)
+        first_old = first_same = np.zeros((num_layers, 0), dtype=np.int64)
+    local = changed & has
+    remote = changed & ~has
+    primary = remote & (first_same == rows)
+    duplicate = remote & ~primary
+    plans = []
+    for l, t in enumerate(transfers):
+        # transfers are sorted by src: this rank's sends are one contiguous run
+        a, b = np.searchsorted(t.src, [rank, rank + 1])
+        recvs = t.dst == rank
+        plans.append(
+            LayerPlan(
+                rank=int(rank),
+                num_ranks=g,
+                slots_per_rank=s,
+                empty_rows=_ro(rows[empty[l]]),
+                unchanged_rows=_ro(rows[unchanged[l]]),
+                local_rows=_ro(rows[local[l]]),
+                local_src_rows=_ro(first_old[l][local[l]]),
+                primary_rows=_ro(rows[primary[l]]),
+                primary_experts=_ro(n[l][primary[l]]),
+                duplicate_rows=_ro(rows[duplicate[l]]),
+                duplicate_src_rows=_ro(first_same[l][duplicate[l]]),
+                send_peers=_ro(t.dst[a:b]),
+                send_experts=_ro(t.expert[a:b]),
+                send_rows=_ro(t.src_row[a:b]),
+                recv_peers=_ro(t.src[recvs]),
+                recv_experts=_ro(t.expert[recvs]),
+                recv_rows=_ro(t.dst_row[recvs]),
+            )
+        )
+    return plans
