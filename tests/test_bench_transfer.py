@@ -1,0 +1,34 @@
+"""``eplb-fsm bench transfer``: runs on real gloo ranks and reports complete, consistent figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eplb_fsm.cli import main
+
+pytestmark = pytest.mark.multiprocess
+
+SMALL = ["--world", "2", "--mb", "0.25", "--layers", "2", "--slots", "4", "--repeats", "1", "--timeout", "120"]
+
+
+def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
+    """Every variant is timed, the ratios are the ones the medians give, and the result is bit-exact."""
+    assert main(["bench", "transfer", "--json", *SMALL]) == 0
+    r = json.loads(capsys.readouterr().out)
+    variants = ("raw", "raw_commit", "raw_commit_overlap", "transfer", "transfer_batched", "transfer_warm")
+    assert set(r["median_s"]) == set(variants) and all(r["median_s"][v] > 0 for v in variants)
+    assert r["bit_exact"] is True
+    assert r["world"] == 2 and r["layers"] == 2 and r["slots_per_rank"] == 4 and r["moved_slots"] > 0
+    gbps = r["gb_per_s"]
+    assert r["ratio_vs_raw"] == pytest.approx(gbps["transfer"] / gbps["raw"], abs=2e-3)
+    assert r["raw_commit_overlap_vs_raw"] == pytest.approx(gbps["raw_commit_overlap"] / gbps["raw"], abs=2e-3)
+    assert r["meets_target"] == (gbps["transfer"] / gbps["raw"] >= r["target_ratio"])
+    assert r["moved_mb_total"] > 0
+
+
+def test_bench_transfer_rejects_a_world_of_one():
+    """A single rank has nobody to send to: the command refuses it."""
+    with pytest.raises(SystemExit, match="--world must be >= 2"):
+        main(["bench", "transfer", "--world", "1"])
