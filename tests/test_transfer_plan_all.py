@@ -129,7 +129,9 @@ def test_deepseek_v3_shape():
     """(58, 288) maps on 32 ranks over 256 experts agree for every rank and layer."""
     rng = np.random.default_rng(3)
     num_layers, p, g, e = 58, 288, 32, 256
-    old = np.stack([rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, p - e)])) for _ in range(num_layers)])
+    old = np.stack(
+        [rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, p - e)])) for _ in range(num_layers)]
+    )
     new = old.copy()
     for k in range(num_layers):  # ~10% of slots permuted, plus some full reshuffles
         if k % 7 == 0:
@@ -154,7 +156,9 @@ def _layers(draw):
         picks = draw(st.lists(st.integers(-2, 10**6), min_size=p, max_size=p))
         # -2 keeps the old expert, -1 empties the slot, anything else picks a held expert
         olds.append(old)
-        news.append([o if v == -2 else (-1 if v == -1 or not held else held[v % len(held)]) for o, v in zip(old, picks)])
+        news.append(
+            [o if v == -2 else (-1 if v == -1 or not held else held[v % len(held)]) for o, v in zip(old, picks)]
+        )
     return np.array(olds), np.array(news), g
 
 

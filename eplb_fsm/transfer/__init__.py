@@ -1,6 +1,7 @@
 """Transfer engine: move expert weights so every slot holds the expert its new map names.
 
-Pure per-layer planning (:mod:`.plan`), migration waves (:mod:`.batching`), how messages
+Pure per-layer planning (:mod:`.plan`), the same for all layers at once
+(:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), migration waves (:mod:`.batching`), how messages
 travel (:mod:`.communicator`), the executor (:mod:`.execute`) and elastic-EP rank
 mappings (:mod:`.rank_mapping`). See docs/transfer.md.
 """
@@ -31,6 +32,8 @@ from eplb_fsm.transfer.plan import (
     plan_layer,
     plan_layer_all_ranks,
 )
+from eplb_fsm.transfer.local_copies import LocalCopyOrder, order_local_copies
+from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
 from eplb_fsm.transfer.rank_mapping import RankMappingInfo, expand_maps, expand_phy2log, validate_rank_mapping
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "InProcessCommunicator",
     "LayerPlan",
     "LayerTransfers",
+    "LocalCopyOrder",
     "MessageMismatchError",
     "PendingLayer",
     "RankMappingInfo",
@@ -45,6 +49,7 @@ __all__ = [
     "TransferBuffer",
     "TransferError",
     "Wave",
+    "all_layer_transfers",
     "check_layer_maps",
     "coalesce",
     "commit_layer_from_buffer",
@@ -53,10 +58,12 @@ __all__ = [
     "expand_phy2log",
     "layer_transfers",
     "moved_slots",
+    "order_local_copies",
     "plan_from_transfers",
     "plan_layer",
     "plan_layer_all_ranks",
     "plan_waves",
+    "plans_for_rank",
     "rearrange_expert_weights_inplace",
     "single_wave",
     "transfer_layer_to_buffer",

@@ -41,7 +41,8 @@ import torch
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, TransferError
 from eplb_fsm.transfer.local_copies import order_local_copies
-from eplb_fsm.transfer.plan import LayerPlan, check_layer_maps, layer_transfers, plan_from_transfers
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, check_layer_maps
+from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
 from eplb_fsm.transfer.rank_mapping import expand_maps
 
 __all__ = [
@@ -185,14 +186,32 @@ def _prepare_maps(
         if sched is not None:
             _SCHEDULES.move_to_end(key)
     if sched is None:
-        for k in range(old.shape[0]):
-            check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
+        if not _maps_valid(old, new):
+            # the per-layer check names the first layer and rule that fails
+            for k in range(old.shape[0]):
+                check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
         sched = _Schedule(old, new, int(world_size), tuple(local_ranks), bool(migration_batching))
         with _SCHEDULES_LOCK:
             _SCHEDULES[key] = sched
             while len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
                 _SCHEDULES.popitem(last=False)
     return sched.old, sched.new, sched
+
+
+def _maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
+    """All layers at once: ids in [-1, P) and every needed expert held in its layer.
+
+    ``old``/``new``: (L, P) int64 of the same shape, P % G == 0 already checked.
+    """
+    num_layers, p = old.shape
+    if old.size == 0:
+        return True
+    if min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
+        return False
+    held = np.zeros((num_layers, p + 1), dtype=bool)  # column p: the empty slot (-1)
+    layer = np.arange(num_layers)[:, None]
+    held[layer, old] = True
+    return bool(held[layer, new][new >= 0].all())
 
 
 def _check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None) -> list[torch.Tensor]:
@@ -415,11 +434,8 @@ def _commit_of(plan: LayerPlan) -> tuple[_Commit, tuple[Run, ...], np.ndarray]:
 
 
 def _prepare_layer(
-    layer: int, old_row: np.ndarray, new_row: np.ndarray, world_size: int, local_ranks: tuple[int, ...],
-    migration_batching: bool,
+    layer: int, transfers: LayerTransfers, plans: dict[int, LayerPlan], migration_batching: bool
 ) -> _PreparedLayer:
-    transfers = layer_transfers(old_row, new_row, world_size, validate=False)
-    plans = {r: plan_from_transfers(old_row, new_row, transfers, r) for r in local_ranks}
     waves = plan_waves(transfers) if migration_batching else single_wave(transfers)
     ops = []
     for wave in waves:
@@ -481,11 +497,18 @@ class _Schedule:
         n = old.shape[0]
         self._layers: list[_PreparedLayer | None] = [None] * n
         self._splits: list[tuple[dict, dict] | None] = [None] * max(n - 1, 0)
+        self._transfers: list[LayerTransfers] | None = None
+        self._plans: dict[int, list[LayerPlan]] = {}
 
     def layer(self, k: int) -> _PreparedLayer:
         prep = self._layers[k]
         if prep is None:
-            prep = _prepare_layer(k, self.old[k], self.new[k], self.world_size, self.local_ranks, self.batching)
+            if self._transfers is None:
+                # every layer's transfers and plans in one vectorised pass (plan_all)
+                self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
+                self._plans = {r: plans_for_rank(self.old, self.new, self._transfers, r) for r in self.local_ranks}
+            plans = {r: self._plans[r][k] for r in self.local_ranks}
+            prep = _prepare_layer(k, self._transfers[k], plans, self.batching)
             self._layers[k] = prep
         return prep
 

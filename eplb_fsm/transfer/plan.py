@@ -74,9 +74,12 @@ class LayerTransfers:
             return out
         key = self.src * self.num_ranks + self.dst
         # transfers are sorted by (src, dst, expert): equal keys are contiguous
-        cuts = np.flatnonzero(np.diff(key)) + 1
-        for idx in np.split(np.arange(len(self)), cuts):
-            out[(int(self.src[idx[0]]), int(self.dst[idx[0]]))] = idx
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1])
+        ends = np.append(starts[1:], len(self))
+        idx = np.arange(len(self))
+        src, dst = self.src[starts].tolist(), self.dst[starts].tolist()
+        for s, d, a, b in zip(src, dst, starts.tolist(), ends.tolist()):
+            out[(s, d)] = idx[a:b]
         return out
 
 

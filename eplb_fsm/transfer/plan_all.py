@@ -5,7 +5,8 @@ DeepSeek-V3 shape (L=58, P=288, G=32) costs tens of milliseconds per rank once r
 over all layers. Here the same §6 rules run once over sparse (layer, expert, rank) keys:
 
 - holders: the distinct (l, e, r) of ``old`` with the first row of r holding e;
-- needers: the same from ``new`` (the first row is the receiver's primary row);
+- needers: the same from ``new`` (the first row is the receiver's primary row); both
+  restricted to the slots that can matter, which makes small rearrangements cheap;
 - receivers: needers that are not holders; senders of a receiver: the holders of its
   (l, e) group, a contiguous run of the sorted holders in ascending rank;
 - pairing k = R // S: sender i serves receivers i·k … i·k+k−1 plus receiver S·k+i.
@@ -23,12 +24,14 @@ from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, _ro
 __all__ = ["all_layer_transfers", "plans_for_rank"]
 
 
-def _first_per_key(m: np.ndarray, g: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct keys (l·E + e)·G + r of the non-empty slots of ``m`` (L, P), and the
-    first row of rank r holding e in layer l for each key. Both (K,) int64."""
-    num_layers, p = m.shape
-    s = p // g
-    layer, slot = np.nonzero(m >= 0)  # row-major: ascending (l, r, row)
+def _first_per_key(
+    m: np.ndarray, keep: np.ndarray, g: int, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct keys (l·E + e)·G + r of the slots of ``m`` (L, P) where ``keep``
+    (L, P) is set, and for each key the first such row of rank r holding e in layer l.
+    Both (K,) int64."""
+    s = m.shape[1] // g
+    layer, slot = np.nonzero(keep)  # row-major: ascending (l, r, row)
     key = (layer * num_experts + m[layer, slot]) * g + slot // s
     # np.unique's return_index is the first occurrence (stable sort): the lowest row
     uniq, first = np.unique(key, return_index=True)
@@ -48,8 +51,15 @@ def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> lis
     s = p // g
     # any E above the largest id keeps keys distinct; the result does not depend on it
     num_experts = max(1, int(max(old.max(initial=-1), new.max(initial=-1))) + 1)
-    hkey, hrow = _first_per_key(old, g, num_experts)  # (H,) holders
-    nkey, nrow = _first_per_key(new, g, num_experts)  # (N,) needers
+    # Needers: only slots whose expert changes. A rank receiving e holds it nowhere, so all
+    # its rows needing e changed: the receivers and their primary rows are unaffected.
+    nkey, nrow = _first_per_key(new, (new >= 0) & (new != old), g, num_experts)  # (N,)
+    # Holders: only of the (l, e) groups someone may need; other groups are never read.
+    wanted = np.zeros(num_layers * num_experts, dtype=bool)
+    wanted[nkey // g] = True
+    lay = np.arange(num_layers)[:, None] * num_experts
+    hold = (old >= 0) & wanted[lay + np.maximum(old, 0)]
+    hkey, hrow = _first_per_key(old, hold, g, num_experts)  # (H,)
     # receivers: needers whose (l, e, r) is not among the holders
     pos = np.searchsorted(hkey, nkey)
     held = pos < hkey.size
@@ -77,11 +87,12 @@ def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> lis
     layer = rgrp // num_experts
     # order by (layer, src, dst, expert): one argsort of a combined key beats np.lexsort
     order = np.argsort(((layer * g + src) * g + dst) * num_experts + expert, kind="stable")
-    cols = [a[order] for a in (src, dst, expert, src_row, dst_row)]
+    # read-only once here: the per-layer slices below inherit it
+    cols = [_ro(a[order]) for a in (src, dst, expert, src_row, dst_row)]
     bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=num_layers))])
     return [
-        LayerTransfers(g, s, *(_ro(c[bounds[l] : bounds[l + 1]]) for c in cols))
-        for l in range(num_layers)
+        LayerTransfers(g, s, *(c[bounds[x] : bounds[x + 1]] for c in cols))
+        for x in range(num_layers)
     ]
 
 
@@ -123,7 +134,7 @@ def plans_for_rank(
     primary = remote & (first_same == rows)
     duplicate = remote & ~primary
     plans = []
-    for l, t in enumerate(transfers):
+    for x, t in enumerate(transfers):
         # transfers are sorted by src: this rank's sends are one contiguous run
         a, b = np.searchsorted(t.src, [rank, rank + 1])
         recvs = t.dst == rank
@@ -132,14 +143,14 @@ def plans_for_rank(
                 rank=int(rank),
                 num_ranks=g,
                 slots_per_rank=s,
-                empty_rows=_ro(rows[empty[l]]),
-                unchanged_rows=_ro(rows[unchanged[l]]),
-                local_rows=_ro(rows[local[l]]),
-                local_src_rows=_ro(first_old[l][local[l]]),
-                primary_rows=_ro(rows[primary[l]]),
-                primary_experts=_ro(n[l][primary[l]]),
-                duplicate_rows=_ro(rows[duplicate[l]]),
-                duplicate_src_rows=_ro(first_same[l][duplicate[l]]),
+                empty_rows=_ro(rows[empty[x]]),
+                unchanged_rows=_ro(rows[unchanged[x]]),
+                local_rows=_ro(rows[local[x]]),
+                local_src_rows=_ro(first_old[x][local[x]]),
+                primary_rows=_ro(rows[primary[x]]),
+                primary_experts=_ro(n[x][primary[x]]),
+                duplicate_rows=_ro(rows[duplicate[x]]),
+                duplicate_src_rows=_ro(first_same[x][duplicate[x]]),
                 send_peers=_ro(t.dst[a:b]),
                 send_experts=_ro(t.expert[a:b]),
                 send_rows=_ro(t.src_row[a:b]),
