@@ -22,6 +22,8 @@ message list.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     parser.add_argument("--slots", type=int, default=8, help="slots per rank S (default 8)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per variant (default 7)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per variant (default 15)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
 
@@ -57,6 +59,12 @@ def _fill(weights, old, rank: int, s: int) -> None:
         for t, w in enumerate(layer):
             for i in range(s):
                 w[i].fill_(float((k * 1009 + int(old[k, rank * s + i]) * 7 + t) % 251))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, all threads (gloo's included), user + system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
@@ -155,14 +163,20 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
         return go
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """(wall seconds of the slowest rank, CPU seconds of all ranks' processes, every thread)."""
         restore()
         dist.barrier()
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        wall = time.perf_counter() - t0
+        cpu = _cpu_seconds() - c0
+        elapsed = torch.tensor([wall], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
+        cpu_t = torch.tensor([cpu], dtype=torch.float64)
+        dist.all_reduce(cpu_t)
+        return float(elapsed), float(cpu_t)
 
     variants = {"raw": raw, "raw_commit": raw_commit, "raw_commit_overlap": raw_commit_overlap, "transfer": transfer(False),
                 "transfer_batched": transfer(True), "transfer_warm": transfer(False, warm=True)}
@@ -176,15 +190,19 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         timed(variants[name])
         correct &= all(torch.equal(a, b) for la, lb in zip(weights, expect) for a, b in zip(la, lb))
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cfg["repeats"]):
         for name, fn in variants.items():
-            times[name].append(timed(fn))
+            wall, used = timed(fn)
+            times[name].append(wall)
+            cpu[name].append(used)
     total = torch.tensor([moved_bytes], dtype=torch.float64)
     dist.all_reduce(total)
     ok = torch.tensor([1 if correct else 0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {
         "times": times,
+        "cpu": cpu,
         "moved_bytes": int(total.item()),
         "moved_slots": moved_slots(old, new, world),
         "weight_bytes_per_rank": sum(w.numel() * w.element_size() for layer in pristine for w in layer),
@@ -200,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"layers": args.layers, "slots": args.slots, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
     res = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
+    cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
     gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
     return {
         "bench": "transfer",
@@ -213,6 +232,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": cfg["repeats"],
         "median_s": {k: round(v, 5) for k, v in med.items()},
         "gb_per_s": {k: round(v, 3) for k, v in gbps.items()},
+        # CPU seconds of all ranks per run, and how many cores that keeps busy: on a
+        # machine with few cores the exchange itself is CPU-bound, so every copy added
+        # to it shows up in the wall time
+        "cpu_s": {k: round(v, 5) for k, v in cpu.items()},
+        "cores_busy": {k: round(cpu[k] / med[k], 2) for k in med},
+        "cores": os.cpu_count(),
         "ratio_vs_raw": round(gbps["transfer"] / gbps["raw"], 3),
         "ratio_batched_vs_raw": round(gbps["transfer_batched"] / gbps["raw"], 3),
         "ratio_vs_raw_commit": round(gbps["transfer"] / gbps["raw_commit"], 3),
