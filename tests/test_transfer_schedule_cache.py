@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import eplb_fsm.transfer.execute as execute
+import eplb_fsm.transfer.schedule as schedule
 from eplb_fsm.transfer import (
     InProcessCommunicator,
     TransferBuffer,
@@ -47,19 +47,19 @@ def _same(a, b) -> bool:
 
 def _count_planning(monkeypatch) -> list[int]:
     calls = [0]
-    real = execute.all_layer_transfers
+    real = schedule.all_layer_transfers
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(execute, "all_layer_transfers", counted)
+    monkeypatch.setattr(schedule, "all_layer_transfers", counted)
     return calls
 
 
 @pytest.mark.parametrize("batching", [False, True])
 def test_repeated_maps_reuse_the_plan_and_stay_bit_exact(monkeypatch, batching):
-    execute._SCHEDULES.clear()
+    schedule._SCHEDULES.clear()
     calls = _count_planning(monkeypatch)
     buf = TransferBuffer()
     for _ in range(3):  # old -> new -> old, three times: the second and third rounds are cache hits
@@ -73,7 +73,7 @@ def test_repeated_maps_reuse_the_plan_and_stay_bit_exact(monkeypatch, batching):
 
 
 def test_batching_and_group_size_have_their_own_plans():
-    execute._SCHEDULES.clear()
+    schedule._SCHEDULES.clear()
     execs = []
     for batching in (False, True, False):
         weights = _world(OLD)
@@ -88,7 +88,7 @@ def test_batching_and_group_size_have_their_own_plans():
 
 
 def test_cache_does_not_alias_the_callers_maps():
-    execute._SCHEDULES.clear()
+    schedule._SCHEDULES.clear()
     old, new = OLD.copy(), NEW.copy()
     weights = _world(OLD)
     rearrange_expert_weights_inplace(old, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
@@ -103,7 +103,7 @@ def test_cache_does_not_alias_the_callers_maps():
 
 
 def test_one_layer_entry_points_share_the_cache_and_keep_their_label():
-    execute._SCHEDULES.clear()
+    schedule._SCHEDULES.clear()
     for label in (0, 5):
         weights = _world(OLD)
         layer_w = [weights[r][1] for r in range(G)]
@@ -112,17 +112,17 @@ def test_one_layer_entry_points_share_the_cache_and_keep_their_label():
         commit_layer_from_buffer(pending, layer_w)
         want = _world(NEW)
         assert _same([[weights[r][1]] for r in range(G)], [[want[r][1]] for r in range(G)])
-    assert len(execute._SCHEDULES) == 1
+    assert len(schedule._SCHEDULES) == 1
 
 
 def test_cache_is_bounded():
-    execute._SCHEDULES.clear()
+    schedule._SCHEDULES.clear()
     rng = np.random.default_rng(0)
-    for _ in range(execute._SCHEDULE_CACHE_SIZE + 5):
+    for _ in range(schedule._SCHEDULE_CACHE_SIZE + 5):
         new = rng.integers(-1, 6, size=(2, 6))  # replicas and empty slots
         want = _world(np.where(new >= 0, new, OLD))  # an empty new slot keeps its old weights
         for _ in range(2):  # cold, then a cache hit
             weights = _world(OLD)
             rearrange_expert_weights_inplace(OLD, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
             assert _same(weights, want)
-    assert len(execute._SCHEDULES) <= execute._SCHEDULE_CACHE_SIZE
+    assert len(schedule._SCHEDULES) <= schedule._SCHEDULE_CACHE_SIZE

@@ -1,9 +1,10 @@
 """Transfer engine: move expert weights so every slot holds the expert its new map names.
 
 Pure per-layer planning (:mod:`.plan`), the same for all layers at once
-(:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), migration waves (:mod:`.batching`), how messages
-travel (:mod:`.communicator`), the executor (:mod:`.execute`) and elastic-EP rank
-mappings (:mod:`.rank_mapping`). See docs/transfer.md.
+(:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), the cached
+schedule of a rearrangement (:mod:`.schedule`), migration waves (:mod:`.batching`), how
+messages travel (:mod:`.communicator`), the executor (:mod:`.execute`) and elastic-EP
+rank mappings (:mod:`.rank_mapping`). See docs/transfer.md.
 """
 
 from eplb_fsm.transfer.batching import Wave, coalesce, plan_waves, single_wave

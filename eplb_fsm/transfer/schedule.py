@@ -1,0 +1,309 @@
+"""The schedule of a rearrangement: every layer's plans, messages and copy runs, cached.
+
+Pure bookkeeping between the planners (:mod:`.plan_all`, :mod:`.local_copies`,
+:mod:`.batching`) and the executor (:mod:`.execute`): nothing here touches a tensor or
+a process group. :func:`prepare_maps` checks the maps and returns their
+:class:`Schedule`, built lazily layer by layer and kept in a small LRU keyed by (maps,
+group size, local ranks, batching), so a repeated rearrangement re-plans nothing.
+
+Rows and runs: a :data:`Run` ``(dst_start, src_start, length)`` copies ``length``
+consecutive rows; copy runs are what the executor turns into tensor copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
+from eplb_fsm.transfer.local_copies import order_local_copies
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, check_layer_maps
+from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
+from eplb_fsm.transfer.rank_mapping import expand_maps
+
+__all__ = [
+    "Commit",
+    "PreparedLayer",
+    "Run",
+    "Schedule",
+    "WaveOps",
+    "clear_schedule_cache",
+    "direct_row_runs",
+    "prepare_maps",
+    "row_runs",
+]
+
+
+def _as_maps(name: str, m: Any, ndim: int) -> np.ndarray:
+    if hasattr(m, "detach"):
+        m = m.detach().cpu().numpy()
+    arr = np.asarray(m)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
+    want = "(L, P)" if ndim == 2 else "(P,)"
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: must have shape {want}, got {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def prepare_maps(
+    old_phy2log: Any,
+    new_phy2log: Any,
+    world_size: int,
+    rank_mapping: Mapping[int, int] | None,
+    ndim: int,
+    local_ranks: tuple[int, ...],
+    migration_batching: bool,
+) -> tuple[np.ndarray, np.ndarray, "Schedule"]:
+    """Maps as int64 (L, P) in the group's index space, checked layer by layer, and their schedule.
+
+    The schedule (every layer's plan, messages and copy runs) is cached per (maps, group
+    size, local ranks, batching): the same maps were validated when it was built, so a
+    cache hit skips the per-layer checks and the planning.
+    """
+    old = _as_maps("old_phy2log", old_phy2log, ndim)
+    new = _as_maps("new_phy2log", new_phy2log, ndim)
+    if rank_mapping is not None:
+        old, new, _ = expand_maps(old, new, rank_mapping, world_size)
+    if ndim == 1:
+        old, new = old[None, :], new[None, :]
+    if old.shape != new.shape:
+        raise ValueError(f"new_phy2log: shape {new.shape} must equal old_phy2log's {old.shape}")
+    if old.shape[1] % world_size:
+        raise ValueError(
+            f"phy2log: P={old.shape[1]} slots must divide by the group size G={world_size} (P % G == 0)"
+        )
+    old = np.ascontiguousarray(old)
+    new = np.ascontiguousarray(new)
+    key = (old.shape, old.tobytes(), new.tobytes(), int(world_size), tuple(local_ranks), bool(migration_batching))
+    with _SCHEDULES_LOCK:
+        sched = _SCHEDULES.get(key)
+        if sched is not None:
+            _SCHEDULES.move_to_end(key)
+    if sched is None:
+        if not _maps_valid(old, new):
+            # the per-layer check names the first layer and rule that fails
+            for k in range(old.shape[0]):
+                check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
+        sched = Schedule(old, new, int(world_size), tuple(local_ranks), bool(migration_batching))
+        with _SCHEDULES_LOCK:
+            _SCHEDULES[key] = sched
+            while len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
+                _SCHEDULES.popitem(last=False)
+    return sched.old, sched.new, sched
+
+
+def _maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
+    """All layers at once: ids in [-1, P) and every needed expert held in its layer.
+
+    ``old``/``new``: (L, P) int64 of the same shape, P % G == 0 already checked.
+    """
+    num_layers, p = old.shape
+    if old.size == 0:
+        return True
+    if min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
+        return False
+    held = np.zeros((num_layers, p + 1), dtype=bool)  # column p: the empty slot (-1)
+    layer = np.arange(num_layers)[:, None]
+    held[layer, old] = True
+    return bool(held[layer, new][new >= 0].all())
+
+
+Run = tuple[int, int, int]
+
+
+def row_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
+    """(dst_start, src_start, length) runs where both row sequences advance by one."""
+    runs: list[Run] = []
+    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((d, s, 1))
+    return tuple(runs)
+
+
+def direct_row_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
+    """Like :func:`_runs` for copies within one tensor, in the given order.
+
+    Consecutive copies merge into one slice copy only while the destination and source
+    ranges stay disjoint (a slice copy over overlapping rows would read rows it writes).
+    """
+    runs: list[Run] = []
+    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
+        if runs:
+            a, b, n = runs[-1]
+            if a + n == d and b + n == s and abs(a - b) > n:
+                runs[-1] = (a, b, n + 1)
+                continue
+        runs.append((d, s, 1))
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class WaveOps:
+    """One wave's messages per local rank: ((peer, row), ...) in posting order."""
+
+    sends: dict[int, tuple[tuple[int, int], ...]]
+    recvs: dict[int, tuple[tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
+class PreparedLayer:
+    """A layer's plans (one per local rank), waves, messages and copy runs: nothing moved."""
+
+    layer: int
+    plans: dict[int, LayerPlan]
+    waves: list[Wave]
+    ops: tuple[WaveOps, ...] = ()
+    local_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)  # staged local rows: weights -> buffer
+    commit: dict[int, "Commit"] = field(default_factory=dict)
+    staged: dict[int, np.ndarray] = field(default_factory=dict)  # buffer rows the local copies write
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One rank's commit of one layer.
+
+    ``direct``: weights → weights copies of local rows, in the order that reads every
+    source row before it is overwritten (:func:`order_local_copies`); they run first.
+    ``dst``/``src``: then weight rows written from buffer rows (staged local, primary and
+    duplicate rows; ascending by ``dst``), ``runs`` the same as coalesced runs.
+    """
+
+    direct: tuple[Run, ...]
+    direct_reads: np.ndarray
+    dst: np.ndarray
+    src: np.ndarray
+    runs: tuple[Run, ...]
+
+    def part(self, keep: np.ndarray, with_direct: bool) -> "Commit":
+        """The direct copies (or none) and the buffer writes selected by ``keep``."""
+        d, s = self.dst[keep], self.src[keep]
+        direct = self.direct if with_direct else ()
+        reads = self.direct_reads if with_direct else _NO_ROWS
+        return Commit(direct, reads, d, s, row_runs(d, s))
+
+    @property
+    def empty(self) -> bool:
+        return not self.direct and not self.runs
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
+    """(commit, staged local runs weights -> buffer, staged buffer rows) of one rank's plan."""
+    order = order_local_copies(plan.local_rows, plan.local_src_rows)
+    dst = np.concatenate([order.staged_rows, plan.primary_rows, plan.duplicate_rows])
+    src = np.concatenate([order.staged_rows, plan.primary_rows, plan.duplicate_src_rows])
+    by_dst = np.argsort(dst, kind="stable")
+    dst, src = dst[by_dst], src[by_dst]
+    commit = Commit(
+        direct_row_runs(order.direct_rows, order.direct_src_rows), order.direct_src_rows, dst, src, row_runs(dst, src)
+    )
+    return commit, row_runs(order.staged_rows, order.staged_src_rows), order.staged_rows
+
+
+def _prepare_layer(
+    layer: int, transfers: LayerTransfers, plans: dict[int, LayerPlan], migration_batching: bool
+) -> PreparedLayer:
+    waves = plan_waves(transfers) if migration_batching else single_wave(transfers)
+    ops = []
+    for wave in waves:
+        pairs = set(wave.pairs)
+        sends, recvs = {}, {}
+        for r, plan in plans.items():
+            sends[r] = tuple(
+                (peer, row)
+                for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist())
+                if (r, peer) in pairs
+            )
+            recvs[r] = tuple(
+                (peer, row)
+                for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist())
+                if (peer, r) in pairs
+            )
+        ops.append(WaveOps(sends, recvs))
+    commits, local_runs, staged = {}, {}, {}
+    for r, plan in plans.items():
+        commits[r], local_runs[r], staged[r] = _commit_of(plan)
+    return PreparedLayer(layer, plans, waves, tuple(ops), local_runs, commits, staged)
+
+
+def _split_runs(prev: PreparedLayer, nxt: PreparedLayer) -> tuple[dict[int, Commit], dict[int, Commit]]:
+    """Split ``prev``'s commit into what must run before ``nxt`` writes the buffer, and the rest.
+
+    Early: the buffer writes whose buffer rows ``nxt`` overwrites (its receives and staged
+    local rows), preceded by all of ``prev``'s direct copies if any of those writes hits a
+    row a direct copy still reads. Late: everything else, direct copies first.
+    """
+    early, late = {}, {}
+    for r, commit in prev.commit.items():
+        overwritten = np.concatenate([nxt.plans[r].recv_rows, nxt.staged[r]])
+        hit = np.isin(commit.src, overwritten)
+        direct_early = bool(commit.direct) and bool(np.isin(commit.dst[hit], commit.direct_reads).any())
+        early[r] = commit.part(hit, with_direct=direct_early)
+        rest = commit.part(~hit, with_direct=not direct_early)
+        if not rest.empty:
+            late[r] = rest
+    return early, late
+
+
+class Schedule:
+    """Every layer of one (old, new) pair of maps, prepared on first use and kept.
+
+    Built for one group size, set of local ranks and batching mode; the maps it holds are
+    read-only copies. Layers (and the commit split between consecutive layers) are
+    prepared lazily, so a first call still plans layer k+1 while layer k is in flight.
+    """
+
+    def __init__(self, old: np.ndarray, new: np.ndarray, world_size: int, local_ranks: tuple[int, ...], batching: bool):
+        self.old = old.copy()
+        self.new = new.copy()
+        self.old.flags.writeable = False
+        self.new.flags.writeable = False
+        self.world_size = world_size
+        self.local_ranks = local_ranks
+        self.batching = batching
+        n = old.shape[0]
+        self._layers: list[PreparedLayer | None] = [None] * n
+        self._splits: list[tuple[dict, dict] | None] = [None] * max(n - 1, 0)
+        self._transfers: list[LayerTransfers] | None = None
+        self._plans: dict[int, list[LayerPlan]] = {}
+
+    def layer(self, k: int) -> PreparedLayer:
+        prep = self._layers[k]
+        if prep is None:
+            if self._transfers is None:
+                # every layer's transfers and plans in one vectorised pass (plan_all)
+                self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
+                self._plans = {r: plans_for_rank(self.old, self.new, self._transfers, r) for r in self.local_ranks}
+            plans = {r: self._plans[r][k] for r in self.local_ranks}
+            prep = _prepare_layer(k, self._transfers[k], plans, self.batching)
+            self._layers[k] = prep
+        return prep
+
+    def split(self, k: int) -> tuple[dict[int, tuple[Run, ...]], dict[int, tuple[Run, ...]]]:
+        """(early, late) runs of layer k's commit with respect to layer k+1."""
+        sp = self._splits[k]
+        if sp is None:
+            sp = _split_runs(self.layer(k), self.layer(k + 1))
+            self._splits[k] = sp
+        return sp
+
+
+_SCHEDULE_CACHE_SIZE = 16
+_SCHEDULES: "OrderedDict[tuple, Schedule]" = OrderedDict()
+_SCHEDULES_LOCK = threading.Lock()
+
+
+def clear_schedule_cache() -> None:
+    """Forget every cached schedule (benchmarks use it to time planning as a new rearrangement would)."""
+    with _SCHEDULES_LOCK:
+        _SCHEDULES.clear()
