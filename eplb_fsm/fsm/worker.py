@@ -124,7 +124,9 @@ class BackgroundWorker:
             self._loop.close()
             self._fail_unfinished(RuntimeError(f"background worker {self.name!r} was closed"))
 
-    async def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> None:
+        """Run one job on the loop's thread (a plain callback: no coroutine is left unawaited
+        if the loop closes before it runs)."""
         if self._closing:
             job.future.set_exception(RuntimeError(f"background worker {self.name!r} was closed"))
             self._finish(job)
@@ -147,8 +149,6 @@ class BackgroundWorker:
             job.future.set_result(value)
         finally:
             self._finish(job)
-        # let other callbacks of the loop run between jobs
-        await asyncio.sleep(0)
 
     def _finish(self, job: Job) -> None:
         with self._lock:
@@ -181,7 +181,12 @@ class BackgroundWorker:
             self._pending += 1
             self._unfinished.add(job)
             self._idle.clear()
-        asyncio.run_coroutine_threadsafe(self._run(job), self._loop)
+        try:
+            # one callback per job: other callbacks of the loop run between jobs
+            self._loop.call_soon_threadsafe(self._run, job)
+        except RuntimeError as exc:  # the loop closed between the check above and now
+            job.future.set_exception(RuntimeError(f"background worker {self.name!r} is not running: {exc}"))
+            self._finish(job)
         return job
 
     def run_coroutine(self, coro) -> concurrent.futures.Future:
