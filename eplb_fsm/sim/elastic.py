@@ -114,7 +114,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
     from eplb_fsm.sim.run import (
-        OutputTally, RankContext, _call, build_hooks, engine_step, progress_path,
+        OutputTally, RankContext, _call, build_hooks, engine_step, progress_path, rank_result,
         write_step_progress,
     )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
@@ -230,27 +230,14 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
             "process": rank if join is None else JOINER_ID * (join["index"] + 1) + rank,
             "left": left,
             "stop_reason": stop_reason,
-            "final_state": controller.state,
-            "final_layer": controller.layer,
-            "history": controller.history,
+            **rank_result(controller, tally, wall, ctx),
             "scalings": controller.scalings,
             "checks": checks,
-            "balancedness": tally.series,
-            "controller_balancedness": controller.balancedness_log,
-            "state_seconds": controller.state_seconds,
-            "output_checks": tally.checks,
-            "mismatches": tally.mismatches,
-            "first_mismatch_step": tally.first_mismatch,
             "weights_exact": not bad_rows and not bad_weight_steps,
             "bad_rows": bad_rows[:20],
             "weight_checks": weight_checks,
             "bad_weight_steps": bad_weight_steps[:20],
             "maps_agree": True,  # the parent compares the ranks' maps (and per-scale checksums)
-            "phy2log": entry.maps.phy2log.tolist(),
-            "slot_bytes": entry.slot_bytes[0],
-            "trace": str(controller.trace.path) if controller.trace.path else None,
-            "wall_s": wall,
-            "extra": ctx.extra,
         }
         _call(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, controller.rank, step, opts,

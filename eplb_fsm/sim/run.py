@@ -277,6 +277,27 @@ class OutputTally:
     series: list = field(default_factory=list)
 
 
+def rank_result(controller: Any, tally: "OutputTally", wall: float, ctx: RankContext) -> dict:
+    """The result fields every rank loop reports (fixed-size and elastic) at the end of a run."""
+    entry = controller.models[0]
+    return {
+        "final_state": controller.state,
+        "final_layer": controller.layer,
+        "history": controller.history,
+        "balancedness": tally.series,
+        "controller_balancedness": controller.balancedness_log,
+        "state_seconds": controller.state_seconds,
+        "output_checks": tally.checks,
+        "mismatches": tally.mismatches,
+        "first_mismatch_step": tally.first_mismatch,
+        "phy2log": entry.maps.phy2log.tolist(),
+        "slot_bytes": entry.slot_bytes[0],
+        "trace": str(controller.trace.path) if controller.trace.path else None,
+        "wall_s": wall,
+        "extra": ctx.extra,
+    }
+
+
 def engine_step(ctx: RankContext, hooks: list[Any], opts: SimOptions, model: Any, controller: Any,
                 group: Any, world: int, step: int, tally: OutputTally) -> tuple[str, str]:
     """One simulated engine step: hooks, forward with its output check, ``controller.step``.
@@ -367,23 +388,10 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
             "rank": rank,
             "world": world,
             "steps": step + 1,
-            "final_state": controller.state,
-            "final_layer": controller.layer,
-            "history": controller.history,
-            "balancedness": tally.series,
-            "controller_balancedness": controller.balancedness_log,
-            "state_seconds": controller.state_seconds,
-            "output_checks": tally.checks,
-            "mismatches": tally.mismatches,
-            "first_mismatch_step": tally.first_mismatch,
+            **rank_result(controller, tally, wall, ctx),
             "weights_exact": not bad_rows,
             "bad_rows": bad_rows[:20],
             "maps_agree": _maps_agree(entry.maps.phy2log, group, world),
-            "phy2log": entry.maps.phy2log.tolist(),
-            "slot_bytes": entry.slot_bytes[0],
-            "trace": str(controller.trace.path) if controller.trace.path else None,
-            "wall_s": wall,
-            "extra": ctx.extra,
         }
         _call(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, rank, step, opts, controller.state, done=True)
