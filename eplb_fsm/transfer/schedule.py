@@ -32,7 +32,6 @@ __all__ = [
     "Schedule",
     "WaveOps",
     "clear_schedule_cache",
-    "direct_row_runs",
     "prepare_maps",
     "row_runs",
 ]
@@ -116,29 +115,18 @@ def _maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
 Run = tuple[int, int, int]
 
 
-def row_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
-    """(dst_start, src_start, length) runs where both row sequences advance by one."""
-    runs: list[Run] = []
-    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
-        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
-            a, b, n = runs[-1]
-            runs[-1] = (a, b, n + 1)
-        else:
-            runs.append((d, s, 1))
-    return tuple(runs)
+def row_runs(dst_rows: np.ndarray, src_rows: np.ndarray, *, same_tensor: bool = False) -> tuple[Run, ...]:
+    """(dst_start, src_start, length) runs where both row sequences advance by one.
 
-
-def direct_row_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> tuple[Run, ...]:
-    """Like :func:`_runs` for copies within one tensor, in the given order.
-
-    Consecutive copies merge into one slice copy only while the destination and source
-    ranges stay disjoint (a slice copy over overlapping rows would read rows it writes).
+    ``same_tensor``: the copies read and write one tensor, in the given order; a run then
+    grows only while its destination and source ranges stay disjoint (a slice copy over
+    overlapping rows would read rows it writes).
     """
     runs: list[Run] = []
     for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
         if runs:
             a, b, n = runs[-1]
-            if a + n == d and b + n == s and abs(a - b) > n:
+            if a + n == d and b + n == s and (not same_tensor or abs(a - b) > n):
                 runs[-1] = (a, b, n + 1)
                 continue
         runs.append((d, s, 1))
@@ -205,7 +193,7 @@ def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
     by_dst = np.argsort(dst, kind="stable")
     dst, src = dst[by_dst], src[by_dst]
     commit = Commit(
-        direct_row_runs(order.direct_rows, order.direct_src_rows), order.direct_src_rows, dst, src, row_runs(dst, src)
+        row_runs(order.direct_rows, order.direct_src_rows, same_tensor=True), order.direct_src_rows, dst, src, row_runs(dst, src)
     )
     return commit, row_runs(order.staged_rows, order.staged_src_rows), order.staged_rows
 
