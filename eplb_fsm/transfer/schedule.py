@@ -277,7 +277,7 @@ class Schedule:
             self._layers[k] = prep
         return prep
 
-    def split(self, k: int) -> tuple[dict[int, tuple[Run, ...]], dict[int, tuple[Run, ...]]]:
+    def split(self, k: int) -> tuple[dict[int, Commit], dict[int, Commit]]:
         """(early, late) runs of layer k's commit with respect to layer k+1."""
         sp = self._splits[k]
         if sp is None:
