@@ -66,6 +66,7 @@ from eplb_fsm.fsm.collectives import (
     is_collective_group,
     resolve_group,
 )
+from eplb_fsm import run_identity
 from eplb_fsm.fsm import scaling
 from eplb_fsm.fsm.faults import FaultsMixin
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
@@ -73,9 +74,11 @@ from eplb_fsm.fsm.model_entry import ModelEntry, build_model_entry
 from eplb_fsm.fsm.planning import Plan, PlanningMixin
 from eplb_fsm.fsm.reporting import ReportingMixin, SharedTrace
 from eplb_fsm.fsm.transfers import TransfersMixin
+from eplb_fsm.liveness import DEFAULT_INTERVAL_S as DEFAULT_LIVENESS_S, Liveness, check_interval
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy import get_policy
 from eplb_fsm.stats import LoadWindow
+from eplb_fsm.trace import exception_text
 
 __all__ = ["EplbController", "SharedTrace", "Plan", "ModelEntry", "GROUP_NAME", "TRANSFER_GROUP_NAME"]
 
@@ -99,6 +102,10 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
     ``device``: where the load counters and maps live (the router's device).
     ``trace_dir``: where this rank's JSONL trace goes (``None``: no file;
     ``keep_trace=True`` also keeps every record in ``trace.records``).
+    ``liveness_interval_s``: seconds between ``alive`` trace records (a background thread,
+    only with ``trace_dir``; ``None``/0: none). The header carries the ``run_id`` every
+    rank agreed on with rank 0 and the config's hash; a rank whose config differs from
+    rank 0's makes every rank raise ``run_identity.ConfigMismatch`` here (docs/events.md).
     ``role``: ``"member"`` (default) or ``"joiner"``: a process that joins a serving
     group in elastic EP starts in ``scaling``; use :meth:`join`, which sets it and
     ``start_step`` (the engine step counter to start from: the scale's step).
@@ -122,11 +129,14 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         clock: Callable[[], float] = time.time,
         role: str = "member",
         start_step: int = 0,
+        liveness_interval_s: float | None = DEFAULT_LIVENESS_S,
     ) -> None:
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if role not in ("member", "joiner"):
             raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
+        if liveness_interval_s:  # issue 12 wiring: None/0 = no liveness thread
+            check_interval(liveness_interval_s)
         self.role = role
         self.config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -144,8 +154,13 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         self._comm_device = self._collective_device()
         self.trace = SharedTrace(self.rank, self.world, trace_dir, clock=clock, keep=keep_trace)
         self.trace.set_context(state=initial, step=int(start_step))
+        # issue 12 wiring (eplb_fsm/run_identity.py): rank 0's run id + config check, before any collective
+        identity, identity_error = run_identity.for_controller(
+            self.group, self._custom_group, self.rank, self.world, config.to_dict(),
+            float(config.collective_timeout_s), self._comm_device, role)
         self.trace.header(
             config.to_dict(),
+            run_id=identity.run_id,
             mode="async" if config.use_async else "sync",
             device=str(self.device),
             group=self.group_name,
@@ -153,6 +168,10 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
             **({"role": role, "generation": self.generation,
                 "machine": {"state": SCALING, "scale_pending": True}} if role == "joiner" else {}),
         )
+        if identity_error is not None:  # issue 12 wiring: every rank fails here together
+            self.trace.end("exception", error=exception_text(identity_error))
+            self.trace.close()
+            raise identity_error
         self.machine = EplbMachine(num_layers=1, state=initial, scale_pending=role == "joiner")
         self.models: list[ModelEntry] = []
         self._windows: list[LoadWindow] = []
@@ -190,6 +209,9 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
             self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s)
             self.machine.listeners.append(self.watchdog.on_fired)
             self.watchdog.start()
+        # issue 12 wiring (eplb_fsm/liveness.py): `alive` records while the trace goes to a file
+        self.liveness = Liveness(self.trace, liveness_interval_s).start() \
+            if liveness_interval_s and self.trace.path is not None else None
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -446,10 +468,13 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         if self._closed:
             return
         self._closed = True
+        if self.liveness is not None:  # issue 12 wiring
+            self.liveness.stop()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.worker is not None:
             self.worker.close(timeout=self._timeout)
+        self.trace.end("closed")  # issue 12 wiring: no-op when an `end` (exception, signal) came first
         self.trace.close()
 
     def __enter__(self) -> "EplbController":
