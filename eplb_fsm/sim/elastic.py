@@ -112,7 +112,9 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
 
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.sim import signals
     from eplb_fsm.sim.model import ToyMoE
+    from eplb_fsm.trace import exception_text
     from eplb_fsm.sim.run import (
         OutputTally, RankContext, _call, build_hooks, engine_step, progress_path, rank_result,
         write_step_progress,
@@ -155,6 +157,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                                          generation=join["generation"], rank=rank, world_size=world,
                                          trace_dir=opts.log_dir, timeout_s=join_timeout)
         first_event = join["index"] + 1
+    signals.on_signal(lambda name: controller.trace.end("signal", signal=name))  # issue 12 wiring
     start = controller.steps
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, controller.group)
@@ -243,8 +246,12 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         write_step_progress(progress, controller, controller.rank, step, opts,
                             "left" if left else controller.state, done=True, world=controller.world)
         return result
+    except BaseException as exc:  # issue 12 wiring: the trace says how the rank ended
+        controller.trace.end("exception", error=exception_text(exc))
+        raise
     finally:
         controller.close()
+        signals.clear()
 
 
 def _fresh_gates(opts: Any, world: int) -> list:
@@ -265,6 +272,9 @@ _GATES: dict = {}
 
 def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
                   pid_key: int, results: Any) -> None:
+    from eplb_fsm.sim import signals
+
+    signals.install()  # issue 12 wiring: own process group, SIGTERM -> `end how=signal` (sim/signals.py)
     try:
         import torch
 
