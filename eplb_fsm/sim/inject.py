@@ -284,8 +284,9 @@ class Injector:
     def _note(self, inj: Injection, what: str, **fields: Any) -> None:
         """Remember what fired and write ``fault_injected`` (flushed: the trace writes per line)."""
         self.done.append({"spec": inj.spec, "step": self._step, "what": what})
-        if self._ctx is not None:
-            self._ctx.controller.trace.emit("fault_injected", kind=inj.kind, target_rank=inj.rank,
+        trace = getattr(self._ctx.controller, "trace", None) if self._ctx is not None else None
+        if trace is not None:
+            trace.emit("fault_injected", kind=inj.kind, target_rank=inj.rank,
                                             at_step=self._step, spec=inj.spec, what=what, **fields)
 
     # -- kill / freeze: real signals ---------------------------------------
