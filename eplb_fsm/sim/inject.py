@@ -306,6 +306,8 @@ class Injector:
         fired = []
 
         def hook(layer: int, model_name: str, model_layer: int) -> None:
+            # a scale runs at the top of its step, before before_step: the loop's ctx.step is current
+            self._step = max(self._step, int(getattr(self._ctx, "step", self._step) or 0))
             if layer != inj.layer or fired or self._step < inj.step:
                 return
             fired.append(layer)
