@@ -91,6 +91,9 @@ KILLS = [
     # a leaving rank killed at layer 1 of the scale-down's transfer (the survivors' scale fails: experts lost)
     pytest.param("sync", 3, "kill:rank=2,step=12,layer=1", ["--scale", "12:2"], 2, {"transferring"}, 12, (),
                  id="kill-leaving-rank-in-scale"),
+    # a joiner of the scale-up at step 8 killed at its first step in the new group
+    pytest.param("sync", 2, "kill:rank=2,step=9", ["--scale", "8:3"], 2, {"collecting"}, 9, (),
+                 id="kill-joiner-after-switch"),
 ]
 
 
@@ -100,8 +103,10 @@ def test_sigkill_leaves_a_trace_without_end(tmp_path_factory, mode, ranks, spec,
     """A SIGKILLed rank's trace has no `end`; every other rank ends with one; the run fails naming the victim."""
     code, report, tmp_path = simulate(tmp_path_factory, ranks, mode, 24, "--inject", spec, *extra)
     assert code == 1 and not report["ok"] and report.get("inject_unfired") == []
-    by_rank = {e["rank"]: e for e in report["ranks"] if e["role"] == "initial"}
-    assert by_rank[victim]["status"] == "died" and victim in report["failed_ranks"]
+    # the launcher's report names the victim (a joiner too, with its process id) as died
+    died = [e for e in report["ranks"] if e["rank"] == victim and e["status"] == "died"]
+    assert len(died) == 1 and victim in report["failed_ranks"]
+    assert died[0]["role"] == ("joiner" if victim >= ranks else "initial")
     recs = traces(tmp_path)
     fired = assert_killed(recs[f"rank{victim:05d}.jsonl"], spec)
     assert fired["state_at"] in state and fired["at_step"] >= int(spec.split("step=")[1].split(",")[0])

@@ -380,7 +380,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     pending = set(getattr(exc, "pending", []) or [])
     ranks = []
     # first ranks by rank, then the joiners of --scale by process id (JOINER_ID * (scale + 1) + rank)
-    joiners = sorted(k for k in set(failures) | set(values) | pending if k >= opts.ranks)
+    started = set(getattr(exc, "processes", []) or [])  # elastic runs: every process the launcher started
+    joiners = sorted(k for k in set(failures) | set(values) | pending | started if k >= opts.ranks)
     for r in list(range(opts.ranks)) + joiners:
         process = r
         r = r % JOINER_ID if process >= opts.ranks else r

@@ -341,7 +341,9 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
             now = time.monotonic()
             if now >= deadline:
                 pending = [k for k in procs if k not in values and k not in failures]
-                raise RanksTimeoutError(pending, timeout, values, failures)
+                err = RanksTimeoutError(pending, timeout, values, failures)
+                err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+                raise err
             try:
                 key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
             except queue_mod.Empty:
@@ -363,6 +365,10 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
                     with contextlib.suppress(queue_mod.Empty):
                         k2, s2, v2 = results_q.get(timeout=0.1)
                         (values if s2 == "ok" else failures)[k2] = v2
+                # issue 12 wiring: a process that died meanwhile (a signal) failed too, it is no bystander
+                for k, p in procs.items():
+                    if k not in values and k not in failures and p.exitcode not in (None, 0):
+                        failures[k] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
         _stop(list(procs.values()))
@@ -370,7 +376,9 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
         results_q.join_thread()
         del store
     if failures:
-        raise RankFailedError(failures, values)
+        err = RankFailedError(failures, values)
+        err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+        raise err
     return [values[k] for k in sorted(values)]
 
 
