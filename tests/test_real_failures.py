@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +88,8 @@ KILLS = [
     pytest.param("sync", 2, "kill:rank=1,step=5", [], 1, {"collecting"}, 5, (), id="kill-collecting-sync"),
     pytest.param("async", 3, "kill:rank=2,step=6", [], 2, {"collecting", "transferring"}, 6, (),
                  id="kill-step-async"),
+    # async: the step after a due step starts in planning (states change only inside controller.step)
+    pytest.param("async", 2, "kill:rank=1,step=2", [], 1, {"planning"}, 2, (), id="kill-planning-async"),
     pytest.param("sync", 2, "kill:rank=0,step=9,layer=1", [], 0, {"transferring"}, 9, (), id="kill-layer-sync"),
     # a leaving rank killed at layer 1 of the scale-down's transfer (the survivors' scale fails: experts lost)
     pytest.param("sync", 3, "kill:rank=2,step=12,layer=1", ["--scale", "12:2"], 2, {"transferring"}, 12, (),
@@ -191,6 +194,62 @@ def test_sigstop_during_an_async_transfer_aborts_consistently(tmp_path_factory):
     assert all(ending(rs) is not None for rs in recs.values())
     faults = [r for r in recs["rank00000.jsonl"] if r["event"] == "transition" and r.get("trigger") == "fault"]
     assert faults  # the peer gave up on the frozen rank
+
+
+# -- signals from outside, without --inject (what an operator's world does) -------------------------
+
+
+def _run_in_thread(argv: list[str]) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def body() -> None:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            box["code"] = main(argv)
+        box["out"] = out.getvalue()
+
+    thread = threading.Thread(target=body, name="simulate", daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_sigkill_from_outside_while_collecting(tmp_path):
+    """An external SIGKILL to rank 1's pid (from its header) mid-run: no `end` for it, the run fails naming it."""
+    argv = ["simulate", *BASE, "--ranks", "2", "--steps", "100000", "--interval", "100000", "--mode", "sync",
+            "--log-dir", str(tmp_path), "--timeout", "120"]
+    thread, box = _run_in_thread(argv)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while _steps_written(tmp_path, 2) < 30:
+            assert thread.is_alive() and time.monotonic() < deadline, "the ranks did not get going within 60 s"
+            time.sleep(0.05)
+        pids = _rank_pids(tmp_path)
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive(), "simulate did not end within 60 s of the kill"
+    finally:
+        for pid in pids:  # ranks run in process groups of their own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        thread.join(30)
+    report = json.loads(box["out"].strip().splitlines()[-1])
+    assert box["code"] == 1 and 1 in report["failed_ranks"]
+    assert next(e for e in report["ranks"] if e["rank"] == 1)["status"] == "died"
+    recs = traces(tmp_path)
+    assert ending(recs["rank00001.jsonl"]) is None and not any(
+        r["event"] in ("end", "fault_injected") for r in recs["rank00001.jsonl"])
+    assert ending(recs["rank00000.jsonl"])["how"] in ("exception", "signal")
+    _RUNS["outside-kill"] = (box["code"], report, tmp_path)
+
+
+@NEEDS_REPLAY_REAL
+def test_replay_names_a_rank_killed_from_outside():
+    """Replay names rank 1 (killed from outside, no injector, untraced engine collectives), not healthy."""
+    if "outside-kill" not in _RUNS:
+        pytest.skip("the outside-kill run did not complete")
+    kind, culprits, _ = verdict(_RUNS["outside-kill"][2])
+    assert kind != "healthy" and culprits == [1]
 
 
 # -- the launcher's own truth ----------------------------------------------------------------------
