@@ -12,8 +12,8 @@ from eplb_fsm.policy import get_policy
 from eplb_fsm.policy.bounds import balancedness
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import MovementAwarePolicy, plan_movement
-from eplb_fsm.policy.movement_cost import moved_slots, rank_membership
-from eplb_fsm.policy.movement_renumber import align_rows, relabel_ranks
+from eplb_fsm.policy.movement.placement import moved_mask, rank_membership
+from eplb_fsm.policy.movement.targets import align_rows, relabel_ranks
 from eplb_fsm.sim.loads import drift, load_scenarios, scenario_load
 
 # --------------------------------------------------------------------------- generators
@@ -104,7 +104,7 @@ def test_never_more_moves_than_default(case):
     ranks = call[3]
     mine = MovementAwarePolicy.rebalance_experts(load, *call, old)[0].numpy()
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0].numpy()
-    assert (moved_slots(old.numpy(), mine, ranks).sum(1) <= moved_slots(old.numpy(), default, ranks).sum(1)).all()
+    assert (moved_mask(old.numpy(), mine, ranks).sum(1) <= moved_mask(old.numpy(), default, ranks).sum(1)).all()
 
 
 @settings(max_examples=60)
@@ -177,7 +177,7 @@ def test_move_limit(case, limit):
     load, call, old = case
     out = MovementAwarePolicy(max_moves=limit).rebalance_experts(load, *call, old)
     _check_valid(*out, call, load.shape[1])
-    assert (moved_slots(old.numpy(), out[0].numpy(), call[3]).sum(1) <= limit).all()
+    assert (moved_mask(old.numpy(), out[0].numpy(), call[3]).sum(1) <= limit).all()
 
 
 @settings(max_examples=30)
@@ -255,8 +255,8 @@ def test_plan_reports_what_it_did():
     """plan_movement's diagnostics agree with the placement it returns."""
     load, call, old = _small()
     plan = plan_movement(load.flip(1), *call, old)
-    assert (plan.moved == moved_slots(old.numpy(), plan.phy2log, call[3]).sum(1)).all()
-    assert (plan.default_moved == moved_slots(old.numpy(), plan.default_phy2log, call[3]).sum(1)).all()
+    assert (plan.moved == moved_mask(old.numpy(), plan.phy2log, call[3]).sum(1)).all()
+    assert (plan.default_moved == moved_mask(old.numpy(), plan.default_phy2log, call[3]).sum(1)).all()
     assert not (plan.kept & (plan.repaired | plan.fallback)).any()
     assert (plan.default_phy2log == DefaultEplbPolicy.rebalance_experts(load.flip(1), *call)[0].numpy()).all()
 
@@ -283,7 +283,7 @@ def test_relabel_and_align_keep_quality(case):
     assert same_rank.all()
     # aligning rows never changes how many slots move, and never moves a kept expert's row
     old_np = old.numpy()
-    assert moved_slots(old_np, aligned, ranks).sum() == moved_slots(old_np, relabeled, ranks).sum()
+    assert moved_mask(old_np, aligned, ranks).sum() == moved_mask(old_np, relabeled, ranks).sum()
     assert (aligned == old_np).sum() >= (relabeled == old_np).sum()
 
 
@@ -306,6 +306,6 @@ def test_small_scenario_meets_issue_targets(sigma_index, sigma):
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
     ranks = shape["ranks"]
     assert balancedness(mine, load, ranks) >= 0.99 * balancedness(default, load, ranks)
-    moved_mine = moved_slots(old.numpy(), mine.numpy(), ranks).sum()
-    moved_default = moved_slots(old.numpy(), default.numpy(), ranks).sum()
+    moved_mine = moved_mask(old.numpy(), mine.numpy(), ranks).sum()
+    moved_default = moved_mask(old.numpy(), default.numpy(), ranks).sum()
     assert moved_mine <= 0.10 * moved_default

@@ -148,8 +148,7 @@ def _synthetic(args: argparse.Namespace, scenarios: dict, names: list[str], sigm
 
     from eplb_fsm.policy.bounds import balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.policy.movement import MovementAwarePolicy
-    from eplb_fsm.policy.movement_cost import moved_slots
+    from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
     from eplb_fsm.sim.loads import drift, scenario_load
 
     policy = MovementAwarePolicy(target=args.target)
@@ -177,7 +176,7 @@ def _synthetic(args: argparse.Namespace, scenarios: dict, names: list[str], sigm
                 row[key] = {
                     "balancedness": _round(balancedness(placement, load, ranks)),
                     "next_balancedness": _round(balancedness(placement, next_load, ranks)),
-                    "moved": _round(moved_slots(old.numpy(), placement.numpy(), ranks).mean()),
+                    "moved": _round(moved_mask(old.numpy(), placement.numpy(), ranks).mean()),
                     "ms": _round(timer.median(key) * 1e3, 3),
                     "best_ms": _round(timer.best(key) * 1e3, 3),
                 }
@@ -206,8 +205,7 @@ def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray 
 
     from eplb_fsm.policy.bounds import balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.policy.movement import MovementAwarePolicy
-    from eplb_fsm.policy.movement_cost import moved_slots
+    from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
 
     ranks = call[3]
     policies = {"default": DefaultEplbPolicy, "movement_aware": MovementAwarePolicy(target=target)}
@@ -225,7 +223,7 @@ def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray 
             new = timer(key, lambda: pol.rebalance_experts(weight, *call, torch.from_numpy(old)))[0].numpy()
             stats[key]["same"].append(balancedness(new, windows[i], ranks))
             stats[key]["next"].append(balancedness(new, windows[i + 1], ranks))
-            stats[key]["moved"].append(float(moved_slots(old, new, ranks).mean()))
+            stats[key]["moved"].append(float(moved_mask(old, new, ranks).mean()))
             placement[key] = new
     result: dict[str, Any] = {"rearrangements": len(stats["default"]["same"])}
     for key in policies:
