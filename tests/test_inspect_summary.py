@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eplb_fsm.inspect import summary as sm
-from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 
 WORLD = 4
 
