@@ -46,7 +46,8 @@ __all__ = [
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def _ro(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A contiguous int64 copy (or view) of ``a`` (any shape) that refuses writes: plans are shared."""
     a = np.ascontiguousarray(a, dtype=np.int64)
     a.flags.writeable = False
     return a
@@ -234,11 +235,11 @@ def layer_transfers(old: Any, new: Any, num_ranks: int, *, validate: bool = True
     return LayerTransfers(
         num_ranks=g,
         slots_per_rank=s,
-        src=_ro(src),
-        dst=_ro(dst),
-        expert=_ro(expert),
-        src_row=_ro(old_first[src, expert]),
-        dst_row=_ro(new_first[dst, expert]),
+        src=read_only(src),
+        dst=read_only(dst),
+        expert=read_only(expert),
+        src_row=read_only(old_first[src, expert]),
+        dst_row=read_only(new_first[dst, expert]),
     )
 
 
@@ -276,20 +277,20 @@ def plan_from_transfers(old: np.ndarray, new: np.ndarray, transfers: LayerTransf
         rank=int(rank),
         num_ranks=g,
         slots_per_rank=s,
-        empty_rows=_ro(rows[empty]),
-        unchanged_rows=_ro(rows[unchanged]),
-        local_rows=_ro(rows[local]),
-        local_src_rows=_ro(first_old[local]),
-        primary_rows=_ro(remote_rows[is_primary]),
-        primary_experts=_ro(remote_experts[is_primary]),
-        duplicate_rows=_ro(remote_rows[~is_primary]),
-        duplicate_src_rows=_ro(primary_of_expert[inverse[~is_primary]]),
-        send_peers=_ro(transfers.dst[sends]),
-        send_experts=_ro(transfers.expert[sends]),
-        send_rows=_ro(transfers.src_row[sends]),
-        recv_peers=_ro(transfers.src[recvs]),
-        recv_experts=_ro(transfers.expert[recvs]),
-        recv_rows=_ro(transfers.dst_row[recvs]),
+        empty_rows=read_only(rows[empty]),
+        unchanged_rows=read_only(rows[unchanged]),
+        local_rows=read_only(rows[local]),
+        local_src_rows=read_only(first_old[local]),
+        primary_rows=read_only(remote_rows[is_primary]),
+        primary_experts=read_only(remote_experts[is_primary]),
+        duplicate_rows=read_only(remote_rows[~is_primary]),
+        duplicate_src_rows=read_only(primary_of_expert[inverse[~is_primary]]),
+        send_peers=read_only(transfers.dst[sends]),
+        send_experts=read_only(transfers.expert[sends]),
+        send_rows=read_only(transfers.src_row[sends]),
+        recv_peers=read_only(transfers.src[recvs]),
+        recv_experts=read_only(transfers.expert[recvs]),
+        recv_rows=read_only(transfers.dst_row[recvs]),
     )
 
 
