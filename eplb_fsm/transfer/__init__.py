@@ -3,7 +3,8 @@
 Pure per-layer planning (:mod:`.plan`), the same for all layers at once
 (:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), the cached
 schedule of a rearrangement (:mod:`.schedule`), migration waves (:mod:`.batching`), how
-messages travel (:mod:`.communicator`), the executor (:mod:`.execute`) and elastic-EP
+messages travel (:mod:`.communicator`), the executor (:mod:`.execute`, with its input
+checks in :mod:`.inputs` and its message waves in :mod:`.messages`) and elastic-EP
 rank mappings (:mod:`.rank_mapping`). See docs/transfer.md.
 """
 
