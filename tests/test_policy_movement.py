@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy import get_policy
-from eplb_fsm.policy.bounds import balancedness
+from eplb_fsm.policy.bounds import placement_balancedness
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import MovementAwarePolicy, plan_movement
 from eplb_fsm.policy.movement.placement import moved_mask, rank_membership
@@ -115,7 +115,7 @@ def test_meets_target(case, target):
     ranks = call[3]
     mine = MovementAwarePolicy(target=target).rebalance_experts(load, *call, old)[0]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
-    assert balancedness(mine, load, ranks) >= target * balancedness(default, load, ranks) * (1 - 1e-9)
+    assert placement_balancedness(mine, load, ranks) >= target * placement_balancedness(default, load, ranks) * (1 - 1e-9)
 
 
 @settings(max_examples=60)
@@ -126,7 +126,7 @@ def test_zero_moves_when_old_meets_target(case):
     ranks = call[3]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
     target = 0.99
-    if balancedness(old, load, ranks) >= target * balancedness(default, load, ranks) * (1 + 1e-6):
+    if placement_balancedness(old, load, ranks) >= target * placement_balancedness(default, load, ranks) * (1 + 1e-6):
         out = MovementAwarePolicy.rebalance_experts(load, *call, old)[0]
         assert torch.equal(out, old)
     # and a plan on the very load the old placement was made for never moves anything
@@ -248,7 +248,7 @@ def test_registered_and_configurable():
     lenient = policy.rebalance_experts(load2, *call, old)[0]
     strict = MovementAwarePolicy(target=1.0).rebalance_experts(load2, *call, old)[0]
     ranks = call[3]
-    assert balancedness(strict, load2, ranks) >= balancedness(lenient, load2, ranks) - 1e-12
+    assert placement_balancedness(strict, load2, ranks) >= placement_balancedness(lenient, load2, ranks) - 1e-12
 
 
 def test_plan_reports_what_it_did():
@@ -276,7 +276,7 @@ def test_relabel_and_align_keep_quality(case):
     relabeled = relabel_ranks(new, member, ranks, nodes if hier else 1)
     aligned = align_rows(old.numpy(), relabeled, ranks)
     for x in (relabeled, aligned):
-        assert balancedness(x, load, ranks) == pytest.approx(balancedness(new, load, ranks), abs=1e-12)
+        assert placement_balancedness(x, load, ranks) == pytest.approx(placement_balancedness(new, load, ranks), abs=1e-12)
         assert (np.sort(x, 1) == np.sort(new, 1)).all()
     s = replicas // ranks
     same_rank = np.sort(aligned.reshape(-1, s), 1) == np.sort(relabeled.reshape(-1, s), 1)
@@ -305,7 +305,7 @@ def test_small_scenario_meets_issue_targets(sigma_index, sigma):
     mine = MovementAwarePolicy.rebalance_experts(load, *call, old)[0]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
     ranks = shape["ranks"]
-    assert balancedness(mine, load, ranks) >= 0.99 * balancedness(default, load, ranks)
+    assert placement_balancedness(mine, load, ranks) >= 0.99 * placement_balancedness(default, load, ranks)
     moved_mine = moved_mask(old.numpy(), mine.numpy(), ranks).sum()
     moved_default = moved_mask(old.numpy(), default.numpy(), ranks).sum()
     assert moved_mine <= 0.10 * moved_default
