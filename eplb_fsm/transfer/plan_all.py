@@ -38,7 +38,7 @@ def _first_per_key(
     return uniq, slot[first] % s
 
 
-def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> list[LayerTransfers]:
+def all_layer_transfers(old: np.ndarray, new: np.ndarray, world_size: int) -> list[LayerTransfers]:
     """Every layer's transfers, equal to ``layer_transfers(old[l], new[l], G, validate=False)``.
 
     ``old``, ``new``: (L, P) int64, validated. Returns L :class:`LayerTransfers`, each
@@ -47,7 +47,7 @@ def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> lis
     old = np.asarray(old, dtype=np.int64)
     new = np.asarray(new, dtype=np.int64)
     num_layers, p = old.shape
-    g = int(num_ranks)
+    g = int(world_size)
     s = p // g
     # any E above the largest id keeps keys distinct; the result does not depend on it
     num_experts = max(1, int(max(old.max(initial=-1), new.max(initial=-1))) + 1)
@@ -109,7 +109,7 @@ def plans_for_rank(
     num_layers = old.shape[0]
     if num_layers == 0:
         return []
-    g, s = transfers[0].num_ranks, transfers[0].slots_per_rank
+    g, s = transfers[0].world_size, transfers[0].slots_per_rank
     if not 0 <= rank < g:
         raise ValueError(f"rank: must be in [0, {g}), got {rank}")
     o = old[:, rank * s : (rank + 1) * s]  # (L, S)
@@ -141,7 +141,7 @@ def plans_for_rank(
         plans.append(
             LayerPlan(
                 rank=int(rank),
-                num_ranks=g,
+                world_size=g,
                 slots_per_rank=s,
                 empty_rows=read_only(rows[empty[x]]),
                 unchanged_rows=read_only(rows[unchanged[x]]),
