@@ -23,8 +23,13 @@ taken over the baseline steps and over the rearrangement, summed over ranks, so 
 worker that starves the engine thread shows as engine CPU per step staying flat while
 its wall time grows and the other threads' CPU rises. ``--engine-threads`` sets
 ``torch.set_num_threads`` in every rank (intra-op threads of the engine's matmul and of
-the worker's copies alike). The machine's load average (what ``uptime`` prints) is
-recorded before and after.
+the worker's copies alike). Each step is also split into the engine's own work
+(``work_extra``: the same matmul, load and all-reduce, slowed only by contention) and
+the rest (``controller_extra``: the controller's calls). Two knobs that are not config
+fields can be tried: ``--worker-nice`` lowers the priority of the threads the controller
+starts (found as the threads that appear while it is constructed, no internals used)
+and ``--switch-interval`` sets Python's GIL switch interval. The machine's load
+average (what ``uptime`` prints) is recorded before and after.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import argparse
 import os
 import resource
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -57,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     parser.add_argument("--worker-nice", type=int, default=0,
                         help="nice increment for the threads the async controller starts (default 0: none)")
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="sys.setswitchinterval in every rank, seconds (default 0: Python's 0.005)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the skewed load")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
 
@@ -77,6 +85,7 @@ def _check(args: argparse.Namespace) -> None:
         (args.max_steps >= 1, f"--max-steps must be >= 1, got {args.max_steps}"),
         (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
         (args.engine_threads >= 1, f"--engine-threads must be >= 1, got {args.engine_threads}"),
+        (0 <= args.switch_interval <= 1, f"--switch-interval must be in 0..1 s, got {args.switch_interval}"),
         (0 <= args.worker_nice <= 19, f"--worker-nice must be in 0..19, got {args.worker_nice}"),
         (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}"),
     ]
@@ -162,13 +171,15 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str) -> dict:
 
 
 def _bench_rank(rank: int, world: int, cfg: dict) -> list[dict]:
-    import sys
-
     import torch.distributed as dist
 
     # the controller's structlog lines go to stdout by default: keep the parent's JSON clean
     sys.stdout.flush()
     os.dup2(2, 1)
+    if cfg["switch_interval"]:
+        # how long a thread may hold the GIL while another waits for it (the engine thread
+        # waits behind the worker's Python code for up to this long at every switch)
+        sys.setswitchinterval(cfg["switch_interval"])
     runs = []
     for repeat in range(cfg["repeats"]):
         for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):
@@ -211,6 +222,8 @@ def _metrics(run: dict) -> dict[str, float]:
     cb, cr = run["cpu_base"], run["cpu_rearrange"]
     return {
         "baseline_step_s": baseline,
+        # the noise floor: the longest step with no rearrangement (a loaded machine's hiccups)
+        "baseline_longest_step_s": max(times[run["skip"]:trigger]),
         "longest_step_s": longest,
         "longest_extra_s": longest - baseline,
         "total_extra_s": total_extra,
@@ -254,7 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden = max(1, int(args.mb * 2**20 / (args.layers * slots * 2 * 4)))
     cfg = {"layers": args.layers, "experts": args.experts, "redundant": args.redundant, "hidden": hidden,
            "matmul": args.matmul, "warm": args.warm, "tail": args.tail, "max_steps": args.max_steps,
-           "repeats": args.repeats, "seed": args.seed, "worker_nice": args.worker_nice, "collective_timeout_s": max(10.0, args.timeout / 4)}
+           "repeats": args.repeats, "seed": args.seed, "worker_nice": args.worker_nice,
+           "switch_interval": args.switch_interval, "collective_timeout_s": max(10.0, args.timeout / 4)}
     load_before = os.getloadavg()
     per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
                          torch_threads=args.engine_threads)
@@ -281,6 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul": args.matmul,
         "engine_threads": args.engine_threads,
         "worker_nice": args.worker_nice,
+        "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
         "repeats": args.repeats,
         "sync": _rounded(sync),
         "async": _rounded(asy),
