@@ -17,7 +17,7 @@ SMALL = ["--world", "2", "--mb", "0.5", "--layers", "2", "--experts", "6", "--re
 MODE_FIELDS = ("baseline_step_ms", "baseline_longest_step_ms", "longest_step_ms", "longest_extra_ms", "total_extra_ms", "work_extra_ms",
                "controller_extra_ms", "steps_to_commit", "rearrangement_wall_ms", "engine_cpu_per_step_base_ms",
                "engine_cpu_per_step_rearrange_ms", "other_cpu_per_step_base_ms", "other_cpu_per_step_rearrange_ms",
-               "cores_busy_base", "cores_busy_rearrange")
+               "extra_cpu_ms", "cores_busy_base", "cores_busy_rearrange")
 
 
 @pytest.fixture(scope="module")

@@ -246,6 +246,9 @@ def _metrics(run: dict) -> dict[str, float]:
         "engine_cpu_per_step_rearrange_s": cr["engine_cpu_s"] / rea_steps,
         "other_cpu_per_step_base_s": (cb["process_cpu_s"] - cb["engine_cpu_s"]) / base_steps,
         "other_cpu_per_step_rearrange_s": (cr["process_cpu_s"] - cr["engine_cpu_s"]) / rea_steps,
+        # CPU the rearrangement cost on top of plain steps (all ranks, all threads): with no idle
+        # core this is engine time lost, whichever thread spends it
+        "extra_cpu_s": cr["process_cpu_s"] - rea_steps * cb["process_cpu_s"] / base_steps,
         "cores_busy_base": cb["process_cpu_s"] / cb["wall_s"] if cb["wall_s"] > 0 else 0.0,
         "cores_busy_rearrange": cr["process_cpu_s"] / cr["wall_s"] if cr["wall_s"] > 0 else 0.0,
     }
