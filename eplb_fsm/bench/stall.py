@@ -117,14 +117,14 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str) -> dict:
     model = HeavyMoE(cfg["layers"], cfg["experts"], cfg["redundant"], cfg["hidden"], rank, world)
     before = {t.native_id for t in threading.enumerate()}
     controller = EplbController(config)
-    if cfg["worker_nice"]:
-        # Linux nices threads one by one: lower the priority of the threads the controller
-        # started (its background worker), so the engine thread wins when cores are short
-        for thread in threading.enumerate():
-            if thread.native_id not in before:
-                os.setpriority(os.PRIO_PROCESS, thread.native_id, os.getpriority(os.PRIO_PROCESS, 0)
-                               + cfg["worker_nice"])
     try:
+        if cfg["worker_nice"]:
+            # Linux nices threads one by one: lower the priority of the threads the controller
+            # started (its background worker), so the engine thread wins when cores are short
+            for thread in threading.enumerate():
+                if thread.native_id not in before:
+                    os.setpriority(os.PRIO_PROCESS, thread.native_id,
+                                   os.getpriority(os.PRIO_PROCESS, 0) + cfg["worker_nice"])
         controller.add_model(model, "main")
         model.load_weights(controller.maps("main").phy2log)
         load = skewed_load(cfg["seed"], cfg["layers"], cfg["experts"], tokens=4096)
