@@ -16,6 +16,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "step": ("eplb_fsm.bench.step", "per-step overhead while collecting (trace on) vs a bare window update"),
     "replay": ("eplb_fsm.bench.replay", "time to a replay verdict on synthetic 64-rank traces"),
     "movement": ("eplb_fsm.bench.movement", "default vs movement-aware: balancedness and moved slots"),
+    "stall": ("eplb_fsm.bench.stall", "engine step stall of one rearrangement, sync vs async, on gloo"),
 }
 
 
