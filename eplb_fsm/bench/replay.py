@@ -43,7 +43,7 @@ def _write_world(src: Path, out_dir: Path, ranks: list[int]) -> int:
 
 
 def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interval: int, faults=None) -> Path:
-    from eplb_fsm.inspect.synth import SyntheticJob
+    from eplb_fsm.testing import SyntheticJob
     from eplb_fsm.trace import trace_path
 
     folder = tmp / f"template-{name}"
@@ -66,7 +66,7 @@ def _time(fn, repeat: int) -> tuple[float, float, float, object]:
 
 def run(args: argparse.Namespace) -> dict:
     from eplb_fsm.inspect.replay import default_jobs, replay_dir
-    from eplb_fsm.inspect.synth import Faults, Stop
+    from eplb_fsm.testing import Faults, Stop
     from eplb_fsm.trace import read_trace, trace_path
 
     world, steps = args.ranks, args.steps

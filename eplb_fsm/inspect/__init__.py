@@ -3,8 +3,9 @@
 This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine),
 ``summary`` (one rank file re-driven through the machine: ``walker``, ``model``),
 ``replay`` (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, and
-``elastic`` for group swaps, joiners and leaving ranks), ``render`` (text report, timeline)
-and ``synth`` (synthetic traces; ``synth_elastic`` adds scale-down and scale-up).
+``elastic`` for group swaps, joiners and leaving ranks) and ``render`` (text report,
+timeline). The synthetic-trace writer it re-exports (``SyntheticJob``, ``Faults``, ...)
+lives in :mod:`eplb_fsm.testing`.
 """
 
 from eplb_fsm.inspect.diagrams import machine_edges, render_dot, render_mermaid, stale_files
@@ -22,7 +23,7 @@ from eplb_fsm.inspect.replay import (
     summarize_rank,
     summarize_text,
 )
-from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
 
 __all__ = [
     "Faults",

@@ -1,6 +1,6 @@
 """Stage 1 of the replay: one rank file, re-driven through the machine and indexed.
 
-``summarize_rank(records)`` walks one rank file's records once (``walker._Walker``). Every
+``summarize_rank(records)`` walks one rank file's records once (``walker.Walker``). Every
 ``transition`` record is re-driven through the machine definition (``MachineOracle``: a
 real ``EplbMachine`` per distinct (state, layer, counters, event) context, memoised, since
 guards read only event data and shared counters); a compact ``step`` record is the
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
-from eplb_fsm.inspect.walker import _parse_line, _Walker
+from eplb_fsm.inspect.walker import parse_line, Walker
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
@@ -55,7 +55,7 @@ def summarize_rank(
     claims, so one bad record is reported once rather than poisoning the rest.
     """
     oracle = oracle or MachineOracle()
-    w = _Walker(rank, oracle, path, bad_lines, truncated)
+    w = Walker(rank, oracle, path, bad_lines, truncated)
     last = None
     mux = None
     for rec in records:
@@ -77,7 +77,7 @@ def summarize_rank(
     return mux.result() if mux is not None else w.result(last)
 
 
-def _interleaves(w: _Walker, rec: dict) -> bool:
+def _interleaves(w: Walker, rec: dict) -> bool:
     """A joiner's header while the file's current session may still write: both go on in one file."""
     return rec.get("event") == "header" and rec.get("role") == "joiner" and w.live()
 
@@ -92,13 +92,13 @@ class _Interleaved:
     read in bulk from here on; this is rare and the files involved are small.
     """
 
-    def __init__(self, first: _Walker, rank: int | None, oracle: MachineOracle, path: str | None) -> None:
+    def __init__(self, first: Walker, rank: int | None, oracle: MachineOracle, path: str | None) -> None:
         self.walkers = [first]
         self.rank, self.oracle, self.path = rank, oracle, path
 
     def feed(self, rec: dict) -> None:
         if rec.get("event") == "header":
-            w = _Walker(self.rank, self.oracle, self.path)
+            w = Walker(self.rank, self.oracle, self.path)
             if rec.get("role") != "joiner":  # a new job appended to the file: the earlier runs are stale
                 w.s.warnings.append(f"the file holds several runs (a header at seq {rec.get('seq')}, step "
                                     f"{rec.get('step')}); replaying the last one")
@@ -157,9 +157,9 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         if not all(type(r) is dict for r in parsed):
             raise ValueError("a line is not a JSON object")
     except ValueError:
-        parsed = [_parse_line(lines[i]) for i in other]
+        parsed = [parse_line(lines[i]) for i in other]
     oracle = oracle or MachineOracle()
-    w = _Walker(rank, oracle, path)
+    w = Walker(rank, oracle, path)
     bad = 0
     prev = -1
     mux = None
@@ -172,7 +172,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             mux = _Interleaved(w, rank, oracle, path)
             for line in lines[i:]:
                 if line.strip():
-                    rec = _parse_line(line)
+                    rec = parse_line(line)
                     if rec is None:
                         bad += 1
                     else:
@@ -192,7 +192,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
 
 
 
-def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
+def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
     """Replay lines[start:end] (step lines between two other records); returns unreadable lines."""
     while end > start and not lines[end - 1].strip():
         end -= 1  # the empty string after the file's final newline, trailing blank lines
@@ -202,13 +202,13 @@ def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
         run = "\n".join(lines[start:end]) + "\n"
         if _step_run(w.state).fullmatch(run) is not None and w.plain_steps(end - start):
             if w.first is None:
-                w.first = _parse_line(lines[start])
+                w.first = parse_line(lines[start])
             w.last, w.last_line = None, lines[end - 1]
             return 0
     bad = 0
     for line in lines[start:end]:
         if line.strip():
-            rec = _parse_line(line)
+            rec = parse_line(line)
             if rec is None:
                 bad += 1
             else:
@@ -226,7 +226,7 @@ def _ends(text: str) -> tuple[dict | None, bool]:
         end = begin
         if not line:
             continue
-        rec = _parse_line(line)
+        rec = parse_line(line)
         if rec is None:
             last_bad = last_bad or not seen
         else:

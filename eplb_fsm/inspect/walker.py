@@ -1,6 +1,6 @@
 """Stage 1 of the replay, record by record: one session of a rank file re-driven through the machine.
 
-``_Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
+``Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
 ``summary.summarize_text`` drive it; the latter hands it whole runs of compact step lines at
 once). Every ``transition`` is re-driven through the machine definition (``MachineOracle``),
 a compact ``step`` record is the internal ``step`` transition of its state, every other
@@ -28,7 +28,7 @@ from eplb_fsm.inspect.model import (
     MachineOracle,
     RankSummary,
     Transition,
-    _compact,
+    compact_record,
 )
 
 # what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
@@ -40,7 +40,7 @@ _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
 _REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
 
 
-def _start_from_header(w: "_Walker", header: dict) -> None:
+def _start_from_header(w: "Walker", header: dict) -> None:
     """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
     if header.get("role") == "joiner":
         w.s.role = "joiner"
@@ -54,7 +54,7 @@ def _start_from_header(w: "_Walker", header: dict) -> None:
             w.layer = machine["layer"]
 
 
-class _Walker:
+class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
 
     def __init__(self, rank: int | None, oracle: MachineOracle, path: str | None = None,
@@ -146,7 +146,7 @@ class _Walker:
         return self._prev_seq + 1 + self.n_steps - self._steps_at_prev
 
     def last_record(self) -> dict | None:
-        return self.last if self.last is not None else _parse_line(self.last_line or "")
+        return self.last if self.last is not None else parse_line(self.last_line or "")
 
     # -- feeding ---------------------------------------------------------
     def plain_steps(self, count: int) -> bool:
@@ -269,10 +269,10 @@ class _Walker:
         elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
             self.num_layers = rec["num_layers"]
         elif ev == "stuck":
-            s.stuck.append(_compact(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
+            s.stuck.append(compact_record(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
             s.progress_after_stuck = False
         elif ev == "fault":
-            s.faults.append(_compact(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+            s.faults.append(compact_record(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
 
     def _transition(self, rec: dict) -> None:
         s = self.s
@@ -337,7 +337,7 @@ class _Walker:
             s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
                                             rec.get("generation") if trig in SCALE_TRIGGERS else None))
             if trig == "fault":
-                s.faults.append(_compact(rec))
+                s.faults.append(compact_record(rec))
             elif trig == "scale_requested":
                 s.scale_requests.append({k: rec.get(k) for k in _REQUEST_KEYS})
             s.progress_after_stuck = True
@@ -360,7 +360,7 @@ class _Walker:
         s.num_layers = self.num_layers
         s.first_step = first.get("step") if first is not None else None
         if last is not None:
-            s.last = _compact(last)
+            s.last = compact_record(last)
             s.last_step = last.get("step")
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
@@ -377,7 +377,7 @@ class _Walker:
         return s
 
 
-def _parse_line(line: str) -> dict | None:
+def parse_line(line: str) -> dict | None:
     try:
         rec = json.loads(line)
     except ValueError:
