@@ -23,6 +23,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -73,6 +74,18 @@ def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | N
 def trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
     """The file a rank writes: ``<trace_dir>/rank<rank>.jsonl``."""
     return Path(trace_dir) / f"rank{rank:05d}.jsonl"
+
+
+# traces of this process with a file open and no `end` yet: what a signal handler ends
+_OPEN_TRACES: "weakref.WeakSet[EventTrace]" = weakref.WeakSet()
+
+
+def end_open_traces(how: str, error: str | None = None, signal: str | None = None) -> int:
+    """Write ``end`` (see :func:`end_fields`) to every trace of this process still open; returns how many.
+
+    For a signal handler that is about to exit the process (``eplb_fsm.sim.signals``).
+    """
+    return sum(trace.end(how, error, signal) is not None for trace in list(_OPEN_TRACES))
 
 
 def config_hash(config: dict) -> str:
@@ -137,6 +150,7 @@ class EventTrace:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
             self._file = open(self.path, "a", encoding="utf-8")
+            _OPEN_TRACES.add(self)
             # structlog's WriteLogger writes and flushes one line per call; the
             # renderer is called directly rather than through a BoundLogger because
             # the per-step record is on the engine's hot path (~6 us vs ~12 us)
@@ -250,6 +264,7 @@ class EventTrace:
             record = EventTrace.emit(self, "end", **fields)   # the unlocked emit: the lock is held here
             self.ended = True
             self._sink = None   # the file stays open until close(); no record follows `end`
+        _OPEN_TRACES.discard(self)
         return record
 
     def alive(self, interval_s: float, steps_seen: int | None) -> dict | None:
@@ -259,6 +274,7 @@ class EventTrace:
         return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()))
 
     def close(self) -> None:
+        _OPEN_TRACES.discard(self)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -208,20 +208,6 @@ def test_freeze_needs_at_least_a_second():
         parse_specs(["freeze:rank=0,step=1,seconds=0"], ranks=2)
 
 
-def test_unfired_injections_come_from_the_traces(tmp_path):
-    """An injection is fired only if some trace holds its fault_injected record."""
-    import json
-
-    from eplb_fsm.sim.inject import fired_injections, unfired_injections
-
-    rec = {"event": "fault_injected", "kind": "kill", "target_rank": 1, "at_step": 5, "spec": "kill:rank=1,step=5"}
-    (tmp_path / "rank00001.jsonl").write_text(json.dumps({"event": "step"}) + "\n" + json.dumps(rec) + "\n{broken")
-    (tmp_path / "rank00000.jsonl").write_text(json.dumps({"event": "step"}) + "\n")
-    assert [r["spec"] for r in fired_injections(str(tmp_path))] == ["kill:rank=1,step=5"]
-    assert unfired_injections(["kill:rank=1,step=5", "freeze:step=2,rank=0,seconds=1"], str(tmp_path)) == [
-        "freeze:rank=0,step=2,seconds=1"]
-
-
 def test_scale_and_inject_combine_except_wrong_collective(tmp_path):
     """--scale with --inject is accepted (a joiner's rank may be named); wrong-collective with --scale is not."""
     from eplb_fsm.commands.simulate import build_options

@@ -187,3 +187,19 @@ def test_header_carries_run_id_and_config_hash(tmp_path):
     assert rec["run_id"] == "0123456789abcdef"
     assert rec["config_hash"] == config_hash({"a": 1, "b": 2}) != config_hash({"a": 1, "b": 3})
     assert len(rec["config_hash"]) == 16 and int(rec["config_hash"], 16) >= 0
+
+
+def test_end_open_traces_ends_every_open_file_once(tmp_path):
+    """A signal handler's ending: every open trace gets `end how=signal`; closed or ended ones are skipped."""
+    from eplb_fsm.trace import end_open_traces
+
+    a, b, c = (EventTrace(rank=r, world=3, trace_dir=tmp_path) for r in range(3))
+    b.end("closed")
+    c.close()
+    assert end_open_traces("signal", signal="SIGTERM") == 1
+    assert end_open_traces("signal", signal="SIGTERM") == 0
+    a.close()
+    b.close()
+    last = {r: read_trace(trace_path(tmp_path, r))[0] for r in range(3)}
+    assert last[0][-1]["how"] == "signal" and last[0][-1]["signal"] == "SIGTERM"
+    assert last[1][-1]["how"] == "closed" and last[2] == []

@@ -332,7 +332,7 @@ def check_injections_fired(opts, report: dict) -> None:
     specs = opts.extra.get("inject")
     if not specs:
         return
-    from eplb_fsm.sim.inject import unfired_injections
+    from eplb_fsm.sim.inject_report import unfired_injections
 
     report["inject_unfired"] = unfired_injections(specs, opts.log_dir)
     if report["inject_unfired"]:

@@ -112,9 +112,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
 
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.fsm.controller import EplbController
-    from eplb_fsm.sim import signals
     from eplb_fsm.sim.model import ToyMoE
-    from eplb_fsm.trace import exception_text
     from eplb_fsm.sim.run import (
         OutputTally, RankContext, _call, build_hooks, engine_step, progress_path, rank_result,
         write_step_progress,
@@ -157,7 +155,6 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                                          generation=join["generation"], rank=rank, world_size=world,
                                          trace_dir=opts.log_dir, timeout_s=join_timeout)
         first_event = join["index"] + 1
-    signals.on_signal(lambda name: controller.trace.end("signal", signal=name))  # issue 12 wiring
     start = controller.steps
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, controller.group)
@@ -246,12 +243,11 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         write_step_progress(progress, controller, controller.rank, step, opts,
                             "left" if left else controller.state, done=True, world=controller.world)
         return result
-    except BaseException as exc:  # issue 12 wiring: the trace says how the rank ended
-        controller.trace.end("exception", error=exception_text(exc))
+    except BaseException as exc:  # issue 12 wiring: `end how=exception` (SIGTERM: sim/signals.py ends it)
+        controller.trace.end("exception", error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
         controller.close()
-        signals.clear()
 
 
 def _fresh_gates(opts: Any, world: int) -> list:

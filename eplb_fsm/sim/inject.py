@@ -32,8 +32,8 @@ A spec is ``KIND:key=value,key=value`` with non-negative integer values:
     show a gap of T seconds.
 
 Every injection that fires writes a ``fault_injected`` record (``kind``, ``target_rank``,
-``at_step``, ``spec``) to the rank's trace, before it acts; :func:`fired_injections`
-reads them back, so the launcher can report an injection that never fired.
+``at_step``, ``spec``) to the rank's trace, before it acts; ``sim/inject_report.py`` reads
+them back, so the launcher can report an injection that never fired.
 
 :func:`make_injector` is the ``SimOptions.hooks`` factory (``"eplb_fsm.sim.inject:make_injector"``).
 Every rank builds the same :class:`Injector` and acts on the injections naming it. While
@@ -69,8 +69,6 @@ __all__ = [
     "parse_specs",
     "check_injection",
     "make_injector",
-    "fired_injections",
-    "unfired_injections",
 ]
 
 # kind -> the keys its spec must give (and the only keys it may give)
@@ -385,32 +383,6 @@ class Injector:
                 return
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.engine_timeout_s))
-
-
-def fired_injections(log_dir: str) -> list[dict]:
-    """Every ``fault_injected`` record in the traces (``*.jsonl``) of ``log_dir``."""
-    import json
-    from pathlib import Path
-
-    out = []
-    for path in sorted(Path(log_dir).glob("*.jsonl")):
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if '"fault_injected"' not in line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") == "fault_injected":
-                    out.append(rec)
-    return out
-
-
-def unfired_injections(specs: Iterable[str], log_dir: str) -> list[str]:
-    """The specs of ``specs`` that no trace of ``log_dir`` reports as fired."""
-    fired = {rec.get("spec") for rec in fired_injections(log_dir)}
-    return [parse_spec(s).spec for s in specs if parse_spec(s).spec not in fired]
 
 
 def make_injector(specs: Iterable[str] = (), collective_timeout_s: float = 5.0, **kwargs: Any) -> Injector:

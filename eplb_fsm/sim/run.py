@@ -335,9 +335,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
 
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.fsm.controller import EplbController
-    from eplb_fsm.sim import signals
     from eplb_fsm.sim.model import ToyMoE
-    from eplb_fsm.trace import exception_text
 
     if opts.log_dir and opts.redirect_output:
         Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
@@ -364,21 +362,17 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     model = ToyMoE(opts.layers, opts.experts, opts.redundant, opts.hidden, opts.top_k, rank, world,
                    seed=opts.seed, gate_strength=opts.gate_strength)
     controller = EplbController(config, group=group, trace_dir=opts.log_dir)
-    signals.on_signal(lambda name: controller.trace.end("signal", signal=name))  # issue 12 wiring
     controller.add_model(model, "main")
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, group)
     _call(hooks, "on_start", ctx)
     tally = OutputTally()
-    states_seen: list[tuple[int, str]] = []
     t0 = time.perf_counter()
     step = 0
     try:
         for step in range(opts.steps):
             ctx.step = step
             before, state = engine_step(ctx, hooks, opts, model, controller, group, world, step, tally)
-            if state != before:
-                states_seen.append((step, state))
             _call(hooks, "after_step", ctx, step)
             if progress is not None and (step % opts.progress_every == 0 or state != before):
                 write_step_progress(progress, controller, rank, step, opts, state)
@@ -399,9 +393,8 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
         _call(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, rank, step, opts, controller.state, done=True)
         return result
-    except BaseException as exc:  # issue 12 wiring: the trace says how the rank ended
-        controller.trace.end("exception", error=exception_text(exc))
+    except BaseException as exc:  # issue 12 wiring: `end how=exception` (SIGTERM: sim/signals.py ends it)
+        controller.trace.end("exception", error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
         controller.close()
-        signals.clear()

@@ -6,9 +6,9 @@ A rank process calls :func:`install` first thing, before any other thread exists
   the rank and everything it started (a freeze helper) with one ``killpg``, and so that a
   Ctrl-C in the terminal reaches the launcher only (the launcher stops the ranks);
 - it blocks SIGTERM and SIGINT in every thread and starts one thread that waits for
-  them (``sigwait``). That thread runs the registered callbacks (the rank loop registers
-  one that writes ``end how=signal`` to its trace), stops any freeze helper and exits the
-  process with ``128 + signum``. It works while the main thread is blocked inside a gloo
+  them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
+  to every trace of the process still open (``trace.end_open_traces``: the controller's),
+  stops any freeze helper and exits the process with ``128 + signum``. It works while the main thread is blocked inside a gloo
   wait, where a Python signal handler would not run until the wait returned.
 
 :func:`kill_self` and :func:`freeze_self` are the injected faults: a real SIGKILL sent to
@@ -50,6 +50,10 @@ def _handle(signum: int) -> None:
     for callback in list(_callbacks):
         with contextlib.suppress(Exception):
             callback(name)
+    with contextlib.suppress(Exception):
+        from eplb_fsm.trace import end_open_traces
+
+        end_open_traces("signal", signal=name)
     for helper in list(_helpers):
         with contextlib.suppress(Exception):
             helper.kill()
