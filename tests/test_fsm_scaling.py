@@ -276,3 +276,22 @@ def read_trace_records(log_dir, rank):
     from eplb_fsm.trace import read_trace, trace_path
 
     return read_trace(trace_path(log_dir, rank))[0]
+
+
+@pytest.mark.multiprocess
+def test_salvaged_scale_down_replays_with_the_real_events(fault_drills):
+    """The survivors' salvage is traced as fault -> salvaged -> switched (no made-up event); replay finds no
+    illegal transition and names the dead leaving rank as the only culprit."""
+    from eplb_fsm.inspect.replay import replay_dir
+
+    _, _, log_dirs = fault_drills
+    for rank in (0, 1):
+        recs = read_trace_records(log_dirs["spare"], rank)
+        triggers = [r["trigger"] for r in recs if r["event"] == "transition" and r["trigger"] != "step"]
+        salvage = triggers.index("salvaged")
+        assert triggers[salvage - 1:salvage + 2] == ["fault", "salvaged", "switched"]
+        assert "recovered" not in triggers and triggers.count("scale_requested") == 1
+    rep = replay_dir(log_dirs["spare"])
+    assert rep.illegal_transitions == [] and "divergence" not in rep.verdict, rep.summary
+    assert (rep.verdict, rep.culprit_ranks) == ("hang", [2]), rep.summary
+    assert "switched (degraded: a leaving rank died)" in rep.summary

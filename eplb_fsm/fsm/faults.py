@@ -26,8 +26,8 @@ class FaultsMixin:
     fires through ``_fire`` and closes the record through ``_finish``.
     """
 
-    def _abort(self, reason: str, recoverable: bool, layer: int | None = None, kind: str = "aborted") -> None:
-        """Fire ``fault``: committed layers stay new, the rest keep old maps and weights."""
+    def _abort(self, reason: str, recoverable: bool, layer: int | None = None, kind: str = "aborted") -> str:
+        """Fire ``fault``: committed layers stay new, the rest keep old maps and weights; returns the destination."""
         current = self._current
         extra = {"reason": reason}
         if current is not None:
@@ -37,35 +37,38 @@ class FaultsMixin:
             current.job = None
         if layer is not None:
             extra["failed_layer"] = layer
+        dest = FAILED
         if self.machine.state == FAILED:
             self.trace.emit("fault_ignored", reason=reason)
         else:
-            self._fire("fault", extra=extra, recoverable=recoverable)
+            dest = self._fire("fault", extra=extra, recoverable=recoverable).dest
         _log.warning("eplb rearrangement aborted", rank=self.rank, step=self.steps - 1, reason=reason,
-                     recoverable=recoverable, state=self.machine.state)
+                     recoverable=recoverable, state=dest)
         if current is not None:
             self._finish(kind, reason=reason)
+        return dest
 
-    def _group_fault(self, exc: BaseException) -> None:
+    def _group_fault(self, exc: BaseException) -> str:
         """A collective on the EP group failed: the group is broken, the machine goes to failed."""
         _log.error("eplb collective failed", rank=self.rank, step=self.steps - 1, error=str(exc))
         if self.machine.state == FAILED:
-            return
-        self._abort(str(exc), recoverable=False)
+            return FAILED
+        return self._abort(str(exc), recoverable=False)
 
-    def _transfer_fault(self, layer: int, error: BaseException | None, failed_ranks: int, late: int = 0) -> None:
+    def _transfer_fault(self, layer: int, error: BaseException | None, failed_ranks: int, late: int = 0) -> str:
         """A layer's transfer failed somewhere: abort, then give the transfers a fresh group."""
         detail = f": {type(error).__name__}: {error}" if error is not None else ""
         if late:
             reason = f"transfer of layer {layer} ran past collective_timeout_s={self._timeout} on {late} rank(s)"
         else:
             reason = f"transfer of layer {layer} failed on {failed_ranks} rank(s){detail}"
-        self._abort(reason, recoverable=True, layer=layer)
-        self._reset_transfers()
+        dest = self._abort(reason, recoverable=True, layer=layer)
+        return self._reset_transfers() or dest
 
-    def _reset_transfers(self) -> None:
+    def _reset_transfers(self) -> str | None:
         """Drain the worker and re-create the transfer group (a failed p2p leaves gloo pairs closed).
 
+        Returns the destination when it had to fire another ``fault``, else None.
         The ranks first agree, in one all-reduce, that every worker has drained: then they
         all create the new group together (its connect phase is bounded by
         ``collective_timeout_s``, so nobody may arrive late), or all go to ``failed``.
@@ -77,24 +80,22 @@ class FaultsMixin:
             entry.buffer.generation += 1  # any stale pending layer can no longer be committed
         if self.group is None:
             if not drained:
-                self._fire("fault", extra={"reason": "background worker did not finish its job"},
-                           recoverable=False)
-            return
+                return self._fire("fault", extra={"reason": "background worker did not finish its job"},
+                                  recoverable=False).dest
+            return None
         try:
             # a peer may still be waiting out its transfer timeout before it gets here
             stuck = int(self._all_reduce({"reset": flags(0.0 if drained else 1.0)}, 2 * self._timeout + 10.0)
                         ["reset"][0])
         except GroupBroken as exc:
-            self._group_fault(exc)
-            return
+            return self._group_fault(exc)
         if stuck:
-            self._fire("fault", extra={"reason": f"background worker did not finish its job on {stuck} rank(s)"},
-                       recoverable=False)
-            return
+            return self._fire("fault", extra={"reason": f"background worker did not finish its job on {stuck} rank(s)"},
+                              recoverable=False).dest
         try:
             self._new_transfer_group()
         except Exception as exc:
-            self._fire("fault", extra={"reason": f"could not re-create the transfer group: {exc}"},
-                       recoverable=False)
-            return
+            return self._fire("fault", extra={"reason": f"could not re-create the transfer group: {exc}"},
+                              recoverable=False).dest
         self.trace.emit("transfer_group_reset", group=self.transfer_group_name)
+        return None

@@ -78,11 +78,12 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         _take_handover(ctl, sp, named, state)
         step = ctl.steps
         history_len = len(ctl.history)
+        reached = None
         if join_handshake(ctl, sp):
             full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
-            rearrange_for_scale(ctl, sp, sp.new_world, full, full)
+            reached = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
             tag_history(ctl, sp, history_len)
-        if ctl.state != SCALING:
+        if reached != SCALING:
             reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the handshake failed"
             scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason)
             raise ScaleAborted(f"scale to generation {generation} aborted: {reason}")

@@ -39,6 +39,7 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "switched": (),
     "fault": ("recoverable",),
     "recovered": (),
+    "salvaged": (),
 }
 
 # The transition table of design §4. ``internal`` rows keep the state without exit/enter.
@@ -50,6 +51,9 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "step", "source": [PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED], "dest": None},
     {"trigger": "plan_ready", "source": PLANNING, "dest": TRANSFERRING,
      "conditions": "is_worth_moving", "before": "start_first_layer"},
+    # a scale can't be refused: with nothing to move it goes straight on to the switch
+    {"trigger": "plan_ready", "source": PLANNING, "dest": SCALING, "conditions": "is_scale_pending",
+     "note": "scale with nothing to move"},
     {"trigger": "plan_ready", "source": PLANNING, "dest": COLLECTING, "note": "nothing worth moving"},
     {"trigger": "layer_done", "source": TRANSFERRING, "dest": TRANSFERRING,
      "conditions": ["is_current_layer", "has_more_layers"], "before": "advance_layer"},
@@ -68,6 +72,9 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED],
      "dest": FAILED, "before": "clear_scale_pending"},
     {"trigger": "recovered", "source": FAILED, "dest": COLLECTING},
+    # the old group broke mid scale-down, but the survivors agreed on their new group that
+    # every expert still has a replica among them: they go on to the switch from failed
+    {"trigger": "salvaged", "source": FAILED, "dest": SCALING, "before": "mark_scale_pending"},
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eplb_fsm.fsm.machine import COLLECTING
+from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.fsm.planning import bad_load_reason, plan_placements
 from eplb_fsm.fsm.scale_plan import ScalePlan
 
@@ -22,8 +22,10 @@ __all__ = ["rearrange_for_scale", "scaling_record", "tag_history"]
 
 
 def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.ndarray,
-                        from_group: np.ndarray) -> None:
+                        from_group: np.ndarray) -> str:
     """groups_ready -> planning -> transferring ... -> committing -> scaling (or a fault).
+
+    Returns the state the last event led to: ``scaling`` when the switch may go ahead.
 
     ``plan_world``: ranks after the scale; ``from_group`` (S * plan_world,) maps plan
     columns to the transfer group's slots, ``to_group`` (S * group world,) maps back.
@@ -33,8 +35,7 @@ def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.n
     try:
         reduced = ctl._all_reduce({"loads": ctl._local_loads()}, ctl._timeout)
     except Exception as exc:  # GroupBroken
-        ctl._group_fault(exc)
-        return
+        return ctl._group_fault(exc)
     flat = reduced["loads"]
     bad = bad_load_reason(flat) if flat.numel() else None
     if bad:  # a scale can't be refused for bad statistics: plan on zero load instead
@@ -46,8 +47,7 @@ def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.n
                                step=ctl._current.step, forced=True, plan_world=plan_world, to_group=to_group,
                                from_group=from_group)
     except Exception as exc:
-        ctl._abort(f"scale policy failed: {type(exc).__name__}: {exc}", recoverable=True)
-        return
+        return ctl._abort(f"scale policy failed: {type(exc).__name__}: {exc}", recoverable=True)
     # the machine's "moves" here counts every slot whose content changes (within a rank too),
     # so only a scale that changes nothing at all skips the transfer
     changed_slots = sum(int((entry.maps.phy2log != new).sum()) for entry, new in zip(ctl.models, plan.new_phy2log))
@@ -58,11 +58,10 @@ def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.n
         "balancedness_after": round(plan.balancedness_after, 6),
         "changed_layers": int(sum(plan.changed)), "policy_s": round(plan.policy_s, 6), "forced": True,
     }, moves=changed_slots, worth=True)
-    if fired.dest == COLLECTING:  # nothing changes at all: go straight to the switch
+    if fired.dest == SCALING:  # nothing changes at all: the machine went straight on to the switch
         ctl._finish("skipped", reason="no_moves")
-        ctl._fire("scale_requested", extra={"generation": sp.generation, "nothing_to_move": True})
-        return
-    ctl._sync_transfer()
+        return fired.dest
+    return ctl._sync_transfer()
 
 
 def tag_history(ctl: Any, sp: ScalePlan, count_before: int) -> None:

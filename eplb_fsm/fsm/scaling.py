@@ -240,9 +240,9 @@ def _scale_down(ctl: Any, req: _Request) -> dict:
     to_group = slot_columns([sp.new_rank(i) for i in range(sp.old_world)], S)
     from_group = slot_columns(list(sp.old_of_new), S)  # plan space <- old group space
     history_len = len(ctl.history)
-    rearrange_for_scale(ctl, sp, sp.new_world, to_group, from_group)
+    state = rearrange_for_scale(ctl, sp, sp.new_world, to_group, from_group)
     tag_history(ctl, sp, history_len)
-    if ctl.state == SCALING:
+    if state == SCALING:
         if leaving:
             ctl._fire("switched", extra={"generation": sp.generation, "role": "leaving"})
             leave(ctl, sp, "switch")
@@ -252,7 +252,7 @@ def _scale_down(ctl: Any, req: _Request) -> dict:
         _switch_down(ctl, req, new_group, new_comm, from_group)
         ctl._fire("switched", extra={"generation": sp.generation, "role": role})
         return req.record(ctl, role, "switched")
-    if ctl.state == COLLECTING:  # a transfer fault the old group survived: it keeps serving
+    if state == COLLECTING:  # a transfer fault the old group survived: it keeps serving
         reason = f"scale-down aborted: {ctl.history[-1]['reason'] if ctl.history else 'transfer failed'}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
         if new_group is not None:
@@ -292,8 +292,7 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
             "survivors disagree on the committed layers"
         return _give_up(ctl, req, "survivor", "salvage", reason, lost)
     reason = "a leaving rank died before the scale-down finished; every expert still has a replica on a survivor"
-    ctl._fire("recovered", extra={"reason": reason, "scale": sp.generation})
-    ctl._fire("scale_requested", extra={**sp.describe(), "salvage": True})
+    ctl._fire("salvaged", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
     _switch_down(ctl, req, new_group, new_comm, from_group)
     ctl._fire("switched", extra={"generation": sp.generation, "role": "survivor", "salvage": True})
     return req.record(ctl, "survivor", "switched", reason=reason, degraded=True)
@@ -315,23 +314,25 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
     use_group(ctl, new_group, new_comm, req.new_rank, sp.new_world, role="member", phase="prepare", sp=sp)
     set_space(ctl, to_new)
     history_len = len(ctl.history)
-    ok = join_handshake(ctl, sp)
-    if ok:
+    state = None
+    if join_handshake(ctl, sp):
         full = np.arange(S * sp.new_world, dtype=np.int64)
-        rearrange_for_scale(ctl, sp, sp.new_world, full, full)
+        state = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
         tag_history(ctl, sp, history_len)
-    if ok and ctl.state == SCALING:
+    if state == SCALING:
         resize_models(ctl, req.new_rank, sp.new_world)
         ctl._restart_interval()
         ctl._fire("switched", extra={"generation": sp.generation, "role": "member"})
         return req.record(ctl, "member", "switched")
-    return _roll_back_up(ctl, req, old, new_group, back, history_len)
+    return _roll_back_up(ctl, req, old, new_group, back, history_len, state)
 
 
-def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int) -> dict:
+def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int,
+                  state: str | None) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
-    ``old``: what ``_scale_up`` saved of the controller before the switch.
+    ``old``: what ``_scale_up`` saved of the controller before the switch; ``state``: where
+    the scale's rearrangement left the machine (None: the handshake failed, see its fault).
     """
     sp = req.sp
     new_group.close()
@@ -354,9 +355,10 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         return _give_up(ctl, req, "member", "rollback", reason, lost)
     set_space(ctl, back)
     reason = "scale-up aborted in the new group; the old group keeps serving"
-    if ctl.state == FAILED:
+    state = ctl.state if state is None else state
+    if state == FAILED:
         ctl._fire("recovered", extra={"reason": reason, "scale": sp.generation})
-    elif ctl.state != COLLECTING:
+    elif state != COLLECTING:
         ctl._fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
     return req.record(ctl, "member", "aborted", reason=reason)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from eplb_fsm.fsm.collectives import GroupBroken, flags
-from eplb_fsm.fsm.machine import COMMITTING, PLANNING, TRANSFERRING
+from eplb_fsm.fsm.machine import COMMITTING, PLANNING, TRANSFERRING, Fired
 from eplb_fsm.fsm.model_entry import ModelEntry
 from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
 
@@ -63,33 +63,43 @@ class TransfersMixin:
             migration_batching=self.config.enable_migration_batching,
         )
 
-    def _commit_layer(self, layer: int, pending: Any) -> None:
-        """Write a transferred layer's weights and flip its maps, in one go (``pending`` None: unchanged layer)."""
+    def _commit_layer(self, layer: int, pending: Any) -> Fired:
+        """``layer_done`` (every rank has the layer), then write its weights and flip its maps in one go.
+
+        ``pending`` None: an unchanged layer. The last layer is written in ``committing``;
+        returns what ``layer_done`` fired.
+        """
         entry, local = self._locate(layer)
         plan = self._current.plan
+        fired = self._fire("layer_done", extra={"model": entry.name, "model_layer": local,
+                                                "moved": plan.moved[layer], "changed": plan.changed[layer]},
+                           layer=layer)
         if pending is not None:
             commit_layer_from_buffer(pending, self._wrap(entry.model.expert_weights[local]))
             entry.commit_row(local, plan.new_phy2log[entry.index][local])
         self._current.layers_committed += 1
-        self._fire("layer_done", extra={"model": entry.name, "model_layer": local,
-                                        "moved": plan.moved[layer], "changed": plan.changed[layer]}, layer=layer)
+        return fired
 
-    def _commit_failed(self, layer: int, exc: BaseException) -> None:
+    def _commit_failed(self, layer: int, exc: BaseException) -> str:
         """A local copy failed half-way through a commit: the weights can't be trusted."""
-        self._abort(f"commit of layer {layer} failed: {type(exc).__name__}: {exc}", recoverable=False)
+        return self._abort(f"commit of layer {layer} failed: {type(exc).__name__}: {exc}", recoverable=False)
 
-    def _committed(self) -> None:
-        """Every layer is in: ``committed`` and the rearrangement's record."""
-        self._fire("committed", extra=self._summary_fields())
+    def _committed(self) -> str:
+        """Every layer is in: ``committed`` and the rearrangement's record; returns the destination."""
+        fired = self._fire("committed", extra=self._summary_fields())
         self._finish("committed")
+        return fired.dest
 
     # ---------------------------------------------------------------------- sync
-    def _sync_transfer(self) -> None:
-        """Sync mode: every layer, each transferred, agreed on by all ranks, then committed."""
+    def _sync_transfer(self) -> str:
+        """Sync mode: every layer, each transferred, agreed on by all ranks, then committed.
+
+        Returns the state it ends in (what the last event fired led to).
+        """
         plan = self._current.plan
         for layer in range(self.machine.num_layers):
             if not plan.changed[layer]:
-                self._commit_layer(layer, None)
+                fired = self._commit_layer(layer, None)
                 continue
             error: BaseException | None = None
             pending = None
@@ -103,17 +113,15 @@ class TransfersMixin:
             try:
                 agreed = self._all_reduce({"ready": ready}, 2 * self._timeout, layer=layer)["ready"]
             except GroupBroken as exc:
-                self._group_fault(exc)
-                return
+                return self._group_fault(exc)
             if agreed[1] > 0:
-                self._transfer_fault(layer, error, int(agreed[1]))
-                return
+                return self._transfer_fault(layer, error, int(agreed[1]))
             try:
-                self._commit_layer(layer, pending)
+                fired = self._commit_layer(layer, pending)
             except Exception as exc:
-                self._commit_failed(layer, exc)
-                return
-        self._committed()
+                return self._commit_failed(layer, exc)
+        assert fired.dest == COMMITTING, fired
+        return self._committed()
 
     # --------------------------------------------------------------------- async
     def _ready_flags(self) -> torch.Tensor:
@@ -153,20 +161,21 @@ class TransfersMixin:
         job.wait_stream()
         layer = self.machine.layer
         try:
-            self._commit_layer(layer, job.result(timeout=0))
+            fired = self._commit_layer(layer, job.result(timeout=0))
         except Exception as exc:
             self._commit_failed(layer, exc)
             return
-        self._async_advance()
+        self._async_advance(fired.dest)
 
-    def _async_advance(self) -> None:
-        """Commit unchanged layers at once, start the next changed layer, or finish."""
+    def _async_advance(self, state: str = TRANSFERRING) -> None:
+        """From ``state`` (where the last event led): commit unchanged layers at once, start the
+        next changed layer, or finish."""
         plan = self._current.plan
-        while self.machine.state == TRANSFERRING:
+        while state == TRANSFERRING:
             layer = self.machine.layer
             if plan.changed[layer]:
                 self._current.job = self.worker.submit(self._transfer_layer, layer, kind="transfer", layer=layer)
                 return
-            self._commit_layer(layer, None)
-        if self.machine.state == COMMITTING:
+            state = self._commit_layer(layer, None).dest
+        if state == COMMITTING:
             self._committed()
