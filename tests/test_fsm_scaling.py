@@ -294,4 +294,6 @@ def test_salvaged_scale_down_replays_with_the_real_events(fault_drills):
     rep = replay_dir(log_dirs["spare"])
     assert rep.illegal_transitions == [] and "divergence" not in rep.verdict, rep.summary
     assert (rep.verdict, rep.culprit_ranks) == ("hang", [2]), rep.summary
-    assert "switched (degraded: a leaving rank died)" in rep.summary
+    from eplb_fsm.inspect.render import format_report
+
+    assert "switched (degraded: a leaving rank died)" in format_report(rep)
