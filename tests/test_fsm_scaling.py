@@ -11,7 +11,7 @@ import torch
 
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.controller import EplbController
-from eplb_fsm.fsm.scaling import (
+from eplb_fsm.elastic import (
     default_rank_mapping,
     lost_experts,
     make_scale_plan,
@@ -155,7 +155,7 @@ def _fault_body(variant, rank, host, port, log_dir, results):
     """One process of a fault drill (top level: the forkserver imports it)."""
     import os
 
-    from eplb_fsm.fsm.scaling import ScaleAborted
+    from eplb_fsm.elastic import ScaleAborted
     from eplb_fsm.transfer.groups import StoreGroup, StoreInfo
 
     torch.set_num_threads(1)
@@ -165,7 +165,9 @@ def _fault_body(variant, rank, host, port, log_dir, results):
     try:
         if variant == "joiner" and rank == 2:
             model = ToyMoE(2, 4, 2, 4, 2, 2, 3)
-            EplbController._transfer_layer = lambda self, layer: os._exit(3)  # dies in its first transfer
+            from eplb_fsm.fsm.transfers import LayerMover
+
+            LayerMover.transfer = lambda self, new, layer: os._exit(3)  # dies in its first transfer
             EplbController.join(config, {"main": model}, store=info, generation=1, rank=2, world_size=3,
                                 trace_dir=log_dir, timeout_s=10.0)
             results.put((variant, rank, {"outcome": "joined"}))
