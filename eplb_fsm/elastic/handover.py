@@ -71,7 +71,8 @@ def set_space(ctl: Any, columns: np.ndarray) -> None:
     ``columns`` (P',): the old slot each new slot takes (-1: empty), see ``slot_columns``.
     """
     for entry in ctl.models:
-        ctl.install_placement(entry, remap_columns(entry.maps.phy2log, columns), resize_window(entry.window, columns))
+        entry.install_placement(remap_columns(entry.maps.phy2log, columns), ctl.device,
+                                resize_window(entry.window, columns))
 
 
 def resize_models(ctl: Any, rank: int, world: int) -> None:

@@ -118,7 +118,7 @@ def _take_handover(ctl: Any, sp: Any, named: list, state: dict) -> None:
     to_new = slot_columns(list(sp.old_of_new), state["models"][0]["slots_per_rank"])
     for (name, model), spec in zip(named, state["models"]):
         entry = ctl.add_model(model, name)
-        ctl.install_placement(entry, remap_columns(np.asarray(spec["phy2log"]), to_new))
+        entry.install_placement(remap_columns(np.asarray(spec["phy2log"]), to_new), ctl.device)
         entry.window.next_index = int(spec["window"]["next_index"])
         entry.window.filled = int(spec["window"]["filled"])
     ctl.trace.emit("group_switch", generation=sp.generation, phase="prepare", role="joiner", kind=sp.kind,

@@ -3,8 +3,8 @@
 Elastic flows take the controller as ``ctl`` and touch nothing but what
 :class:`ControllerPort` lists; ``EplbController`` provides it (a test checks that every
 name here exists on it). The port's verbs: fire an event, run a rearrangement (through
-``rearranger``), switch the group, export / restore the shared counters, install a
-placement.
+``rearranger``), switch the group, export / restore the shared counters; a model
+entry installs a placement in another slot space itself.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class ControllerPort(Protocol):
     # what it reads
     config: Any                   # EplbConfig (replaced on a resize: num_redundant_experts follows G')
     policy: Any
-    models: list                  # the model entries (maps, windows, models)
+    models: list                  # fsm.model_entry.ModelEntry: maps, window, install_placement
     trace: Any
     collectives: Any              # fsm.collectives.Collectives: all_reduce, on(group), save(), communicator
     rearranger: Any               # fsm.rearrange.Rearranger: run_forced, drain, abort, group_fault
@@ -55,7 +55,6 @@ class ControllerPort(Protocol):
     def restore_group(self, saved: tuple) -> None: ...
     def export_counters(self) -> dict: ...
     def restore_counters(self, counters: dict) -> None: ...
-    def install_placement(self, entry: Any, phy2log: Any, window: Any = None) -> None: ...
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> Any: ...
     def close(self) -> None: ...
 

@@ -23,17 +23,11 @@ controller owns its collaborators:
   (planning, layer transfers and commits, faults);
 - ``worker`` (async mode) and ``watchdog``; ``counters`` (the shared step counters).
 
-Rules every decision follows (so ranks can never disagree): whether a step rearranges
-comes from counters that advance identically on every rank; whether a job finished
-everywhere, failed somewhere or ran late comes from an all-reduce every rank issues on
-the same step; a step issues at most one all-reduce of the controller's own (a sync
-rearrangement adds one agreement per transferred layer); a layer's maps flip in the call
-that writes its weights. Faults: committed layers keep their new placement, the others
-keep old maps and weights; the machine returns to ``collecting`` (recoverable) or goes to
-``failed``. Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its
+Ranks can never disagree: decisions read counters that advance identically everywhere
+and all-reduces every rank issues on the same step (at most one of the controller's own
+per step, plus one agreement per layer in a sync rearrangement). Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its
 public port (``fire``, ``rearranger``, ``switch_group``, ``export_counters`` /
-``restore_counters``, ``install_placement``; see :mod:`eplb_fsm.elastic.port`). Trace
-schema: docs/events.md.
+``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
 
 from __future__ import annotations
@@ -175,52 +169,18 @@ class EplbController:
     def num_layers(self) -> int:
         return sum(entry.num_layers for entry in self.models)
 
-    @property
-    def steps(self) -> int:
-        """Engine steps taken (profile steps excluded)."""
-        return self.counters.steps
-
-    @property
-    def rank(self) -> int:
-        return self.collectives.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the EP group this controller serves in."""
-        return self.collectives.world_size
-
-    @property
-    def world(self) -> int:
-        """Old name of :attr:`world_size` (kept for callers outside the package)."""
-        return self.collectives.world_size
-
-    @property
-    def group(self) -> Any:
-        return self.collectives.group
-
-    @property
-    def group_name(self) -> str:
-        return self.collectives.name
-
-    @property
-    def generation(self) -> int:
-        return self.collectives.generation
-
-    @property
-    def transfer_group(self) -> Any:
-        return self.collectives.transfer_group
-
-    @property
-    def transfer_group_name(self) -> str:
-        return self.collectives.transfer_group_name
-
-    @property
-    def history(self) -> list[dict]:
-        return self.reporter.history
-
-    @property
-    def balancedness_log(self) -> list[tuple[int, float]]:
-        return self.reporter.balancedness_log
+    # read-only views of the collaborators' state
+    steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
+    rank = property(lambda self: self.collectives.rank, doc="This rank's number in its EP group.")
+    world_size = property(lambda self: self.collectives.world_size, doc="Ranks of the EP group served in.")
+    world = property(lambda self: self.collectives.world_size, doc="Old name of world_size (callers outside).")
+    group = property(lambda self: self.collectives.group, doc="The EP group (see Collectives).")
+    group_name = property(lambda self: self.collectives.name, doc="Trace name of the EP group.")
+    generation = property(lambda self: self.collectives.generation, doc="Elastic EP: the group's generation.")
+    transfer_group = property(lambda self: self.collectives.transfer_group, doc="Torch group transfers run on.")
+    transfer_group_name = property(lambda self: self.collectives.transfer_group_name, doc="Its trace name.")
+    history = property(lambda self: self.reporter.history, doc="One entry per rearrangement (Reporter).")
+    balancedness_log = property(lambda self: self.reporter.balancedness_log, doc="(step, value) pairs.")
 
     def model(self, name: str) -> ModelEntry:
         for entry in self.models:
@@ -334,17 +294,9 @@ class EplbController:
 
     def request_scale(self, new_world_size: int, rank_mapping: dict[int, int] | None = None, *,
                       timeout_s: float | None = None, generation: int | None = None) -> dict:
-        """Grow or shrink the EP group now (elastic EP; every rank of the current group, same point).
-
-        ``new_world_size``: ranks after the scale (S slots per rank stay, so P' = S * G');
-        ``rank_mapping``: ``{old_rank: new_rank or -1}`` (default: the highest ranks leave /
-        old ranks keep their numbers); ``timeout_s`` bounds forming the new group;
-        ``generation``: the new group's number (default: the last one used + 1). The group
-        must be a ``transfer.groups.StoreGroup``. Runs the whole scale before returning and
-        returns this rank's entry (also in ``scalings``): ``outcome`` is ``switched``,
-        ``left`` (closed: stop calling it), ``aborted`` (the old group serves on) or
-        ``failed``. ``ValueError`` on a bad request before anything changes. See docs/elastic.md.
-        """
+        """Grow or shrink the EP group now (every rank of the current group, same point); see
+        :func:`eplb_fsm.elastic.scaling.request_scale` and docs/elastic.md. Returns this rank's
+        ``scalings`` entry (``outcome``: switched, left, aborted or failed)."""
         from eplb_fsm.elastic.scaling import request_scale
 
         return request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s, generation=generation)
@@ -353,15 +305,9 @@ class EplbController:
     def join(cls, config: EplbConfig, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
              trace_dir: str | None = None, device: torch.device | str | None = None, timeout_s: float | None = None,
              keep_trace: bool = False) -> "EplbController":
-        """Start the controller of a process that joins a serving group (elastic scale-up).
-
-        ``models``: ``{name: model}`` (or ``[(name, model), ...]``) in the serving ranks' order,
-        each built for ``world_size`` ranks at ``rank``; ``store``: a
-        ``transfer.groups.StoreInfo`` (or a connected store); ``generation``: the group
-        being formed. Waits at most ``timeout_s`` for the handover, takes part in the scale
-        and returns the controller in ``collecting``. Raises
-        ``eplb_fsm.elastic.ScaleAborted`` if the scale does not complete.
-        """
+        """Start the controller of a process joining a serving group (scale-up); see
+        :func:`eplb_fsm.elastic.joiner.join`. Returns it in ``collecting`` or raises
+        ``eplb_fsm.elastic.ScaleAborted``."""
         from eplb_fsm.elastic.joiner import join
 
         return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
@@ -418,17 +364,6 @@ class EplbController:
         self.counters.threshold = int(counters["threshold"])
         self.reporter.count = int(counters["count"])
         self.trace.set_context(step=self.counters.steps)
-
-    def install_placement(self, entry: ModelEntry, phy2log: Any, window: Any = None) -> None:
-        """Give a model ``phy2log`` (L, P) (empty slots allowed) and, with a new slot count, its
-        re-indexed load ``window``; the model gets the new maps at once."""
-        if window is not None:
-            entry.window = window
-            entry.num_physical = int(phy2log.shape[1])
-        maps = ExpertMaps.from_phy2log(phy2log, entry.num_logical,
-                                       max_replicas=max(phy2log.shape[1] - entry.num_logical + 1, 1),
-                                       allow_empty=True)
-        entry.install_maps(maps, self.device)
 
     def close(self) -> None:
         """Stop the worker and the watchdog and close the trace (idempotent)."""

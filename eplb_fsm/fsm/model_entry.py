@@ -55,6 +55,17 @@ class ModelEntry:
         self.replica_count = torch.from_numpy(maps.replica_count.copy()).to(device)
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
 
+    def install_placement(self, phy2log: np.ndarray, device: torch.device, window: LoadWindow | None = None) -> None:
+        """Maps of ``phy2log`` (L, P) (empty slots allowed; elastic EP) and, with a new slot count,
+        the re-indexed load ``window``; the model gets them at once."""
+        if window is not None:
+            self.window = window
+            self.num_physical = int(phy2log.shape[1])
+        maps = ExpertMaps.from_phy2log(phy2log, self.num_logical,
+                                       max_replicas=max(phy2log.shape[1] - self.num_logical + 1, 1),
+                                       allow_empty=True)
+        self.install_maps(maps, device)
+
     def commit_row(self, layer: int, new_row: np.ndarray) -> None:
         """Flip one layer's maps to ``new_row`` (P,) in place and move its window counts along.
 
