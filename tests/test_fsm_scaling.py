@@ -186,7 +186,7 @@ def _fault_body(variant, rank, host, port, log_dir, results):
         if ctl.state == "collecting":
             bad += _serve(ctl, model, 3, ctl.steps)
         rows = model.check_weights(ctl.models[0].maps.phy2log)
-        results.put((variant, rank, {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world,
+        results.put((variant, rank, {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world_size,
                                      "final_state": ctl.state}))
         ctl.close()
     except ScaleAborted as exc:

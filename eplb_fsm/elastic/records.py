@@ -33,7 +33,8 @@ def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.n
 
     def make_plan(loads: list) -> Any:
         return plan_placements(ctl.policy, ctl.models, loads, num_nodes=ctl.config.num_nodes,
-                               world=ctl.world_size, step=step, forced=True, plan_world=plan_world,
+                               world_size=ctl.world_size, step=step, forced=True,
+                               plan_world_size=plan_world,
                                to_group=to_group, from_group=from_group)
 
     return ctl.rearranger.run_forced(make_plan, {"scale": sp.generation}, sp.generation)

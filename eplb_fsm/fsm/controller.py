@@ -145,7 +145,7 @@ class EplbController:
             raise ValueError(f"models can only be added while collecting, state is {self.machine.state!r}")
         entry = build_model_entry(
             model, name, index=len(self.models), layer_offset=sum(e.num_layers for e in self.models),
-            world=self.world_size, num_redundant=self.config.num_redundant_experts,
+            world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
             window_size=self.config.window_size, device=self.device, phy2log=phy2log,
         )
         self.models.append(entry)
@@ -173,7 +173,6 @@ class EplbController:
     steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
     rank = property(lambda self: self.collectives.rank, doc="This rank's number in its EP group.")
     world_size = property(lambda self: self.collectives.world_size, doc="Ranks of the EP group served in.")
-    world = property(lambda self: self.collectives.world_size, doc="Old name of world_size (callers outside).")
     group = property(lambda self: self.collectives.group, doc="The EP group (see Collectives).")
     group_name = property(lambda self: self.collectives.name, doc="Trace name of the EP group.")
     generation = property(lambda self: self.collectives.generation, doc="Elastic EP: the group's generation.")

@@ -79,14 +79,14 @@ class ModelEntry:
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
 
 
-def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world: int, num_redundant: int,
+def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world_size: int, num_redundant: int,
                       window_size: int, device: torch.device, phy2log: Any = None) -> ModelEntry:
-    """Validate ``model`` for ``world`` ranks and build its entry (maps, window, router tensors, buffer).
+    """Validate ``model`` for ``world_size`` ranks and build its entry (maps, window, router tensors, buffer).
 
     ``phy2log`` (L, P): its current placement (default: the initial contiguous one). The
     model is not told about the entry yet (the controller does that once it is added).
     """
-    shape = validate_model(model, world, num_redundant)
+    shape = validate_model(model, world_size, num_redundant)
     L = shape["num_moe_layers"]
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]

@@ -76,21 +76,21 @@ def balancedness(rank_loads: Sequence[np.ndarray]) -> float:
 
 
 def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Tensor], *, num_nodes: int,
-                    world: int, step: int, forced: bool, plan_world: int | None = None,
+                    world_size: int, step: int, forced: bool, plan_world_size: int | None = None,
                     to_group: np.ndarray | None = None, from_group: np.ndarray | None = None) -> Plan:
     """Run the policy for every model on the shared load and price the new placement.
 
     ``models``: the controller's model entries; ``loads``: per model (L, N) float64.
-    ``world``: ranks of the group the transfer runs in (moves are counted there).
+    ``world_size``: ranks of the group the transfer runs in (moves are counted there).
 
-    Elastic scaling plans for ``plan_world`` ranks (P' = S * plan_world slots) in the plan's
+    Elastic scaling plans for ``plan_world_size`` ranks (P' = S * plan_world_size slots) in the plan's
     own slot space: ``from_group`` (P',) maps plan columns to the transfer group's (-1:
     empty) and ``to_group`` (P,) maps back; ``new_phy2log`` is in the transfer group's
-    space. Without them the plan is made in place, for ``world`` ranks.
+    space. Without them the plan is made in place, for ``world_size`` ranks.
     """
     t0 = time.perf_counter()
-    scaled = plan_world is not None
-    plan_world = world if plan_world is None else plan_world
+    scaled = plan_world_size is not None
+    plan_world_size = world_size if plan_world_size is None else plan_world_size
     new_rows: list[np.ndarray] = []
     changed: list[bool] = []
     moved: list[int] = []
@@ -98,11 +98,11 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
     moved_bytes = 0
     for entry, load in zip(models, loads):
         old = entry.maps.phy2log
-        p_plan = entry.num_local * plan_world if scaled else entry.num_physical
+        p_plan = entry.num_local * plan_world_size if scaled else entry.num_physical
         plan_old = remap_columns(old, from_group) if scaled else old
         # the old placement is only a hint the policy may keep close to; one with lost experts is none
         hint = None if scaled and lost_experts(plan_old, entry.num_logical) else torch.from_numpy(plan_old.copy())
-        phy2log, _, _ = policy.rebalance_experts(load, p_plan, entry.num_groups, num_nodes, plan_world,
+        phy2log, _, _ = policy.rebalance_experts(load, p_plan, entry.num_groups, num_nodes, plan_world_size,
                                                  old_phy2log=hint)
         planned = np.ascontiguousarray(np.asarray(phy2log.detach().cpu().numpy(), dtype=np.int64))
         if planned.shape != (entry.num_layers, p_plan):
@@ -114,11 +114,11 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         new = remap_columns(planned, to_group) if scaled else planned
         for layer in range(entry.num_layers):
             changed.append(not np.array_equal(old[layer], new[layer]))
-            count = moved_slots(old[layer], new[layer], world)
+            count = moved_slots(old[layer], new[layer], world_size)
             moved.append(count)
             moved_bytes += count * entry.slot_bytes[layer]
-        before.append(rank_loads(old, load, world))
-        after.append(rank_loads(planned, load, plan_world))
+        before.append(rank_loads(old, load, world_size))
+        after.append(rank_loads(planned, load, plan_world_size))
         new_rows.append(new)
     return Plan(
         step=step,
