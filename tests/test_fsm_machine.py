@@ -3,7 +3,7 @@
 The expected outcome of an event is computed here from ``TRANSITIONS`` with guard and
 counter semantics written out independently (``GUARD_SPEC`` / ``EFFECT_SPEC``), so the test
 proves the `transitions` wiring (row order, conditions, ``before`` callbacks, queued
-firing) does what the table says, and the hand-written walks pin the design §4 table.
+firing) does what the table says, and the hand-written walks pin the table docs/machine.md explains.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_may_matches_the_table_sources():
 
 
 def test_full_rearrangement_walk_follows_design_table():
-    """collecting -> planning -> transferring k=0..L-1 -> committing -> collecting, per design §4."""
+    """collecting -> planning -> transferring k=0..L-1 -> committing -> collecting, as docs/machine.md says."""
     m = EplbMachine(NUM_LAYERS)
     assert m.state == COLLECTING
     m.fire("step", due=False)

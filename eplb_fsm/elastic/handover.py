@@ -124,24 +124,24 @@ def non_expert_specs(model: Any) -> list[tuple[tuple, str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in (getattr(model, "non_expert_weights", None) or [])]
 
 
-def join_handshake(ctl: Any, sp: ScalePlan) -> bool:
-    """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners."""
+def join_handshake(ctl: Any, sp: ScalePlan) -> str | None:
+    """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners.
+
+    Returns None when done, else the state the ``fault`` it fired led to.
+    """
     try:
         go = ctl.collectives.all_reduce({"scale_go": flags(1.0)}, 2 * ctl.timeout_s + 5.0)["scale_go"]
     except Exception as exc:
-        ctl.rearranger.group_fault(exc)
-        return False
+        return ctl.rearranger.group_fault(exc)
     if int(round(float(go[0]))) != sp.new_world:
-        ctl.rearranger.abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
-        return False
+        return ctl.rearranger.abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
     senders = [sp.new_rank(i) for i in range(sp.old_world)]
     try:
         nbytes = _send_non_expert(ctl, sp, senders)
     except Exception as exc:
-        ctl.rearranger.group_fault(exc)
-        return False
+        return ctl.rearranger.group_fault(exc)
     ctl.trace.emit("handover", generation=sp.generation, nbytes=nbytes, senders=senders, joiners=list(sp.joiners))
-    return True
+    return None
 
 
 def _handover_tensors(ctl: Any) -> list[torch.Tensor]:

@@ -77,8 +77,8 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         _take_handover(ctl, sp, named, state)
         step = ctl.steps
         history_len = len(ctl.history)
-        reached = None
-        if join_handshake(ctl, sp):
+        reached = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+        if reached is None:
             full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
             reached = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
             tag_history(ctl, sp, history_len)

@@ -293,8 +293,8 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
     use_group(ctl, new_group, new_comm, req.new_rank, sp.new_world, role="member", phase="prepare", sp=sp)
     set_space(ctl, to_new)
     history_len = len(ctl.history)
-    state = None
-    if join_handshake(ctl, sp):
+    state = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+    if state is None:
         full = np.arange(S * sp.new_world, dtype=np.int64)
         state = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
         tag_history(ctl, sp, history_len)
@@ -307,11 +307,11 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
 
 
 def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int,
-                  state: str | None) -> dict:
+                  state: str) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
     ``old``: what ``_scale_up`` saved of the collectives before the switch; ``state``: where
-    the scale's rearrangement left the machine (None: the handshake failed, see its fault).
+    the handshake's fault or the scale's rearrangement left the machine.
     """
     sp = req.sp
     new_group.close()
@@ -323,7 +323,8 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
     committed = float(ctl.history[-1]["layers_committed"]) if len(ctl.history) > history_len else 0.0
     lost = lost_when_remapped(ctl.models, back)
     try:
-        agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)}, late_timeout(ctl))["rollback"]
+        agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
+                                            late_timeout(ctl))["rollback"]
     except Exception as exc:
         ctl.rearranger.group_fault(exc)
         return req.record(ctl, "member", "failed", reason=str(exc), lost=lost)
@@ -333,7 +334,6 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         return _give_up(ctl, req, "member", "rollback", reason, lost)
     set_space(ctl, back)
     reason = "scale-up aborted in the new group; the old group keeps serving"
-    state = ctl.state if state is None else state
     if state == FAILED:
         ctl.fire("recovered", extra={"reason": reason, "scale": sp.generation})
     elif state != COLLECTING:

@@ -25,8 +25,9 @@ controller owns its collaborators:
 
 Ranks can never disagree: decisions read counters that advance identically everywhere
 and all-reduces every rank issues on the same step (at most one of the controller's own
-per step, plus one agreement per layer in a sync rearrangement). Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its
-public port (``fire``, ``rearranger``, ``switch_group``, ``export_counters`` /
+per step, plus one agreement per layer in a sync rearrangement). Elastic EP
+(:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
+``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
 ``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
 

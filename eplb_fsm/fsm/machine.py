@@ -42,7 +42,7 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "salvaged": (),
 }
 
-# The transition table of design §4. ``internal`` rows keep the state without exit/enter.
+# The transition table (docs/machine.md explains every row). ``internal`` rows keep the state without exit/enter.
 # Order matters within a trigger: the first row whose guards pass wins.
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "step", "source": COLLECTING, "dest": PLANNING, "conditions": "is_due"},

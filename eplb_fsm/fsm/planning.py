@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import structlog
 import torch
 
 from eplb_fsm.maps import ExpertMaps
@@ -27,8 +26,6 @@ from eplb_fsm.transfer import moved_slots
 
 __all__ = ["Plan", "bad_load_reason", "balancedness", "plan_placements", "local_loads", "split_loads",
            "remap_columns", "lost_experts"]
-
-_log = structlog.get_logger("eplb_fsm")
 
 
 @dataclass
@@ -69,7 +66,7 @@ def bad_load_reason(flat: torch.Tensor) -> str | None:
 
 
 def balancedness(rank_loads: Sequence[np.ndarray]) -> float:
-    """sum(mean) / sum(max) over every layer of every model (design §2); each item (L, G)."""
+    """sum(mean) / sum(max) over every layer of every model (docs/design.md); each item (L, G)."""
     means = sum(float(loads.mean(axis=1).sum()) for loads in rank_loads)
     maxes = sum(float(loads.max(axis=1).sum()) for loads in rank_loads)
     return means / maxes if maxes > 0 else 1.0
