@@ -79,7 +79,7 @@ class EplbController:
         if role not in ("member", "joiner"):
             raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
         self.role = role
-        self.config = config
+        self._config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         policy_cls = get_policy(config.policy)
         # a policy with settings in the config (e.g. movement_aware's target) builds itself from it
@@ -169,6 +169,16 @@ class EplbController:
     @property
     def num_layers(self) -> int:
         return sum(entry.num_layers for entry in self.models)
+
+    @property
+    def config(self) -> EplbConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: EplbConfig) -> None:
+        """Elastic EP replaces it after a resize (``num_redundant_experts`` follows G'); the rearranger follows."""
+        self._config = value
+        self.rearranger.config = value
 
     # read-only views of the collaborators' state
     steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")

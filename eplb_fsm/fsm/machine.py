@@ -8,7 +8,10 @@ self-transition, so the diagram stays small and the replay checks the counter.
 Guards read only event data and counters that every rank shares (``layer``,
 ``num_layers``, ``scale_pending``) and never local time, so every rank takes the same
 transition at the same step, and ``eplb-fsm replay`` re-drives them from the trace.
-The actions (planning, moving weights, committing maps) live in the controller.
+What to do is decided by the pure functions of ``fsm.decide``, whose answers arrive here
+as event data; the actions (planning, moving weights, committing maps) are executed by
+the controller and its ``Rearranger``, which act on the destination ``fire()`` returns.
+``committing`` is where the last layer is written and its maps flipped.
 """
 
 from __future__ import annotations
