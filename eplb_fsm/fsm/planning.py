@@ -21,10 +21,10 @@ import torch
 
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy.bounds import rank_loads
-from eplb_fsm.stats import aggregate_logical
+from eplb_fsm.stats import aggregate_logical, balancedness
 from eplb_fsm.transfer import moved_slots
 
-__all__ = ["Plan", "bad_load_reason", "balancedness", "plan_placements", "local_loads", "split_loads",
+__all__ = ["Plan", "bad_load_reason", "plan_placements", "local_loads", "split_loads",
            "remap_columns", "lost_experts"]
 
 
@@ -63,13 +63,6 @@ def bad_load_reason(flat: torch.Tensor) -> str | None:
     if bool((flat < 0).any()):
         return f"negative load (min {float(flat.min())})"
     return None
-
-
-def balancedness(rank_loads: Sequence[np.ndarray]) -> float:
-    """sum(mean) / sum(max) over every layer of every model (docs/design.md); each item (L, G)."""
-    means = sum(float(loads.mean(axis=1).sum()) for loads in rank_loads)
-    maxes = sum(float(loads.max(axis=1).sum()) for loads in rank_loads)
-    return means / maxes if maxes > 0 else 1.0
 
 
 def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Tensor], *, num_nodes: int,
@@ -126,8 +119,8 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         moved=moved,
         moves=int(sum(moved)),
         moved_bytes=int(moved_bytes),
-        balancedness_before=balancedness(before),
-        balancedness_after=balancedness(after),
+        balancedness_before=balancedness(np.concatenate(before)),
+        balancedness_after=balancedness(np.concatenate(after)),
         policy_s=time.perf_counter() - t0,
     )
 

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from eplb_fsm.fsm.planning import Plan
-from eplb_fsm.stats import rank_loads_physical
+from eplb_fsm.stats import balancedness, rank_loads_physical
 from eplb_fsm.trace import EventTrace
 
 __all__ = ["SharedTrace", "Rearrangement", "Reporter"]
@@ -122,18 +122,16 @@ class Reporter:
         ``flat``: (sum_m L_m * P_m,) the models' physical load passes, concatenated.
         """
         per_model: dict[str, float] = {}
-        means = maxes = 0.0
+        all_loads = []
         start = 0
         for entry in models:
             n = entry.num_layers * entry.num_physical
             physical = flat[start:start + n].reshape(entry.num_layers, entry.num_physical).cpu()
             start += n
             loads = rank_loads_physical(physical, world_size)
-            mean, peak = float(loads.mean(dim=1).sum()), float(loads.max(dim=1).values.sum())
-            means += mean
-            maxes += peak
-            per_model[entry.name] = mean / peak if peak > 0 else 1.0
-        value = means / maxes if maxes > 0 else 1.0
+            all_loads.append(loads.double())
+            per_model[entry.name] = balancedness(loads)
+        value = balancedness(torch.cat(all_loads)) if all_loads else 1.0
         self.balancedness_log.append((step, value))
         self.trace.emit("balancedness", value=round(value, 6), models={k: round(v, 6) for k, v in per_model.items()},
                         tokens=float(flat.sum()))
