@@ -40,14 +40,15 @@ class Liveness:
     """Write ``alive`` to ``trace`` every ``interval_s`` seconds from a daemon thread.
 
     ``trace``: an :class:`~eplb_fsm.trace.EventTrace` whose ``emit`` is safe from another
-    thread (``SharedTrace``). ``tick()`` writes one record and is what the thread calls,
-    so tests can drive it without the thread. ``steps_seen`` in a record is the trace's
-    step at the previous record (None for the first).
+    thread (``SharedTrace``), or None until :meth:`start_on`. ``interval_s``: None or 0
+    turns liveness off (``start`` then starts nothing). ``tick()`` writes one record and is
+    what the thread calls, so tests can drive it without the thread. ``steps_seen`` in a
+    record is the trace's step at the previous record (None for the first).
     """
 
-    def __init__(self, trace: Any, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+    def __init__(self, trace: Any, interval_s: float | None = DEFAULT_INTERVAL_S) -> None:
         self.trace = trace
-        self.interval_s = check_interval(interval_s)
+        self.interval_s = check_interval(interval_s) if interval_s else None
         self._steps_seen: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,7 +69,14 @@ class Liveness:
             except Exception:  # a closed file at shutdown: liveness must never take the engine down
                 return
 
+    def start_on(self, trace: Any) -> "Liveness":
+        """Attach ``trace`` and start, if it writes to a file (nothing to report to otherwise)."""
+        self.trace = trace
+        return self.start() if getattr(trace, "path", None) is not None else self
+
     def start(self) -> "Liveness":
+        if self.interval_s is None or self.trace is None:
+            return self
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="eplb-liveness", daemon=True)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ConfigMismatch", "RunIdentity", "agree", "field_hashes", "group_sum", "local_identity",
-           "lookup", "new_run_id", "publish"]
+__all__ = ["ConfigMismatch", "RunIdentity", "agree", "field_hashes", "for_controller", "group_sum",
+           "local_identity", "lookup", "new_run_id", "publish", "write_header"]
 
 _HALF = 1 << 32
 
@@ -172,3 +172,24 @@ def for_controller(group: Any, custom: bool, rank: int, world: int, config: dict
         return local_identity(), err
     publish(group, identity, rank)
     return identity, None
+
+
+def write_header(trace: Any, collectives: Any, config: dict, role: str, **fields: Any) -> RunIdentity:
+    """The controller's first act on its group: agree on the run identity, then write the header.
+
+    ``collectives``: the controller's ``fsm.collectives.Collectives`` (its ``group``,
+    ``custom``, ``rank``, ``world_size``, ``timeout_s``, ``comm_device``); ``fields``: the
+    header's other fields. The header carries ``run_id`` (and ``config_hash``, from the
+    trace). When the identity failed (a differing config, the all-reduce failed) the trace
+    gets ``end how=exception`` and is closed, and the error is raised: on every rank at once
+    for a config mismatch, since every rank sees the same per-field counts.
+    """
+    identity, error = for_controller(collectives.group, collectives.custom, collectives.rank,
+                                     collectives.world_size, config, collectives.timeout_s,
+                                     collectives.comm_device, role)
+    trace.header(config, run_id=identity.run_id, **fields)
+    if error is not None:
+        trace.end("exception", error=f"{type(error).__name__}: {error}")
+        trace.close()
+        raise error
+    return identity

@@ -86,7 +86,7 @@ def test_controller_without_a_trace_file_has_no_liveness_thread():
     from eplb_fsm.fsm.controller import EplbController
 
     with EplbController(EplbConfig(), keep_trace=True) as ctl:
-        assert ctl.liveness is None
+        assert not ctl.liveness.running
     assert DEFAULT_INTERVAL_S == 1.0
     assert ctl.trace.records[-1]["event"] == "end"
 

@@ -20,20 +20,13 @@ A spec is ``KIND:key=value,key=value`` with non-negative integer values:
 ``die:rank=R,step=S``
     At the start of step S, rank R's process exits at once (``os._exit``, code
     ``DIE_EXIT_CODE``): no clean-up, no further trace line.
-``kill:rank=R,step=S[,layer=K]``
-    A real SIGKILL: rank R writes ``fault_injected`` (flushed) and sends SIGKILL to its own
-    process. Without ``layer``: at the start of step S (in whatever state the rank is then:
-    collecting, or planning / transferring in async mode; with ``--scale`` the scale of
-    step S has run). With ``layer=K``: right before the first transfer of layer K at a step
-    >= S (a rearrangement's or a scale's), in the thread that runs it.
-``freeze:rank=R,step=S,seconds=T[,layer=K]``
-    A real SIGSTOP for T seconds, then SIGCONT, sent by a helper process (``sim.signals``),
-    at the same points as ``kill``. Every thread of the rank stops: its ``alive`` records
-    show a gap of T seconds.
+``kill:rank=R,step=S[,layer=K]`` / ``freeze:rank=R,step=S,seconds=T[,layer=K]``
+    A real SIGKILL to itself / a real SIGSTOP for T s, then SIGCONT, from a helper process
+    (``sim.signals``): at the start of step S (any state), or with ``layer=K`` right before
+    the first transfer of layer K at a step >= S (a rearrangement's or a scale's).
 
-Every injection that fires writes a ``fault_injected`` record (``kind``, ``target_rank``,
-``at_step``, ``spec``) to the rank's trace, before it acts; ``sim/inject_report.py`` reads
-them back, so the launcher can report an injection that never fired.
+Every injection that fires first writes ``fault_injected`` (``kind``, ``target_rank``,
+``at_step``, ``spec``) to the rank's trace (``sim/inject_report.py`` finds unfired ones).
 
 :func:`make_injector` is the ``SimOptions.hooks`` factory (``"eplb_fsm.sim.inject:make_injector"``).
 Every rank builds the same :class:`Injector` and acts on the injections naming it. While
@@ -240,12 +233,12 @@ class Injector:
             if inj.step != step:
                 continue
             if inj.kind == "die":
-                self._note(inj, "exiting the process")
+                self.note(inj, "exiting the process")
                 os._exit(DIE_EXIT_CODE)
             elif inj.kind in ("kill", "freeze") and inj.layer is None:
                 self._send_signal(inj, f"at the start of step {step}")
             elif inj.kind == "skip-step":
-                self._note(inj, "controller.step() not called")
+                self.note(inj, "controller.step() not called")
                 overrides["skip_step"] = True
             elif inj.kind == "wrong-collective":
                 # armed until the controller's next all-reduce (this step's, if it has one)
@@ -279,13 +272,13 @@ class Injector:
                 return entry["reason"]
         return "the EP group failed (see the fault record in the trace)"
 
-    def _note(self, inj: Injection, what: str, **fields: Any) -> None:
+    def note(self, inj: Injection, what: str, **fields: Any) -> None:
         """Remember what fired and write ``fault_injected`` (flushed: the trace writes per line)."""
         self.done.append({"spec": inj.spec, "step": self._step, "what": what})
         trace = getattr(self._ctx.controller, "trace", None) if self._ctx is not None else None
         if trace is not None:
-            trace.emit("fault_injected", kind=inj.kind, target_rank=inj.rank,
-                                            at_step=self._step, spec=inj.spec, what=what, **fields)
+            trace.emit("fault_injected", kind=inj.kind, target_rank=inj.rank, at_step=self._step, spec=inj.spec,
+                       what=what, **fields)
 
     # -- kill / freeze: real signals ---------------------------------------
     def _send_signal(self, inj: Injection, where: str, layer: int | None = None) -> None:
@@ -293,10 +286,10 @@ class Injector:
 
         state = self._ctx.controller.machine.state
         if inj.kind == "kill":
-            self._note(inj, f"SIGKILL {where} ({state})", layer=layer, state_at=state)
+            self.note(inj, f"SIGKILL {where} ({state})", layer=layer, state_at=state)
             signals.kill_self()
         else:
-            self._note(inj, f"SIGSTOP for {inj.seconds} s {where} ({state})", layer=layer, state_at=state,
+            self.note(inj, f"SIGSTOP for {inj.seconds} s {where} ({state})", layer=layer, state_at=state,
                        seconds=inj.seconds)
             signals.freeze_self(inj.seconds)
 
@@ -321,7 +314,7 @@ class Injector:
             if layer != inj.layer or fired:
                 return
             fired.append(layer)
-            self._note(inj, f"transfer of layer {layer} blocked, no send or receive posted")
+            self.note(inj, f"transfer of layer {layer} blocked, no send or receive posted")
             self._release.wait(self.stall_hold_s)
             raise RuntimeError(f"injected stall: layer {layer} was never transferred on this rank")
 
@@ -329,42 +322,15 @@ class Injector:
 
     # -- wrong-collective --------------------------------------------------
     def _patch_all_reduce(self, controller: Any) -> None:
-        real = controller._all_reduce
+        """Arm the wrong collective: the controller's collectives object is wrapped (once)."""
+        if not isinstance(controller.collectives, _WrongCollective):
+            controller.collectives = _WrongCollective(controller.collectives, self)
+            # the collaborators that issue all-reduces hold the collectives too
+            controller.rearranger.collectives = controller.collectives
 
-        def wrong(parts: dict, timeout_s: float, **fields: Any) -> dict:
-            inj, self._wrong_pending = self._wrong_pending, None
-            if "_all_reduce" in vars(controller):
-                del controller._all_reduce  # one collective only
-            if inj is None:
-                return real(parts, timeout_s, **fields)
-            self._note(inj, f"broadcast instead of the all-reduce of {list(parts)}")
-            return self._broadcast(controller, parts, timeout_s)
-
-        controller._all_reduce = wrong
-
-    def _broadcast(self, controller: Any, parts: dict, timeout_s: float) -> dict:
-        """A broadcast from this rank of the tensor the all-reduce would have summed, traced as such."""
-        import torch
-        import torch.distributed as dist
-
-        from eplb_fsm.fsm.controller import _GroupBroken
-
-        names = list(parts)
-        flat = [parts[n].reshape(-1).to(dtype=torch.float64, device="cpu") for n in names]
-        sizes = [t.numel() for t in flat]
-        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-        group = controller.group
-        try:
-            with controller.trace.collective("broadcast", group=controller.group_name, shape=tuple(buf.shape),
-                                             dtype=buf.dtype, parts=names, sizes=sizes, src=controller.rank):
-                src = controller.rank
-                if group is not None and group is not dist.group.WORLD:
-                    src = dist.get_global_rank(group, controller.rank)
-                work = dist.broadcast(buf, src=src, group=group, async_op=True)
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:
-            raise _GroupBroken(f"broadcast of {names} failed: {type(exc).__name__}: {exc}") from exc
-        return {n: piece.reshape(parts[n].shape) for n, piece in zip(names, torch.split(buf, sizes))}
+    def take_wrong(self) -> Injection | None:
+        inj, self._wrong_pending = self._wrong_pending, None
+        return inj
 
     # -- the engine's collectives -----------------------------------------
     def _engine_all_reduce(self, tensor: Any, group: Any, layer: int) -> None:
@@ -383,6 +349,50 @@ class Injector:
                 return
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.engine_timeout_s))
+
+
+class _WrongCollective:
+    """The controller's ``Collectives``, except that the next all-reduce after the injection is
+    armed becomes a broadcast from this rank (every other attribute is the wrapped object's)."""
+
+    def __init__(self, inner: Any, injector: Injector) -> None:
+        self.inner = inner
+        self.injector = injector
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def all_reduce(self, parts: dict, timeout_s: float, **fields: Any) -> dict:
+        inj = self.injector.take_wrong()
+        if inj is None:
+            return self.inner.all_reduce(parts, timeout_s, **fields)
+        self.injector.note(inj, f"broadcast instead of the all-reduce of {list(parts)}")
+        return self.broadcast(parts, timeout_s)
+
+    def broadcast(self, parts: dict, timeout_s: float) -> dict:
+        """A broadcast from this rank of the tensor the all-reduce would have summed, traced as such."""
+        import torch
+        import torch.distributed as dist
+
+        from eplb_fsm.fsm.collectives import GroupBroken
+
+        inner = self.inner
+        names = list(parts)
+        flat = [parts[n].reshape(-1).to(dtype=torch.float64, device="cpu") for n in names]
+        sizes = [t.numel() for t in flat]
+        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        group = inner.group
+        try:
+            with inner.trace.collective("broadcast", group=inner.name, shape=tuple(buf.shape),
+                                        dtype=buf.dtype, parts=names, sizes=sizes, src=inner.rank):
+                src = inner.rank
+                if group is not None and group is not dist.group.WORLD:
+                    src = dist.get_global_rank(group, inner.rank)
+                work = dist.broadcast(buf, src=src, group=group, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            raise GroupBroken(f"broadcast of {names} failed: {type(exc).__name__}: {exc}") from exc
+        return {n: piece.reshape(parts[n].shape) for n, piece in zip(names, torch.split(buf, sizes))}
 
 
 def make_injector(specs: Iterable[str] = (), collective_timeout_s: float = 5.0, **kwargs: Any) -> Injector:
