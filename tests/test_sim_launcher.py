@@ -191,3 +191,10 @@ def test_freeze_self_stops_the_process_for_the_given_time():
     """A frozen rank is away for >= the freeze; it leads its own process group; SIGTERM is left to the signal thread."""
     (away, leads, blocked), = run_ranks(_frozen_rank_reports_the_wall_time, 1, timeout=60)
     assert away >= 0.9 and leads and blocked
+
+
+def test_rank_failed_error_names_every_failed_rank():
+    """The message carries the first rank's traceback and one line for each other failed rank."""
+    err = RankFailedError({1: "Traceback ...\nRuntimeError: Connection reset", 0: "process exited with code 3"})
+    assert err.first == 1 and "Connection reset" in str(err)
+    assert "rank 0: process exited with code 3" in str(err)

@@ -44,9 +44,16 @@ class RankFailedError(RuntimeError):
         self.failures = dict(failures)
         self.values = dict(values or {})  # what the ranks that finished returned
         self.first = next(iter(self.failures))
+        # every other failed rank named too, by the last line of its report (often the cause)
+        others = "".join(f"\nrank {r}: {_last_line(text)}" for r, text in self.failures.items() if r != self.first)
         super().__init__(
-            f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}"
+            f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}{others}"
         )
+
+
+def _last_line(text: Any) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "?"
 
 
 class RanksTimeoutError(TimeoutError):
