@@ -174,7 +174,7 @@ def for_controller(group: Any, custom: bool, rank: int, world: int, config: dict
     return identity, None
 
 
-def write_header(trace: Any, collectives: Any, config: dict, role: str, **fields: Any) -> RunIdentity:
+def write_header(trace: Any, collectives: Any, config: dict, role: str, /, **fields: Any) -> RunIdentity:
     """The controller's first act on its group: agree on the run identity, then write the header.
 
     ``collectives``: the controller's ``fsm.collectives.Collectives`` (its ``group``,

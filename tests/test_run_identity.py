@@ -168,3 +168,17 @@ def test_gloo_ranks_share_one_run_id_in_their_headers(tmp_path):
 
     (id0, h0), (id1, h1) = run_ranks(_construct_same, 2, args=(str(tmp_path),), timeout=60)
     assert id0 == id1 and h0 == h1 and len(id0) == 16
+
+
+def test_write_header_keeps_a_role_field_for_the_header(tmp_path):
+    """A joiner's header has its own `role` field: write_header passes it through, beside the identity's role."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.run_identity import write_header
+    from eplb_fsm.trace import EventTrace, read_trace, trace_path
+
+    coll = SimpleNamespace(group=None, custom=False, rank=0, world_size=1, timeout_s=1.0, comm_device="cpu")
+    with EventTrace(0, 1, tmp_path) as trace:
+        identity = write_header(trace, coll, {"a": 1}, "joiner", role="joiner", generation=1)
+    header = read_trace(trace_path(tmp_path, 0))[0][0]
+    assert header["role"] == "joiner" and header["generation"] == 1 and header["run_id"] == identity.run_id
