@@ -52,6 +52,10 @@ def _as_float_rows(weight: Any, name: str = "weight") -> np.ndarray:
     return arr
 
 
+# torch runs an op inline (no thread-pool dispatch) below this many elements (its grain size).
+_SERIAL_ELEMENTS = 32768
+
+
 def _flat_rows(num_rows: int, width: int) -> np.ndarray:
     """(R, 1) offsets that turn a column index into an index of the flattened (R, width) array."""
     return (np.arange(num_rows, dtype=np.int64) * width)[:, None]
@@ -200,13 +204,23 @@ def group_loads(weight32: "torch.Tensor | np.ndarray", num_groups: int) -> np.nd
     """Load of each expert group: ``(L, N) float32 -> (L, num_groups)`` float32.
 
     Groups are N / num_groups contiguous experts. The sum is torch's float32 reduction,
-    the same call the reference makes, so both see bit-identical group loads.
+    the same call the reference makes, so both see bit-identical group loads. It runs in
+    blocks of fewer than 32K elements: torch hands larger inputs to its thread pool,
+    whose dispatch costs several times the sum itself; each row's sum is the same
+    kernel either way, so the blocks change no bit.
     """
     import torch
 
     w = weight32 if isinstance(weight32, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(weight32))
     num_layers, num_experts = w.shape
-    return w.to(torch.float32).reshape(num_layers, num_groups, num_experts // num_groups).sum(-1).numpy()
+    grouped = w.to(torch.float32).reshape(num_layers, num_groups, num_experts // num_groups)
+    block = max(1, (_SERIAL_ELEMENTS - 1) // num_experts)  # layers per block
+    if num_layers <= block:
+        return grouped.sum(-1).numpy()
+    out = torch.empty((num_layers, num_groups), dtype=torch.float32)
+    for start in range(0, num_layers, block):
+        torch.sum(grouped[start : start + block], -1, out=out[start : start + block])
+    return out.numpy()
 
 
 def rebalance_hierarchical(
