@@ -266,11 +266,13 @@ def _run_layer(
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None = None,
+    hold: "HeldReceives | None" = None,
 ) -> None:
     """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
 
     The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
     wave is in flight: they read the weights and write buffer rows no message touches.
+    ``hold``: the first wave goes out in two phases (see :class:`HeldReceives`).
     """
 
     def local_copies() -> None:
@@ -280,13 +282,41 @@ def _run_layer(
             meanwhile()
 
     if not prep.waves:
+        if hold is not None:
+            hold.release()  # before the local copies overwrite staged rows it reads
         local_copies()
         return
     send_bytes = {r: [_RowBytes(t, False) for t in weights[r]] for r in prep.plans}
     recv_bytes = {r: [_RowBytes(t, True) for t in buffers[r]] for r in prep.plans}
     row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
-        _run_wave(prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces, local_copies if w == 0 else None)
+        _run_wave(
+            prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces,
+            local_copies if w == 0 else None, hold if w == 0 else None,
+        )
+
+
+class HeldReceives:
+    """Receives of a wave that must wait for a commit, and that commit.
+
+    ``rows[r]``: buffer rows of local rank r that the previous layer's pending commit
+    still reads. The wave then goes out in two phases: every send and every receive into
+    another row first; ``release()`` (the commit of those rows) runs while they fly;
+    then the held receives. Each message carries its ordinal within its (src, dst) pair
+    as tag, so both sides pair them whatever the phase a receive was posted in.
+    """
+
+    __slots__ = ("rows", "_commit", "done")
+
+    def __init__(self, rows: dict[int, set[int]], commit: Callable[[], None]) -> None:
+        self.rows = rows
+        self._commit = commit
+        self.done = False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self._commit()
 
 
 def _run_wave(
@@ -299,17 +329,38 @@ def _run_wave(
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None,
+    hold: HeldReceives | None = None,
 ) -> None:
     layer, num_waves = prep.layer, len(prep.waves)
     ops = prep.ops[w]
     add_send, add_recv = comm.add_send, comm.add_recv
-    for r in prep.plans:
-        for peer, row in ops.sends[r]:
-            for tb in send_bytes[r]:
-                add_send(tb[row], r, peer)
-        for peer, row in ops.recvs[r]:
-            for tb in recv_bytes[r]:
-                add_recv(tb[row], peer, r)
+    held: list[tuple[torch.Tensor, int, int, int]] = []  # (buffer row bytes, src, dst, tag)
+    if hold is None:
+        for r in prep.plans:
+            for peer, row in ops.sends[r]:
+                for tb in send_bytes[r]:
+                    add_send(tb[row], r, peer)
+            for peer, row in ops.recvs[r]:
+                for tb in recv_bytes[r]:
+                    add_recv(tb[row], peer, r)
+    else:
+        for r in prep.plans:
+            ordinal: dict[int, int] = {}
+            for peer, row in ops.sends[r]:
+                for tb in send_bytes[r]:
+                    tag = ordinal.get(peer, 0)
+                    ordinal[peer] = tag + 1
+                    add_send(tb[row], r, peer, tag=tag)
+            ordinal = {}
+            rows_held = hold.rows.get(r, ())
+            for peer, row in ops.recvs[r]:
+                for tb in recv_bytes[r]:
+                    tag = ordinal.get(peer, 0)
+                    ordinal[peer] = tag + 1
+                    if row in rows_held:
+                        held.append((tb[row], peer, r, tag))
+                    else:
+                        add_recv(tb[row], peer, r, tag=tag)
     stats: dict[int, list[int]] = {}
     if traces:
         for r in prep.plans:
@@ -341,6 +392,14 @@ def _run_wave(
         try:
             if start is not None and wait is not None:
                 start()
+                if hold is not None:
+                    # the pending commit reads the held rows while phase one flies, then
+                    # their receives go out
+                    hold.release()
+                    for view, src, dst, tag in held:
+                        add_recv(view, src, dst, tag=tag)
+                    if held:
+                        start()
             else:
                 if meanwhile is not None:
                     meanwhile()
@@ -455,20 +514,30 @@ def _rearrange_layers(
     """All layers, pipelined over the one buffer.
 
     While layer k's first wave is in flight, this process also finishes layer k-1's
-    commit and (first use of these maps only) plans layer k+1. Only the part of layer
-    k-1's commit that reads buffer rows layer k is about to overwrite runs before layer k
-    starts. If layer k fails, layer k-1's commit is completed first, so layers < k are
-    new and layers >= k are old.
+    commit and (first use of these maps only) plans layer k+1. The part of layer k-1's
+    commit that reads buffer rows layer k is about to overwrite must run before those
+    receives are posted: with a communicator that pairs messages by tag it runs after
+    layer k's sends and other receives went out (two phases, :class:`HeldReceives`),
+    otherwise before layer k starts. If layer k fails, layer k-1's commit is completed
+    first, so layers < k are new and layers >= k are old.
     """
     num_layers = sched.old.shape[0]
+    two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
     for k in range(num_layers):
         prep = sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
         late: dict[int, Commit] = {}
+        hold: HeldReceives | None = None
         if prev_w is not None:
             early, late = sched.split(k - 1)
-            _apply_runs(early, prev_w, buffers)
+            if two_phase and prep.waves:
+                # layer k's receives into rows layer k-1's commit still reads wait for it;
+                # the commit runs while the rest of layer k's messages fly
+                rows = {r: set(c.src.tolist()) for r, c in early.items() if c.src.size}
+                hold = HeldReceives(rows, lambda early=early, prev_w=prev_w: _apply_runs(early, prev_w, buffers))
+            else:
+                _apply_runs(early, prev_w, buffers)
         state = {"late_done": not late}
 
         def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state) -> None:
@@ -480,8 +549,10 @@ def _rearrange_layers(
 
         buf.generation += 1
         try:
-            _run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile)
+            _run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold)
         except TransferError as exc:
+            if hold is not None:
+                hold.release()  # no held receive was posted before it ran
             if not state["late_done"]:
                 _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
             exc.committed_layers = k
