@@ -34,6 +34,21 @@ def test_bench_policy_json(capsys):
     assert result["min_speedup"] == min(r["speedup"] for r in result["shapes"].values())
 
 
+def test_bench_policy_torch_threads(capsys):
+    """--torch-threads sets torch's thread count for the run and is reported; 0 is refused."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
+        assert main(argv + ["--no-scaling", "--torch-threads", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit, match="--torch-threads"):
+        main(["bench", "policy", "--shapes", "v2lite_ep8", "--torch-threads", "0"])
+
+
 def test_bench_policy_custom_scenarios(capsys, tmp_path):
     """--scenarios runs the shapes of another file, hierarchical included."""
     path = tmp_path / "s.json"

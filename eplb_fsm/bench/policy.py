@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     parser.add_argument(
+        "--torch-threads", type=int, default=None, metavar="N",
+        help="torch.set_num_threads(N) for the run (default: leave torch's setting; the baseline's torch "
+        "ops spin on a loaded machine, the default policy does not use torch's pool)",
+    )
+    parser.add_argument(
         "--scaling-repeats", type=int, default=7, metavar="N", help="timed runs per scaling point (default 7)"
     )
 
@@ -173,6 +178,10 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.repeats < 1 or args.reference_repeats < 1 or args.scaling_repeats < 1:
         raise SystemExit("eplb-fsm bench policy: --repeats, --reference-repeats and --scaling-repeats must be >= 1")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise SystemExit("eplb-fsm bench policy: --torch-threads must be >= 1")
+        torch.set_num_threads(args.torch_threads)
     try:
         scenarios = load_scenarios(args.scenarios)
     except ValueError as exc:
