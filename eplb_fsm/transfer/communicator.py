@@ -66,7 +66,10 @@ class Communicator(Protocol):
     split in two, so that local copies and the next layer's planning overlap the messages
     in flight), ``stream_context()`` (a context manager the copies and messages run
     under), ``finish()`` (called after a layer's commit) and ``discard()`` (drop queued or
-    started messages after a failure).
+    started messages after a failure). ``supports_tags`` (attribute, default False): when
+    true, ``add_send``/``add_recv`` take a ``tag`` keyword, messages pair by (src, dst,
+    tag), and ``start()`` may run several times before ``wait()``; the executor then
+    posts a layer's first wave in two phases (see ``execute.HeldReceives``).
     """
 
     world_size: int
