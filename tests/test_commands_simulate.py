@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from eplb_fsm.cli import main
-from eplb_fsm.sim.run import default_esft_dir
 
 SMALL = ["--ranks", "2", "--layers", "2", "--experts", "8", "--redundant", "4", "--hidden", "8",
          "--tokens", "48", "--steps", "40", "--interval", "16", "--window", "8"]
@@ -68,9 +67,8 @@ def test_simulate_async_with_hooks_text_report(tmp_path, capsys):
     """Async mode with a per-rank hook (dummy steps): the hook's data comes back and the text report reads well."""
     from eplb_fsm.commands import simulate as sim_cmd
 
-    parser_args = ["simulate", *SMALL, "--mode", "async", "--log-dir", str(tmp_path), "--no-png", "--no-progress"]
-    if default_esft_dir().is_dir():
-        parser_args += ["--load", "esft"]
+    parser_args = ["simulate", *SMALL, "--mode", "async", "--log-dir", str(tmp_path), "--no-png", "--no-progress",
+                   "--load", "esft"]  # the ESFT traces bundled with the package
     from eplb_fsm.cli import build_parser
 
     args = build_parser().parse_args(parser_args)

@@ -5,12 +5,17 @@ Readers
     routing-trace directories (or their ``summary.json``) into a float64 (L, N) array;
     ``"example"`` names the bundled example. Bad files raise ``ValueError`` naming the
     file and the problem.
-ESFT traces (``shared/data/loads/esft_deepseek_v2lite_routing/<task>/``)
-    ``expert_weights_<layer>.txt``: one line per sequence, ``ids<TAB><TAB>gate weights``
-    with ``ids`` the flat, tab-separated top-k expert ids of its tokens. Every layer file
-    of a task lists the same sequences in the same order. :func:`esft_sequence_loads`
-    gives per-sequence counts (S, L, N); :func:`iter_esft_windows` /
-    :func:`esft_load_windows` sum consecutive sequences into per-batch windows.
+ESFT traces
+    Bundled with the package (``data/esft_routing.npz``, MIT, see ``data/ESFT-SOURCE.md``):
+    per-sequence token counts of the DeepSeek ESFT routing traces for the tasks
+    ``intent`` (26 layers), ``law``, ``summary``, ``translation`` (layers 1, 13, 26),
+    named ``"esft:<task>"`` wherever a trace directory is accepted. A trace directory
+    holds the original text files ``expert_weights_<layer>.txt``: one line per sequence,
+    ``ids<TAB><TAB>gate weights`` with ``ids`` the flat, tab-separated top-k expert ids
+    of its tokens; every layer file of a task lists the same sequences in the same
+    order. :func:`esft_sequence_loads` gives per-sequence counts (S, L, N);
+    :func:`iter_esft_windows` / :func:`esft_load_windows` sum consecutive sequences into
+    per-batch windows.
 Generators (design section 9, ``scenarios.json``)
     :func:`zipf_load` (per layer: probabilities 1/i^exponent, shuffled per layer, then
     multinomial draws), :func:`drift` (times lognormal(0, sigma) noise),
@@ -28,11 +33,15 @@ from typing import Any, Iterator
 import numpy as np
 
 __all__ = [
+    "BUNDLED_ESFT",
+    "ESFT_TASKS",
     "EXAMPLE_LOAD",
     "SCENARIOS_ENV",
     "drift",
+    "esft_layers",
     "esft_load_windows",
     "esft_sequence_loads",
+    "esft_token_scores",
     "iter_esft_windows",
     "load_matrix",
     "load_scenarios",
@@ -45,6 +54,12 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 EXAMPLE_LOAD = DATA_DIR / "example_load.json"
 #: bundled copy of shared/bench/scenarios.json
 BUNDLED_SCENARIOS = DATA_DIR / "scenarios.json"
+#: bundled ESFT routing traces: per-sequence token counts (see data/ESFT-SOURCE.md)
+BUNDLED_ESFT = DATA_DIR / "esft_routing.npz"
+#: the tasks of the bundled traces ("esft:<task>")
+ESFT_TASKS = ("intent", "law", "summary", "translation")
+#: prefix naming a bundled task where a trace directory is accepted
+ESFT_PREFIX = "esft:"
 #: environment variable that points load_scenarios() at another scenarios.json
 SCENARIOS_ENV = "EPLB_FSM_SCENARIOS"
 
@@ -181,13 +196,16 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     ``.json`` (a list of lists, ``{"load": [[...]]}``, an ESFT ``summary.json`` or a vLLM
     ``{"load_history": [...]}``) file, or an ESFT task directory: its
     ``expert_weights_<l>.txt`` traces summed to token counts per layer (layers in numeric
-    order of the files present), else its ``summary.json``.
+    order of the files present), else its ``summary.json``; or ``"esft:<task>"``, the
+    bundled traces of one ESFT task summed the same way.
 
     Raises ``ValueError`` naming the file when it cannot be read, is not 2-D, is empty,
     or holds NaN, infinite or negative loads.
     """
     if str(path) == "example":
         path = EXAMPLE_LOAD
+    if _bundled_task(path) is not None:
+        return _checked(_bundled(_bundled_task(path))[0].sum(axis=0), str(path))
     p = Path(path)
     if p.is_dir():
         if any(_TRACE_FILE.match(child.name) for child in p.iterdir()):
@@ -206,6 +224,39 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- ESFT traces
+
+
+def _bundled_task(source: Any) -> str | None:
+    """The task of an ``"esft:<task>"`` reference, else None (a directory path)."""
+    text = str(source)
+    if not text.startswith(ESFT_PREFIX):
+        return None
+    task = text[len(ESFT_PREFIX):]
+    if task not in ESFT_TASKS:
+        raise ValueError(f"{text}: unknown bundled ESFT task {task!r}; choose from {', '.join(ESFT_TASKS)}")
+    return task
+
+
+def _bundled(task: str) -> tuple[np.ndarray, list[int]]:
+    """The bundled per-sequence counts of ``task``: ((S, L, 64) int64, layer numbers)."""
+    with np.load(BUNDLED_ESFT, allow_pickle=False) as data:
+        return data[f"{task}.sequences"].astype(np.int64), [int(x) for x in data[f"{task}.layers"]]
+
+
+def esft_token_scores(task: str) -> np.ndarray:
+    """The bundled ``summary.json`` ``token_scores`` of ``task``: (26, 64) float64 fractions per layer."""
+    _bundled_task(ESFT_PREFIX + task)
+    with np.load(BUNDLED_ESFT, allow_pickle=False) as data:
+        return data[f"{task}.token_scores"].copy()
+
+
+def esft_layers(source: str | os.PathLike) -> list[int]:
+    """Layer numbers available in a trace directory or a bundled ``"esft:<task>"``, ascending."""
+    task = _bundled_task(source)
+    if task is not None:
+        return _bundled(task)[1]
+    return [layer for layer, _ in _trace_files(Path(source), None)]
+
 
 
 def _trace_files(directory: Path, layers: list[int] | None) -> list[tuple[int, Path]]:
@@ -256,7 +307,24 @@ def esft_sequence_loads(
     ``layers`` selects layer numbers (default: every ``expert_weights_<l>.txt`` present,
     in numeric order); ``num_experts`` defaults to the largest id seen + 1 (64 for the
     ESFT data). Raises ``ValueError`` when files disagree on the number of sequences.
+    ``directory`` may also be ``"esft:<task>"``: the traces bundled with the package.
     """
+    task = _bundled_task(directory)
+    if task is not None:
+        counts, present = _bundled(task)
+        chosen = present if layers is None else layers
+        missing = [layer for layer in chosen if layer not in present]
+        if missing:
+            raise ValueError(f"{directory}: no trace for layer(s) {missing}; present: {present}")
+        counts = counts[:, [present.index(layer) for layer in chosen]]
+        if num_experts is not None:
+            if num_experts < counts.shape[2] and counts[:, :, num_experts:].any():
+                raise ValueError(f"{directory}: expert id >= num_experts {num_experts}")
+            out = np.zeros(counts.shape[:2] + (num_experts,), dtype=np.int64)
+            width = min(num_experts, counts.shape[2])
+            out[:, :, :width] = counts[:, :, :width]
+            counts = out
+        return counts
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"{directory}: not a directory")
@@ -358,18 +426,14 @@ def drift(load: Any, sigma: float, rng: np.random.Generator | int | None = None)
 
 def _default_scenarios_path() -> Path:
     env = os.environ.get(SCENARIOS_ENV)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    shared = repo.parent / "shared" / "bench" / "scenarios.json"
-    return shared if shared.is_file() else BUNDLED_SCENARIOS
+    return Path(env) if env else BUNDLED_SCENARIOS
 
 
 def load_scenarios(path: str | os.PathLike | None = None) -> dict:
     """Read ``scenarios.json`` (benchmark shapes, synthetic-load and drift specs).
 
-    Looks at ``path``, else ``$EPLB_FSM_SCENARIOS``, else ``../shared/bench/scenarios.json``
-    next to the repository, else the copy bundled with the package. Checks every shape
+    Looks at ``path``, else ``$EPLB_FSM_SCENARIOS``, else the copy bundled with the
+    package (nothing outside the package is read unless asked). Checks every shape
     has integer layers, experts, replicas, ranks, nodes, groups with replicas % ranks == 0
     and replicas >= experts; raises ``ValueError`` naming the file otherwise.
     """
