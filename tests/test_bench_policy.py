@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_bench_policy_custom_scenarios(capsys, tmp_path):
     assert result["shapes"]["tiny_hier"]["identical"] is True
 
 
-def test_bench_policy_unknown_shape():
-    """An unknown --shapes name stops with a message listing the known shapes."""
-    with pytest.raises(SystemExit, match="unknown shape.*dsv3_ep32_hier"):
-        main(["bench", "policy", "--shapes", "nope"])
+def test_bench_policy_unknown_shape(capsys):
+    """An unknown --shapes name is a usage error (exit 2) with one line listing the known shapes."""
+    assert main(["bench", "policy", "--shapes", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert re.search("eplb-fsm bench policy: error: .*unknown shape.*dsv3_ep32_hier", err) and err.count("\n") == 1
