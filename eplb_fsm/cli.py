@@ -47,6 +47,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (``PROG: error: ...; see PROG --help``), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def hidden_alias(parser, *names: str, dest: str, **kwargs) -> None:
     """An old spelling of an option: parsed into ``dest``, not shown in --help."""
     parser.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
@@ -59,7 +66,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="eplb-fsm",
         description="Expert-parallelism load balancer as an explicit state machine.",
         formatter_class=HelpFormatter,
