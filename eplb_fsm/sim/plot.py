@@ -128,7 +128,7 @@ def plot_balancedness(
             measured = r.get("measured_after")
             if committed and measured is not None and window:
                 start = r.get("end_step", r["step"])
-                ax.hlines(measured, start, start + window, colors="tab:red", linewidth=2.0,
+                ax.hlines(measured, start, min(start + window, steps[-1]), colors="tab:red", linewidth=2.0,
                           label=once(f"measured mean, {window} steps after"))
         timeline = rank_timeline(ranks, scalings) if ranks is not None else []
         for sc in scalings:
