@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load",
         default="example",
         metavar="FILE",
-        help="logical load (L, N): .npy/.npz/.pt/.json file or ESFT trace directory; "
-        "'example' (default) is the bundled ESFT intent load, 26 x 64",
+        help="logical load (L, N): a .npy/.npz/.pt/.json file, an ESFT trace directory, esft:TASK (the bundled "
+        "ESFT traces of intent, law, summary or translation) or example; default: example (the bundled ESFT "
+        "intent aggregate, 26 x 64)",
     )
     from eplb_fsm.policy.registry import available_policies  # names only, no torch
 

@@ -48,7 +48,7 @@ fault injection (--inject SPEC, repeatable; R rank, S step, K layer, from 0):
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
 first fault and exits non-zero, and the report ends with the replay verdict of the
-traces left in --log-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
+traces left in --trace-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
 trace record when planning, a transferring layer or committing makes no progress for
 S seconds.
 """
@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--log-dir", dest="log_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     o.add_argument("--json", action="store_true", help="print the report as one JSON object")
     o.add_argument("--png", default=None, metavar="PATH",
-                   help="where the balancedness PNG goes (default: <log-dir>/balancedness.png)")
+                   help="where the balancedness PNG goes, a .png file (default: <trace-dir>/balancedness.png)")
     o.add_argument("--no-png", action="store_true", help="do not write the PNG")
     o.add_argument("--no-progress", action="store_true", help="no live progress line on stderr")
 
