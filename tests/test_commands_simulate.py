@@ -148,21 +148,6 @@ def test_unknown_policy_lists_the_choices(capsys):
     assert "--policy" in err and "'default', 'movement_aware'" in err and err.count("\n") == 1
 
 
-def test_load_of_another_shape_is_announced():
-    """A load file or the ESFT traces of another shape are fitted, and the note says how; a fitting one has none."""
-    from types import SimpleNamespace
-
-    from eplb_fsm.commands.simulate import load_note
-    from eplb_fsm.sim.loads import EXAMPLE_LOAD
-
-    note = load_note(SimpleNamespace(load=str(EXAMPLE_LOAD), layers=4, experts=32))
-    assert "26 layers x 64 experts" in note and "4 x 32" in note and "first 4 layers" in note and "mod 32" in note
-    note = load_note(SimpleNamespace(load="esft", layers=30, experts=128))
-    assert "ESFT" in note and "l mod 26" in note and "expert e mod 64" in note
-    assert load_note(SimpleNamespace(load=str(EXAMPLE_LOAD), layers=26, experts=64)) is None
-    assert load_note(SimpleNamespace(load="zipf", layers=4, experts=32)) is None
-
-
 def test_scale_lines_name_what_happened():
     """A same-size scale says the group already had that size; a switched one prints from -> to (no 'None')."""
     from eplb_fsm.commands.simulate import _format_scalings
