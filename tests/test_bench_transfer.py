@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from eplb_fsm.cli import main
+from eplb_fsm.bench import transfer as bench_transfer
+from eplb_fsm.cli import build_parser, main
 
 pytestmark = pytest.mark.multiprocess
 
-SMALL = ["--world", "2", "--mb", "0.25", "--layers", "2", "--slots", "4", "--repeats", "1", "--timeout", "120"]
+SMALL = ["--ranks", "2", "--mb", "0.25", "--layers", "2", "--slots-per-rank", "4", "--repeats", "1", "--timeout", "120"]
 
 
 def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
@@ -37,6 +38,7 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
 
 
 def test_bench_transfer_rejects_a_world_of_one():
-    """A single rank has nobody to send to: the command refuses it."""
-    with pytest.raises(SystemExit, match="--world must be >= 2"):
-        main(["bench", "transfer", "--world", "1"])
+    """A single rank has nobody to send to: the command refuses it (exit 2), under --ranks or its alias --world."""
+    with pytest.raises(SystemExit, match="--ranks must be >= 2"):
+        bench_transfer.run(build_parser().parse_args(["bench", "transfer", "--ranks", "1"]))
+    assert main(["bench", "transfer", "--world", "1"]) == 2  # the old spelling still parses; exit 2 as a usage error

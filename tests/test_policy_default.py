@@ -29,8 +29,6 @@ from eplb_fsm.policy.reference import (
 )
 from eplb_fsm.sim.loads import esft_load_windows, load_matrix, load_scenarios, scenario_load
 
-ESFT = Path(__file__).resolve().parents[2] / "shared" / "data" / "loads" / "esft_deepseek_v2lite_routing"
-needs_esft = pytest.mark.skipif(not ESFT.is_dir(), reason="ESFT traces not present")
 
 
 def _same(a, b) -> bool:
@@ -377,20 +375,18 @@ def test_scenario_shapes_match_reference(name):
     assert _same(out, reference_rebalance_experts(weight, *args))
 
 
-@needs_esft
 @pytest.mark.parametrize("task", ["intent", "law", "summary", "translation"])
 @pytest.mark.parametrize("config", [(72, 1, 1, 8), (64, 1, 1, 8), (80, 8, 2, 8), (96, 4, 4, 16)])
 def test_esft_traces_match_reference(task, config):
     """Real ESFT routing loads (per-task aggregates) give the reference's placement exactly."""
-    weight = torch.from_numpy(load_matrix(ESFT / task))
+    weight = torch.from_numpy(load_matrix(f"esft:{task}"))  # the traces bundled with the package
     out = DefaultEplbPolicy.rebalance_experts(weight, *config)
     assert _same(out, reference_rebalance_experts(weight, *config))
 
 
-@needs_esft
 def test_esft_batch_windows_match_reference():
     """Per-batch ESFT windows (4 sequences each, stacked as layers) give the reference's placement."""
-    windows = esft_load_windows(ESFT / "intent", 4)
+    windows = esft_load_windows("esft:intent", 4)
     weight = torch.from_numpy(windows.reshape(-1, windows.shape[-1]))
     for config in [(72, 1, 1, 8), (80, 8, 2, 8)]:
         assert _same(

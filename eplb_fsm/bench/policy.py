@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shapes", default=None, metavar="A,B", help="comma-separated shape names (default: all)")
     parser.add_argument(
-        "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the shared one)"
+        "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads (default 0)")
     parser.add_argument(

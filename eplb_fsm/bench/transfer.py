@@ -41,13 +41,17 @@ TARGET_VS_RAW = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=4, help="gloo ranks to start (default 4)")
+    from eplb_fsm.cli import hidden_alias
+
+    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks to start (default 4)")
+    hidden_alias(parser, "--world", dest="ranks", type=int)
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
-    parser.add_argument("--slots", type=int, default=8, help="slots per rank S (default 8)")
+    parser.add_argument("--slots-per-rank", type=int, default=8, metavar="S", help="slots per rank S (default 8)")
+    hidden_alias(parser, "--slots", dest="slots_per_rank", type=int)
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per variant (default 15)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement (default 0)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed (default 300)")
 
 
 def _maps(seed: int, num_layers: int, p: int, n: int):
@@ -234,10 +238,10 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.sim.launcher import run_ranks
 
-    if args.world < 2:
-        raise SystemExit("eplb-fsm bench transfer: --world must be >= 2")
-    cfg = {"layers": args.layers, "slots": args.slots, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
-    res = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout)[0]
+    if args.ranks < 2:
+        raise SystemExit(f"eplb-fsm bench transfer: --ranks must be >= 2, got {args.ranks}")
+    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
+    res = run_ranks(_bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
     gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
@@ -246,9 +250,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "transfer",
         "backend": "gloo",
-        "world": args.world,
+        "world": args.ranks,
         "layers": args.layers,
-        "slots_per_rank": args.slots,
+        "slots_per_rank": args.slots_per_rank,
         "weight_mb_per_rank": round(res["weight_bytes_per_rank"] / 2**20, 2),
         "moved_slots": res["moved_slots"],
         "moved_mb_total": round(res["moved_bytes"] / 2**20, 2),
