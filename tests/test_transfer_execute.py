@@ -364,3 +364,58 @@ def test_bad_one_layer_input():
     with pytest.raises(ValueError, match="pending: must be the PendingLayer"):
         commit_layer_from_buffer(None, lw)  # type: ignore[arg-type]
     assert comm.executes == 0
+
+
+# ---------------------------------------------------------------------------------------
+# two-phase posting: receives into rows the previous layer's commit still reads wait for it
+
+
+class _OnePhaseComm(InProcessCommunicator):
+    """The in-process communicator without tags: every wave goes out in one batch."""
+
+    supports_tags = False
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placements(max_layers=4), st.booleans())
+def test_one_phase_path_stays_bit_exact(case, batching):
+    """Without tag support the executor commits before posting, and every slot still ends exact."""
+    old, new, g = case
+    weights, tables = make_world(old, g)
+    comm = _OnePhaseComm(g)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, migration_batching=batching, buffer=TransferBuffer())
+    check_world(weights, tables, old, new, g)
+    assert comm.total_messages == expected_messages(old, new, g, len(SPECS))
+
+
+class _PhaseSpy(InProcessCommunicator):
+    """Records, at every start(), the queued receives and whether layer 0 is already committed."""
+
+    def __init__(self, g, weights, layer0_new):
+        super().__init__(g)
+        self.weights, self.layer0_new = weights, layer0_new
+        self.starts: list[tuple[int, int, bool]] = []  # (sends queued, receives queued, layer 0 committed)
+
+    def start(self):
+        committed = all(
+            torch.equal(_u8(w), _u8(x)) for r in range(self.world_size) for w, x in zip(self.weights[r][0], self.layer0_new[r])
+        )
+        self.starts.append((sum(map(len, self._sends.values())), sum(map(len, self._recvs.values())), committed))
+        super().start()
+
+
+def test_held_receives_are_posted_after_the_previous_commit():
+    """Layer 1 receives into every row layer 0's commit reads: its sends go first, its receives after that commit."""
+    old = np.array([[0, 1, 2, 3]] * 2)
+    new = np.array([[2, 3, 0, 1]] * 2)  # every row crosses ranks in both layers
+    weights, tables = make_world(old, 2)
+    expect, _ = make_world(new, 2)
+    spy = _PhaseSpy(2, weights, [expect[r][0] for r in range(2)])
+    rearrange_expert_weights_inplace(old, new, weights, communicator=spy, buffer=TransferBuffer())
+    check_world(weights, tables, old, new, 2)
+    messages = 2 * 2 * len(SPECS)  # per layer: 2 ranks x 2 rows x tensors
+    layer0, phase1, phase2 = spy.starts
+    assert layer0 == (messages, messages, False)  # layer 0: nothing pending, one batch
+    assert phase1 == (messages, 0, False)  # layer 1: sends only, layer 0 not yet committed
+    assert phase2 == (messages, messages, True)  # its receives once layer 0 is committed
+    assert spy.executes == 2 and spy.total_messages == 2 * messages
