@@ -103,7 +103,7 @@ def _row_ranges(t: torch.Tensor) -> tuple[tuple, np.ndarray, np.ndarray]:
 
 
 def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
-    """The names of two tensors whose rows share memory, or None.
+    """The names of the first two tensors (in the order of ``named``) whose rows share memory, or None.
 
     ``named``: (name, tensor (S, ...)) pairs; a tensor listed twice counts. Compares whole
     byte spans first and the rows of a pair only when their spans meet (views that
@@ -116,6 +116,7 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
         device, starts, ends = _row_ranges(t)
         spans.append((device, int(starts.min()), int(ends.max()), i, starts, ends))
     spans.sort(key=lambda s: (s[0], s[1]))
+    best = None  # the first pair in the order of ``named``: the error names the earliest layer
     for a in range(len(spans)):
         dev, _, end, i, starts_i, ends_i = spans[a]
         for b in range(a + 1, len(spans)):
@@ -126,8 +127,9 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
             lo = np.maximum(starts_i[:, None], starts_j[None, :])
             hi = np.minimum(ends_i[:, None], ends_j[None, :])
             if (lo < hi).any():
-                return named[i][0], named[j][0]
-    return None
+                pair = (min(i, j), max(i, j))
+                best = pair if best is None else min(best, pair)
+    return None if best is None else (named[best[0]][0], named[best[1]][0])
 
 
 def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
