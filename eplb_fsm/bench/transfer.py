@@ -7,7 +7,7 @@ and without migration batching; the baseline is a raw ``dist.batch_isend_irecv``
 exactly the same messages (same peers, sizes and order, one batch per layer, buffers
 allocated up front). A second baseline, ``raw_commit``, adds to it one copy of every
 changed row into the weights per layer: the least any transfer must do that keeps a
-layer's old weights intact until its exchange has succeeded (design §8).
+layer's old weights intact until its exchange has succeeded (docs/design.md §6.4).
 ``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly,
 two staging buffers, nothing planned): the ceiling for any such transfer. Runs
 alternate, each starts after a barrier, and a run's time is the slowest rank's; the figures are medians over ``--repeats``. The weights are restored

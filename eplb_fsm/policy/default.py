@@ -1,6 +1,6 @@
 """The default policy: greedy replication and balanced packing, hierarchical when possible.
 
-Design section 5 fixes the behaviour; this module is the fast implementation. Every loop
+docs/design.md §5 fixes the behaviour; this module is the fast implementation. Every loop
 runs over item *positions* (at most a few hundred iterations) and each iteration is a
 handful of numpy operations over all rows at once (rows = layers, or layers x nodes), so
 the cost does not grow with a Python loop per layer. The slow, one-item-at-a-time
@@ -14,7 +14,7 @@ Helpers that other policies build on:
 - :func:`descending_order` ``(R, n) -> (R, n)``: the stable visiting order of balanced packing
 - :func:`group_loads` ``(L, N), groups -> (L, groups)`` float32, summed the way the reference does
 - :func:`slots_of_experts` ``(L, P), (L, N) -> (L, N, K)``: log2phy of a full placement
-- :func:`rebalance_hierarchical` the whole section-5 pipeline on a float32 load, in numpy
+- :func:`rebalance_hierarchical` the whole docs/design.md §5 pipeline on a float32 load, in numpy
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def rebalance_hierarchical(
     num_nodes: int,
     num_ranks: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Design section 5 on validated input.
+    """docs/design.md §5 on validated input.
 
     Args:
         weight32: (L, N) float32 load, a CPU tensor or numpy array, validated (see
@@ -318,7 +318,7 @@ def rebalance_hierarchical(
 
 
 class DefaultEplbPolicy(AbstractEplbPolicy):
-    """Greedy replication + balanced packing (design section 5), vectorised over layers.
+    """Greedy replication + balanced packing (docs/design.md §5), vectorised over layers.
 
     Hierarchical (groups packed onto nodes, then replicas onto each node's ranks) when
     ``num_groups % num_nodes == 0``; otherwise the same with groups = nodes = 1.

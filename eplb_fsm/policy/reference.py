@@ -1,4 +1,4 @@
-"""The baseline: design section 5 with the structure of vLLM 0.12's implementation.
+"""The baseline: docs/design.md §5 with the structure of vLLM 0.12's implementation.
 
 :func:`reference_rebalance_experts` is what the fast :class:`~eplb_fsm.policy.default.DefaultEplbPolicy`
 is checked against (tests) and timed against (``eplb-fsm bench policy``). Its structure is
@@ -9,7 +9,7 @@ the one the inference engines ship, so the benchmark's ratio is a ratio against 
 - packing is the per-item part: for each row, one ``argsort`` of the weights, then a
   Python loop over the items, each going to the lightest pack with room found by ``min``.
 
-The float32 arithmetic is the one section 5 prescribes:
+The float32 arithmetic is the one docs/design.md §5 prescribes:
 
 - loads are cast to float32 first; group loads are torch's float32 sum over the group;
 - per-replica load = float32 load / float32 replica count;

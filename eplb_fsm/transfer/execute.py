@@ -1,6 +1,6 @@
 """Execute a rearrangement: move expert weights so every slot holds its new expert.
 
-Per layer (design §6) each rank:
+Per layer (docs/design.md §6.3) each rank:
 
 1. plans the layer from the replicated old/new rows: every layer's transfers and this
    process's plans come from one vectorised pass before the first layer
