@@ -74,8 +74,7 @@ class EplbController:
 
     def __init__(self, config: EplbConfig, group: Any = None, device: torch.device | str | None = None,
                  trace_dir: str | None = None, *, keep_trace: bool = False, clock: Callable[[], float] = time.time,
-                 role: str = "member", start_step: int = 0,
-                 liveness_interval_s: float | None = liveness.DEFAULT_INTERVAL_S) -> None:
+                 role: str = "member", start_step: int = 0, liveness_interval_s: float | None = 1.0) -> None:
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if role not in ("member", "joiner"):
