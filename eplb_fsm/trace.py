@@ -5,6 +5,12 @@ Every record carries ``ts``, ``rank``, ``world``, ``event``, ``state``, ``step``
 counter per group), ``shape`` and ``dtype``, and come as a ``collective_start`` /
 ``collective_end`` pair (or ``collective_error``). The schema is in docs/events.md.
 
+How a rank's trace ends (docs/events.md, "Liveness and endings"): an orderly ending
+writes one ``end`` record (``how``: ``closed``, ``exception`` or ``signal``) and nothing
+after it; a trace without ``end`` belongs to a rank that died or was still running.
+``alive`` records (written by :mod:`eplb_fsm.liveness`, a background thread) carry the
+open collective, if any, so a reader can tell a frozen rank from the ranks waiting on it.
+
 The trace is its own structlog logger writing one JSONL file per rank, flushed per
 line, so a rank killed mid-collective still leaves the start record on disk. The
 library never calls ``structlog.configure()``: the host's logging setup is untouched.
@@ -15,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,11 +34,66 @@ SCHEMA_VERSION = 1
 # record keys every reader may rely on (docs/events.md documents each)
 BASE_FIELDS = ("ts", "rank", "world", "event", "state", "step", "seq")
 COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
+END_HOWS = ("closed", "exception", "signal")
+
+
+def end_fields(how: str, error: str | None = None, signal: str | None = None) -> dict:
+    """The fields of an ``end`` record (beyond the base fields); ValueError on a bad combination.
+
+    ``how``: ``closed`` (an orderly close), ``exception`` (``error`` = ``"Type: message"``)
+    or ``signal`` (``signal`` = the signal's name, e.g. ``"SIGTERM"``).
+    """
+    if how not in END_HOWS:
+        raise ValueError(f"end: how must be one of {', '.join(END_HOWS)}, got {how!r}")
+    fields: dict[str, Any] = {"how": how}
+    if how == "exception":
+        if not isinstance(error, str) or not error:
+            raise ValueError(f"end: how='exception' needs error as a non-empty string, got {error!r}")
+        fields["error"] = error
+    elif error is not None:
+        raise ValueError(f"end: error is only given with how='exception', got how={how!r}")
+    if how == "signal":
+        if not isinstance(signal, str) or not signal:
+            raise ValueError(f"end: how='signal' needs signal as a name such as 'SIGTERM', got {signal!r}")
+        fields["signal"] = signal
+    elif signal is not None:
+        raise ValueError(f"end: signal is only given with how='signal', got how={how!r}")
+    return fields
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"Type: message"``: how an ``end`` record and ``collective_error`` name an exception."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None) -> dict:
+    """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective."""
+    return {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
 
 
 def trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
     """The file a rank writes: ``<trace_dir>/rank<rank>.jsonl``."""
     return Path(trace_dir) / f"rank{rank:05d}.jsonl"
+
+
+# traces of this process with a file open and no `end` yet: what a signal handler ends
+_OPEN_TRACES: "weakref.WeakSet[EventTrace]" = weakref.WeakSet()
+
+
+def end_open_traces(how: str, error: str | None = None, signal: str | None = None) -> int:
+    """Write ``end`` (see :func:`end_fields`) to every trace of this process still open; returns how many.
+
+    For a signal handler that is about to exit the process (``eplb_fsm.sim.signals``).
+    """
+    return sum(trace.end(how, error, signal) is not None for trace in list(_OPEN_TRACES))
+
+
+def config_hash(config: dict) -> str:
+    """First 16 hex digits of the sha256 of ``config`` as canonical JSON (sorted keys, no spaces)."""
+    import hashlib
+
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _json_default(value: Any) -> Any:
@@ -75,6 +138,9 @@ class EventTrace:
         self.seq = 0
         self.cseq: dict[str, int] = {}
         self.last_collective: dict | None = None
+        # collectives started and not yet ended, by (thread id, group): what alive records report
+        self.open_collectives: dict[tuple[int, str], dict] = {}
+        self.ended = False              # an `end` record was written: nothing more goes to the file
         self.records: list[dict] | None = [] if keep else None
         self.path: Path | None = None
         self._file = None
@@ -84,6 +150,7 @@ class EventTrace:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
             self._file = open(self.path, "a", encoding="utf-8")
+            _OPEN_TRACES.add(self)
             # structlog's WriteLogger writes and flushes one line per call; the
             # renderer is called directly rather than through a BoundLogger because
             # the per-step record is on the engine's hot path (~6 us vs ~12 us)
@@ -122,9 +189,12 @@ class EventTrace:
             self.records.append(record)
         return record
 
-    def header(self, config: dict | None = None, **extra: Any) -> dict:
-        """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`)."""
-        return self.emit("header", **header_fields(config, **extra))
+    def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
+        """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
+        ``run_id`` (shared by every rank of the run, :mod:`eplb_fsm.run_identity`) and
+        ``config_hash`` (:func:`config_hash` of ``config``)."""
+        return self.emit("header", **header_fields(config, run_id=run_id, config_hash=config_hash(config or {}),
+                                                    **extra))
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
@@ -147,12 +217,16 @@ class EventTrace:
         """
         start = self.start_collective(op, group, shape, dtype, **fields)
         info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
+        key = (threading.get_ident(), group)
+        self.open_collectives[key] = {"op": op, "group": group, "cseq": start["cseq"]}
         t0 = time.perf_counter()
         try:
             yield start
         except BaseException as exc:
-            self.emit("collective_error", error=f"{type(exc).__name__}: {exc}", **info)
+            self.open_collectives.pop(key, None)
+            self.emit("collective_error", error=exception_text(exc), **info)
             raise
+        self.open_collectives.pop(key, None)
         self.emit("collective_end", duration_s=round(time.perf_counter() - t0, 6), **info)
 
     def start_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
@@ -168,7 +242,39 @@ class EventTrace:
         self.last_collective = dict(start)
         return start
 
+    def waiting_on(self) -> dict | None:
+        """The oldest collective started and not ended (``{"op", "group", "cseq"}``), or None."""
+        try:
+            return next(iter(list(self.open_collectives.values())), None)
+        except RuntimeError:  # changed size while copied (another thread): report nothing this time
+            return None
+
+    # -- endings and liveness --------------------------------------------
+    def end(self, how: str, error: str | None = None, signal: str | None = None) -> dict | None:
+        """Write the ``end`` record (see :func:`end_fields`) once; later calls and records are not written.
+
+        Returns the record, or None when an ``end`` was already written. Safe from another
+        thread (a signal handler's): with a ``_lock`` (``SharedTrace``) it is held throughout.
+        """
+        fields = end_fields(how, error, signal)
+        lock = getattr(self, "_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            if self.ended:
+                return None
+            record = EventTrace.emit(self, "end", **fields)   # the unlocked emit: the lock is held here
+            self.ended = True
+            self._sink = None   # the file stays open until close(); no record follows `end`
+        _OPEN_TRACES.discard(self)
+        return record
+
+    def alive(self, interval_s: float, steps_seen: int | None) -> dict | None:
+        """Write one ``alive`` record (current state/step, the open collective); None after ``end``."""
+        if self.ended:
+            return None
+        return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()))
+
     def close(self) -> None:
+        _OPEN_TRACES.discard(self)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -207,3 +207,50 @@ def test_wrong_collective_wraps_the_collectives_object_for_one_all_reduce():
     wrapped.all_reduce({"ready": torch.zeros(3)}, 1.0)
     assert sent == [["loads"]] and inner.calls == [["ready"]]
     assert ctx.extra["inject"]["done"][-1]["what"] == "broadcast instead of the all-reduce of ['loads']"
+
+
+# -- issue 12: kill / freeze (real signals), fired and unfired injections ---------------------------
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("kill:rank=1,step=5", Injection("kill", 1, step=5)),
+    ("kill:rank=0,step=9,layer=2", Injection("kill", 0, step=9, layer=2)),
+    ("freeze:rank=1,step=5,seconds=3", Injection("freeze", 1, step=5, seconds=3)),
+    ("freeze:layer=1,seconds=4,step=9,rank=1", Injection("freeze", 1, step=9, layer=1, seconds=4)),
+])
+def test_kill_and_freeze_specs_parse(spec, expected):
+    """kill/freeze parse with the optional layer; the canonical form parses back."""
+    inj = parse_spec(spec)
+    assert inj == expected and parse_spec(inj.spec) == inj
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("freeze:rank=1,step=5", ["missing key seconds", "freeze needs rank=N,step=N,seconds=N"]),
+    ("kill:rank=1,step=5,seconds=2", ["unknown key 'seconds' for kill"]),
+    ("kill:rank=1,layer=0", ["missing key step"]),
+])
+def test_bad_kill_and_freeze_specs(spec, words):
+    """A bad kill/freeze spec names the spec and the rule."""
+    with pytest.raises(ValueError) as err:
+        parse_spec(spec)
+    assert all(word in str(err.value) for word in words)
+
+
+def test_freeze_needs_at_least_a_second():
+    """seconds=0 would not freeze anything: refused, naming the field."""
+    with pytest.raises(ValueError, match="seconds must be >= 1"):
+        parse_specs(["freeze:rank=0,step=1,seconds=0"], ranks=2)
+
+
+def test_scale_and_inject_combine_except_wrong_collective(tmp_path):
+    """--scale with --inject is accepted (a joiner's rank may be named); wrong-collective with --scale is not."""
+    from eplb_fsm.commands.simulate import build_options
+
+    args = build_parser().parse_args(["simulate", *SMALL, "--scale", "8:3", "--inject", "kill:rank=2,step=9",
+                                      "--log-dir", str(tmp_path)])
+    opts = build_options(args)
+    assert opts.extra["inject"] == ["kill:rank=2,step=9"] and opts.extra["scale"] == ["8:3"]
+    args = build_parser().parse_args(["simulate", *SMALL, "--scale", "8:3", "--inject",
+                                      "wrong-collective:rank=0,step=9", "--log-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="wrong-collective cannot be combined with --scale"):
+        build_options(args)

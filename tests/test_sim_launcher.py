@@ -116,3 +116,85 @@ def test_free_port_is_bindable():
     port = find_free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+# -- issue 12: process groups, signal endings, real freezes -----------------------------------------
+
+
+def _blocked_rank_notes_its_signal(rank: int, world: int, note_dir: str) -> int:
+    """Rank 1 raises; rank 0 blocks in a gloo barrier, where only the signal thread can act."""
+    import torch.distributed as dist
+
+    from eplb_fsm.sim import signals
+
+    def note(name: str) -> None:
+        with open(os.path.join(note_dir, f"{rank}.signal"), "w") as fh:
+            fh.write(name)
+
+    signals.on_signal(note)
+    if rank == 1:
+        time.sleep(0.5)
+        raise KeyError("boom on rank 1")
+    dist.barrier()
+    return rank
+
+
+def test_a_rank_blocked_in_gloo_runs_its_signal_callbacks_when_stopped(tmp_path):
+    """The launcher's SIGTERM reaches a rank blocked in a collective: its callback runs, then it exits."""
+    with pytest.raises(RankFailedError, match="boom on rank 1"):
+        run_ranks(_blocked_rank_notes_its_signal, 2, args=(str(tmp_path),), timeout=60)
+    assert (tmp_path / "0.signal").read_text() == "SIGTERM"
+
+
+def _rank_with_a_child(rank: int, world: int, pid_dir: str) -> int:
+    """Each rank starts a long `sleep` child (like a freeze helper), then rank 1 hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    with open(os.path.join(pid_dir, f"child{rank}.pid"), "w") as fh:
+        fh.write(str(child.pid))
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+def test_stopping_a_rank_stops_what_it_started(tmp_path):
+    """Ranks run in process groups of their own: the launcher's stop also ends their children."""
+    with pytest.raises(RanksTimeoutError):
+        run_ranks(_rank_with_a_child, 2, args=(str(tmp_path),), timeout=4.0)
+    deadline = time.monotonic() + 10
+    for name in ("child0.pid", "child1.pid"):
+        pid = int((tmp_path / name).read_text())
+        while True:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().split(")")[-1].split()[0] in ("Z", "X"):
+                        break
+            except FileNotFoundError:
+                break
+            assert time.monotonic() < deadline, f"child {pid} of a stopped rank is still running"
+            time.sleep(0.05)
+
+
+def _frozen_rank_reports_the_wall_time(rank: int, world: int) -> tuple:
+    """freeze_self(1): a real SIGSTOP/SIGCONT from a helper; the rank sees its wall clock jump."""
+    import signal as sig
+
+    from eplb_fsm.sim import signals
+
+    t0 = time.monotonic()
+    signals.freeze_self(1)
+    return time.monotonic() - t0, os.getpgid(0) == os.getpid(), sig.SIGTERM in sig.pthread_sigmask(sig.SIG_BLOCK, [])
+
+
+def test_freeze_self_stops_the_process_for_the_given_time():
+    """A frozen rank is away for >= the freeze; it leads its own process group; SIGTERM is left to the signal thread."""
+    (away, leads, blocked), = run_ranks(_frozen_rank_reports_the_wall_time, 1, timeout=60)
+    assert away >= 0.9 and leads and blocked
+
+
+def test_rank_failed_error_names_every_failed_rank():
+    """The message carries the first rank's traceback and one line for each other failed rank."""
+    err = RankFailedError({1: "Traceback ...\nRuntimeError: Connection reset", 0: "process exited with code 3"})
+    assert err.first == 1 and "Connection reset" in str(err)
+    assert "rank 0: process exited with code 3" in str(err)

@@ -116,3 +116,90 @@ def test_numpy_and_torch_values_serialise(tmp_path):
         trace.emit("x", a=np.int64(3), b=torch.tensor([1, 2]), c=(4, 5))
     (record,), _ = read_trace(trace_path(tmp_path, 0))
     assert (record["a"], record["b"], record["c"]) == (3, [1, 2], [4, 5])
+
+
+# -- issue 12: how a trace ends, liveness records, header identity ---------------------------------
+
+
+def test_end_is_written_once_and_nothing_follows_it(tmp_path):
+    """`end` is the last line of the file: a second end and later records are not written."""
+    trace = EventTrace(rank=0, world=2, trace_dir=tmp_path)
+    trace.emit("step")
+    first = trace.end("exception", error="KeyError: 'x'")
+    assert first["how"] == "exception" and first["error"] == "KeyError: 'x'"
+    assert trace.end("closed") is None
+    trace.emit("step")
+    trace.close()
+    records, _ = read_trace(trace_path(tmp_path, 0))
+    assert [r["event"] for r in records] == ["step", "end"]
+    assert records[-1]["how"] == "exception" and records[-1]["seq"] == 1
+
+
+@pytest.mark.parametrize("how,kwargs,needle", [
+    ("gone", {}, "how must be one of"),
+    ("exception", {}, "needs error"),
+    ("signal", {}, "needs signal"),
+    ("closed", {"signal": "SIGTERM"}, "signal is only given"),
+    ("closed", {"error": "E: x"}, "error is only given"),
+])
+def test_end_fields_refuse_a_bad_combination(how, kwargs, needle):
+    """A bad `end` names the field and the rule, and writes nothing."""
+    from eplb_fsm.trace import end_fields
+
+    with pytest.raises(ValueError, match=needle):
+        end_fields(how, **kwargs)
+
+
+def test_end_signal_record_names_the_signal(tmp_path):
+    """how=signal carries the signal's name and no error."""
+    with EventTrace(rank=1, world=2, trace_dir=tmp_path) as trace:
+        rec = trace.end("signal", signal="SIGTERM")
+    assert rec["signal"] == "SIGTERM" and "error" not in rec
+
+
+def test_alive_reports_the_open_collective_and_the_previous_step():
+    """An alive record inside a collective names it; after the collective ends waiting_on is null."""
+    trace = EventTrace(rank=0, world=2, keep=True)
+    trace.set_context(state="collecting", step=5)
+    with trace.collective("all_reduce", group="ep"):
+        inside = trace.alive(0.5, steps_seen=3)
+    after = trace.alive(0.5, steps_seen=5)
+    assert inside["waiting_on"] == {"op": "all_reduce", "group": "ep", "cseq": 0}
+    assert (inside["step"], inside["steps_seen"], inside["interval_s"]) == (5, 3, 0.5)
+    assert after["waiting_on"] is None
+
+
+def test_collective_error_clears_the_open_collective():
+    """A collective that raises is no longer what the rank waits on."""
+    trace = EventTrace(keep=True)
+    with pytest.raises(TimeoutError):
+        with trace.collective("barrier", group="x"):
+            raise TimeoutError("late")
+    assert trace.waiting_on() is None
+
+
+def test_header_carries_run_id_and_config_hash(tmp_path):
+    """The header has run_id and the config's 16-hex hash, equal for equal configs, different otherwise."""
+    from eplb_fsm.trace import config_hash
+
+    with EventTrace(rank=0, world=1, trace_dir=tmp_path) as trace:
+        rec = trace.header({"b": 2, "a": 1}, run_id="0123456789abcdef")
+    assert rec["run_id"] == "0123456789abcdef"
+    assert rec["config_hash"] == config_hash({"a": 1, "b": 2}) != config_hash({"a": 1, "b": 3})
+    assert len(rec["config_hash"]) == 16 and int(rec["config_hash"], 16) >= 0
+
+
+def test_end_open_traces_ends_every_open_file_once(tmp_path):
+    """A signal handler's ending: every open trace gets `end how=signal`; closed or ended ones are skipped."""
+    from eplb_fsm.trace import end_open_traces
+
+    a, b, c = (EventTrace(rank=r, world=3, trace_dir=tmp_path) for r in range(3))
+    b.end("closed")
+    c.close()
+    assert end_open_traces("signal", signal="SIGTERM") == 1
+    assert end_open_traces("signal", signal="SIGTERM") == 0
+    a.close()
+    b.close()
+    last = {r: read_trace(trace_path(tmp_path, r))[0] for r in range(3)}
+    assert last[0][-1]["how"] == "signal" and last[0][-1]["signal"] == "SIGTERM"
+    assert last[1][-1]["how"] == "closed" and last[2] == []

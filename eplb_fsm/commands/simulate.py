@@ -21,9 +21,11 @@ e.g. fault injection or elastic scaling, without changing the rank loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
+import signal
 import sys
 import threading
 import time
@@ -45,6 +47,17 @@ fault injection (--inject SPEC, repeatable; R rank, S step, K layer, from 0):
   wrong-collective:rank=R,step=S  rank R broadcasts instead of the controller's
                                   all-reduce at step S (or the next one after S)
   die:rank=R,step=S               rank R's process exits (os._exit) at step S
+  kill:rank=R,step=S[,layer=K]    rank R sends itself a real SIGKILL at the start of step
+                                  S (with layer=K: before its first transfer of layer K at
+                                  a step >= S, in a rearrangement or a scale)
+  freeze:rank=R,step=S,seconds=T[,layer=K]
+                                  rank R is stopped by a real SIGSTOP for T seconds (a
+                                  helper process sends SIGSTOP, then SIGCONT), same points
+
+Every injection that fires writes a 'fault_injected' trace record; one that never fired
+is reported and makes the run fail (exit 1). With --scale, R is the rank a process
+starts as (a joiner: the rank it joins as). SIGTERM or Ctrl-C stops every rank process
+(each writes an 'end' record), keeps the traces and exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
@@ -159,10 +172,20 @@ def build_options(args: argparse.Namespace):
         raise ValueError(f"--timeout must be a finite number of seconds > 0, got {run_timeout}")
     check_png_path(getattr(args, "png", None), getattr(args, "no_png", False))  # before any work
     injections = []
+    events = []
+    if getattr(args, "scale", None):
+        from eplb_fsm.sim.elastic import parse_scale_specs
+
+        events = parse_scale_specs(args.scale, args.ranks, args.steps, args.experts, args.redundant)
     if getattr(args, "inject", None):
         from eplb_fsm.sim.inject import parse_specs
 
-        injections = parse_specs(args.inject, args.ranks, args.steps, args.layers)
+        # with --scale a joiner can be the target: ranks up to the largest group of the run
+        most = max([args.ranks] + [e.ranks for e in events])
+        injections = parse_specs(args.inject, most, args.steps, args.layers)
+        if events and any(inj.kind == "wrong-collective" for inj in injections):
+            raise ValueError("--inject wrong-collective cannot be combined with --scale (its broadcast needs "
+                             "the fixed torch.distributed group)")
     log_dir = prepare_trace_dir(args.log_dir)
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
@@ -173,13 +196,7 @@ def build_options(args: argparse.Namespace):
     )
     if injections:
         opts.extra["inject"] = [inj.spec for inj in injections]
-    if getattr(args, "scale", None):
-        from eplb_fsm.sim.elastic import parse_scale_specs
-
-        if injections:
-            raise ValueError("--scale and --inject cannot be combined yet (the injector assumes a fixed group)")
-
-        events = parse_scale_specs(args.scale, args.ranks, args.steps, args.experts, args.redundant)
+    if events:
         opts.extra["scale"] = [e.spec for e in events]
         join_timeout = getattr(args, "join_timeout", None)
         if join_timeout is not None and not (join_timeout > 0 and math.isfinite(join_timeout)):
@@ -294,6 +311,7 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
         report = build_failed_report(opts, exc, time.perf_counter() - t0)
         report["replay"] = replay_verdict(opts.log_dir)
         report["png"], report["png_note"] = None, None
+        check_injections_fired(opts, report)
         return report
     wall = time.perf_counter() - t0
     if scaling:
@@ -310,6 +328,7 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
         # every rank finished, but traces that diverge (an injected fault, or a group swap the
         # ranks did not make alike) are not ok
         report["ok"] = bool(report["ok"] and report["replay"]["verdict"] == "healthy")
+    check_injections_fired(opts, report)
     report["png"], report["png_note"] = None, None
     if want_png:
         report["png"], report["png_note"] = _write_plot(opts, report, results, png)
@@ -332,6 +351,18 @@ def _write_plot(opts, report: dict, results: list[dict], png: str | None) -> tup
                                  window=opts.window, scalings=report.get("scalings", ()), ranks=opts.ranks)
     except Exception as exc:  # noqa: BLE001 - a plot problem must not cost the report
         return None, f"the plot could not be written to {path}: {type(exc).__name__}: {exc}"
+
+
+def check_injections_fired(opts, report: dict) -> None:
+    """``report["inject_unfired"]``: the ``--inject`` specs no trace shows firing; any makes ``ok`` false."""
+    specs = opts.extra.get("inject")
+    if not specs:
+        return
+    from eplb_fsm.sim.inject_report import unfired_injections
+
+    report["inject_unfired"] = unfired_injections(specs, opts.log_dir)
+    if report["inject_unfired"]:
+        report["ok"] = False
 
 
 def _last_record(path: Path) -> dict | None:
@@ -366,6 +397,7 @@ def _reason(text: str) -> str:
 
 def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
+    from eplb_fsm.sim.elastic import JOINER_ID
     from eplb_fsm.sim.launcher import RanksTimeoutError
     from eplb_fsm.trace import trace_path
 
@@ -373,21 +405,27 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     values = dict(getattr(exc, "values", {}) or {})
     pending = set(getattr(exc, "pending", []) or [])
     ranks = []
-    for r in range(opts.ranks):
+    # first ranks by rank, then the joiners of --scale by process id (JOINER_ID * (scale + 1) + rank)
+    started = set(getattr(exc, "processes", []) or [])  # elastic runs: every process the launcher started
+    joiners = sorted(k for k in set(failures) | set(values) | pending | started if k >= opts.ranks)
+    for r in list(range(opts.ranks)) + joiners:
+        process = r
+        r = r % JOINER_ID if process >= opts.ranks else r
         path = trace_path(opts.log_dir, r)
         last = _last_record(path) if path.is_file() else None
-        if r in values:
+        if process in values:
             status, reason = "finished", None
-        elif r in failures:
-            reason = _reason(failures[r])
+        elif process in failures:
+            reason = _reason(failures[process])
             status = "died" if reason.startswith("process exited with code") else "failed"
-        elif r in pending:
+        elif process in pending:
             status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):.0f} s deadline (killed)"
         else:
             status, reason = "stopped", "stopped by the launcher after another rank failed"
         if last and last.get("event") == "rearrangement":  # its `step` is the due step
             last = dict(last, step=last.get("end_step", last.get("step")))
-        ranks.append({"rank": r, "status": status, "reason": reason,
+        ranks.append({"rank": r, "process": process, "role": "joiner" if process >= opts.ranks else "initial",
+                      "status": status, "reason": reason,
                       "last_step": last.get("step") if last else None,
                       "last_state": last.get("state") if last else None,
                       "last_event": last.get("event") if last else None,
@@ -399,6 +437,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         "error": "timeout" if isinstance(exc, RanksTimeoutError) else "ranks_failed",
         "ranks": ranks,
         "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
+        "failed_processes": [e["process"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
         "final_states": [e["last_state"] for e in ranks],
         "log_dir": opts.log_dir,
         "traces": [e["trace"] for e in ranks if e["trace"]],
@@ -505,16 +544,20 @@ def _format_failed(report: dict) -> list[str]:
     for e in report["ranks"]:
         where = (f"last record: step {e['last_step']}, {e['last_state']} ({e['last_event']})"
                  if e["last_event"] else "no trace")
-        lines.append(f"  rank {e['rank']}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
+        who = f"rank {e['rank']}" + (f" (joiner, process {e['process']})" if e.get("role") == "joiner" else "")
+        lines.append(f"  {who}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
     lines += ["", f"traces: {report['log_dir']}", f"wall time: {report['wall_s']} s"]
     return lines
 
 
 def _format_replay(report: dict) -> list[str]:
+    lines = []
+    if report.get("inject_unfired"):
+        lines.append("injection(s) that never fired: " + " ".join(report["inject_unfired"]) + " (the run fails)")
     rep = report.get("replay")
-    if not rep:
-        return []
-    return [f"replay: {rep['verdict']}: {rep['summary']}"]
+    if rep:
+        lines.append(f"replay: {rep['verdict']}: {rep['summary']}")
+    return lines
 
 
 def _format_scalings(report: dict) -> list[str]:
@@ -582,6 +625,34 @@ def format_report(report: dict) -> str:
     return "\n".join(lines + _format_replay(report))
 
 
+class Interrupted(Exception):
+    """SIGTERM reached ``eplb-fsm simulate``: raised in the main thread so the launcher stops its ranks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"interrupted by {name}")
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGTERM raises :class:`Interrupted` (once; Ctrl-C already raises KeyboardInterrupt) while running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def on_term(signum, frame):
+        if not fired:  # a second SIGTERM while the ranks are being stopped changes nothing
+            fired.append(signum)
+            raise Interrupted(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         opts = build_options(args)
@@ -591,8 +662,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if note:
         print(f"eplb-fsm simulate: {note}", file=sys.stderr)
-    report = run_simulation(opts, progress=not args.no_progress, timeout=args.timeout, png=args.png,
-                            want_png=not args.no_png)
+    try:
+        with _interruptible():
+            report = run_simulation(opts, progress=not args.no_progress, timeout=args.timeout, png=args.png,
+                                    want_png=not args.no_png)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        # the launcher's `finally` has stopped every rank process (each wrote its `end` record)
+        name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+        print(f"\neplb-fsm simulate: interrupted by {name}: every rank process was stopped; "
+              f"traces kept in {opts.log_dir} (eplb-fsm replay {opts.log_dir})", file=sys.stderr)
+        return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
     if note:
         report["load_note"] = note
     if report.get("png_note"):

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from eplb_fsm import liveness, run_identity
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.collectives import GROUP_NAME, LOCAL_GROUP_NAME, TRANSFER_GROUP_NAME, Collectives, resolve_group
 from eplb_fsm.fsm.decide import Counters, decide_step
@@ -65,7 +66,7 @@ class EplbController:
     ``device``: where the load counters and maps live. ``trace_dir``: where this rank's
     JSONL trace goes (``None``: no file; ``keep_trace=True`` keeps records in memory).
     ``role``: ``"member"`` or ``"joiner"`` (elastic EP: use :meth:`join`), ``start_step``:
-    the engine step counter to start from.
+    the engine step counter to start from. ``liveness_interval_s``: seconds between ``alive`` records (None: off).
 
     Every rank must construct the controller, add the same models in the same order,
     and call ``step`` / ``rearrange`` / ``recover`` the same number of times.
@@ -73,11 +74,12 @@ class EplbController:
 
     def __init__(self, config: EplbConfig, group: Any = None, device: torch.device | str | None = None,
                  trace_dir: str | None = None, *, keep_trace: bool = False, clock: Callable[[], float] = time.time,
-                 role: str = "member", start_step: int = 0) -> None:
+                 role: str = "member", start_step: int = 0, liveness_interval_s: float | None = 1.0) -> None:
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if role not in ("member", "joiner"):
             raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
+        self.liveness = liveness.Liveness(None, liveness_interval_s)  # issue 12: checked before any change
         self.role = role
         self._config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -94,9 +96,9 @@ class EplbController:
         self.scalings: list[dict] = []
         initial = SCALING if role == "joiner" else COLLECTING
         self.trace.set_context(state=initial, step=int(start_step))
-        self.trace.header(
-            config.to_dict(), mode="async" if config.use_async else "sync", device=str(self.device), group=name,
-            transfer_group=self.collectives.transfer_group_name,
+        run_identity.write_header(  # issue 12: the run id agreed with rank 0, config checked, then the header
+            self.trace, self.collectives, config.to_dict(), role, mode="async" if config.use_async else "sync",
+            device=str(self.device), group=name, transfer_group=self.collectives.transfer_group_name,
             **({"role": role, "generation": generation,
                 "machine": {"state": SCALING, "scale_pending": True}} if role == "joiner" else {}),
         )
@@ -128,6 +130,7 @@ class EplbController:
             self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s)
             self.machine.listeners.append(self.watchdog.on_fired)
             self.watchdog.start()
+        self.liveness.start_on(self.trace)  # issue 12: `alive` records while the trace goes to a file
         self._closed = False
 
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> ModelEntry:
@@ -382,10 +385,12 @@ class EplbController:
         if self._closed:
             return
         self._closed = True
+        self.liveness.stop()  # issue 12
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.worker is not None:
             self.worker.close(timeout=self.timeout_s)
+        self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first
         self.trace.close()
 
     def __enter__(self) -> "EplbController":

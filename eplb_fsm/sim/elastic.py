@@ -243,6 +243,9 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         write_step_progress(progress, controller, controller.rank, step, opts,
                             "left" if left else controller.state, done=True, world=controller.world_size)
         return result
+    except BaseException as exc:  # issue 12 wiring: `end how=exception` (SIGTERM: sim/signals.py ends it)
+        controller.trace.end("exception", error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         controller.close()
 
@@ -265,6 +268,9 @@ _GATES: dict = {}
 
 def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
                   pid_key: int, results: Any) -> None:
+    from eplb_fsm.sim import signals
+
+    signals.install()  # issue 12 wiring: own process group, SIGTERM -> `end how=signal` (sim/signals.py)
     try:
         import torch
 
@@ -331,7 +337,9 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
             now = time.monotonic()
             if now >= deadline:
                 pending = [k for k in procs if k not in values and k not in failures]
-                raise RanksTimeoutError(pending, timeout, values, failures)
+                err = RanksTimeoutError(pending, timeout, values, failures)
+                err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+                raise err
             try:
                 key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
             except queue_mod.Empty:
@@ -353,6 +361,10 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
                     with contextlib.suppress(queue_mod.Empty):
                         k2, s2, v2 = results_q.get(timeout=0.1)
                         (values if s2 == "ok" else failures)[k2] = v2
+                # issue 12 wiring: a process that died meanwhile (a signal) failed too, it is no bystander
+                for k, p in procs.items():
+                    if k not in values and k not in failures and p.exitcode not in (None, 0):
+                        failures[k] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
         _stop(list(procs.values()))
@@ -360,7 +372,9 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
         results_q.join_thread()
         del store
     if failures:
-        raise RankFailedError(failures, values)
+        err = RankFailedError(failures, values)
+        err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+        raise err
     return [values[k] for k in sorted(values)]
 
 

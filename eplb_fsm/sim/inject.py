@@ -20,6 +20,13 @@ A spec is ``KIND:key=value,key=value`` with non-negative integer values:
 ``die:rank=R,step=S``
     At the start of step S, rank R's process exits at once (``os._exit``, code
     ``DIE_EXIT_CODE``): no clean-up, no further trace line.
+``kill:rank=R,step=S[,layer=K]`` / ``freeze:rank=R,step=S,seconds=T[,layer=K]``
+    A real SIGKILL to itself / a real SIGSTOP for T s, then SIGCONT, from a helper process
+    (``sim.signals``): at the start of step S (any state), or with ``layer=K`` right before
+    the first transfer of layer K at a step >= S (a rearrangement's or a scale's).
+
+Every injection that fires first writes ``fault_injected`` (``kind``, ``target_rank``,
+``at_step``, ``spec``) to the rank's trace (``sim/inject_report.py`` finds unfired ones).
 
 :func:`make_injector` is the ``SimOptions.hooks`` factory (``"eplb_fsm.sim.inject:make_injector"``).
 Every rank builds the same :class:`Injector` and acts on the injections naming it. While
@@ -63,7 +70,11 @@ KINDS: dict[str, tuple[str, ...]] = {
     "stall-layer": ("rank", "layer"),
     "wrong-collective": ("rank", "step"),
     "die": ("rank", "step"),
+    "kill": ("rank", "step"),
+    "freeze": ("rank", "step", "seconds"),
 }
+# kind -> keys its spec may add
+OPTIONAL: dict[str, tuple[str, ...]] = {"kill": ("layer",), "freeze": ("layer",)}
 DIE_EXIT_CODE = 43
 ENGINE_GROUP = "engine"   # trace name of the engine's forward all-reduces (same process group as ep)
 
@@ -78,14 +89,16 @@ class Injection:
     rank: int
     step: int | None = None
     layer: int | None = None
+    seconds: int | None = None
 
     @property
     def spec(self) -> str:
-        keys = KINDS[self.kind]
+        keys = KINDS[self.kind] + tuple(k for k in OPTIONAL.get(self.kind, ()) if getattr(self, k) is not None)
         return f"{self.kind}:" + ",".join(f"{k}={getattr(self, k)}" for k in keys)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "rank": self.rank, "step": self.step, "layer": self.layer, "spec": self.spec}
+        return {"kind": self.kind, "rank": self.rank, "step": self.step, "layer": self.layer,
+                "seconds": self.seconds, "spec": self.spec}
 
 
 class RankFault(RuntimeError):
@@ -110,7 +123,7 @@ def parse_spec(spec: str) -> Injection:
     kind, body = m.group(1), m.group(2)
     if kind not in KINDS:
         raise _bad(spec, f"unknown kind {kind!r}; kinds: {kinds}")
-    wanted = KINDS[kind]
+    wanted = KINDS[kind] + OPTIONAL.get(kind, ())
     values: dict[str, int] = {}
     for item in (p.strip() for p in body.split(",")):
         if not item:
@@ -143,6 +156,8 @@ def check_injection(inj: Injection, ranks: int, steps: int | None = None, layers
         raise _bad(inj.spec, f"rank {inj.rank} is out of range: the run has {ranks} rank(s) (0..{ranks - 1})")
     if inj.step is not None and steps is not None and inj.step >= steps:
         raise _bad(inj.spec, f"step {inj.step} is out of range: the run has {steps} step(s) (0..{steps - 1})")
+    if inj.seconds is not None and inj.seconds < 1:
+        raise _bad(inj.spec, f"seconds must be >= 1, got {inj.seconds}")
     if inj.layer is not None and layers is not None and inj.layer >= layers:
         raise _bad(inj.spec, f"layer {inj.layer} is out of range: the model has {layers} layer(s) "
                    f"(0..{layers - 1})")
@@ -198,13 +213,17 @@ class Injector:
         if self.trace_engine and ctx.group is not None and ctx.world > 1:
             ctx.model.engine_all_reduce = self._engine_all_reduce
             # every rank joins the engine group once before the first step: its traces name the
-            # group even if a rank dies before its first forward
+            # group even if a rank dies before its first forward (not a joiner: the serving
+            # ranks are past their first step when it starts)
             import torch
 
-            self._engine_all_reduce(torch.zeros(1, dtype=torch.float64), ctx.group, None)
+            if ctx.extra.get("role") != "joiner":
+                self._engine_all_reduce(torch.zeros(1, dtype=torch.float64), ctx.group, None)
         for inj in self.mine:
             if inj.kind == "stall-layer":
                 ctx.controller.transfer_hooks.append(self._stall_hook(inj))
+            elif inj.kind in ("kill", "freeze") and inj.layer is not None:
+                ctx.controller.transfer_hooks.append(self._signal_hook(inj))
         ctx.extra["inject"] = {"specs": [i.spec for i in self.mine], "done": self.done, "faults": self.faults}
 
     def before_step(self, ctx: Any, step: int) -> dict | None:
@@ -216,6 +235,8 @@ class Injector:
             if inj.kind == "die":
                 self.note(inj, "exiting the process")
                 os._exit(DIE_EXIT_CODE)
+            elif inj.kind in ("kill", "freeze") and inj.layer is None:
+                self._send_signal(inj, f"at the start of step {step}")
             elif inj.kind == "skip-step":
                 self.note(inj, "controller.step() not called")
                 overrides["skip_step"] = True
@@ -251,8 +272,39 @@ class Injector:
                 return entry["reason"]
         return "the EP group failed (see the fault record in the trace)"
 
-    def note(self, inj: Injection, what: str) -> None:
+    def note(self, inj: Injection, what: str, **fields: Any) -> None:
+        """Remember what fired and write ``fault_injected`` (flushed: the trace writes per line)."""
         self.done.append({"spec": inj.spec, "step": self._step, "what": what})
+        trace = getattr(self._ctx.controller, "trace", None) if self._ctx is not None else None
+        if trace is not None:
+            trace.emit("fault_injected", kind=inj.kind, target_rank=inj.rank, at_step=self._step, spec=inj.spec,
+                       what=what, **fields)
+
+    # -- kill / freeze: real signals ---------------------------------------
+    def _send_signal(self, inj: Injection, where: str, layer: int | None = None) -> None:
+        from eplb_fsm.sim import signals
+
+        state = self._ctx.controller.machine.state
+        if inj.kind == "kill":
+            self.note(inj, f"SIGKILL {where} ({state})", layer=layer, state_at=state)
+            signals.kill_self()
+        else:
+            self.note(inj, f"SIGSTOP for {inj.seconds} s {where} ({state})", layer=layer, state_at=state,
+                       seconds=inj.seconds)
+            signals.freeze_self(inj.seconds)
+
+    def _signal_hook(self, inj: Injection):
+        fired = []
+
+        def hook(layer: int, model_name: str, model_layer: int) -> None:
+            # a scale runs at the top of its step, before before_step: the loop's ctx.step is current
+            self._step = max(self._step, int(getattr(self._ctx, "step", self._step) or 0))
+            if layer != inj.layer or fired or self._step < inj.step:
+                return
+            fired.append(layer)
+            self._send_signal(inj, f"before transferring layer {layer}", layer=layer)
+
+        return hook
 
     # -- stall-layer -------------------------------------------------------
     def _stall_hook(self, inj: Injection):
@@ -286,8 +338,15 @@ class Injector:
         import torch.distributed as dist
 
         trace = self._ctx.controller.trace
-        with trace.collective("all_reduce", group=ENGINE_GROUP, shape=tuple(tensor.shape), dtype=tensor.dtype,
+        # elastic EP: each generation's group has its own name (ep@1 -> engine@1), so its cseq starts
+        # at 0 on the serving ranks and the joiners alike
+        name = getattr(group, "trace_name", "ep")
+        engine = ENGINE_GROUP + name[2:] if name.startswith("ep@") else ENGINE_GROUP
+        with trace.collective("all_reduce", group=engine, shape=tuple(tensor.shape), dtype=tensor.dtype,
                               step=self._step, moe_layer=layer):
+            if callable(getattr(group, "all_reduce", None)):  # elastic EP: the StoreGroup's own all-reduce
+                group.all_reduce(tensor, self.engine_timeout_s)
+                return
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.engine_timeout_s))
 

@@ -44,9 +44,16 @@ class RankFailedError(RuntimeError):
         self.failures = dict(failures)
         self.values = dict(values or {})  # what the ranks that finished returned
         self.first = next(iter(self.failures))
+        # every other failed rank named too, by the last line of its report (often the cause)
+        others = "".join(f"\nrank {r}: {_last_line(text)}" for r, text in self.failures.items() if r != self.first)
         super().__init__(
-            f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}"
+            f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}{others}"
         )
+
+
+def _last_line(text: Any) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "?"
 
 
 class RanksTimeoutError(TimeoutError):
@@ -82,6 +89,10 @@ def _rank_main(
     results: Any,
 ) -> None:
     """Body of one rank process: join the group, run ``fn``, report, leave."""
+    from eplb_fsm.sim import signals
+
+    # first, while this process has one thread: own process group, SIGTERM/SIGINT -> `end` + exit
+    signals.install()
     try:
         if env:
             os.environ.update(env)
@@ -124,17 +135,15 @@ def _context(start_method: str | None) -> mp.context.BaseContext:
 
 
 def _stop(procs: Sequence[mp.process.BaseProcess], grace: float = 2.0) -> None:
-    """Terminate, then kill, every process still alive; join them all (bounded)."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
+    """Stop every rank process and its process group (SIGTERM, then SIGKILL after ``grace``); join them.
+
+    A rank writes ``end how=signal`` on SIGTERM (``sim.signals``); a frozen one is sent
+    SIGCONT so it can. Bound: ``grace`` + 5 s per process still alive after SIGKILL.
+    """
+    from eplb_fsm.sim.signals import stop_groups
+
+    by_pid = {p.pid: p for p in procs if p.pid is not None}
+    stop_groups(list(by_pid), grace, lambda pid: by_pid[pid].is_alive(), lambda pid, t: by_pid[pid].join(t))
 
 
 def _launch_once(

@@ -364,15 +364,12 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     ctx = RankContext(rank, world, opts, model, controller, group)
     _call(hooks, "on_start", ctx)
     tally = OutputTally()
-    states_seen: list[tuple[int, str]] = []
     t0 = time.perf_counter()
     step = 0
     try:
         for step in range(opts.steps):
             ctx.step = step
             before, state = engine_step(ctx, hooks, opts, model, controller, group, world, step, tally)
-            if state != before:
-                states_seen.append((step, state))
             _call(hooks, "after_step", ctx, step)
             if progress is not None and (step % opts.progress_every == 0 or state != before):
                 write_step_progress(progress, controller, rank, step, opts, state)
@@ -393,5 +390,8 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
         _call(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, rank, step, opts, controller.state, done=True)
         return result
+    except BaseException as exc:  # issue 12 wiring: `end how=exception` (SIGTERM: sim/signals.py ends it)
+        controller.trace.end("exception", error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         controller.close()

@@ -1,0 +1,147 @@
+"""Real signals for the simulator's rank processes: endings on SIGTERM/SIGINT, kill and freeze.
+
+A rank process calls :func:`install` first thing, before any other thread exists:
+
+- it moves into a process group of its own (``setpgid``), so that the launcher can stop
+  the rank and everything it started (a freeze helper) with one ``killpg``, and so that a
+  Ctrl-C in the terminal reaches the launcher only (the launcher stops the ranks);
+- it blocks SIGTERM and SIGINT in every thread and starts one thread that waits for
+  them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
+  to every trace of the process still open (``trace.end_open_traces``: the controller's),
+  stops any freeze helper and exits the process with ``128 + signum``. It works while the main thread is blocked inside a gloo
+  wait, where a Python signal handler would not run until the wait returned.
+
+:func:`kill_self` and :func:`freeze_self` are the injected faults: a real SIGKILL sent to
+this process, and a real SIGSTOP / SIGCONT pair sent by a helper process (a process
+cannot continue itself) while this rank waits for the helper to finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+__all__ = ["STOP_SIGNALS", "install", "on_signal", "clear", "kill_self", "freeze_self", "stop_groups"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_callbacks: list[Callable[[str], None]] = []
+_helpers: list[subprocess.Popen] = []
+_installed = False
+
+
+def on_signal(callback: Callable[[str], None]) -> None:
+    """Call ``callback(signal_name)`` when SIGTERM/SIGINT arrives, before the process exits."""
+    _callbacks.append(callback)
+
+
+def clear() -> None:
+    """Forget the registered callbacks (a rank loop that has closed its trace)."""
+    _callbacks.clear()
+
+
+def _handle(signum: int) -> None:
+    name = signal.Signals(signum).name
+    for callback in list(_callbacks):
+        with contextlib.suppress(Exception):
+            callback(name)
+    with contextlib.suppress(Exception):
+        from eplb_fsm.trace import end_open_traces
+
+        end_open_traces("signal", signal=name)
+    for helper in list(_helpers):
+        with contextlib.suppress(Exception):
+            helper.kill()
+    os._exit(128 + signum)
+
+
+def _wait_loop() -> None:
+    signum = signal.sigwait(set(STOP_SIGNALS))
+    _handle(signum)
+
+
+def install(new_group: bool = True) -> None:
+    """Own process group + a thread that turns SIGTERM/SIGINT into callbacks and an exit (once per process).
+
+    Must run while the process has a single thread: threads started later inherit the
+    blocked mask, so the signal reaches only the waiting thread.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    if new_group:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    threading.Thread(target=_wait_loop, name="eplb-signals", daemon=True).start()
+
+
+def kill_self() -> None:
+    """SIGKILL this process (no clean-up, no ``end`` record: what an OOM kill looks like)."""
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze_self(seconds: float, timeout_s: float | None = None) -> None:
+    """Be stopped by a real SIGSTOP for ``seconds``, then continued by SIGCONT; returns after.
+
+    A helper process (``/bin/sh``, in this rank's process group) sends both signals and
+    then writes one line; this rank blocks reading that line, so it does not run on
+    between asking for the freeze and being stopped. ``timeout_s`` bounds the wait
+    (default ``seconds + 30``).
+    """
+    pid = os.getpid()
+    script = f"kill -STOP {pid}; sleep {float(seconds):g}; kill -CONT {pid}; echo done"
+    helper = subprocess.Popen(["/bin/sh", "-c", script], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    _helpers.append(helper)
+    try:
+        helper.communicate(timeout=float(seconds) + 30.0 if timeout_s is None else timeout_s)
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        helper.wait(5.0)
+    finally:
+        with contextlib.suppress(ValueError):
+            _helpers.remove(helper)
+
+
+def _signal_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group ``pid`` leads (True), or to ``pid`` alone if it leads none."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+        return False
+
+
+def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool], join: Callable[[int, float], None]) -> None:
+    """Stop rank processes and whatever they started: SIGTERM (+SIGCONT, so a frozen one can act on it),
+    ``grace`` seconds for their ``end`` records, then SIGKILL to each group.
+
+    ``is_alive(pid)`` / ``join(pid, timeout)`` come from the launcher's process objects.
+    Bound: ``grace`` + the joins' timeout.
+    """
+    import time
+
+    live = [pid for pid in pids if is_alive(pid)]
+    for pid in live:
+        _signal_group(pid, signal.SIGTERM)
+        _signal_group(pid, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    for pid in live:
+        join(pid, max(0.0, deadline - time.monotonic()))
+    for pid in pids:
+        # the whole group: a rank that ended may have left a helper behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        if is_alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            join(pid, 5.0)

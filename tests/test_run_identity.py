@@ -1,0 +1,184 @@
+"""Run identity: rank 0's run id reaches every rank, a differing config fails every rank at construction."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from eplb_fsm.run_identity import ConfigMismatch, agree, field_hashes, for_controller, lookup, publish
+
+
+class _SumWorld:
+    """W threads summing float64 tensors (a SUM all-reduce), bounded waits."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.slots = [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def reduce_for(self, rank: int):
+        def reduce(t: torch.Tensor) -> None:
+            self.slots[rank] = t.clone()
+            self.barrier.wait(10)
+            total = sum(self.slots[1:], self.slots[0].clone())
+            self.barrier.wait(10)
+            t.copy_(total)
+
+        return reduce
+
+
+def _run(world: int, configs: list[dict]) -> list:
+    sums = _SumWorld(world)
+    out: list = [None] * world
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = agree(configs[rank], rank, world, sums.reduce_for(rank))
+        except Exception as exc:  # kept for the assertions
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_every_rank_gets_rank_0s_run_id():
+    """Equal configs: every rank ends with the same 16-hex run id."""
+    cfg = {"window_size": 4, "policy": "default"}
+    got = _run(3, [cfg, dict(cfg), dict(cfg)])
+    ids = {g.run_id for g in got}
+    assert len(ids) == 1 and all(g.agreed for g in got)
+    run_id = ids.pop()
+    assert len(run_id) == 16 and int(run_id, 16) >= 0
+
+
+def test_a_differing_field_fails_every_rank_naming_it():
+    """Rank 2's step_interval differs: all ranks raise ConfigMismatch naming step_interval only."""
+    cfg = {"window_size": 4, "step_interval": 10, "policy": "default"}
+    got = _run(3, [cfg, dict(cfg), dict(cfg, step_interval=11)])
+    assert all(isinstance(g, ConfigMismatch) for g in got)
+    assert all(g.fields == ["step_interval"] and g.counts == {"step_interval": 1} for g in got)
+    assert got[2].mine == ["step_interval"] and got[0].mine == [] and "'step_interval'" in str(got[0])
+
+
+def test_field_hashes_tell_values_apart():
+    """Field hashes are per field and fit in 32 bits (exact through a float64 sum)."""
+    names, hashes = field_hashes({"b": 1.0, "a": [1, 2]})
+    names2, hashes2 = field_hashes({"b": 1.5, "a": [1, 2]})
+    assert names == names2 == ["a", "b"]
+    assert hashes[0] == hashes2[0] and hashes[1] != hashes2[1]
+    assert all(0 <= h < 2 ** 32 for h in hashes + hashes2)
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+class _StoreBacked:
+    def __init__(self, store) -> None:
+        self.store = store
+        self.namespace = "eplb"
+
+
+def test_a_joiner_reads_the_published_run_id():
+    """Rank 0 publishes its run id in the store; a joiner's lookup returns it (agreed)."""
+    from eplb_fsm.run_identity import RunIdentity
+
+    group = _StoreBacked(_Store())
+    publish(group, RunIdentity("00000000deadbeef", agreed=True), rank=0)
+    got = lookup(group)
+    assert got.run_id == "00000000deadbeef" and got.agreed
+    assert not lookup(_StoreBacked(_Store())).agreed  # nothing published: a fresh id, not agreed
+
+
+def test_a_failed_agreement_is_reported_not_raised():
+    """A group whose all-reduce fails gives a RuntimeError naming the run-id agreement."""
+
+    class Broken:
+        def all_reduce(self, t, timeout_s):
+            raise TimeoutError("nobody came")
+
+        def transfer_communicator(self, timeout_s):  # pragma: no cover - the protocol's second half
+            raise NotImplementedError
+
+    identity, err = for_controller(Broken(), True, 1, 2, {"a": 1}, 0.1, "cpu", "member")
+    assert isinstance(err, RuntimeError) and "run id" in str(err) and "nobody came" in str(err)
+    assert identity.run_id and not identity.agreed
+
+
+def _construct(rank: int, world: int, trace_dir: str) -> dict:
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.trace import read_trace, trace_path
+
+    cfg = EplbConfig(window_size=8 if rank == 1 else 4, collective_timeout_s=20.0)
+    try:
+        ctl = EplbController(cfg, trace_dir=trace_dir, liveness_interval_s=None)
+    except ConfigMismatch as exc:
+        records, _ = read_trace(trace_path(trace_dir, rank))
+        return {"error": str(exc), "fields": exc.fields, "events": [r["event"] for r in records],
+                "end": records[-1]}
+    ctl.close()
+    return {"error": None}
+
+
+def _construct_same(rank: int, world: int, trace_dir: str) -> str:
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.trace import read_trace, trace_path
+
+    with EplbController(EplbConfig(collective_timeout_s=20.0), trace_dir=trace_dir, liveness_interval_s=None):
+        pass
+    records, _ = read_trace(trace_path(trace_dir, rank))
+    return records[0]["run_id"], records[0]["config_hash"]
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_with_different_configs_fail_at_construction(tmp_path):
+    """Two gloo ranks, window_size 4 vs 8: both raise naming window_size; each trace is header + end."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    out = run_ranks(_construct, 2, args=(str(tmp_path),), timeout=60)
+    for res in out:
+        assert res["fields"] == ["window_size"] and "'window_size'" in res["error"]
+        assert res["events"] == ["header", "end"]
+        assert res["end"]["how"] == "exception" and "ConfigMismatch" in res["end"]["error"]
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_share_one_run_id_in_their_headers(tmp_path):
+    """Two gloo ranks with equal configs write the same run_id and config_hash in their headers."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    (id0, h0), (id1, h1) = run_ranks(_construct_same, 2, args=(str(tmp_path),), timeout=60)
+    assert id0 == id1 and h0 == h1 and len(id0) == 16
+
+
+def test_write_header_keeps_a_role_field_for_the_header(tmp_path):
+    """A joiner's header has its own `role` field: write_header passes it through, beside the identity's role."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.run_identity import write_header
+    from eplb_fsm.trace import EventTrace, read_trace, trace_path
+
+    coll = SimpleNamespace(group=None, custom=False, rank=0, world_size=1, timeout_s=1.0, comm_device="cpu")
+    with EventTrace(0, 1, tmp_path) as trace:
+        identity = write_header(trace, coll, {"a": 1}, "joiner", role="joiner", generation=1)
+    header = read_trace(trace_path(tmp_path, 0))[0][0]
+    assert header["role"] == "joiner" and header["generation"] == 1 and header["run_id"] == identity.run_id
