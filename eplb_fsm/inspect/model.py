@@ -85,12 +85,14 @@ class Collective:
     layer: Any
     seq: int | None
     wave: Any = None
+    parts: Any = None             # what an all-reduce carries (``parts``: e.g. loads, balancedness)
+    ts: Any = None                # when this rank started it
     status: str = "open"          # open | ended | error
     duration_s: float | None = None
     error: str | None = None
 
     def signature(self) -> tuple:
-        """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave."""
+        """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""
         per_rank = _PER_RANK_OPS.get(self.op)
         if per_rank is None:
             per_rank = _PER_RANK_OPS[self.op] = bool(self.op and PER_RANK_SHAPE.search(str(self.op)))
@@ -101,7 +103,12 @@ class Collective:
             shape = tuple(shape) if all(type(d) is int for d in shape) else _freeze(shape)
         elif shape is not None:
             shape = _freeze(shape)
-        return (self.op, shape, self.layer, self.wave)
+        parts = self.parts
+        if type(parts) is list:
+            parts = tuple(parts) if all(type(p) is str for p in parts) else _freeze(parts)
+        elif parts is not None:
+            parts = _freeze(parts)
+        return (self.op, shape, self.layer, self.wave, parts)
 
     def describe(self) -> dict:
         return {"op": self.op, "group": self.group, "cseq": self.cseq, "shape": self.shape, "dtype": self.dtype}
@@ -170,6 +177,13 @@ class RankSummary:
     scalings: list[dict] = field(default_factory=list)    # its `scaling` summaries
     scale_aborts: list[dict] = field(default_factory=list)  # its `scale_aborted` records
     scale_requests: list[dict] = field(default_factory=list)  # its scale_requested transitions (who leaves)
+    # issue 12: how the session ended (its ``end`` record), its liveness records, the injector's notes
+    end: dict | None = None                   # compact `end`: how, error, signal, ts, step, state, seq
+    alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on) per `alive` record
+    alive_interval: float | None = None       # the `interval_s` its alive records announce
+    injected: list[dict] = field(default_factory=list)  # `fault_injected` records (simulator only)
+    # input problems found while reading, each with the file line: seq going backwards, wrong field types
+    disorder: list[dict] = field(default_factory=list)
     # earlier sessions of the same file that belong to the same job (a rank that left, then
     # a joiner that took its number); filled on the file's last session only
     previous: list["RankSummary"] = field(default_factory=list)
@@ -209,7 +223,17 @@ class RankSummary:
             "role": self.role,
             "generation": self.generation,
             "left_step": None if self.left is None else self.left.get("step"),
+            "end": self.end,
+            "alive_records": len(self.alive),
+            "last_ts": self.last_ts,
+            "run_id": (self.header or {}).get("run_id"),
         }
+
+    @property
+    def last_ts(self) -> float | None:
+        """When the session wrote its last readable record (its ``ts``)."""
+        ts = (self.last or {}).get("ts")
+        return ts if type(ts) in (int, float) else None
 
     @property
     def ended_on_purpose(self) -> bool:

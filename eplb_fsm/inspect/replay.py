@@ -42,7 +42,8 @@ from eplb_fsm.inspect.elastic import (
     scale_text,
     transition_offsets,
 )
-from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, ranks_text
+from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
+from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
@@ -172,14 +173,20 @@ def diagnose(
     world: int | None = None,
     warnings: Iterable[str] = (),
     oracle: MachineOracle | None = None,
+    input_findings: Iterable[Finding] = (),
 ) -> Report:
     """The replay verdict over already-loaded traces (rank -> records, or summaries).
 
     ``world`` overrides the world size read from the records (ranks ``0..world-1`` are
     expected in the first generation). The findings are sorted by step (configuration
     problems first, missing ranks last; at equal steps the more causal kind first) and the
-    first is the verdict.
+    first is the verdict. A cause the liveness records show (a rank that died, froze,
+    crashed or lagged; ``liveness``) comes before everything it led to, and the ranks that
+    only reacted to it are listed as consequences, never as culprits. ``input_findings``:
+    problems of the files themselves found while reading them (``load_dir``).
     """
+    if world is not None and (type(world) is not int or world < 1):
+        raise ValueError(f"world must be an integer >= 1, got {world!r}")
     oracle = oracle or MachineOracle()
     summaries = _as_summaries(traces, oracle)
     warnings = list(warnings)
@@ -208,9 +215,15 @@ def diagnose(
     findings += coll
     # a participant whose trace stops inside or before a hang is reported as that hang's culprit
     hang_culprits = {k for f in coll if f.kind == "hang" for k in f.keys()}
-    findings += check_ends(cast, hang_culprits)
+    live = check_liveness(cast)
+    died = {k for f in live.findings if f.kind == "rank_died" for k in f.keys()}
+    findings += check_ends(cast, hang_culprits | died)
+    findings += step_count_mismatch(cast)
     findings += check_failed(cast)
     findings += check_stuck(cast)
+    findings += list(input_findings)
+    findings += _disorder(cast)
+    findings += _world_mismatch(cast, world, summaries)
     missing = sorted(cast.missing)
     if missing:
         findings.append(Finding.of(
@@ -221,6 +234,9 @@ def diagnose(
             ranks=[cast.position(k, "no_trace", "no trace file") for k in missing],
         ))
     findings.sort(key=Finding.sort_key)
+    # cause first: a configuration that differs, then what the liveness records show, then the rest
+    config = [f for f in findings if f.kind == "config_mismatch"]
+    findings = config + live.findings + [f for f in findings if f.kind != "config_mismatch"]
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):
@@ -233,15 +249,65 @@ def diagnose(
     illegal = [dict(i, session=k[1]) if k[1] else i for k, s in cast.parts.items() for i in s.illegal]
     ranks = [s.to_dict() for s in cast.parts.values()]
     missing_ranks = sorted({k[0] for k in missing})
+    aborted = aborted_rearrangements(cast, handled, live.findings)
+    injected = [dict(i, rank=k[0]) for k, s in cast.parts.items() for i in s.injected]
+    run_ids = sorted({str(s.header.get("run_id")) for s in cast.parts.values() if s.header and s.header.get("run_id")})
+    extra = dict(aborted=aborted, injected=injected, run_id=run_ids[0] if len(run_ids) == 1 else None)
     if findings:
         f = findings[0]
+        consequences = live.consequences + [f"{g.kind}: {g.summary}" for g in findings[1:]
+                                            if g.kind not in ("missing_ranks",)]
         return Report(f.kind, f.summary, f.culprits, f.step, f.state, f.layer, f.collective, f.ranks,
-                      findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales)
-    return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled), [], None, None, None, None, [], [],
-                  illegal, ranks, warnings, world, missing_ranks, 0, handled, scales)
+                      findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales,
+                      consequences=consequences, **extra)
+    return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled, aborted), [], None, None, None, None,
+                  [], [], illegal, ranks, warnings, world, missing_ranks, 0, handled, scales, **extra)
 
 
-def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict], handled: list[Finding]) -> str:
+def _disorder(cast) -> list[Finding]:
+    """Records out of order by ``seq``: one finding per participant, with file and line."""
+    found = []
+    for k, s in cast.parts.items():
+        if not s.disorder:
+            continue
+        d = s.disorder[0]
+        more = f" ({len(s.disorder) - 1} more)" if len(s.disorder) > 1 else ""
+        found.append(Finding.of(
+            "out_of_order", None, [k],
+            f"{d['where']}: {cast.label(k)}'s record {d['event']} has seq {d['seq']} where seq {d['expected']} "
+            f"was due: records out of order{more}",
+            ranks=[cast.position(k, "out_of_order", f"{x['where']}: seq {x['seq']}, expected {x['expected']}")
+                   for x in s.disorder[:5]],
+        ))
+    return found
+
+
+def _world_mismatch(cast, world: int | None, summaries: dict[int, RankSummary]) -> list[Finding]:
+    """``--world`` given and different from the world the first ranks' headers were written with."""
+    if world is None:
+        return []
+    by_world: dict[Any, list] = {}
+    for r, s in summaries.items():
+        first = s.previous[0] if s.previous else s
+        w = (first.header or {}).get("world", first.world)
+        if type(w) is int:
+            by_world.setdefault(w, []).append((r, 0))
+    if not by_world:
+        return []
+    traced = majority(by_world)
+    if traced == world:
+        return []
+    outside = sorted(r for r in summaries if r >= world)
+    return [Finding.of(
+        "world_mismatch", None, by_world[traced],
+        f"--world {world} was given but the traces were written by a world of {traced} "
+        f"(rank files {ranks_text(summaries)})"
+        + (f"; rank files {ranks_text(outside)} lie outside --world" if outside else ""),
+    )]
+
+
+def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict], handled: list[Finding],
+                     rollbacks: list[dict] = ()) -> str:
     parts = cast.parts.values()
     n_records = sum(s.records for s in parts)
     steps = [s.last_step for s in parts if isinstance(s.last_step, int)]
@@ -260,6 +326,8 @@ def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict]
             summary += "; " + "; ".join("scale " + scale_text(n) for n in aborted)
     if handled:
         summary += f" ({len(handled)} collective failure(s) handled by a fault on every rank)"
+    if rollbacks:
+        summary += f"; {len(rollbacks)} aborted rearrangement(s): " + "; ".join(a["text"] for a in rollbacks[:3])
     return summary
 
 

@@ -58,8 +58,9 @@ def summarize_rank(
     w = _Walker(rank, oracle, path, bad_lines, truncated)
     last = None
     mux = None
-    for rec in records:
+    for n, rec in enumerate(records):
         last = rec
+        w.line = n + 1
         if mux is not None:
             mux.feed(rec)
             continue
@@ -166,6 +167,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     for i, rec in zip(other, parsed):
         if i > prev + 1:
             bad += _feed_run(w, lines, prev + 1, i)
+        w.line = i + 1
         if rec is None:
             bad += 1
         elif _interleaves(w, rec):  # two sessions write at once from here: route line by line
@@ -200,20 +202,46 @@ def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
         return 0
     if w.state is not None:
         run = "\n".join(lines[start:end]) + "\n"
-        if _step_run(w.state).fullmatch(run) is not None and w.plain_steps(end - start):
+        if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
+                and w.plain_steps(end - start):
             if w.first is None:
                 w.first = _parse_line(lines[start])
             w.last, w.last_line = None, lines[end - 1]
             return 0
     bad = 0
-    for line in lines[start:end]:
+    for n, line in enumerate(lines[start:end], start + 1):
         if line.strip():
             rec = _parse_line(line)
             if rec is None:
                 bad += 1
             else:
+                w.line = n
                 w.record(rec)
     return bad
+
+
+_SEQ = re.compile(r'"seq":(\d+)')
+
+
+def _seqs_follow(w: _Walker, run: str, count: int, first_line: int) -> bool:
+    """The run's ``seq`` values go up by one from what the session's next record must carry.
+
+    When they do not, a step back (lines out of order) is recorded with its line; the
+    caller replays the run line by line (which counts lost lines at the next other record).
+    """
+    seqs = list(map(int, _SEQ.findall(run)))
+    first = w.next_seq()
+    if first is None:
+        first = seqs[0]
+    if seqs == list(range(first, first + count)):
+        return True
+    for j in range(1, len(seqs)):
+        if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
+            w.line = first_line + j
+            w.s.disorder.append({"where": w._where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
+                                 "event": "step"})
+            break
+    return False
 
 
 def _ends(text: str) -> tuple[dict | None, bool]:

@@ -37,6 +37,20 @@ _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group
 _SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
                  "reason", "degraded", "lost_experts")
 _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
+_END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
+_INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
+# records stamped with their own view of the state: a header, a watchdog report, the liveness
+# thread (which can read the state while a transition is being written)
+_OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
+# the types the replay relies on; a record with another type in one of these is warned about
+_NUM = (int, float)
+_FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
+                ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("op", (str,)),
+                ("trigger", (str,)), ("source", (str,)), ("dest", (str,)), ("num_layers", (int,)),
+                ("interval_s", _NUM), ("how", (str,)))
+_TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
+                              for t in types if not (t is int and float in types))
+               for k, types in _FIELD_TYPES}
 _REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
 
 
@@ -68,6 +82,7 @@ class _Walker:
         # the last record fed (or, after a bulk run of step lines, the run's last line, parsed on demand)
         self.last: dict | None = None
         self.last_line: str | None = None
+        self.line: int | None = None       # the file line of the record being fed (the driver sets it)
         self._begin()
 
     def _begin(self) -> None:
@@ -91,6 +106,8 @@ class _Walker:
         self._steps_at_prev = 0
         self._lost = 0
         self._lost_between: tuple[int, int] | None = None
+        self._jump: tuple[int, int, int] | None = None   # (seq due after a jump, steps then, size)
+        self._odd_seq = 0
 
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
@@ -181,7 +198,44 @@ class _Walker:
         self.plain_ok = ok and not due
         self.n_steps += 1
 
+    def _check_seq(self, rec: dict, ev: Any) -> bool:
+        """``seq`` must advance by one per record: a jump is lost lines, a step back is disorder.
+        Returns whether the record carried a seq."""
+        seq = rec.get("seq")
+        if type(seq) is not int:
+            return False
+        jump, self._jump = self._jump, None   # an inserted or mislabelled record is one jump and back
+        if self._prev_seq is not None:
+            expected = self._prev_seq + 1 + self.n_steps - self._steps_at_prev
+            if seq > expected:
+                self._lost += seq - expected
+                self._jump = (expected + 1, self.n_steps, seq - expected)
+                if self._lost_between is None:
+                    self._lost_between = (self._prev_seq, seq)
+            elif seq < expected and jump is not None and seq - (self.n_steps - jump[1]) in (jump[0], jump[0] - 1):
+                # the sequence goes on from before the previous record: that one record carried an odd seq
+                self._lost -= jump[2]
+                self._odd_seq += 1
+            elif seq < expected and len(self.s.disorder) < 20:
+                # written out of order (or a copied line): the order of the file is not the rank's
+                self.s.disorder.append({"where": self._where(), "line": self.line, "seq": seq,
+                                        "expected": expected, "event": ev})
+        self._prev_seq = seq
+        self._steps_at_prev = self.n_steps
+        return True
+
+    def _where(self) -> str:
+        name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
+        return f"{name}:{self.line}" if self.line is not None else name
+
     def record(self, rec: dict) -> None:
+        wrong = [k for k, types in _FIELD_TYPES if k in rec and rec[k] is not None and type(rec[k]) not in types]
+        if wrong:
+            # a well-formed record with a field of the wrong type: warn with file and line, drop the field
+            self.s.warnings.append(f"{self._where()}: " + ", ".join(
+                f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {_TYPE_NAMES[k]}" for k in wrong)
+                + "; the field is ignored")
+            rec = {k: v for k, v in rec.items() if k not in wrong}
         ev = rec.get("event")
         if ev == "step":
             self.last = rec
@@ -194,16 +248,7 @@ class _Walker:
         self.plain_ok = False
         if self.first is None and ev != "header":
             self.first = rec
-        seq = rec.get("seq")
-        if type(seq) is int:
-            if self._prev_seq is not None:
-                expected = self._prev_seq + 1 + self.n_steps - self._steps_at_prev
-                if seq > expected:
-                    self._lost += seq - expected
-                    if self._lost_between is None:
-                        self._lost_between = (self._prev_seq, seq)
-            self._prev_seq = seq
-            self._steps_at_prev = self.n_steps
+        self._check_seq(rec, ev)
         s = self.s
         s.events[ev] += 1
         if self.world is None and "world" in rec:
@@ -216,7 +261,7 @@ class _Walker:
         st = rec.get("state")
         if self.state is None:
             self.state = st
-        elif st is not None and st != self.state and ev != "header" and ev != "stuck":
+        elif st is not None and st != self.state and ev not in _OWN_STATE:
             self._mismatch += 1
             if self._mismatch_example is None:
                 self._mismatch_example = (rec.get("seq"), ev, st, self.state)
@@ -228,7 +273,8 @@ class _Walker:
             if cseq in entries:
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
             entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
-                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"))
+                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"),
+                                       rec.get("parts"), rec.get("ts"))
         elif ev == "collective_end" or ev == "collective_error":
             group = str(rec.get("group", WORLD_GROUP))
             entry = s.collectives.get(group, {}).get(rec.get("cseq"))
@@ -271,6 +317,16 @@ class _Walker:
         elif ev == "stuck":
             s.stuck.append(_compact(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
             s.progress_after_stuck = False
+        elif ev == "alive":
+            waiting = rec.get("waiting_on")
+            s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None))
+            iv = rec.get("interval_s")
+            if type(iv) in (int, float) and iv > 0:
+                s.alive_interval = float(iv)
+        elif ev == "end":
+            s.end = {k: rec.get(k) for k in _END_KEYS if k in rec}
+        elif ev == "fault_injected":
+            s.injected.append({k: rec.get(k) for k in _INJECTED_KEYS if k in rec})
         elif ev == "fault":
             s.faults.append(_compact(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
 
@@ -361,9 +417,12 @@ class _Walker:
         s.first_step = first.get("step") if first is not None else None
         if last is not None:
             s.last = _compact(last)
-            s.last_step = last.get("step")
+            step = last.get("step")
+            s.last_step = step if type(step) is int else None
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
+        if self._odd_seq:
+            s.warnings.append(f"{self._odd_seq} record(s) carry a seq outside the rank's sequence (foreign lines?)")
         if self._lost:
             a, b = self._lost_between
             s.warnings.append(f"{self._lost} record(s) missing by seq (lost lines), the first between seq {a} "
