@@ -171,6 +171,9 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             f"{coll_text(ref)}, at step {start_step} in {ref.state}",
             ranks=positions(), details=[tie_note] if tie_note else [], **where,
         )
+    extra = _extra_collective(cast, g, c, entries, ended_before + skipped)
+    if extra is not None:
+        return Finding.of("collective_mismatch", start_step, sorted(entries), extra, ranks=positions(), **where)
     if (ended_before or no_file or skipped) and open_:
         culprits = sorted(ended_before + no_file + skipped)
         return Finding.of(
@@ -213,6 +216,25 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             ranks=positions(), **where,
         )
     return None
+
+
+def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective], absent: list[Key]) -> str | None:
+    """A minority issued a collective the majority never issued: the minority's sequence is the odd one.
+
+    Every member with a trace that did not issue (g, c) has a sequence in ``g`` that ends
+    before it, and they outnumber the ones that did: those issued one collective more than
+    the rest (``log_stats`` or ``rearrange()`` called on one rank alone), so they are the
+    culprits, never the ranks that went on without it.
+    """
+    if not entries or len(absent) <= len(entries):
+        return None
+    if any(cast.parts[k].max_cseq(g) >= c for k in absent):
+        return None
+    ref = next(iter(entries.values()))
+    theirs = max(cast.parts[k].max_cseq(g) for k in absent)
+    return (f"{cast.who(sorted(entries))} issued an extra {coll_text(ref)} at step {ref.step} in {ref.state} that "
+            f"{cast.who(sorted(absent))} never issued: its sequence in group {g} runs to cseq "
+            f"{max(cast.parts[k].max_cseq(g) for k in entries)}, theirs to cseq {theirs}")
 
 
 def _ended_before(s: RankSummary, step: int | None) -> bool:

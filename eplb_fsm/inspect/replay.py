@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -43,12 +43,14 @@ from eplb_fsm.inspect.elastic import (
     transition_offsets,
 )
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
+from eplb_fsm.inspect.identity import MixedRuns, assign
 from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
     RankSummary,
     Transition,
+    find_all_trace_files,
     find_trace_files,
     read_records,
     summarize_rank,
@@ -56,7 +58,7 @@ from eplb_fsm.inspect.summary import (
 )
 
 __all__ = [
-    "KINDS", "HEALTHY", "NoTraces", "Finding", "Report", "Loaded", "diagnose", "load_dir", "replay_dir",
+    "KINDS", "HEALTHY", "NoTraces", "MixedRuns", "Finding", "Report", "Loaded", "diagnose", "load_dir", "replay_dir",
     "default_jobs", "ranks_text", "world_groups", "DIED_SLACK_STEPS", "MAX_FINDINGS",
     # stage 1, re-exported
     "Collective", "MachineOracle", "RankSummary", "Transition", "find_trace_files", "read_records",
@@ -75,6 +77,7 @@ class Loaded:
     summaries: dict[int, RankSummary]
     warnings: list[str]
     files: dict[int, str]
+    findings: list[Finding] = field(default_factory=list)   # problems of the files (``identity``)
 
 
 def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[int, RankSummary | None, list[str]]:
@@ -96,9 +99,6 @@ def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[
             warnings.append(f"rank {r}: {bad - 1} more unreadable line(s) in {path.name} skipped")
     elif bad:
         warnings.append(f"rank {r}: {bad} unreadable line(s) in {path.name} skipped")
-    header_rank = (summary.header or {}).get("rank")
-    if header_rank is not None and header_rank != r:
-        warnings.append(f"rank {r}: {path.name} holds records of rank {header_rank}")
     return r, summary, warnings
 
 
@@ -112,18 +112,24 @@ def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, jobs: int = 1) -> Loaded:
+def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, jobs: int = 1,
+             run_id: str | None = None) -> Loaded:
     """Read and summarise every rank file of ``logdir``.
 
     ``jobs > 1`` spreads the files over that many worker processes (``0``: one per CPU,
-    at most 8); each process holds one file's records at a time either way.
+    at most 8); each process holds one file's records at a time either way. Files of
+    different runs are refused (``identity.MixedRuns``) unless ``run_id`` picks one; files
+    that claim one rank, or carry another rank's records, become findings (``identity``).
     """
+    if type(jobs) is not int or jobs < 0:
+        raise ValueError(f"jobs must be an integer >= 1 (or 0: one per CPU), got {jobs!r}")
     logdir = Path(logdir)
     if not logdir.is_dir():
         raise NoTraces(f"{logdir} is not a directory")
-    files = find_trace_files(logdir)
-    if not files:
+    found = find_all_trace_files(logdir)
+    if not found:
         raise NoTraces(f"no rank*.jsonl trace files in {logdir}")
+    files = found
     jobs = default_jobs() if jobs == 0 else max(1, int(jobs))
     jobs = min(jobs, len(files))
     oracle = oracle or MachineOracle()
@@ -135,24 +141,25 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_load_one_unpacked, files.items(), chunksize=max(1, len(files) // (4 * jobs))))
+            results = list(pool.map(_load_one_unpacked, files, chunksize=max(1, len(files) // (4 * jobs))))
     else:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            results = [_load_one(r, path, oracle) for r, path in files.items()]
+            results = [_load_one(r, path, oracle) for r, path in files]
         finally:
             if enabled:
                 gc.enable()
-    summaries: dict[int, RankSummary] = {}
+    readable = []
     warnings: list[str] = []
-    for r, summary, notes in results:
+    for (r, path), (_, summary, notes) in zip(files, results):
         warnings += notes
         if summary is not None:
-            summaries[r] = summary
-    if not summaries:
+            readable.append((r, path, summary))
+    if not readable:
         raise NoTraces(f"no readable records in the trace files of {logdir}")
-    return Loaded(summaries, warnings, {r: str(p) for r, p in files.items()})
+    summaries, paths, findings = assign(readable, run_id)
+    return Loaded(summaries, warnings, paths, findings)
 
 
 def _as_summaries(traces: Any, oracle: MachineOracle) -> dict[int, RankSummary]:
@@ -331,11 +338,16 @@ def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict]
     return summary
 
 
-def replay_dir(logdir: str | os.PathLike, world: int | None = None, jobs: int = 1) -> Report:
-    """Read every rank's trace in ``logdir`` and diagnose; raises NoTraces on unusable input.
+def replay_dir(logdir: str | os.PathLike, world: int | None = None, jobs: int = 1,
+               run_id: str | None = None) -> Report:
+    """Read every rank's trace in ``logdir`` and diagnose; raises NoTraces on unusable input
+    (``identity.MixedRuns`` when the folder holds several runs and ``run_id`` picks none).
 
     ``jobs``: worker processes for reading (1: in this process; 0: one per CPU).
     """
+    if world is not None and (type(world) is not int or world < 1):
+        raise ValueError(f"world must be an integer >= 1, got {world!r}")
     oracle = MachineOracle()
-    loaded = load_dir(logdir, oracle, jobs=jobs)
-    return diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle)
+    loaded = load_dir(logdir, oracle, jobs=jobs, run_id=run_id)
+    return diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle,
+                    input_findings=loaded.findings)

@@ -33,7 +33,7 @@ from eplb_fsm.inspect.walker import _parse_line, _Walker
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
-    "summarize_rank", "summarize_text", "find_trace_files", "read_records",
+    "summarize_rank", "summarize_text", "find_trace_files", "find_all_trace_files", "read_records",
 ]
 
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
@@ -267,13 +267,24 @@ def _ends(text: str) -> tuple[dict | None, bool]:
 # reading files
 
 
-def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
-    """rank -> path for every ``rank<N>.jsonl`` in ``logdir``."""
-    found = {}
+def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(rank, path) for every ``rank<N>.jsonl`` in ``logdir``, sorted; two names may claim one rank
+    (``rank2.jsonl`` and ``rank00002.jsonl``)."""
+    found = []
     for path in Path(logdir).iterdir():
         m = _TRACE_NAME.match(path.name)
         if m and path.is_file():
-            found[int(m.group(1))] = path
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
+    """rank -> path for every ``rank<N>.jsonl`` in ``logdir`` (of two names for one rank, the
+    writer's zero-padded one)."""
+    found: dict[int, Path] = {}
+    for r, path in find_all_trace_files(logdir):
+        if r not in found or path.name == f"rank{r:05d}.jsonl":
+            found[r] = path
     return dict(sorted(found.items()))
 
 

@@ -37,6 +37,7 @@ _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group
 _SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
                  "reason", "degraded", "lost_experts")
 _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
+_COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
 _END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
 _INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
 # records stamped with their own view of the state: a header, a watchdog report, the liveness
@@ -266,7 +267,9 @@ class _Walker:
             if self._mismatch_example is None:
                 self._mismatch_example = (rec.get("seq"), ev, st, self.state)
 
-        if ev == "collective_start":
+        if ev in _COLLECTIVE_EVENTS and type(rec.get("cseq")) is not int:
+            s.warnings.append(f"{self._where()}: {ev} without an integer cseq; not matched across ranks")
+        elif ev == "collective_start":
             group = str(rec.get("group", WORLD_GROUP))
             cseq = rec.get("cseq")
             entries = s.collectives.setdefault(group, {})
