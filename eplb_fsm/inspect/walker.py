@@ -49,6 +49,17 @@ _FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (st
                 ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("op", (str,)),
                 ("trigger", (str,)), ("source", (str,)), ("dest", (str,)), ("num_layers", (int,)),
                 ("interval_s", _NUM), ("how", (str,)))
+_TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
+_TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
+
+
+def _wrong_fields(rec: dict, seen: tuple) -> list[str]:
+    wrong = [k for (k, types), t in zip(_FIELD_TYPES, seen) if t is not type(None) and t not in types]
+    if not wrong:
+        _TYPES_OK.add(seen)
+    return wrong
+
+
 _TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
                               for t in types if not (t is int and float in types))
                for k, types in _FIELD_TYPES}
@@ -230,7 +241,8 @@ class _Walker:
         return f"{name}:{self.line}" if self.line is not None else name
 
     def record(self, rec: dict) -> None:
-        wrong = [k for k, types in _FIELD_TYPES if k in rec and rec[k] is not None and type(rec[k]) not in types]
+        seen = tuple(map(type, map(rec.get, _TYPED_KEYS)))
+        wrong = () if seen in _TYPES_OK else _wrong_fields(rec, seen)
         if wrong:
             # a well-formed record with a field of the wrong type: warn with file and line, drop the field
             self.s.warnings.append(f"{self._where()}: " + ", ".join(
