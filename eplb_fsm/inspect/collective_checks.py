@@ -16,7 +16,7 @@ from typing import Any
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
-from eplb_fsm.inspect.model import Collective, RankSummary
+from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary
 
 
 def handled_by_fault(f: Finding, cast: Cast) -> bool:
@@ -56,7 +56,13 @@ def check_collectives(cast: Cast) -> list[Finding]:
         streams = [parts[k].collectives.get(g, {}) if k in parts else {} for k in members]
         limits = [parts[k].max_cseq(g) if k in parts and cast.away(k, g) else math.inf for k in members]
         everyone = min(limits, default=math.inf)
-        for c in range(top + 1):
+        c = -1
+        while c < top:
+            c += 1
+            skip = _runs_agree(streams, limits, c)
+            if skip is not None:   # every member read these cseqs in bulk, with one signature
+                c = skip
+                continue
             if c <= everyone:
                 active, active_streams = members, streams
             else:
@@ -74,6 +80,27 @@ def check_collectives(cast: Cast) -> list[Finding]:
                 found.append(finding)
                 break
     return found
+
+
+def _runs_agree(streams: list, limits: list, c: int) -> int | None:
+    """The last cseq from ``c`` on that every active member holds in a bulk run with the same
+    signature (all ended), or None."""
+    end, sig = math.inf, None
+    active = 0
+    for st, lim in zip(streams, limits):
+        if c > lim:
+            continue
+        run = st.run_at(c) if isinstance(st, CollectiveIndex) else None
+        if run is None:
+            return None
+        this = run.template.signature()
+        if sig is None:
+            sig = this
+        elif this != sig:
+            return None
+        end = min(end, run.last, lim)
+        active += 1
+    return int(end) if active and end != math.inf else None
 
 
 def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]], default: tuple) -> tuple[tuple, str | None]:

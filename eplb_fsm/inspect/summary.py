@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
+from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.walker import _parse_line, _Walker
 
 __all__ = [
@@ -149,10 +150,18 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     step lines between two of them is matched, in C, against the exact form of a compact
     step record stamped with the replayed state. A run that does not match (another
     state, a ``due`` flag, extra fields, a blank or broken line) is parsed and replayed
-    line by line.
+    line by line. Stretches where one unit of records repeats every step (a step and an
+    all-reduce's start and end) are checked in bulk without parsing them (``bulk``).
     """
     lines = text.split("\n")
-    other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
+    stretches = periodic_stretches(text, len(lines))
+    if stretches:
+        other, pos = [], 0
+        for b_start, b_end, _ in stretches + [(len(lines), len(lines), 0)]:
+            other += [i for i in range(pos, b_start) if '"event":"step"' not in lines[i] and lines[i].strip()]
+            pos = b_end
+    else:
+        other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
     try:
         parsed: list = json.loads("[" + ",".join([lines[i] for i in other]) + "]") if other else []
         if not all(type(r) is dict for r in parsed):
@@ -164,7 +173,20 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     bad = 0
     prev = -1
     mux = None
+    pending = iter(stretches)
+    stretch = next(pending, None)
+
+    def feed_stretch(b_start: int, b_end: int, period: int) -> int:
+        lost = _feed_run(w, lines, prev + 1, b_start) if b_start > prev + 1 else 0
+        if not feed_units(w, lines, b_start, b_end, period, _parse_line):
+            lost += _feed_run(w, lines, b_start, b_end)
+        return lost
+
     for i, rec in zip(other, parsed):
+        while stretch is not None and stretch[0] < i:
+            bad += feed_stretch(*stretch)
+            prev = stretch[1] - 1
+            stretch = next(pending, None)
         if i > prev + 1:
             bad += _feed_run(w, lines, prev + 1, i)
         w.line = i + 1
@@ -183,6 +205,10 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         else:
             w.record(rec)
         prev = i
+    while mux is None and stretch is not None:
+        bad += feed_stretch(*stretch)
+        prev = stretch[1] - 1
+        stretch = next(pending, None)
     if mux is None and prev + 1 < len(lines):
         bad += _feed_run(w, lines, prev + 1, len(lines))
     last, last_bad = _ends(text)

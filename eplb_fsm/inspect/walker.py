@@ -25,6 +25,7 @@ from eplb_fsm.inspect.model import (
     SCALE_TRIGGERS,
     WORLD_GROUP,
     Collective,
+    CollectiveIndex,
     MachineOracle,
     RankSummary,
     Transition,
@@ -284,7 +285,9 @@ class _Walker:
         elif ev == "collective_start":
             group = str(rec.get("group", WORLD_GROUP))
             cseq = rec.get("cseq")
-            entries = s.collectives.setdefault(group, {})
+            entries = s.collectives.get(group)
+            if entries is None:
+                entries = s.collectives[group] = CollectiveIndex()
             if cseq in entries:
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
             entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
