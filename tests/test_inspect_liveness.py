@@ -184,6 +184,8 @@ def test_extra_collective_blames_the_rank_that_issued_it(tmp_path):
     report = replay_dir(write(tmp_path, ranks))
     assert report.verdict == "collective_mismatch" and report.culprit_ranks == [2], format_report(report)
     assert "extra all_reduce" in report.summary and "ranks 0-1,3 never issued" in report.summary
+    # the step where the sequences part: rank 2's second all-reduce came at step 15, the others' at 20
+    assert report.step == 15 and "the sequences part at cseq 1" in report.summary
 
 
 def test_traces_of_two_runs_are_refused_with_the_files_named(tmp_path, capsys):

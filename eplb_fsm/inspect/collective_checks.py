@@ -200,7 +200,7 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
         )
     extra = _extra_collective(cast, g, c, entries, ended_before + skipped)
     if extra is not None:
-        return Finding.of("collective_mismatch", start_step, sorted(entries), extra, ranks=positions(), **where)
+        return Finding.of("collective_mismatch", extra[1], sorted(entries), extra[0], ranks=positions(), **where)
     if (ended_before or no_file or skipped) and open_:
         culprits = sorted(ended_before + no_file + skipped)
         return Finding.of(
@@ -245,7 +245,8 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
     return None
 
 
-def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective], absent: list[Key]) -> str | None:
+def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective],
+                      absent: list[Key]) -> tuple[str, int | None] | None:
     """A minority issued a collective the majority never issued: the minority's sequence is the odd one.
 
     Every member with a trace that did not issue (g, c) has a sequence in ``g`` that ends
@@ -259,9 +260,18 @@ def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective]
         return None
     ref = next(iter(entries.values()))
     theirs = max(cast.parts[k].max_cseq(g) for k in absent)
-    return (f"{cast.who(sorted(entries))} issued an extra {coll_text(ref)} at step {ref.step} in {ref.state} that "
+    text = (f"{cast.who(sorted(entries))} issued an extra {coll_text(ref)} at step {ref.step} in {ref.state} that "
             f"{cast.who(sorted(absent))} never issued: its sequence in group {g} runs to cseq "
             f"{max(cast.parts[k].max_cseq(g) for k in entries)}, theirs to cseq {theirs}")
+    # where the sequences part: the first cseq the odd rank issued at another step than the others
+    odd, other = cast.parts[sorted(entries)[0]], cast.parts[sorted(absent)[0]]
+    mine_g, theirs_g = odd.collectives.get(g), other.collectives.get(g)
+    for x in range(c):
+        a, b = mine_g.get(x), theirs_g.get(x)
+        if a is not None and b is not None and a.step != b.step:
+            return (text + f"; the sequences part at cseq {x}: {cast.label(sorted(entries)[0])} issued it at step "
+                    f"{a.step}, {cast.label(sorted(absent)[0])} at step {b.step}", a.step)
+    return text, ref.step
 
 
 def _ended_before(s: RankSummary, step: int | None) -> bool:

@@ -69,7 +69,7 @@ def _waiting_text(s) -> str:
     opened = s.open_collectives()
     if opened:
         return f"inside {coll_text(opened[-1])}"
-    return "not inside a controller collective (the engine's own step, or its own work)"
+    return "in no controller collective (so in the engine's step or its own work)"
 
 
 def _ending(s) -> str:
@@ -230,7 +230,7 @@ def _lagging(cast: Cast) -> Finding | None:
     top = max(stalled.values())
     return Finding.of(
         "lagging", low, behind,
-        f"{cast.who(behind)} lag at step {low} in {s.alive[-1][2]} ({_waiting_text(s)}) while "
+        f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} ({_waiting_text(s)}) while "
         f"{cast.who(ahead)} wait at step {top}: alive, their steps no longer advance",
         state=s.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in behind else "waiting",
