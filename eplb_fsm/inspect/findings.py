@@ -33,9 +33,9 @@ KINDS = (
     "step_count_mismatch",    # every rank closed in order but their final steps differ
     "failed",                 # a rank ended in the failed state
     "stuck",                  # the watchdog reported no progress and nothing came after
-    "missing_ranks",          # a rank of the world has no trace file
     # the input itself
-    "world_mismatch",         # --world differs from the world the traces were written with
+    "world_mismatch",         # --world differs from the world the traces were written with (explains missing ranks)
+    "missing_ranks",          # a rank of the world has no trace file
     "duplicate_rank_file",    # two files claim one rank
     "swapped_rank_file",      # a file's name says one rank, its records another
     "out_of_order",           # records out of order by seq

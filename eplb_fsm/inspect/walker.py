@@ -47,9 +47,8 @@ _OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
 # the types the replay relies on; a record with another type in one of these is warned about
 _NUM = (int, float)
 _FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
-                ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("op", (str,)),
-                ("trigger", (str,)), ("source", (str,)), ("dest", (str,)), ("num_layers", (int,)),
-                ("interval_s", _NUM), ("how", (str,)))
+                ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
+                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)))
 _TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
 _TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
 
