@@ -110,6 +110,34 @@ def test_killed_rank_is_named_first_and_the_sigterms_are_consequences(tmp_path):
     assert format_report(report).splitlines()[0].startswith("rank_died: rank 2 died (SIGKILL?) at step 57")
 
 
+def test_rank_without_end_while_the_others_closed_died(tmp_path):
+    """Killed right after its last step, before the others closed: no end record is still a death."""
+    ranks = [Rank(r).steps(100) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank != 0:
+            rk.end()
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "rank_died" and report.culprit_ranks == [0] and report.step == 100
+    assert "while every other rank ended in order" in report.summary
+
+
+def test_json_output_carries_the_structured_verdict(tmp_path, capsys):
+    """--json has verdict_detail (kind, culprits, step, state, reason, consequences); exit 1."""
+    write(tmp_path, killed_job(victim=1, at=33))
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    detail = json.loads(capsys.readouterr().out)["verdict_detail"]
+    assert detail["kind"] == "rank_died" and detail["culprits"] == [1] and detail["step"] == 33
+    assert detail["reason"].startswith("rank 1 died") and len(detail["consequences"]) == 3
+
+
+def test_help_documents_the_exit_codes(capsys):
+    """replay --help lists exit statuses 0, 1 and 2."""
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "0  healthy" in out and "1  a problem" in out and "2  usage error" in out
+
+
 def test_sigterm_before_any_failure_is_the_cause(tmp_path):
     """A rank stopped by SIGTERM while nothing had failed is named (signalled), not reported healthy."""
     ranks = [Rank(r).steps(30) for r in range(WORLD)]

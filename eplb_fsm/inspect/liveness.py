@@ -139,6 +139,17 @@ def check_liveness(cast: Cast) -> Liveness:
                 details=[f"{label}: last record at {at(lasts[k])}, the others wrote until {at(others_last)} "
                          "(a process frozen for good looks the same)"],
             )))
+        elif (s.end is None and not s.ended_on_purpose and len(parts) > 1
+              and all(o.end is not None for o2, o in parts.items() if o2 != k)):
+            # everyone else stopped in order and this one left no end record: killed near the end
+            step = s.last_step
+            events.append((lasts.get(k, 0.0), "rank_died", k, Finding.of(
+                "rank_died", step, [k],
+                f"{label} died (SIGKILL?) at step {step} in {s.final_state}: no end record, while every other "
+                "rank ended in order",
+                state=s.final_state, layer=s.final_layer,
+                ranks=[cast.position(k, "died", last_seen(s), step, s.final_state, s.final_layer)],
+            )))
         for a, b, step, state in _gaps(cast, k):
             events.append((a, "frozen", k, Finding.of(
                 "frozen", step, [k],
