@@ -17,7 +17,6 @@ the earlier runs are dropped with a warning.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from eplb_fsm.fsm.machine import COMMITTING, EVENT_DATA, TRANSFERRING
@@ -31,54 +30,18 @@ from eplb_fsm.inspect.model import (
     Transition,
     _compact,
 )
-
-# what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
-_SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
-                "old_rank", "new_rank", "old_world", "new_world")
-_SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
-                 "reason", "degraded", "lost_experts")
-_ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
-_COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
-_END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
-_INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
-# records stamped with their own view of the state: a header, a watchdog report, the liveness
-# thread (which can read the state while a transition is being written)
-_OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
-# the types the replay relies on; a record with another type in one of these is warned about
-_NUM = (int, float)
-_FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
-                ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
-                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)))
-_TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
-_TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
-
-
-def _wrong_fields(rec: dict, seen: tuple) -> list[str]:
-    wrong = [k for (k, types), t in zip(_FIELD_TYPES, seen) if t is not type(None) and t not in types]
-    if not wrong:
-        _TYPES_OK.add(seen)
-    return wrong
-
-
-_TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
-                              for t in types if not (t is int and float in types))
-               for k, types in _FIELD_TYPES}
-_REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
-
-
-def _start_from_header(w: "_Walker", header: dict) -> None:
-    """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
-    if header.get("role") == "joiner":
-        w.s.role = "joiner"
-        gen = header.get("generation")
-        w.s.generation = gen if type(gen) is int else 0
-    machine = header.get("machine")
-    if isinstance(machine, dict) and isinstance(machine.get("state"), str):
-        w.state = machine["state"]
-        w.pending = bool(machine.get("scale_pending", False))
-        if type(machine.get("layer")) is int:
-            w.layer = machine["layer"]
-
+from eplb_fsm.inspect.records import (
+    _COLLECTIVE_EVENTS,
+    _OWN_STATE,
+    _REQUEST_KEYS,
+    _TYPE_NAMES,
+    _TYPED_KEYS,
+    _TYPES_OK,
+    _parse_line,
+    _start_from_header,
+    _wrong_fields,
+    keep_record,
+)
 
 class _Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
@@ -318,34 +281,10 @@ class _Walker:
                 _start_from_header(self, rec)
             if not self.rank_given and s.rank < 0 and "rank" in rec:
                 s.rank = int(rec["rank"])
-        elif ev == "group_switch":
-            switch = {k: rec.get(k) for k in _SWITCH_KEYS}
-            s.switches.append(switch)
-            if rec.get("role") == "leaving" or (rec.get("new_rank") == -1 and rec.get("new_group") is None):
-                s.left = switch
-        elif ev == "scaling":
-            s.scalings.append({k: rec.get(k) for k in _SCALING_KEYS})
-        elif ev == "scale_aborted":
-            s.scale_aborts.append({k: rec.get(k) for k in _ABORT_KEYS})
-        elif ev == "transfer_group_reset" and rec.get("group") is not None:
-            s.named_groups.add(str(rec["group"]))
         elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
             self.num_layers = rec["num_layers"]
-        elif ev == "stuck":
-            s.stuck.append(_compact(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
-            s.progress_after_stuck = False
-        elif ev == "alive":
-            waiting = rec.get("waiting_on")
-            s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None))
-            iv = rec.get("interval_s")
-            if type(iv) in (int, float) and iv > 0:
-                s.alive_interval = float(iv)
-        elif ev == "end":
-            s.end = {k: rec.get(k) for k in _END_KEYS if k in rec}
-        elif ev == "fault_injected":
-            s.injected.append({k: rec.get(k) for k in _INJECTED_KEYS if k in rec})
-        elif ev == "fault":
-            s.faults.append(_compact(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+        else:
+            keep_record(s, ev, rec, st)
 
     def _transition(self, rec: dict) -> None:
         s = self.s
@@ -451,11 +390,3 @@ class _Walker:
                 f"(first: seq {seq} {ev} says {st!r}, replay is in {rep!r})"
             )
         return s
-
-
-def _parse_line(line: str) -> dict | None:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    return rec if type(rec) is dict else None
