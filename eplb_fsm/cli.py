@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for verb, (module_name, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
-        p.set_defaults(_module=module_name)
+        p.set_defaults(command_module=module_name)
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a verb whose module is not written yet
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "_missing", False):
         parser.error(f"verb {args.verb!r} is not available in this build")
-    module = importlib.import_module(args._module)
+    module = importlib.import_module(args.command_module)
     return int(module.run(args) or 0)
 
 

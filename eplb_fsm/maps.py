@@ -175,11 +175,11 @@ class ExpertMaps:
         return tuple(torch.as_tensor(a, dtype=torch.int64, device=device) for a in
                      (self.phy2log, self.log2phy, self.replica_count))
 
-    def slots_of_rank(self, rank: int, num_ranks: int) -> slice:
+    def slots_of_rank(self, rank: int, world_size: int) -> slice:
         """The global slot range of ``rank`` (S = P / G consecutive slots)."""
-        if self.num_physical % num_ranks:
-            raise ValueError(f"num_physical ({self.num_physical}) must be divisible by num_ranks ({num_ranks})")
-        per_rank = self.num_physical // num_ranks
+        if self.num_physical % world_size:
+            raise ValueError(f"num_physical ({self.num_physical}) must be divisible by world_size ({world_size})")
+        per_rank = self.num_physical // world_size
         return slice(rank * per_rank, (rank + 1) * per_rank)
 
 

@@ -7,14 +7,20 @@ Shapes: L layers, P physical slots, N logical experts, W window passes, G ranks.
 - ``window``      (W, L, P) int64 tensor: ring buffer of the last W counted passes.
 - logical load    (L, N): the window estimate scattered from slots to their experts
   (the controller all-reduces it over ranks).
+- rank load       (L, G): the load of every rank (:func:`rank_loads_physical`);
+  :func:`balancedness` scores it (the one definition of balancedness in the package).
 
 Everything here is local to one rank; nothing talks to other ranks.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+
+__all__ = ["ESTIMATORS", "LoadWindow", "aggregate_logical", "balancedness", "rank_loads_physical"]
 
 ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 
@@ -128,22 +134,35 @@ def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical
     return out
 
 
-def rank_loads_physical(physical: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """Per-rank load (L, G) from a per-slot load (L, P): each rank's S slots summed."""
+def rank_loads_physical(physical: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Per-rank load (L, G) from a per-slot load (L, P): each rank's S = P / G slots summed."""
     L, P = physical.shape
-    if P % num_ranks:
-        raise ValueError(f"slots ({P}) must be divisible by num_ranks ({num_ranks})")
-    return physical.reshape(L, num_ranks, P // num_ranks).sum(-1)
+    if world_size < 1 or P % world_size:
+        raise ValueError(f"slots ({P}) must be divisible by world_size ({world_size})")
+    return physical.reshape(L, world_size, P // world_size).sum(-1)
 
 
-def balancedness_from_rank_loads(rank_loads) -> float:
-    """sum over layers of mean rank load / sum over layers of max rank load (1.0 = perfect).
+def balancedness(rank_loads: Any) -> float:
+    """How evenly the load spreads over the ranks: sum over layers of the mean rank load
+    divided by sum over layers of the max rank load (1.0 = perfect; no load at all = 1.0).
 
-    Means and maxima are taken over ranks (axis 1) per layer, then summed over
-    layers. A window with no load at all counts as perfectly balanced.
+    ``rank_loads``: ``(L, G)`` per-rank loads of L layers, or ``(G,)`` for one layer; a
+    numpy array, torch tensor or nested list, computed in float64. Means and maxima are
+    taken over ranks (the last axis) per layer, then summed over layers, so a heavy layer
+    weighs more than a light one. Several models sharing the ranks: concatenate their
+    ``(L_m, G)`` loads along the layer axis. ``ValueError`` naming ``rank_loads`` for any
+    other shape.
     """
-    loads = torch.as_tensor(rank_loads, dtype=torch.float64)
-    total_max = float(loads.max(dim=1).values.sum())
-    if total_max == 0.0:
-        return 1.0
-    return float(loads.mean(dim=1).sum()) / total_max
+    if isinstance(rank_loads, torch.Tensor):
+        rank_loads = rank_loads.detach().cpu().numpy()
+    loads = np.asarray(rank_loads, dtype=np.float64)
+    if loads.ndim == 1:
+        loads = loads[None, :]
+    if loads.ndim != 2 or loads.shape[1] < 1:
+        raise ValueError(f"rank_loads must be shaped (G,) or (L, G) with G >= 1 ranks, got shape {loads.shape}")
+    total_max = float(loads.max(axis=1).sum())
+    return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
+
+
+#: the former name; ``sim/run.py`` still imports it (remove once it calls :func:`balancedness`)
+balancedness_from_rank_loads = balancedness

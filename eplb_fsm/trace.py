@@ -123,25 +123,8 @@ class EventTrace:
         return record
 
     def header(self, config: dict | None = None, **extra: Any) -> dict:
-        """The first record of a run: schema, versions, rank, world, config."""
-        import numpy
-        import torch
-        import transitions
-
-        return self.emit(
-            "header",
-            schema=SCHEMA_VERSION,
-            pid=os.getpid(),
-            versions={
-                "eplb_fsm": _package_version(),
-                "torch": torch.__version__,
-                "numpy": numpy.__version__,
-                "transitions": transitions.__version__,
-                "structlog": structlog.__version__,
-            },
-            config=config or {},
-            **extra,
-        )
+        """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`)."""
+        return self.emit("header", **header_fields(config, **extra))
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
@@ -162,18 +145,8 @@ class EventTrace:
         The yielded dict is the start record; the group's ``cseq`` advances once per call,
         so the n-th collective of a group has the same ``cseq`` on every rank that issues it.
         """
-        cseq = self.cseq.get(group, 0)
-        self.cseq[group] = cseq + 1
-        info = {
-            "op": op,
-            "group": group,
-            "cseq": cseq,
-            "shape": list(shape) if shape is not None else None,
-            "dtype": str(dtype) if dtype is not None else None,
-        }
-        info.update(fields)
-        start = self.emit("collective_start", **info)
-        self.last_collective = dict(start)
+        start = self.start_collective(op, group, shape, dtype, **fields)
+        info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
         t0 = time.perf_counter()
         try:
             yield start
@@ -181,6 +154,19 @@ class EventTrace:
             self.emit("collective_error", error=f"{type(exc).__name__}: {exc}", **info)
             raise
         self.emit("collective_end", duration_s=round(time.perf_counter() - t0, 6), **info)
+
+    def start_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
+                         **fields: Any) -> dict:
+        """Write only a ``collective_start`` (the group's ``cseq`` advances); returns the record.
+
+        :meth:`collective` brackets with it; a caller recording a rank that never leaves
+        the collective (a hang) writes just this.
+        """
+        cseq = self.cseq.get(group, 0)
+        self.cseq[group] = cseq + 1
+        start = self.emit("collective_start", **collective_fields(op, group, cseq, shape, dtype, **fields))
+        self.last_collective = dict(start)
+        return start
 
     def close(self) -> None:
         if self._file is not None:
@@ -202,6 +188,45 @@ def _package_version() -> str:
         return version("eplb-fsm")
     except Exception:  # running from a source checkout that is not installed
         return "0+source"
+
+
+def header_fields(config: dict | None = None, **extra: Any) -> dict:
+    """The fields of a ``header`` record after the base fields: schema, pid, versions, config, ``extra``."""
+    import numpy
+    import torch
+    import transitions
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "pid": os.getpid(),
+        "versions": {
+            "eplb_fsm": _package_version(),
+            "torch": torch.__version__,
+            "numpy": numpy.__version__,
+            "transitions": transitions.__version__,
+            "structlog": structlog.__version__,
+        },
+        "config": config or {},
+        **extra,
+    }
+
+
+def collective_fields(op: str, group: str, cseq: int, shape: Any = None, dtype: Any = None, **fields: Any) -> dict:
+    """The fields of a ``collective_*`` record after the base fields (``COLLECTIVE_FIELDS`` first, then ``fields``)."""
+    info = {
+        "op": op,
+        "group": group,
+        "cseq": cseq,
+        "shape": list(shape) if shape is not None else None,
+        "dtype": str(dtype) if dtype is not None else None,
+    }
+    info.update(fields)
+    return info
+
+
+def encode_record(record: dict) -> str:
+    """One record as the JSON text of its trace line (no newline), as :class:`EventTrace` writes it."""
+    return _dumps(record)
 
 
 def read_trace(path: str | os.PathLike) -> tuple[list[dict], int]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eplb_fsm.cli import main
-from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
 from eplb_fsm.trace import trace_path
 
 WORLD = 4

@@ -1,6 +1,6 @@
 """EplbController without processes: world 1, and G ranks played by threads of this process.
 
-The thread harness (``ThreadWorld``) gives the controller a group object with
+The thread harness (``eplb_fsm.testing.threads.ThreadWorld``) gives the controller a group object with
 ``all_reduce`` / ``transfer_communicator`` (the controller's documented seam for
 non-torch groups), so the sync and async paths, faults and commits run for real on
 2-4 ranks in a fraction of a second. Real gloo groups are in
@@ -9,8 +9,6 @@ test_fsm_controller_multiprocess.py.
 
 from __future__ import annotations
 
-import queue
-import threading
 
 import numpy as np
 import pytest
@@ -22,114 +20,8 @@ from eplb_fsm.config import EplbConfig
 from eplb_fsm.sim.loads import zipf_load
 from eplb_fsm.sim.model import ToyMoE
 from eplb_fsm.stats import aggregate_logical
+from eplb_fsm.testing.threads import run_threads
 from eplb_fsm.trace import read_trace
-
-
-# --------------------------------------------------------------------------- harness
-
-
-class ThreadWorld:
-    """G in-process ranks: a barrier-based all-reduce and queue-based point-to-point messages."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.barrier = threading.Barrier(world)
-        self.slots: list = [None] * world
-        self.queues: dict = {}
-        self.lock = threading.Lock()
-        self.all_reduces = [0] * world
-
-    def queue(self, key) -> queue.Queue:
-        with self.lock:
-            if key not in self.queues:
-                self.queues[key] = queue.Queue()
-            return self.queues[key]
-
-    def group(self, rank: int) -> "ThreadGroup":
-        return ThreadGroup(self, rank)
-
-
-class ThreadGroup:
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
-        self.w = world
-        self.rank = rank
-        self.world_size = world.world
-        self.generation = 0
-        self.fail_all_reduce = False
-
-    def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        if self.fail_all_reduce:
-            raise TimeoutError("injected all-reduce timeout")
-        w = self.w
-        w.slots[self.rank] = tensor.detach().clone()
-        w.barrier.wait(timeout_s)
-        total = w.slots[0].clone()
-        for t in w.slots[1:]:
-            total += t
-        w.barrier.wait(timeout_s)
-        tensor.copy_(total)
-        w.all_reduces[self.rank] += 1
-
-    def transfer_communicator(self, timeout_s: float) -> "ThreadCommunicator":
-        self.generation += 1
-        return ThreadCommunicator(self.w, self.rank, self.generation, timeout_s)
-
-
-class ThreadCommunicator:
-    multi_rank = False
-    name = "ep_transfer"
-
-    def __init__(self, world: ThreadWorld, rank: int, generation: int, timeout_s: float) -> None:
-        self.w, self.rank, self.gen, self.timeout = world, rank, generation, timeout_s
-        self.world_size = world.world
-        self.local_ranks = (rank,)
-        self.ops: list = []
-
-    def add_send(self, tensor, src, dst):
-        self.ops.append(("send", tensor, dst))
-
-    def add_recv(self, tensor, src, dst):
-        self.ops.append(("recv", tensor, src))
-
-    def execute(self):
-        ops, self.ops = self.ops, []
-        for kind, t, peer in ops:
-            if kind == "send":
-                self.w.queue((self.gen, self.rank, peer)).put(t.detach().clone())
-        for kind, t, peer in ops:
-            if kind == "recv":
-                try:
-                    t.copy_(self.w.queue((self.gen, peer, self.rank)).get(timeout=self.timeout))
-                except queue.Empty:
-                    raise TimeoutError(f"rank {self.rank}: no message from rank {peer}") from None
-
-    def discard(self):
-        self.ops = []
-
-
-def run_threads(world: int, body, timeout: float = 60.0) -> list:
-    """Run body(rank, group) on ``world`` threads; return results by rank, re-raise the first error."""
-    tw = ThreadWorld(world)
-    results: list = [None] * world
-    errors: list = [None] * world
-
-    def target(rank):
-        try:
-            results[rank] = body(rank, tw.group(rank))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors[rank] = exc
-            tw.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 def skewed_target(layers: int, experts: int, seed: int = 3) -> np.ndarray:

@@ -3,7 +3,7 @@
 The expected outcome of an event is computed here from ``TRANSITIONS`` with guard and
 counter semantics written out independently (``GUARD_SPEC`` / ``EFFECT_SPEC``), so the test
 proves the `transitions` wiring (row order, conditions, ``before`` callbacks, queued
-firing) does what the table says, and the hand-written walks pin the design §4 table.
+firing) does what the table says, and the hand-written walks pin the table docs/machine.md explains.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ DATA_VARIANTS: dict[str, list[dict]] = {
     "switched": [{}],
     "fault": [{"recoverable": True}, {"recoverable": False}, {}],
     "recovered": [{}],
+    "salvaged": [{}],
 }
 
 # machine context: (layer, scale_pending)
@@ -170,7 +171,7 @@ def test_may_matches_the_table_sources():
 
 
 def test_full_rearrangement_walk_follows_design_table():
-    """collecting -> planning -> transferring k=0..L-1 -> committing -> collecting, per design §4."""
+    """collecting -> planning -> transferring k=0..L-1 -> committing -> collecting, as docs/machine.md says."""
     m = EplbMachine(NUM_LAYERS)
     assert m.state == COLLECTING
     m.fire("step", due=False)
@@ -235,6 +236,33 @@ def test_joiner_path_from_scaling_reaches_the_switch():
     assert m.state == SCALING
     m.fire("switched")
     assert (m.state, m.scale_pending) == (COLLECTING, False)
+
+
+def test_scale_with_nothing_to_move_goes_from_planning_to_the_switch():
+    """A scale's plan_ready without moves leads to scaling (no made-up event); outside a scale, to collecting."""
+    m = EplbMachine(2)
+    m.fire("scale_requested")
+    m.fire("groups_ready")
+    fired = m.fire("plan_ready", moves=0, worth=True)
+    assert (fired.dest, m.scale_pending) == (SCALING, True)
+    assert m.fire("switched").dest == COLLECTING
+    m.fire("step", due=True)
+    assert m.fire("plan_ready", moves=0, worth=True).dest == COLLECTING
+
+
+def test_survivors_salvage_a_broken_scale_down_from_failed():
+    """The old group breaks mid scale-down (failed); salvaged leads to scaling, then switched to collecting."""
+    m = EplbMachine(2)
+    m.fire("scale_requested")
+    m.fire("groups_ready")
+    m.fire("plan_ready", moves=2, worth=True)
+    m.fire("fault", recoverable=False)
+    assert (m.state, m.scale_pending) == (FAILED, False)
+    fired = m.fire("salvaged")
+    assert (fired.source, fired.dest, m.scale_pending) == (FAILED, SCALING, True)
+    assert m.fire("switched").dest == COLLECTING
+    with pytest.raises(IllegalTransition):
+        m.fire("salvaged")
 
 
 @pytest.mark.parametrize("recoverable, dest", [(True, COLLECTING), (False, FAILED)])

@@ -11,7 +11,7 @@ import torch
 
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.controller import EplbController
-from eplb_fsm.fsm.scaling import (
+from eplb_fsm.elastic import (
     default_rank_mapping,
     lost_experts,
     make_scale_plan,
@@ -155,7 +155,7 @@ def _fault_body(variant, rank, host, port, log_dir, results):
     """One process of a fault drill (top level: the forkserver imports it)."""
     import os
 
-    from eplb_fsm.fsm.scaling import ScaleAborted
+    from eplb_fsm.elastic import ScaleAborted
     from eplb_fsm.transfer.groups import StoreGroup, StoreInfo
 
     torch.set_num_threads(1)
@@ -165,7 +165,9 @@ def _fault_body(variant, rank, host, port, log_dir, results):
     try:
         if variant == "joiner" and rank == 2:
             model = ToyMoE(2, 4, 2, 4, 2, 2, 3)
-            EplbController._transfer_layer = lambda self, layer: os._exit(3)  # dies in its first transfer
+            from eplb_fsm.fsm.transfers import LayerMover
+
+            LayerMover.transfer = lambda self, new, layer: os._exit(3)  # dies in its first transfer
             EplbController.join(config, {"main": model}, store=info, generation=1, rank=2, world_size=3,
                                 trace_dir=log_dir, timeout_s=10.0)
             results.put((variant, rank, {"outcome": "joined"}))
@@ -184,7 +186,7 @@ def _fault_body(variant, rank, host, port, log_dir, results):
         if ctl.state == "collecting":
             bad += _serve(ctl, model, 3, ctl.steps)
         rows = model.check_weights(ctl.models[0].maps.phy2log)
-        results.put((variant, rank, {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world,
+        results.put((variant, rank, {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world_size,
                                      "final_state": ctl.state}))
         ctl.close()
     except ScaleAborted as exc:
@@ -276,3 +278,24 @@ def read_trace_records(log_dir, rank):
     from eplb_fsm.trace import read_trace, trace_path
 
     return read_trace(trace_path(log_dir, rank))[0]
+
+
+@pytest.mark.multiprocess
+def test_salvaged_scale_down_replays_with_the_real_events(fault_drills):
+    """The survivors' salvage is traced as fault -> salvaged -> switched (no made-up event); replay finds no
+    illegal transition and names the dead leaving rank as the only culprit."""
+    from eplb_fsm.inspect.replay import replay_dir
+
+    _, _, log_dirs = fault_drills
+    for rank in (0, 1):
+        recs = read_trace_records(log_dirs["spare"], rank)
+        triggers = [r["trigger"] for r in recs if r["event"] == "transition" and r["trigger"] != "step"]
+        salvage = triggers.index("salvaged")
+        assert triggers[salvage - 1:salvage + 2] == ["fault", "salvaged", "switched"]
+        assert "recovered" not in triggers and triggers.count("scale_requested") == 1
+    rep = replay_dir(log_dirs["spare"])
+    assert rep.illegal_transitions == [] and "divergence" not in rep.verdict, rep.summary
+    assert (rep.verdict, rep.culprit_ranks) == ("hang", [2]), rep.summary
+    from eplb_fsm.inspect.render import format_report
+
+    assert "switched (degraded: a leaving rank died)" in format_report(rep)

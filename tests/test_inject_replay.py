@@ -136,7 +136,7 @@ def test_healthy_run_replays_healthy(tmp_path, capsys, mode):
 
 
 def _synthetic(world: int, faults) -> dict[int, list[dict]]:
-    from eplb_fsm.inspect.synth import SyntheticJob
+    from eplb_fsm.testing import SyntheticJob
 
     job = SyntheticJob(world=world)
     job.run(30, faults)
@@ -146,7 +146,7 @@ def _synthetic(world: int, faults) -> dict[int, list[dict]]:
 def test_a_wait_that_timed_out_for_a_rank_that_never_came_is_a_hang():
     """Rank 1's trace stops before the step-19 all-reduce; rank 0 waited and left it with a timeout error."""
     from eplb_fsm.inspect import replay as rp
-    from eplb_fsm.inspect.synth import Faults, Stop
+    from eplb_fsm.testing import Faults, Stop
 
     recs = _synthetic(2, Faults(stop={0: Stop(19, "in_collective"), 1: Stop(19, "before_collective")}))
     start = recs[0][-1]
@@ -162,7 +162,7 @@ def test_a_wait_that_timed_out_for_a_rank_that_never_came_is_a_hang():
 def test_a_one_against_one_mismatch_blames_the_op_the_group_never_runs():
     """World 2: the rank that broadcast where the group always all-reduces is the culprit, either way round."""
     from eplb_fsm.inspect import replay as rp
-    from eplb_fsm.inspect.synth import Faults
+    from eplb_fsm.testing import Faults
 
     for culprit in (0, 1):
         report = rp.diagnose(_synthetic(2, Faults(wrong_collective={culprit: (19, {"op": "broadcast"})})))
@@ -174,7 +174,7 @@ def test_a_one_against_one_mismatch_blames_the_op_the_group_never_runs():
 def test_a_rollback_that_ends_in_failed_does_not_hide_its_cause():
     """Both ranks fault into `failed` right after a mismatch: the mismatch stays the verdict, not a handled note."""
     from eplb_fsm.inspect import replay as rp
-    from eplb_fsm.inspect.synth import Faults
+    from eplb_fsm.testing import Faults
 
     recs = _synthetic(2, Faults(wrong_collective={1: (19, {"op": "broadcast"})}))
     for r, rs in recs.items():

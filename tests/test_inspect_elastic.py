@@ -1,6 +1,6 @@
 """Replay of elastic-EP traces: group swaps, joiner sessions, leaving ranks, renumbered ranks.
 
-The traces come from ``SyntheticJob.scale`` (``inspect.synth_elastic``), which writes a scale
+The traces come from ``SyntheticJob.scale`` (``eplb_fsm.testing.elastic``), which writes a scale
 record for record as the controller does; interval 10, 2 layers, 8 experts. Faults after a
 swap are ordinary ``Faults`` keyed by the ranks' new numbers.
 """
@@ -14,7 +14,7 @@ import pytest
 from eplb_fsm.inspect import replay as rp
 from eplb_fsm.inspect.elastic import build_cast, group_base
 from eplb_fsm.inspect.render import format_report
-from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults, write_traces
 
 
 def down_up(faults: Faults | None = None, steps_after: int = 10, **kwargs) -> SyntheticJob:

@@ -307,7 +307,7 @@ def test_traces_without_liveness_records_give_no_liveness_finding(tmp_path):
 
 def test_healthy_verdict_lists_aborted_rearrangements(tmp_path):
     """A rearrangement every rank rolled back keeps the verdict healthy but is listed with its step."""
-    from eplb_fsm.inspect.synth import Faults, SyntheticJob
+    from eplb_fsm.testing import Faults, SyntheticJob
 
     job = SyntheticJob(world=WORLD, trace_dir=tmp_path)
     job.run(45, Faults(transfer_error={1: (19, 1)}))

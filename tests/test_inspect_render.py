@@ -6,7 +6,7 @@ import pytest
 
 from eplb_fsm.inspect.render import format_report, format_timeline, timeline_rows
 from eplb_fsm.inspect.replay import diagnose
-from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 
 
 def records(world=4, steps=40, faults=None):

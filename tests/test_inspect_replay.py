@@ -14,7 +14,7 @@ import pytest
 
 from eplb_fsm.inspect import replay as rp
 from eplb_fsm.inspect.render import format_report
-from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
 from eplb_fsm.trace import trace_path
 
 WORLD = 4

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eplb_fsm.inspect import summary as sm
-from eplb_fsm.inspect.synth import Faults, SyntheticJob, hang_faults
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 
 WORLD = 4
 
@@ -89,19 +89,19 @@ def test_file_fast_path_equals_record_by_record_replay(faults):
     """summarize_text (runs of step lines checked in bulk) gives the same summary as parsing every line."""
     records = job_records(faults)[1]
     for name, text in _variants(records).items():
-        parsed = [sm._parse_line(line) for line in text.splitlines() if line.strip()]
+        parsed = [sm.parse_line(line) for line in text.splitlines() if line.strip()]
         good = [r for r in parsed if r is not None]
         lines = [line for line in text.splitlines() if line.strip()]
         expected = sm.summarize_rank(good, 1, bad_lines=len(parsed) - len(good),
-                                     truncated=sm._parse_line(lines[-1]) is None)
+                                     truncated=sm.parse_line(lines[-1]) is None)
         assert _comparable(sm.summarize_text(text, 1)) == _comparable(expected), name
 
 
 def test_clean_step_runs_take_the_bulk_path(healthy, monkeypatch):
     """On a clean file no step line is json-parsed on its own: runs are matched in bulk."""
     calls = []
-    real = sm._parse_line
-    monkeypatch.setattr(sm, "_parse_line", lambda line: calls.append(line) or real(line))
+    real = sm.parse_line
+    monkeypatch.setattr(sm, "parse_line", lambda line: calls.append(line) or real(line))
     text = "\n".join(json.dumps(r, separators=(",", ":")) for r in healthy[0]) + "\n"
     summary = sm.summarize_text(text, 0)
     assert summary.step_records == 36 and summary.illegal == []

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy.bounds import (
-    balancedness,
     balancedness_bound,
     balancedness_per_layer,
     max_load_lower_bound,
+    placement_balancedness,
     rank_loads,
 )
 from eplb_fsm.policy.default import DefaultEplbPolicy
@@ -33,7 +33,7 @@ def test_balancedness_hand_case():
     phy2log = np.array([[0, 1], [0, 1]])
     # layer 0: ranks 3, 1 -> mean 2, max 3; layer 1: 1, 1 -> mean 1, max 1
     assert balancedness_per_layer(phy2log, weight, 2).tolist() == [2 / 3, 1.0]
-    assert balancedness(phy2log, weight, 2) == pytest.approx(3 / 4)
+    assert placement_balancedness(phy2log, weight, 2) == pytest.approx(3 / 4)
 
 
 def test_zero_load_layers_are_perfect():
@@ -41,8 +41,8 @@ def test_zero_load_layers_are_perfect():
     weight = np.array([[0.0, 0.0], [4.0, 0.0]])
     phy2log = np.array([[0, 1], [0, 1]])
     assert balancedness_per_layer(phy2log, weight, 2).tolist() == [1.0, 0.5]
-    assert balancedness(phy2log, weight, 2) == 0.5
-    assert balancedness(phy2log, np.zeros((2, 2)), 2) == 1.0
+    assert placement_balancedness(phy2log, weight, 2) == 0.5
+    assert placement_balancedness(phy2log, np.zeros((2, 2)), 2) == 1.0
     assert balancedness_bound(np.zeros((2, 2)), 2, 2) == 1.0
 
 
@@ -50,8 +50,8 @@ def test_torch_and_numpy_inputs_agree():
     """Tensors and arrays give the same figures."""
     weight = np.random.default_rng(0).random((3, 8))
     phy2log = np.tile(np.arange(8), (3, 1))
-    a = balancedness(phy2log, weight, 4)
-    b = balancedness(torch.from_numpy(phy2log), torch.from_numpy(weight), 4)
+    a = placement_balancedness(phy2log, weight, 4)
+    b = placement_balancedness(torch.from_numpy(phy2log), torch.from_numpy(weight), 4)
     assert a == b
     assert max_load_lower_bound(torch.from_numpy(weight), 8, 4).tolist() == max_load_lower_bound(weight, 8, 4).tolist()
 
@@ -98,9 +98,9 @@ def test_no_placement_beats_the_bound(layers, ranks, extra, seed):
         [np.tile(np.arange(experts), (layers, 1)), rng.integers(0, experts, (layers, replicas - experts))], axis=1
     )
     phy2log = rng.permuted(phy2log, axis=1)
-    assert balancedness(phy2log, weight, ranks) <= bound + 1e-12
+    assert placement_balancedness(phy2log, weight, ranks) <= bound + 1e-12
     planned = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(weight), replicas, 1, 1, ranks)[0]
-    assert balancedness(planned, weight, ranks) <= bound + 1e-12
+    assert placement_balancedness(planned, weight, ranks) <= bound + 1e-12
     per_layer_bound = max_load_lower_bound(weight, replicas, ranks)
     assert (rank_loads(planned, weight, ranks).max(axis=1) >= per_layer_bound - 1e-9).all()
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy.base import build_log2phy
-from eplb_fsm.policy.bounds import balancedness, balancedness_bound
+from eplb_fsm.policy.bounds import balancedness_bound, placement_balancedness
 from eplb_fsm.policy.default import (
     DefaultEplbPolicy,
     balanced_packing,
@@ -323,7 +323,7 @@ def test_policy_matches_reference_and_invariants(problem):
     out = DefaultEplbPolicy.rebalance_experts(weight, num_replicas, groups, nodes, ranks)
     _check_invariants(weight, num_replicas, groups, nodes, ranks, out)
     assert _same(out, reference_rebalance_experts(weight, num_replicas, groups, nodes, ranks))
-    assert balancedness(out[0], weight, ranks) <= balancedness_bound(weight, num_replicas, ranks) + 1e-9
+    assert placement_balancedness(out[0], weight, ranks) <= balancedness_bound(weight, num_replicas, ranks) + 1e-9
 
 
 @settings(max_examples=40, deadline=None)

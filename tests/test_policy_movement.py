@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy import get_policy
-from eplb_fsm.policy.bounds import balancedness
+from eplb_fsm.policy.bounds import placement_balancedness
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import MovementAwarePolicy, plan_movement
-from eplb_fsm.policy.movement_cost import moved_slots, rank_membership
-from eplb_fsm.policy.movement_renumber import align_rows, relabel_ranks
+from eplb_fsm.policy.movement.placement import moved_mask, rank_membership
+from eplb_fsm.policy.movement.targets import align_rows, relabel_ranks
 from eplb_fsm.sim.loads import drift, load_scenarios, scenario_load
 
 # --------------------------------------------------------------------------- generators
@@ -104,7 +104,7 @@ def test_never_more_moves_than_default(case):
     ranks = call[3]
     mine = MovementAwarePolicy.rebalance_experts(load, *call, old)[0].numpy()
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0].numpy()
-    assert (moved_slots(old.numpy(), mine, ranks).sum(1) <= moved_slots(old.numpy(), default, ranks).sum(1)).all()
+    assert (moved_mask(old.numpy(), mine, ranks).sum(1) <= moved_mask(old.numpy(), default, ranks).sum(1)).all()
 
 
 @settings(max_examples=60)
@@ -115,7 +115,7 @@ def test_meets_target(case, target):
     ranks = call[3]
     mine = MovementAwarePolicy(target=target).rebalance_experts(load, *call, old)[0]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
-    assert balancedness(mine, load, ranks) >= target * balancedness(default, load, ranks) * (1 - 1e-9)
+    assert placement_balancedness(mine, load, ranks) >= target * placement_balancedness(default, load, ranks) * (1 - 1e-9)
 
 
 @settings(max_examples=60)
@@ -126,7 +126,7 @@ def test_zero_moves_when_old_meets_target(case):
     ranks = call[3]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
     target = 0.99
-    if balancedness(old, load, ranks) >= target * balancedness(default, load, ranks) * (1 + 1e-6):
+    if placement_balancedness(old, load, ranks) >= target * placement_balancedness(default, load, ranks) * (1 + 1e-6):
         out = MovementAwarePolicy.rebalance_experts(load, *call, old)[0]
         assert torch.equal(out, old)
     # and a plan on the very load the old placement was made for never moves anything
@@ -177,7 +177,7 @@ def test_move_limit(case, limit):
     load, call, old = case
     out = MovementAwarePolicy(max_moves=limit).rebalance_experts(load, *call, old)
     _check_valid(*out, call, load.shape[1])
-    assert (moved_slots(old.numpy(), out[0].numpy(), call[3]).sum(1) <= limit).all()
+    assert (moved_mask(old.numpy(), out[0].numpy(), call[3]).sum(1) <= limit).all()
 
 
 @settings(max_examples=30)
@@ -248,15 +248,15 @@ def test_registered_and_configurable():
     lenient = policy.rebalance_experts(load2, *call, old)[0]
     strict = MovementAwarePolicy(target=1.0).rebalance_experts(load2, *call, old)[0]
     ranks = call[3]
-    assert balancedness(strict, load2, ranks) >= balancedness(lenient, load2, ranks) - 1e-12
+    assert placement_balancedness(strict, load2, ranks) >= placement_balancedness(lenient, load2, ranks) - 1e-12
 
 
 def test_plan_reports_what_it_did():
     """plan_movement's diagnostics agree with the placement it returns."""
     load, call, old = _small()
     plan = plan_movement(load.flip(1), *call, old)
-    assert (plan.moved == moved_slots(old.numpy(), plan.phy2log, call[3]).sum(1)).all()
-    assert (plan.default_moved == moved_slots(old.numpy(), plan.default_phy2log, call[3]).sum(1)).all()
+    assert (plan.moved == moved_mask(old.numpy(), plan.phy2log, call[3]).sum(1)).all()
+    assert (plan.default_moved == moved_mask(old.numpy(), plan.default_phy2log, call[3]).sum(1)).all()
     assert not (plan.kept & (plan.repaired | plan.fallback)).any()
     assert (plan.default_phy2log == DefaultEplbPolicy.rebalance_experts(load.flip(1), *call)[0].numpy()).all()
 
@@ -276,14 +276,14 @@ def test_relabel_and_align_keep_quality(case):
     relabeled = relabel_ranks(new, member, ranks, nodes if hier else 1)
     aligned = align_rows(old.numpy(), relabeled, ranks)
     for x in (relabeled, aligned):
-        assert balancedness(x, load, ranks) == pytest.approx(balancedness(new, load, ranks), abs=1e-12)
+        assert placement_balancedness(x, load, ranks) == pytest.approx(placement_balancedness(new, load, ranks), abs=1e-12)
         assert (np.sort(x, 1) == np.sort(new, 1)).all()
     s = replicas // ranks
     same_rank = np.sort(aligned.reshape(-1, s), 1) == np.sort(relabeled.reshape(-1, s), 1)
     assert same_rank.all()
     # aligning rows never changes how many slots move, and never moves a kept expert's row
     old_np = old.numpy()
-    assert moved_slots(old_np, aligned, ranks).sum() == moved_slots(old_np, relabeled, ranks).sum()
+    assert moved_mask(old_np, aligned, ranks).sum() == moved_mask(old_np, relabeled, ranks).sum()
     assert (aligned == old_np).sum() >= (relabeled == old_np).sum()
 
 
@@ -305,7 +305,7 @@ def test_small_scenario_meets_issue_targets(sigma_index, sigma):
     mine = MovementAwarePolicy.rebalance_experts(load, *call, old)[0]
     default = DefaultEplbPolicy.rebalance_experts(load, *call)[0]
     ranks = shape["ranks"]
-    assert balancedness(mine, load, ranks) >= 0.99 * balancedness(default, load, ranks)
-    moved_mine = moved_slots(old.numpy(), mine.numpy(), ranks).sum()
-    moved_default = moved_slots(old.numpy(), default.numpy(), ranks).sum()
+    assert placement_balancedness(mine, load, ranks) >= 0.99 * placement_balancedness(default, load, ranks)
+    moved_mine = moved_mask(old.numpy(), mine.numpy(), ranks).sum()
+    moved_default = moved_mask(old.numpy(), default.numpy(), ranks).sum()
     assert moved_mine <= 0.10 * moved_default

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy.default import DefaultEplbPolicy
-from eplb_fsm.policy.movement_budget import lagrange_levels, water_level
-from eplb_fsm.policy.movement_cost import expert_counts, membership, moved_slots, moves_per_layer, rank_counts, slot_loads
-from eplb_fsm.policy.movement_renumber import _first_come_rows, _greedy_assignment, align_rows, renumbered_default
-from eplb_fsm.policy.movement_search import SearchState
+from eplb_fsm.policy.movement.targets import lagrange_levels, water_level
+from eplb_fsm.policy.movement.placement import expert_counts, membership, moved_mask, moves_per_layer, rank_counts, slot_loads
+from eplb_fsm.policy.movement.targets import _first_come_rows, _greedy_assignment, align_rows, renumbered_default
+from eplb_fsm.policy.movement.search import SearchState
 from eplb_fsm.sim.loads import drift
 
 
@@ -51,7 +51,7 @@ def test_counts_match_a_plain_loop(case):
     assert (rank_counts(old, experts, ranks) == counts).all()
     assert (membership(old, experts, ranks) == (counts > 0)).all()
     assert (expert_counts(old, experts) == counts.sum(2)).all()
-    assert (moves_per_layer(counts > 0, new) == moved_slots(old, new, ranks).sum(1)).all()
+    assert (moves_per_layer(counts > 0, new) == moved_mask(old, new, ranks).sum(1)).all()
 
 
 def test_slot_loads_split_an_expert_evenly():
@@ -183,5 +183,5 @@ def test_search_state_stays_consistent(sigma, seed):
     assert (state.on_rank == rank_counts(cur, experts, ranks)).all()
     assert np.allclose(state.slot_load, slot_loads(w, cur, state.count))
     assert np.allclose(state.rank_load, state.slot_load.reshape(layers, ranks, per_rank).sum(-1))
-    assert (state.moved == moved_slots(old, cur, ranks)).all()
+    assert (state.moved == moved_mask(old, cur, ranks)).all()
     assert (state.moves == state.moved.sum(1)).all()

@@ -173,3 +173,37 @@ def test_injector_stops_the_rank_after_a_fault():
     with pytest.raises(RankFault, match=r"rank 0 stopped at step 4: its controller fired fault at step 4 "
                                         r"\(transferring -> failed: all_reduce of \['ready'\] failed\)"):
         inj.after_step(ctx, 4)
+
+
+def test_wrong_collective_wraps_the_collectives_object_for_one_all_reduce():
+    """Armed at its step, the rank's next all-reduce becomes a broadcast; every other call reaches the wrapped object."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class Inner:
+        name, rank = "ep", 1
+
+        def __init__(self) -> None:
+            self.calls = []
+
+        def all_reduce(self, parts, timeout_s, **fields):
+            self.calls.append(list(parts))
+            return parts
+
+    ctx, inner = _Ctx(1), Inner()
+    ctx.controller.collectives = inner
+    ctx.controller.rearranger = SimpleNamespace(collectives=inner)
+    inj = Injector(["wrong-collective:rank=1,step=3"], collective_timeout_s=2.0)
+    inj.on_start(ctx)
+    inj.before_step(ctx, 2)
+    assert ctx.controller.collectives is inner
+    inj.before_step(ctx, 3)
+    wrapped = ctx.controller.collectives
+    assert wrapped is not inner and ctx.controller.rearranger.collectives is wrapped and wrapped.name == "ep"
+    sent = []
+    wrapped.broadcast = lambda parts, timeout_s: sent.append(list(parts)) or parts
+    wrapped.all_reduce({"loads": torch.zeros(2)}, 1.0)
+    wrapped.all_reduce({"ready": torch.zeros(3)}, 1.0)
+    assert sent == [["loads"]] and inner.calls == [["ready"]]
+    assert ctx.extra["inject"]["done"][-1]["what"] == "broadcast instead of the all-reduce of ['loads']"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from eplb_fsm.stats import (
     LoadWindow,
     aggregate_logical,
-    balancedness_from_rank_loads,
+    balancedness,
     rank_loads_physical,
 )
 
@@ -83,10 +83,37 @@ def test_rank_loads_and_balancedness_reduce_over_ranks():
     ranks = rank_loads_physical(physical, 2)
     assert ranks.tolist() == [[8, 0], [2, 2]]
     # layer 0: mean 4, max 8; layer 1: mean 2, max 2  -> (4 + 2) / (8 + 2)
-    assert balancedness_from_rank_loads(ranks) == pytest.approx(0.6)
-    assert balancedness_from_rank_loads(torch.zeros(3, 2)) == 1.0
+    assert balancedness(ranks) == pytest.approx(0.6)
+    assert balancedness(torch.zeros(3, 2)) == 1.0
     with pytest.raises(ValueError, match="divisible"):
         rank_loads_physical(physical, 3)
+
+
+def test_balancedness_takes_one_layer_or_many_as_numpy_torch_or_lists():
+    """(G,) is one layer; (L, G) sums means and maxima over layers; the input kind does not matter."""
+    assert balancedness([3.0, 1.0]) == pytest.approx(2 / 3)  # mean 2 / max 3
+    loads = np.array([[8.0, 0.0], [2.0, 2.0]])
+    assert balancedness(loads) == balancedness(torch.from_numpy(loads)) == balancedness(loads.tolist())
+    assert balancedness(np.zeros(4)) == 1.0
+    # two models on the same ranks: their layers concatenated
+    assert balancedness(np.concatenate([loads[:1], loads[1:]])) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("bad", [np.zeros((2, 2, 2)), np.zeros((3, 0)), 5.0])
+def test_balancedness_rejects_other_shapes(bad):
+    """Anything but (G,) or (L, G) with G >= 1 is a ValueError naming rank_loads."""
+    with pytest.raises(ValueError, match="rank_loads"):
+        balancedness(bad)
+
+
+def test_placement_and_rank_load_balancedness_agree():
+    """policy.bounds scores a placement through stats.balancedness: same value on its rank loads."""
+    from eplb_fsm.policy.bounds import placement_balancedness, rank_loads
+
+    rng = np.random.default_rng(0)
+    phy2log = np.array([rng.permutation(8) for _ in range(3)])
+    weight = rng.random((3, 8))
+    assert placement_balancedness(phy2log, weight, 4) == balancedness(rank_loads(phy2log, weight, 4))
 
 
 @pytest.mark.parametrize("name", ["num_layers", "num_physical", "window_size"])

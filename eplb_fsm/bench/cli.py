@@ -16,6 +16,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "step": ("eplb_fsm.bench.step", "per-step overhead while collecting (trace on) vs a bare window update"),
     "replay": ("eplb_fsm.bench.replay", "time to a replay verdict on synthetic 64-rank traces"),
     "movement": ("eplb_fsm.bench.movement", "default vs movement-aware: balancedness and moved slots"),
+    "stall": ("eplb_fsm.bench.stall", "engine step stall of one rearrangement, sync vs async, on gloo"),
 }
 
 
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for kind, (module_name, help_text) in KINDS.items():
         p = sub.add_parser(kind, help=help_text, description=help_text)
-        p.set_defaults(_bench_module=module_name)
+        p.set_defaults(bench_module=module_name)
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
         try:
             module = importlib.import_module(module_name)
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_bench_missing", False):
         raise SystemExit(f"eplb-fsm bench: benchmark {args.kind!r} is not available in this build")
-    module = importlib.import_module(args._bench_module)
+    module = importlib.import_module(args.bench_module)
     result = module.run(args)
     if args.json:
         print(json.dumps(result, sort_keys=False))

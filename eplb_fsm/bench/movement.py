@@ -146,10 +146,9 @@ class _Timer:
 def _synthetic(args: argparse.Namespace, scenarios: dict, names: list[str], sigmas: list[float]) -> dict:
     import torch
 
-    from eplb_fsm.policy.bounds import balancedness
+    from eplb_fsm.policy.bounds import placement_balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.policy.movement import MovementAwarePolicy
-    from eplb_fsm.policy.movement_cost import moved_slots
+    from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
     from eplb_fsm.sim.loads import drift, scenario_load
 
     policy = MovementAwarePolicy(target=args.target)
@@ -175,14 +174,14 @@ def _synthetic(args: argparse.Namespace, scenarios: dict, names: list[str], sigm
             row: dict[str, Any] = {}
             for key, placement in (("default", d[0]), ("movement_aware", m[0])):
                 row[key] = {
-                    "balancedness": _round(balancedness(placement, load, ranks)),
-                    "next_balancedness": _round(balancedness(placement, next_load, ranks)),
-                    "moved": _round(moved_slots(old.numpy(), placement.numpy(), ranks).mean()),
+                    "balancedness": _round(placement_balancedness(placement, load, ranks)),
+                    "next_balancedness": _round(placement_balancedness(placement, next_load, ranks)),
+                    "moved": _round(moved_mask(old.numpy(), placement.numpy(), ranks).mean()),
                     "ms": _round(timer.median(key) * 1e3, 3),
                     "best_ms": _round(timer.best(key) * 1e3, 3),
                 }
             dflt, mv = row["default"], row["movement_aware"]
-            row["old_balancedness"] = _round(balancedness(old, load, ranks))
+            row["old_balancedness"] = _round(placement_balancedness(old, load, ranks))
             row["balancedness_ratio"] = _round(mv["balancedness"] / dflt["balancedness"])
             row["next_balancedness_ratio"] = _round(mv["next_balancedness"] / dflt["next_balancedness"])
             row["moved_ratio"] = _round(mv["moved"] / dflt["moved"]) if dflt["moved"] > 0 else 0.0
@@ -204,10 +203,9 @@ def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray 
     """Both policies re-plan on every window, each from its own previous placement."""
     import torch
 
-    from eplb_fsm.policy.bounds import balancedness
+    from eplb_fsm.policy.bounds import placement_balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.policy.movement import MovementAwarePolicy
-    from eplb_fsm.policy.movement_cost import moved_slots
+    from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
 
     ranks = call[3]
     policies = {"default": DefaultEplbPolicy, "movement_aware": MovementAwarePolicy(target=target)}
@@ -223,9 +221,9 @@ def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray 
         for key, pol in policies.items():
             old = placement[key]
             new = timer(key, lambda: pol.rebalance_experts(weight, *call, torch.from_numpy(old)))[0].numpy()
-            stats[key]["same"].append(balancedness(new, windows[i], ranks))
-            stats[key]["next"].append(balancedness(new, windows[i + 1], ranks))
-            stats[key]["moved"].append(float(moved_slots(old, new, ranks).mean()))
+            stats[key]["same"].append(placement_balancedness(new, windows[i], ranks))
+            stats[key]["next"].append(placement_balancedness(new, windows[i + 1], ranks))
+            stats[key]["moved"].append(float(moved_mask(old, new, ranks).mean()))
             placement[key] = new
     result: dict[str, Any] = {"rearrangements": len(stats["default"]["same"])}
     for key in policies:
@@ -277,7 +275,7 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path) -> tuple
     switch = np.concatenate([intent3[-history:], law])
     cases = {"intent": (intent, history), "intent->law": (switch, history), "intent->law first 4": (switch[: history + 4], history)}
     estimators: dict[str, Any] = {"history_windows": history, "policy": "default", "cases": {}}
-    from eplb_fsm.policy.bounds import balancedness
+    from eplb_fsm.policy.bounds import placement_balancedness
 
     for case, (windows, start) in cases.items():
         scores = {name: [] for name in choices}
@@ -286,7 +284,7 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path) -> tuple
             for name, (estimator, kw) in choices.items():
                 est = estimate_logical(hist, estimator, **kw)
                 phy = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(est), *call)[0]
-                scores[name].append(balancedness(phy, windows[i], call[3]))
+                scores[name].append(placement_balancedness(phy, windows[i], call[3]))
         means = {name: _round(np.mean(v)) for name, v in scores.items()}
         best = max(means, key=means.get)
         estimators["cases"][case] = {

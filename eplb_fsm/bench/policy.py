@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from eplb_fsm.maps import initial_phy2log
-    from eplb_fsm.policy.bounds import balancedness, balancedness_bound
+    from eplb_fsm.policy.bounds import balancedness_bound, placement_balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
     from eplb_fsm.policy.reference import reference_rebalance_experts
     from eplb_fsm.sim.loads import load_scenarios, scenario_load
@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> dict:
             "default_best_ms": round(default_best * 1e3, 3),
             "reference_best_ms": round(reference_best * 1e3, 3),
             "speedup_best": round(reference_best / default_best, 2),
-            "balancedness": round(balancedness(fast[0], load, shape["ranks"]), 6),
+            "balancedness": round(placement_balancedness(fast[0], load, shape["ranks"]), 6),
             "bound": round(balancedness_bound(load, shape["replicas"], shape["ranks"]), 6),
-            "initial": round(balancedness(initial, load, shape["ranks"]), 6),
+            "initial": round(placement_balancedness(initial, load, shape["ranks"]), 6),
             "identical": identical,
         }
 

@@ -50,7 +50,7 @@ def _write_world(src: Path, out_dir: Path, ranks: list[int]) -> int:
 
 
 def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interval: int, faults=None) -> Path:
-    from eplb_fsm.inspect.synth import SyntheticJob
+    from eplb_fsm.testing import SyntheticJob
     from eplb_fsm.trace import trace_path
 
     folder = tmp / f"template-{name}"
@@ -62,7 +62,7 @@ def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interva
 
 def _simulate_allreduce(tmp: Path, world: int, steps: int, layers: int) -> Path:
     """Rank 0 of a job that all-reduces its per-pass load every step (``log_balancedness``, interval 1)."""
-    from eplb_fsm.inspect.synth import SyntheticJob
+    from eplb_fsm.testing import SyntheticJob
     from eplb_fsm.trace import trace_path
 
     folder = tmp / "template-allreduce"
@@ -92,7 +92,7 @@ def _time(fn, repeat: int) -> tuple[float, float, float, object]:
 
 def run(args: argparse.Namespace) -> dict:
     from eplb_fsm.inspect.replay import default_jobs, replay_dir
-    from eplb_fsm.inspect.synth import Faults, Stop
+    from eplb_fsm.testing import Faults, Stop
     from eplb_fsm.trace import read_trace, trace_path
 
     world, steps = args.ranks, args.steps

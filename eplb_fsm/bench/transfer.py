@@ -71,9 +71,9 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from eplb_fsm.transfer import TransferBuffer, layer_transfers, plan_from_transfers, rearrange_expert_weights_inplace
+    from eplb_fsm.transfer import TransferBuffer, moved_slots, rearrange_expert_weights_inplace
+    from eplb_fsm.transfer.plan import layer_transfers, plan_from_transfers
     from eplb_fsm.transfer.schedule import clear_schedule_cache
-    from eplb_fsm.transfer.plan import moved_slots
 
     num_layers, s = cfg["layers"], cfg["slots"]
     p = world * s

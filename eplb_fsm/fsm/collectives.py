@@ -6,10 +6,13 @@ group* object with ``rank``, ``world_size``, ``all_reduce(tensor, timeout_s)`` a
 ``transfer_communicator(timeout_s)`` (an engine's own communication layer, the elastic
 ``transfer.groups.StoreGroup``, in-process ranks in tests).
 
-Every agreement between ranks goes through :meth:`CollectivesMixin._all_reduce`: one
+The controller owns one :class:`Collectives` (``controller.collectives``). Every
+agreement between ranks goes through its :meth:`Collectives.all_reduce`: one
 float64 all-reduce (sum) of the named parts, concatenated, so a step that needs several
 shared values still issues a single collective. A failure or timeout there raises
-:class:`GroupBroken`: the EP group can no longer be trusted.
+:class:`GroupBroken`: the EP group can no longer be trusted. Elastic EP moves the object
+to another group (:meth:`Collectives.switch`) or agrees once on a group it has not moved
+to yet (:meth:`Collectives.on`); fault injection wraps the object.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ __all__ = [
     "TRANSFER_GROUP_NAME",
     "LOCAL_GROUP_NAME",
     "GroupBroken",
-    "CollectivesMixin",
+    "Collectives",
     "flags",
     "is_collective_group",
     "resolve_group",
@@ -72,42 +75,56 @@ def resolve_group(group: Any) -> tuple[Any, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
-class CollectivesMixin:
-    """The EP-group all-reduce and the transfer group, for :class:`~eplb_fsm.fsm.controller.EplbController`.
+class Collectives:
+    """This rank's EP group: the all-reduce every agreement goes through, and the transfer group.
 
-    Uses the controller's ``group``, ``group_name``, ``_custom_group`` (a collective-group
-    object rather than a torch group), ``_comm_device``, ``generation``, ``_timeout`` and
-    ``trace``; owns ``transfer_group``, ``_communicator`` and ``_transfer_generation``.
+    ``group``: what :func:`resolve_group` returned (a torch group, a collective-group
+    object or None); ``trace``: the rank's trace (collectives are recorded there);
+    ``device``: the controller's device (an NCCL all-reduce runs there, else on the CPU);
+    ``timeout_s``: the transfer group's timeout; ``generation``: the group's number (elastic).
     """
+
+    def __init__(self, group: Any, rank: int, world_size: int, trace: Any, device: torch.device,
+                 timeout_s: float, name: str, generation: int = 0) -> None:
+        self.group = group
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.trace = trace
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self.name = name                    # trace name of the EP group
+        self.generation = int(generation)
+        self.custom = group is not None and is_collective_group(group)
+        self.transfer_group = None          # torch groups only: the process group transfers run on
+        self.communicator: Any = None       # what weight transfers use (``transfer.Communicator``)
+        self.transfer_generation = -1       # how many times the transfer group was re-created
+        self.comm_device = self._collective_device()
 
     def _collective_device(self) -> torch.device:
         """Where the all-reduce buffer lives: the controller's device for NCCL, else the CPU."""
-        if self.group is None or self._custom_group:
+        if self.group is None or self.custom:
             return torch.device("cpu")
         import torch.distributed as dist
 
         backend = str(dist.get_backend(self.group)).lower()
         return self.device if backend == "nccl" else torch.device("cpu")
 
-    def _all_reduce(self, parts: dict[str, torch.Tensor], timeout_s: float, **fields: Any) -> dict[str, torch.Tensor]:
+    def all_reduce(self, parts: dict[str, torch.Tensor], timeout_s: float, **fields: Any) -> dict[str, torch.Tensor]:
         """Sum ``parts`` over the EP group in ONE all-reduce (float64, concatenated).
 
         ``parts``: name -> tensor of any shape; returns name -> the summed tensor, same
         shape (float64, on the collective device). ``fields`` go into its trace records
         (e.g. ``layer`` for a layer's agreement). Raises :class:`GroupBroken` if the
         collective raises or does not finish in time.
-
-        Looked up on the instance on purpose: fault injection (sim.inject) replaces it
-        for one call.
         """
         names = list(parts)
-        flat = [parts[n].reshape(-1).to(device=self._comm_device, dtype=torch.float64) for n in names]
+        flat = [parts[n].reshape(-1).to(device=self.comm_device, dtype=torch.float64) for n in names]
         sizes = [t.numel() for t in flat]
         buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
         try:
-            with self.trace.collective("all_reduce", group=self.group_name, shape=tuple(buf.shape),
+            with self.trace.collective("all_reduce", group=self.name, shape=tuple(buf.shape),
                                        dtype=buf.dtype, parts=names, sizes=sizes, **fields):
-                if self._custom_group:
+                if self.custom:
                     self.group.all_reduce(buf, timeout_s)
                 elif self.group is not None:
                     import torch.distributed as dist
@@ -121,54 +138,77 @@ class CollectivesMixin:
             out[name] = piece.reshape(parts[name].shape)
         return out
 
+    def on(self, group: Any) -> "Collectives":
+        """The same traced all-reduce on a collective-group object this rank has not moved to yet."""
+        return Collectives(group, int(group.rank), int(group.world_size), self.trace, self.device,
+                           self.timeout_s, getattr(group, "trace_name", self.name),
+                           int(getattr(group, "generation", self.generation)))
+
+    def switch(self, group: Any, communicator: Any, rank: int, world_size: int) -> None:
+        """Move to another collective-group object (elastic EP) and its transfer communicator."""
+        self.group = group
+        self.custom = is_collective_group(group)
+        self.comm_device = self._collective_device()
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.generation = int(getattr(group, "generation", self.generation))
+        self.name = getattr(group, "trace_name", self.name)
+        self.transfer_generation = 0
+        self.communicator = communicator
+        self.name_communicator()
+
+    def save(self) -> tuple:
+        """What :meth:`restore` needs to come back to this group (elastic EP rolls back a scale-up)."""
+        return (self.group, self.custom, self.comm_device, self.rank, self.world_size, self.generation, self.name,
+                self.transfer_generation, self.communicator)
+
+    def restore(self, saved: tuple) -> None:
+        (self.group, self.custom, self.comm_device, self.rank, self.world_size, self.generation, self.name,
+         self.transfer_generation, self.communicator) = saved
+
     # ------------------------------------------------------------ transfer group
     @property
     def transfer_group_name(self) -> str:
         """Trace name of the current transfer group: ``ep_transfer``, then ``ep_transfer.<n>`` after resets."""
         if self.group is None:
             return LOCAL_GROUP_NAME
-        gen = self._transfer_generation
-        base = self._transfer_base()
+        gen = self.transfer_generation
+        base = TRANSFER_GROUP_NAME if self.generation == 0 else f"{TRANSFER_GROUP_NAME}@{self.generation}"
         return base if gen <= 0 else f"{base}.{gen}"
 
-    def _transfer_base(self) -> str:
-        """``ep_transfer`` for the first EP group, ``ep_transfer@<g>`` for a later generation's."""
-        return TRANSFER_GROUP_NAME if self.generation == 0 else f"{TRANSFER_GROUP_NAME}@{self.generation}"
-
-    def _new_transfer_group(self) -> None:
+    def new_transfer_group(self) -> None:
         """(Re)create the process group the weight transfers run on (collective over the EP ranks).
 
         Each new group gets a new trace name, so its collective sequence (``cseq``) starts
         from 0 on every rank whatever the old group saw.
         """
-        self._transfer_generation += 1
+        self.transfer_generation += 1
         if self.group is None:
-            self._communicator = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
+            self.communicator = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
             return
-        if self._custom_group:
-            self._communicator = self.group.transfer_communicator(self._timeout)
-            self._name_communicator()
+        if self.custom:
+            self.communicator = self.group.transfer_communicator(self.timeout_s)
+            self.name_communicator()
             return
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.group)
         self.transfer_group = dist.new_group(
             ranks=ranks,
-            timeout=datetime.timedelta(seconds=self._timeout),
+            timeout=datetime.timedelta(seconds=self.timeout_s),
             use_local_synchronization=True,
         )
         # no stream of its own: in async mode the worker already runs each job on its stream
-        self._communicator = TorchDistCommunicator(
-            self.transfer_group, timeout=self._timeout, name=self.transfer_group_name
+        self.communicator = TorchDistCommunicator(
+            self.transfer_group, timeout=self.timeout_s, name=self.transfer_group_name
         )
 
-    def _name_communicator(self) -> None:
+    def name_communicator(self) -> None:
         """Give the communicator the transfer group's trace name (one with a fixed name keeps it)."""
         try:
-            self._communicator.name = self.transfer_group_name
+            self.communicator.name = self.transfer_group_name
         except AttributeError:
             pass
 
-    def _wrap(self, value: Any) -> Any:
+    def wrap(self, value: Any) -> Any:
         """One rank's weights as the communicator wants them (a multi-rank one takes a list of ranks')."""
-        return [value] if getattr(self._communicator, "multi_rank", False) else value
+        return [value] if getattr(self.communicator, "multi_rank", False) else value

@@ -1,11 +1,5 @@
 """EplbController: what an inference engine embeds in its step loop.
 
-The controller owns the lifecycle machine (:mod:`eplb_fsm.fsm.machine`, states and
-guards only), this rank's event trace, and per model (main model, drafter) the maps,
-the load window and a one-layer transfer buffer. It performs the actions of every
-transition: recording load passes, aggregating and all-reducing the load, running the
-policy, moving weights layer by layer, committing maps.
-
 The engine calls ``step()`` once per engine step, on every rank, with the same flags::
 
     controller = EplbController(EplbConfig(...), group=ep_group, trace_dir="logs/")
@@ -15,38 +9,26 @@ The engine calls ``step()`` once per engine step, on every rank, with the same f
         model.forward(batch)                     # adds routed tokens into load_pass
         controller.step(is_dummy=..., log_stats=...)
 
-Rules every decision follows (so ranks can never disagree):
+This module is the step loop and the actions it executes; nothing decides here. What a
+step does comes from :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters
+and the step's all-reduced values), which transition follows from the machine
+(:mod:`~eplb_fsm.fsm.machine`), whose guards read those decisions as event data. The
+controller owns its collaborators:
 
-- whether this step rearranges comes from step counters that advance identically on
-  every rank; whether a transfer finished everywhere, failed somewhere or ran past its
-  deadline comes from an all-reduce every rank issues on the same step;
-- a step issues at most one all-reduce of the controller's own over the EP group: it
-  carries, concatenated, whatever this step needs (planning loads of every model,
-  the per-pass load for balancedness logging, the all-ranks-ready flags of async mode);
-  only a sync-mode rearrangement step adds one agreement per transferred layer;
-- a layer's maps flip in the same call that writes its weights, so what the router
-  sees (``set_eplb_state``) always matches the weights.
+- ``collectives`` (:class:`~eplb_fsm.fsm.collectives.Collectives`): the EP group's one
+  all-reduce per step and the transfer group;
+- ``mover`` (:class:`~eplb_fsm.fsm.transfers.LayerMover`): a layer into the buffer, then into the weights;
+- ``reporter`` (:class:`~eplb_fsm.fsm.reporting.Reporter`): ``history``, ``balancedness_log``;
+- ``rearranger`` (:class:`~eplb_fsm.fsm.rearrange.Rearranger`): the rearrangement in flight
+  (planning, layer transfers and commits, faults);
+- ``worker`` (async mode) and ``watchdog``; ``counters`` (the shared step counters).
 
-Sync mode plans and moves every layer inside the step that reaches the interval.
-Async mode hands the policy and each layer's transfer to a background worker
-(:mod:`eplb_fsm.fsm.worker`) that fills a one-layer buffer on its own process group;
-layer k is committed at the first step whose all-reduce shows every rank has it.
-
-Faults: a transfer or collective that raises or times out aborts the rearrangement.
-Committed layers keep their new placement, the others keep old maps and old weights;
-the machine returns to ``collecting`` (recoverable) or goes to ``failed`` when the EP
-group itself can no longer be trusted. The trace schema is in docs/events.md.
-
-This module holds the controller's state, its public API and the step loop (the hot
-path). The actions live in mixins, one concern each, below it in the package:
-
-- :mod:`~eplb_fsm.fsm.collectives`: group resolution, the single all-reduce, the transfer group;
-- :mod:`~eplb_fsm.fsm.planning`: planning load, policy call, plan acceptance (``Plan``);
-- :mod:`~eplb_fsm.fsm.transfers`: the sync transfer loop, async progress, layer commits;
-- :mod:`~eplb_fsm.fsm.faults`: abort / rollback, transfer-group reset, broken groups;
-- :mod:`~eplb_fsm.fsm.reporting`: ``history`` entries, summaries, balancedness, ``SharedTrace``;
-- :mod:`~eplb_fsm.fsm.scaling` and :mod:`~eplb_fsm.fsm.joiner` (elastic EP): the flows behind
-  ``request_scale`` and ``join``, functions that act on the controller.
+Ranks can never disagree: decisions read counters that advance identically everywhere
+and all-reduces every rank issues on the same step (at most one of the controller's own
+per step, plus one agreement per layer in a sync rearrangement). Elastic EP
+(:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
+``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
+``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
 
 from __future__ import annotations
@@ -57,132 +39,88 @@ from typing import Any, Callable
 import torch
 
 from eplb_fsm.config import EplbConfig
-from eplb_fsm.fsm.collectives import (
-    GROUP_NAME,
-    LOCAL_GROUP_NAME,
-    TRANSFER_GROUP_NAME,
-    CollectivesMixin,
-    GroupBroken,
-    is_collective_group,
-    resolve_group,
-)
-from eplb_fsm.fsm import scaling
-from eplb_fsm.fsm.faults import FaultsMixin
-from eplb_fsm.fsm.machine import COLLECTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
+from eplb_fsm.fsm.collectives import GROUP_NAME, LOCAL_GROUP_NAME, TRANSFER_GROUP_NAME, Collectives, resolve_group
+from eplb_fsm.fsm.decide import Counters, decide_step
+from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING, EplbMachine, Fired
 from eplb_fsm.fsm.model_entry import ModelEntry, build_model_entry
-from eplb_fsm.fsm.planning import Plan, PlanningMixin
-from eplb_fsm.fsm.reporting import ReportingMixin, SharedTrace
-from eplb_fsm.fsm.transfers import TransfersMixin
+from eplb_fsm.fsm.planning import Plan
+from eplb_fsm.fsm.rearrange import Rearranger
+from eplb_fsm.fsm.reporting import Reporter, SharedTrace
+from eplb_fsm.fsm.transfers import LayerMover
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy import get_policy
-from eplb_fsm.stats import LoadWindow
 
 __all__ = ["EplbController", "SharedTrace", "Plan", "ModelEntry", "GROUP_NAME", "TRANSFER_GROUP_NAME"]
 
-# the old private name, still imported by sim.inject (its wrong-collective fault raises it)
-_GroupBroken = GroupBroken
 
-
-class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixin, ReportingMixin):
+class EplbController:
     """Drive the EPLB machine for one rank: load statistics, planning, transfers, commits.
 
-    ``config``: an :class:`EplbConfig` (equal on every rank).
-
-    ``group``: the EP process group (``None``: the default group if torch.distributed is
-    initialized, else a single rank without collectives), or any object with ``rank``,
-    ``world_size``, ``all_reduce(tensor, timeout_s)`` (sum in place, raise on timeout)
-    and ``transfer_communicator(timeout_s)`` (a fresh ``eplb_fsm.transfer.Communicator``
-    for this rank): an engine's own communication layer, or in-process ranks in tests.
-    With a torch group the controller creates its own transfer group over the same
-    ranks at construction (collective: every rank constructs its controller).
-
-    ``device``: where the load counters and maps live (the router's device).
-    ``trace_dir``: where this rank's JSONL trace goes (``None``: no file;
-    ``keep_trace=True`` also keeps every record in ``trace.records``).
-    ``role``: ``"member"`` (default) or ``"joiner"``: a process that joins a serving
-    group in elastic EP starts in ``scaling``; use :meth:`join`, which sets it and
-    ``start_step`` (the engine step counter to start from: the scale's step).
-
-    Elastic EP (docs/elastic.md): with a ``transfer.groups.StoreGroup`` as ``group``,
-    :meth:`request_scale` shrinks or grows the EP group while serving and
-    :meth:`join` starts a new process's controller inside such a scale.
+    ``config``: an :class:`EplbConfig` (equal on every rank). ``group``: the EP process
+    group (``None``: the default group if torch.distributed is initialized, else a single
+    rank), or any object with ``rank``, ``world_size``, ``all_reduce(tensor, timeout_s)``
+    and ``transfer_communicator(timeout_s)`` (an engine's own communication layer, the
+    elastic ``transfer.groups.StoreGroup``, in-process ranks in tests). With a torch group
+    the controller creates its own transfer group at construction (collective).
+    ``device``: where the load counters and maps live. ``trace_dir``: where this rank's
+    JSONL trace goes (``None``: no file; ``keep_trace=True`` keeps records in memory).
+    ``role``: ``"member"`` or ``"joiner"`` (elastic EP: use :meth:`join`), ``start_step``:
+    the engine step counter to start from.
 
     Every rank must construct the controller, add the same models in the same order,
     and call ``step`` / ``rearrange`` / ``recover`` the same number of times.
     """
 
-    def __init__(
-        self,
-        config: EplbConfig,
-        group: Any = None,
-        device: torch.device | str | None = None,
-        trace_dir: str | None = None,
-        *,
-        keep_trace: bool = False,
-        clock: Callable[[], float] = time.time,
-        role: str = "member",
-        start_step: int = 0,
-    ) -> None:
+    def __init__(self, config: EplbConfig, group: Any = None, device: torch.device | str | None = None,
+                 trace_dir: str | None = None, *, keep_trace: bool = False, clock: Callable[[], float] = time.time,
+                 role: str = "member", start_step: int = 0) -> None:
         if not isinstance(config, EplbConfig):
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if role not in ("member", "joiner"):
             raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
         self.role = role
-        self.config = config
+        self._config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         policy_cls = get_policy(config.policy)
         # a policy with settings in the config (e.g. movement_aware's target) builds itself from it
         self.policy = policy_cls.from_config(config) if hasattr(policy_cls, "from_config") else policy_cls
-        self.group, self.rank, self.world = resolve_group(group)
-        self._custom_group = self.group is not None and is_collective_group(self.group)
-        self.group_name = getattr(self.group, "trace_name", GROUP_NAME) if self.group is not None \
-            else LOCAL_GROUP_NAME
-        # elastic EP: the group's generation (0 until a scale) and this rank's scale requests
-        self.generation = int(getattr(self.group, "generation", 0) or 0)
+        group, rank, world_size = resolve_group(group)
+        name = getattr(group, "trace_name", GROUP_NAME) if group is not None else LOCAL_GROUP_NAME
+        generation = int(getattr(group, "generation", 0) or 0)  # elastic EP: 0 until a scale
+        self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace)
+        self.collectives = Collectives(group, rank, world_size, self.trace, self.device,
+                                       config.collective_timeout_s, name, generation)
+        self.last_generation = generation   # the last one a scale request used up
         self.scalings: list[dict] = []
         initial = SCALING if role == "joiner" else COLLECTING
-        self._comm_device = self._collective_device()
-        self.trace = SharedTrace(self.rank, self.world, trace_dir, clock=clock, keep=keep_trace)
         self.trace.set_context(state=initial, step=int(start_step))
         self.trace.header(
-            config.to_dict(),
-            mode="async" if config.use_async else "sync",
-            device=str(self.device),
-            group=self.group_name,
-            transfer_group=self._transfer_base() if self.group is not None else LOCAL_GROUP_NAME,
-            **({"role": role, "generation": self.generation,
+            config.to_dict(), mode="async" if config.use_async else "sync", device=str(self.device), group=name,
+            transfer_group=self.collectives.transfer_group_name,
+            **({"role": role, "generation": generation,
                 "machine": {"state": SCALING, "scale_pending": True}} if role == "joiner" else {}),
         )
         self.machine = EplbMachine(num_layers=1, state=initial, scale_pending=role == "joiner")
         self.models: list[ModelEntry] = []
-        self._windows: list[LoadWindow] = []
-        # counters every rank advances identically
-        self.steps = int(start_step)        # engine steps taken (profile steps excluded)
-        self._since = 0                     # steps since start / the last rearrangement began
-        self._threshold = config.first_rearrangement_step
-        self._log_balancedness = bool(config.log_balancedness)
-        self._log_interval = config.log_balancedness_interval
-        self._timeout = float(config.collective_timeout_s)
-        # what happened (local, for reports)
-        self.history: list[dict] = []
-        self.balancedness_log: list[tuple[int, float]] = []
+        self.counters = Counters(steps=int(start_step), since=0, threshold=config.first_rearrangement_step)
+        self.timeout_s = float(config.collective_timeout_s)
+        self.reporter = Reporter(self.trace, rank)
         self._state_seconds: dict[str, float] = {}
         self._entered = time.perf_counter()
-        self._current = None                # reporting.Rearrangement in flight
-        self._count = 0
-        # fault injection / instrumentation: called as hook(global_layer, model_name, model_layer)
-        # right before a layer's transfer, in the thread that runs it; raising = a transfer error
+        # fault injection / instrumentation: hook(global_layer, model_name, model_layer) right
+        # before a layer's transfer, in the thread that runs it; raising = a transfer error
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
-        # transfer machinery
-        self.transfer_group = None
-        self._communicator = None
-        self._transfer_generation = -1
-        self._new_transfer_group()
+        self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
+                                self.transfer_hooks)
+        self.collectives.new_transfer_group()
         self.worker = None
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
 
-            self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{self.rank}")
+            self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}")
+        self.rearranger = Rearranger(machine=self.machine, fire=self.fire, config=config, policy=self.policy,
+                                     models=self.models, counters=self.counters, collectives=self.collectives,
+                                     mover=self.mover, reporter=self.reporter, worker=self.worker, trace=self.trace)
         self.watchdog = None
         if config.watchdog_deadline_s > 0:
             from eplb_fsm.fsm.watchdog import Watchdog
@@ -192,7 +130,6 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
             self.watchdog.start()
         self._closed = False
 
-    # ------------------------------------------------------------------ setup
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> ModelEntry:
         """Balance ``model`` (MoE protocol, see model_protocol) under ``name``.
 
@@ -205,15 +142,14 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         if any(entry.name == name for entry in self.models):
             raise ValueError(f"a model named {name!r} is already added")
         joining = self.role == "joiner" and self.machine.state == SCALING
-        if (self.machine.state != COLLECTING and not joining) or self._current is not None:
+        if (self.machine.state != COLLECTING and not joining) or self.rearranger.current is not None:
             raise ValueError(f"models can only be added while collecting, state is {self.machine.state!r}")
         entry = build_model_entry(
             model, name, index=len(self.models), layer_offset=sum(e.num_layers for e in self.models),
-            world=self.world, num_redundant=self.config.num_redundant_experts,
+            world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
             window_size=self.config.window_size, device=self.device, phy2log=phy2log,
         )
         self.models.append(entry)
-        self._windows.append(entry.window)
         self.machine.num_layers = entry.layer_offset + entry.num_layers
         model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
         self.trace.emit("model_added", num_layers=self.machine.num_layers, **entry.describe())
@@ -233,6 +169,28 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
     @property
     def num_layers(self) -> int:
         return sum(entry.num_layers for entry in self.models)
+
+    @property
+    def config(self) -> EplbConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: EplbConfig) -> None:
+        """Elastic EP replaces it after a resize (``num_redundant_experts`` follows G'); the rearranger follows."""
+        self._config = value
+        self.rearranger.config = value
+
+    # read-only views of the collaborators' state
+    steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
+    rank = property(lambda self: self.collectives.rank, doc="This rank's number in its EP group.")
+    world_size = property(lambda self: self.collectives.world_size, doc="Ranks of the EP group served in.")
+    group = property(lambda self: self.collectives.group, doc="The EP group (see Collectives).")
+    group_name = property(lambda self: self.collectives.name, doc="Trace name of the EP group.")
+    generation = property(lambda self: self.collectives.generation, doc="Elastic EP: the group's generation.")
+    transfer_group = property(lambda self: self.collectives.transfer_group, doc="Torch group transfers run on.")
+    transfer_group_name = property(lambda self: self.collectives.transfer_group_name, doc="Its trace name.")
+    history = property(lambda self: self.reporter.history, doc="One entry per rearrangement (Reporter).")
+    balancedness_log = property(lambda self: self.reporter.balancedness_log, doc="(step, value) pairs.")
 
     def model(self, name: str) -> ModelEntry:
         for entry in self.models:
@@ -255,25 +213,7 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
     @property
     def steps_until_due(self) -> int:
         """Steps left before the next rearrangement is due (0: due at the next collecting step)."""
-        return max(0, self._threshold - self._since)
-
-    # ------------------------------------------------------------- the machine
-    def _fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
-        """Fire one event and write its ``transition`` record (event data + extra context)."""
-        fired = self.machine.fire(trigger, **data)
-        now = time.perf_counter()
-        if fired.source != fired.dest:
-            self._state_seconds[fired.source] = self._state_seconds.get(fired.source, 0.0) + now - self._entered
-            self._entered = now
-        fields = dict(data)
-        layer = fields.pop("layer", fired.layer)
-        if extra:
-            fields.update(extra)
-        self.trace.transition(
-            trigger, fired.source, fired.dest, layer=layer, num_layers=self.machine.num_layers,
-            layer_after=fired.layer, **fields,
-        )
-        return fired
+        return self.counters.until_due
 
     # ------------------------------------------------------------------ steps
     def step(self, is_dummy: bool = False, is_profile: bool = False, log_stats: bool = False) -> str:
@@ -285,60 +225,61 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         balancedness of this pass (with ``config.log_balancedness``, at its interval).
         """
         if is_profile:
-            self._profile_step()
+            self.trace.emit("profile", buffer_bytes=self.mover.reserve())
             return self.machine.state
-        step = self.steps
-        self.steps = step + 1
-        self._since += 1
+        counters = self.counters
+        step = counters.steps
+        counters.steps = step + 1
+        counters.since += 1
         trace = self.trace
         trace.step = step
         state = self.machine.state
-        log_now = log_stats and self._log_balancedness and step % self._log_interval == 0
-        if state == COLLECTING and self._since < self._threshold and not log_now:
+        config = self.config
+        log_now = log_stats and config.log_balancedness and step % config.log_balancedness_interval == 0
+        if state == COLLECTING and counters.since < counters.threshold and not log_now:
             # the hot path: nothing but the window and one compact trace line
-            for window in self._windows:
-                window.record_pass(is_dummy)
+            for entry in self.models:
+                entry.window.record_pass(is_dummy)
             if is_dummy:
                 trace.emit("step", dummy=True)
             else:
                 trace.emit("step")
             return state
-        return self._slow_step(step, state, is_dummy, log_now)
+        return self._decided_step(step, state, is_dummy, log_now)
 
-    def _slow_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
+    def _decided_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
+        """A step that may all-reduce: what it does is :func:`decide_step`'s answer."""
+        counters = self.counters
+        rearranger = self.rearranger
+        decision = decide_step(state, counters.since, counters.threshold, bool(self.models), log_now,
+                               self.worker is not None and rearranger.current is not None)
         parts: dict[str, torch.Tensor] = {}
-        if log_now:
-            parts["balancedness"] = torch.cat([w.load_pass.reshape(-1) for w in self._windows]) \
-                if self._windows else torch.zeros(0)
-        for window in self._windows:
-            window.record_pass(is_dummy)
-        due = state == COLLECTING and self._since >= self._threshold and bool(self.models)
-        waiting = self.worker is not None and state in (PLANNING, TRANSFERRING) and self._current is not None
-        if due:
-            self._restart_interval()
-            self._fire("step", extra={"dummy": True} if is_dummy else None, due=True)
-            self._current = self._begin(step, forced=False)
-            parts["loads"] = self._local_loads()
+        if decision.log:
+            parts["balancedness"] = torch.cat([e.window.load_pass.reshape(-1) for e in self.models]) \
+                if self.models else torch.zeros(0)
+        for entry in self.models:
+            entry.window.record_pass(is_dummy)
+        if decision.due:
+            self.restart_interval()
+            self.fire("step", extra={"dummy": True} if is_dummy else None, due=True)
+            parts["loads"] = rearranger.begin(step, forced=False)
+        elif is_dummy:
+            self.trace.emit("step", dummy=True)
         else:
-            if is_dummy:
-                self.trace.emit("step", dummy=True)
-            else:
-                self.trace.emit("step")
-        if waiting:
-            parts["ready"] = self._ready_flags()
-        if not parts:
+            self.trace.emit("step")
+        if decision.poll:
+            parts["ready"] = rearranger.ready_flags()
+        if not decision.all_reduces:
             return self.machine.state
-        try:
-            reduced = self._all_reduce(parts, self._timeout)
-        except GroupBroken as exc:
-            self._group_fault(exc)
+        reduced = rearranger.all_reduce_or_fail(parts, self.timeout_s)
+        if reduced is None:
             return self.machine.state
         if "balancedness" in reduced:
-            self._log_pass_balancedness(step, reduced["balancedness"])
+            self.reporter.log_pass_balancedness(step, reduced["balancedness"], self.models, self.world_size)
         if "loads" in reduced:
-            self._planning(reduced["loads"])
+            rearranger.plan(reduced["loads"])
         elif "ready" in reduced:
-            self._async_progress(reduced["ready"])
+            rearranger.progress(reduced["ready"])
         return self.machine.state
 
     def rearrange(self) -> dict | None:
@@ -352,95 +293,88 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
             raise ValueError(f"rearrange() needs state collecting, state is {self.machine.state!r}")
         if not self.models:
             raise ValueError("rearrange() needs at least one model (add_model)")
-        self._restart_interval()
+        self.restart_interval()
         count = len(self.history)
-        self._fire("step", extra={"forced": True}, due=True)
-        self._current = self._begin(self.steps, forced=True)
-        try:
-            reduced = self._all_reduce({"loads": self._local_loads()}, self._timeout)
-        except GroupBroken as exc:
-            self._group_fault(exc)
-            return self.history[-1] if len(self.history) > count else None
-        self._planning(reduced["loads"])
-        if len(self.history) > count:
-            return self.history[-1]
-        return None
+        self.fire("step", extra={"forced": True}, due=True)
+        loads = self.rearranger.begin(self.steps, forced=True)
+        reduced = self.rearranger.all_reduce_or_fail({"loads": loads}, self.timeout_s)
+        if reduced is not None:
+            self.rearranger.plan(reduced["loads"])
+        return self.history[-1] if len(self.history) > count else None
 
-    def request_scale(
-        self,
-        new_world_size: int,
-        rank_mapping: dict[int, int] | None = None,
-        *,
-        timeout_s: float | None = None,
-        generation: int | None = None,
-    ) -> dict:
-        """Grow or shrink the EP group now (elastic EP); every rank of the current group calls it at the same point.
+    def request_scale(self, new_world_size: int, rank_mapping: dict[int, int] | None = None, *,
+                      timeout_s: float | None = None, generation: int | None = None) -> dict:
+        """Grow or shrink the EP group now (every rank of the current group, same point); see
+        :func:`eplb_fsm.elastic.scaling.request_scale` and docs/elastic.md. Returns this rank's
+        ``scalings`` entry (``outcome``: switched, left, aborted or failed)."""
+        from eplb_fsm.elastic.scaling import request_scale
 
-        ``new_world_size``: ranks after the scale (S slots per rank stay, so P' = S * G').
-        ``rank_mapping``: ``{old_rank: new_rank or -1}``; default: on scale-down the highest
-        ranks leave, on scale-up old ranks keep their numbers and joiners take the rest
-        (they call :meth:`join`). ``timeout_s`` bounds forming the new group (joiners
-        arriving; default ``collective_timeout_s``); transfers and agreements keep
-        ``collective_timeout_s``.
-        ``generation``: the new group's number (default: the current one + 1; every request
-        uses one up, even one that aborts). The group must be a
-        ``transfer.groups.StoreGroup`` (or have its ``successor``/``store``/``key``).
-
-        Runs the whole scale before returning, in sync and async mode (async first drains
-        a rearrangement in flight). Returns this rank's entry (also in ``scalings``):
-        ``outcome`` is ``switched`` (serving in the new group, ``rank`` is the new rank),
-        ``left`` (this rank left: its controller is closed, stop calling it), ``aborted``
-        (the old group keeps serving, nothing lost) or ``failed`` (state failed; see
-        ``reason`` and ``lost_experts``); plus ``moved_slots``, ``moved_bytes``, ``seconds``.
-        Raises ``ValueError`` on a bad request before anything changes.
-        """
-        return scaling.request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s,
-                                     generation=generation)
+        return request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s, generation=generation)
 
     @classmethod
-    def join(
-        cls,
-        config: EplbConfig,
-        models: Any,
-        *,
-        store: Any,
-        generation: int,
-        rank: int,
-        world_size: int,
-        trace_dir: str | None = None,
-        device: torch.device | str | None = None,
-        timeout_s: float | None = None,
-        keep_trace: bool = False,
-    ) -> "EplbController":
-        """Start the controller of a process that joins a serving group (elastic scale-up).
+    def join(cls, config: EplbConfig, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
+             trace_dir: str | None = None, device: torch.device | str | None = None, timeout_s: float | None = None,
+             keep_trace: bool = False) -> "EplbController":
+        """Start the controller of a process joining a serving group (scale-up); see
+        :func:`eplb_fsm.elastic.joiner.join`. Returns it in ``collecting`` or raises
+        ``eplb_fsm.elastic.ScaleAborted``."""
+        from eplb_fsm.elastic.joiner import join
 
-        ``models``: ``{name: model}`` (or ``[(name, model), ...]``) in the order the serving
-        ranks added theirs, each built for ``world_size`` ranks at ``rank`` (its expert rows
-        and ``non_expert_weights`` are overwritten). ``store``: a
-        ``transfer.groups.StoreInfo`` (or a connected store), ``generation``: the number
-        of the group being formed. Waits at most ``timeout_s`` (default
-        ``config.collective_timeout_s``) for the serving ranks' handover, receives the maps,
-        counters and non-expert weights, takes part in the scale's rearrangement and returns
-        the controller in ``collecting``; then call ``step()`` like every other rank.
-        Raises ``fsm.scaling.ScaleAborted`` if the scale does not complete.
-        """
-        return scaling.join(cls, config, models, store=store, generation=generation, rank=rank,
-                            world_size=world_size, trace_dir=trace_dir, device=device, timeout_s=timeout_s,
-                            keep_trace=keep_trace)
+        return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
+                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace)
 
     def recover(self) -> None:
         """Leave ``failed`` once the engine has repaired the group (every rank together)."""
         if self.machine.state != FAILED:
             raise ValueError(f"recover() needs state failed, state is {self.machine.state!r}")
-        self._fire("recovered")
-        self._restart_interval()
+        self.fire("recovered")
+        self.restart_interval()
 
-    def _restart_interval(self) -> None:
+    def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
+        """Fire one event and write its ``transition`` record (event data + ``extra`` context)."""
+        fired = self.machine.fire(trigger, **data)
+        now = time.perf_counter()
+        if fired.source != fired.dest:
+            self._state_seconds[fired.source] = self._state_seconds.get(fired.source, 0.0) + now - self._entered
+            self._entered = now
+        fields = dict(data)
+        layer = fields.pop("layer", fired.layer)
+        if extra:
+            fields.update(extra)
+        self.trace.transition(trigger, fired.source, fired.dest, layer=layer, num_layers=self.machine.num_layers,
+                              layer_after=fired.layer, **fields)
+        return fired
+
+    def restart_interval(self) -> None:
         """The next rearrangement is due ``step_interval`` steps from now (after one, a recovery, a scale)."""
-        self._since = 0
-        self._threshold = self.config.step_interval
+        self.counters.restart(self.config.step_interval)
 
-    # ------------------------------------------------------------------ close
+    # ------------------------------------------- the port elastic EP drives
+    def switch_group(self, group: Any, communicator: Any, rank: int, world_size: int) -> None:
+        """Move this rank's collectives and transfers to another group (the caller traces ``group_switch``)."""
+        self.collectives.switch(group, communicator, rank, world_size)
+        self.trace.set_world(rank, world_size)
+        self.reporter.rank = rank
+
+    def restore_group(self, saved: tuple) -> None:
+        """Back onto the group ``collectives.save()`` returned (a scale-up rolled back)."""
+        self.collectives.restore(saved)
+        self.trace.set_world(self.collectives.rank, self.collectives.world_size)
+        self.reporter.rank = self.collectives.rank
+
+    def export_counters(self) -> dict:
+        """The shared counters a process joining the group starts from (see :meth:`restore_counters`)."""
+        c = self.counters
+        return {"steps": c.steps, "since": c.since, "threshold": c.threshold, "count": self.reporter.count}
+
+    def restore_counters(self, counters: dict) -> None:
+        """Take the counters another rank exported (a joiner, before it adds its models)."""
+        self.counters.steps = int(counters["steps"])
+        self.counters.since = int(counters["since"])
+        self.counters.threshold = int(counters["threshold"])
+        self.reporter.count = int(counters["count"])
+        self.trace.set_context(step=self.counters.steps)
+
     def close(self) -> None:
         """Stop the worker and the watchdog and close the trace (idempotent)."""
         if self._closed:
@@ -449,7 +383,7 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.worker is not None:
-            self.worker.close(timeout=self._timeout)
+            self.worker.close(timeout=self.timeout_s)
         self.trace.close()
 
     def __enter__(self) -> "EplbController":
@@ -457,4 +391,3 @@ class EplbController(CollectivesMixin, PlanningMixin, TransfersMixin, FaultsMixi
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

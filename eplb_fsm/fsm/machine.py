@@ -8,7 +8,10 @@ self-transition, so the diagram stays small and the replay checks the counter.
 Guards read only event data and counters that every rank shares (``layer``,
 ``num_layers``, ``scale_pending``) and never local time, so every rank takes the same
 transition at the same step, and ``eplb-fsm replay`` re-drives them from the trace.
-The actions (planning, moving weights, committing maps) live in the controller.
+What to do is decided by the pure functions of ``fsm.decide``, whose answers arrive here
+as event data; the actions (planning, moving weights, committing maps) are executed by
+the controller and its ``Rearranger``, which act on the destination ``fire()`` returns.
+``committing`` is where the last layer is written and its maps flipped.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "switched": (),
     "fault": ("recoverable",),
     "recovered": (),
+    "salvaged": (),
 }
 
-# The transition table of design §4. ``internal`` rows keep the state without exit/enter.
+# The transition table (docs/machine.md explains every row). ``internal`` rows keep the state without exit/enter.
 # Order matters within a trigger: the first row whose guards pass wins.
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "step", "source": COLLECTING, "dest": PLANNING, "conditions": "is_due"},
@@ -50,6 +54,9 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "step", "source": [PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED], "dest": None},
     {"trigger": "plan_ready", "source": PLANNING, "dest": TRANSFERRING,
      "conditions": "is_worth_moving", "before": "start_first_layer"},
+    # a scale can't be refused: with nothing to move it goes straight on to the switch
+    {"trigger": "plan_ready", "source": PLANNING, "dest": SCALING, "conditions": "is_scale_pending",
+     "note": "scale with nothing to move"},
     {"trigger": "plan_ready", "source": PLANNING, "dest": COLLECTING, "note": "nothing worth moving"},
     {"trigger": "layer_done", "source": TRANSFERRING, "dest": TRANSFERRING,
      "conditions": ["is_current_layer", "has_more_layers"], "before": "advance_layer"},
@@ -68,6 +75,9 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "fault", "source": [COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED],
      "dest": FAILED, "before": "clear_scale_pending"},
     {"trigger": "recovered", "source": FAILED, "dest": COLLECTING},
+    # the old group broke mid scale-down, but the survivors agreed on their new group that
+    # every expert still has a replica among them: they go on to the switch from failed
+    {"trigger": "salvaged", "source": FAILED, "dest": SCALING, "before": "mark_scale_pending"},
 )
 
 

@@ -55,6 +55,17 @@ class ModelEntry:
         self.replica_count = torch.from_numpy(maps.replica_count.copy()).to(device)
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
 
+    def install_placement(self, phy2log: np.ndarray, device: torch.device, window: LoadWindow | None = None) -> None:
+        """Maps of ``phy2log`` (L, P) (empty slots allowed; elastic EP) and, with a new slot count,
+        the re-indexed load ``window``; the model gets them at once."""
+        if window is not None:
+            self.window = window
+            self.num_physical = int(phy2log.shape[1])
+        maps = ExpertMaps.from_phy2log(phy2log, self.num_logical,
+                                       max_replicas=max(phy2log.shape[1] - self.num_logical + 1, 1),
+                                       allow_empty=True)
+        self.install_maps(maps, device)
+
     def commit_row(self, layer: int, new_row: np.ndarray) -> None:
         """Flip one layer's maps to ``new_row`` (P,) in place and move its window counts along.
 
@@ -68,14 +79,14 @@ class ModelEntry:
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
 
 
-def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world: int, num_redundant: int,
+def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world_size: int, num_redundant: int,
                       window_size: int, device: torch.device, phy2log: Any = None) -> ModelEntry:
-    """Validate ``model`` for ``world`` ranks and build its entry (maps, window, router tensors, buffer).
+    """Validate ``model`` for ``world_size`` ranks and build its entry (maps, window, router tensors, buffer).
 
     ``phy2log`` (L, P): its current placement (default: the initial contiguous one). The
     model is not told about the entry yet (the controller does that once it is added).
     """
-    shape = validate_model(model, world, num_redundant)
+    shape = validate_model(model, world_size, num_redundant)
     L = shape["num_moe_layers"]
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]

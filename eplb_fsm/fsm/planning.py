@@ -5,8 +5,9 @@ for every model and prices the result (moved slots and bytes per layer, balanced
 before and after). It also serves elastic scaling, which plans for another number of
 ranks and expresses the plan in the transfer group's slot space.
 
-:class:`PlanningMixin` is the controller's side: this rank's planning load, acting on the
-all-reduced one, and the ``plan_ready`` transition.
+:func:`local_loads` is this rank's part of the planning load (what the step all-reduces),
+:func:`split_loads` cuts the all-reduced one back into models. :func:`remap_columns` and
+:func:`lost_experts` carry placements between slot index spaces (elastic EP).
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import structlog
 import torch
 
-from eplb_fsm.fsm.machine import TRANSFERRING
-from eplb_fsm.fsm.scale_plan import lost_experts, remap_columns
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy.bounds import rank_loads
-from eplb_fsm.stats import aggregate_logical
+from eplb_fsm.stats import aggregate_logical, balancedness
 from eplb_fsm.transfer import moved_slots
 
-__all__ = ["Plan", "PlanningMixin", "bad_load_reason", "balancedness", "plan_placements"]
-
-_log = structlog.get_logger("eplb_fsm")
+__all__ = ["Plan", "bad_load_reason", "plan_placements", "local_loads", "split_loads",
+           "remap_columns", "lost_experts"]
 
 
 @dataclass
@@ -68,29 +65,22 @@ def bad_load_reason(flat: torch.Tensor) -> str | None:
     return None
 
 
-def balancedness(rank_loads: Sequence[np.ndarray]) -> float:
-    """sum(mean) / sum(max) over every layer of every model (design §2); each item (L, G)."""
-    means = sum(float(loads.mean(axis=1).sum()) for loads in rank_loads)
-    maxes = sum(float(loads.max(axis=1).sum()) for loads in rank_loads)
-    return means / maxes if maxes > 0 else 1.0
-
-
 def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Tensor], *, num_nodes: int,
-                    world: int, step: int, forced: bool, plan_world: int | None = None,
+                    world_size: int, step: int, forced: bool, plan_world_size: int | None = None,
                     to_group: np.ndarray | None = None, from_group: np.ndarray | None = None) -> Plan:
     """Run the policy for every model on the shared load and price the new placement.
 
     ``models``: the controller's model entries; ``loads``: per model (L, N) float64.
-    ``world``: ranks of the group the transfer runs in (moves are counted there).
+    ``world_size``: ranks of the group the transfer runs in (moves are counted there).
 
-    Elastic scaling plans for ``plan_world`` ranks (P' = S * plan_world slots) in the plan's
+    Elastic scaling plans for ``plan_world_size`` ranks (P' = S * plan_world_size slots) in the plan's
     own slot space: ``from_group`` (P',) maps plan columns to the transfer group's (-1:
     empty) and ``to_group`` (P,) maps back; ``new_phy2log`` is in the transfer group's
-    space. Without them the plan is made in place, for ``world`` ranks.
+    space. Without them the plan is made in place, for ``world_size`` ranks.
     """
     t0 = time.perf_counter()
-    scaled = plan_world is not None
-    plan_world = world if plan_world is None else plan_world
+    scaled = plan_world_size is not None
+    plan_world_size = world_size if plan_world_size is None else plan_world_size
     new_rows: list[np.ndarray] = []
     changed: list[bool] = []
     moved: list[int] = []
@@ -98,11 +88,11 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
     moved_bytes = 0
     for entry, load in zip(models, loads):
         old = entry.maps.phy2log
-        p_plan = entry.num_local * plan_world if scaled else entry.num_physical
+        p_plan = entry.num_local * plan_world_size if scaled else entry.num_physical
         plan_old = remap_columns(old, from_group) if scaled else old
         # the old placement is only a hint the policy may keep close to; one with lost experts is none
         hint = None if scaled and lost_experts(plan_old, entry.num_logical) else torch.from_numpy(plan_old.copy())
-        phy2log, _, _ = policy.rebalance_experts(load, p_plan, entry.num_groups, num_nodes, plan_world,
+        phy2log, _, _ = policy.rebalance_experts(load, p_plan, entry.num_groups, num_nodes, plan_world_size,
                                                  old_phy2log=hint)
         planned = np.ascontiguousarray(np.asarray(phy2log.detach().cpu().numpy(), dtype=np.int64))
         if planned.shape != (entry.num_layers, p_plan):
@@ -114,11 +104,11 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         new = remap_columns(planned, to_group) if scaled else planned
         for layer in range(entry.num_layers):
             changed.append(not np.array_equal(old[layer], new[layer]))
-            count = moved_slots(old[layer], new[layer], world)
+            count = moved_slots(old[layer], new[layer], world_size)
             moved.append(count)
             moved_bytes += count * entry.slot_bytes[layer]
-        before.append(rank_loads(old, load, world))
-        after.append(rank_loads(planned, load, plan_world))
+        before.append(rank_loads(old, load, world_size))
+        after.append(rank_loads(planned, load, plan_world_size))
         new_rows.append(new)
     return Plan(
         step=step,
@@ -129,89 +119,52 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         moved=moved,
         moves=int(sum(moved)),
         moved_bytes=int(moved_bytes),
-        balancedness_before=balancedness(before),
-        balancedness_after=balancedness(after),
+        balancedness_before=balancedness(np.concatenate(before)),
+        balancedness_after=balancedness(np.concatenate(after)),
         policy_s=time.perf_counter() - t0,
     )
 
 
-class PlanningMixin:
-    """The ``planning`` state's actions for :class:`~eplb_fsm.fsm.controller.EplbController`.
-
-    Uses ``models``, ``config``, ``policy``, ``world``, ``worker`` and ``_current``; ends a
-    rearrangement through ``_abort`` / ``_finish`` and starts the sync transfer.
-    """
-
-    def _local_loads(self) -> torch.Tensor:
-        """This rank's planning load of every model, (sum_m L_m * N_m,) float64, concatenated."""
-        pieces = []
-        for entry in self.models:
-            window = entry.window
-            if self.config.load_estimator == "window_sum":
-                physical = window.physical_load().to(torch.float64)
-            else:
-                physical = window.estimate(self.config.load_estimator, self.config.load_decay)
-            phy2log = torch.from_numpy(entry.maps.phy2log).to(physical.device)
-            pieces.append(aggregate_logical(physical, phy2log, entry.num_logical).reshape(-1))
-        return torch.cat(pieces)
-
-    def _split_loads(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The all-reduced (sum_m L_m * N_m,) load back into per-model (L, N) CPU tensors."""
-        out, start = [], 0
-        for entry in self.models:
-            n = entry.num_layers * entry.num_logical
-            out.append(flat[start:start + n].reshape(entry.num_layers, entry.num_logical).cpu())
-            start += n
-        return out
-
-    def _planning(self, flat_loads: torch.Tensor) -> None:
-        """Act on the all-reduced load: reject it, or plan (sync) / start the policy job (async)."""
-        bad = bad_load_reason(flat_loads)
-        if bad is not None:
-            self.trace.emit("loads_rejected", reason=bad)
-            _log.warning("eplb loads rejected", rank=self.rank, step=self.steps - 1, reason=bad)
-            self._abort(f"bad loads: {bad}", recoverable=True, kind="rejected")
-            return
-        loads = self._split_loads(flat_loads)
-        current = self._current
-        if self.worker is None:
-            try:
-                plan = self._make_plan(loads, current.step, current.forced)
-            except Exception as exc:
-                self._abort(f"policy failed: {type(exc).__name__}: {exc}", recoverable=True)
-                return
-            if self._accept_plan(plan):
-                self._sync_transfer()
+def local_loads(models: Sequence[Any], config: Any) -> torch.Tensor:
+    """This rank's planning load of every model, (sum_m L_m * N_m,) float64, concatenated."""
+    pieces = []
+    for entry in models:
+        window = entry.window
+        if config.load_estimator == "window_sum":
+            physical = window.physical_load().to(torch.float64)
         else:
-            current.job = self.worker.submit(self._make_plan, loads, current.step, current.forced, kind="plan")
+            physical = window.estimate(config.load_estimator, config.load_decay)
+        phy2log = torch.from_numpy(entry.maps.phy2log).to(physical.device)
+        pieces.append(aggregate_logical(physical, phy2log, entry.num_logical).reshape(-1))
+    return torch.cat(pieces)
 
-    def _make_plan(self, loads: list[torch.Tensor], step: int, forced: bool) -> Plan:
-        """Run the policy for every model on the shared load (pure: same input, same plan)."""
-        return plan_placements(self.policy, self.models, loads, num_nodes=self.config.num_nodes, world=self.world,
-                               step=step, forced=forced)
 
-    def _accept_plan(self, plan: Plan) -> bool:
-        """Fire ``plan_ready``; True when it leads to transferring."""
-        current = self._current
-        current.plan = plan
-        threshold = self.config.min_balancedness_gain
-        worth = plan.moves > 0 and plan.gain > threshold
-        extra = {
-            "balancedness_before": round(plan.balancedness_before, 6),
-            "balancedness_after": round(plan.balancedness_after, 6),
-            "gain": round(plan.gain, 6),
-            "moved_bytes": plan.moved_bytes,
-            "changed_layers": int(sum(plan.changed)),
-            "policy_s": round(plan.policy_s, 6),
-            "forced": plan.forced,
-        }
-        fired = self._fire("plan_ready", extra=extra, moves=plan.moves, worth=worth)
-        if fired.dest != TRANSFERRING:
-            reason = "no_moves" if plan.moves == 0 else "gain_below_threshold"
-            self.trace.emit("plan_skipped", reason=reason, moves=plan.moves, gain=round(plan.gain, 6),
-                            min_balancedness_gain=threshold)
-            _log.info("eplb rearrangement skipped", rank=self.rank, step=plan.step, reason=reason,
-                      moves=plan.moves, gain=round(plan.gain, 6), min_gain=threshold)
-            self._finish("skipped", reason=reason)
-            return False
-        return True
+def split_loads(models: Sequence[Any], flat: torch.Tensor) -> list[torch.Tensor]:
+    """The all-reduced (sum_m L_m * N_m,) load back into per-model (L, N) CPU tensors."""
+    out, start = [], 0
+    for entry in models:
+        n = entry.num_layers * entry.num_logical
+        out.append(flat[start:start + n].reshape(entry.num_layers, entry.num_logical).cpu())
+        start += n
+    return out
+
+
+def remap_columns(arr: Any, columns: np.ndarray, fill: int = -1) -> np.ndarray:
+    """``arr[..., columns]`` with ``fill`` where a column is -1 (numpy, int64 kept)."""
+    a = np.asarray(arr)
+    cols = np.asarray(columns, dtype=np.int64)
+    if cols.size and cols.max() >= a.shape[-1]:
+        raise ValueError(f"columns name column {int(cols.max())} of an array with {a.shape[-1]}")
+    out = np.take(a, np.maximum(cols, 0), axis=-1)
+    out[..., cols < 0] = fill
+    return out
+
+
+def lost_experts(phy2log: Any, num_logical: int) -> list[tuple[int, int]]:
+    """(layer, expert) pairs that have no slot in ``phy2log`` (L, P)."""
+    arr = np.asarray(phy2log, dtype=np.int64)
+    lost = []
+    for layer, row in enumerate(arr):
+        present = np.bincount(row[row >= 0], minlength=num_logical)[:num_logical] > 0
+        lost.extend((layer, int(e)) for e in np.flatnonzero(~present))
+    return lost

@@ -1,7 +1,8 @@
 """What the controller reports: the shared trace, rearrangement records, balancedness log.
 
 Nothing here feeds a decision: every value is local bookkeeping for ``history``,
-``balancedness_log``, the trace (docs/events.md) and structlog lines.
+``balancedness_log``, the trace (docs/events.md) and structlog lines. The controller owns
+one :class:`Reporter` (``controller.reporter``) and hands it what each record needs.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import structlog
 import torch
 
 from eplb_fsm.fsm.planning import Plan
-from eplb_fsm.stats import rank_loads_physical
+from eplb_fsm.stats import balancedness, rank_loads_physical
 from eplb_fsm.trace import EventTrace
 
-__all__ = ["SharedTrace", "Rearrangement", "ReportingMixin"]
+__all__ = ["SharedTrace", "Rearrangement", "Reporter"]
 
 _log = structlog.get_logger("eplb_fsm")
 
@@ -51,41 +52,47 @@ class Rearrangement:
     layers_committed: int = 0
 
 
-class ReportingMixin:
-    """Rearrangement records and balancedness logging for :class:`~eplb_fsm.fsm.controller.EplbController`.
+class Reporter:
+    """Rearrangement records and the balancedness log of one rank.
 
-    Owns ``_current`` (the :class:`Rearrangement` in flight, or None), ``_count``,
-    ``history`` and ``balancedness_log``.
+    Owns ``history`` (one entry per rearrangement, committed or not), ``balancedness_log``
+    ((step, value) pairs) and ``count`` (rearrangements begun: shared, since every rank
+    begins them on the same step).
     """
 
-    def _begin(self, step: int, forced: bool) -> Rearrangement:
-        """Open the record of a rearrangement that starts at engine step ``step``."""
-        self._count += 1
-        return Rearrangement(index=self._count, step=step, forced=forced, started=time.perf_counter())
+    def __init__(self, trace: Any, rank: int) -> None:
+        self.trace = trace
+        self.rank = rank
+        self.history: list[dict] = []
+        self.balancedness_log: list[tuple[int, float]] = []
+        self.count = 0
 
-    def _summary_fields(self) -> dict:
-        """The ``committed`` transition's fields for the rearrangement in flight."""
-        current = self._current
+    def begin(self, step: int, forced: bool) -> Rearrangement:
+        """Open the record of a rearrangement that starts at engine step ``step``."""
+        self.count += 1
+        return Rearrangement(index=self.count, step=step, forced=forced, started=time.perf_counter())
+
+    @staticmethod
+    def summary_fields(current: Rearrangement, steps: int) -> dict:
+        """The ``committed`` transition's fields for the rearrangement ``current`` (``steps``: taken so far)."""
         plan = current.plan
         return {
             "rearrangement": current.index,
             "moves": plan.moves if plan else 0,
             "moved_bytes": plan.moved_bytes if plan else 0,
             "layers_committed": current.layers_committed,
-            "steps_taken": self.steps - current.step,
+            "steps_taken": steps - current.step,
             "seconds": round(time.perf_counter() - current.started, 6),
         }
 
-    def _finish(self, outcome: str, reason: str | None = None) -> None:
-        """Close the rearrangement in flight: a ``history`` entry and a ``rearrangement`` record."""
-        current = self._current
-        if current is None:
-            return
+    def finish(self, current: Rearrangement, outcome: str, reason: str | None, *, steps: int, num_layers: int,
+               state: str) -> dict:
+        """Close ``current``: append its ``history`` entry and write its ``rearrangement`` record."""
         plan = current.plan
         entry = {
             "index": current.index,
             "step": current.step,
-            "end_step": max(self.steps - 1, current.step),
+            "end_step": max(steps - 1, current.step),
             "forced": current.forced,
             "outcome": outcome,
             "reason": reason,
@@ -93,12 +100,12 @@ class ReportingMixin:
             "moved_bytes": plan.moved_bytes if plan else 0,
             "changed_layers": int(sum(plan.changed)) if plan else 0,
             "layers_committed": current.layers_committed,
-            "num_layers": self.machine.num_layers,
+            "num_layers": num_layers,
             "balancedness_before": plan.balancedness_before if plan else None,
             "balancedness_after": plan.balancedness_after if plan else None,
             "policy_s": plan.policy_s if plan else None,
             "seconds": time.perf_counter() - current.started,
-            "state": self.machine.state,
+            "state": state,
         }
         self.history.append(entry)
         self.trace.emit("rearrangement", **{k: (round(v, 6) if isinstance(v, float) else v)
@@ -107,26 +114,24 @@ class ReportingMixin:
             _log.info("eplb rearrangement committed", rank=self.rank, step=current.step, moves=entry["moves"],
                       balancedness_before=entry["balancedness_before"],
                       balancedness_after=entry["balancedness_after"])
-        self._current = None
+        return entry
 
-    def _log_pass_balancedness(self, step: int, flat: torch.Tensor) -> None:
+    def log_pass_balancedness(self, step: int, flat: torch.Tensor, models: list, world_size: int) -> None:
         """Balancedness of the current placements under this pass's (all-reduced) load.
 
         ``flat``: (sum_m L_m * P_m,) the models' physical load passes, concatenated.
         """
         per_model: dict[str, float] = {}
-        means = maxes = 0.0
+        all_loads = []
         start = 0
-        for entry in self.models:
+        for entry in models:
             n = entry.num_layers * entry.num_physical
             physical = flat[start:start + n].reshape(entry.num_layers, entry.num_physical).cpu()
             start += n
-            loads = rank_loads_physical(physical, self.world)
-            mean, peak = float(loads.mean(dim=1).sum()), float(loads.max(dim=1).values.sum())
-            means += mean
-            maxes += peak
-            per_model[entry.name] = mean / peak if peak > 0 else 1.0
-        value = means / maxes if maxes > 0 else 1.0
+            loads = rank_loads_physical(physical, world_size)
+            all_loads.append(loads.double())
+            per_model[entry.name] = balancedness(loads)
+        value = balancedness(torch.cat(all_loads)) if all_loads else 1.0
         self.balancedness_log.append((step, value))
         self.trace.emit("balancedness", value=round(value, 6), models={k: round(v, 6) for k, v in per_model.items()},
                         tokens=float(flat.sum()))

@@ -1,172 +1,98 @@
-"""Driving the ``transferring`` state: move a layer's weights, agree, commit, advance.
+"""Moving one layer's weights: into the buffer, then into the weights (local I/O, no decisions).
 
-Sync mode (:meth:`TransfersMixin._sync_transfer`) moves every layer inside one call:
-each changed layer is transferred into its model's one-layer buffer, all ranks agree in
-one all-reduce that every rank has it, then the layer is committed (weights written,
-maps flipped). Async mode hands each layer to the background worker; every step
-all-reduces the ready flags of the job in flight (:meth:`TransfersMixin._ready_flags`)
-and :meth:`TransfersMixin._async_progress` acts on their sum, so a layer is committed on
-the same step on every rank.
+The controller owns one :class:`LayerMover` (``controller.mover``). A layer's transfer
+fills its model's one-layer buffer over the transfer group and leaves the weights
+untouched (:meth:`LayerMover.transfer`); once every rank has it, :meth:`LayerMover.write`
+writes the weights and flips the layer's maps in one go, so what the router sees always
+matches the weights. In async mode the worker runs ``transfer`` on its own thread;
+:func:`ready_flags` is what this rank says about that job in the step's all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
-from eplb_fsm.fsm.collectives import GroupBroken, flags
-from eplb_fsm.fsm.machine import COMMITTING, PLANNING, TRANSFERRING
+from eplb_fsm.fsm.collectives import Collectives, flags
 from eplb_fsm.fsm.model_entry import ModelEntry
 from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
 
-__all__ = ["TransfersMixin"]
+__all__ = ["LayerMover", "ready_flags"]
 
 
-class TransfersMixin:
-    """Layer transfers and commits for :class:`~eplb_fsm.fsm.controller.EplbController`.
+class LayerMover:
+    """Transfers and writes layers of the controller's models (global layer index: models concatenated).
 
-    Uses ``models``, ``machine``, ``worker``, ``transfer_hooks``, ``_current`` (its
-    ``plan`` and ``job``), ``_communicator`` and ``_timeout``; ends through ``_fire``,
-    ``_finish``, ``_abort``, ``_transfer_fault`` and ``_group_fault``.
+    ``models``: the controller's list of :class:`ModelEntry` (shared, grows with
+    ``add_model``); ``hooks``: called as ``hook(global_layer, model_name, model_layer)`` right
+    before a layer's transfer, in the thread that runs it (raising = a transfer error).
     """
 
-    def _profile_step(self) -> None:
-        """Reserve each model's transfer buffer (transfer profile mode); nothing else changes."""
-        reserved = 0
-        for entry in self.models:
-            current = entry.maps.phy2log
-            rearrange_expert_weights_inplace(
-                current, current, self._wrap(entry.model.expert_weights), communicator=self._communicator,
-                is_profile=True, buffer=entry.buffer,
-            )
-            reserved += entry.buffer.nbytes
-            entry.window.load_pass.zero_()  # the profile pass's counts are not real load
-        self.trace.emit("profile", buffer_bytes=reserved)
+    def __init__(self, models: list[ModelEntry], collectives: Collectives, trace: Any, batching: bool,
+                 hooks: list[Callable[[int, str, int], None]]) -> None:
+        self.models = models
+        self.collectives = collectives
+        self.trace = trace
+        self.batching = bool(batching)
+        self.hooks = hooks
 
-    def _locate(self, layer: int) -> tuple[ModelEntry, int]:
+    def locate(self, layer: int) -> tuple[ModelEntry, int]:
         """The model a global layer index belongs to, and the layer's index within it."""
         for entry in self.models:
             if layer < entry.layer_offset + entry.num_layers:
                 return entry, layer - entry.layer_offset
-        raise IndexError(f"layer {layer} is outside the {self.num_layers} layers")
+        raise IndexError(f"layer {layer} is outside the {sum(e.num_layers for e in self.models)} layers")
 
-    def _transfer_layer(self, layer: int) -> Any:
-        """Move one layer's weights into its model's buffer (weights untouched); returns the pending layer."""
-        entry, local = self._locate(layer)
-        for hook in list(self.transfer_hooks):
+    def transfer(self, new_phy2log: Sequence[Any], layer: int) -> Any:
+        """Move one layer's weights into its model's buffer (weights untouched); returns the pending layer.
+
+        ``new_phy2log``: the plan's per-model (L, P) placements.
+        """
+        entry, local = self.locate(layer)
+        for hook in list(self.hooks):
             hook(layer, entry.name, local)
-        new_row = self._current.plan.new_phy2log[entry.index][local]
+        comm = self.collectives
         return transfer_layer_to_buffer(
-            entry.maps.phy2log[local].copy(), new_row, self._wrap(entry.model.expert_weights[local]),
-            entry.buffer, layer=layer, communicator=self._communicator, trace=self.trace,
-            migration_batching=self.config.enable_migration_batching,
+            entry.maps.phy2log[local].copy(), new_phy2log[entry.index][local],
+            comm.wrap(entry.model.expert_weights[local]), entry.buffer, layer=layer,
+            communicator=comm.communicator, trace=self.trace, migration_batching=self.batching,
         )
 
-    def _commit_layer(self, layer: int, pending: Any) -> None:
-        """Write a transferred layer's weights and flip its maps, in one go (``pending`` None: unchanged layer)."""
-        entry, local = self._locate(layer)
-        plan = self._current.plan
-        if pending is not None:
-            commit_layer_from_buffer(pending, self._wrap(entry.model.expert_weights[local]))
-            entry.commit_row(local, plan.new_phy2log[entry.index][local])
-        self._current.layers_committed += 1
-        self._fire("layer_done", extra={"model": entry.name, "model_layer": local,
-                                        "moved": plan.moved[layer], "changed": plan.changed[layer]}, layer=layer)
-
-    def _commit_failed(self, layer: int, exc: BaseException) -> None:
-        """A local copy failed half-way through a commit: the weights can't be trusted."""
-        self._abort(f"commit of layer {layer} failed: {type(exc).__name__}: {exc}", recoverable=False)
-
-    def _committed(self) -> None:
-        """Every layer is in: ``committed`` and the rearrangement's record."""
-        self._fire("committed", extra=self._summary_fields())
-        self._finish("committed")
-
-    # ---------------------------------------------------------------------- sync
-    def _sync_transfer(self) -> None:
-        """Sync mode: every layer, each transferred, agreed on by all ranks, then committed."""
-        plan = self._current.plan
-        for layer in range(self.machine.num_layers):
-            if not plan.changed[layer]:
-                self._commit_layer(layer, None)
-                continue
-            error: BaseException | None = None
-            pending = None
-            try:
-                pending = self._transfer_layer(layer)
-            except Exception as exc:
-                error = exc
-            # [ready, failed, late], summed over ranks
-            ready = flags(0.0 if error else 1.0, 1.0 if error else 0.0, 0.0)
-            # a peer may itself be waiting out a transfer timeout before it reaches this all-reduce
-            try:
-                agreed = self._all_reduce({"ready": ready}, 2 * self._timeout, layer=layer)["ready"]
-            except GroupBroken as exc:
-                self._group_fault(exc)
-                return
-            if agreed[1] > 0:
-                self._transfer_fault(layer, error, int(agreed[1]))
-                return
-            try:
-                self._commit_layer(layer, pending)
-            except Exception as exc:
-                self._commit_failed(layer, exc)
-                return
-        self._committed()
-
-    # --------------------------------------------------------------------- async
-    def _ready_flags(self) -> torch.Tensor:
-        """This rank's (3,) [ready, failed, late] for the job in flight (summed over ranks)."""
-        job = self._current.job
-        if job is None:
-            return flags(1.0, 0.0, 0.0)
-        if job.done():
-            failed = job.error() is not None
-            return flags(0.0 if failed else 1.0, 1.0 if failed else 0.0, 0.0)
-        late = job.age() > self._timeout
-        return flags(0.0, 0.0, 1.0 if late else 0.0)
-
-    def _async_progress(self, summed: torch.Tensor) -> None:
-        """Act on the all-reduced (3,) ready flags: fault, wait another step, or take the job's result."""
-        ready, failed, late = (int(round(float(v))) for v in summed)
-        current = self._current
-        state = self.machine.state
-        if failed or late:
-            error = current.job.error() if current.job is not None else None
-            what = "policy" if state == PLANNING else f"transfer of layer {self.machine.layer}"
-            reason = (f"{what} failed on {failed} rank(s)" if failed else
-                      f"{what} ran past collective_timeout_s={self._timeout} on {late} rank(s)")
-            if state == PLANNING:
-                self._abort(reason + (f": {type(error).__name__}: {error}" if error else ""), recoverable=True)
-            else:
-                self._transfer_fault(self.machine.layer, error, failed, late=late)
+    def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
+        """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op)."""
+        if pending is None:
             return
-        if ready < self.world:
-            return  # not everywhere yet: the next step asks again
-        job = current.job
-        current.job = None
-        if state == PLANNING:
-            if self._accept_plan(job.result(timeout=0)):
-                self._async_advance()
-            return
-        job.wait_stream()
-        layer = self.machine.layer
-        try:
-            self._commit_layer(layer, job.result(timeout=0))
-        except Exception as exc:
-            self._commit_failed(layer, exc)
-            return
-        self._async_advance()
+        entry, local = self.locate(layer)
+        commit_layer_from_buffer(pending, self.collectives.wrap(entry.model.expert_weights[local]))
+        entry.commit_row(local, new_phy2log[entry.index][local])
 
-    def _async_advance(self) -> None:
-        """Commit unchanged layers at once, start the next changed layer, or finish."""
-        plan = self._current.plan
-        while self.machine.state == TRANSFERRING:
-            layer = self.machine.layer
-            if plan.changed[layer]:
-                self._current.job = self.worker.submit(self._transfer_layer, layer, kind="transfer", layer=layer)
-                return
-            self._commit_layer(layer, None)
-        if self.machine.state == COMMITTING:
-            self._committed()
+    def reserve(self) -> int:
+        """Reserve each model's transfer buffer (transfer profile mode); returns the bytes reserved."""
+        reserved = 0
+        comm = self.collectives
+        for entry in self.models:
+            current = entry.maps.phy2log
+            rearrange_expert_weights_inplace(
+                current, current, comm.wrap(entry.model.expert_weights), communicator=comm.communicator,
+                is_profile=True, buffer=entry.buffer,
+            )
+            reserved += entry.buffer.nbytes
+            entry.window.load_pass.zero_()  # the profile pass's counts are not real load
+        return reserved
+
+    def invalidate_buffers(self) -> None:
+        """After an abort: any stale pending layer can no longer be committed."""
+        for entry in self.models:
+            entry.buffer.generation += 1
+
+
+def ready_flags(job: Any, timeout_s: float) -> torch.Tensor:
+    """This rank's (3,) [ready, failed, late] for the async job in flight (summed over ranks)."""
+    if job is None:
+        return flags(1.0, 0.0, 0.0)
+    if job.done():
+        failed = job.error() is not None
+        return flags(0.0 if failed else 1.0, 1.0 if failed else 0.0, 0.0)
+    late = job.age() > timeout_s
+    return flags(0.0, 0.0, 1.0 if late else 0.0)

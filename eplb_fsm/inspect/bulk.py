@@ -96,7 +96,7 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     step_at = [j for j, r in enumerate(recs) if r["event"] == "step"]
     if len(step_at) != 1 or recs[step_at[0]].get("due") or type(recs[step_at[0]].get("step")) is not int:
         return False
-    if not w.plain_ok and not w._steps_keep_state(False):
+    if not w.plain_ok and not w.steps_keep_state(False):
         return False
     s = w.s
     need: Counter = Counter()
@@ -146,8 +146,5 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     for r in recs:
         if r["event"] != "step":
             s.events[r["event"]] += units
-    w.n_steps += units
-    w.records += end - start
-    w._prev_seq, w._steps_at_prev = last_seq, w.n_steps
-    w.last, w.last_line = None, lines[end - 1]
+    w.took_bulk(end - start, units, last_seq, lines[end - 1])
     return True

@@ -341,7 +341,8 @@ class RankSummary:
 _LAST_KEYS = ("seq", "step", "state", "event", "trigger", "source", "dest", "layer", "op", "group", "cseq", "ts")
 
 
-def _compact(rec: dict) -> dict:
+def compact_record(rec: dict) -> dict:
+    """The identifying fields of a record (seq, step, state, event, ...), for findings and ``last``."""
     return {k: rec[k] for k in _LAST_KEYS if k in rec}
 
 

@@ -2,9 +2,9 @@
 
 ``keep_record`` files the records that do not move the replayed machine (elastic-EP
 records, watchdog reports, liveness and endings, faults) into the session's
-``RankSummary``; ``_wrong_fields`` tells a record whose fields have the wrong type (a
-warning with file and line, never a traceback); ``_start_from_header`` sets where a
-joiner's machine starts. ``walker._Walker`` uses them.
+``RankSummary``; ``wrong_fields`` tells a record whose fields have the wrong type (a
+warning with file and line, never a traceback); ``start_from_header`` sets where a
+joiner's machine starts. ``walker.Walker`` uses them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from eplb_fsm.inspect.model import RankSummary, _compact
+from eplb_fsm.inspect.model import RankSummary, compact_record
 
 if TYPE_CHECKING:
-    from eplb_fsm.inspect.walker import _Walker
+    from eplb_fsm.inspect.walker import Walker
 
 # what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
 _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
@@ -23,35 +23,35 @@ _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group
 _SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
                  "reason", "degraded", "lost_experts")
 _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
-_COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
+COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
 _END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
 _INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
 # records stamped with their own view of the state: a header, a watchdog report, the liveness
 # thread (which can read the state while a transition is being written)
-_OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
+OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
 # the types the replay relies on; a record with another type in one of these is warned about
 _NUM = (int, float)
 _FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
                 ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
                 ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)))
-_TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
-_TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
+TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
+TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
 
 
-def _wrong_fields(rec: dict, seen: tuple) -> list[str]:
+def wrong_fields(rec: dict, seen: tuple) -> list[str]:
     wrong = [k for (k, types), t in zip(_FIELD_TYPES, seen) if t is not type(None) and t not in types]
     if not wrong:
-        _TYPES_OK.add(seen)
+        TYPES_OK.add(seen)
     return wrong
 
 
-_TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
+TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
                               for t in types if not (t is int and float in types))
                for k, types in _FIELD_TYPES}
-_REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
+REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
 
 
-def _start_from_header(w: "_Walker", header: dict) -> None:
+def start_from_header(w: "Walker", header: dict) -> None:
     """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
     if header.get("role") == "joiner":
         w.s.role = "joiner"
@@ -79,7 +79,7 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "transfer_group_reset" and rec.get("group") is not None:
         s.named_groups.add(str(rec["group"]))
     elif ev == "stuck":
-        s.stuck.append(_compact(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
+        s.stuck.append(compact_record(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
         s.progress_after_stuck = False
     elif ev == "alive":
         waiting = rec.get("waiting_on")
@@ -92,10 +92,10 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "fault_injected":
         s.injected.append({k: rec.get(k) for k in _INJECTED_KEYS if k in rec})
     elif ev == "fault":
-        s.faults.append(_compact(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+        s.faults.append(compact_record(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
 
 
-def _parse_line(line: str) -> dict | None:
+def parse_line(line: str) -> dict | None:
     try:
         rec = json.loads(line)
     except ValueError:

@@ -1,6 +1,6 @@
 """Stage 1 of the replay: one rank file, re-driven through the machine and indexed.
 
-``summarize_rank(records)`` walks one rank file's records once (``walker._Walker``). Every
+``summarize_rank(records)`` walks one rank file's records once (``walker.Walker``). Every
 ``transition`` record is re-driven through the machine definition (``MachineOracle``: a
 real ``EplbMachine`` per distinct (state, layer, counters, event) context, memoised, since
 guards read only event data and shared counters); a compact ``step`` record is the
@@ -30,7 +30,7 @@ from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
-from eplb_fsm.inspect.walker import _parse_line, _Walker
+from eplb_fsm.inspect.walker import parse_line, Walker
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
@@ -56,7 +56,7 @@ def summarize_rank(
     claims, so one bad record is reported once rather than poisoning the rest.
     """
     oracle = oracle or MachineOracle()
-    w = _Walker(rank, oracle, path, bad_lines, truncated)
+    w = Walker(rank, oracle, path, bad_lines, truncated)
     last = None
     mux = None
     for n, rec in enumerate(records):
@@ -79,7 +79,7 @@ def summarize_rank(
     return mux.result() if mux is not None else w.result(last)
 
 
-def _interleaves(w: _Walker, rec: dict) -> bool:
+def _interleaves(w: Walker, rec: dict) -> bool:
     """A joiner's header while the file's current session may still write: both go on in one file."""
     return rec.get("event") == "header" and rec.get("role") == "joiner" and w.live()
 
@@ -94,13 +94,13 @@ class _Interleaved:
     read in bulk from here on; this is rare and the files involved are small.
     """
 
-    def __init__(self, first: _Walker, rank: int | None, oracle: MachineOracle, path: str | None) -> None:
+    def __init__(self, first: Walker, rank: int | None, oracle: MachineOracle, path: str | None) -> None:
         self.walkers = [first]
         self.rank, self.oracle, self.path = rank, oracle, path
 
     def feed(self, rec: dict) -> None:
         if rec.get("event") == "header":
-            w = _Walker(self.rank, self.oracle, self.path)
+            w = Walker(self.rank, self.oracle, self.path)
             if rec.get("role") != "joiner":  # a new job appended to the file: the earlier runs are stale
                 w.s.warnings.append(f"the file holds several runs (a header at seq {rec.get('seq')}, step "
                                     f"{rec.get('step')}); replaying the last one")
@@ -167,9 +167,9 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         if not all(type(r) is dict for r in parsed):
             raise ValueError("a line is not a JSON object")
     except ValueError:
-        parsed = [_parse_line(lines[i]) for i in other]
+        parsed = [parse_line(lines[i]) for i in other]
     oracle = oracle or MachineOracle()
-    w = _Walker(rank, oracle, path)
+    w = Walker(rank, oracle, path)
     bad = 0
     prev = -1
     mux = None
@@ -178,7 +178,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
 
     def feed_stretch(b_start: int, b_end: int, period: int) -> int:
         lost = _feed_run(w, lines, prev + 1, b_start) if b_start > prev + 1 else 0
-        if not feed_units(w, lines, b_start, b_end, period, _parse_line):
+        if not feed_units(w, lines, b_start, b_end, period, parse_line):
             lost += _feed_run(w, lines, b_start, b_end)
         return lost
 
@@ -196,7 +196,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             mux = _Interleaved(w, rank, oracle, path)
             for line in lines[i:]:
                 if line.strip():
-                    rec = _parse_line(line)
+                    rec = parse_line(line)
                     if rec is None:
                         bad += 1
                     else:
@@ -220,7 +220,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
 
 
 
-def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
+def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
     """Replay lines[start:end] (step lines between two other records); returns unreadable lines."""
     while end > start and not lines[end - 1].strip():
         end -= 1  # the empty string after the file's final newline, trailing blank lines
@@ -231,13 +231,13 @@ def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
         if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
                 and w.plain_steps(end - start):
             if w.first is None:
-                w.first = _parse_line(lines[start])
+                w.first = parse_line(lines[start])
             w.last, w.last_line = None, lines[end - 1]
             return 0
     bad = 0
     for n, line in enumerate(lines[start:end], start + 1):
         if line.strip():
-            rec = _parse_line(line)
+            rec = parse_line(line)
             if rec is None:
                 bad += 1
             else:
@@ -249,7 +249,7 @@ def _feed_run(w: _Walker, lines: list[str], start: int, end: int) -> int:
 _SEQ = re.compile(r'"seq":(\d+)')
 
 
-def _seqs_follow(w: _Walker, run: str, count: int, first_line: int) -> bool:
+def _seqs_follow(w: Walker, run: str, count: int, first_line: int) -> bool:
     """The run's ``seq`` values go up by one from what the session's next record must carry.
 
     When they do not, a step back (lines out of order) is recorded with its line; the
@@ -264,7 +264,7 @@ def _seqs_follow(w: _Walker, run: str, count: int, first_line: int) -> bool:
     for j in range(1, len(seqs)):
         if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
             w.line = first_line + j
-            w.s.disorder.append({"where": w._where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
+            w.s.disorder.append({"where": w.where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
                                  "event": "step"})
             break
     return False
@@ -280,7 +280,7 @@ def _ends(text: str) -> tuple[dict | None, bool]:
         end = begin
         if not line:
             continue
-        rec = _parse_line(line)
+        rec = parse_line(line)
         if rec is None:
             last_bad = last_bad or not seen
         else:

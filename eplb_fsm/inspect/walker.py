@@ -1,6 +1,6 @@
 """Stage 1 of the replay, record by record: one session of a rank file re-driven through the machine.
 
-``_Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
+``Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
 ``summary.summarize_text`` drive it; the latter hands it whole runs of compact step lines at
 once). Every ``transition`` is re-driven through the machine definition (``MachineOracle``),
 a compact ``step`` record is the internal ``step`` transition of its state, every other
@@ -28,22 +28,22 @@ from eplb_fsm.inspect.model import (
     MachineOracle,
     RankSummary,
     Transition,
-    _compact,
+    compact_record,
 )
 from eplb_fsm.inspect.records import (
-    _COLLECTIVE_EVENTS,
-    _OWN_STATE,
-    _REQUEST_KEYS,
-    _TYPE_NAMES,
-    _TYPED_KEYS,
-    _TYPES_OK,
-    _parse_line,
-    _start_from_header,
-    _wrong_fields,
+    COLLECTIVE_EVENTS,
+    OWN_STATE,
+    REQUEST_KEYS,
+    TYPED_KEYS,
+    TYPES_OK,
+    TYPE_NAMES,
     keep_record,
+    parse_line,
+    start_from_header,
+    wrong_fields,
 )
 
-class _Walker:
+class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
 
     def __init__(self, rank: int | None, oracle: MachineOracle, path: str | None = None,
@@ -116,7 +116,7 @@ class _Walker:
             "replayed_state": replayed, "layer": rec.get("layer", self.layer), "reason": reason,
         })
 
-    def _steps_keep_state(self, due: Any) -> bool:
+    def steps_keep_state(self, due: Any) -> bool:
         key = (self.state, self.layer, self.pending, due)
         ok = self._step_ok.get(key)
         if ok is None:
@@ -138,7 +138,7 @@ class _Walker:
         return self._prev_seq + 1 + self.n_steps - self._steps_at_prev
 
     def last_record(self) -> dict | None:
-        return self.last if self.last is not None else _parse_line(self.last_line or "")
+        return self.last if self.last is not None else parse_line(self.last_line or "")
 
     # -- feeding ---------------------------------------------------------
     def plain_steps(self, count: int) -> bool:
@@ -147,12 +147,20 @@ class _Walker:
         if self.state is None:
             return False
         if not self.plain_ok:
-            if not self._steps_keep_state(False):
+            if not self.steps_keep_state(False):
                 return False
             self.plain_ok = True
         self.n_steps += count
         self.records += count
         return True
+
+    def took_bulk(self, records: int, steps: int, last_seq: int, last_line: str) -> None:
+        """Account a stretch read in bulk (``bulk.feed_units``): ``records`` lines, ``steps`` of them
+        step records, the last carrying ``last_seq``."""
+        self.n_steps += steps
+        self.records += records
+        self._prev_seq, self._steps_at_prev = last_seq, self.n_steps
+        self.last, self.last_line = None, last_line
 
     def step_record(self, rec: dict) -> None:
         self.records += 1
@@ -166,7 +174,7 @@ class _Walker:
             self._illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
             self.state = st
             self.plain_ok = False
-        ok = self._steps_keep_state(due)
+        ok = self.steps_keep_state(due)
         if not ok:
             self._illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
@@ -193,23 +201,23 @@ class _Walker:
                 self._odd_seq += 1
             elif seq < expected and len(self.s.disorder) < 20:
                 # written out of order (or a copied line): the order of the file is not the rank's
-                self.s.disorder.append({"where": self._where(), "line": self.line, "seq": seq,
+                self.s.disorder.append({"where": self.where(), "line": self.line, "seq": seq,
                                         "expected": expected, "event": ev})
         self._prev_seq = seq
         self._steps_at_prev = self.n_steps
         return True
 
-    def _where(self) -> str:
+    def where(self) -> str:
         name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
         return f"{name}:{self.line}" if self.line is not None else name
 
     def record(self, rec: dict) -> None:
-        seen = tuple(map(type, map(rec.get, _TYPED_KEYS)))
-        wrong = () if seen in _TYPES_OK else _wrong_fields(rec, seen)
+        seen = tuple(map(type, map(rec.get, TYPED_KEYS)))
+        wrong = () if seen in TYPES_OK else wrong_fields(rec, seen)
         if wrong:
             # a well-formed record with a field of the wrong type: warn with file and line, drop the field
-            self.s.warnings.append(f"{self._where()}: " + ", ".join(
-                f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {_TYPE_NAMES[k]}" for k in wrong)
+            self.s.warnings.append(f"{self.where()}: " + ", ".join(
+                f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {TYPE_NAMES[k]}" for k in wrong)
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
         ev = rec.get("event")
@@ -237,13 +245,13 @@ class _Walker:
         st = rec.get("state")
         if self.state is None:
             self.state = st
-        elif st is not None and st != self.state and ev not in _OWN_STATE:
+        elif st is not None and st != self.state and ev not in OWN_STATE:
             self._mismatch += 1
             if self._mismatch_example is None:
                 self._mismatch_example = (rec.get("seq"), ev, st, self.state)
 
-        if ev in _COLLECTIVE_EVENTS and type(rec.get("cseq")) is not int:
-            s.warnings.append(f"{self._where()}: {ev} without an integer cseq; not matched across ranks")
+        if ev in COLLECTIVE_EVENTS and type(rec.get("cseq")) is not int:
+            s.warnings.append(f"{self.where()}: {ev} without an integer cseq; not matched across ranks")
         elif ev == "collective_start":
             group = str(rec.get("group", WORLD_GROUP))
             cseq = rec.get("cseq")
@@ -278,7 +286,7 @@ class _Walker:
                 nl = rec.get("num_layers", cfg.get("num_layers"))
                 if self.num_layers is None and isinstance(nl, int):
                     self.num_layers = nl
-                _start_from_header(self, rec)
+                start_from_header(self, rec)
             if not self.rank_given and s.rank < 0 and "rank" in rec:
                 s.rank = int(rec["rank"])
         elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
@@ -349,9 +357,9 @@ class _Walker:
             s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
                                             rec.get("generation") if trig in SCALE_TRIGGERS else None))
             if trig == "fault":
-                s.faults.append(_compact(rec))
+                s.faults.append(compact_record(rec))
             elif trig == "scale_requested":
-                s.scale_requests.append({k: rec.get(k) for k in _REQUEST_KEYS})
+                s.scale_requests.append({k: rec.get(k) for k in REQUEST_KEYS})
             s.progress_after_stuck = True
 
     def result(self, last: dict | None) -> RankSummary:
@@ -372,7 +380,7 @@ class _Walker:
         s.num_layers = self.num_layers
         s.first_step = first.get("step") if first is not None else None
         if last is not None:
-            s.last = _compact(last)
+            s.last = compact_record(last)
             step = last.get("step")
             s.last_step = step if type(step) is int else None
         s.final_state = self.state

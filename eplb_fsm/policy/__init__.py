@@ -2,10 +2,10 @@
 
 from eplb_fsm.policy.base import AbstractEplbPolicy
 from eplb_fsm.policy.bounds import (
-    balancedness,
     balancedness_bound,
     balancedness_per_layer,
     max_load_lower_bound,
+    placement_balancedness,
     rank_loads,
 )
 from eplb_fsm.policy.default import DefaultEplbPolicy, balanced_packing, replicate_experts
@@ -17,11 +17,11 @@ __all__ = [
     "DefaultEplbPolicy",
     "available_policies",
     "balanced_packing",
-    "balancedness",
     "balancedness_bound",
     "balancedness_per_layer",
     "get_policy",
     "max_load_lower_bound",
+    "placement_balancedness",
     "rank_loads",
     "register_policy",
     "replicate_experts",

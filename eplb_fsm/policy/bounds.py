@@ -1,9 +1,11 @@
 """How good a placement is, and how good any placement could be.
 
-Balancedness (design section 2): per layer, mean rank load / max rank load, where a
-slot's load is its expert's load divided by the expert's replica count (empty slots, -1,
-carry nothing); aggregated over layers as sum(mean) / sum(max). 1.0 is perfect; a layer
-without load counts as perfectly balanced.
+Balancedness is defined once, on rank loads, by :func:`eplb_fsm.stats.balancedness`:
+sum over layers of the mean rank load / sum over layers of the max rank load. Here a
+placement's rank loads come from :func:`rank_loads`: a slot's load is its expert's load
+divided by the expert's replica count (empty slots, -1, carry nothing);
+:func:`placement_balancedness` scores a placement that way, and
+:func:`balancedness_per_layer` gives the per-layer ratios (1.0 for a layer without load).
 
 The bound: no placement of P slots on G ranks can have a max rank load below
 ``max(total / G, min over replica counts c (sum c = P, c_e >= 1) of max_e w_e / c_e)``;
@@ -21,10 +23,10 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "balancedness",
     "balancedness_bound",
     "balancedness_per_layer",
     "max_load_lower_bound",
+    "placement_balancedness",
     "rank_loads",
 ]
 
@@ -85,11 +87,18 @@ def balancedness_per_layer(phy2log: Any, weight: Any, num_ranks: int) -> np.ndar
     return _ratio(loads.mean(axis=1), loads.max(axis=1))
 
 
-def balancedness(phy2log: Any, weight: Any, num_ranks: int) -> float:
-    """sum over layers of mean rank load / sum over layers of max rank load (1.0 if no load)."""
-    loads = rank_loads(phy2log, weight, num_ranks)
-    total_max = float(loads.max(axis=1).sum())
-    return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
+def placement_balancedness(phy2log: Any, weight: Any, num_ranks: int) -> float:
+    """Balancedness of a placement under a load: :func:`eplb_fsm.stats.balancedness` of its
+    :func:`rank_loads` (``phy2log (L, P), weight (L, N)``); 1.0 if there is no load."""
+    # imported here: the policy package imports no torch until a policy runs, and stats does
+    from eplb_fsm.stats import balancedness
+
+    return balancedness(rank_loads(phy2log, weight, num_ranks))
+
+
+#: the former name; commands/plan.py and docs/guide.md still use it (remove once they
+#: call :func:`placement_balancedness`)
+balancedness = placement_balancedness
 
 
 def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.ndarray:

@@ -18,7 +18,7 @@ __all__ = ["available_policies", "get_policy", "register_policy"]
 # name -> policy class, or "module:Class" still to be imported
 _REGISTRY: dict[str, type[AbstractEplbPolicy] | str] = {
     "default": "eplb_fsm.policy.default:DefaultEplbPolicy",
-    "movement_aware": "eplb_fsm.policy.movement:MovementAwarePolicy",
+    "movement_aware": "eplb_fsm.policy.movement.policy:MovementAwarePolicy",
 }
 
 

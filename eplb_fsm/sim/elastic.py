@@ -165,7 +165,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     def check(label: str, generation: int) -> None:
         entry = controller.models[0]
         bad = model.check_weights(entry.maps.phy2log)
-        checks.append({"at": label, "step": controller.steps, "generation": generation, "world": controller.world,
+        checks.append({"at": label, "step": controller.steps, "generation": generation, "world": controller.world_size,
                        "rank": controller.rank, "bad_rows": bad[:20], "maps_crc": _crc(entry.maps.phy2log),
                        "gates_exact": all(torch.equal(a, b) for a, b in zip(model.non_expert_weights,
                                                                               _fresh_gates(opts, world)))})
@@ -188,14 +188,14 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
             for index, event in enumerate(events):
                 if event.step != step or index < first_event:
                     continue
-                if event.ranks == controller.world:
+                if event.ranks == controller.world_size:
                     checks.append({"at": "skipped", "step": step, "generation": index + 1,
                                    "reason": f"already {event.ranks} ranks"})
                     continue
-                if event.ranks > controller.world and controller.rank == 0:
+                if event.ranks > controller.world_size and controller.rank == 0:
                     store.set(_spawn_key(index), pickle.dumps({
-                        "index": index, "generation": index + 1, "from": controller.world, "to": event.ranks,
-                        "joiners": list(range(controller.world, event.ranks)), "step": step}))
+                        "index": index, "generation": index + 1, "from": controller.world_size, "to": event.ranks,
+                        "joiners": list(range(controller.world_size, event.ranks)), "step": step}))
                 result = controller.request_scale(event.ranks, timeout_s=join_timeout, generation=index + 1)
                 if result["outcome"] == "left":
                     left = True
@@ -203,11 +203,11 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 if result["outcome"] == "failed":
                     stop_reason = result["reason"]
                     break
-                ctx.world, ctx.rank, ctx.group = controller.world, controller.rank, controller.group
+                ctx.world, ctx.rank, ctx.group = controller.world_size, controller.rank, controller.group
                 check(result["outcome"], index + 1)
             if left or stop_reason:
                 break
-            before, state = engine_step(ctx, hooks, opts, model, controller, controller.group, controller.world,
+            before, state = engine_step(ctx, hooks, opts, model, controller, controller.group, controller.world_size,
                                         step, tally)
             _call(hooks, "after_step", ctx, step)
             # every row against the committed maps, every step (cheap at simulation sizes)
@@ -215,7 +215,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 bad_weight_steps.append(step)
             weight_checks += 1
             if progress is not None and (step % opts.progress_every == 0 or state != before):
-                write_step_progress(progress, controller, controller.rank, step, opts, state, world=controller.world)
+                write_step_progress(progress, controller, controller.rank, step, opts, state, world=controller.world_size)
             if ctx.stop:
                 break
         wall = time.perf_counter() - t0
@@ -223,7 +223,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         bad_rows = model.check_weights(entry.maps.phy2log)
         result = {
             "rank": controller.rank if not left else rank,
-            "world": controller.world,
+            "world": controller.world_size,
             "steps": step + (0 if left else 1),
             "start_step": start,
             "role": role,
@@ -241,7 +241,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         }
         _call(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, controller.rank, step, opts,
-                            "left" if left else controller.state, done=True, world=controller.world)
+                            "left" if left else controller.state, done=True, world=controller.world_size)
         return result
     finally:
         controller.close()

@@ -214,10 +214,10 @@ class Injector:
             if inj.step != step:
                 continue
             if inj.kind == "die":
-                self._note(inj, "exiting the process")
+                self.note(inj, "exiting the process")
                 os._exit(DIE_EXIT_CODE)
             elif inj.kind == "skip-step":
-                self._note(inj, "controller.step() not called")
+                self.note(inj, "controller.step() not called")
                 overrides["skip_step"] = True
             elif inj.kind == "wrong-collective":
                 # armed until the controller's next all-reduce (this step's, if it has one)
@@ -251,7 +251,7 @@ class Injector:
                 return entry["reason"]
         return "the EP group failed (see the fault record in the trace)"
 
-    def _note(self, inj: Injection, what: str) -> None:
+    def note(self, inj: Injection, what: str) -> None:
         self.done.append({"spec": inj.spec, "step": self._step, "what": what})
 
     # -- stall-layer -------------------------------------------------------
@@ -262,7 +262,7 @@ class Injector:
             if layer != inj.layer or fired:
                 return
             fired.append(layer)
-            self._note(inj, f"transfer of layer {layer} blocked, no send or receive posted")
+            self.note(inj, f"transfer of layer {layer} blocked, no send or receive posted")
             self._release.wait(self.stall_hold_s)
             raise RuntimeError(f"injected stall: layer {layer} was never transferred on this rank")
 
@@ -270,42 +270,15 @@ class Injector:
 
     # -- wrong-collective --------------------------------------------------
     def _patch_all_reduce(self, controller: Any) -> None:
-        real = controller._all_reduce
+        """Arm the wrong collective: the controller's collectives object is wrapped (once)."""
+        if not isinstance(controller.collectives, _WrongCollective):
+            controller.collectives = _WrongCollective(controller.collectives, self)
+            # the collaborators that issue all-reduces hold the collectives too
+            controller.rearranger.collectives = controller.collectives
 
-        def wrong(parts: dict, timeout_s: float, **fields: Any) -> dict:
-            inj, self._wrong_pending = self._wrong_pending, None
-            if "_all_reduce" in vars(controller):
-                del controller._all_reduce  # one collective only
-            if inj is None:
-                return real(parts, timeout_s, **fields)
-            self._note(inj, f"broadcast instead of the all-reduce of {list(parts)}")
-            return self._broadcast(controller, parts, timeout_s)
-
-        controller._all_reduce = wrong
-
-    def _broadcast(self, controller: Any, parts: dict, timeout_s: float) -> dict:
-        """A broadcast from this rank of the tensor the all-reduce would have summed, traced as such."""
-        import torch
-        import torch.distributed as dist
-
-        from eplb_fsm.fsm.controller import _GroupBroken
-
-        names = list(parts)
-        flat = [parts[n].reshape(-1).to(dtype=torch.float64, device="cpu") for n in names]
-        sizes = [t.numel() for t in flat]
-        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-        group = controller.group
-        try:
-            with controller.trace.collective("broadcast", group=controller.group_name, shape=tuple(buf.shape),
-                                             dtype=buf.dtype, parts=names, sizes=sizes, src=controller.rank):
-                src = controller.rank
-                if group is not None and group is not dist.group.WORLD:
-                    src = dist.get_global_rank(group, controller.rank)
-                work = dist.broadcast(buf, src=src, group=group, async_op=True)
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:
-            raise _GroupBroken(f"broadcast of {names} failed: {type(exc).__name__}: {exc}") from exc
-        return {n: piece.reshape(parts[n].shape) for n, piece in zip(names, torch.split(buf, sizes))}
+    def take_wrong(self) -> Injection | None:
+        inj, self._wrong_pending = self._wrong_pending, None
+        return inj
 
     # -- the engine's collectives -----------------------------------------
     def _engine_all_reduce(self, tensor: Any, group: Any, layer: int) -> None:
@@ -317,6 +290,50 @@ class Injector:
                               step=self._step, moe_layer=layer):
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.engine_timeout_s))
+
+
+class _WrongCollective:
+    """The controller's ``Collectives``, except that the next all-reduce after the injection is
+    armed becomes a broadcast from this rank (every other attribute is the wrapped object's)."""
+
+    def __init__(self, inner: Any, injector: Injector) -> None:
+        self.inner = inner
+        self.injector = injector
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def all_reduce(self, parts: dict, timeout_s: float, **fields: Any) -> dict:
+        inj = self.injector.take_wrong()
+        if inj is None:
+            return self.inner.all_reduce(parts, timeout_s, **fields)
+        self.injector.note(inj, f"broadcast instead of the all-reduce of {list(parts)}")
+        return self.broadcast(parts, timeout_s)
+
+    def broadcast(self, parts: dict, timeout_s: float) -> dict:
+        """A broadcast from this rank of the tensor the all-reduce would have summed, traced as such."""
+        import torch
+        import torch.distributed as dist
+
+        from eplb_fsm.fsm.collectives import GroupBroken
+
+        inner = self.inner
+        names = list(parts)
+        flat = [parts[n].reshape(-1).to(dtype=torch.float64, device="cpu") for n in names]
+        sizes = [t.numel() for t in flat]
+        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        group = inner.group
+        try:
+            with inner.trace.collective("broadcast", group=inner.name, shape=tuple(buf.shape),
+                                        dtype=buf.dtype, parts=names, sizes=sizes, src=inner.rank):
+                src = inner.rank
+                if group is not None and group is not dist.group.WORLD:
+                    src = dist.get_global_rank(group, inner.rank)
+                work = dist.broadcast(buf, src=src, group=group, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            raise GroupBroken(f"broadcast of {names} failed: {type(exc).__name__}: {exc}") from exc
+        return {n: piece.reshape(parts[n].shape) for n, piece in zip(names, torch.split(buf, sizes))}
 
 
 def make_injector(specs: Iterable[str] = (), collective_timeout_s: float = 5.0, **kwargs: Any) -> Injector:

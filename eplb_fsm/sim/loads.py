@@ -10,7 +10,8 @@ ESFT traces (``shared/data/loads/esft_deepseek_v2lite_routing/<task>/``)
     with ``ids`` the flat, tab-separated top-k expert ids of its tokens. Every layer file
     of a task lists the same sequences in the same order. :func:`esft_sequence_loads`
     gives per-sequence counts (S, L, N); :func:`iter_esft_windows` /
-    :func:`esft_load_windows` sum consecutive sequences into per-batch windows.
+    :func:`esft_load_windows` sum consecutive sequences into per-batch windows (they
+    live in :mod:`eplb_fsm.sim.esft` and are re-exported here).
 Generators (design section 9, ``scenarios.json``)
     :func:`zipf_load` (per layer: probabilities 1/i^exponent, shuffled per layer, then
     multinomial draws), :func:`drift` (times lognormal(0, sigma) noise),
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+
+from eplb_fsm.sim.esft import esft_load_windows, esft_sequence_loads, has_esft_traces, iter_esft_windows, trace_file_layer
 
 __all__ = [
     "EXAMPLE_LOAD",
@@ -48,7 +50,6 @@ BUNDLED_SCENARIOS = DATA_DIR / "scenarios.json"
 #: environment variable that points load_scenarios() at another scenarios.json
 SCENARIOS_ENV = "EPLB_FSM_SCENARIOS"
 
-_TRACE_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
 _SHAPE_KEYS = ("layers", "experts", "replicas", "ranks", "nodes", "groups")
 
 
@@ -166,8 +167,9 @@ def _read_file(path: Path) -> Any:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source}: cannot read as JSON: {exc}") from None
         return _from_json_object(obj, source)
-    if _TRACE_FILE.match(path.name):
-        return esft_sequence_loads(path.parent, layers=[int(_TRACE_FILE.match(path.name).group(1))]).sum(axis=0)
+    layer = trace_file_layer(path)
+    if layer is not None:
+        return esft_sequence_loads(path.parent, layers=[layer]).sum(axis=0)
     raise ValueError(
         f"{source}: unknown load file type {suffix or '(none)'}; use .npy, .npz, .pt, .json or a trace directory"
     )
@@ -190,7 +192,7 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
         path = EXAMPLE_LOAD
     p = Path(path)
     if p.is_dir():
-        if any(_TRACE_FILE.match(child.name) for child in p.iterdir()):
+        if has_esft_traces(p):
             data: Any = esft_sequence_loads(p).sum(axis=0)
         elif (p / "summary.json").is_file():
             data = _read_file(p / "summary.json")
@@ -203,117 +205,6 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     else:
         raise ValueError(f"{p}: no such file or directory")
     return _checked(data, str(p))
-
-
-# --------------------------------------------------------------------------- ESFT traces
-
-
-def _trace_files(directory: Path, layers: list[int] | None) -> list[tuple[int, Path]]:
-    found = {}
-    for child in directory.iterdir():
-        m = _TRACE_FILE.match(child.name)
-        if m:
-            found[int(m.group(1))] = child
-    if not found:
-        raise ValueError(f"{directory}: no expert_weights_<layer>.txt trace files")
-    if layers is None:
-        layers = sorted(found)
-    missing = [layer for layer in layers if layer not in found]
-    if missing:
-        raise ValueError(f"{directory}: no trace file for layer(s) {missing}; present: {sorted(found)}")
-    return [(layer, found[layer]) for layer in layers]
-
-
-def _read_trace(path: Path) -> list[np.ndarray]:
-    """Expert ids of every sequence (one int64 array per line) of one layer file."""
-    sequences = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                ids_text = line.split("\t\t", 1)[0]
-                try:
-                    ids = np.array(ids_text.split("\t"), dtype=np.int64) if ids_text else np.zeros(0, np.int64)
-                except ValueError:
-                    raise ValueError(f"{path}:{line_no}: expert ids are not integers") from None
-                if ids.size and ids.min() < 0:
-                    raise ValueError(f"{path}:{line_no}: negative expert id")
-                sequences.append(ids)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read trace: {exc}") from None
-    return sequences
-
-
-def esft_sequence_loads(
-    directory: str | os.PathLike,
-    num_experts: int | None = None,
-    layers: list[int] | None = None,
-) -> np.ndarray:
-    """Per-sequence token counts of an ESFT trace directory: ``(S, L, N)`` int64.
-
-    ``layers`` selects layer numbers (default: every ``expert_weights_<l>.txt`` present,
-    in numeric order); ``num_experts`` defaults to the largest id seen + 1 (64 for the
-    ESFT data). Raises ``ValueError`` when files disagree on the number of sequences.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"{directory}: not a directory")
-    files = _trace_files(directory, layers)
-    per_layer = [_read_trace(path) for _, path in files]
-    counts = {len(seqs) for seqs in per_layer}
-    if len(counts) != 1:
-        sizes = {layer: len(seqs) for (layer, _), seqs in zip(files, per_layer)}
-        raise ValueError(f"{directory}: layer files have different numbers of sequences: {sizes}")
-    num_sequences = counts.pop()
-    if num_sequences == 0:
-        raise ValueError(f"{directory}: trace files are empty")
-    largest = max((int(ids.max()) for seqs in per_layer for ids in seqs if ids.size), default=-1)
-    if num_experts is None:
-        num_experts = largest + 1
-    elif largest >= num_experts:
-        raise ValueError(f"{directory}: expert id {largest} >= num_experts {num_experts}")
-    out = np.zeros((num_sequences, len(files), num_experts), dtype=np.int64)
-    for li, seqs in enumerate(per_layer):
-        for si, ids in enumerate(seqs):
-            out[si, li] = np.bincount(ids, minlength=num_experts)
-    return out
-
-
-def iter_esft_windows(
-    directory: str | os.PathLike,
-    sequences_per_window: int,
-    num_experts: int | None = None,
-    layers: list[int] | None = None,
-    drop_last: bool = True,
-) -> Iterator[np.ndarray]:
-    """Yield per-batch loads (L, N): sums of ``sequences_per_window`` consecutive sequences.
-
-    A last, shorter batch is dropped unless ``drop_last`` is False.
-    """
-    if sequences_per_window < 1:
-        raise ValueError(f"sequences_per_window must be >= 1, got {sequences_per_window}")
-    per_sequence = esft_sequence_loads(directory, num_experts=num_experts, layers=layers)
-    for start in range(0, per_sequence.shape[0], sequences_per_window):
-        chunk = per_sequence[start : start + sequences_per_window]
-        if drop_last and chunk.shape[0] < sequences_per_window:
-            return
-        yield chunk.sum(axis=0)
-
-
-def esft_load_windows(
-    directory: str | os.PathLike,
-    sequences_per_window: int,
-    num_experts: int | None = None,
-    layers: list[int] | None = None,
-    drop_last: bool = True,
-) -> np.ndarray:
-    """Per-batch load windows ``(steps, L, N)`` int64 from consecutive sequences (see :func:`iter_esft_windows`)."""
-    windows = list(iter_esft_windows(directory, sequences_per_window, num_experts, layers, drop_last))
-    if not windows:
-        raise ValueError(f"{directory}: fewer than {sequences_per_window} sequences, no full window")
-    return np.stack(windows)
 
 
 # --------------------------------------------------------------------------- generators

@@ -34,14 +34,22 @@ import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from eplb_fsm.transfer.batching import Wave
-from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, TransferError
+from eplb_fsm.transfer.communicator import Communicator, TransferError
+from eplb_fsm.transfer.inputs import (
+    Layout,
+    check_all_weights,
+    check_layer_weights,
+    layout,
+    resolve_communicator,
+    traces_for,
+)
+from eplb_fsm.transfer.messages import copy_runs, run_layer
 from eplb_fsm.transfer.plan import LayerPlan
-from eplb_fsm.transfer.schedule import Commit, PreparedLayer, Run, Schedule, prepare_maps
+from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
 __all__ = [
     "TransferBuffer",
@@ -51,13 +59,6 @@ __all__ = [
     "transfer_layer_to_buffer",
     "commit_layer_from_buffer",
 ]
-
-Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
-
-
-def _layout(tensors: Sequence[torch.Tensor]) -> Layout:
-    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
-
 
 class TransferBuffer:
     """One layer's worth of weight rows per local rank, reused across layers and calls.
@@ -75,7 +76,7 @@ class TransferBuffer:
 
     def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         current = self._by_rank.get(rank)
-        if current is not None and _layout(current) == _layout(layer_weights):
+        if current is not None and layout(current) == layout(layer_weights):
             return current
         tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
         self._by_rank[rank] = tensors
@@ -120,259 +121,6 @@ class PendingLayer:
     def moved_rows(self) -> int:
         """Rows this process will write at commit (local + primary + duplicate)."""
         return sum(p.local_rows.size + p.primary_rows.size + p.duplicate_rows.size for p in self.plans.values())
-
-
-# ---------------------------------------------------------------------------------------
-# input checks (all run before any copy or message)
-
-
-def _resolve_communicator(group: Any, communicator: Communicator | None, timeout: float | None) -> Communicator:
-    if communicator is not None:
-        if group is not None:
-            raise ValueError("group: give a process group or a communicator, not both")
-        for attr in ("world_size", "local_ranks", "add_send", "add_recv", "execute"):
-            if not hasattr(communicator, attr):
-                raise ValueError(f"communicator: missing {attr!r} (see eplb_fsm.transfer.Communicator)")
-        return communicator
-    return TorchDistCommunicator(group, timeout=timeout)
-
-
-def _check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None) -> list[torch.Tensor]:
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise ValueError(f"{name}: must be a list of tensors shaped (S, ...)")
-    out = list(tensors)
-    for t, w in enumerate(out):
-        if not isinstance(w, torch.Tensor):
-            raise ValueError(f"{name}[{t}]: must be a torch.Tensor, got {type(w).__name__}")
-        if w.ndim < 1 or w.shape[0] != rows:
-            raise ValueError(
-                f"{name}[{t}]: has shape {tuple(w.shape)}; its first dim must be S = P / G = {rows} rows"
-            )
-    if ref is not None and _layout(out) != ref:
-        raise ValueError(
-            f"{name}: tensors {[(tuple(s), str(d)) for s, d, _ in _layout(out)]} must match the first layer's "
-            f"{[(tuple(s), str(d)) for s, d, _ in ref]} (shape, dtype, device): one buffer serves every layer"
-        )
-    return out
-
-
-def _per_rank(comm: Communicator, value: Any, name: str) -> dict[int, Any]:
-    ranks = tuple(comm.local_ranks)
-    if getattr(comm, "multi_rank", False):
-        if isinstance(value, torch.Tensor) or not isinstance(value, Sequence) or len(value) != len(ranks):
-            raise ValueError(
-                f"{name}: with a communicator that plays {len(ranks)} ranks, give a list over those ranks"
-            )
-        return dict(zip(ranks, value))
-    return {ranks[0]: value}
-
-
-def _check_all_weights(
-    comm: Communicator, expert_weights: Any, num_layers: int, rows: int
-) -> dict[int, list[list[torch.Tensor]]]:
-    by_rank = _per_rank(comm, expert_weights, "expert_weights")
-    ref: Layout | None = None
-    out: dict[int, list[list[torch.Tensor]]] = {}
-    for r, layers in by_rank.items():
-        name = f"expert_weights[{r}]" if getattr(comm, "multi_rank", False) else "expert_weights"
-        if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence) or len(layers) != num_layers:
-            got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
-            raise ValueError(f"{name}: must be a list over the L={num_layers} layers of the maps, got {got}")
-        checked = []
-        for k, layer in enumerate(layers):
-            checked.append(_check_layer_tensors(f"{name}[{k}]", layer, rows, ref))
-            if ref is None:
-                ref = _layout(checked[-1])
-        out[r] = checked
-    return out
-
-
-def _check_layer_weights(
-    comm: Communicator, layer_weights: Any, rows: int
-) -> dict[int, list[torch.Tensor]]:
-    by_rank = _per_rank(comm, layer_weights, "layer_weights")
-    ref: Layout | None = None
-    out = {}
-    for r, tensors in by_rank.items():
-        name = f"layer_weights[{r}]" if getattr(comm, "multi_rank", False) else "layer_weights"
-        out[r] = _check_layer_tensors(name, tensors, rows, ref)
-        ref = _layout(out[r]) if ref is None else ref
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# data movement
-
-
-def _copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
-    if not runs:
-        return
-    for d_t, s_t in zip(dst, src):
-        nb = d_t.is_cuda
-        for a, b, n in runs:
-            if n == 1:
-                d_t[a].copy_(s_t[b], non_blocking=nb)
-            else:
-                d_t[a : a + n].copy_(s_t[b : b + n], non_blocking=nb)
-
-
-def _as_bytes(row: torch.Tensor, for_recv: bool) -> torch.Tensor:
-    if not row.is_contiguous():
-        if for_recv:  # buffers are allocated contiguous; this guards against misuse
-            raise RuntimeError("receive target must be contiguous")
-        row = row.contiguous()
-    return row.reshape(-1).view(torch.uint8)
-
-
-class _RowBytes:
-    """``rows[i]``: row i of a tensor as a flat uint8 tensor (a view when the tensor is contiguous)."""
-
-    __slots__ = ("_t", "_bytes", "_for_recv")
-
-    def __init__(self, t: torch.Tensor, for_recv: bool) -> None:
-        self._t = t
-        self._for_recv = for_recv
-        self._bytes = None
-        if t.is_contiguous() and t.ndim >= 1 and t.shape[0] > 0 and t[0].numel() > 0:
-            self._bytes = t.view(t.shape[0], -1).view(torch.uint8)
-
-    def __getitem__(self, row: int) -> torch.Tensor:
-        if self._bytes is not None:
-            return self._bytes[row]
-        return _as_bytes(self._t[row], self._for_recv)
-
-
-def _row_nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum((t[0].numel() if t.shape[0] else 0) * t.element_size() for t in tensors)
-
-
-def _traces_for(trace: Any, comm: Communicator) -> list[tuple[Any, int | None]]:
-    """(trace, rank or None) pairs: one trace per local rank, or one for the whole process."""
-    if trace is None:
-        return []
-    if isinstance(trace, Sequence) and not isinstance(trace, (str, bytes)):
-        ranks = tuple(comm.local_ranks)
-        if len(trace) != len(ranks):
-            raise ValueError(f"trace: a list of traces must have one per local rank ({len(ranks)}), got {len(trace)}")
-        return [(t, r) for t, r in zip(trace, ranks) if t is not None]
-    ranks = tuple(comm.local_ranks)
-    return [(trace, ranks[0] if len(ranks) == 1 else None)]
-
-
-def _run_layer(
-    prep: PreparedLayer,
-    weights: dict[int, list[torch.Tensor]],
-    buffers: dict[int, list[torch.Tensor]],
-    comm: Communicator,
-    traces: list[tuple[Any, int | None]],
-    meanwhile: Callable[[], None] | None = None,
-) -> None:
-    """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
-
-    The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
-    wave is in flight: they read the weights and write buffer rows no message touches.
-    """
-
-    def local_copies() -> None:
-        for r, runs in prep.local_runs.items():
-            _copy_runs(buffers[r], weights[r], runs)
-        if meanwhile is not None:
-            meanwhile()
-
-    if not prep.waves:
-        local_copies()
-        return
-    send_bytes = {r: [_RowBytes(t, False) for t in weights[r]] for r in prep.plans}
-    recv_bytes = {r: [_RowBytes(t, True) for t in buffers[r]] for r in prep.plans}
-    row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
-    for w, wave in enumerate(prep.waves):
-        _run_wave(prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces, local_copies if w == 0 else None)
-
-
-def _run_wave(
-    prep: PreparedLayer,
-    w: int,
-    wave: Wave,
-    send_bytes: dict[int, list[_RowBytes]],
-    recv_bytes: dict[int, list[_RowBytes]],
-    row_nbytes: dict[int, int],
-    comm: Communicator,
-    traces: list[tuple[Any, int | None]],
-    meanwhile: Callable[[], None] | None,
-) -> None:
-    layer, num_waves = prep.layer, len(prep.waves)
-    ops = prep.ops[w]
-    add_send, add_recv = comm.add_send, comm.add_recv
-    for r in prep.plans:
-        for peer, row in ops.sends[r]:
-            for tb in send_bytes[r]:
-                add_send(tb[row], r, peer)
-        for peer, row in ops.recvs[r]:
-            for tb in recv_bytes[r]:
-                add_recv(tb[row], peer, r)
-    stats: dict[int, list[int]] = {}
-    if traces:
-        for r in prep.plans:
-            n_s, n_r = len(ops.sends[r]), len(ops.recvs[r])
-            stats[r] = [n_s, n_r, (n_s + n_r) * row_nbytes[r]]
-    start = getattr(comm, "start", None)
-    wait = getattr(comm, "wait", None)
-    with contextlib.ExitStack() as stack:
-        for trace, r in traces:
-            if r is None:  # one record for every rank this process plays
-                fields = {"pairs": [list(p) for p in wave.pairs]}
-                s = [sum(v[i] for v in stats.values()) for i in range(3)]
-            else:
-                fields = {"peers": wave.peers_of(r)}
-                s = stats[r]
-            stack.enter_context(
-                trace.collective(
-                    "batch_isend_irecv",
-                    group=getattr(comm, "name", "world"),
-                    layer=layer,
-                    wave=w,
-                    waves=num_waves,
-                    sends=s[0],
-                    recvs=s[1],
-                    nbytes=s[2],
-                    **fields,
-                )
-            )
-        try:
-            if start is not None and wait is not None:
-                start()
-            else:
-                if meanwhile is not None:
-                    meanwhile()
-                    meanwhile = None
-                comm.execute()
-        except Exception as exc:
-            raise _failed(comm, layer, w, num_waves, exc) from exc
-        # start() returned: overlap local work with the messages in flight, then wait
-        # for them even if that work failed (no request is left dangling)
-        local_error: BaseException | None = None
-        if meanwhile is not None:
-            try:
-                meanwhile()
-            except BaseException as exc:  # re-raised below, after the wait
-                local_error = exc
-        if wait is not None and start is not None:
-            try:
-                wait()
-            except Exception as exc:
-                if local_error is None:
-                    raise _failed(comm, layer, w, num_waves, exc) from exc
-        if local_error is not None:
-            raise local_error
-
-
-def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:
-    discard = getattr(comm, "discard", None)
-    if discard is not None:
-        discard()
-    return TransferError(f"layer {layer}, wave {w}/{num_waves}: {type(exc).__name__}: {exc}", layer=layer, wave=w)
-
-
 
 
 def _stream(comm: Communicator) -> contextlib.AbstractContextManager:
@@ -421,14 +169,14 @@ def rearrange_expert_weights_inplace(
     Raises ``ValueError`` on bad input before anything moves; :class:`TransferError` if a
     layer's messages fail (``committed_layers`` layers are new, the rest old).
     """
-    comm = _resolve_communicator(group, communicator, timeout)
+    comm = resolve_communicator(group, communicator, timeout)
     old, new, sched = prepare_maps(
         old_phy2log, new_phy2log, comm.world_size, rank_mapping, 2, tuple(comm.local_ranks), migration_batching
     )
     num_layers, p = old.shape
     rows = p // comm.world_size
-    weights = _check_all_weights(comm, expert_weights, num_layers, rows)
-    traces = _traces_for(trace, comm)
+    weights = check_all_weights(comm, expert_weights, num_layers, rows)
+    traces = traces_for(trace, comm)
     if num_layers == 0:
         return
     buf = buffer if buffer is not None else _DEFAULT_BUFFER
@@ -480,7 +228,7 @@ def _rearrange_layers(
 
         buf.generation += 1
         try:
-            _run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile)
+            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile)
         except TransferError as exc:
             if not state["late_done"]:
                 _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
@@ -498,8 +246,8 @@ def _apply_runs(
 ) -> None:
     """Run commits: each rank's direct copies (weights -> weights), then its buffer writes."""
     for r, commit in commits.items():
-        _copy_runs(weights[r], weights[r], commit.direct)
-        _copy_runs(weights[r], buffers[r], commit.runs)
+        copy_runs(weights[r], weights[r], commit.direct)
+        copy_runs(weights[r], buffers[r], commit.runs)
 
 
 def transfer_layer_to_buffer(
@@ -525,26 +273,26 @@ def transfer_layer_to_buffer(
     """
     if not isinstance(buffer, TransferBuffer):
         raise ValueError(f"buffer: must be a TransferBuffer, got {type(buffer).__name__}")
-    comm = _resolve_communicator(group, communicator, timeout)
+    comm = resolve_communicator(group, communicator, timeout)
     old, new, sched = prepare_maps(
         old_phy2log_row, new_phy2log_row, comm.world_size, rank_mapping, 1, tuple(comm.local_ranks), migration_batching
     )
     rows = old.shape[1] // comm.world_size
-    weights = _check_layer_weights(comm, layer_weights, rows)
-    traces = _traces_for(trace, comm)
+    weights = check_layer_weights(comm, layer_weights, rows)
+    traces = traces_for(trace, comm)
     buffers = {r: buffer.ensure(r, weights[r]) for r in comm.local_ranks}
     buffer.generation += 1
     prep = sched.layer(0)
     if prep.layer != layer:
         prep = dataclasses.replace(prep, layer=layer)
     with _stream(comm):
-        _run_layer(prep, weights, buffers, comm, traces)
+        run_layer(prep, weights, buffers, comm, traces)
     return PendingLayer(
         layer=layer,
         plans=prep.plans,
         buffer=buffer,
         generation=buffer.generation,
-        layouts={r: _layout(w) for r, w in weights.items()},
+        layouts={r: layout(w) for r, w in weights.items()},
         communicator=comm,
         commits=prep.commit,
     )
@@ -568,9 +316,9 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
         )
     comm = pending.communicator
     rows = next(iter(pending.plans.values())).slots_per_rank
-    weights = _check_layer_weights(comm, layer_weights, rows)
+    weights = check_layer_weights(comm, layer_weights, rows)
     for r, w in weights.items():
-        if _layout(w) != pending.layouts[r]:
+        if layout(w) != pending.layouts[r]:
             raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred")
     buffers = {r: pending.buffer.tensors(r) for r in pending.plans}
     with _stream(comm):

@@ -46,7 +46,8 @@ __all__ = [
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def _ro(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A contiguous int64 copy (or view) of ``a`` (any shape) that refuses writes: plans are shared."""
     a = np.ascontiguousarray(a, dtype=np.int64)
     a.flags.writeable = False
     return a
@@ -56,7 +57,7 @@ def _ro(a: np.ndarray) -> np.ndarray:
 class LayerTransfers:
     """Every point-to-point transfer of one layer, all ranks, sorted by (src, dst, expert)."""
 
-    num_ranks: int
+    world_size: int
     slots_per_rank: int
     src: np.ndarray  # (T,) sending rank
     dst: np.ndarray  # (T,) receiving rank
@@ -72,7 +73,7 @@ class LayerTransfers:
         out: dict[tuple[int, int], np.ndarray] = {}
         if len(self) == 0:
             return out
-        key = self.src * self.num_ranks + self.dst
+        key = self.src * self.world_size + self.dst
         # transfers are sorted by (src, dst, expert): equal keys are contiguous
         starts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1])
         ends = np.append(starts[1:], len(self))
@@ -88,7 +89,7 @@ class LayerPlan:
     """What one rank does for one layer. All fields are read-only int64 arrays of rows."""
 
     rank: int
-    num_ranks: int
+    world_size: int
     slots_per_rank: int
     empty_rows: np.ndarray
     unchanged_rows: np.ndarray
@@ -149,24 +150,24 @@ def _as_row(name: str, row: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def check_layer_maps(old: Any, new: Any, num_ranks: int, what: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """Validate one layer's (old, new) rows for ``num_ranks``; return them as int64 arrays.
+def check_layer_maps(old: Any, new: Any, world_size: int, what: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Validate one layer's (old, new) rows for ``world_size``; return them as int64 arrays.
 
-    Rules: same shape (P,), integer dtype, P % num_ranks == 0, values in [-1, P), and every
+    Rules: same shape (P,), integer dtype, P % world_size == 0, values in [-1, P), and every
     expert of the new row is held by some rank in the old row. Raises ``ValueError``
     naming the field and the rule.
     """
     old = _as_row(f"old_phy2log{what}", old)
     new = _as_row(f"new_phy2log{what}", new)
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks: must be a positive int, got {num_ranks!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size: must be a positive int, got {world_size!r}")
     if old.shape != new.shape:
         raise ValueError(
             f"new_phy2log{what}: shape {new.shape} must equal old_phy2log's {old.shape}"
         )
     p = old.shape[0]
-    if p % num_ranks != 0:
-        raise ValueError(f"phy2log{what}: P={p} slots must divide by num_ranks={num_ranks} (P % G == 0)")
+    if p % world_size != 0:
+        raise ValueError(f"phy2log{what}: P={p} slots must divide by world_size={world_size} (P % G == 0)")
     for name, row in (("old_phy2log", old), ("new_phy2log", new)):
         if row.size and (row.min() < -1 or row.max() >= p):
             bad = row[(row < -1) | (row >= p)][0]
@@ -196,14 +197,14 @@ def _first_rows(m: np.ndarray, num_experts: int) -> np.ndarray:
     return first
 
 
-def layer_transfers(old: Any, new: Any, num_ranks: int, *, validate: bool = True) -> LayerTransfers:
+def layer_transfers(old: Any, new: Any, world_size: int, *, validate: bool = True) -> LayerTransfers:
     """All point-to-point transfers of one layer (every rank's), by the §6 pairing rule."""
     if validate:
-        old, new = check_layer_maps(old, new, num_ranks)
+        old, new = check_layer_maps(old, new, world_size)
     else:
         old = np.asarray(old, dtype=np.int64)
         new = np.asarray(new, dtype=np.int64)
-    g = int(num_ranks)
+    g = int(world_size)
     s = old.shape[0] // g
     num_experts = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
     if num_experts == 0:
@@ -232,19 +233,19 @@ def layer_transfers(old: Any, new: Any, num_ranks: int, *, validate: bool = True
     order = np.lexsort((expert, dst, src))
     src, dst, expert = src[order], dst[order], expert[order]
     return LayerTransfers(
-        num_ranks=g,
+        world_size=g,
         slots_per_rank=s,
-        src=_ro(src),
-        dst=_ro(dst),
-        expert=_ro(expert),
-        src_row=_ro(old_first[src, expert]),
-        dst_row=_ro(new_first[dst, expert]),
+        src=read_only(src),
+        dst=read_only(dst),
+        expert=read_only(expert),
+        src_row=read_only(old_first[src, expert]),
+        dst_row=read_only(new_first[dst, expert]),
     )
 
 
 def plan_from_transfers(old: np.ndarray, new: np.ndarray, transfers: LayerTransfers, rank: int) -> LayerPlan:
     """One rank's plan from the layer's rows and its (already computed) transfer list."""
-    g, s = transfers.num_ranks, transfers.slots_per_rank
+    g, s = transfers.world_size, transfers.slots_per_rank
     if not 0 <= rank < g:
         raise ValueError(f"rank: must be in [0, {g}), got {rank}")
     o = np.asarray(old[rank * s : (rank + 1) * s], dtype=np.int64)
@@ -274,39 +275,39 @@ def plan_from_transfers(old: np.ndarray, new: np.ndarray, transfers: LayerTransf
     recvs = transfers.dst == rank
     return LayerPlan(
         rank=int(rank),
-        num_ranks=g,
+        world_size=g,
         slots_per_rank=s,
-        empty_rows=_ro(rows[empty]),
-        unchanged_rows=_ro(rows[unchanged]),
-        local_rows=_ro(rows[local]),
-        local_src_rows=_ro(first_old[local]),
-        primary_rows=_ro(remote_rows[is_primary]),
-        primary_experts=_ro(remote_experts[is_primary]),
-        duplicate_rows=_ro(remote_rows[~is_primary]),
-        duplicate_src_rows=_ro(primary_of_expert[inverse[~is_primary]]),
-        send_peers=_ro(transfers.dst[sends]),
-        send_experts=_ro(transfers.expert[sends]),
-        send_rows=_ro(transfers.src_row[sends]),
-        recv_peers=_ro(transfers.src[recvs]),
-        recv_experts=_ro(transfers.expert[recvs]),
-        recv_rows=_ro(transfers.dst_row[recvs]),
+        empty_rows=read_only(rows[empty]),
+        unchanged_rows=read_only(rows[unchanged]),
+        local_rows=read_only(rows[local]),
+        local_src_rows=read_only(first_old[local]),
+        primary_rows=read_only(remote_rows[is_primary]),
+        primary_experts=read_only(remote_experts[is_primary]),
+        duplicate_rows=read_only(remote_rows[~is_primary]),
+        duplicate_src_rows=read_only(primary_of_expert[inverse[~is_primary]]),
+        send_peers=read_only(transfers.dst[sends]),
+        send_experts=read_only(transfers.expert[sends]),
+        send_rows=read_only(transfers.src_row[sends]),
+        recv_peers=read_only(transfers.src[recvs]),
+        recv_experts=read_only(transfers.expert[recvs]),
+        recv_rows=read_only(transfers.dst_row[recvs]),
     )
 
 
-def plan_layer(old: Any, new: Any, num_ranks: int, rank: int) -> LayerPlan:
+def plan_layer(old: Any, new: Any, world_size: int, rank: int) -> LayerPlan:
     """The plan of ``rank`` for one layer (validates the rows first)."""
-    old, new = check_layer_maps(old, new, num_ranks)
-    return plan_from_transfers(old, new, layer_transfers(old, new, num_ranks, validate=False), rank)
+    old, new = check_layer_maps(old, new, world_size)
+    return plan_from_transfers(old, new, layer_transfers(old, new, world_size, validate=False), rank)
 
 
-def plan_layer_all_ranks(old: Any, new: Any, num_ranks: int) -> list[LayerPlan]:
+def plan_layer_all_ranks(old: Any, new: Any, world_size: int) -> list[LayerPlan]:
     """The plans of every rank of one layer, computed from one shared transfer list."""
-    old, new = check_layer_maps(old, new, num_ranks)
-    t = layer_transfers(old, new, num_ranks, validate=False)
-    return [plan_from_transfers(old, new, t, r) for r in range(num_ranks)]
+    old, new = check_layer_maps(old, new, world_size)
+    t = layer_transfers(old, new, world_size, validate=False)
+    return [plan_from_transfers(old, new, t, r) for r in range(world_size)]
 
 
-def moved_slots(old: Any, new: Any, num_ranks: int) -> int:
+def moved_slots(old: Any, new: Any, world_size: int) -> int:
     """Slots whose new expert was not on that slot's rank before (one network copy each).
 
     ``old``/``new``: one layer (P,) or all layers (L, P); the count is summed over layers.
@@ -323,10 +324,10 @@ def moved_slots(old: Any, new: Any, num_ranks: int) -> int:
     old2 = old.reshape(-1, old.shape[-1]).astype(np.int64)
     new2 = new.reshape(-1, new.shape[-1]).astype(np.int64)
     p = old2.shape[1]
-    if p % num_ranks:
-        raise ValueError(f"phy2log: P={p} slots must divide by num_ranks={num_ranks} (P % G == 0)")
-    s = p // num_ranks
-    lg = old2.shape[0] * num_ranks
+    if p % world_size:
+        raise ValueError(f"phy2log: P={p} slots must divide by world_size={world_size} (P % G == 0)")
+    s = p // world_size
+    lg = old2.shape[0] * world_size
     o = old2.reshape(lg, s)
     n = new2.reshape(lg, s)
     present = (n[:, :, None] == o[:, None, :]).any(axis=2)  # (L*G, S)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, _ro
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, read_only
 
 __all__ = ["all_layer_transfers", "plans_for_rank"]
 
@@ -38,7 +38,7 @@ def _first_per_key(
     return uniq, slot[first] % s
 
 
-def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> list[LayerTransfers]:
+def all_layer_transfers(old: np.ndarray, new: np.ndarray, world_size: int) -> list[LayerTransfers]:
     """Every layer's transfers, equal to ``layer_transfers(old[l], new[l], G, validate=False)``.
 
     ``old``, ``new``: (L, P) int64, validated. Returns L :class:`LayerTransfers`, each
@@ -47,7 +47,7 @@ def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> lis
     old = np.asarray(old, dtype=np.int64)
     new = np.asarray(new, dtype=np.int64)
     num_layers, p = old.shape
-    g = int(num_ranks)
+    g = int(world_size)
     s = p // g
     # any E above the largest id keeps keys distinct; the result does not depend on it
     num_experts = max(1, int(max(old.max(initial=-1), new.max(initial=-1))) + 1)
@@ -88,7 +88,7 @@ def all_layer_transfers(old: np.ndarray, new: np.ndarray, num_ranks: int) -> lis
     # order by (layer, src, dst, expert): one argsort of a combined key beats np.lexsort
     order = np.argsort(((layer * g + src) * g + dst) * num_experts + expert, kind="stable")
     # read-only once here: the per-layer slices below inherit it
-    cols = [_ro(a[order]) for a in (src, dst, expert, src_row, dst_row)]
+    cols = [read_only(a[order]) for a in (src, dst, expert, src_row, dst_row)]
     bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=num_layers))])
     return [
         LayerTransfers(g, s, *(c[bounds[x] : bounds[x + 1]] for c in cols))
@@ -109,7 +109,7 @@ def plans_for_rank(
     num_layers = old.shape[0]
     if num_layers == 0:
         return []
-    g, s = transfers[0].num_ranks, transfers[0].slots_per_rank
+    g, s = transfers[0].world_size, transfers[0].slots_per_rank
     if not 0 <= rank < g:
         raise ValueError(f"rank: must be in [0, {g}), got {rank}")
     o = old[:, rank * s : (rank + 1) * s]  # (L, S)
@@ -141,22 +141,22 @@ def plans_for_rank(
         plans.append(
             LayerPlan(
                 rank=int(rank),
-                num_ranks=g,
+                world_size=g,
                 slots_per_rank=s,
-                empty_rows=_ro(rows[empty[x]]),
-                unchanged_rows=_ro(rows[unchanged[x]]),
-                local_rows=_ro(rows[local[x]]),
-                local_src_rows=_ro(first_old[x][local[x]]),
-                primary_rows=_ro(rows[primary[x]]),
-                primary_experts=_ro(n[x][primary[x]]),
-                duplicate_rows=_ro(rows[duplicate[x]]),
-                duplicate_src_rows=_ro(first_same[x][duplicate[x]]),
-                send_peers=_ro(t.dst[a:b]),
-                send_experts=_ro(t.expert[a:b]),
-                send_rows=_ro(t.src_row[a:b]),
-                recv_peers=_ro(t.src[recvs]),
-                recv_experts=_ro(t.expert[recvs]),
-                recv_rows=_ro(t.dst_row[recvs]),
+                empty_rows=read_only(rows[empty[x]]),
+                unchanged_rows=read_only(rows[unchanged[x]]),
+                local_rows=read_only(rows[local[x]]),
+                local_src_rows=read_only(first_old[x][local[x]]),
+                primary_rows=read_only(rows[primary[x]]),
+                primary_experts=read_only(n[x][primary[x]]),
+                duplicate_rows=read_only(rows[duplicate[x]]),
+                duplicate_src_rows=read_only(first_same[x][duplicate[x]]),
+                send_peers=read_only(t.dst[a:b]),
+                send_experts=read_only(t.expert[a:b]),
+                send_rows=read_only(t.src_row[a:b]),
+                recv_peers=read_only(t.src[recvs]),
+                recv_experts=read_only(t.expert[recvs]),
+                recv_rows=read_only(t.dst_row[recvs]),
             )
         )
     return plans

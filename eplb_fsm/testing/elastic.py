@@ -1,4 +1,4 @@
-"""Elastic EP for ``SyntheticJob``: scale-down and scale-up written the way the controller writes them.
+"""Elastic EP for :class:`~eplb_fsm.testing.job.SyntheticJob`: scale-down and scale-up written the way the controller writes them.
 
 ``scale(job, new_world)`` runs one scale request between two ``job.run`` calls, on every
 serving rank, record for record as ``eplb_fsm.fsm.scaling`` traces it (sync mode, records
@@ -28,7 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from eplb_fsm.fsm.machine import SCALING, EplbMachine
-from eplb_fsm.inspect.synth import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticRank, _Clock
+from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
+
+__all__ = ["TIMEOUT_S", "scale"]
 
 TIMEOUT_S = 20.0
 
@@ -254,7 +256,7 @@ def _old_rank(mapping: dict[int, int], new_rank: int) -> int:
 def _joiner(job: Any, j: int, request: dict, rearrangements: int) -> SyntheticRank:
     """A joiner's session: appended to the file of rank ``j`` (a new file if nobody had it)."""
     gen, step, new_world = request["generation"], job.step_no, request["to_ranks"]
-    clock = _Clock(job.t0)
+    clock = SyntheticClock(job.t0)
     clock.at_least(job.t0 + step * job.step_s)
     machine = EplbMachine(job.num_layers, state=SCALING, scale_pending=True)
     rank = SyntheticRank(j, new_world, job.num_layers, job.trace_dir, clock, keep=job.keep, machine=machine,

@@ -1,6 +1,6 @@
 """Synthetic per-rank traces: a lockstep sync-mode job driven through the real machine.
 
-Each ``SyntheticRank`` pairs an ``EplbMachine`` with an ``EventTrace`` and records what
+Each :class:`~eplb_fsm.testing.ranks.SyntheticRank` pairs an ``EplbMachine`` with an ``EventTrace`` and records what
 the controller records: a ``header``, a compact ``step`` record for every step that keeps
 the state, a ``transition`` record for every other fired event (with ``num_layers`` and
 the event data), and ``collective_start``/``collective_end`` pairs from
@@ -16,25 +16,22 @@ collective, a rank that records an illegal transition, a rank with a different c
 
 ``SyntheticJob.scale(new_world, ...)`` adds elastic EP between two ``run`` calls: a
 scale-down (leaving ranks send their experts away and stop) or a scale-up (joiners append a
-session to the rank files they take over), with its faults (``synth_elastic``). ``run``'s
+session to the rank files they take over), with its faults (:mod:`eplb_fsm.testing.elastic`). ``run``'s
 faults are keyed by the ranks' current numbers.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eplb_fsm.fsm.machine import EplbMachine, Fired
-from eplb_fsm.trace import EventTrace, trace_path
+from eplb_fsm.testing.elastic import scale as _scale_job
+from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
+from eplb_fsm.trace import encode_record, trace_path
 
-# group names the controller writes: its EP group and its own transfer group
-GROUP = "ep"
-TRANSFER_GROUP = "ep_transfer"
-SLOT_BYTES = 4096
+__all__ = ["STOP_POINTS", "Faults", "Stop", "SyntheticJob", "hang_faults", "write_traces"]
 
 # where a stopped rank stops within its step
 STOP_POINTS = ("before_step", "before_collective", "in_collective")
@@ -83,85 +80,6 @@ def hang_faults(world: int, culprit: int, step: int) -> Faults:
     return Faults(stop=stop)
 
 
-class _Clock:
-    """Deterministic timestamps: the job sets the step's base time, each record adds 100 us."""
-
-    def __init__(self, t0: float) -> None:
-        self.t = t0
-
-    def at_least(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-    def __call__(self) -> float:
-        self.t += 1e-4
-        return round(self.t, 6)
-
-
-class SyntheticRank:
-    """One rank: the real machine, its trace, and the counters the controller keeps."""
-
-    def __init__(self, rank: int, world: int, num_layers: int, trace_dir: str | os.PathLike | None,
-                 clock: _Clock, keep: bool = True, machine: EplbMachine | None = None, step: int = 0) -> None:
-        self.rank = rank
-        self.file_rank = rank                  # the file it writes, whatever its rank becomes
-        self.num_layers = num_layers
-        self.clock = clock
-        self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep)
-        self.machine = machine or EplbMachine(num_layers)
-        self.machine.listeners.append(self._record)
-        self.trace.set_context(state=self.machine.state, step=step)
-        self._extra: dict = {}
-        self.group = GROUP                     # its EP group's trace name (ep@<g> after a scale)
-        self.transfer_base = TRANSFER_GROUP
-        self.transfer_group = TRANSFER_GROUP
-        self.transfer_resets = 0
-        self.count = 0
-        self.rearrangements = 0
-        self.stopped = False
-
-    def _record(self, fired: Fired) -> None:
-        if fired.trigger == "step" and fired.source == fired.dest:
-            self.trace.emit("step")
-            return
-        data = dict(fired.data)
-        # as the controller does: layer_done records the layer it finished (its event
-        # datum), other transitions the machine's layer; layer_after is the counter after
-        layer = data.pop("layer", fired.layer)
-        data.update(self._extra)
-        self.trace.transition(fired.trigger, fired.source, fired.dest, layer=layer,
-                              num_layers=self.num_layers, layer_after=fired.layer, **data)
-
-    def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
-        """Fire through the machine; ``extra`` fields go into the transition record."""
-        self._extra = extra or {}
-        try:
-            return self.machine.fire(trigger, **data)
-        finally:
-            self._extra = {}
-
-    def collective(self, op: str, finish: bool = True, **fields: Any) -> bool:
-        """Record one collective; ``finish=False`` writes only its start (the rank hangs inside)."""
-        if finish:
-            with self.trace.collective(op, **fields):
-                pass
-            return True
-        group = fields.pop("group", "world")
-        cseq = self.trace.cseq.get(group, 0)
-        self.trace.cseq[group] = cseq + 1
-        shape = fields.pop("shape", None)
-        dtype = fields.pop("dtype", None)
-        self.trace.emit("collective_start", op=op, group=group, cseq=cseq,
-                        shape=list(shape) if shape is not None else None,
-                        dtype=str(dtype) if dtype is not None else None, **fields)
-        return False
-
-    def force_state(self, state: str, layer: int = 0) -> None:
-        """Put the machine where a buggy controller's record claims it went."""
-        self.machine.machine.set_state(state)
-        self.machine.layer = layer
-        self.trace.set_context(state=state)
-
-
 class SyntheticJob:
     """W ranks stepping in lockstep (sync mode), with faults injected per rank.
 
@@ -205,7 +123,7 @@ class SyntheticJob:
         self.ranks: dict[int, SyntheticRank] = {}       # the serving ranks, by current rank
         self.sessions: list[SyntheticRank] = []        # every rank ever, in the order they started
         for r in (range(world) if ranks is None else ranks):
-            clock = _Clock(t0)
+            clock = SyntheticClock(t0)
             rank = SyntheticRank(r, world, num_layers, trace_dir, clock, keep=keep)
             cfg = dict(config)
             cfg.update((config_overrides or {}).get(r, {}))
@@ -313,10 +231,8 @@ class SyntheticJob:
         rank.trace.emit("transfer_group_reset", group=rank.transfer_group)
 
     def scale(self, new_world: int, **kwargs: Any) -> dict:
-        """Scale the serving ranks to ``new_world`` before the next step (see ``synth_elastic.scale``)."""
-        from eplb_fsm.inspect.synth_elastic import scale
-
-        return scale(self, new_world, **kwargs)
+        """Scale the serving ranks to ``new_world`` before the next step (see :func:`eplb_fsm.testing.elastic.scale`)."""
+        return _scale_job(self, new_world, **kwargs)
 
     # -- output ----------------------------------------------------------
     def records(self) -> dict[int, list[dict]]:
@@ -339,6 +255,6 @@ def write_traces(traces: dict[int, list[dict]], trace_dir: str | os.PathLike) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
             for rec in records:
-                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                fh.write(encode_record(rec) + "\n")
         paths[r] = path
     return paths

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eplb_fsm.inspect.synth import Faults, Stop, SyntheticJob, hang_faults, write_traces
+from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
 from eplb_fsm.trace import read_trace, trace_path
 
 

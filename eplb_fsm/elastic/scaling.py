@@ -46,11 +46,11 @@ The trace gets ``group_switch`` (a rank's collectives move to another group),
 ``scale_aborted`` and one ``scaling`` summary per request (docs/events.md).
 
 This module is the serving ranks' flow (:func:`request_scale`). The pieces, below it:
-:mod:`~eplb_fsm.fsm.scale_plan` (pure: rank mapping, slot columns, resized maps and
-windows), :mod:`~eplb_fsm.fsm.scale_handover` (group swap, handover to joiners),
-:mod:`~eplb_fsm.fsm.scale_rearrange` (the scale's rearrangement and records) and
-:mod:`~eplb_fsm.fsm.joiner` (the joiner's flow, :func:`join`). Their public names are
-re-exported here.
+:mod:`~eplb_fsm.elastic.scale_plan` (pure: rank mapping, slot columns, resized maps and
+windows), :mod:`~eplb_fsm.elastic.handover` (group swap, handover to joiners),
+:mod:`~eplb_fsm.elastic.records` (the scale's rearrangement and records) and
+:mod:`~eplb_fsm.elastic.joiner` (the joiner's flow, :func:`join`). Everything here uses
+the controller's public port only (:mod:`eplb_fsm.elastic.port`).
 """
 
 
@@ -64,9 +64,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
-from eplb_fsm.fsm.joiner import ScaleAborted, join
-from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING
-from eplb_fsm.fsm.scale_handover import (
+from eplb_fsm.fsm.decide import decide_salvage
+from eplb_fsm.elastic.joiner import ScaleAborted, join
+from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
+from eplb_fsm.elastic.handover import (
     handover_state,
     join_handshake,
     late_timeout,
@@ -76,7 +77,7 @@ from eplb_fsm.fsm.scale_handover import (
     set_space,
     use_group,
 )
-from eplb_fsm.fsm.scale_plan import (
+from eplb_fsm.elastic.scale_plan import (
     ScalePlan,
     default_rank_mapping,
     lost_experts,
@@ -86,7 +87,7 @@ from eplb_fsm.fsm.scale_plan import (
     resize_window,
     slot_columns,
 )
-from eplb_fsm.fsm.scale_rearrange import rearrange_for_scale, scaling_record, tag_history
+from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
 
 __all__ = [
     "ScalePlan",
@@ -123,25 +124,25 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
 
     See ``EplbController.request_scale`` for the contract; returns this rank's scaling entry.
     """
-    last = max(ctl.generation, getattr(ctl, "_last_generation", 0))
+    last = max(ctl.generation, ctl.last_generation)
     generation = last + 1 if generation is None else generation
-    sp = make_scale_plan(ctl.world, new_world_size, rank_mapping, generation)
+    sp = make_scale_plan(ctl.world_size, new_world_size, rank_mapping, generation)
     if generation <= last:
         raise ValueError(f"generation must be > {last} (the last one used), got {generation}")
     _check_request(ctl, sp)
-    timeout = float(ctl._timeout if timeout_s is None else timeout_s)
+    timeout = float(ctl.timeout_s if timeout_s is None else timeout_s)
     if not timeout > 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     started = time.perf_counter()
     step = ctl.steps
     ctl.trace.set_context(step=step)
     if ctl.state != COLLECTING:
-        _drain(ctl)
-    ctl._last_generation = generation  # used up even if the request aborts: no store prefix is reused
+        ctl.rearranger.drain()  # async: nothing runs in the background across the switch
+    ctl.last_generation = generation  # used up even if the request aborts: no store prefix is reused
     req = _Request(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank))
     if ctl.state == FAILED:
         return req.record(ctl, "member", "failed", reason="failed before the scale began")
-    ctl._fire("scale_requested", extra={**sp.describe(), "timeout_s": timeout})
+    ctl.fire("scale_requested", extra={**sp.describe(), "timeout_s": timeout})
     if sp.kind == "scale_down":
         return _scale_down(ctl, req)
     return _scale_up(ctl, req)
@@ -167,28 +168,6 @@ def _check_request(ctl: Any, sp: ScalePlan) -> None:
                 f"({entry.num_local} per rank) for {entry.num_logical} experts: every expert needs a slot")
 
 
-def _drain(ctl: Any) -> None:
-    """Async mode: finish (or roll back) a rearrangement in flight before the scale starts.
-
-    Each round waits (bounded) for the worker's job, then all ranks exchange their ready
-    flags in one all-reduce and act on the sum, exactly as a step would.
-    """
-    while ctl._current is not None and ctl.state in (PLANNING, TRANSFERRING, COMMITTING):
-        job = ctl._current.job
-        if job is not None and not job.done():
-            try:
-                job.future.exception(timeout=ctl._timeout + 1.0)
-            except Exception:  # still running after the timeout: its flags say "late"
-                pass
-        try:
-            reduced = ctl._all_reduce({"ready": ctl._ready_flags()}, 2 * ctl._timeout)
-        except Exception as exc:
-            ctl._group_fault(exc)
-            return
-        ctl.trace.emit("scale_drain", state=ctl.state, layer=ctl.layer)
-        ctl._async_progress(reduced["ready"])
-
-
 def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]:
     """In the old group: build this rank's part of the new group, then all old ranks agree on it.
 
@@ -203,14 +182,14 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
             ctl.group.store.set(ctl.group.key("handover", sp.generation), pickle.dumps(handover_state(ctl, sp)))
         if req.new_rank >= 0:
             new_group = ctl.group.successor(sp.generation, req.new_rank, sp.new_world, req.timeout)
-            new_comm = new_group.transfer_communicator(ctl._timeout, req.timeout)
+            new_comm = new_group.transfer_communicator(ctl.timeout_s, req.timeout)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         new_group = None
     try:
-        agreed = ctl._all_reduce({"scale_ready": flags(1.0 if error else 0.0)}, 2 * req.timeout + 5.0)
+        agreed = ctl.collectives.all_reduce({"scale_ready": flags(1.0 if error else 0.0)}, 2 * req.timeout + 5.0)
     except Exception as exc:
-        ctl._group_fault(exc)
+        ctl.rearranger.group_fault(exc)
         return None, None, req.record(ctl, role, "failed", reason=str(exc))
     failed = int(round(float(agreed["scale_ready"][0])))
     if not failed:
@@ -220,7 +199,7 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
     reason = (f"new group of generation {sp.generation} ({sp.new_world} ranks) was not complete on "
               f"{failed} rank(s)" + (f": {error}" if error else ""))
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="prepare", reason=reason, lost_experts=[])
-    ctl._fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
+    ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     return None, None, req.record(ctl, "member", "aborted", reason=reason)
 
 
@@ -240,19 +219,19 @@ def _scale_down(ctl: Any, req: _Request) -> dict:
     to_group = slot_columns([sp.new_rank(i) for i in range(sp.old_world)], S)
     from_group = slot_columns(list(sp.old_of_new), S)  # plan space <- old group space
     history_len = len(ctl.history)
-    rearrange_for_scale(ctl, sp, sp.new_world, to_group, from_group)
+    state = rearrange_for_scale(ctl, sp, sp.new_world, to_group, from_group)
     tag_history(ctl, sp, history_len)
-    if ctl.state == SCALING:
+    if state == SCALING:
         if leaving:
-            ctl._fire("switched", extra={"generation": sp.generation, "role": "leaving"})
+            ctl.fire("switched", extra={"generation": sp.generation, "role": "leaving"})
             leave(ctl, sp, "switch")
             out = req.record(ctl, "leaving", "left")
             ctl.close()
             return out
         _switch_down(ctl, req, new_group, new_comm, from_group)
-        ctl._fire("switched", extra={"generation": sp.generation, "role": role})
+        ctl.fire("switched", extra={"generation": sp.generation, "role": role})
         return req.record(ctl, role, "switched")
-    if ctl.state == COLLECTING:  # a transfer fault the old group survived: it keeps serving
+    if state == COLLECTING:  # a transfer fault the old group survived: it keeps serving
         reason = f"scale-down aborted: {ctl.history[-1]['reason'] if ctl.history else 'transfer failed'}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
         if new_group is not None:
@@ -271,7 +250,7 @@ def _switch_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_gr
     set_space(ctl, from_group)
     use_group(ctl, new_group, new_comm, req.new_rank, req.sp.new_world, role="survivor", phase="switch", sp=req.sp)
     resize_models(ctl, req.new_rank, req.sp.new_world)
-    ctl._restart_interval()
+    ctl.restart_interval()
 
 
 def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_group: np.ndarray) -> dict:
@@ -280,22 +259,21 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
     committed = float(ctl.history[-1]["layers_committed"]) if ctl.history else 0.0
     lost = lost_when_remapped(ctl.models, from_group)
     try:
-        agreed = reduce_on(ctl, new_group, new_group.trace_name,
-                           {"salvage": flags(committed, 1.0 if lost else 0.0, 1.0)}, late_timeout(ctl))["salvage"]
+        agreed = reduce_on(ctl, new_group, {"salvage": flags(committed, 1.0 if lost else 0.0, 1.0)},
+                           late_timeout(ctl))["salvage"]
     except Exception as exc:
         reason = f"survivors could not agree on the new group: {exc}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="salvage", reason=reason, lost_experts=lost)
         return req.record(ctl, "survivor", "failed", reason=reason, lost=lost)
     ranks = int(round(float(agreed[2])))
-    if not _safe(agreed, committed, ranks):
+    if not decide_salvage(agreed, committed, ranks):
         reason = ("experts lost with the leaving rank(s): " + _describe(lost)) if lost else \
             "survivors disagree on the committed layers"
         return _give_up(ctl, req, "survivor", "salvage", reason, lost)
     reason = "a leaving rank died before the scale-down finished; every expert still has a replica on a survivor"
-    ctl._fire("recovered", extra={"reason": reason, "scale": sp.generation})
-    ctl._fire("scale_requested", extra={**sp.describe(), "salvage": True})
+    ctl.fire("salvaged", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
     _switch_down(ctl, req, new_group, new_comm, from_group)
-    ctl._fire("switched", extra={"generation": sp.generation, "role": "survivor", "salvage": True})
+    ctl.fire("switched", extra={"generation": sp.generation, "role": "survivor", "salvage": True})
     return req.record(ctl, "survivor", "switched", reason=reason, degraded=True)
 
 
@@ -305,7 +283,7 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
 
 def _scale_up(ctl: Any, req: _Request) -> dict:
     sp = req.sp
-    old = (ctl.group, ctl.group_name, ctl._communicator, ctl._transfer_generation, ctl.world, ctl.generation)
+    old = ctl.collectives.save()
     new_group, new_comm, ended = _prepare(ctl, req, "member")
     if ended is not None:
         return ended
@@ -315,60 +293,57 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
     use_group(ctl, new_group, new_comm, req.new_rank, sp.new_world, role="member", phase="prepare", sp=sp)
     set_space(ctl, to_new)
     history_len = len(ctl.history)
-    ok = join_handshake(ctl, sp)
-    if ok:
+    state = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+    if state is None:
         full = np.arange(S * sp.new_world, dtype=np.int64)
-        rearrange_for_scale(ctl, sp, sp.new_world, full, full)
+        state = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
         tag_history(ctl, sp, history_len)
-    if ok and ctl.state == SCALING:
+    if state == SCALING:
         resize_models(ctl, req.new_rank, sp.new_world)
-        ctl._restart_interval()
-        ctl._fire("switched", extra={"generation": sp.generation, "role": "member"})
+        ctl.restart_interval()
+        ctl.fire("switched", extra={"generation": sp.generation, "role": "member"})
         return req.record(ctl, "member", "switched")
-    return _roll_back_up(ctl, req, old, new_group, back, history_len)
+    return _roll_back_up(ctl, req, old, new_group, back, history_len, state)
 
 
-def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int) -> dict:
+def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int,
+                  state: str) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
-    ``old``: what ``_scale_up`` saved of the controller before the switch.
+    ``old``: what ``_scale_up`` saved of the collectives before the switch; ``state``: where
+    the handshake's fault or the scale's rearrangement left the machine.
     """
     sp = req.sp
     new_group.close()
-    ctl.group, ctl.group_name, ctl._communicator, ctl._transfer_generation, old_world, ctl.generation = old
-    ctl.rank, ctl.world = req.old_rank, old_world
-    ctl.trace.set_world(req.old_rank, old_world)
+    ctl.restore_group(old)
+    old_world = ctl.world_size
     ctl.trace.emit("group_switch", generation=sp.generation, phase="rollback", role="member", kind=sp.kind,
                    old_group=new_group.trace_name, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
                    old_rank=req.new_rank, new_rank=req.old_rank, old_world=sp.new_world, new_world=old_world)
     committed = float(ctl.history[-1]["layers_committed"]) if len(ctl.history) > history_len else 0.0
     lost = lost_when_remapped(ctl.models, back)
     try:
-        agreed = ctl._all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)}, late_timeout(ctl))["rollback"]
+        agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
+                                            late_timeout(ctl))["rollback"]
     except Exception as exc:
-        ctl._group_fault(exc)
+        ctl.rearranger.group_fault(exc)
         return req.record(ctl, "member", "failed", reason=str(exc), lost=lost)
-    if not _safe(agreed, committed, old_world):
+    if not decide_salvage(agreed, committed, old_world):
         reason = ("experts would be lost moving back to the old group: " + _describe(lost)) if lost else \
             "old ranks disagree on the committed layers"
         return _give_up(ctl, req, "member", "rollback", reason, lost)
     set_space(ctl, back)
     reason = "scale-up aborted in the new group; the old group keeps serving"
-    if ctl.state == FAILED:
-        ctl._fire("recovered", extra={"reason": reason, "scale": sp.generation})
-    elif ctl.state != COLLECTING:
-        ctl._fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
+    if state == FAILED:
+        ctl.fire("recovered", extra={"reason": reason, "scale": sp.generation})
+    elif state != COLLECTING:
+        ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
     return req.record(ctl, "member", "aborted", reason=reason)
 
 
 # ---------------------------------------------------------------------------------------
 # when a broken scale must decide between finishing, going back, or failed
-
-
-def _safe(agreed: Any, committed: float, ranks: int) -> bool:
-    """The (2+,) summed [layers committed, ranks losing experts, ...]: every rank committed alike, none loses."""
-    return not int(round(float(agreed[1]))) and float(agreed[0]) == committed * ranks
 
 
 def _describe(lost: list[dict]) -> str:
@@ -379,6 +354,6 @@ def _give_up(ctl: Any, req: _Request, role: str, phase: str, reason: str, lost: 
     """Neither finishing nor going back is safe: ``scale_aborted``, then ``failed``."""
     ctl.trace.emit("scale_aborted", generation=req.sp.generation, phase=phase, reason=reason, lost_experts=lost)
     if ctl.state != FAILED:
-        ctl._fire("fault", extra={"reason": reason, "scale": req.sp.generation, "lost_experts": lost},
+        ctl.fire("fault", extra={"reason": reason, "scale": req.sp.generation, "lost_experts": lost},
                   recoverable=False)
     return req.record(ctl, role, "failed", reason=reason, lost=lost)

@@ -3,7 +3,8 @@
 Every role (member, survivor, leaving rank, joiner) takes the same transitions from
 ``groups_ready`` on: plan over the ranks after the scale, in the slot space of the group
 the transfer runs in, then the usual sync transfer loop. A scale can't be refused, so
-bad statistics mean planning on zero load and a plan that "isn't worth it" still runs.
+bad statistics mean planning on zero load and a plan that "isn't worth it" still runs
+(:meth:`eplb_fsm.fsm.rearrange.Rearranger.run_forced`).
 """
 
 from __future__ import annotations
@@ -12,57 +13,31 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
-from eplb_fsm.fsm.machine import COLLECTING
-from eplb_fsm.fsm.planning import bad_load_reason, plan_placements
-from eplb_fsm.fsm.scale_plan import ScalePlan
+from eplb_fsm.elastic.scale_plan import ScalePlan
+from eplb_fsm.fsm.planning import plan_placements
 
 __all__ = ["rearrange_for_scale", "scaling_record", "tag_history"]
 
 
 def rearrange_for_scale(ctl: Any, sp: ScalePlan, plan_world: int, to_group: np.ndarray,
-                        from_group: np.ndarray) -> None:
+                        from_group: np.ndarray) -> str:
     """groups_ready -> planning -> transferring ... -> committing -> scaling (or a fault).
 
+    Returns the state the last event led to: ``scaling`` when the switch may go ahead.
     ``plan_world``: ranks after the scale; ``from_group`` (S * plan_world,) maps plan
     columns to the transfer group's slots, ``to_group`` (S * group world,) maps back.
     """
-    ctl._fire("groups_ready", extra={"generation": sp.generation, "kind": sp.kind, "group": ctl.group_name})
-    ctl._current = ctl._begin(ctl.steps, forced=True)
-    try:
-        reduced = ctl._all_reduce({"loads": ctl._local_loads()}, ctl._timeout)
-    except Exception as exc:  # GroupBroken
-        ctl._group_fault(exc)
-        return
-    flat = reduced["loads"]
-    bad = bad_load_reason(flat) if flat.numel() else None
-    if bad:  # a scale can't be refused for bad statistics: plan on zero load instead
-        ctl.trace.emit("loads_rejected", reason=bad, scale=sp.generation)
-        flat = torch.zeros_like(flat)
-    loads = ctl._split_loads(flat)
-    try:
-        plan = plan_placements(ctl.policy, ctl.models, loads, num_nodes=ctl.config.num_nodes, world=ctl.world,
-                               step=ctl._current.step, forced=True, plan_world=plan_world, to_group=to_group,
-                               from_group=from_group)
-    except Exception as exc:
-        ctl._abort(f"scale policy failed: {type(exc).__name__}: {exc}", recoverable=True)
-        return
-    # the machine's "moves" here counts every slot whose content changes (within a rank too),
-    # so only a scale that changes nothing at all skips the transfer
-    changed_slots = sum(int((entry.maps.phy2log != new).sum()) for entry, new in zip(ctl.models, plan.new_phy2log))
-    ctl._current.plan = plan
-    fired = ctl._fire("plan_ready", extra={
-        "scale": sp.generation, "moved_slots": plan.moves, "moved_bytes": plan.moved_bytes,
-        "balancedness_before": round(plan.balancedness_before, 6),
-        "balancedness_after": round(plan.balancedness_after, 6),
-        "changed_layers": int(sum(plan.changed)), "policy_s": round(plan.policy_s, 6), "forced": True,
-    }, moves=changed_slots, worth=True)
-    if fired.dest == COLLECTING:  # nothing changes at all: go straight to the switch
-        ctl._finish("skipped", reason="no_moves")
-        ctl._fire("scale_requested", extra={"generation": sp.generation, "nothing_to_move": True})
-        return
-    ctl._sync_transfer()
+    ctl.fire("groups_ready", extra={"generation": sp.generation, "kind": sp.kind, "group": ctl.group_name})
+    step = ctl.steps
+
+    def make_plan(loads: list) -> Any:
+        return plan_placements(ctl.policy, ctl.models, loads, num_nodes=ctl.config.num_nodes,
+                               world_size=ctl.world_size, step=step, forced=True,
+                               plan_world_size=plan_world,
+                               to_group=to_group, from_group=from_group)
+
+    return ctl.rearranger.run_forced(make_plan, {"scale": sp.generation}, sp.generation)
 
 
 def tag_history(ctl: Any, sp: ScalePlan, count_before: int) -> None:

@@ -10,8 +10,9 @@ counters, config) in the store before the new group forms; once it has formed, e
 rank of it runs :func:`join_handshake`: one "go" all-reduce, then the non-expert weights
 go from the old ranks to the joiners, point to point.
 
-All functions take the controller (``ctl``) first and act on it for the scale flows
-in :mod:`eplb_fsm.fsm.scaling` and :mod:`eplb_fsm.fsm.joiner`.
+All functions take the controller (``ctl``) first and use only its public port
+(:mod:`eplb_fsm.elastic.port`), for the flows in :mod:`eplb_fsm.elastic.scaling` and
+:mod:`eplb_fsm.elastic.joiner`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ import numpy as np
 import torch
 
 from eplb_fsm.fsm.collectives import flags
-from eplb_fsm.fsm.scale_plan import ScalePlan, remap_columns, resize_window
-from eplb_fsm.maps import ExpertMaps
+from eplb_fsm.elastic.scale_plan import ScalePlan, remap_columns, resize_window
 
 __all__ = [
     "handover_state",
-    "install_maps",
     "join_handshake",
     "late_timeout",
     "leave",
@@ -41,31 +40,19 @@ __all__ = [
 def late_timeout(ctl: Any) -> float:
     """How long an agreement after a broken group waits: a peer may still be inside a transfer
     (``timeout``) and then the failed agreement on the broken group (``2 * timeout``)."""
-    return 4 * ctl._timeout + 5.0
+    return 4 * ctl.timeout_s + 5.0
 
 
-def reduce_on(ctl: Any, group: Any, name: str, parts: dict, timeout_s: float) -> dict:
-    """The controller's traced all-reduce on another group (raises its ``GroupBroken``)."""
-    saved = (ctl.group, ctl.group_name)
-    ctl.group, ctl.group_name = group, name
-    try:
-        return ctl._all_reduce(parts, timeout_s)
-    finally:
-        ctl.group, ctl.group_name = saved
+def reduce_on(ctl: Any, group: Any, parts: dict, timeout_s: float) -> dict:
+    """The controller's traced all-reduce on a group it has not moved to (raises ``GroupBroken``)."""
+    return ctl.collectives.on(group).all_reduce(parts, timeout_s)
 
 
 def use_group(ctl: Any, group: Any, communicator: Any, rank: int, world: int, *, role: str, phase: str,
               sp: ScalePlan) -> None:
     """Move this rank's collectives to ``group`` and say so in the trace (``group_switch``)."""
-    old_name, old_rank, old_world = ctl.group_name, ctl.rank, ctl.world
-    ctl.group = group
-    ctl.rank, ctl.world = rank, world
-    ctl.generation = int(getattr(group, "generation", ctl.generation))
-    ctl.group_name = getattr(group, "trace_name", ctl.group_name)
-    ctl._transfer_generation = 0
-    ctl._communicator = communicator
-    ctl._name_communicator()
-    ctl.trace.set_world(rank, world)
+    old_name, old_rank, old_world = ctl.group_name, ctl.rank, ctl.world_size
+    ctl.switch_group(group, communicator, rank, world)
     ctl.trace.emit("group_switch", generation=ctl.generation, phase=phase, role=role, kind=sp.kind,
                    old_group=old_name, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
                    old_rank=old_rank, new_rank=rank, old_world=old_world, new_world=world)
@@ -75,7 +62,7 @@ def leave(ctl: Any, sp: ScalePlan, phase: str) -> None:
     """A leaving rank's last record: it belongs to no group from here on."""
     ctl.trace.emit("group_switch", generation=sp.generation, phase=phase, role="leaving", kind=sp.kind,
                    old_group=ctl.group_name, new_group=None, transfer_group=None,
-                   old_rank=ctl.rank, new_rank=-1, old_world=ctl.world, new_world=sp.new_world)
+                   old_rank=ctl.rank, new_rank=-1, old_world=ctl.world_size, new_world=sp.new_world)
 
 
 def set_space(ctl: Any, columns: np.ndarray) -> None:
@@ -84,19 +71,8 @@ def set_space(ctl: Any, columns: np.ndarray) -> None:
     ``columns`` (P',): the old slot each new slot takes (-1: empty), see ``slot_columns``.
     """
     for entry in ctl.models:
-        phy2log = remap_columns(entry.maps.phy2log, columns)
-        window = resize_window(entry.window, columns)
-        entry.window = window
-        ctl._windows[entry.index] = window
-        entry.num_physical = int(columns.size)
-        install_maps(ctl, entry, phy2log)
-
-
-def install_maps(ctl: Any, entry: Any, phy2log: np.ndarray) -> None:
-    """Give a model entry the maps of ``phy2log`` (L, P) (empty slots allowed) and hand them to the model."""
-    maps = ExpertMaps.from_phy2log(phy2log, entry.num_logical,
-                                   max_replicas=max(phy2log.shape[1] - entry.num_logical + 1, 1), allow_empty=True)
-    entry.install_maps(maps, ctl.device)
+        entry.install_placement(remap_columns(entry.maps.phy2log, columns), ctl.device,
+                                resize_window(entry.window, columns))
 
 
 def resize_models(ctl: Any, rank: int, world: int) -> None:
@@ -125,10 +101,7 @@ def handover_state(ctl: Any, sp: ScalePlan) -> dict:
         "old_world": sp.old_world,
         "new_world": sp.new_world,
         "rank_mapping": dict(sp.rank_mapping),
-        "steps": ctl.steps,
-        "since": ctl._since,
-        "threshold": ctl._threshold,
-        "count": ctl._count,
+        **ctl.export_counters(),   # steps, since, threshold, count
         "mode": "async" if ctl.config.use_async else "sync",
         "config": config_for_handover(ctl.config),
         "models": [{
@@ -151,24 +124,24 @@ def non_expert_specs(model: Any) -> list[tuple[tuple, str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in (getattr(model, "non_expert_weights", None) or [])]
 
 
-def join_handshake(ctl: Any, sp: ScalePlan) -> bool:
-    """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners."""
+def join_handshake(ctl: Any, sp: ScalePlan) -> str | None:
+    """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners.
+
+    Returns None when done, else the state the ``fault`` it fired led to.
+    """
     try:
-        go = ctl._all_reduce({"scale_go": flags(1.0)}, 2 * ctl._timeout + 5.0)["scale_go"]
+        go = ctl.collectives.all_reduce({"scale_go": flags(1.0)}, 2 * ctl.timeout_s + 5.0)["scale_go"]
     except Exception as exc:
-        ctl._group_fault(exc)
-        return False
+        return ctl.rearranger.group_fault(exc)
     if int(round(float(go[0]))) != sp.new_world:
-        ctl._abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
-        return False
+        return ctl.rearranger.abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
     senders = [sp.new_rank(i) for i in range(sp.old_world)]
     try:
         nbytes = _send_non_expert(ctl, sp, senders)
     except Exception as exc:
-        ctl._group_fault(exc)
-        return False
+        return ctl.rearranger.group_fault(exc)
     ctl.trace.emit("handover", generation=sp.generation, nbytes=nbytes, senders=senders, joiners=list(sp.joiners))
-    return True
+    return None
 
 
 def _handover_tensors(ctl: Any) -> list[torch.Tensor]:
@@ -187,7 +160,7 @@ def _handover_tensors(ctl: Any) -> list[torch.Tensor]:
 def _send_non_expert(ctl: Any, sp: ScalePlan, senders: Sequence[int]) -> int:
     """Every joiner gets every non-expert tensor; tensor k comes from sender k mod len(senders)."""
     tensors = _handover_tensors(ctl)
-    comm = ctl._communicator
+    comm = ctl.collectives.communicator
     me = ctl.rank
     nbytes = sends = recvs = 0
     for k, t in enumerate(tensors):

@@ -13,20 +13,20 @@ The flow of :func:`plan_movement`, numpy and vectorised over layers throughout:
    rank load ``d_l`` per layer) and the fallback; reaching ``target`` x its
    balancedness is one budget on the sum of per-layer maxima.
 2. If the old placement fits the budget under the new load, keep it: zero moves.
-3. Per-layer goals that share the budget (:mod:`~eplb_fsm.policy.movement_budget`).
+3. Per-layer goals that share the budget (:mod:`~eplb_fsm.policy.movement.targets`).
    A layer whose old max rank load is above 1.5x the default's is re-planned without a
    search; when fewer than a third of the layers that must change are left to search (a
    large drift), the search is cut to one round (little to save, and a round costs
    about as much time for a few layers as for all).
 4. Replica counts far off the default's fixed in one pass
-   (:mod:`~eplb_fsm.policy.movement_counts`), then a local search of re-points and swaps,
-   all layers per round (:mod:`~eplb_fsm.policy.movement_search`,
-   :mod:`~eplb_fsm.policy.movement_moves`).
+   (:func:`~eplb_fsm.policy.movement.search.rebalance_counts`), then a local search of re-points and swaps,
+   all layers per round (:mod:`~eplb_fsm.policy.movement.search`,
+   :mod:`~eplb_fsm.policy.movement.moves`).
 5. Fallback: re-planned layers, a layer whose repair would move as much as the default
    (or that gave up after moving half as much), and, if the budget is still missed, the
    layers furthest above the default's max take the default's placement with its ranks
    renumbered and rows aligned to the old ones
-   (:func:`~eplb_fsm.policy.movement_renumber.renumbered_default`), which moves less
+   (:func:`~eplb_fsm.policy.movement.targets.renumbered_default`), which moves less
    than the default's own numbering and never more.
 
 Every placement it returns is valid: each expert keeps at least one replica, every rank
@@ -42,19 +42,21 @@ import numpy as np
 
 from eplb_fsm.policy.base import AbstractEplbPolicy, build_log2phy, check_rebalance_args
 from eplb_fsm.policy.default import DefaultEplbPolicy, rebalance_hierarchical
-from eplb_fsm.policy.movement_budget import layer_goals
-from eplb_fsm.policy.movement_cost import expert_counts, membership, moves_per_layer, rank_counts, slot_loads
-from eplb_fsm.policy.movement_counts import COUNT_CAP, rebalance_counts
-from eplb_fsm.policy.movement_inputs import (
+from eplb_fsm.policy.movement.placement import (
     ClassOrInstanceMethod,
     check_max_moves,
     check_old,
     check_target,
+    expert_counts,
     fill_empty_slots,
     group_spans_nodes,
+    membership,
+    moves_per_layer,
+    rank_counts,
+    slot_loads,
 )
-from eplb_fsm.policy.movement_renumber import renumbered_default
-from eplb_fsm.policy.movement_search import MAX_ROUNDS, SearchState
+from eplb_fsm.policy.movement.search import COUNT_CAP, MAX_ROUNDS, SearchState, rebalance_counts
+from eplb_fsm.policy.movement.targets import layer_goals, renumbered_default
 from eplb_fsm.policy.registry import register_policy
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -3,7 +3,8 @@
 A scale moves whole ranks: every rank keeps S slots, so P' = S * G'. Slot index spaces
 change with the group (old group, new group, the plan's), and :func:`slot_columns` /
 :func:`remap_columns` / :func:`resize_window` carry maps and load windows between them.
-Nothing here talks to other ranks or touches a controller.
+Nothing here talks to other ranks or touches a controller. (:func:`remap_columns` and
+:func:`lost_experts` live with the planning they serve, in :mod:`eplb_fsm.fsm.planning`.)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from eplb_fsm.fsm.planning import lost_experts, remap_columns
 from eplb_fsm.stats import LoadWindow
 from eplb_fsm.transfer.rank_mapping import RankMappingInfo, validate_rank_mapping
 
@@ -115,17 +117,6 @@ def slot_columns(src_of_dst_rank: Sequence[int], slots_per_rank: int) -> np.ndar
     return out
 
 
-def remap_columns(arr: Any, columns: np.ndarray, fill: int = -1) -> np.ndarray:
-    """``arr[..., columns]`` with ``fill`` where a column is -1 (numpy, int64 kept)."""
-    a = np.asarray(arr)
-    cols = np.asarray(columns, dtype=np.int64)
-    if cols.size and cols.max() >= a.shape[-1]:
-        raise ValueError(f"columns name column {int(cols.max())} of an array with {a.shape[-1]}")
-    out = np.take(a, np.maximum(cols, 0), axis=-1)
-    out[..., cols < 0] = fill
-    return out
-
-
 def resize_window(window: LoadWindow, columns: np.ndarray) -> LoadWindow:
     """A new window whose slot c holds the counts of ``window``'s slot ``columns[c]`` (0 if -1).
 
@@ -142,16 +133,6 @@ def resize_window(window: LoadWindow, columns: np.ndarray) -> LoadWindow:
     new.next_index = window.next_index
     new.filled = window.filled
     return new
-
-
-def lost_experts(phy2log: Any, num_logical: int) -> list[tuple[int, int]]:
-    """(layer, expert) pairs that have no slot in ``phy2log`` (L, P)."""
-    arr = np.asarray(phy2log, dtype=np.int64)
-    lost = []
-    for layer, row in enumerate(arr):
-        present = np.bincount(row[row >= 0], minlength=num_logical)[:num_logical] > 0
-        lost.extend((layer, int(e)) for e in np.flatnonzero(~present))
-    return lost
 
 
 def lost_when_remapped(models: Sequence[Any], columns: np.ndarray) -> list[dict]:

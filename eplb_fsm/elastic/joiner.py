@@ -1,7 +1,7 @@
 """Elastic EP: the joiner's side of a scale-up (``EplbController.join``).
 
 A joiner is a new process. It waits for the handover that rank 0 of the serving group
-publishes (:func:`~eplb_fsm.fsm.scale_handover.handover_state`), checks that its config
+publishes (:func:`~eplb_fsm.elastic.handover.handover_state`), checks that its config
 and models match the serving ranks', joins the new group, builds its controller in
 ``scaling`` with the shared counters and the maps projected onto the new ranks, then
 takes the same transitions as the serving ranks from ``groups_ready`` on.
@@ -17,15 +17,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from eplb_fsm.fsm.machine import SCALING
-from eplb_fsm.fsm.scale_handover import (
+from eplb_fsm.elastic.handover import (
     config_for_handover,
-    install_maps,
     join_handshake,
     non_expert_specs,
     resize_models,
 )
-from eplb_fsm.fsm.scale_plan import make_scale_plan, remap_columns, slot_columns
-from eplb_fsm.fsm.scale_rearrange import rearrange_for_scale, scaling_record, tag_history
+from eplb_fsm.elastic.scale_plan import make_scale_plan, remap_columns, slot_columns
+from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
 
 __all__ = ["ScaleAborted", "join"]
 
@@ -78,17 +77,18 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         _take_handover(ctl, sp, named, state)
         step = ctl.steps
         history_len = len(ctl.history)
-        if join_handshake(ctl, sp):
+        reached = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+        if reached is None:
             full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
-            rearrange_for_scale(ctl, sp, sp.new_world, full, full)
+            reached = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
             tag_history(ctl, sp, history_len)
-        if ctl.state != SCALING:
+        if reached != SCALING:
             reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the handshake failed"
             scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason)
             raise ScaleAborted(f"scale to generation {generation} aborted: {reason}")
         resize_models(ctl, rank, world_size)
-        ctl._restart_interval()
-        ctl._fire("switched", extra={"generation": generation, "role": "joiner"})
+        ctl.restart_interval()
+        ctl.fire("switched", extra={"generation": generation, "role": "joiner"})
         scaling_record(ctl, sp, "joiner", "switched", started, step, -1)
         return ctl
     except BaseException:
@@ -114,17 +114,13 @@ def _check_matches(config: Any, named: list, state: dict) -> None:
 
 def _take_handover(ctl: Any, sp: Any, named: list, state: dict) -> None:
     """Counters from the handover, then each model added with its maps projected onto the new ranks."""
-    ctl.steps = int(state["steps"])
-    ctl._since = int(state["since"])
-    ctl._threshold = int(state["threshold"])
-    ctl._count = int(state["count"])
-    ctl.trace.set_context(step=ctl.steps)
+    ctl.restore_counters(state)
     to_new = slot_columns(list(sp.old_of_new), state["models"][0]["slots_per_rank"])
     for (name, model), spec in zip(named, state["models"]):
         entry = ctl.add_model(model, name)
-        install_maps(ctl, entry, remap_columns(np.asarray(spec["phy2log"]), to_new))
+        entry.install_placement(remap_columns(np.asarray(spec["phy2log"]), to_new), ctl.device)
         entry.window.next_index = int(spec["window"]["next_index"])
         entry.window.filled = int(spec["window"]["filled"])
     ctl.trace.emit("group_switch", generation=sp.generation, phase="prepare", role="joiner", kind=sp.kind,
                    old_group=None, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
-                   old_rank=-1, new_rank=ctl.rank, old_world=sp.old_world, new_world=ctl.world)
+                   old_rank=-1, new_rank=ctl.rank, old_world=sp.old_world, new_world=ctl.world_size)

@@ -1,6 +1,9 @@
 """Candidate changes of the movement-aware local search, scored for all live layers at once.
 
-Every function reads a :class:`~eplb_fsm.policy.movement_search.SearchState` ``st``
+(``st`` is not annotated: its class lives in :mod:`~eplb_fsm.policy.movement.search`,
+which imports this module, and this module must not import it back.)
+
+Every function reads a :class:`~eplb_fsm.policy.movement.search.SearchState` ``st``
 and the live layers ``lr`` (n,) with their rank loads ``RL`` (n, G) and goals ``T``
 (n,). A change is scored by the *excess* it removes, ``sum_g max(0, load_g - goal)``,
 per moved slot, where moves are counted against the old placement: handing a rank back
@@ -18,12 +21,7 @@ an expert it held is free, and changing an already moved slot costs nothing extr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    from eplb_fsm.policy.movement_search import SearchState
 
 __all__ = ["FREE_COST", "best_prefix", "pair_swaps", "repoints", "widened_swap"]
 
@@ -41,7 +39,7 @@ _SWAP_TOL = 1e-5
 _TOL = 1e-9
 
 
-def repoints(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
+def repoints(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     """Best re-point per layer: ``(eff, rank, new expert, donor, cost, loads after (n, G))``.
 
     ``eff`` (n,) is the excess removed per moved slot, -inf where no re-point helps
@@ -101,7 +99,7 @@ def repoints(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     return eff[rows, best], rank, y[rows, iy], x[rows, ix], cost[rows, iy, ix, rank].astype(np.int64), after
 
 
-def pair_swaps(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
+def pair_swaps(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     """Best swap of every (overloaded, light) rank pair of the layers ``lr``; None if no pair.
 
     In every node the k-th most loaded rank, while above the goal and k < ranks / 2,
@@ -171,7 +169,7 @@ def pair_swaps(st: "SearchState", lr: np.ndarray, RL: np.ndarray, T: np.ndarray)
     return pr, np.where(good, eff, -np.inf), o * S + ia, u * S + ib, o, u, cost, delta
 
 
-def widened_swap(st: "SearchState", lr: np.ndarray) -> np.ndarray:
+def widened_swap(st, lr: np.ndarray) -> np.ndarray:
     """For layers with no other move: the best swap of the max rank with one of the lightest
     ranks of its node (not only its paired one), applied. Returns found (n,) bool."""
     n, S = len(lr), st.S

@@ -1,0 +1,146 @@
+"""What to do next, as pure functions of values every rank shares (no I/O, no clocks).
+
+The controller asks these functions and executes the answer; the machine's guards then
+read the answer as event data (``due``, ``worth``, ``moves``), so ``eplb-fsm replay``
+re-drives the same guards from the trace. Inputs are the shared counters (steps since
+the interval restarted, the threshold), the machine's state and layer, and the sums that
+one all-reduce produced; every rank computes the same answer on the same step.
+
+- :func:`decide_step`: on an engine step, record only, or also start planning, log
+  balancedness, or ask whether the job in flight is ready everywhere;
+- :func:`decide_progress`: from the all-reduced ``[ready, failed, late]`` flags of the
+  job in flight: wait, take the plan, commit the layer, or abort;
+- :func:`decide_layer`: sync mode's per-layer agreement: commit the layer or abort;
+- :func:`decide_plan`: is a plan worth moving to (the ``worth`` of ``plan_ready``);
+- :func:`decide_salvage`: may survivors of a broken group finish on their new group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from eplb_fsm.fsm.machine import COLLECTING, PLANNING, TRANSFERRING
+
+__all__ = [
+    "Counters",
+    "StepDecision",
+    "Progress",
+    "WAIT",
+    "TAKE_PLAN",
+    "COMMIT_LAYER",
+    "ABORT",
+    "decide_step",
+    "decide_progress",
+    "decide_layer",
+    "decide_plan",
+    "decide_salvage",
+]
+
+WAIT = "wait"                 # not ready everywhere yet: ask again next step
+TAKE_PLAN = "take_plan"       # every rank has the plan: fire plan_ready
+COMMIT_LAYER = "commit_layer"  # every rank has the layer: fire layer_done and write it
+ABORT = "abort"               # some rank failed or ran late: fire fault
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What one engine step does besides recording its load pass.
+
+    ``due``: a rearrangement starts now (the ``due`` of ``step``); ``log``: all-reduce the
+    pass for balancedness; ``poll``: all-reduce the ready flags of the async job in flight.
+    """
+
+    due: bool
+    log: bool
+    poll: bool
+
+    @property
+    def all_reduces(self) -> bool:
+        """Whether the step issues the controller's one all-reduce."""
+        return self.due or self.log or self.poll
+
+
+def decide_step(state: str, since: int, threshold: int, has_models: bool, log_now: bool,
+                in_flight: bool) -> StepDecision:
+    """The step's decision from shared counters.
+
+    ``since``: steps since the interval restarted, this one included; ``threshold``: steps
+    it needs; ``in_flight``: async mode with a plan or layer job running (every rank has one
+    or none, since jobs start on the same step everywhere).
+    """
+    due = state == COLLECTING and since >= threshold and has_models
+    poll = in_flight and state in (PLANNING, TRANSFERRING)
+    return StepDecision(due=due, log=bool(log_now), poll=poll)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The answer to an all-reduce of ``[ready, failed, late]``: ``action`` and the counts behind it."""
+
+    action: str
+    ready: int
+    failed: int
+    late: int
+
+
+def decide_progress(summed: Sequence[float], world_size: int, state: str) -> Progress:
+    """From the summed ``[ready, failed, late]`` flags of the job in flight (async mode).
+
+    Any failure or lateness aborts; all ``world_size`` ranks ready takes the result (the
+    plan in ``planning``, the layer in ``transferring``); otherwise wait.
+    """
+    ready, failed, late = (int(round(float(v))) for v in summed)
+    if failed or late:
+        action = ABORT
+    elif ready < world_size:
+        action = WAIT
+    else:
+        action = TAKE_PLAN if state == PLANNING else COMMIT_LAYER
+    return Progress(action, ready, failed, late)
+
+
+def decide_layer(summed: Sequence[float]) -> Progress:
+    """Sync mode: the summed ``[ready, failed, late]`` of one layer's transfer; any failure aborts."""
+    ready, failed, late = (int(round(float(v))) for v in summed)
+    return Progress(ABORT if failed else COMMIT_LAYER, ready, failed, late)
+
+
+def decide_plan(moves: int, gain: float, min_gain: float, forced_scale: bool = False) -> bool:
+    """Whether a plan is worth moving to (``worth`` of ``plan_ready``).
+
+    A scale can't be refused (``forced_scale``): any move is worth it there. Otherwise the
+    balancedness must improve by more than ``min_gain`` and something must move.
+    """
+    if forced_scale:
+        return True
+    return moves > 0 and gain > min_gain
+
+
+def decide_salvage(summed: Sequence[float], committed: float, ranks: int) -> bool:
+    """The summed ``[layers committed, ranks losing experts, ...]``: safe when every rank
+    committed the same number of layers and none would lose an expert."""
+    return not int(round(float(summed[1]))) and float(summed[0]) == committed * ranks
+
+
+@dataclass
+class Counters:
+    """The step counters every rank advances identically (what :func:`decide_step` reads).
+
+    ``steps``: engine steps taken (profile steps excluded); ``since``: steps since the
+    interval restarted (at start, a rearrangement, a recovery or a scale); ``threshold``:
+    the steps the current interval needs.
+    """
+
+    steps: int
+    since: int
+    threshold: int
+
+    def restart(self, interval: int) -> None:
+        """The next rearrangement is due ``interval`` steps from now."""
+        self.since = 0
+        self.threshold = int(interval)
+
+    @property
+    def until_due(self) -> int:
+        return max(0, self.threshold - self.since)

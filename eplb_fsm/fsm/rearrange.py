@@ -1,0 +1,336 @@
+"""The rearrangement in flight: planning, layer transfers and commits, faults.
+
+The controller owns one :class:`Rearranger` (``controller.rearranger``) and calls it with
+what a step all-reduced. Each method executes a decision of :mod:`eplb_fsm.fsm.decide`,
+fires the event that says what happened and acts on what ``fire()`` returns (the
+destination), never on a re-read state.
+
+Sync mode (:meth:`Rearranger.run_sync`) moves every layer inside one call: transfer into
+the buffer, one all-reduce that every rank has it, ``layer_done``, then the write (the
+last layer's in ``committing``), and ``committed``. Async mode hands the policy and each
+layer to the background worker; :meth:`Rearranger.progress` acts on the step's summed
+ready flags. Faults: committed layers keep their new placement, the rest keep old maps
+and weights; a failed transfer leaves the EP group usable (fresh transfer group), a
+failed collective on it sends the machine to ``failed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import structlog
+import torch
+
+from eplb_fsm.fsm.collectives import Collectives, GroupBroken, flags
+from eplb_fsm.fsm.decide import ABORT, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_progress
+from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
+from eplb_fsm.fsm.planning import Plan, bad_load_reason, local_loads, plan_placements, split_loads
+from eplb_fsm.fsm.reporting import Rearrangement, Reporter
+from eplb_fsm.fsm.transfers import LayerMover, ready_flags
+
+__all__ = ["Rearranger"]
+
+_log = structlog.get_logger("eplb_fsm")
+
+
+class Rearranger:
+    """Executes the lifecycle of one rearrangement at a time for the controller.
+
+    ``fire``: the controller's ``fire(trigger, extra=None, **data) -> Fired`` (it writes the
+    trace record); the other arguments are the controller's collaborators, shared.
+    ``current``: the :class:`Rearrangement` in flight, or None.
+    """
+
+    def __init__(self, *, machine: EplbMachine, fire: Callable[..., Fired], config: Any, policy: Any,
+                 models: list, counters: Counters, collectives: Collectives, mover: LayerMover,
+                 reporter: Reporter, worker: Any, trace: Any) -> None:
+        self.machine, self.fire, self.config, self.policy = machine, fire, config, policy
+        self.models, self.counters, self.collectives, self.mover = models, counters, collectives, mover
+        self.reporter, self.worker, self.trace = reporter, worker, trace
+        self.timeout_s = float(config.collective_timeout_s)
+        self.current: Rearrangement | None = None
+
+    # ------------------------------------------------------------ begin / end
+    def begin(self, step: int, forced: bool) -> torch.Tensor:
+        """Open the record of a rearrangement starting at ``step``; returns this rank's planning load."""
+        self.current = self.reporter.begin(step, forced)
+        return local_loads(self.models, self.config)
+
+    def finish(self, outcome: str, reason: str | None = None) -> None:
+        """Close the rearrangement in flight (a ``history`` entry and a ``rearrangement`` record)."""
+        if self.current is not None:
+            self.reporter.finish(self.current, outcome, reason, steps=self.counters.steps,
+                                 num_layers=self.machine.num_layers, state=self.machine.state)
+            self.current = None
+
+    def all_reduce_or_fail(self, parts: dict, timeout_s: float, **fields: Any) -> dict | None:
+        """The collectives' all-reduce; None after a broken group sent the machine to failed."""
+        try:
+            return self.collectives.all_reduce(parts, timeout_s, **fields)
+        except GroupBroken as exc:
+            self.group_fault(exc)
+            return None
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, flat_loads: torch.Tensor) -> None:
+        """Act on the all-reduced load: reject it, or plan (sync) / start the policy job (async)."""
+        bad = bad_load_reason(flat_loads)
+        if bad is not None:
+            self.trace.emit("loads_rejected", reason=bad)
+            _log.warning("eplb loads rejected", rank=self.collectives.rank, step=self.counters.steps - 1, reason=bad)
+            self.abort(f"bad loads: {bad}", recoverable=True, kind="rejected")
+            return
+        loads = split_loads(self.models, flat_loads)
+        current = self.current
+        if self.worker is None:
+            try:
+                plan = self.make_plan(loads, current.step, current.forced)
+            except Exception as exc:
+                self.abort(f"policy failed: {type(exc).__name__}: {exc}", recoverable=True)
+                return
+            if self.accept(plan) == TRANSFERRING:
+                self.run_sync()
+        else:
+            current.job = self.worker.submit(self.make_plan, loads, current.step, current.forced, kind="plan")
+
+    def make_plan(self, loads: list[torch.Tensor], step: int, forced: bool) -> Plan:
+        """Run the policy for every model on the shared load (pure: same input, same plan)."""
+        return plan_placements(self.policy, self.models, loads, num_nodes=self.config.num_nodes,
+                               world_size=self.collectives.world_size, step=step, forced=forced)
+
+    def accept(self, plan: Plan) -> str:
+        """Fire ``plan_ready`` with :func:`decide_plan`'s ``worth``; returns the destination."""
+        self.current.plan = plan
+        threshold = self.config.min_balancedness_gain
+        worth = decide_plan(plan.moves, plan.gain, threshold)
+        fired = self.fire("plan_ready", extra={
+            "balancedness_before": round(plan.balancedness_before, 6),
+            "balancedness_after": round(plan.balancedness_after, 6),
+            "gain": round(plan.gain, 6), "moved_bytes": plan.moved_bytes,
+            "changed_layers": int(sum(plan.changed)), "policy_s": round(plan.policy_s, 6), "forced": plan.forced,
+        }, moves=plan.moves, worth=worth)
+        if fired.dest != TRANSFERRING:
+            reason = "no_moves" if plan.moves == 0 else "gain_below_threshold"
+            self.trace.emit("plan_skipped", reason=reason, moves=plan.moves, gain=round(plan.gain, 6),
+                            min_balancedness_gain=threshold)
+            _log.info("eplb rearrangement skipped", rank=self.collectives.rank, step=plan.step, reason=reason,
+                      moves=plan.moves, gain=round(plan.gain, 6), min_gain=threshold)
+            self.finish("skipped", reason=reason)
+        return fired.dest
+
+    def run_forced(self, make_plan: Callable[[list[torch.Tensor]], Plan], fields: dict, scale: int) -> str:
+        """A rearrangement that can't be refused (elastic scale): returns where it left the machine.
+
+        All-reduces the load (bad statistics: plan on zero load), plans with ``make_plan``
+        (per-model (L, N) loads -> Plan), fires ``plan_ready`` with ``moves`` = every slot
+        whose content changes; with none the machine goes straight on to ``scaling``.
+        """
+        loads = self.begin(self.counters.steps, forced=True)
+        reduced = self.all_reduce_or_fail({"loads": loads}, self.timeout_s)
+        if reduced is None:
+            return FAILED
+        flat = reduced["loads"]
+        bad = bad_load_reason(flat) if flat.numel() else None
+        if bad:
+            self.trace.emit("loads_rejected", reason=bad, scale=scale)
+            flat = torch.zeros_like(flat)
+        try:
+            plan = make_plan(split_loads(self.models, flat))
+        except Exception as exc:
+            return self.abort(f"scale policy failed: {type(exc).__name__}: {exc}", recoverable=True)
+        changed_slots = sum(int((e.maps.phy2log != new).sum()) for e, new in zip(self.models, plan.new_phy2log))
+        self.current.plan = plan
+        fired = self.fire("plan_ready", extra=dict(fields, moved_slots=plan.moves, moved_bytes=plan.moved_bytes,
+                                                   balancedness_before=round(plan.balancedness_before, 6),
+                                                   balancedness_after=round(plan.balancedness_after, 6),
+                                                   changed_layers=int(sum(plan.changed)),
+                                                   policy_s=round(plan.policy_s, 6), forced=True),
+                          moves=changed_slots, worth=decide_plan(changed_slots, 0.0, 0.0, forced_scale=True))
+        if fired.dest == SCALING:  # nothing changes at all: the machine went straight on to the switch
+            self.finish("skipped", reason="no_moves")
+            return fired.dest
+        return self.run_sync()
+
+    # ------------------------------------------------------------- transfers
+    def commit_layer(self, layer: int, pending: Any) -> Fired:
+        """``layer_done`` (every rank has it), then write it (``pending`` None: unchanged layer)."""
+        plan = self.current.plan
+        entry, local = self.mover.locate(layer)
+        fired = self.fire("layer_done", extra={"model": entry.name, "model_layer": local,
+                                               "moved": plan.moved[layer], "changed": plan.changed[layer]},
+                          layer=layer)
+        self.mover.write(plan.new_phy2log, layer, pending)
+        self.current.layers_committed += 1
+        return fired
+
+    def committed(self) -> str:
+        """Every layer is written: ``committed`` and the record; returns the destination."""
+        fields = Reporter.summary_fields(self.current, self.counters.steps)
+        fired = self.fire("committed", extra=fields)
+        self.finish("committed")
+        return fired.dest
+
+    def run_sync(self) -> str:
+        """Sync mode: each changed layer transferred, agreed by all ranks, committed; returns the end state."""
+        plan = self.current.plan
+        fired = None
+        for layer in range(self.machine.num_layers):
+            pending = None
+            if plan.changed[layer]:
+                error: BaseException | None = None
+                try:
+                    pending = self.mover.transfer(plan.new_phy2log, layer)
+                except Exception as exc:
+                    error = exc
+                # [ready, failed, late]; a peer may itself be waiting out a transfer timeout first
+                agreed = self.all_reduce_or_fail({"ready": flags(0.0 if error else 1.0, 1.0 if error else 0.0, 0.0)},
+                                                 2 * self.timeout_s, layer=layer)
+                if agreed is None:
+                    return FAILED
+                verdict = decide_layer(agreed["ready"])
+                if verdict.action == ABORT:
+                    return self.transfer_fault(layer, error, verdict.failed)
+            try:
+                fired = self.commit_layer(layer, pending)
+            except Exception as exc:
+                return self.commit_failed(layer, exc)
+        assert fired is not None and fired.dest == COMMITTING, fired
+        return self.committed()
+
+    def ready_flags(self) -> torch.Tensor:
+        """This rank's (3,) [ready, failed, late] for the async job in flight."""
+        return ready_flags(self.current.job, self.timeout_s)
+
+    def progress(self, summed: torch.Tensor) -> None:
+        """Async mode: act on the all-reduced ready flags (:func:`decide_progress`)."""
+        current, state = self.current, self.machine.state
+        verdict = decide_progress(summed, self.collectives.world_size, state)
+        if verdict.action == WAIT:
+            return
+        if verdict.action == ABORT:  # the job stays noted in current: abort records one still running
+            job = current.job
+            error = job.error() if job is not None else None
+            what = "policy" if state == PLANNING else f"transfer of layer {self.machine.layer}"
+            reason = (f"{what} failed on {verdict.failed} rank(s)" if verdict.failed else
+                      f"{what} ran past collective_timeout_s={self.timeout_s} on {verdict.late} rank(s)")
+            if state == PLANNING:
+                self.abort(reason + (f": {type(error).__name__}: {error}" if error else ""), recoverable=True)
+            else:
+                self.transfer_fault(self.machine.layer, error, verdict.failed, late=verdict.late)
+            return
+        job, current.job = current.job, None
+        if verdict.action == TAKE_PLAN:
+            if self.accept(job.result(timeout=0)) == TRANSFERRING:
+                self.advance(TRANSFERRING)
+            return
+        job.wait_stream()
+        layer = self.machine.layer
+        try:
+            fired = self.commit_layer(layer, job.result(timeout=0))
+        except Exception as exc:
+            self.commit_failed(layer, exc)
+            return
+        self.advance(fired.dest)
+
+    def advance(self, state: str) -> None:
+        """From ``state``: commit unchanged layers at once, start the next changed layer, or finish."""
+        plan = self.current.plan
+        while state == TRANSFERRING:
+            layer = self.machine.layer
+            if plan.changed[layer]:
+                self.current.job = self.worker.submit(self.mover.transfer, plan.new_phy2log, layer, kind="transfer",
+                                                      layer=layer)
+                return
+            state = self.commit_layer(layer, None).dest
+        if state == COMMITTING:
+            self.committed()
+
+    def drain(self) -> None:
+        """Async mode: finish (or roll back) the rearrangement in flight, a step's agreement at a time."""
+        while self.current is not None and self.machine.state in (PLANNING, TRANSFERRING, COMMITTING):
+            job = self.current.job
+            if job is not None and not job.done():
+                try:
+                    job.future.exception(timeout=self.timeout_s + 1.0)
+                except Exception:  # still running after the timeout: its flags say "late"
+                    pass
+            reduced = self.all_reduce_or_fail({"ready": self.ready_flags()}, 2 * self.timeout_s)
+            if reduced is None:
+                return
+            self.trace.emit("scale_drain", state=self.machine.state, layer=self.machine.layer)
+            self.progress(reduced["ready"])
+
+    # ---------------------------------------------------------------- faults
+    def abort(self, reason: str, recoverable: bool, layer: int | None = None, kind: str = "aborted") -> str:
+        """Fire ``fault``: committed layers stay new, the rest keep old maps and weights; returns the destination."""
+        current = self.current
+        extra: dict = {"reason": reason}
+        if current is not None:
+            extra["layers_committed"] = current.layers_committed
+            if current.job is not None and not current.job.done():
+                extra["job_running"] = current.job.kind
+            current.job = None
+        if layer is not None:
+            extra["failed_layer"] = layer
+        dest = FAILED
+        if self.machine.state == FAILED:
+            self.trace.emit("fault_ignored", reason=reason)
+        else:
+            dest = self.fire("fault", extra=extra, recoverable=recoverable).dest
+        _log.warning("eplb rearrangement aborted", rank=self.collectives.rank, step=self.counters.steps - 1,
+                     reason=reason, recoverable=recoverable, state=dest)
+        self.finish(kind, reason=reason)
+        return dest
+
+    def group_fault(self, exc: BaseException) -> str:
+        """A collective on the EP group failed: the group is broken, the machine goes to failed."""
+        _log.error("eplb collective failed", rank=self.collectives.rank, step=self.counters.steps - 1, error=str(exc))
+        if self.machine.state == FAILED:
+            return FAILED
+        return self.abort(str(exc), recoverable=False)
+
+    def commit_failed(self, layer: int, exc: BaseException) -> str:
+        """A local copy failed half-way through a commit: the weights can't be trusted."""
+        return self.abort(f"commit of layer {layer} failed: {type(exc).__name__}: {exc}", recoverable=False)
+
+    def transfer_fault(self, layer: int, error: BaseException | None, failed_ranks: int, late: int = 0) -> str:
+        """A layer's transfer failed somewhere: abort, then give the transfers a fresh group."""
+        detail = f": {type(error).__name__}: {error}" if error is not None else ""
+        if late:
+            reason = f"transfer of layer {layer} ran past collective_timeout_s={self.timeout_s} on {late} rank(s)"
+        else:
+            reason = f"transfer of layer {layer} failed on {failed_ranks} rank(s){detail}"
+        dest = self.abort(reason, recoverable=True, layer=layer)
+        return self.reset_transfers() or dest
+
+    def reset_transfers(self) -> str | None:
+        """Drain the worker and re-create the transfer group (a failed p2p leaves gloo pairs closed).
+
+        The ranks first agree, in one all-reduce, that every worker has drained: then they
+        all create the new group together, or all go to ``failed``. Returns the destination
+        when that took another ``fault``, else None.
+        """
+        drained = self.worker is None or self.worker.wait_idle(self.timeout_s + 5.0)
+        if not drained:
+            self.trace.emit("worker_stuck", pending=self.worker.pending)
+        self.mover.invalidate_buffers()
+        if self.collectives.group is None:
+            if drained:
+                return None
+            return self.fire("fault", extra={"reason": "background worker did not finish its job"},
+                             recoverable=False).dest
+        # a peer may still be waiting out its transfer timeout before it gets here
+        reduced = self.all_reduce_or_fail({"reset": flags(0.0 if drained else 1.0)}, 2 * self.timeout_s + 10.0)
+        if reduced is None:
+            return FAILED
+        stuck = int(reduced["reset"][0])
+        if stuck:
+            return self.fire("fault", extra={"reason": f"background worker did not finish its job on {stuck} rank(s)"},
+                             recoverable=False).dest
+        try:
+            self.collectives.new_transfer_group()
+        except Exception as exc:
+            return self.fire("fault", extra={"reason": f"could not re-create the transfer group: {exc}"},
+                             recoverable=False).dest
+        self.trace.emit("transfer_group_reset", group=self.collectives.transfer_group_name)
+        return None

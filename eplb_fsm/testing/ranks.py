@@ -1,0 +1,96 @@
+"""One synthetic rank: the real machine and the real trace writer, stepped by a test job.
+
+:class:`SyntheticRank` pairs an ``EplbMachine`` with an ``EventTrace`` and records what
+the controller records (a compact ``step`` record for every step that keeps the state, a
+``transition`` record for every other fired event); :class:`SyntheticClock` gives it
+deterministic timestamps. Every record goes through :mod:`eplb_fsm.trace`'s writer, which
+owns the record schema. :mod:`eplb_fsm.testing.job` and :mod:`eplb_fsm.testing.elastic`
+drive these ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eplb_fsm.fsm.machine import EplbMachine, Fired
+from eplb_fsm.trace import EventTrace
+
+__all__ = ["GROUP", "SLOT_BYTES", "TRANSFER_GROUP", "SyntheticClock", "SyntheticRank"]
+
+# group names the controller writes: its EP group and its own transfer group
+GROUP = "ep"
+TRANSFER_GROUP = "ep_transfer"
+SLOT_BYTES = 4096
+
+
+class SyntheticClock:
+    """Deterministic timestamps: the job sets the step's base time, each record adds 100 us."""
+
+    def __init__(self, t0: float) -> None:
+        self.t = t0
+
+    def at_least(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def __call__(self) -> float:
+        self.t += 1e-4
+        return round(self.t, 6)
+
+
+class SyntheticRank:
+    """One rank: the real machine, its trace, and the counters the controller keeps."""
+
+    def __init__(self, rank: int, world: int, num_layers: int, trace_dir: str | os.PathLike | None,
+                 clock: SyntheticClock, keep: bool = True, machine: EplbMachine | None = None, step: int = 0) -> None:
+        self.rank = rank
+        self.file_rank = rank                  # the file it writes, whatever its rank becomes
+        self.num_layers = num_layers
+        self.clock = clock
+        self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep)
+        self.machine = machine or EplbMachine(num_layers)
+        self.machine.listeners.append(self._record)
+        self.trace.set_context(state=self.machine.state, step=step)
+        self._extra: dict = {}
+        self.group = GROUP                     # its EP group's trace name (ep@<g> after a scale)
+        self.transfer_base = TRANSFER_GROUP
+        self.transfer_group = TRANSFER_GROUP
+        self.transfer_resets = 0
+        self.count = 0
+        self.rearrangements = 0
+        self.stopped = False
+
+    def _record(self, fired: Fired) -> None:
+        if fired.trigger == "step" and fired.source == fired.dest:
+            self.trace.emit("step")
+            return
+        data = dict(fired.data)
+        # as the controller does: layer_done records the layer it finished (its event
+        # datum), other transitions the machine's layer; layer_after is the counter after
+        layer = data.pop("layer", fired.layer)
+        data.update(self._extra)
+        self.trace.transition(fired.trigger, fired.source, fired.dest, layer=layer,
+                              num_layers=self.num_layers, layer_after=fired.layer, **data)
+
+    def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
+        """Fire through the machine; ``extra`` fields go into the transition record."""
+        self._extra = extra or {}
+        try:
+            return self.machine.fire(trigger, **data)
+        finally:
+            self._extra = {}
+
+    def collective(self, op: str, finish: bool = True, **fields: Any) -> bool:
+        """Record one collective; ``finish=False`` writes only its start (the rank hangs inside)."""
+        if finish:
+            with self.trace.collective(op, **fields):
+                pass
+            return True
+        self.trace.start_collective(op, **fields)
+        return False
+
+    def force_state(self, state: str, layer: int = 0) -> None:
+        """Put the machine where a buggy controller's record claims it went."""
+        self.machine.machine.set_state(state)
+        self.machine.layer = layer
+        self.trace.set_context(state=state)

@@ -1,0 +1,179 @@
+"""Steps 2-3 of a layer's rearrangement: local copies into the buffer and the waves of messages.
+
+Messages carry raw bytes: each row of a weight tensor ``(S, ...)`` is viewed as a flat
+uint8 tensor, so any dtype travels the same way. :func:`run_layer` posts every wave of a
+prepared layer (sends read the old weight rows, receives land in buffer rows) and runs
+the local copies while the first wave is in flight; :func:`copy_runs` copies runs of
+rows between tensor lists (the commit uses it too). A failed wave raises
+:class:`~eplb_fsm.transfer.communicator.TransferError` naming the layer and the wave,
+after discarding what the communicator still holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eplb_fsm.transfer.batching import Wave
+from eplb_fsm.transfer.communicator import Communicator, TransferError
+from eplb_fsm.transfer.schedule import PreparedLayer, Run
+
+__all__ = ["copy_runs", "run_layer"]
+
+
+def copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
+    if not runs:
+        return
+    for d_t, s_t in zip(dst, src):
+        nb = d_t.is_cuda
+        for a, b, n in runs:
+            if n == 1:
+                d_t[a].copy_(s_t[b], non_blocking=nb)
+            else:
+                d_t[a : a + n].copy_(s_t[b : b + n], non_blocking=nb)
+
+
+def _as_bytes(row: torch.Tensor, for_recv: bool) -> torch.Tensor:
+    if not row.is_contiguous():
+        if for_recv:  # buffers are allocated contiguous; this guards against misuse
+            raise RuntimeError("receive target must be contiguous")
+        row = row.contiguous()
+    return row.reshape(-1).view(torch.uint8)
+
+
+class _RowBytes:
+    """``rows[i]``: row i of a tensor as a flat uint8 tensor (a view when the tensor is contiguous)."""
+
+    __slots__ = ("_t", "_bytes", "_for_recv")
+
+    def __init__(self, t: torch.Tensor, for_recv: bool) -> None:
+        self._t = t
+        self._for_recv = for_recv
+        self._bytes = None
+        if t.is_contiguous() and t.ndim >= 1 and t.shape[0] > 0 and t[0].numel() > 0:
+            self._bytes = t.view(t.shape[0], -1).view(torch.uint8)
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if self._bytes is not None:
+            return self._bytes[row]
+        return _as_bytes(self._t[row], self._for_recv)
+
+
+def _row_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum((t[0].numel() if t.shape[0] else 0) * t.element_size() for t in tensors)
+
+
+def run_layer(
+    prep: PreparedLayer,
+    weights: dict[int, list[torch.Tensor]],
+    buffers: dict[int, list[torch.Tensor]],
+    comm: Communicator,
+    traces: list[tuple[Any, int | None]],
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
+
+    The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
+    wave is in flight: they read the weights and write buffer rows no message touches.
+    """
+
+    def local_copies() -> None:
+        for r, runs in prep.local_runs.items():
+            copy_runs(buffers[r], weights[r], runs)
+        if meanwhile is not None:
+            meanwhile()
+
+    if not prep.waves:
+        local_copies()
+        return
+    send_bytes = {r: [_RowBytes(t, False) for t in weights[r]] for r in prep.plans}
+    recv_bytes = {r: [_RowBytes(t, True) for t in buffers[r]] for r in prep.plans}
+    row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
+    for w, wave in enumerate(prep.waves):
+        _run_wave(prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces, local_copies if w == 0 else None)
+
+
+def _run_wave(
+    prep: PreparedLayer,
+    w: int,
+    wave: Wave,
+    send_bytes: dict[int, list[_RowBytes]],
+    recv_bytes: dict[int, list[_RowBytes]],
+    row_nbytes: dict[int, int],
+    comm: Communicator,
+    traces: list[tuple[Any, int | None]],
+    meanwhile: Callable[[], None] | None,
+) -> None:
+    layer, num_waves = prep.layer, len(prep.waves)
+    ops = prep.ops[w]
+    add_send, add_recv = comm.add_send, comm.add_recv
+    for r in prep.plans:
+        for peer, row in ops.sends[r]:
+            for tb in send_bytes[r]:
+                add_send(tb[row], r, peer)
+        for peer, row in ops.recvs[r]:
+            for tb in recv_bytes[r]:
+                add_recv(tb[row], peer, r)
+    stats: dict[int, list[int]] = {}
+    if traces:
+        for r in prep.plans:
+            n_s, n_r = len(ops.sends[r]), len(ops.recvs[r])
+            stats[r] = [n_s, n_r, (n_s + n_r) * row_nbytes[r]]
+    start = getattr(comm, "start", None)
+    wait = getattr(comm, "wait", None)
+    with contextlib.ExitStack() as stack:
+        for trace, r in traces:
+            if r is None:  # one record for every rank this process plays
+                fields = {"pairs": [list(p) for p in wave.pairs]}
+                s = [sum(v[i] for v in stats.values()) for i in range(3)]
+            else:
+                fields = {"peers": wave.peers_of(r)}
+                s = stats[r]
+            stack.enter_context(
+                trace.collective(
+                    "batch_isend_irecv",
+                    group=getattr(comm, "name", "world"),
+                    layer=layer,
+                    wave=w,
+                    waves=num_waves,
+                    sends=s[0],
+                    recvs=s[1],
+                    nbytes=s[2],
+                    **fields,
+                )
+            )
+        try:
+            if start is not None and wait is not None:
+                start()
+            else:
+                if meanwhile is not None:
+                    meanwhile()
+                    meanwhile = None
+                comm.execute()
+        except Exception as exc:
+            raise _failed(comm, layer, w, num_waves, exc) from exc
+        # start() returned: overlap local work with the messages in flight, then wait
+        # for them even if that work failed (no request is left dangling)
+        local_error: BaseException | None = None
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException as exc:  # re-raised below, after the wait
+                local_error = exc
+        if wait is not None and start is not None:
+            try:
+                wait()
+            except Exception as exc:
+                if local_error is None:
+                    raise _failed(comm, layer, w, num_waves, exc) from exc
+        if local_error is not None:
+            raise local_error
+
+
+def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:
+    discard = getattr(comm, "discard", None)
+    if discard is not None:
+        discard()
+    return TransferError(f"layer {layer}, wave {w}/{num_waves}: {type(exc).__name__}: {exc}", layer=layer, wave=w)

@@ -1,0 +1,89 @@
+"""``eplb-fsm bench stall``: one rearrangement per mode on real gloo ranks, complete and consistent JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from eplb_fsm.cli import main
+
+pytestmark = pytest.mark.multiprocess
+
+SMALL = ["--world", "2", "--mb", "0.5", "--layers", "2", "--experts", "6", "--redundant", "2", "--matmul", "32",
+         "--warm", "6", "--tail", "1", "--repeats", "2", "--timeout", "180"]
+MODE_FIELDS = ("baseline_step_ms", "baseline_longest_step_ms", "longest_step_ms", "longest_extra_ms",
+               "total_extra_ms", "work_extra_ms", "controller_extra_ms", "steps_to_commit", "rearrangement_wall_ms",
+               "engine_cpu_per_step_base_ms", "engine_cpu_per_step_rearrange_ms", "other_cpu_per_step_base_ms",
+               "other_cpu_per_step_rearrange_ms", "extra_cpu_ms", "cores_busy_base", "cores_busy_rearrange")
+
+
+@pytest.fixture(scope="module")
+def result():
+    """One small run of the benchmark, parsed (shared by the tests below: it costs a few seconds)."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stdout", out)
+        assert main(["bench", "stall", "--json", *SMALL]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_both_modes_reach_the_same_placement_bit_exact(result):
+    """Sync and async commit the same placement, with every slot's weights exactly its expert's."""
+    assert result["same_placement"] is True
+    assert result["bit_exact"] is True
+    assert result["moved_slots"] > 0 and result["moved_mb"] > 0
+    assert result["world"] == 2 and result["layers"] == 2 and result["repeats"] == 2
+
+
+def test_every_mode_reports_every_field_once_per_repeat(result):
+    """Both modes carry every figure, as medians and per run, one run per repeat."""
+    for mode in ("sync", "async"):
+        assert set(result[mode]) == set(MODE_FIELDS)
+        assert len(result["runs"][mode]) == 2
+        assert all(set(run) == set(MODE_FIELDS) for run in result["runs"][mode])
+
+
+def test_sync_commits_in_the_asking_step_and_async_over_several(result):
+    """Sync moves everything inside the step that asked; async needs at least a plan step and a layer step."""
+    assert all(run["steps_to_commit"] == 1 for run in result["runs"]["sync"])
+    assert all(run["steps_to_commit"] >= 2 for run in result["runs"]["async"])
+
+
+def test_step_figures_are_consistent(result):
+    """The longest step is at least the mean rearrangement step; extras add up to wall minus baseline."""
+    for mode in ("sync", "async"):
+        for run in result["runs"][mode]:
+            steps, wall = run["steps_to_commit"], run["rearrangement_wall_ms"]
+            assert run["longest_step_ms"] >= wall / steps - 1e-3
+            assert run["longest_extra_ms"] == pytest.approx(run["longest_step_ms"] - run["baseline_step_ms"], abs=2e-3)
+            assert run["total_extra_ms"] == pytest.approx(wall - steps * run["baseline_step_ms"], abs=5e-3 * steps)
+            assert run["baseline_longest_step_ms"] >= run["baseline_step_ms"]
+            assert run["engine_cpu_per_step_base_ms"] > 0 and run["cores_busy_base"] > 0
+
+
+def test_ratios_and_targets_follow_from_the_medians(result):
+    """The async/sync ratios are the medians' ratios, and meets_target is the ratio against its target."""
+    s, a, ratio = result["sync"], result["async"], result["async_over_sync"]
+    assert ratio["longest_step"] == pytest.approx(a["longest_step_ms"] / s["longest_step_ms"], rel=1e-2)
+    assert s["longest_extra_ms"] > 0 and s["total_extra_ms"] > 0  # the sync step holds the whole transfer
+    assert ratio["longest_extra"] == pytest.approx(a["longest_extra_ms"] / s["longest_extra_ms"], rel=1e-2, abs=1e-3)
+    assert ratio["total_extra"] == pytest.approx(a["total_extra_ms"] / s["total_extra_ms"], rel=1e-2, abs=1e-3)
+    assert result["meets_target"] == {"single_step": ratio["longest_extra"] <= result["target_single_step"],
+                                      "total": ratio["total_extra"] <= result["target_total"]}
+    load = result["uptime_load_average"]
+    assert len(load["before"]) == 3 and len(load["after"]) == 3 and result["cores"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "5"], "--world must be in 2..4"),
+    (["--experts", "7", "--redundant", "0"], "must be divisible by --world"),
+    (["--warm", "2"], "--warm must be >= 4"),
+    (["--worker-nice", "25"], "--worker-nice must be in 0..19"),
+])
+def test_bad_settings_are_refused_before_any_rank_starts(argv, message):
+    """A bad option is named with its rule, and nothing is launched."""
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "stall", *argv])

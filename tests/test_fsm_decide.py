@@ -1,0 +1,86 @@
+"""The pure decisions of fsm/decide.py: what a step does, how an all-reduce's flags are read."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.fsm.decide import (
+    ABORT,
+    COMMIT_LAYER,
+    TAKE_PLAN,
+    WAIT,
+    Counters,
+    decide_layer,
+    decide_plan,
+    decide_progress,
+    decide_salvage,
+    decide_step,
+)
+from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING
+
+
+def test_a_step_is_due_only_while_collecting_with_models_at_the_threshold():
+    """due needs collecting, since >= threshold and at least one model; below it, only recording."""
+    assert decide_step(COLLECTING, 10, 10, True, False, False).due
+    assert not decide_step(COLLECTING, 9, 10, True, False, False).due
+    assert not decide_step(COLLECTING, 10, 10, False, False, False).due
+    for state in (PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED):
+        assert not decide_step(state, 99, 10, True, False, False).due
+
+
+def test_a_step_polls_only_an_async_job_in_planning_or_transferring():
+    """The ready flags are all-reduced while a job is in flight in planning or transferring, never otherwise."""
+    assert decide_step(PLANNING, 0, 10, True, False, True).poll
+    assert decide_step(TRANSFERRING, 0, 10, True, False, True).poll
+    assert not decide_step(TRANSFERRING, 0, 10, True, False, False).poll
+    assert not decide_step(FAILED, 0, 10, True, False, True).poll
+
+
+def test_a_step_all_reduces_when_due_logging_or_polling():
+    """all_reduces is the OR of due, log and poll: a plain recording step issues no collective."""
+    assert not decide_step(COLLECTING, 1, 10, True, False, False).all_reduces
+    assert decide_step(COLLECTING, 1, 10, True, True, False).all_reduces
+    assert decide_step(COLLECTING, 10, 10, True, False, False).all_reduces
+
+
+@pytest.mark.parametrize("summed, state, action", [
+    ([4, 0, 0], PLANNING, TAKE_PLAN),
+    ([4, 0, 0], TRANSFERRING, COMMIT_LAYER),
+    ([3, 0, 0], TRANSFERRING, WAIT),
+    ([3, 1, 0], TRANSFERRING, ABORT),
+    ([2, 0, 2], PLANNING, ABORT),
+])
+def test_progress_reads_the_summed_ready_failed_late_flags(summed, state, action):
+    """All four ready: take the result; fewer: wait; any failure or lateness: abort."""
+    verdict = decide_progress([float(v) for v in summed], 4, state)
+    assert verdict.action == action
+    assert (verdict.ready, verdict.failed, verdict.late) == tuple(summed)
+
+
+def test_a_sync_layer_commits_unless_a_rank_failed():
+    """The per-layer agreement aborts on any failure and commits otherwise."""
+    assert decide_layer([2.0, 0.0, 0.0]).action == COMMIT_LAYER
+    assert decide_layer([1.0, 1.0, 0.0]).action == ABORT
+
+
+def test_a_plan_is_worth_moving_only_above_the_gain_threshold_unless_a_scale_forces_it():
+    """Worth needs moves and gain > min_gain; a scale's plan is always worth it."""
+    assert decide_plan(3, 0.05, 0.01)
+    assert not decide_plan(3, 0.01, 0.01)
+    assert not decide_plan(0, 0.5, 0.0)
+    assert decide_plan(0, -1.0, 0.5, forced_scale=True)
+
+
+def test_salvage_is_safe_only_when_every_rank_committed_alike_and_none_loses_an_expert():
+    """[committed sum, losing ranks, ranks]: equal committed layers everywhere and no loss."""
+    assert decide_salvage([6.0, 0.0, 2.0], 3.0, 2)
+    assert not decide_salvage([5.0, 0.0, 2.0], 3.0, 2)
+    assert not decide_salvage([6.0, 1.0, 2.0], 3.0, 2)
+
+
+def test_counters_restart_the_interval():
+    """restart() zeroes since and sets the new threshold; until_due never goes negative."""
+    c = Counters(steps=40, since=12, threshold=10)
+    assert c.until_due == 0
+    c.restart(25)
+    assert (c.since, c.threshold, c.until_due, c.steps) == (0, 25, 25, 40)

@@ -1,0 +1,67 @@
+"""The Rearranger on a real single-rank controller: a scale's rearrangement with nothing to move."""
+
+from __future__ import annotations
+
+from eplb_fsm.config import EplbConfig
+from eplb_fsm.fsm.controller import EplbController
+from eplb_fsm.fsm.machine import COLLECTING, SCALING
+from eplb_fsm.fsm.planning import plan_placements
+from eplb_fsm.sim.model import ToyMoE
+from eplb_fsm.trace import read_trace, trace_path
+
+
+class KeepPlacement:
+    """A policy that keeps the current placement (so a plan changes no slot at all)."""
+
+    @staticmethod
+    def rebalance_experts(load, num_physical, num_groups, num_nodes, num_ranks, old_phy2log=None):
+        return old_phy2log.clone(), None, None
+
+
+def _scale_with_nothing_to_move(tmp_path):
+    ctl = EplbController(EplbConfig(window_size=2, step_interval=4, num_redundant_experts=2),
+                         trace_dir=str(tmp_path), keep_trace=True)
+    model = ToyMoE(num_layers=2, num_experts=4, num_redundant=2, hidden=8, top_k=2, rank=0, world_size=1)
+    ctl.add_model(model, "main")
+    for _ in range(2):
+        ctl.step()
+    ctl.fire("scale_requested", extra={"kind": "scale_up", "generation": 1, "from_ranks": 1, "to_ranks": 1,
+                                       "rank_mapping": {"0": 0}, "joiners": [], "leaving": []})
+    ctl.fire("groups_ready", extra={"generation": 1, "kind": "scale_up", "group": ctl.group_name})
+    before = ctl.models[0].maps.phy2log.copy()
+    dest = ctl.rearranger.run_forced(
+        lambda loads: plan_placements(KeepPlacement, ctl.models, loads, num_nodes=1, world_size=1, step=ctl.steps,
+                                      forced=True), {"scale": 1}, 1)
+    return ctl, dest, before
+
+
+def test_a_scale_with_nothing_to_move_goes_on_to_the_switch_with_real_events(tmp_path):
+    """plan_ready (moves 0) leads from planning to scaling; the record says skipped/no_moves; no made-up event."""
+    ctl, dest, before = _scale_with_nothing_to_move(tmp_path)
+    try:
+        assert dest == SCALING and ctl.state == SCALING
+        assert (ctl.history[-1]["outcome"], ctl.history[-1]["reason"]) == ("skipped", "no_moves")
+        assert (ctl.models[0].maps.phy2log == before).all()
+        assert ctl.fire("switched", extra={"generation": 1, "role": "member"}).dest == COLLECTING
+        triggers = [(r["trigger"], r["source"], r["dest"]) for r in ctl.trace.records
+                    if r["event"] == "transition" and r["trigger"] != "step"]
+        assert triggers[-4:] == [("scale_requested", "collecting", "scaling"), ("groups_ready", "scaling", "planning"),
+                            ("plan_ready", "planning", "scaling"), ("switched", "scaling", "collecting")]
+    finally:
+        ctl.close()
+
+
+def test_a_scale_with_nothing_to_move_replays_without_illegal_transitions(tmp_path):
+    """The replay re-drives every transition of that trace through the machine and finds none illegal."""
+    from eplb_fsm.inspect.replay import replay_dir
+
+    ctl, _, _ = _scale_with_nothing_to_move(tmp_path)
+    ctl.fire("switched", extra={"generation": 1, "role": "member"})
+    for _ in range(3):
+        ctl.step()
+    ctl.close()
+    records, _ = read_trace(trace_path(str(tmp_path), 0))
+    assert any(r.get("trigger") == "plan_ready" and r.get("dest") == SCALING for r in records)
+    report = replay_dir(str(tmp_path))
+    assert report.illegal_transitions == [], report.summary
+    assert report.verdict == "healthy", report.summary
