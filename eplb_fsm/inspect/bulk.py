@@ -146,5 +146,7 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     for r in recs:
         if r["event"] != "step":
             s.events[r["event"]] += units
+    w.saw_line(lines[start])
+    w.saw_line(lines[end - 1])
     w.took_bulk(end - start, units, last_seq, lines[end - 1])
     return True

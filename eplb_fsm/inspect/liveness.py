@@ -8,8 +8,9 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **died**: no ``end``, and its last record is older than the others' last records by more
   than ``DEAD_FACTOR`` intervals: the process was killed (SIGKILL, a crash of the
   interpreter) or froze for good.
-- **frozen**: a gap of more than ``FROZEN_FACTOR`` intervals between two of its alive
-  records while another rank wrote alive records inside the gap (SIGSTOP, then SIGCONT).
+- **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
+  while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a live rank
+  writes an alive record every interval, whatever it waits on.
 - **crashed**: ``end`` with ``how: exception`` whose error is not a wait that timed out.
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than
@@ -33,8 +34,8 @@ from eplb_fsm.inspect.findings import Finding, coll_text, last_seen
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
-FROZEN_FACTOR = 5          # a gap of this many intervals between alive records: frozen
-MIN_GAP_S = 3.0            # never less than this (a loaded machine delays a thread by a second or two)
+FROZEN_FACTOR = 2.5        # a gap of this many intervals between alive records: frozen
+MIN_GAP_S = 2.0            # never less than this (a loaded machine delays a thread by a second or so)
 # an exception that ends a wait (a collective or the engine's own) is how a rank notices another's death
 _WAIT_ERROR = re.compile(r"GroupBroken|timed? ?out|timeout|Connection(Reset|Closed|Refused)|closed by peer|"
                          r"gloo|NCCL|Broken pipe", re.I)
@@ -85,16 +86,16 @@ def _ending(s) -> str:
 
 
 def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | None]]:
-    """(from ts, to ts, step, state) for each freeze of ``key``: a long gap while others wrote."""
+    """(from ts, to ts, step, state) for each freeze of ``key``: a silence (no record of any kind)
+    longer than the limit while another rank wrote alive records inside it."""
     s = cast.parts[key]
-    times = [(a[0], a[1], a[2]) for a in s.alive if type(a[0]) in (int, float)]
-    if s.end is not None and type(s.end.get("ts")) in (int, float):
-        times.append((s.end["ts"], s.end.get("step"), s.end.get("state")))
+    if not s.alive and s.end is None:
+        return []  # a writer without liveness records is silent whenever nothing happens
     limit = _limit(s, FROZEN_FACTOR)
     others = [sorted(a[0] for a in o.alive if type(a[0]) in (int, float))
               for k, o in cast.parts.items() if k != key]
     out = []
-    for (a, step, state), (b, _, _) in zip(times, times[1:]):
+    for a, b, step, state in s.silences:
         if b - a <= limit:
             continue
         # somebody else kept writing inside the gap: this rank, not the machine, stood still
@@ -153,7 +154,7 @@ def check_liveness(cast: Cast) -> Liveness:
         for a, b, step, state in _gaps(cast, k):
             events.append((a, "frozen", k, Finding.of(
                 "frozen", step, [k],
-                f"{label} froze for {b - a:.1f} s at step {step} in {state} (SIGSTOP?): no alive record from "
+                f"{label} froze for {b - a:.1f} s at step {step} in {state} (SIGSTOP?): no record from "
                 f"{at(a)} to {at(b)} while the other ranks kept writing",
                 state=state, ranks=[cast.position(k, "frozen", f"silent {b - a:.1f} s from {at(a)}", step, state)],
             )))

@@ -269,6 +269,8 @@ class RankSummary:
     alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on) per `alive` record
     alive_interval: float | None = None       # the `interval_s` its alive records announce
     injected: list[dict] = field(default_factory=list)  # `fault_injected` records (simulator only)
+    # (from ts, to ts, step, state): times the session wrote nothing for over ``records.SILENCE_S``
+    silences: list[tuple] = field(default_factory=list)
     # input problems found while reading, each with the file line: seq going backwards, wrong field types
     disorder: list[dict] = field(default_factory=list)
     # earlier sessions of the same file that belong to the same job (a rank that left, then

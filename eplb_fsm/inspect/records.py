@@ -10,12 +10,19 @@ joiner's machine starts. ``walker.Walker`` uses them.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
 
 from eplb_fsm.inspect.model import RankSummary, compact_record
 
 if TYPE_CHECKING:
     from eplb_fsm.inspect.walker import Walker
+
+# silences longer than this between two records of a rank are kept (liveness judges them)
+SILENCE_S = 2.0
+# ts, state and step of a line as the trace writer lays it out (read without parsing the line)
+LINE_HEAD = re.compile(r'\{"ts":(-?[0-9.eE+-]+),"rank":-?\d+,"world":\d+,"event":"[^"]*","state":"([^"]*)",'
+                       r'"step":(-?\d+),')
 
 # what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
 _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",

@@ -230,6 +230,8 @@ def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
         run = "\n".join(lines[start:end]) + "\n"
         if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
                 and w.plain_steps(end - start):
+            w.saw_line(lines[start])
+            w.saw_line(lines[end - 1])
             if w.first is None:
                 w.first = parse_line(lines[start])
             w.last, w.last_line = None, lines[end - 1]

@@ -32,8 +32,10 @@ from eplb_fsm.inspect.model import (
 )
 from eplb_fsm.inspect.records import (
     COLLECTIVE_EVENTS,
+    LINE_HEAD,
     OWN_STATE,
     REQUEST_KEYS,
+    SILENCE_S,
     TYPED_KEYS,
     TYPES_OK,
     TYPE_NAMES,
@@ -42,6 +44,7 @@ from eplb_fsm.inspect.records import (
     start_from_header,
     wrong_fields,
 )
+from eplb_fsm.inspect.seqcheck import SeqCheck
 
 class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
@@ -77,12 +80,9 @@ class Walker:
         self._mismatch_example = None
         self._warned_layers = False
         # lost lines: seq must advance by one per record (checked at every non-step record)
-        self._prev_seq: int | None = None
-        self._steps_at_prev = 0
-        self._lost = 0
-        self._lost_between: tuple[int, int] | None = None
-        self._jump: tuple[int, int, int] | None = None   # (seq due after a jump, steps then, size)
-        self._odd_seq = 0
+        self.seqs = SeqCheck()
+        self.s.disorder = self.seqs.disorder
+        self._seen: tuple | None = None    # (ts, step, state) of the last record whose time was seen
 
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
@@ -133,9 +133,7 @@ class Walker:
 
     def next_seq(self) -> int | None:
         """The ``seq`` this session's next record will carry (None before any)."""
-        if self._prev_seq is None:
-            return None
-        return self._prev_seq + 1 + self.n_steps - self._steps_at_prev
+        return self.seqs.next_seq(self.n_steps)
 
     def last_record(self) -> dict | None:
         return self.last if self.last is not None else parse_line(self.last_line or "")
@@ -154,12 +152,28 @@ class Walker:
         self.records += count
         return True
 
+    def saw(self, ts, step, state) -> None:
+        """A record written at ``ts``: a silence longer than ``SILENCE_S`` before it is kept (a frozen
+        process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
+        if type(ts) is not float and type(ts) is not int:
+            return
+        before = self._seen
+        if before is not None and ts - before[0] > SILENCE_S and len(self.s.silences) < 100:
+            self.s.silences.append((before[0], ts, before[1], before[2]))
+        self._seen = (ts, step, state)
+
+    def saw_line(self, line: str) -> None:
+        """``saw`` for a line read in bulk (its ts, step and state found without parsing it)."""
+        m = LINE_HEAD.match(line)
+        if m is not None:
+            self.saw(float(m.group(1)), int(m.group(3)), m.group(2))
+
     def took_bulk(self, records: int, steps: int, last_seq: int, last_line: str) -> None:
         """Account a stretch read in bulk (``bulk.feed_units``): ``records`` lines, ``steps`` of them
         step records, the last carrying ``last_seq``."""
         self.n_steps += steps
         self.records += records
-        self._prev_seq, self._steps_at_prev = last_seq, self.n_steps
+        self.seqs.skip_to(last_seq, self.n_steps)
         self.last, self.last_line = None, last_line
 
     def step_record(self, rec: dict) -> None:
@@ -182,30 +196,8 @@ class Walker:
         self.n_steps += 1
 
     def _check_seq(self, rec: dict, ev: Any) -> bool:
-        """``seq`` must advance by one per record: a jump is lost lines, a step back is disorder.
-        Returns whether the record carried a seq."""
-        seq = rec.get("seq")
-        if type(seq) is not int:
-            return False
-        jump, self._jump = self._jump, None   # an inserted or mislabelled record is one jump and back
-        if self._prev_seq is not None:
-            expected = self._prev_seq + 1 + self.n_steps - self._steps_at_prev
-            if seq > expected:
-                self._lost += seq - expected
-                self._jump = (expected + 1, self.n_steps, seq - expected)
-                if self._lost_between is None:
-                    self._lost_between = (self._prev_seq, seq)
-            elif seq < expected and jump is not None and seq - (self.n_steps - jump[1]) in (jump[0], jump[0] - 1):
-                # the sequence goes on from before the previous record: that one record carried an odd seq
-                self._lost -= jump[2]
-                self._odd_seq += 1
-            elif seq < expected and len(self.s.disorder) < 20:
-                # written out of order (or a copied line): the order of the file is not the rank's
-                self.s.disorder.append({"where": self.where(), "line": self.line, "seq": seq,
-                                        "expected": expected, "event": ev})
-        self._prev_seq = seq
-        self._steps_at_prev = self.n_steps
-        return True
+        """``seq`` must advance by one per record (``SeqCheck``); disorder goes to the summary."""
+        return self.seqs.check(rec.get("seq"), self.n_steps, self.where(), self.line, ev)
 
     def where(self) -> str:
         name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
@@ -220,6 +212,7 @@ class Walker:
                 f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {TYPE_NAMES[k]}" for k in wrong)
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
+        self.saw(rec.get("ts"), rec.get("step"), rec.get("state"))
         ev = rec.get("event")
         if ev == "step":
             self.last = rec
@@ -385,12 +378,7 @@ class Walker:
             s.last_step = step if type(step) is int else None
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
-        if self._odd_seq:
-            s.warnings.append(f"{self._odd_seq} record(s) carry a seq outside the rank's sequence (foreign lines?)")
-        if self._lost:
-            a, b = self._lost_between
-            s.warnings.append(f"{self._lost} record(s) missing by seq (lost lines), the first between seq {a} "
-                              f"and seq {b}")
+        s.warnings += self.seqs.warnings()
         if self._mismatch:
             seq, ev, st, rep = self._mismatch_example
             s.warnings.append(
