@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.findings import Finding, coll_text, last_seen
+from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -83,6 +83,11 @@ def _ending(s) -> str:
     if how == "signal":
         return f"stopped by {end.get('signal') or 'a signal'}"
     return f"ended: {how}"
+
+
+def _end_ts(s) -> float:
+    ts = (s.end or {}).get("ts")
+    return ts if type(ts) in (int, float) else (s.last_ts if s.last_ts is not None else float("inf"))
 
 
 def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | None]]:
@@ -140,14 +145,16 @@ def check_liveness(cast: Cast) -> Liveness:
                 details=[f"{label}: last record at {at(lasts[k])}, the others wrote until {at(others_last)} "
                          "(a process frozen for good looks the same)"],
             )))
-        elif (s.end is None and not s.ended_on_purpose and len(parts) > 1
-              and all(o.end is not None for o2, o in parts.items() if o2 != k)):
+        elif (s.end is None and not s.ended_on_purpose and len(parts) > 1 and k in lasts
+              and all(o.end is not None for o2, o in parts.items() if o2 != k)
+              # killed before the others stopped; one the launcher killed after they had ended is a consequence
+              and lasts[k] < min(_end_ts(o) for o2, o in parts.items() if o2 != k)):
             # everyone else stopped in order and this one left no end record: killed near the end
             step = s.last_step
             events.append((lasts.get(k, 0.0), "rank_died", k, Finding.of(
                 "rank_died", step, [k],
                 f"{label} died (SIGKILL?) at step {step} in {s.final_state}: no end record, while every other "
-                "rank ended in order",
+                "rank wrote its end record",
                 state=s.final_state, layer=s.final_layer,
                 ranks=[cast.position(k, "died", last_seen(s), step, s.final_state, s.final_layer)],
             )))
@@ -176,7 +183,8 @@ def check_liveness(cast: Cast) -> Liveness:
         elif end.get("how") == "signal" and ts is not None:
             signals.append((ts, k))
     events.sort(key=lambda e: (e[0], e[2]))
-    first_ts = events[0][0] if events else None
+    # a signal after another rank failed or gave up waiting is the launcher stopping the job
+    first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
     for ts, k in signals:
         s = parts[k]
         if first_ts is not None and ts >= first_ts:
@@ -188,7 +196,7 @@ def check_liveness(cast: Cast) -> Liveness:
     for ts, k in late_exceptions:
         s = parts[k]
         out.consequences.append(f"{cast.label(k)} gave up waiting at {at(ts)} (step {s.end.get('step')}, "
-                                f"{_waiting_text(s)}): {s.end.get('error')}")
+                                f"{_waiting_text(s)}): {short_error(s.end.get('error'))}")
         out.consequence_keys.add(k)
     # signalled without an earlier cause: the job was stopped from outside (one finding for all)
     stopped = sorted((e for e in events if e[1] == "signalled"), key=lambda e: e[0])
@@ -310,10 +318,11 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
                 late = max(starts, key=starts.get)
                 entry["late_ranks"], entry["late_by_s"] = [late[0]], round(starts[late] - min(starts.values()), 3)
                 late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
-        frozen = [x for x in causes if x.kind == "frozen" and type(x.step) is int and x.step <= step]
-        if frozen:
-            late_text += "; " + "; ".join(x.summary for x in frozen[-1:])
-            entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(frozen[-1].culprits))
+        # a rank that froze or died at or before that step is why the others gave up
+        gone = [x for x in causes if x.kind in ("frozen", "rank_died") and type(x.step) is int and x.step <= step]
+        if gone:
+            late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + gone[-1].summary.split(":")[0]
+            entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
         entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
         out.append(entry)
     return out

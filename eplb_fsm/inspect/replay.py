@@ -243,7 +243,8 @@ def diagnose(
     findings.sort(key=Finding.sort_key)
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
-    findings = config + live.findings + [f for f in findings if f.kind != "config_mismatch"]
+    rest = [f for f in findings if f.kind != "config_mismatch"]
+    findings = config + [_with_collective(f, rest) for f in live.findings] + rest
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):
@@ -269,6 +270,21 @@ def diagnose(
                       consequences=consequences, **extra)
     return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled, aborted), [], None, None, None, None,
                   [], [], illegal, ranks, warnings, world, missing_ranks, 0, handled, scales, **extra)
+
+
+def _with_collective(cause: Finding, rest: list[Finding]) -> Finding:
+    """A death the collectives show too (the rank never joined one the others waited in) is told
+    by that collective finding, richer (op, group, cseq, who waited), with the death as its first
+    detail; the collective finding leaves ``rest``. Any other cause stays as it is."""
+    if cause.kind != "rank_died" or type(cause.step) is not int:
+        return cause
+    for f in rest:
+        if f.kind in ("hang", "collective_mismatch") and f.culprits == cause.culprits and type(f.step) is int \
+                and cause.step - 2 <= f.step <= cause.step + 2:
+            rest.remove(f)
+            f.details.insert(0, cause.summary)
+            return f
+    return cause
 
 
 def _disorder(cast) -> list[Finding]:
