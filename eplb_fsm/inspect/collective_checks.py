@@ -179,7 +179,8 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
                 out.append(cast.position(k, "inside", f"inside since step {e.step} ({e.state}), never finished; "
                                          + last_seen(s), e.step, e.state, e.layer))
             elif e.status == "error":
-                out.append(cast.position(k, "error", f"left it with an error: {e.error}", e.step, e.state, e.layer))
+                out.append(cast.position(k, "error", f"left it with an error: {short_error(e.error)}", e.step, e.state,
+                                         e.layer))
             else:
                 later = s.last_step is not None and e.step is not None and (
                     s.last_step > e.step or s.max_cseq(g) > c)

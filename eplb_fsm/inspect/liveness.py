@@ -48,7 +48,7 @@ class Liveness:
 
     aware: bool                                   # any participant wrote end or alive records
     findings: list[Finding] = field(default_factory=list)
-    consequences: list[str] = field(default_factory=list)
+    consequences: list[tuple] = field(default_factory=list)   # (participant, what happened to it)
     consequence_keys: set = field(default_factory=set)   # participants that only reacted
     endings: dict = field(default_factory=dict)   # key -> one line on how it ended
     t0: float | None = None
@@ -188,15 +188,15 @@ def check_liveness(cast: Cast) -> Liveness:
     for ts, k in signals:
         s = parts[k]
         if first_ts is not None and ts >= first_ts:
-            out.consequences.append(f"{cast.label(k)} was stopped by {s.end.get('signal') or 'a signal'} at "
-                                    f"{at(ts)}, {ts - first_ts:.1f} s after the cause (step {s.end.get('step')})")
+            out.consequences.append((k, f"{cast.label(k)} was stopped by {s.end.get('signal') or 'a signal'} at "
+                                    f"{at(ts)}, {ts - first_ts:.1f} s after the cause (step {s.end.get('step')})"))
             out.consequence_keys.add(k)
         else:
             events.append((ts, "signalled", k, None))
     for ts, k in late_exceptions:
         s = parts[k]
-        out.consequences.append(f"{cast.label(k)} gave up waiting at {at(ts)} (step {s.end.get('step')}, "
-                                f"{_waiting_text(s)}): {short_error(s.end.get('error'))}")
+        out.consequences.append((k, f"{cast.label(k)} gave up waiting at {at(ts)} (step {s.end.get('step')}, "
+                                f"{_waiting_text(s)}): {short_error(s.end.get('error'))}"))
         out.consequence_keys.add(k)
     # signalled without an earlier cause: the job was stopped from outside (one finding for all)
     stopped = sorted((e for e in events if e[1] == "signalled"), key=lambda e: e[0])
@@ -225,8 +225,8 @@ def check_liveness(cast: Cast) -> Liveness:
         if k in culprits or k in out.consequence_keys or s.end is not None or len(s.alive) < 2:
             continue
         if s.alive[-1][1] == s.alive[-2][1] and events:
-            out.consequences.append(f"{cast.label(k)} waited at step {s.alive[-1][1]} in {s.alive[-1][2]} "
-                                    f"(alive, its step no longer advancing; {_waiting_text(s)})")
+            out.consequences.append((k, f"{cast.label(k)} waited at step {s.alive[-1][1]} in {s.alive[-1][2]} "
+                                    f"(alive, its step no longer advancing; {_waiting_text(s)})"))
             out.consequence_keys.add(k)
     return out
 

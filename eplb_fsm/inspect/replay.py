@@ -244,7 +244,8 @@ def diagnose(
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
-    findings = config + [_with_collective(f, rest) for f in live.findings] + rest
+    causes = [f for f in live.findings if not _died_waiting(f, rest, cast)]
+    findings = config + [_with_collective(f, rest) for f in causes] + rest
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):
@@ -263,13 +264,30 @@ def diagnose(
     extra = dict(aborted=aborted, injected=injected, run_id=run_ids[0] if len(run_ids) == 1 else None)
     if findings:
         f = findings[0]
-        consequences = live.consequences + [f"{g.kind}: {g.summary}" for g in findings[1:]
+        # what happened to the other ranks afterwards; the verdict's culprits are not their own consequence
+        consequences = [text for k, text in live.consequences if k[0] not in f.culprits] + [
+            f"{g.kind}: {g.summary}" for g in findings[1:]
                                             if g.kind not in ("missing_ranks",)]
         return Report(f.kind, f.summary, f.culprits, f.step, f.state, f.layer, f.collective, f.ranks,
                       findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales,
                       consequences=consequences, **extra)
     return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled, aborted), [], None, None, None, None,
                   [], [], illegal, ranks, warnings, world, missing_ranks, 0, handled, scales, **extra)
+
+
+def _died_waiting(cause: Finding, rest: list[Finding], cast) -> bool:
+    """A rank that died inside a collective another member never joined (gloo aborts a process
+    whose peer issued a different collective) died of that hang: the hang's culprit is the cause.
+    The death becomes the hang's first detail; True when it was folded so."""
+    if cause.kind != "rank_died":
+        return False
+    opened = {(c.group, c.cseq) for k in cause.keys() if k in cast.parts for c in cast.parts[k].open_collectives()}
+    for f in rest:
+        if f.kind in ("hang", "collective_mismatch") and f.collective and not set(f.culprits) & set(cause.culprits) \
+                and (f.collective.get("group"), f.collective.get("cseq")) in opened:
+            f.details.insert(0, f"{cause.summary} (inside this collective, which the culprit never joined)")
+            return True
+    return False
 
 
 def _with_collective(cause: Finding, rest: list[Finding]) -> Finding:
