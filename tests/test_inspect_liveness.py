@@ -27,7 +27,7 @@ class Rank:
         self.records: list[dict] = []
         self.cseq: dict[str, int] = {}
         self.emit("header", schema=1, run_id=run_id, config_hash="0123456789abcdef", mode="sync",
-                  config={"num_layers": 2}, versions={"eplb_fsm": "test"})
+                  config={"num_layers": 2}, versions={"eplb_fsm": "test"}, group="ep", transfer_group="ep_transfer")
 
     def emit(self, event: str, **fields) -> dict:
         rec = {"ts": round(self.ts, 6), "rank": self.rank, "world": self.world, "event": event, "state": self.state,
@@ -136,6 +136,20 @@ def test_help_documents_the_exit_codes(capsys):
         main(["replay", "--help"])
     out = capsys.readouterr().out
     assert "exit status:" in out and "0  healthy" in out and "1  a problem" in out and "2  usage error" in out
+
+
+def test_rank_that_died_inside_a_collective_its_peer_never_joined_is_not_the_cause(tmp_path):
+    """Rank 0 dies inside an all-reduce rank 1 never issued (rank 1 lagged): the verdict names rank 1."""
+    ranks = [Rank(r, world=2).steps(19) for r in range(2)]
+    ranks[0].steps(20)
+    c = ranks[0].cseq.get("ep", 0)
+    ranks[0].emit("collective_start", op="all_reduce", group="ep", cseq=c, shape=[16], dtype="torch.float64",
+                  parts=["loads"])
+    ranks[1].steps(20, alive=False)    # one step behind: its engine step, no controller collective
+    ranks[1].end("exception", error="RuntimeError: Read error: Connection reset by peer")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "hang" and report.culprit_ranks == [1], format_report(report)
+    assert any("rank 0 died" in d for d in report.findings[0].details)
 
 
 def test_sigterm_before_any_failure_is_the_cause(tmp_path):

@@ -67,7 +67,8 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
         == len(loaded)
     if swapped:
         findings.append(Finding.of(
-            "swapped_rank_file", None, [(h, 0) for _, _, h in swapped] if by_records else [(r, 0) for r, _, _ in swapped],
+            "swapped_rank_file", None,
+            [(h, 0) for _, _, h in swapped] if by_records else [(r, 0) for r, _, _ in swapped],
             "; ".join(f"{p.name} holds the records of rank {h}" for _, p, h in swapped)
             + (": files renamed or swapped; replayed by the rank the records carry" if by_records else
                ": files renamed or swapped; the ranks the records carry collide, replayed by the file names"),

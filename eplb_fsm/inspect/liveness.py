@@ -37,8 +37,8 @@ DEAD_FACTOR = 5            # silent for this many intervals before the others' l
 FROZEN_FACTOR = 2.5        # a gap of this many intervals between alive records: frozen
 MIN_GAP_S = 2.0            # never less than this (a loaded machine delays a thread by a second or so)
 # an exception that ends a wait (a collective or the engine's own) is how a rank notices another's death
-_WAIT_ERROR = re.compile(r"GroupBroken|timed? ?out|timeout|Connection(Reset|Closed|Refused)|closed by peer|"
-                         r"gloo|NCCL|Broken pipe", re.I)
+_WAIT_ERROR = re.compile(r"GroupBroken|timed? ?out|timeout|connection ?(reset|closed|refused)|closed by peer|"
+                         r"read error|gloo|NCCL|broken pipe|TransferError", re.I)
 PRIMARY = ("rank_died", "frozen", "crashed", "signalled", "lagging")
 
 
@@ -250,7 +250,8 @@ def _lagging(cast: Cast) -> Finding | None:
     top = max(stalled.values())
     return Finding.of(
         "lagging", low, behind,
-        f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} ({_waiting_text(s)}) while "
+        f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} "
+        f"({_waiting_text(s)}) while "
         f"{cast.who(ahead)} wait at step {top}: alive, their steps no longer advance",
         state=s.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in behind else "waiting",
