@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+#: the package version (pyproject.toml reads it from here)
+__version__ = "0.1.0"
+
 # public name -> the module that defines it
 _EXPORTS = {
     "EplbConfig": "eplb_fsm.config",

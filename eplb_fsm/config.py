@@ -1,18 +1,28 @@
 """EplbConfig: the balancer's settings, validated on construction.
 
 Every invalid value raises ``ValueError`` naming the field and the rule, before any
-state exists, so a bad setting never reaches a running engine.
+state exists, so a bad setting never reaches a running engine: a wrong type or range,
+an unknown policy name (the choices are listed), an unknown field (keyword or dict key).
+
+Construction: ``EplbConfig(**fields)``, :meth:`EplbConfig.from_dict` (a mapping),
+:meth:`EplbConfig.from_json` (JSON *text*) and :meth:`EplbConfig.from_file` (a path to a
+JSON file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 LOAD_ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
+#: largest ``window_size``: the window is a (window_size, layers, slots) int64 tensor per
+#: model, so 100k passes of a 58-layer, 288-slot model already take 13 GB
+MAX_WINDOW_SIZE = 100_000
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class EplbConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_int(self.window_size, "window_size", minimum=1)
+        _check_int(self.window_size, "window_size", minimum=1, maximum=MAX_WINDOW_SIZE)
         _check_int(self.step_interval, "step_interval", minimum=1)
         _check_int(self.num_redundant_experts, "num_redundant_experts", minimum=0)
         _check_int(self.log_balancedness_interval, "log_balancedness_interval", minimum=1)
@@ -58,6 +68,10 @@ class EplbConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"policy must be a non-empty policy name, got {self.policy!r}")
+        from eplb_fsm.policy.registry import available_policies  # names only: no policy module is imported
+
+        if self.policy not in available_policies():
+            raise ValueError(f"policy must be one of {', '.join(available_policies())}, got {self.policy!r}")
         _check_float(self.min_balancedness_gain, "min_balancedness_gain", lo=0.0, hi=1.0)
         _check_float(self.collective_timeout_s, "collective_timeout_s", lo=0.0, lo_open=True)
         _check_float(self.watchdog_deadline_s, "watchdog_deadline_s", lo=0.0)
@@ -91,12 +105,28 @@ class EplbConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "EplbConfig":
-        """Build from a JSON object string."""
+        """Build from JSON *text* holding one object (for a file, use :meth:`from_file`)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"config JSON is not valid: {exc}") from exc
+            hint = ""
+            if isinstance(text, str) and "\n" not in text and os.path.isfile(text):
+                hint = f" ({text!r} is a file: use EplbConfig.from_file)"
+            raise ValueError(f"config JSON is not valid: {exc}{hint}") from exc
         return cls.from_dict(data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "EplbConfig":
+        """Build from a JSON file holding one object; ``ValueError`` naming the file when it cannot be read."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config file {os.fspath(path)}: cannot read: {exc}") from None
+        try:
+            return cls.from_json(text)
+        except ValueError as exc:
+            raise ValueError(f"config file {os.fspath(path)}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -111,11 +141,30 @@ class EplbConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> None:
+def _reject_unknown_fields(init):
+    """Wrap the dataclass ``__init__`` so an unknown keyword is a ValueError (like from_dict), not a TypeError."""
+
+    @functools.wraps(init)
+    def checked_init(self, *args: Any, **kwargs: Any) -> None:
+        known = {f.name for f in fields(type(self))}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        init(self, *args, **kwargs)
+
+    return checked_init
+
+
+EplbConfig.__init__ = _reject_unknown_fields(EplbConfig.__init__)  # type: ignore[method-assign]
+
+
+def _check_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
 def _check_float(

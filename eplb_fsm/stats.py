@@ -163,6 +163,3 @@ def balancedness(rank_loads: Any) -> float:
     total_max = float(loads.max(axis=1).sum())
     return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
 
-
-#: the former name; ``sim/run.py`` still imports it (remove once it calls :func:`balancedness`)
-balancedness_from_rank_loads = balancedness

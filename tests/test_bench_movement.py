@@ -13,8 +13,6 @@ import torch
 from eplb_fsm.bench import movement
 from eplb_fsm.stats import LoadWindow
 
-ESFT = movement._esft_dir(None)
-HAVE_TRACES = ESFT is not None and (ESFT / "intent").is_dir() and (ESFT / "law").is_dir()
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -55,9 +53,9 @@ def test_time_target_covers_every_sigma():
     assert result["summary"]["time_targets_met"].startswith(f"{int(row['time_met'])}/1")
 
 
-@pytest.mark.skipif(not HAVE_TRACES, reason="ESFT traces not present")
-def test_traces_and_estimators():
-    """On the ESFT traces it reports rolling re-plans and the load-estimator comparison."""
+def test_traces_and_estimators(monkeypatch):
+    """On the bundled ESFT traces it reports rolling re-plans and the load-estimator comparison."""
+    monkeypatch.delenv(movement.ESFT_DIR_ENV, raising=False)
     result = movement.run(
         _args("--shapes", "v2lite_ep8", "--sigmas", "0.05", "--repeats", "1", "--sequences", "8", "--history", "3")
     )

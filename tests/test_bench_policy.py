@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 
@@ -12,7 +14,7 @@ from eplb_fsm.cli import main
 def test_bench_policy_json(capsys):
     """The benchmark reports time, speed-up, balancedness, bound and identical placements per shape."""
     argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8,qwen3_ep16"]
-    argv += ["--repeats", "2", "--reference-repeats", "1"]
+    argv += ["--repeats", "2", "--reference-repeats", "1", "--no-scaling"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["benchmark"] == "policy"
@@ -23,8 +25,29 @@ def test_bench_policy_json(capsys):
         assert row["speedup"] == pytest.approx(row["reference_ms"] / row["default_ms"], rel=0.01)
         assert row["default_best_ms"] <= row["default_ms"] and row["reference_best_ms"] <= row["reference_ms"]
         assert row["initial"] < row["balancedness"] <= row["bound"] + 1e-9
+        assert row["speedup_cpu"] == pytest.approx(row["reference_cpu_ms"] / row["default_cpu_ms"], rel=0.01)
+        assert row["cores_busy"] >= 0
+    assert result["shapes"]["v2lite_ep8"]["meets_target"] is None  # not a target shape
+    assert result["shapes"]["qwen3_ep16"]["meets_target"] == (result["shapes"]["qwen3_ep16"]["speedup"] >= 20.0)
+    assert result["meets_target"] == result["shapes"]["qwen3_ep16"]["meets_target"]
+    assert "scaling" not in result
     assert result["all_identical"] is True
     assert result["min_speedup"] == min(r["speedup"] for r in result["shapes"].values())
+
+
+def test_bench_policy_torch_threads(capsys):
+    """--torch-threads sets torch's thread count for the run and is reported; 0 is refused."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
+        assert main(argv + ["--no-scaling", "--torch-threads", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--torch-threads", "0"]) == 2
+    assert "--torch-threads must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_policy_custom_scenarios(capsys, tmp_path):
@@ -33,13 +56,38 @@ def test_bench_policy_custom_scenarios(capsys, tmp_path):
     spec = {"layers": 3, "experts": 16, "replicas": 24, "ranks": 4, "nodes": 2, "groups": 4}
     path.write_text(json.dumps({"shapes": {"tiny_hier": spec}, "synthetic_load": {"kind": "zipf", "exponent": 1.2,
                                                                                    "tokens_per_layer": 1000}}))
-    assert main(["bench", "policy", "--json", "--scenarios", str(path), "--repeats", "1"]) == 0
+    assert main(["bench", "policy", "--json", "--scenarios", str(path), "--repeats", "1",
+                 "--no-scaling"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["shapes"]["tiny_hier"]["hierarchical"] is True
     assert result["shapes"]["tiny_hier"]["identical"] is True
 
 
-def test_bench_policy_unknown_shape():
-    """An unknown --shapes name stops with a message listing the known shapes."""
-    with pytest.raises(SystemExit, match="unknown shape.*dsv3_ep32_hier"):
-        main(["bench", "policy", "--shapes", "nope"])
+def test_bench_policy_unknown_shape(capsys):
+    """An unknown --shapes name is a usage error (exit 2) with one line listing the known shapes."""
+    assert main(["bench", "policy", "--shapes", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert re.search("eplb-fsm bench policy: error: .*unknown shape.*dsv3_ep32_hier", err) and err.count("\n") == 1
+def test_bench_policy_scaling_table(capsys):
+    """The scaling table doubles layers (1..232) and experts (64..512) with a per-doubling ratio and verdict."""
+    argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
+    assert main(argv + ["--scaling-repeats", "1"]) == 0
+    scaling = json.loads(capsys.readouterr().out)["scaling"]
+    for mode in ("hierarchical", "global"):
+        layers, experts = scaling[f"layers_{mode}"], scaling[f"experts_{mode}"]
+        assert [r["size"] for r in layers] == [1, 2, 4, 8, 16, 32, 64, 128, 232]
+        assert [r["size"] for r in experts] == [64, 128, 256, 512]
+        assert [r["replicas"] for r in experts] == [96, 160, 288, 544]
+        assert "ratio_per_doubling" not in layers[0]
+        last = layers[-1]  # 128 -> 232 layers is 0.86 of a doubling
+        expected = (last["ms"] / layers[-2]["ms"]) ** (1 / math.log2(232 / 128))
+        assert last["ratio_per_doubling"] == pytest.approx(expected, rel=0.01)
+        assert all(r["meets_target"] == (r["ratio_per_doubling"] <= 2.1) for r in layers[1:] + experts[1:])
+    rows = [r for k, v in scaling.items() if isinstance(v, list) for r in v[1:]]
+    assert scaling["max_ratio_per_doubling"] == max(r["ratio_per_doubling"] for r in rows)
+    assert scaling["meets_target"] == all(r["meets_target"] for r in rows)
+
+
+def test_bench_policy_rejects_zero_repeats():
+    """--scaling-repeats 0 stops with a message naming the option."""
+    assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--scaling-repeats", "0"]) == 2

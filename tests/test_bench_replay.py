@@ -10,7 +10,7 @@ from eplb_fsm.cli import main
 def test_small_bench_reports_both_verdicts(capsys):
     """A small run: healthy traces replay as healthy, the injected hang names the expected culprit."""
     assert main(["bench", "replay", "--json", "--ranks", "8", "--steps", "600", "--interval", "50",
-                 "--layers", "2", "--repeat", "1"]) == 0
+                 "--layers", "2", "--repeats", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranks"] == 8 and data["steps"] == 600
     assert data["healthy"]["verdict"] == "healthy"
@@ -27,11 +27,9 @@ def test_small_bench_reports_both_verdicts(capsys):
     assert data["meets_target"] == (data["compact"]["meets_target"] and ar["meets_target"])
 
 
-def test_bad_sizes_are_refused():
-    """Fewer than 2 ranks or fewer steps than two intervals is a usage error."""
-    import pytest
-
-    with pytest.raises(SystemExit):
-        main(["bench", "replay", "--ranks", "1", "--steps", "100"])
-    with pytest.raises(SystemExit):
-        main(["bench", "replay", "--ranks", "4", "--steps", "50", "--interval", "100"])
+def test_bad_sizes_are_refused(capsys):
+    """Fewer than 2 ranks or fewer steps than two intervals is a usage error: exit 2, one line naming the options."""
+    assert main(["bench", "replay", "--ranks", "1", "--steps", "100"]) == 2
+    assert "eplb-fsm bench replay: error: need --ranks >= 2" in capsys.readouterr().err
+    assert main(["bench", "replay", "--ranks", "4", "--steps", "50", "--interval", "100"]) == 2
+    assert "--steps >= 2 * --interval" in capsys.readouterr().err

@@ -72,3 +72,24 @@ def test_unknown_format_is_a_usage_error(tmp_path, capsys):
         main(["diagram", "--out", str(tmp_path), "--format", "gif"])
     assert info.value.code == 2
     assert "mermaid, dot, svg, png" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "make, option, rule",
+    [
+        (lambda t: ["--out", str(t / "file.txt")], "--out", "is not a folder"),
+        (lambda t: ["--out", str(t / "file.txt" / "sub")], "--out", "is not a folder"),
+        (lambda t: ["--out", str(t / "d"), "--doc", str(t)], "--doc", "is not a file"),
+        (lambda t: ["--out", str(t / "d"), "--doc", str(t / "absent.md")], "--doc", "does not exist"),
+        (lambda t: ["--out", str(t / "d"), "--doc", str(t / "file.txt")], "--doc", "no diagram markers"),
+    ],
+)
+def test_bad_paths_exit_2_before_writing(tmp_path, capsys, make, option, rule):
+    """A bad --out or --doc prints a line naming the option and rule, exits 2 and writes no file."""
+    (tmp_path / "file.txt").write_text("no generated block here\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["diagram", *make(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]  # (a page without the markers gets the two lines to add below it)
+    assert first.startswith(f"eplb-fsm diagram: error: {option}") and rule in first, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -78,19 +78,26 @@ def _bad_load(tmp_path, name, array):
 @pytest.mark.parametrize(
     "argv, option",
     [
-        (["--ranks", "8", "--replicas", "70"], "--replicas"),
-        (["--ranks", "8", "--replicas", "56"], "--replicas"),
-        (["--ranks", "0", "--replicas", "72"], "--ranks"),
-        (["--ranks", "8", "--replicas", "72", "--nodes", "0"], "--nodes"),
-        (["--ranks", "8", "--replicas", "72", "--groups", "3", "--nodes", "1"], "--groups"),
-        (["--ranks", "6", "--replicas", "72", "--groups", "4", "--nodes", "4"], "--nodes"),
-        (["--ranks", "8", "--replicas", "72", "--policy", "nope"], "--policy"),
-        (["--ranks", "8", "--replicas", "72", "--out", "plan.txt"], "--out"),
-        (["--ranks", "8", "--replicas", "72", "--out", "/no/such/dir/plan.pt"], "--out"),
-        (["--ranks", "8", "--replicas", "72", "--load", "/no/such/file.npy"], "--load"),
-        (["--ranks", "8", "--replicas", "72", "--load", "BAD:1d"], "--load"),
-        (["--ranks", "8", "--replicas", "72", "--load", "BAD:nan"], "--load"),
-        (["--ranks", "8", "--replicas", "72", "--load", "BAD:neg"], "--load"),
+        (["--ranks", "8", "--slots", "70"], "--slots"),
+        (["--ranks", "8", "--slots", "56"], "--slots"),
+        (["--ranks", "8", "--replicas", "70"], "--slots"),  # the old name still parses
+        (["--ranks", "0", "--slots", "72"], "--ranks"),
+        (["--ranks", "8", "--slots", "72", "--nodes", "0"], "--nodes"),
+        (["--ranks", "8", "--slots", "72", "--groups", "3", "--nodes", "1"], "--groups"),
+        (["--ranks", "6", "--slots", "72", "--groups", "4", "--nodes", "4"], "--nodes"),
+        (["--ranks", "2", "--slots", "72", "--nodes", "3"], "--nodes"),  # global mode too
+        (["--ranks", "8", "--redundant", "-1"], "--redundant"),
+        (["--ranks", "1000000", "--slots", "1000000000"], "--ranks"),
+        (["--ranks", "8", "--slots", "1000000000"], "--slots"),
+        (["--ranks", "8", "--slots", "16384", "--load", "BAD:tall"], "--slots"),
+        (["--ranks", "8", "--slots", "72", "--out", "plan.txt"], "--out"),
+        (["--ranks", "8", "--slots", "72", "--out", "/no/such/dir/plan.pt"], "--out"),
+        (["--ranks", "8", "--slots", "72", "--out", "BAD:dir"], "--out"),
+        (["--ranks", "8", "--slots", "72", "--load", "/no/such/file.npy"], "--load"),
+        (["--ranks", "8", "--slots", "72", "--load", "esft:nope"], "--load"),
+        (["--ranks", "8", "--slots", "72", "--load", "BAD:1d"], "--load"),
+        (["--ranks", "8", "--slots", "72", "--load", "BAD:nan"], "--load"),
+        (["--ranks", "8", "--slots", "72", "--load", "BAD:neg"], "--load"),
     ],
 )
 def test_plan_bad_input_exits_2_naming_the_option(capsys, tmp_path, argv, option):
@@ -99,17 +106,47 @@ def test_plan_bad_input_exits_2_naming_the_option(capsys, tmp_path, argv, option
         "BAD:1d": _bad_load(tmp_path, "one_d.npy", np.ones(64)),
         "BAD:nan": _bad_load(tmp_path, "nan.npy", np.full((2, 64), np.nan)),
         "BAD:neg": _bad_load(tmp_path, "neg.npy", -np.ones((2, 64))),
+        "BAD:tall": _bad_load(tmp_path, "tall.npy", np.ones((100, 64))),
+        "BAD:dir": str(tmp_path),
     }
     argv = [bad.get(a, a) for a in argv]
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"eplb-fsm plan: error: {option}:"), err
+    assert err.count("\n") == 1  # one line
+
+
+def test_plan_unknown_policy_lists_the_choices(capsys):
+    """An unknown --policy is a usage error (exit 2) listing the registered policies on one line."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--ranks", "8", "--slots", "72", "--policy", "nope"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy" in err and "default" in err and "movement_aware" in err and err.count("\n") == 1
+
+
+def test_plan_redundant_gives_the_slots(capsys):
+    """--redundant R plans experts + R slots, the same plan as --slots N + R (and the old --replicas)."""
+    by_redundant = _plan_json(capsys, "--ranks", "8", "--redundant", "8")
+    by_slots = _plan_json(capsys, "--ranks", "8", "--slots", "72")
+    by_replicas = _plan_json(capsys, "--ranks", "8", "--replicas", "72")
+    assert by_redundant["slots"] == by_slots["slots"] == by_replicas["slots"] == 72
+    assert by_redundant["balancedness"] == by_slots["balancedness"] == by_replicas["balancedness"]
+
+
+def test_plan_slots_and_redundant_exclude_each_other(capsys):
+    """Giving both --slots and --redundant (or neither) is a usage error."""
+    for argv in (["--slots", "72", "--redundant", "8"], []):
+        with pytest.raises(SystemExit) as info:
+            main(["plan", "--ranks", "8", *argv])
+        assert info.value.code == 2
+        assert "--slots" in capsys.readouterr().err
 
 
 def test_plan_missing_required_option_is_usage_error(capsys):
     """Leaving out --ranks is an argparse usage error (exit 2)."""
     with pytest.raises(SystemExit) as info:
-        main(["plan", "--replicas", "72"])
+        main(["plan", "--slots", "72"])
     assert info.value.code == 2
     assert "--ranks" in capsys.readouterr().err
 
@@ -117,7 +154,7 @@ def test_plan_missing_required_option_is_usage_error(capsys):
 def test_plan_subprocess():
     """`python -m eplb_fsm plan --json` runs end to end in a fresh interpreter."""
     proc = subprocess.run(
-        [sys.executable, "-m", "eplb_fsm", "plan", "--json", "--ranks", "8", "--replicas", "72"],
+        [sys.executable, "-m", "eplb_fsm", "plan", "--json", "--ranks", "8", "--slots", "72"],
         cwd=REPO,
         capture_output=True,
         text=True,

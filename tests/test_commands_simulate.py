@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from eplb_fsm.cli import main
-from eplb_fsm.sim.run import default_esft_dir
 
 SMALL = ["--ranks", "2", "--layers", "2", "--experts", "8", "--redundant", "4", "--hidden", "8",
          "--tokens", "48", "--steps", "40", "--interval", "16", "--window", "8"]
@@ -68,9 +66,8 @@ def test_simulate_async_with_hooks_text_report(tmp_path, capsys):
     """Async mode with a per-rank hook (dummy steps): the hook's data comes back and the text report reads well."""
     from eplb_fsm.commands import simulate as sim_cmd
 
-    parser_args = ["simulate", *SMALL, "--mode", "async", "--log-dir", str(tmp_path), "--no-png", "--no-progress"]
-    if default_esft_dir().is_dir():
-        parser_args += ["--load", "esft"]
+    parser_args = ["simulate", *SMALL, "--mode", "async", "--log-dir", str(tmp_path), "--no-png", "--no-progress",
+                   "--load", "esft"]  # the ESFT traces bundled with the package
     from eplb_fsm.cli import build_parser
 
     args = build_parser().parse_args(parser_args)
@@ -93,16 +90,6 @@ def test_simulate_rejects_bad_arguments(capsys):
     assert "divisible" in capsys.readouterr().err
 
 
-def test_plot_says_why_without_matplotlib(tmp_path, monkeypatch):
-    """Without matplotlib the PNG is skipped with a reason instead of an error."""
-    from eplb_fsm.sim import plot
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    path, note = plot.plot_balancedness([(0, 0.5), (1, 0.9)], [], tmp_path / "b.png")
-    assert path is None and "matplotlib" in note
-    assert not (tmp_path / "b.png").exists()
-
-
 def test_progress_redraws_on_a_terminal_and_writes_lines_to_a_log():
     """The progress line uses \\r redraws on a terminal and plain newline-ended lines in a log."""
     import io
@@ -120,3 +107,76 @@ def test_progress_redraws_on_a_terminal_and_writes_lines_to_a_log():
     _Progress(opts, log).draw()
     assert tty.getvalue().startswith("\rsimulate step -/10") and "\n" not in tty.getvalue()
     assert log.getvalue() == "simulate step -/10 | r0:starting r1:starting | rearrangements 0\n"
+
+
+@pytest.mark.parametrize(
+    "make, rule",
+    [
+        (lambda t: ["--trace-dir", str(t / "file")], "--trace-dir: .* exists and is not a directory"),
+        (lambda t: ["--log-dir", str(t / "file")], "--trace-dir: .* exists and is not a directory"),  # old name
+        (lambda t: ["--trace-dir", str(t / "file" / "sub")], "--trace-dir: cannot create"),
+        (lambda t: ["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+        (lambda t: ["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
+        (lambda t: ["--png", str(t / "missing" / "x.png")], "--png: directory .*missing does not exist"),
+        (lambda t: ["--png", str(t)], "--png: .* is a directory"),
+        (lambda t: ["--png", str(t / "plot.jpg")], "--png: .* must end in .png"),
+        (lambda t: ["--png", str(t / "x.png"), "--no-png"], "--png and --no-png cannot be combined"),
+        (lambda t: ["--load", str(t / "nope.npy")], "no such file"),
+    ],
+)
+def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys, make, rule):
+    """Bad output paths and deadlines: one line naming the option and rule, exit 2, no process, no file."""
+    import re
+
+    (tmp_path / "file").write_text("x")
+    argv = [*SMALL, "--no-progress", *make(tmp_path)]
+    if "--trace-dir" not in argv and "--log-dir" not in argv:
+        argv += ["--trace-dir", str(tmp_path / "traces")]
+    assert main(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm simulate: error: ") and err.count("\n") == 1, err
+    assert re.search(rule, err), err
+    assert not list(tmp_path.rglob("*.jsonl")) and not list(tmp_path.rglob("*.png"))
+
+
+def test_unknown_policy_lists_the_choices(capsys):
+    """--policy is a choice among the registered policies; a wrong one is a one-line usage error (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--policy", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy" in err and "'default', 'movement_aware'" in err and err.count("\n") == 1
+
+
+def test_scale_lines_name_what_happened():
+    """A same-size scale says the group already had that size; a switched one prints from -> to (no 'None')."""
+    from eplb_fsm.commands.simulate import _format_scalings
+
+    report = {"config": {"ranks": 4}, "scalings": [
+        {"step": 50, "requested_ranks": 4, "outcome": "skipped", "from_ranks": None, "to_ranks": None},
+        {"step": 100, "requested_ranks": 2, "outcome": "switched", "from_ranks": 4, "to_ranks": 2,
+         "moved_slots": 12, "seconds": 0.5},
+        {"step": 150, "requested_ranks": 2, "outcome": "skipped", "from_ranks": None, "to_ranks": None},
+        {"step": 390, "requested_ranks": 4, "outcome": "not_reached", "from_ranks": None, "to_ranks": None},
+    ]}
+    lines = _format_scalings(report)
+    assert lines[0] == "scale at step 50 to 4 ranks: skipped (the group already has 4 ranks)"
+    assert lines[1].startswith("scale at step 100: 4 -> 2 ranks: switched")
+    assert lines[2] == "scale at step 150 to 2 ranks: skipped (the group already has 2 ranks)"
+    assert "not_reached (the run ended before this step)" in lines[3]
+    assert not any("None" in line for line in lines)
+
+
+@pytest.mark.multiprocess
+def test_a_plot_that_cannot_be_written_keeps_the_report(tmp_path):
+    """When the PNG cannot be written after the run, the report still comes back, with a note saying why."""
+    from eplb_fsm.cli import build_parser
+    from eplb_fsm.commands import simulate as sim_cmd
+
+    args = build_parser().parse_args(["simulate", *SMALL, "--trace-dir", str(tmp_path), "--no-progress"])
+    opts = sim_cmd.build_options(args)
+    gone = tmp_path / "removed-after-the-check" / "b.png"
+    report = sim_cmd.run_simulation(opts, progress=False, timeout=120, png=str(gone), want_png=True)
+    assert report["ok"] and report["rearrangements"]
+    assert report["png"] is None and "could not be written" in report["png_note"] and str(gone) in report["png_note"]
+    assert "no plot: the plot could not be written" in sim_cmd.format_report(report)

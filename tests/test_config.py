@@ -53,6 +53,8 @@ def test_from_dict_and_kwargs_agree():
         ({"load_decay": 0.0}, "load_decay", "> 0"),
         ({"num_nodes": 0}, "num_nodes", ">= 1"),
         ({"extra": 3}, "extra", "mapping"),
+        ({"policy": "bogus"}, "policy", "one of default, movement_aware"),
+        ({"window_size": 10**12}, "window_size", "<= 100000"),
     ],
 )
 def test_bad_values_name_field_and_rule(changes, field, rule):
@@ -82,3 +84,35 @@ def test_replace_validates_again():
     assert c.replace(window_size=5).window_size == 5 and c.window_size == 1000
     with pytest.raises(ValueError, match="window_size"):
         c.replace(window_size=0)
+
+
+def test_unknown_keyword_is_a_value_error():
+    """An unknown keyword to EplbConfig(...) is a ValueError naming it and the known fields, like from_dict."""
+    with pytest.raises(ValueError, match="unknown config field.*windowsize.*window_size"):
+        EplbConfig(windowsize=3)
+
+
+def test_registered_policy_is_accepted():
+    """A policy registered under a new name is a valid choice (the check reads the registry)."""
+    from eplb_fsm.policy.registry import _REGISTRY, register_policy
+
+    register_policy("config-test-alias", "eplb_fsm.policy.default:DefaultEplbPolicy")
+    try:
+        assert EplbConfig(policy="config-test-alias").policy == "config-test-alias"
+    finally:
+        _REGISTRY.pop("config-test-alias")
+
+
+def test_from_file_reads_a_path_and_from_json_says_so(tmp_path):
+    """from_file reads a JSON file; from_json given a path explains to use from_file; errors name the file."""
+    path = tmp_path / "eplb.json"
+    path.write_text(json.dumps({"window_size": 7, "policy": "movement_aware"}))
+    assert EplbConfig.from_file(path) == EplbConfig(window_size=7, policy="movement_aware")
+    assert EplbConfig.from_file(str(path)).window_size == 7
+    with pytest.raises(ValueError, match="from_file"):
+        EplbConfig.from_json(str(path))
+    with pytest.raises(ValueError, match="eplb.missing.*cannot read"):
+        EplbConfig.from_file(tmp_path / "eplb.missing")
+    (tmp_path / "bad.json").write_text(json.dumps({"window_size": 0}))
+    with pytest.raises(ValueError, match="bad.json.*window_size must be >= 1"):
+        EplbConfig.from_file(tmp_path / "bad.json")

@@ -551,3 +551,66 @@ def test_movement_aware_rearrangement_keeps_weights_exact():
     assert np.array_equal(c0.maps("main").phy2log, c1.maps("main").phy2log)
     for ctl, model in ((c0, m0), (c1, m1)):
         assert model.check_weights(ctl.maps("main").phy2log) == []
+
+
+# --------------------------------------------------------------------------- misuse refused at add_model
+
+
+def test_adding_the_same_model_twice_is_refused_before_anything_changes():
+    """The same model under a second name: ValueError naming both, no entry, layers, trace record or state call."""
+    ctl = EplbController(cfg(), keep_trace=True)
+    model = ProtocolModel()
+    ctl.add_model(model, "main")
+    calls, added = model.calls, len(events(ctl, "model_added"))
+    with pytest.raises(ValueError, match=r"model 'again' expert_weights\[0\]\[0\] shares memory with "
+                                         r"model 'main' expert_weights\[0\]\[0\]"):
+        ctl.add_model(model, "again")
+    assert [e.name for e in ctl.models] == ["main"] and ctl.machine.num_layers == 3
+    assert model.calls == calls and len(events(ctl, "model_added")) == added
+    ctl.close()
+
+
+def test_a_drafter_sharing_the_main_weights_cannot_silently_corrupt_them():
+    """Thread ranks: a drafter built on the main model's weight tensors is refused, so main's weights stay exact."""
+    def body(rank, group):
+        main = _toy(rank, 2, layers=2)
+        drafter = _toy(rank, 2, layers=2, seed=7)
+        drafter.expert_weights = main.expert_weights  # the misuse: two "models", one set of weights
+        ctl = EplbController(cfg(step_interval=4), group=group, keep_trace=True)
+        ctl.add_model(main, "main")
+        with pytest.raises(ValueError, match="'drafter' expert_weights\\[0\\]\\[0\\] shares memory"):
+            ctl.add_model(drafter, "drafter")
+        drive(ctl, main, group, 6, skewed_target(2, 8))
+        return ctl, main
+
+    for ctl, main in run_threads(2, body):
+        assert "committed" in [h["outcome"] for h in ctl.history]
+        assert main.check_weights(ctl.maps("main").phy2log) == []
+
+
+def test_a_phy2log_with_the_wrong_slot_count_is_refused_naming_the_rule():
+    """add_model with a phy2log of P columns != S × G names phy2log and the rule; nothing is added."""
+    ctl = EplbController(cfg(), keep_trace=True)
+    with pytest.raises(ValueError, match=r"phy2log: must have shape \(num_moe_layers, S × G\) = \(3, 12 × 1 = 12\)"):
+        ctl.add_model(ProtocolModel(), "main", phy2log=np.tile(np.arange(8), (3, 1)))
+    assert ctl.models == [] and events(ctl, "model_added") == []
+    ctl.close()
+
+
+def test_steps_before_the_first_model_do_not_make_a_rearrangement_due():
+    """100 steps without a model, then add_model: the first rearrangement comes a full first interval later."""
+    ctl = EplbController(cfg(step_interval=16), keep_trace=True)
+    for _ in range(100):
+        ctl.step()
+    model = ProtocolModel()
+    ctl.add_model(model, "main")
+    first = ctl.steps_until_due
+    assert first == cfg(step_interval=16).first_rearrangement_step
+    model.load_pass[:] = 1
+    for _ in range(first - 1):
+        assert ctl.step() == "collecting"
+    assert not [r for r in events(ctl, "transition") if r["trigger"] == "step"]
+    ctl.step()
+    due = [r for r in events(ctl, "transition") if r["trigger"] == "step"]
+    assert len(due) == 1 and due[0]["step"] == 100 + first - 1 and due[0]["due"] is True
+    ctl.close()

@@ -84,3 +84,17 @@ def test_counters_restart_the_interval():
     assert c.until_due == 0
     c.restart(25)
     assert (c.since, c.threshold, c.until_due, c.steps) == (0, 25, 25, 40)
+
+
+def test_steps_before_the_first_model_do_not_count_toward_the_interval():
+    """count_step advances steps always but since only with a model: a late add_model is not due at once."""
+    counters = Counters(steps=0, since=0, threshold=10)
+    for _ in range(50):
+        counters.count_step(has_models=False)
+    assert counters.steps == 50 and counters.since == 0 and counters.until_due == 10
+    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due
+    for _ in range(9):
+        counters.count_step(has_models=True)
+    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due
+    counters.count_step(has_models=True)
+    assert counters.steps == 60 and decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due

@@ -19,6 +19,8 @@ from eplb_fsm.policy.default import (
     descending_order,
     inverse_permutation,
     replicate_experts,
+    group_loads,
+    slots_of_experts,
 )
 from eplb_fsm.policy.reference import (
     reference_balanced_packing,
@@ -27,8 +29,6 @@ from eplb_fsm.policy.reference import (
 )
 from eplb_fsm.sim.loads import esft_load_windows, load_matrix, load_scenarios, scenario_load
 
-ESFT = Path(__file__).resolve().parents[2] / "shared" / "data" / "loads" / "esft_deepseek_v2lite_routing"
-needs_esft = pytest.mark.skipif(not ESFT.is_dir(), reason="ESFT traces not present")
 
 
 def _same(a, b) -> bool:
@@ -375,20 +375,18 @@ def test_scenario_shapes_match_reference(name):
     assert _same(out, reference_rebalance_experts(weight, *args))
 
 
-@needs_esft
 @pytest.mark.parametrize("task", ["intent", "law", "summary", "translation"])
 @pytest.mark.parametrize("config", [(72, 1, 1, 8), (64, 1, 1, 8), (80, 8, 2, 8), (96, 4, 4, 16)])
 def test_esft_traces_match_reference(task, config):
     """Real ESFT routing loads (per-task aggregates) give the reference's placement exactly."""
-    weight = torch.from_numpy(load_matrix(ESFT / task))
+    weight = torch.from_numpy(load_matrix(f"esft:{task}"))  # the traces bundled with the package
     out = DefaultEplbPolicy.rebalance_experts(weight, *config)
     assert _same(out, reference_rebalance_experts(weight, *config))
 
 
-@needs_esft
 def test_esft_batch_windows_match_reference():
     """Per-batch ESFT windows (4 sequences each, stacked as layers) give the reference's placement."""
-    windows = esft_load_windows(ESFT / "intent", 4)
+    windows = esft_load_windows("esft:intent", 4)
     weight = torch.from_numpy(windows.reshape(-1, windows.shape[-1]))
     for config in [(72, 1, 1, 8), (80, 8, 2, 8)]:
         assert _same(
@@ -413,3 +411,39 @@ def test_speedup_over_reference():
         fast.extend(timed(lambda: DefaultEplbPolicy.rebalance_experts(weight, *args)) for _ in range(3))
     ratio = min(slow) / min(fast)
     assert ratio >= 5, f"speed-up only {ratio:.1f}x ({min(fast) * 1e3:.2f} ms vs {min(slow) * 1e3:.1f} ms)"
+
+
+# --------------------------------------------------------------------------- perf-path helpers
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 6), st.data())
+def test_slots_of_experts_matches_build_log2phy(layers, experts, extra, data):
+    """The default policy's log2phy for full placements equals the general build_log2phy."""
+    slots = experts + extra
+    rows = [data.draw(st.permutations(list(range(experts)) + data.draw(
+        st.lists(st.integers(0, experts - 1), min_size=extra, max_size=extra)))) for _ in range(layers)]
+    phy2log = np.array(rows, dtype=np.int64)
+    expected, count = build_log2phy(phy2log, experts, extra + 1)
+    assert np.array_equal(slots_of_experts(phy2log, count, extra + 1), expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: w.to(torch.bfloat16),
+    lambda w: w.numpy(),
+    lambda w: w.numpy().tolist(),
+    lambda w: w.to(torch.int32),
+])
+def test_weight_input_kinds_give_the_same_plan(make):
+    """bfloat16, numpy, nested-list and integer loads are checked and planned like the float tensor."""
+    weight = torch.tensor([[5.0, 1.0, 3.0, 2.0, 8.0, 1.0, 0.0, 4.0]] * 3)
+    assert _same(DefaultEplbPolicy.rebalance_experts(make(weight), 12, 4, 2, 4),
+                 DefaultEplbPolicy.rebalance_experts(weight, 12, 4, 2, 4))
+
+
+def test_group_loads_in_blocks_equal_one_torch_sum():
+    """Group sums computed in blocks below torch's grain size equal torch's single float32 sum bit for bit."""
+    rng = np.random.default_rng(3)
+    weight = (rng.random((300, 256)) * 1e6).astype(np.float32)  # 76,800 elements: several blocks
+    expected = torch.from_numpy(weight).reshape(300, 8, 32).sum(-1).numpy()
+    assert np.array_equal(group_loads(weight, 8), expected)

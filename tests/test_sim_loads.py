@@ -13,7 +13,9 @@ from eplb_fsm.sim import loads
 from eplb_fsm.sim.loads import (
     drift,
     esft_load_windows,
+    esft_layers,
     esft_sequence_loads,
+    esft_token_scores,
     iter_esft_windows,
     load_matrix,
     load_scenarios,
@@ -21,9 +23,8 @@ from eplb_fsm.sim.loads import (
     zipf_load,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-ESFT = SHARED / "data" / "loads" / "esft_deepseek_v2lite_routing"
-needs_esft = pytest.mark.skipif(not ESFT.is_dir(), reason="ESFT traces not present")
+# the ESFT traces bundled with the package (eplb_fsm/data/esft_routing.npz), never ../shared
+INTENT, LAW = "esft:intent", "esft:law"
 LOAD = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 
 
@@ -97,36 +98,62 @@ def test_example_is_bundled():
     assert got.sum(axis=1)[0] % 6 == 0
 
 
-@needs_esft
 def test_example_equals_intent_traces():
-    """The bundled example is exactly the intent trace aggregate."""
-    assert (load_matrix("example") == load_matrix(ESFT / "intent")).all()
+    """The bundled example is exactly the bundled intent trace aggregate."""
+    assert (load_matrix("example") == load_matrix(INTENT)).all()
 
 
-@needs_esft
-def test_real_esft_directories():
-    """The shared ESFT tasks read as (layers present, 64) with 6 selections per token."""
-    law = load_matrix(ESFT / "law")
+def test_real_esft_directories(tmp_path: Path):
+    """The bundled ESFT tasks read as (layers present, 64) with 6 selections per token."""
+    law = load_matrix(LAW)
     assert law.shape == (3, 64)
-    assert law.sum(axis=1).tolist() == [6 * 8327] * 3  # README: law has 8,327 tokens
-    summary = json.loads((ESFT / "law" / "summary.json").read_text())
-    fractions = load_matrix(ESFT / "law" / "summary.json")
+    assert law.sum(axis=1).tolist() == [6 * 8327] * 3  # source README: law has 8,327 tokens
+    assert esft_layers(LAW) == [1, 13, 26] and esft_layers(INTENT) == list(range(1, 27))
+    scores = esft_token_scores("law")
+    summary = {"token_scores": {str(layer + 1): {str(e): float(scores[layer, e]) for e in range(64)}
+                                for layer in range(26)}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    fractions = load_matrix(tmp_path / "summary.json")
     assert fractions.shape == (26, 64)
     assert fractions[0, 5] == summary["token_scores"]["1"]["5"]
     # the summary's layer-1 fractions agree with the trace counts to their 4 decimals
     assert np.abs(law[0] / law[0].sum() - fractions[0]).max() < 1e-4
 
 
-@needs_esft
 def test_esft_windows():
     """Windows sum consecutive sequences: (steps, L, N), remainder dropped unless asked."""
-    per_seq = esft_sequence_loads(ESFT / "intent")
+    per_seq = esft_sequence_loads(INTENT)
     assert per_seq.shape == (127, 26, 64)
-    windows = esft_load_windows(ESFT / "intent", 16)
+    windows = esft_load_windows(INTENT, 16)
     assert windows.shape == (7, 26, 64)
     assert (windows[1] == per_seq[16:32].sum(axis=0)).all()
-    with_last = list(iter_esft_windows(ESFT / "intent", 16, drop_last=False))
+    with_last = list(iter_esft_windows(INTENT, 16, drop_last=False))
     assert len(with_last) == 8 and (with_last[-1] == per_seq[112:].sum(axis=0)).all()
+
+
+def test_bundled_traces_read_like_text_traces(tmp_path: Path):
+    """Text trace files holding the bundled counts read back to the same (S, L, N) counts and layer choice."""
+    bundled = esft_sequence_loads(LAW)
+    for li, layer in enumerate([1, 13, 26]):
+        _write_trace(tmp_path, layer, [np.repeat(np.arange(64), row).tolist() for row in bundled[:, li]])
+    assert (esft_sequence_loads(tmp_path, num_experts=64) == bundled).all()
+    assert (esft_sequence_loads(tmp_path, num_experts=64, layers=[13]) == esft_sequence_loads(LAW, layers=[13])).all()
+    assert (load_matrix(tmp_path) == load_matrix(LAW)).all()
+
+
+@pytest.mark.parametrize("bad, match", [("esft:nope", "unknown bundled ESFT task"), ("esft:", "unknown bundled")])
+def test_unknown_bundled_task(bad, match):
+    """An unknown bundled task is a ValueError naming the choices."""
+    with pytest.raises(ValueError, match=match):
+        load_matrix(bad)
+    with pytest.raises(ValueError, match="intent, law"):
+        esft_sequence_loads(bad)
+
+
+def test_bundled_layer_selection_checked():
+    """Asking the bundled law traces for a layer they lack names the layers present."""
+    with pytest.raises(ValueError, match=r"present: \[1, 13, 26\]"):
+        esft_sequence_loads(LAW, layers=[2])
 
 
 @pytest.mark.parametrize(
@@ -215,22 +242,21 @@ def test_drift():
 # --------------------------------------------------------------------------- scenarios
 
 
-def test_load_scenarios_default_finds_the_shared_file():
-    """Without arguments the shared scenarios.json is found (or the bundled copy)."""
+def test_load_scenarios_default_is_the_bundled_file(monkeypatch):
+    """Without arguments or $EPLB_FSM_SCENARIOS the copy bundled with the package is read (nothing outside it)."""
+    monkeypatch.delenv(loads.SCENARIOS_ENV, raising=False)
     data = load_scenarios()
     assert "dsv3_ep32_hier" in data["shapes"]
-    assert Path(data["path"]).name == "scenarios.json"
+    assert Path(data["path"]) == loads.BUNDLED_SCENARIOS
 
 
-def test_bundled_scenarios_match_shared():
-    """The bundled copy has the same shapes and synthetic-load spec as the shared file."""
+def test_bundled_scenarios_hold_the_benchmark_shapes():
+    """The bundled copy (byte-equal to shared/bench/scenarios.json when bundled) has every benchmark shape."""
     bundled = load_scenarios(loads.BUNDLED_SCENARIOS)
-    shared_path = SHARED / "bench" / "scenarios.json"
-    if not shared_path.is_file():
-        pytest.skip("shared scenarios.json not present")
-    shared = load_scenarios(shared_path)
-    assert bundled["shapes"] == shared["shapes"]
-    assert bundled["synthetic_load"] == shared["synthetic_load"]
+    assert set(bundled["shapes"]) == {"dsv3_ep32_hier", "dsv3_ep32_global", "dsv3_ep64_global", "qwen3_ep16",
+                                      "v2lite_ep8"}
+    assert bundled["shapes"]["v2lite_ep8"]["experts"] == 64
+    assert bundled["synthetic_load"]["kind"] == "zipf"
 
 
 def test_load_scenarios_env_override(tmp_path, monkeypatch):

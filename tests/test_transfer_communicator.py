@@ -109,3 +109,22 @@ def test_stream_context_on_cuda(one_rank_group):
         y = x * 2
     comm.finish()
     assert y.sum().item() == 8.0
+
+
+def test_in_process_pairs_by_tag_across_starts():
+    """Tagged messages pair by tag whatever the posting order; start() leaves the unpaired queued, wait() flags them."""
+    comm = InProcessCommunicator(2)
+    r0, r1 = torch.zeros(1), torch.zeros(1)
+    comm.add_send(torch.tensor([5.0]), 0, 1, tag=0)
+    comm.add_send(torch.tensor([7.0]), 0, 1, tag=1)
+    comm.add_recv(r1, 0, 1, tag=1)  # the second message's receive first
+    comm.start()
+    assert r1.item() == 7.0 and r0.item() == 0.0 and comm.total_messages == 1
+    comm.add_recv(r0, 0, 1, tag=0)  # the held receive, in a second phase
+    comm.start()
+    comm.wait()
+    assert r0.item() == 5.0 and comm.total_messages == 2 and comm.executes == 1
+    comm.add_send(torch.ones(1), 1, 0, tag=3)
+    comm.start()  # nothing pairs yet: no error until the wave ends
+    with pytest.raises(MessageMismatchError, match="rank 1 queued 1 sends to rank 0"):
+        comm.wait()

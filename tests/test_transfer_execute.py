@@ -364,3 +364,141 @@ def test_bad_one_layer_input():
     with pytest.raises(ValueError, match="pending: must be the PendingLayer"):
         commit_layer_from_buffer(None, lw)  # type: ignore[arg-type]
     assert comm.executes == 0
+
+
+# ---------------------------------------------------------------------------------------
+# two-phase posting: receives into rows the previous layer's commit still reads wait for it
+
+
+class _OnePhaseComm(InProcessCommunicator):
+    """The in-process communicator without tags: every wave goes out in one batch."""
+
+    supports_tags = False
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placements(max_layers=4), st.booleans())
+def test_one_phase_path_stays_bit_exact(case, batching):
+    """Without tag support the executor commits before posting, and every slot still ends exact."""
+    old, new, g = case
+    weights, tables = make_world(old, g)
+    comm = _OnePhaseComm(g)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, migration_batching=batching, buffer=TransferBuffer())
+    check_world(weights, tables, old, new, g)
+    assert comm.total_messages == expected_messages(old, new, g, len(SPECS))
+
+
+class _PhaseSpy(InProcessCommunicator):
+    """Records, at every start(), the queued receives and whether layer 0 is already committed."""
+
+    def __init__(self, g, weights, layer0_new):
+        super().__init__(g)
+        self.weights, self.layer0_new = weights, layer0_new
+        self.starts: list[tuple[int, int, bool]] = []  # (sends queued, receives queued, layer 0 committed)
+
+    def start(self):
+        committed = all(
+            torch.equal(_u8(w), _u8(x)) for r in range(self.world_size) for w, x in zip(self.weights[r][0], self.layer0_new[r])
+        )
+        self.starts.append((sum(map(len, self._sends.values())), sum(map(len, self._recvs.values())), committed))
+        super().start()
+
+
+def test_held_receives_are_posted_after_the_previous_commit():
+    """Layer 1 receives into every row layer 0's commit reads: its sends go first, its receives after that commit."""
+    old = np.array([[0, 1, 2, 3]] * 2)
+    new = np.array([[2, 3, 0, 1]] * 2)  # every row crosses ranks in both layers
+    weights, tables = make_world(old, 2)
+    expect, _ = make_world(new, 2)
+    spy = _PhaseSpy(2, weights, [expect[r][0] for r in range(2)])
+    rearrange_expert_weights_inplace(old, new, weights, communicator=spy, buffer=TransferBuffer())
+    check_world(weights, tables, old, new, 2)
+    messages = 2 * 2 * len(SPECS)  # per layer: 2 ranks x 2 rows x tensors
+    layer0, phase1, phase2 = spy.starts
+    assert layer0 == (messages, messages, False)  # layer 0: nothing pending, one batch
+    assert phase1 == (messages, 0, False)  # layer 1: sends only, layer 0 not yet committed
+    assert phase2 == (messages, messages, True)  # its receives once layer 0 is committed
+    assert spy.executes == 2 and spy.total_messages == 2 * messages
+
+
+# layouts the executor would move wrongly: refused before anything moves, nothing committed
+
+
+def _unmovable(layer1_tensor_of_rank):
+    """Two layers per rank: layer 0 ordinary, layer 1 the given tensor (per rank)."""
+    return [[[torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r],
+             [layer1_tensor_of_rank(r)]] for r in range(G)]
+
+
+UNMOVABLE = [
+    # (2, 1) viewed from (1, 2).t(): torch calls it contiguous, but its stride(-1) is 2
+    ("last dim of size 1, stride 2", lambda r: torch.tensor([[1.0 + r, 2.0 + r]]).t(), "last dimension of size 1"),
+    ("expanded rows", lambda r: torch.tensor([[1.0 + r, 2.0, 3.0]]).expand(2, 3), "stride of 0"),
+    ("overlapping strides", lambda r: torch.arange(4.0 + r).as_strided((2, 3), (1, 1)), "may share memory"),
+]
+
+
+@pytest.mark.parametrize("name,make,match", UNMOVABLE, ids=[u[0] for u in UNMOVABLE])
+def test_unmovable_layout_is_refused_before_any_layer_moves(name, make, match):
+    """A layer-1 view the executor would move wrongly raises TransferError with 0 committed layers; layer 0 stays old."""
+    weights = _unmovable(make)
+    snapshot = _clone_tree(weights)
+    comm = InProcessCommunicator(G)
+    with pytest.raises(TransferError, match=match) as info:
+        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, buffer=TransferBuffer())
+    assert isinstance(info.value, ValueError)  # bad input, like every other input check
+    assert info.value.committed_layers == 0 and info.value.layer == 1
+    assert r"expert_weights[0][1][0]" in str(info.value)
+    assert comm.total_messages == 0 and comm.executes == 0
+    assert _same_tree(weights, snapshot)
+
+
+def test_one_layer_entry_refuses_an_unmovable_layout():
+    """transfer_layer_to_buffer applies the same layout check before its first message."""
+    comm = InProcessCommunicator(2)
+    lw = [[torch.tensor([[1.0, 2.0]]).t()] for _ in range(2)]
+    with pytest.raises(TransferError, match="last dimension of size 1") as info:
+        transfer_layer_to_buffer(OLD[0], NEW[0], lw, TransferBuffer(), communicator=comm, layer=4)
+    assert info.value.committed_layers == 0
+    assert comm.executes == 0
+
+
+SHARED = [
+    ("one tensor in two layers", lambda: (lambda t: [[[t], [t]], [[torch.zeros(2, 3)], [torch.ones(2, 3)]]])(
+        torch.zeros(2, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[0\]\[1\]\[0\]"),
+    ("one tensor for two ranks", lambda: (lambda t: [[[t], [torch.zeros(2, 3)]], [[t], [torch.ones(2, 3)]]])(
+        torch.zeros(2, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[1\]\[0\]\[0\]"),
+    ("overlapping row slices", lambda: (lambda big: [[[big[0:2]], [big[1:3]]], [[torch.zeros(2, 3)], [torch.ones(2, 3)]]])(
+        torch.zeros(3, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[0\]\[1\]\[0\]"),
+]
+
+
+@pytest.mark.parametrize("name,make,match", SHARED, ids=[s[0] for s in SHARED])
+def test_weights_sharing_memory_are_refused(name, make, match):
+    """Two weight entries that share rows are refused before anything moves, naming both."""
+    weights = make()
+    snapshot = _clone_tree(weights)
+    comm = InProcessCommunicator(G)
+    with pytest.raises(TransferError, match=match) as info:
+        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, buffer=TransferBuffer())
+    assert info.value.committed_layers == 0 and "share memory" in str(info.value)
+    assert comm.executes == 0 and _same_tree(weights, snapshot)
+
+
+def test_interleaved_views_of_one_storage_are_moved():
+    """Views that interleave rows of one storage (halves of a fused projection) are distinct and move exactly."""
+    old = np.array([[0, 1, 2, 3]])
+    new = np.array([[3, 2, 1, 0]])
+    ws, fused = [], []
+    for r in range(2):
+        f = torch.zeros(2, 2, 3)  # (S, 2 halves, 3): gate = f[:, 0], up = f[:, 1]
+        for i in range(2):
+            f[i, 0] = float(old[0, r * 2 + i])
+            f[i, 1] = 100.0 + old[0, r * 2 + i]
+        fused.append(f)
+        ws.append([[f[:, 0], f[:, 1]]])
+    rearrange_expert_weights_inplace(old, new, ws, communicator=InProcessCommunicator(2), buffer=TransferBuffer())
+    for r in range(2):
+        expect = new[0, r * 2 : r * 2 + 2]
+        assert fused[r][:, 0, 0].tolist() == [float(e) for e in expect]
+        assert fused[r][:, 1, 0].tolist() == [100.0 + e for e in expect]

@@ -91,6 +91,34 @@ def _scenario_random(rank: int, world: int, batching: bool, seed: int) -> tuple[
     return _problems(f"random(batching={batching})", rank, weights, new, s), _collectives(trace)
 
 
+def _scenario_two_phase(rank: int, world: int) -> list[str]:
+    """Every row crosses ranks in every layer: with tags the held receives go out in a second start()."""
+    from eplb_fsm.transfer import TorchDistCommunicator, TransferBuffer, rearrange_expert_weights_inplace
+
+    class Spy(TorchDistCommunicator):
+        starts = 0
+
+        def start(self) -> None:
+            self.starts += 1
+            super().start()
+
+    s, num_layers = 2, 3
+    p = world * s
+    old = np.tile(np.arange(p), (num_layers, 1))
+    new = np.roll(old, s, axis=1)  # each rank's rows come from the previous rank
+    bad = []
+    for tags in (True, False):
+        weights = _weights(rank, old, s)
+        comm = Spy(timeout=30.0)
+        comm.supports_tags = tags
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, buffer=TransferBuffer())
+        bad += _problems(f"two-phase(tags={tags})", rank, weights, new, s)
+        want = 1 + 2 * (num_layers - 1) if tags else num_layers  # layers after the first start twice
+        if comm.starts != want:
+            bad.append(f"rank {rank}: tags={tags}: {comm.starts} starts, expected {want}")
+    return bad
+
+
 def _scenario_scale_down(rank: int, world: int) -> list[str]:
     """4 -> 2 in the old 4-rank group: ranks 0 and 2 leave, 1 and 3 become new ranks 0 and 1."""
     from eplb_fsm.transfer import TransferBuffer, expand_maps, rearrange_expert_weights_inplace
@@ -183,6 +211,7 @@ def _world_main(rank: int, world: int) -> dict:
         out["problems"] += bad
         out["traces"][batching] = trace
     out["problems"] += _scenario_one_layer(rank, world)
+    out["problems"] += _scenario_two_phase(rank, world)
     if world == 4:
         out["problems"] += _scenario_scale_down(rank, world)
         out["problems"] += _scenario_scale_up(rank, world)
@@ -205,11 +234,11 @@ def _check(results: list[dict]) -> None:
 
 @pytest.mark.timeout(90)
 def test_world_4_gloo():
-    """4 gloo ranks: random rearrangements with and without batching, one-layer API, scale 4->2 and 2->4."""
+    """4 gloo ranks: random rearrangements with and without batching, one-layer API, two-phase posting, scale 4->2 and 2->4."""
     _check(run_ranks(_world_main, 4, timeout=80.0))
 
 
 @pytest.mark.timeout(90)
 def test_world_2_gloo():
-    """2 gloo ranks: random rearrangements with and without batching, one-layer API, a traced timeout."""
+    """2 gloo ranks: random rearrangements with and without batching, one-layer API, two-phase posting, a traced timeout."""
     _check(run_ranks(_world_main, 2, timeout=80.0))

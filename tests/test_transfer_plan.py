@@ -1,4 +1,4 @@
-"""Pure per-layer planning: classification of rows, the §6 pairing rule, moved slots."""
+"""Pure per-layer planning: classification of rows, the pairing rule (docs/design.md §6.2), moved slots."""
 
 from __future__ import annotations
 

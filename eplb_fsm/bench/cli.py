@@ -1,7 +1,10 @@
 """``eplb-fsm bench KIND``: dispatch to one benchmark module per kind.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; the
-dict is printed as JSON with ``--json`` and as an indented summary otherwise.
+dict is printed as one JSON object with ``--json`` and as indented ``key: value`` text
+otherwise (the same choice every verb offers). A benchmark refuses bad options by
+raising ``SystemExit("eplb-fsm bench KIND: ...")``; that message goes to stderr on one
+line and the command exits 2, like every other usage error.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
+from typing import Any
 
 KINDS: dict[str, tuple[str, str]] = {
     "policy": ("eplb_fsm.bench.policy", "policy time and balancedness per scenario shape"),
@@ -21,10 +26,12 @@ KINDS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eplb_fsm.cli import HelpFormatter
+
     sub = parser.add_subparsers(dest="kind", metavar="KIND")
     sub.required = True
     for kind, (module_name, help_text) in KINDS.items():
-        p = sub.add_parser(kind, help=help_text, description=help_text)
+        p = sub.add_parser(kind, help=help_text, description=help_text, formatter_class=HelpFormatter)
         p.set_defaults(bench_module=module_name)
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
         try:
@@ -37,13 +44,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         module.add_arguments(p)
 
 
+def format_text(value: Any, indent: int = 0) -> list[str]:
+    """A benchmark result as indented ``key: value`` lines (lists of plain values stay on one line)."""
+    pad = "  " * indent
+    lines: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, dict) and item:
+                lines.append(f"{pad}{key}:")
+                lines += format_text(item, indent + 1)
+            elif isinstance(item, list) and any(isinstance(x, (dict, list)) for x in item):
+                lines.append(f"{pad}{key}:")
+                for i, x in enumerate(item):
+                    lines.append(f"{pad}  [{i}]")
+                    lines += format_text(x, indent + 2)
+            else:
+                lines.append(f"{pad}{key}: {_plain(item)}")
+    else:
+        lines.append(f"{pad}{_plain(value)}")
+    return lines
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(_plain(x) for x in value) or "(none)"
+    if isinstance(value, dict):
+        return "(none)"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_bench_missing", False):
-        raise SystemExit(f"eplb-fsm bench: benchmark {args.kind!r} is not available in this build")
+        print(f"eplb-fsm bench: error: benchmark {args.kind!r} is not available in this build", file=sys.stderr)
+        return 2
     module = importlib.import_module(args.bench_module)
-    result = module.run(args)
+    try:
+        result = module.run(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        message = exc.code
+        prefix = f"eplb-fsm bench {args.kind}: "
+        if message.startswith(prefix) and not message.startswith(prefix + "error:"):
+            message = prefix + "error: " + message[len(prefix):]
+        print(message, file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, sort_keys=False))
     else:
-        print(json.dumps(result, indent=2, sort_keys=False))
+        print("\n".join(format_text(result)))
     return 0

@@ -15,7 +15,7 @@ Three parts, all measured in one run:
     balancedness ratio >= 0.99 and moved ratio <= 0.10; sigma >= 1: balancedness ratio
     >= 0.98) and, at every sigma, time (median time ratio <= 5).
 ``esft``
-    Real routing traces (ESFT, DeepSeek-V2-Lite, ``shared/data/loads``) on the v2lite
+    Real routing traces (ESFT, DeepSeek-V2-Lite, bundled with the package) on the v2lite
     shape: consecutive batches of ``--sequences`` sequences are the windows. Each policy
     keeps its own placement and re-plans on every window i; scored on window i and
     i + 1, moves counted against its own previous placement. ``intent`` uses all 26
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sigmas", default=None, metavar="S,T", help="comma-separated drift sigmas (default: scenarios.json drift sigmas)"
     )
-    parser.add_argument("--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the shared one)")
+    parser.add_argument("--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads and drifts (default 0)")
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per policy and case (default 5)")
     parser.add_argument(
@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--esft-dir",
         default=None,
         metavar="DIR",
-        help="ESFT routing traces (default: $EPLB_FSM_ESFT_DIR or ../shared/data/loads/esft_deepseek_v2lite_routing); "
-        "'none' skips the trace parts",
+        help="directory of ESFT routing trace folders intent/ and law/ (default: $EPLB_FSM_ESFT_DIR, else the "
+        "traces bundled with the package); 'none' skips the trace parts",
     )
     parser.add_argument("--sequences", type=int, default=2, metavar="N", help="sequences per trace window (default 2)")
     parser.add_argument(
@@ -85,14 +85,27 @@ def _parse_list(text: str | None, cast: Callable[[str], Any], name: str) -> list
     return values
 
 
-def _esft_dir(arg: str | None) -> Path | None:
+#: ``--esft-dir`` value (and default) meaning the traces bundled with the package
+BUNDLED = "bundled"
+
+
+def _esft_dir(arg: str | None) -> Path | str | None:
+    """Where the traces come from: a directory, :data:`BUNDLED`, or None ('none': skip them)."""
     if arg is not None:
-        return None if arg.lower() == "none" else Path(arg)
+        if arg.lower() == "none":
+            return None
+        return BUNDLED if arg == BUNDLED else Path(arg)
     env = os.environ.get(ESFT_DIR_ENV)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "loads" / "esft_deepseek_v2lite_routing"
+    return Path(env) if env else BUNDLED
+
+
+def _task(directory: Path | str, task: str) -> Path | str:
+    """One task's trace source: ``"esft:<task>"`` for the bundled traces, else ``directory/<task>``."""
+    return f"esft:{task}" if directory == BUNDLED else Path(directory) / task
+
+
+def _has_traces(directory: Path | str) -> bool:
+    return directory == BUNDLED or all((Path(directory) / t).is_dir() for t in ("intent", "law"))
 
 
 def _round(x: float, digits: int = 4) -> float:
@@ -242,7 +255,7 @@ def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray 
     return result
 
 
-def _traces(args: argparse.Namespace, scenarios: dict, directory: Path) -> tuple[dict, dict]:
+def _traces(args: argparse.Namespace, scenarios: dict, directory: Path | str) -> tuple[dict, dict]:
     import torch
 
     from eplb_fsm.policy.default import DefaultEplbPolicy
@@ -251,9 +264,9 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path) -> tuple
     shape = scenarios["shapes"][_SHAPE_FOR_TRACES]
     call = (shape["replicas"], 1, 1, shape["ranks"])
     per = args.sequences
-    intent = esft_load_windows(directory / "intent", per).astype(np.float64)
-    intent3 = esft_load_windows(directory / "intent", per, layers=[1, 13, 26]).astype(np.float64)
-    law = esft_load_windows(directory / "law", per, layers=[1, 13, 26]).astype(np.float64)
+    intent = esft_load_windows(_task(directory, "intent"), per).astype(np.float64)
+    intent3 = esft_load_windows(_task(directory, "intent"), per, layers=[1, 13, 26]).astype(np.float64)
+    law = esft_load_windows(_task(directory, "law"), per, layers=[1, 13, 26]).astype(np.float64)
     if intent.shape[2] != shape["experts"]:
         raise SystemExit(f"eplb-fsm bench movement: traces have {intent.shape[2]} experts, shape has {shape['experts']}")
     before_switch = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(intent3.sum(0)), *call)[0].numpy()
@@ -335,7 +348,7 @@ def run(args: argparse.Namespace) -> dict:
     directory = _esft_dir(args.esft_dir)
     if directory is None:
         result["esft"] = {"skipped": "--esft-dir none"}
-    elif not (directory / "intent").is_dir() or not (directory / "law").is_dir():
+    elif not _has_traces(directory):
         result["esft"] = {"skipped": f"no ESFT traces at {directory}"}
     elif _SHAPE_FOR_TRACES not in scenarios["shapes"]:
         result["esft"] = {"skipped": f"scenarios have no {_SHAPE_FOR_TRACES} shape"}

@@ -1,25 +1,43 @@
-"""``eplb-fsm bench policy``: the default policy against the per-item reference, per shape.
+"""``eplb-fsm bench policy``: the default policy against the vLLM-structured baseline, per shape.
 
 For every shape of ``scenarios.json`` (or those named by ``--shapes``) with its zipf
-synthetic load, measured side by side in one run:
+synthetic load, measured side by side in one run, the calls alternated so that a change
+in background load hits both alike:
 
 - ``default_ms``: median wall time of ``DefaultEplbPolicy.rebalance_experts`` over
   ``--repeats`` runs (after one warm-up run);
-- ``reference_ms``: median of the per-item reference
-  (:func:`eplb_fsm.policy.reference.reference_rebalance_experts`) over
-  ``--reference-repeats`` runs, and ``speedup`` = reference_ms / default_ms;
-- ``*_best_ms`` and ``speedup_best``: the same from the fastest run of each, which is
-  steadier when other jobs share the CPU;
+- ``reference_ms``: median of the baseline
+  (:func:`eplb_fsm.policy.reference.reference_rebalance_experts`, vLLM 0.12's structure)
+  over ``--reference-repeats`` runs, and ``speedup`` = reference_ms / default_ms;
+- ``*_best_ms`` and ``speedup_best``: the same from the fastest run of each, and
+  ``*_cpu_ms``, ``speedup_cpu``: medians of the calling thread's CPU time, both steadier
+  when other jobs share the CPU; ``cores_busy`` is the whole machine's over the pair;
+- ``meets_target``: speedup >= ``--target-speedup`` (20) on the DeepSeek-V3-sized shapes
+  (``TARGET_SHAPES``); null on the others;
 - ``balancedness`` of the default placement on that load, the ``bound`` no placement can
   beat, and the ``initial`` placement's balancedness for scale;
 - ``identical``: both gave the same ``phy2log``, ``log2phy`` and ``replica_count``.
+
+``scaling`` (skipped with ``--no-scaling``) times the default policy alone as the problem
+doubles: over layers (1 ... 232) on the DeepSeek-V3 EP32 hierarchical shape, and over
+experts (64 ... 512, 32 redundant slots on 32 ranks as DeepSeek-V3 deploys) on 58 layers,
+both modes. Each row's ``ratio`` is its time over the previous row's, normalised to one
+doubling (``ratio ** (1 / log2(size step))``); ``meets_target`` = ratio <= 2.1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import time
+
+# Shapes the >= 20x target applies to (the four DeepSeek-V3-sized ones).
+TARGET_SHAPES = ("dsv3_ep32_hier", "dsv3_ep32_global", "dsv3_ep64_global", "qwen3_ep16")
+SCALING_LAYERS = (1, 2, 4, 8, 16, 32, 64, 128, 232)
+SCALING_EXPERTS = (64, 128, 256, 512)
+MAX_DOUBLING_RATIO = 2.1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,24 +45,126 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=7, metavar="N", help="timed runs of the default policy (default 7)"
     )
     parser.add_argument(
-        "--reference-repeats", type=int, default=3, metavar="N", help="timed runs of the per-item reference (default 3)"
+        "--reference-repeats", type=int, default=7, metavar="N", help="timed runs of the baseline (default 7)"
     )
     parser.add_argument("--shapes", default=None, metavar="A,B", help="comma-separated shape names (default: all)")
     parser.add_argument(
-        "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the shared one)"
+        "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads (default 0)")
+    parser.add_argument(
+        "--target-speedup", type=float, default=20.0, metavar="X", help="speed-up target on TARGET_SHAPES (20)"
+    )
+    parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, metavar="N",
+        help="torch.set_num_threads(N) for the run (default: leave torch's setting; the baseline's torch "
+        "ops spin on a loaded machine, the default policy does not use torch's pool)",
+    )
+    parser.add_argument(
+        "--scaling-repeats", type=int, default=7, metavar="N", help="timed runs per scaling point (default 7)"
+    )
 
 
-def _times(fn, repeats: int) -> tuple[float, float, object]:
-    """(median, best) wall time of ``repeats`` calls, and the last result."""
-    result = None
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), result
+def _timed(fn, cpu: list | None = None) -> tuple[float, object]:
+    """Wall time of one call and its result; appends the calling thread's CPU time to ``cpu``.
+
+    Thread CPU time does not count the time the thread waits for a core, so it stays put
+    when other jobs load the machine. Both policies run their work on this thread (the
+    baseline's torch ops are below torch's parallel grain size on these shapes).
+    """
+    start_cpu = time.thread_time()
+    start = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - start
+    if cpu is not None:
+        cpu.append(time.thread_time() - start_cpu)
+    return wall, result
+
+
+def _alternated(fast, slow, repeats: int, slow_repeats: int) -> tuple[dict, dict, object, object]:
+    """Wall and CPU times of ``fast`` and ``slow`` called in turn (the surplus runs of either at the end)."""
+    fast_times: dict = {"wall": [], "cpu": []}
+    slow_times: dict = {"wall": [], "cpu": []}
+    fast_out = slow_out = None
+    for i in range(max(repeats, slow_repeats)):
+        if i < repeats:
+            t, fast_out = _timed(fast, fast_times["cpu"])
+            fast_times["wall"].append(t)
+        if i < slow_repeats:
+            t, slow_out = _timed(slow, slow_times["cpu"])
+            slow_times["wall"].append(t)
+    return fast_times, slow_times, fast_out, slow_out
+
+
+def _cores_busy(fn) -> tuple[object, float]:
+    """Run ``fn``; return its result and the machine's busy cores over the run (Linux /proc/stat)."""
+    def busy() -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+        return sum(fields) - idle, sum(fields)
+
+    before, start = busy(), time.perf_counter()
+    result = fn()
+    after, wall = busy(), time.perf_counter() - start
+    if before is None or after is None or wall <= 0:
+        return result, float("nan")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return result, round((after[0] - before[0]) / ticks / wall, 2)
+
+
+def _scaling(repeats: int, seed: int) -> dict:
+    """Default-policy time as layers and experts double (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    rng = np.random.default_rng(seed)
+
+    def zipf_load(layers: int, experts: int) -> torch.Tensor:
+        p = 1.0 / np.arange(1, experts + 1)
+        p /= p.sum()
+        return torch.from_numpy(np.stack([rng.multinomial(524288, rng.permutation(p)) for _ in range(layers)]))
+
+    def series(points: list[tuple[int, torch.Tensor, tuple]], size_of) -> list[dict]:
+        for _, w, call in points:
+            DefaultEplbPolicy.rebalance_experts(w, *call)  # warm-up
+        times: list[list[float]] = [[] for _ in points]
+        cpu: list[list[float]] = [[] for _ in points]
+        for _ in range(repeats):  # alternated over the points, so load drifts hit every point
+            for i, (_, w, call) in enumerate(points):
+                times[i].append(_timed(lambda: DefaultEplbPolicy.rebalance_experts(w, *call), cpu[i])[0])
+        rows: list[dict] = []
+        for i, (x, w, call) in enumerate(points):
+            ms = statistics.median(times[i]) * 1e3
+            cpu_ms = statistics.median(cpu[i]) * 1e3
+            row = {"size": x, "replicas": call[0], "ranks": call[3], "ms": round(ms, 3),
+                   "best_ms": round(min(times[i]) * 1e3, 3), "cpu_ms": round(cpu_ms, 3)}
+            if i:
+                step = math.log2(size_of(x) / size_of(points[i - 1][0]))
+                ratio = (ms / rows[-1]["ms"]) ** (1.0 / step)
+                row["ratio_per_doubling"] = round(ratio, 3)
+                if rows[-1]["cpu_ms"] > 0:
+                    row["cpu_ratio_per_doubling"] = round((cpu_ms / rows[-1]["cpu_ms"]) ** (1.0 / step), 3)
+                row["meets_target"] = ratio <= MAX_DOUBLING_RATIO
+            rows.append(row)
+        return rows
+
+    out: dict = {"target_ratio_per_doubling": MAX_DOUBLING_RATIO}
+    for mode, groups, nodes in (("hierarchical", 8, 4), ("global", 1, 1)):
+        layer_points = [(L, zipf_load(L, 256), (288, groups, nodes, 32)) for L in SCALING_LAYERS]
+        expert_points = [(N, zipf_load(58, N), (N + 32, groups, nodes, 32)) for N in SCALING_EXPERTS]
+        out[f"layers_{mode}"] = series(layer_points, float)
+        out[f"experts_{mode}"] = series(expert_points, float)
+    checked = [r for k, rows in out.items() if k != "target_ratio_per_doubling" for r in rows if "meets_target" in r]
+    out["max_ratio_per_doubling"] = max(r["ratio_per_doubling"] for r in checked)
+    out["meets_target"] = all(r["meets_target"] for r in checked)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -56,8 +176,12 @@ def run(args: argparse.Namespace) -> dict:
     from eplb_fsm.policy.reference import reference_rebalance_experts
     from eplb_fsm.sim.loads import load_scenarios, scenario_load
 
-    if args.repeats < 1 or args.reference_repeats < 1:
-        raise SystemExit("eplb-fsm bench policy: --repeats and --reference-repeats must be >= 1")
+    if args.repeats < 1 or args.reference_repeats < 1 or args.scaling_repeats < 1:
+        raise SystemExit("eplb-fsm bench policy: --repeats, --reference-repeats and --scaling-repeats must be >= 1")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise SystemExit("eplb-fsm bench policy: --torch-threads must be >= 1")
+        torch.set_num_threads(args.torch_threads)
     try:
         scenarios = load_scenarios(args.scenarios)
     except ValueError as exc:
@@ -77,23 +201,31 @@ def run(args: argparse.Namespace) -> dict:
         call = (shape["replicas"], shape["groups"], shape["nodes"], shape["ranks"])
 
         DefaultEplbPolicy.rebalance_experts(weight, *call)  # warm-up
-        default_s, default_best, fast = _times(
-            lambda: DefaultEplbPolicy.rebalance_experts(weight, *call), args.repeats
-        )
-        reference_s, reference_best, ref = _times(
-            lambda: reference_rebalance_experts(weight, *call), args.reference_repeats
-        )
+        (fast_t, ref_t, fast, ref), cores = _cores_busy(lambda: _alternated(
+            lambda: DefaultEplbPolicy.rebalance_experts(weight, *call),
+            lambda: reference_rebalance_experts(weight, *call),
+            args.repeats,
+            args.reference_repeats,
+        ))
+        default_s, reference_s = statistics.median(fast_t["wall"]), statistics.median(ref_t["wall"])
+        default_cpu, reference_cpu = statistics.median(fast_t["cpu"]), statistics.median(ref_t["cpu"])
         identical = all(torch.equal(a, b) for a, b in zip(fast, ref))
         initial = initial_phy2log(shape["layers"], shape["experts"], shape["replicas"])
+        speedup = reference_s / default_s
         results[name] = {
             **{k: shape[k] for k in ("layers", "experts", "replicas", "ranks", "nodes", "groups")},
             "hierarchical": shape["groups"] % shape["nodes"] == 0 and shape["groups"] > 1,
             "default_ms": round(default_s * 1e3, 3),
             "reference_ms": round(reference_s * 1e3, 3),
-            "speedup": round(reference_s / default_s, 2),
-            "default_best_ms": round(default_best * 1e3, 3),
-            "reference_best_ms": round(reference_best * 1e3, 3),
-            "speedup_best": round(reference_best / default_best, 2),
+            "speedup": round(speedup, 2),
+            "default_best_ms": round(min(fast_t["wall"]) * 1e3, 3),
+            "reference_best_ms": round(min(ref_t["wall"]) * 1e3, 3),
+            "speedup_best": round(min(ref_t["wall"]) / min(fast_t["wall"]), 2),
+            "default_cpu_ms": round(default_cpu * 1e3, 3),
+            "reference_cpu_ms": round(reference_cpu * 1e3, 3),
+            "speedup_cpu": round(reference_cpu / default_cpu, 2) if default_cpu > 0 else None,
+            "meets_target": (speedup >= args.target_speedup) if name in TARGET_SHAPES else None,
+            "cores_busy": cores,
             "balancedness": round(placement_balancedness(fast[0], load, shape["ranks"]), 6),
             "bound": round(balancedness_bound(load, shape["replicas"], shape["ranks"]), 6),
             "initial": round(placement_balancedness(initial, load, shape["ranks"]), 6),
@@ -101,15 +233,23 @@ def run(args: argparse.Namespace) -> dict:
         }
 
     speedups = [r["speedup"] for r in results.values()]
-    return {
+    targeted = [r["meets_target"] for r in results.values() if r["meets_target"] is not None]
+    out = {
         "benchmark": "policy",
-        "baseline": "eplb_fsm.policy.reference.reference_rebalance_experts (per-item loops, same run)",
+        "baseline": "eplb_fsm.policy.reference.reference_rebalance_experts (vLLM 0.12's structure, same run)",
         "scenarios": scenarios["path"],
         "load": "zipf per scenarios.json synthetic_load",
         "seed": args.seed,
         "repeats": args.repeats,
         "reference_repeats": args.reference_repeats,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "target_speedup": args.target_speedup,
         "shapes": results,
         "min_speedup": min(speedups),
         "all_identical": all(r["identical"] for r in results.values()),
+        "meets_target": all(targeted) if targeted else None,
     }
+    if not args.no_scaling:
+        out["scaling"] = _scaling(args.scaling_repeats, args.seed)
+    return out

@@ -14,7 +14,7 @@ per step, 2M for 64 ranks x 10k steps). The report gives both targets: ``TARGET_
 the compact traces (steps and a rearrangement every ``--interval``), ``TARGET_ALLREDUCE_S``
 for the all-reduce mix, each with ``meets_target``.
 
-Wall times are the best of ``--repeat`` runs; ``cpu_s`` is this process's CPU time in
+Wall times are the best of ``--repeats`` runs; ``cpu_s`` is this process's CPU time in
 that run, which stays meaningful when other work shares the machine.
 """
 
@@ -35,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10_000, help="engine steps per rank (default 10000)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers transferred per rearrangement (default 4)")
     parser.add_argument("--interval", type=int, default=100, help="steps between rearrangements (default 100)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed replays per trace set; the best is reported")
+    from eplb_fsm.cli import hidden_alias
+
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed replays per trace set; the best is reported (default 3)")
+    hidden_alias(parser, "--repeat", dest="repeats", type=int)
 
 
 def _write_world(src: Path, out_dir: Path, ranks: list[int]) -> int:
@@ -124,12 +128,12 @@ def run(args: argparse.Namespace) -> dict:
         def parse_only():
             return sum(len(read_trace(trace_path(healthy_dir, r))[0]) for r in range(world))
 
-        parse_best, _, parse_cpu, parsed = _time(parse_only, args.repeat)
-        healthy_best, healthy_median, healthy_cpu, healthy = _time(lambda: replay_dir(healthy_dir), args.repeat)
-        hang_best, hang_median, hang_cpu, hang = _time(lambda: replay_dir(hang_dir), args.repeat)
-        ar_best, ar_median, ar_cpu, ar = _time(lambda: replay_dir(allreduce_dir), args.repeat)
+        parse_best, _, parse_cpu, parsed = _time(parse_only, args.repeats)
+        healthy_best, healthy_median, healthy_cpu, healthy = _time(lambda: replay_dir(healthy_dir), args.repeats)
+        hang_best, hang_median, hang_cpu, hang = _time(lambda: replay_dir(hang_dir), args.repeats)
+        ar_best, ar_median, ar_cpu, ar = _time(lambda: replay_dir(allreduce_dir), args.repeats)
         jobs = min(default_jobs(), world)
-        parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeat)
+        parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeats)
     assert parsed == n_records
     return {
         "ranks": world,

@@ -44,13 +44,16 @@ import threading
 import time
 from typing import Any
 
+from eplb_fsm.cli import hidden_alias
+
 TARGET_SINGLE_STEP = 0.05   # async's longest extra step time, as a fraction of sync's
 TARGET_TOTAL = 0.20         # async's total extra step time, as a fraction of sync's
 MODES = ("sync", "async")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="gloo ranks to start, 2-4 (default 2)")
+    parser.add_argument("--ranks", dest="world", type=int, default=2, help="gloo ranks to start, 2-4 (default 2)")
+    hidden_alias(parser, "--world", dest="world", type=int)
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     parser.add_argument("--experts", type=int, default=16, help="logical experts per layer (default 16)")
@@ -73,13 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Reject bad settings with the option's name and the rule, before any process starts."""
     rules = [
-        (2 <= args.world <= 4, f"--world must be in 2..4, got {args.world}"),
+        (2 <= args.world <= 4, f"--ranks must be in 2..4, got {args.world}"),
         (args.mb > 0, f"--mb must be > 0, got {args.mb}"),
         (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
         (args.experts >= 2, f"--experts must be >= 2, got {args.experts}"),
         (args.redundant >= 0, f"--redundant must be >= 0, got {args.redundant}"),
         ((args.experts + args.redundant) % args.world == 0,
-         f"--experts + --redundant ({args.experts + args.redundant}) must be divisible by --world ({args.world})"),
+         f"--experts + --redundant ({args.experts + args.redundant}) must be divisible by --ranks ({args.world})"),
         (args.matmul >= 8, f"--matmul must be >= 8, got {args.matmul}"),
         (args.warm >= 4, f"--warm must be >= 4, got {args.warm}"),
         (args.tail >= 0, f"--tail must be >= 0, got {args.tail}"),

@@ -33,7 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=1000, help="load window passes, default 1000")
     parser.add_argument("--steps", type=int, default=2000, help="steps per timed run, default 2000")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds, default 7")
-    parser.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temp dir)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="where the trace goes (default: a temp dir, removed afterwards)")
+    from eplb_fsm.cli import hidden_alias
+
+    hidden_alias(parser, "--log-dir", dest="trace_dir")
 
 
 class _StubModel:

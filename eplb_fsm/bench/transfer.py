@@ -7,7 +7,7 @@ and without migration batching; the baseline is a raw ``dist.batch_isend_irecv``
 exactly the same messages (same peers, sizes and order, one batch per layer, buffers
 allocated up front). A second baseline, ``raw_commit``, adds to it one copy of every
 changed row into the weights per layer: the least any transfer must do that keeps a
-layer's old weights intact until its exchange has succeeded (design §8).
+layer's old weights intact until its exchange has succeeded (docs/design.md §6.4).
 ``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly,
 two staging buffers, nothing planned): the ceiling for any such transfer. Runs
 alternate, each starts after a barrier, and a run's time is the slowest rank's; the figures are medians over ``--repeats``. The weights are restored
@@ -16,7 +16,13 @@ between runs outside the timed region, and the result is checked bit for bit onc
 ``transfer`` (the headline ratio) clears the executor's schedule cache before each
 run, so planning is timed as in a real rearrangement, whose maps are new;
 ``transfer_warm`` reuses the cached schedule, like the raw baseline's precomputed
-message list.
+message list; ``transfer_one_phase`` is ``transfer`` with each wave posted in one batch
+(no tags: the conflicting part of layer k-1's commit runs before layer k's messages).
+
+Targets: ``meets_target`` is ``transfer`` >= 0.9 of ``raw_commit_overlap`` in the same
+run; ``meets_raw_target`` the older >= 0.8 of ``raw``. ``cores_busy`` (and every row of
+``variants``) says how many cores each variant kept busy, and ``load_average`` how busy
+the machine was.
 """
 
 from __future__ import annotations
@@ -28,17 +34,24 @@ import statistics
 import time
 from typing import Any
 
-TARGET_RATIO = 0.8
+# transfer / raw_commit_overlap (the ceiling that keeps old weights until the exchange succeeded)
+TARGET_VS_CEILING = 0.9
+# transfer / raw (the earlier target; out of reach while raw keeps every core busy, docs/transfer.md)
+TARGET_VS_RAW = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=4, help="gloo ranks to start (default 4)")
+    from eplb_fsm.cli import hidden_alias
+
+    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks to start (default 4)")
+    hidden_alias(parser, "--world", dest="ranks", type=int)
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
-    parser.add_argument("--slots", type=int, default=8, help="slots per rank S (default 8)")
+    parser.add_argument("--slots-per-rank", type=int, default=8, metavar="S", help="slots per rank S (default 8)")
+    hidden_alias(parser, "--slots", dest="slots_per_rank", type=int)
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per variant (default 15)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement (default 0)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed (default 300)")
 
 
 def _maps(seed: int, num_layers: int, p: int, n: int):
@@ -73,6 +86,7 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
     from eplb_fsm.transfer import TransferBuffer, moved_slots, rearrange_expert_weights_inplace
     from eplb_fsm.transfer.plan import layer_transfers, plan_from_transfers
+    from eplb_fsm.transfer.communicator import TorchDistCommunicator
     from eplb_fsm.transfer.schedule import clear_schedule_cache
 
     num_layers, s = cfg["layers"], cfg["slots"]
@@ -154,12 +168,22 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
             for w, p_ in zip(layer, src):
                 w.copy_(p_)
 
-    def transfer(batching: bool, warm: bool = False):
+    one_phase = TorchDistCommunicator(timeout=60.0)
+    one_phase.supports_tags = False  # the executor then posts each wave in one batch, as before tags
+
+    def transfer(batching: bool, warm: bool = False, communicator=None):
         def go() -> None:
             if not warm:
                 # a real rearrangement has maps never seen before: plan inside the timed run
                 clear_schedule_cache()
-            rearrange_expert_weights_inplace(old_t, new_t, weights, buffer=buffer, migration_batching=batching, timeout=60.0)
+            if communicator is None:
+                rearrange_expert_weights_inplace(
+                    old_t, new_t, weights, buffer=buffer, migration_batching=batching, timeout=60.0
+                )
+            else:
+                rearrange_expert_weights_inplace(
+                    old_t, new_t, weights, buffer=buffer, migration_batching=batching, communicator=communicator
+                )
 
         return go
 
@@ -179,14 +203,15 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         return float(elapsed), float(cpu_t)
 
     variants = {"raw": raw, "raw_commit": raw_commit, "raw_commit_overlap": raw_commit_overlap, "transfer": transfer(False),
-                "transfer_batched": transfer(True), "transfer_warm": transfer(False, warm=True)}
+                "transfer_batched": transfer(True), "transfer_warm": transfer(False, warm=True),
+                "transfer_one_phase": transfer(False, communicator=one_phase)}
     for fn in variants.values():  # warm-up (connections, allocator)
         timed(fn)
     # correctness, once per transfer variant
     correct = True
     expect = [[torch.empty_like(w) for w in layer] for layer in pristine]
     _fill(expect, new, rank, s)
-    for name in ("transfer", "transfer_batched"):
+    for name in ("transfer", "transfer_batched", "transfer_one_phase"):
         timed(variants[name])
         correct &= all(torch.equal(a, b) for la, lb in zip(weights, expect) for a, b in zip(la, lb))
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -213,31 +238,40 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.sim.launcher import run_ranks
 
-    if args.world < 2:
-        raise SystemExit("eplb-fsm bench transfer: --world must be >= 2")
-    cfg = {"layers": args.layers, "slots": args.slots, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
-    res = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout)[0]
+    if args.ranks < 2:
+        raise SystemExit(f"eplb-fsm bench transfer: --ranks must be >= 2, got {args.ranks}")
+    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
+    res = run_ranks(_bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
     gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
+    cores_busy = {k: round(cpu[k] / med[k], 2) for k in med}
+    vs_ceiling = gbps["transfer"] / gbps["raw_commit_overlap"]
     return {
         "bench": "transfer",
         "backend": "gloo",
-        "world": args.world,
+        "world": args.ranks,
         "layers": args.layers,
-        "slots_per_rank": args.slots,
+        "slots_per_rank": args.slots_per_rank,
         "weight_mb_per_rank": round(res["weight_bytes_per_rank"] / 2**20, 2),
         "moved_slots": res["moved_slots"],
         "moved_mb_total": round(res["moved_bytes"] / 2**20, 2),
         "repeats": cfg["repeats"],
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "median_s": {k: round(v, 5) for k, v in med.items()},
         "gb_per_s": {k: round(v, 3) for k, v in gbps.items()},
         # CPU seconds of all ranks per run, and how many cores that keeps busy: on a
         # machine with few cores the exchange itself is CPU-bound, so every copy added
         # to it shows up in the wall time
         "cpu_s": {k: round(v, 5) for k, v in cpu.items()},
-        "cores_busy": {k: round(cpu[k] / med[k], 2) for k in med},
+        "cores_busy": cores_busy,
         "cores": os.cpu_count(),
+        # every variant's figures side by side: time, throughput, ratio to raw, cores busy
+        "variants": {
+            k: {"median_s": round(med[k], 5), "gb_per_s": round(gbps[k], 3),
+                "ratio_vs_raw": round(gbps[k] / gbps["raw"], 3), "cores_busy": cores_busy[k]}
+            for k in med
+        },
         "ratio_vs_raw": round(gbps["transfer"] / gbps["raw"], 3),
         "ratio_batched_vs_raw": round(gbps["transfer_batched"] / gbps["raw"], 3),
         "ratio_vs_raw_commit": round(gbps["transfer"] / gbps["raw_commit"], 3),
@@ -246,7 +280,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_commit_vs_raw": round(gbps["raw_commit"] / gbps["raw"], 3),
         # the ceiling of any transfer that keeps a layer's old weights until it succeeded
         "raw_commit_overlap_vs_raw": round(gbps["raw_commit_overlap"] / gbps["raw"], 3),
-        "target_ratio": TARGET_RATIO,
-        "meets_target": gbps["transfer"] / gbps["raw"] >= TARGET_RATIO,
+        # the engine against that ceiling (the target), and the two-phase posting against one batch per wave
+        "transfer_vs_ceiling": round(vs_ceiling, 3),
+        "one_phase_vs_ceiling": round(gbps["transfer_one_phase"] / gbps["raw_commit_overlap"], 3),
+        "two_phase_vs_one_phase": round(gbps["transfer"] / gbps["transfer_one_phase"], 3),
+        "target_ratio": TARGET_VS_CEILING,
+        "meets_target": vs_ceiling >= TARGET_VS_CEILING,
+        "raw_target_ratio": TARGET_VS_RAW,
+        "meets_raw_target": gbps["transfer"] / gbps["raw"] >= TARGET_VS_RAW,
         "bit_exact": res["correct"],
     }

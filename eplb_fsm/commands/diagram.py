@@ -6,11 +6,16 @@ Text formats are generated from the live machine definition without any Graphviz
 install; SVG/PNG are skipped with a message when pygraphviz is missing. ``--doc``
 refreshes the mermaid block embedded in a markdown page; ``--check`` writes nothing and
 exits 1 when a file (or the embedded block) is stale.
+
+``--out`` (a folder, created if missing) and ``--doc`` (an existing markdown file with
+the generated block) are checked before anything is written: a bad one prints one
+``eplb-fsm diagram: error: ...`` line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -28,14 +33,14 @@ def _formats(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="diagrams", help="output folder (default: diagrams)")
+    parser.add_argument("--out", default="diagrams", help="output folder, created if missing (default: diagrams)")
     parser.add_argument(
         "--format", dest="formats", type=_formats, default=["mermaid", "dot"],
         help="comma-separated: mermaid, dot, svg, png (default: mermaid,dot)",
     )
     parser.add_argument(
         "--doc", default=None, metavar="MARKDOWN",
-        help="also refresh the generated mermaid block in this markdown file (e.g. docs/machine.md)",
+        help="also refresh the generated mermaid block in this markdown file, e.g. docs/machine.md (default: none)",
     )
     parser.add_argument(
         "--check", action="store_true",
@@ -43,10 +48,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_paths(out: Path, doc: str | None, check: bool) -> str | None:
+    """Why ``--out`` / ``--doc`` cannot be used (one line, naming the option), or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out: {out} exists and is not a folder"
+    if not check:
+        probe = out
+        while not probe.exists():  # the nearest folder that exists must accept new entries
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"--out: cannot create {out}: {probe} is not a folder"
+        if not os.access(probe, os.W_OK | os.X_OK):
+            return f"--out: cannot write in {probe}"
+    if doc is not None:
+        path = Path(doc)
+        if not path.exists():
+            return f"--doc: {path} does not exist"
+        if not path.is_file():
+            return f"--doc: {path} is not a file (give the markdown page to refresh)"
+        if not check and not os.access(path, os.R_OK | os.W_OK):
+            return f"--doc: {path} is not readable and writable"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from eplb_fsm.inspect import diagrams
 
     out = Path(args.out)
+    problem = _check_paths(out, args.doc, args.check)
+    if problem is None and args.doc:
+        try:  # the block must be there before any file is written
+            diagrams.embed_in_markdown(Path(args.doc).read_text(encoding="utf-8"))
+        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            problem = f"--doc: {args.doc}: {exc}"
+    if problem:
+        print(f"eplb-fsm diagram: error: {problem}", file=sys.stderr)
+        return 2
     text_formats = [f for f in args.formats if f in ("mermaid", "dot")]
     image_formats = [f for f in args.formats if f in ("svg", "png")]
 
@@ -75,14 +112,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     if args.doc:
         doc = Path(args.doc)
-        if not doc.exists():
-            print(f"eplb-fsm diagram: {doc} does not exist", file=sys.stderr)
-            return 2
-        try:
-            updated = diagrams.embed_in_markdown(doc.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            print(f"eplb-fsm diagram: {doc}: {exc}", file=sys.stderr)
-            return 2
-        doc.write_text(updated, encoding="utf-8")
+        doc.write_text(diagrams.embed_in_markdown(doc.read_text(encoding="utf-8")), encoding="utf-8")
         print(f"updated {doc}")
     return 0

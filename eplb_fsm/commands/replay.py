@@ -40,7 +40,6 @@ def _at_least(low: int, what: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_CODES
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("logdir", help="folder holding rank<N>.jsonl traces (one per rank)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",

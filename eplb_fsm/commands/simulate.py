@@ -5,8 +5,13 @@ real ESFT routing) with a small MoE model, checks every step's output bit for bi
 against a placement-free reference, and lets the controller rearrange experts. The
 parent shows a live progress line (stderr) with every rank's state, then reports
 balancedness before and after each rearrangement, moved slots and bytes, time in each
-state, and whether outputs stayed identical; traces go to ``--log-dir`` and a PNG of
+state, and whether outputs stayed identical; traces go to ``--trace-dir`` and a PNG of
 balancedness over steps next to them (when matplotlib is installed).
+
+Every option and output path is checked before any process starts (``--trace-dir`` must be
+a writable directory or creatable, ``--png`` a ``.png`` file in an existing, writable
+directory); a bad one prints one ``eplb-fsm simulate: error: ...`` line and exits 2. A
+plot that still cannot be written is reported as a note: the report is never lost.
 
 Extension seam: :func:`build_options` turns arguments into a picklable ``SimOptions``;
 per-rank behaviour is added through ``SimOptions.hooks`` (see ``eplb_fsm.sim.run``),
@@ -20,11 +25,12 @@ import json
 import math
 import re
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from eplb_fsm.commands.simulate_checks import check_png_path, load_note, prepare_trace_dir
 
 __all__ = ["add_arguments", "build_options", "run_simulation", "build_report", "build_failed_report", "replay_verdict",
            "format_report", "run"]
@@ -43,7 +49,7 @@ fault injection (--inject SPEC, repeatable; R rank, S step, K layer, from 0):
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
 first fault and exits non-zero, and the report ends with the replay verdict of the
-traces left in --log-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
+traces left in --trace-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
 trace record when planning, a transferring layer or committing makes no progress for
 S seconds.
 """
@@ -54,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ranks", type=int, default=4, help="EP ranks (local gloo processes), default 4")
     g.add_argument("--layers", type=int, default=4, help="MoE layers, default 4")
     g.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
-    g.add_argument("--redundant", type=int, default=8, help="redundant slots per layer, default 8")
+    g.add_argument("--redundant", type=int, default=8,
+                   help="redundant slots per layer (slots beyond one per expert), default 8")
     g.add_argument("--hidden", type=int, default=16, help="hidden size of the toy model, default 16")
     g.add_argument("--top-k", type=int, default=2, help="experts per token, default 2")
     g.add_argument("--tokens", type=int, default=128, help="tokens per engine step (whole batch), default 128")
@@ -67,10 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="load source: zipf (drifting skew), esft (ESFT routing traces) or a load file; default zipf")
     r.add_argument("--drift", type=float, default=0.6, help="lognormal drift sigma per interval (zipf/file), default 0.6")
     r.add_argument("--seed", type=int, default=0, help="seed of weights, batches and load, default 0")
-    r.add_argument("--policy", default="default", help="placement policy name, default 'default'")
+    from eplb_fsm.policy.registry import available_policies  # names only, no torch
+
+    r.add_argument("--policy", default="default", choices=available_policies(),
+                   help="placement policy: %(choices)s; default 'default'")
     r.add_argument("--min-gain", type=float, default=0.0,
                    help="skip a rearrangement whose predicted balancedness gain is <= this, default 0")
-    r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none)")
+    r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none), default 0")
     r.add_argument("--collective-timeout", type=float, default=None,
                    help="seconds any wait on other ranks may take before it is a fault, default 20 "
                         "(5 with --inject)")
@@ -88,13 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a scale waits for its new group (joiners arriving), default: the collective "
                         "timeout")
     r.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole run in seconds, default 300")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _INJECT_HELP
     o = parser.add_argument_group("output")
-    o.add_argument("--log-dir", default=None, help="where traces and the PNG go (default: a new temp dir)")
+    o.add_argument("--trace-dir", dest="log_dir", default=None, metavar="DIR",
+                   help="where traces and the PNG go, created if missing (default: a new temp dir)")
+    o.add_argument("--log-dir", dest="log_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     o.add_argument("--json", action="store_true", help="print the report as one JSON object")
     o.add_argument("--png", default=None, metavar="PATH",
-                   help="where the balancedness PNG goes (default: <log-dir>/balancedness.png)")
+                   help="where the balancedness PNG goes, a .png file (default: <trace-dir>/balancedness.png)")
     o.add_argument("--no-png", action="store_true", help="do not write the PNG")
     o.add_argument("--no-progress", action="store_true", help="no live progress line on stderr")
 
@@ -143,13 +154,16 @@ def build_options(args: argparse.Namespace):
         raise ValueError(f"--collective-timeout must be a finite number > 0, got {timeout}")
     if not (watchdog >= 0 and math.isfinite(watchdog)):
         raise ValueError(f"--watchdog must be a finite number >= 0 (0: off), got {watchdog}")
+    run_timeout = getattr(args, "timeout", 300.0)
+    if not (run_timeout > 0 and math.isfinite(run_timeout)):
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {run_timeout}")
+    check_png_path(getattr(args, "png", None), getattr(args, "no_png", False))  # before any work
     injections = []
     if getattr(args, "inject", None):
         from eplb_fsm.sim.inject import parse_specs
 
         injections = parse_specs(args.inject, args.ranks, args.steps, args.layers)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="eplb-simulate-")
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    log_dir = prepare_trace_dir(args.log_dir)
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
         top_k=args.top_k, tokens=args.tokens, steps=args.steps, interval=args.interval, window=args.window,
@@ -298,14 +312,26 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
         report["ok"] = bool(report["ok"] and report["replay"]["verdict"] == "healthy")
     report["png"], report["png_note"] = None, None
     if want_png:
-        from eplb_fsm.sim.plot import plot_balancedness
-
-        path = png or str(Path(opts.log_dir) / "balancedness.png")
-        title = f"{opts.ranks} ranks, {opts.layers} layers, {opts.experts}+{opts.redundant} slots, {opts.mode}, " \
-                f"load {Path(opts.load).name if opts.load not in ('zipf', 'esft') else opts.load}"
-        report["png"], report["png_note"] = plot_balancedness(results[0]["balancedness"], report["rearrangements"],
-                                                              path, title=title)
+        report["png"], report["png_note"] = _write_plot(opts, report, results, png)
     return report
+
+
+def _write_plot(opts, report: dict, results: list[dict], png: str | None) -> tuple[str | None, str | None]:
+    """Draw the balancedness PNG; a failure becomes a note, never an exception (the report must come out)."""
+    from eplb_fsm.sim.plot import plot_balancedness, rank_timeline
+
+    path = png or str(Path(opts.log_dir) / "balancedness.png")
+    timeline = rank_timeline(opts.ranks, report.get("scalings", ()))
+    ranks = " -> ".join(str(n) for _, n in timeline) if len(timeline) > 1 else str(opts.ranks)
+    load = Path(opts.load).name if opts.load not in ("zipf", "esft") else opts.load
+    title = f"{ranks} ranks, {opts.layers} layers, {opts.experts}+{opts.redundant} slots, {opts.mode}, load {load}"
+    drifts = opts.load != "esft" and opts.drift > 0
+    try:
+        return plot_balancedness(results[0]["balancedness"], report["rearrangements"], path, title=title,
+                                 phase_start=opts.phase_start if drifts else None, phase_steps=opts.phase_steps,
+                                 window=opts.window, scalings=report.get("scalings", ()), ranks=opts.ranks)
+    except Exception as exc:  # noqa: BLE001 - a plot problem must not cost the report
+        return None, f"the plot could not be written to {path}: {type(exc).__name__}: {exc}"
 
 
 def _last_record(path: Path) -> dict | None:
@@ -491,6 +517,24 @@ def _format_replay(report: dict) -> list[str]:
     return [f"replay: {rep['verdict']}: {rep['summary']}"]
 
 
+def _format_scalings(report: dict) -> list[str]:
+    """One line per --scale; a scale that did not run says why instead of printing empty rank counts."""
+    lines, current = [], report["config"]["ranks"]
+    for sc in report.get("scalings", ()):
+        wanted = sc.get("requested_ranks")
+        if sc.get("from_ranks") is None:  # no process scaled: same size, or the run ended first
+            why = (f"the group already has {current} ranks" if sc["outcome"] == "skipped"
+                   else "the run ended before this step")
+            lines.append(f"scale at step {sc['step']} to {wanted} ranks: {sc['outcome']} ({why})")
+            continue
+        lines.append(f"scale at step {sc['step']}: {sc['from_ranks']} -> {wanted} ranks: "
+                     f"{sc['outcome']}, {sc['moved_slots']} slots moved, {sc['seconds']} s"
+                     + (f" ({sc['reason']})" if sc.get("reason") else ""))
+        if sc.get("to_ranks") is not None:
+            current = sc["to_ranks"]
+    return lines
+
+
 def format_report(report: dict) -> str:
     """The report as text for a terminal."""
     if report.get("failed"):
@@ -531,10 +575,7 @@ def format_report(report: dict) -> str:
         lines.append(f"balancedness plot: {report['png']}")
     elif report.get("png_note"):
         lines.append(f"no plot: {report['png_note']}")
-    for sc in report.get("scalings", ()):
-        lines.append(f"scale at step {sc['step']}: {sc['from_ranks']} -> {sc.get('requested_ranks')} ranks: "
-                     f"{sc['outcome']}, {sc['moved_slots']} slots moved, {sc['seconds']} s"
-                     + (f" ({sc['reason']})" if sc.get("reason") else ""))
+    lines += _format_scalings(report)
     lines.append(f"wall time: {report['wall_s']} s")
     if report.get("inject"):
         lines.append("injected: " + " ".join(report["inject"]))
@@ -544,11 +585,16 @@ def format_report(report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         opts = build_options(args)
+        note = load_note(opts)
     except ValueError as exc:
         print(f"eplb-fsm simulate: error: {exc}", file=sys.stderr)
         return 2
+    if note:
+        print(f"eplb-fsm simulate: {note}", file=sys.stderr)
     report = run_simulation(opts, progress=not args.no_progress, timeout=args.timeout, png=args.png,
                             want_png=not args.no_png)
+    if note:
+        report["load_note"] = note
     if report.get("png_note"):
         print(f"eplb-fsm simulate: {report['png_note']}", file=sys.stderr)
     if args.json:

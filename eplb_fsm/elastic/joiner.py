@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from eplb_fsm.elastic.bounds import ScaleDeadline
 from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.elastic.handover import (
     config_for_handover,
@@ -64,36 +65,44 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         raise ValueError(f"rank {rank} of {world_size} is not a joiner of generation {generation} "
                          f"({sp.old_world} -> {sp.new_world} ranks, joiners {list(sp.joiners)})")
     _check_matches(config, named, state)
+    # from the handover on, the joiner's waits share one deadline, as the serving ranks' do
+    deadline = ScaleDeadline(timeout, float(config.collective_timeout_s))
     redundant = {spec["slots_per_rank"] * sp.new_world - spec["num_logical"] for spec in state["models"]}
     if len(redundant) == 1:
         config = config.replace(num_redundant_experts=redundant.pop())
     try:
-        group = StoreGroup(store, generation, rank, world_size, timeout, namespace=namespace, info=info)
+        group = StoreGroup(store, generation, rank, world_size, deadline.left(timeout), namespace=namespace,
+                           info=info)
     except Exception as exc:
         raise ScaleAborted(f"the group of generation {generation} was not complete: {exc}") from exc
     ctl = cls(config, group=group, device=device, trace_dir=trace_dir, keep_trace=keep_trace, role="joiner",
               start_step=int(state["steps"]))
+    ctl.collectives.cap = deadline.left
     try:
         _take_handover(ctl, sp, named, state)
         step = ctl.steps
         history_len = len(ctl.history)
         reached = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+        phase = "handover" if reached is not None else "transfer"
         if reached is None:
             full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
             reached = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
             tag_history(ctl, sp, history_len)
         if reached != SCALING:
             reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the handshake failed"
-            scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason)
-            raise ScaleAborted(f"scale to generation {generation} aborted: {reason}")
+            scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason, phase=phase,
+                           bounds=deadline.describe())
+            raise ScaleAborted(f"scale to generation {generation} aborted in its {phase} phase: {reason}")
         resize_models(ctl, rank, world_size)
         ctl.restart_interval()
         ctl.fire("switched", extra={"generation": generation, "role": "joiner"})
-        scaling_record(ctl, sp, "joiner", "switched", started, step, -1)
+        scaling_record(ctl, sp, "joiner", "switched", started, step, -1, bounds=deadline.describe())
         return ctl
     except BaseException:
         ctl.close()
         raise
+    finally:
+        ctl.collectives.cap = None
 
 
 def _check_matches(config: Any, named: list, state: dict) -> None:

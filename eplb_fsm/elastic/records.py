@@ -47,8 +47,13 @@ def tag_history(ctl: Any, sp: ScalePlan, count_before: int) -> None:
 
 
 def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: float, step: int, old_rank: int,
-                   reason: str | None = None, lost: list | None = None, degraded: bool = False) -> dict:
-    """This rank's entry for one scale request: appended to ``ctl.scalings`` and traced as ``scaling``."""
+                   reason: str | None = None, lost: list | None = None, degraded: bool = False,
+                   phase: str | None = None, bounds: dict | None = None) -> dict:
+    """This rank's entry for one scale request: appended to ``ctl.scalings`` and traced as ``scaling``.
+
+    ``phase``: where a scale that did not simply switch ended (prepare, handover, transfer,
+    salvage, rollback); ``bounds``: its deadlines (``deadline_s``, ``bound_s``, see elastic.bounds).
+    """
     plan_entry = None
     if ctl.history and ctl.history[-1].get("scale") == sp.generation:
         plan_entry = ctl.history[-1]
@@ -71,6 +76,8 @@ def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: fl
         "reason": reason,
         "lost_experts": lost or [],
         "degraded": degraded,
+        "phase": phase,
+        **(bounds or {}),
         "state": ctl.state,
     }
     ctl.scalings.append(entry)

@@ -29,7 +29,9 @@ on the joiners), in sync and async mode alike; async mode first drains a rearran
 that is in flight (its pending layer is committed or rolled back) so that nothing runs in
 the background across the switch. The load-balancing interval restarts after a switch.
 
-Faults (every wait is bounded by ``timeout_s``):
+Faults (every wait gets the time left before the scale's one deadline,
+:mod:`~eplb_fsm.elastic.bounds`: a stalled rank is detected within
+``timeout_s + 4 * collective_timeout_s + 10`` seconds of the request):
 
 - the new group is not complete in time (a joiner never arrives): every old rank learns
   it in one all-reduce on the old group and fires ``fault`` (recoverable): back to
@@ -65,6 +67,7 @@ import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.decide import decide_salvage
+from eplb_fsm.elastic.bounds import ScaleDeadline
 from eplb_fsm.elastic.joiner import ScaleAborted, join
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.elastic.handover import (
@@ -113,9 +116,11 @@ class _Request:
     step: int           # the engine step it came at
     old_rank: int
     new_rank: int       # -1: this rank leaves
+    deadline: ScaleDeadline  # every wait of the scale gets the time left before it
 
     def record(self, ctl: Any, role: str, outcome: str, **fields: Any) -> dict:
-        return scaling_record(ctl, self.sp, role, outcome, self.started, self.step, self.old_rank, **fields)
+        return scaling_record(ctl, self.sp, role, outcome, self.started, self.step, self.old_rank,
+                              bounds=self.deadline.describe(), **fields)
 
 
 def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int] | None = None, *,
@@ -139,13 +144,23 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
     if ctl.state != COLLECTING:
         ctl.rearranger.drain()  # async: nothing runs in the background across the switch
     ctl.last_generation = generation  # used up even if the request aborts: no store prefix is reused
-    req = _Request(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank))
+    deadline = ScaleDeadline(timeout, ctl.timeout_s)
+    req = _Request(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank), deadline)
     if ctl.state == FAILED:
-        return req.record(ctl, "member", "failed", reason="failed before the scale began")
-    ctl.fire("scale_requested", extra={**sp.describe(), "timeout_s": timeout})
-    if sp.kind == "scale_down":
-        return _scale_down(ctl, req)
-    return _scale_up(ctl, req)
+        return req.record(ctl, "member", "failed", reason="failed before the scale began", phase="request")
+    ctl.fire("scale_requested", extra={**sp.describe(), "timeout_s": timeout, **deadline.describe()})
+    ctl.collectives.cap = deadline.left  # every all-reduce of the scale, the rearrangement's included
+    try:
+        if sp.kind == "scale_down":
+            return _scale_down(ctl, req)
+        return _scale_up(ctl, req)
+    finally:
+        ctl.collectives.cap = None
+
+
+def _recovering(ctl: Any, req: _Request) -> None:
+    """From here on the scale's waits are its salvage / rollback: they get the recovery deadline."""
+    ctl.collectives.cap = lambda own: req.deadline.left(own, recovery=True)
 
 
 def _check_request(ctl: Any, sp: ScalePlan) -> None:
@@ -181,8 +196,9 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
         if sp.kind == "scale_up" and req.old_rank == 0:
             ctl.group.store.set(ctl.group.key("handover", sp.generation), pickle.dumps(handover_state(ctl, sp)))
         if req.new_rank >= 0:
-            new_group = ctl.group.successor(sp.generation, req.new_rank, sp.new_world, req.timeout)
-            new_comm = new_group.transfer_communicator(ctl.timeout_s, req.timeout)
+            new_group = ctl.group.successor(sp.generation, req.new_rank, sp.new_world,
+                                            req.deadline.left(req.timeout))
+            new_comm = new_group.transfer_communicator(ctl.timeout_s, req.deadline.left(req.timeout))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         new_group = None
@@ -190,7 +206,7 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
         agreed = ctl.collectives.all_reduce({"scale_ready": flags(1.0 if error else 0.0)}, 2 * req.timeout + 5.0)
     except Exception as exc:
         ctl.rearranger.group_fault(exc)
-        return None, None, req.record(ctl, role, "failed", reason=str(exc))
+        return None, None, req.record(ctl, role, "failed", reason=str(exc), phase="prepare")
     failed = int(round(float(agreed["scale_ready"][0])))
     if not failed:
         return new_group, new_comm, None
@@ -200,7 +216,7 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
               f"{failed} rank(s)" + (f": {error}" if error else ""))
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="prepare", reason=reason, lost_experts=[])
     ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
-    return None, None, req.record(ctl, "member", "aborted", reason=reason)
+    return None, None, req.record(ctl, "member", "aborted", reason=reason, phase="prepare")
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,12 +252,13 @@ def _scale_down(ctl: Any, req: _Request) -> dict:
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
         if new_group is not None:
             new_group.close()
-        return req.record(ctl, role, "aborted", reason=reason)
+        return req.record(ctl, role, "aborted", reason=reason, phase="transfer")
     # the old group broke (a rank died): survivors try to finish on the group they built
     if leaving or new_group is None:
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer",
                        reason="the old group broke during the scale-down", lost_experts=None)
-        return req.record(ctl, role, "failed", reason="the old group broke")
+        return req.record(ctl, role, "failed", reason="the old group broke during the scale-down",
+                          phase="transfer")
     return _salvage_down(ctl, req, new_group, new_comm, from_group)
 
 
@@ -258,13 +275,14 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
     sp = req.sp
     committed = float(ctl.history[-1]["layers_committed"]) if ctl.history else 0.0
     lost = lost_when_remapped(ctl.models, from_group)
+    _recovering(ctl, req)
     try:
         agreed = reduce_on(ctl, new_group, {"salvage": flags(committed, 1.0 if lost else 0.0, 1.0)},
                            late_timeout(ctl))["salvage"]
     except Exception as exc:
         reason = f"survivors could not agree on the new group: {exc}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="salvage", reason=reason, lost_experts=lost)
-        return req.record(ctl, "survivor", "failed", reason=reason, lost=lost)
+        return req.record(ctl, "survivor", "failed", reason=reason, lost=lost, phase="salvage")
     ranks = int(round(float(agreed[2])))
     if not decide_salvage(agreed, committed, ranks):
         reason = ("experts lost with the leaving rank(s): " + _describe(lost)) if lost else \
@@ -274,7 +292,7 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
     ctl.fire("salvaged", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
     _switch_down(ctl, req, new_group, new_comm, from_group)
     ctl.fire("switched", extra={"generation": sp.generation, "role": "survivor", "salvage": True})
-    return req.record(ctl, "survivor", "switched", reason=reason, degraded=True)
+    return req.record(ctl, "survivor", "switched", reason=reason, degraded=True, phase="salvage")
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,6 +312,7 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
     set_space(ctl, to_new)
     history_len = len(ctl.history)
     state = join_handshake(ctl, sp)  # None: handed over; else where its fault led
+    phase = "handover" if state is not None else "transfer"
     if state is None:
         full = np.arange(S * sp.new_world, dtype=np.int64)
         state = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
@@ -303,11 +322,11 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
         ctl.restart_interval()
         ctl.fire("switched", extra={"generation": sp.generation, "role": "member"})
         return req.record(ctl, "member", "switched")
-    return _roll_back_up(ctl, req, old, new_group, back, history_len, state)
+    return _roll_back_up(ctl, req, old, new_group, back, history_len, state, phase)
 
 
 def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int,
-                  state: str) -> dict:
+                  state: str, phase: str) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
     ``old``: what ``_scale_up`` saved of the collectives before the switch; ``state``: where
@@ -322,12 +341,14 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
                    old_rank=req.new_rank, new_rank=req.old_rank, old_world=sp.new_world, new_world=old_world)
     committed = float(ctl.history[-1]["layers_committed"]) if len(ctl.history) > history_len else 0.0
     lost = lost_when_remapped(ctl.models, back)
+    _recovering(ctl, req)
     try:
         agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
                                             late_timeout(ctl))["rollback"]
     except Exception as exc:
         ctl.rearranger.group_fault(exc)
-        return req.record(ctl, "member", "failed", reason=str(exc), lost=lost)
+        return req.record(ctl, "member", "failed", reason=f"rollback agreement failed after the {phase} phase: {exc}",
+                          lost=lost, phase="rollback")
     if not decide_salvage(agreed, committed, old_world):
         reason = ("experts would be lost moving back to the old group: " + _describe(lost)) if lost else \
             "old ranks disagree on the committed layers"
@@ -338,8 +359,8 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         ctl.fire("recovered", extra={"reason": reason, "scale": sp.generation})
     elif state != COLLECTING:
         ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
-    ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer", reason=reason, lost_experts=[])
-    return req.record(ctl, "member", "aborted", reason=reason)
+    ctl.trace.emit("scale_aborted", generation=sp.generation, phase=phase, reason=reason, lost_experts=[])
+    return req.record(ctl, "member", "aborted", reason=reason, phase=phase)
 
 
 # ---------------------------------------------------------------------------------------
@@ -356,4 +377,4 @@ def _give_up(ctl: Any, req: _Request, role: str, phase: str, reason: str, lost: 
     if ctl.state != FAILED:
         ctl.fire("fault", extra={"reason": reason, "scale": req.sp.generation, "lost_experts": lost},
                   recoverable=False)
-    return req.record(ctl, role, "failed", reason=reason, lost=lost)
+    return req.record(ctl, role, "failed", reason=reason, lost=lost, phase=phase)

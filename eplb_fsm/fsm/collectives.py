@@ -18,7 +18,7 @@ to yet (:meth:`Collectives.on`); fault injection wraps the object.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -99,6 +99,9 @@ class Collectives:
         self.communicator: Any = None       # what weight transfers use (``transfer.Communicator``)
         self.transfer_generation = -1       # how many times the transfer group was re-created
         self.comm_device = self._collective_device()
+        # elastic EP: caps every all-reduce's timeout by the time left before the scale's
+        # deadline (eplb_fsm.elastic.bounds); None outside a scale
+        self.cap: Callable[[float], float] | None = None
 
     def _collective_device(self) -> torch.device:
         """Where the all-reduce buffer lives: the controller's device for NCCL, else the CPU."""
@@ -117,6 +120,8 @@ class Collectives:
         (e.g. ``layer`` for a layer's agreement). Raises :class:`GroupBroken` if the
         collective raises or does not finish in time.
         """
+        if self.cap is not None:
+            timeout_s = self.cap(timeout_s)
         names = list(parts)
         flat = [parts[n].reshape(-1).to(device=self.comm_device, dtype=torch.float64) for n in names]
         sizes = [t.numel() for t in flat]
@@ -140,9 +145,11 @@ class Collectives:
 
     def on(self, group: Any) -> "Collectives":
         """The same traced all-reduce on a collective-group object this rank has not moved to yet."""
-        return Collectives(group, int(group.rank), int(group.world_size), self.trace, self.device,
-                           self.timeout_s, getattr(group, "trace_name", self.name),
-                           int(getattr(group, "generation", self.generation)))
+        other = Collectives(group, int(group.rank), int(group.world_size), self.trace, self.device,
+                            self.timeout_s, getattr(group, "trace_name", self.name),
+                            int(getattr(group, "generation", self.generation)))
+        other.cap = self.cap
+        return other
 
     def switch(self, group: Any, communicator: Any, rank: int, world_size: int) -> None:
         """Move to another collective-group object (elastic EP) and its transfer communicator."""

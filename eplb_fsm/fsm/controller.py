@@ -136,6 +136,9 @@ class EplbController:
         ``phy2log`` (L, P) is its current placement (default: the initial contiguous one
         the weights were loaded in). Its layers join the machine's layer sequence after
         the models added before. Only while collecting, before a rearrangement starts.
+        Refused (``ValueError``, nothing changed) when its expert weights share memory with
+        a model already added (or itself added twice), or ``phy2log`` is not (L, S × G).
+        Steps taken before the first model do not count toward the interval.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -147,7 +150,7 @@ class EplbController:
         entry = build_model_entry(
             model, name, index=len(self.models), layer_offset=sum(e.num_layers for e in self.models),
             world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
-            window_size=self.config.window_size, device=self.device, phy2log=phy2log,
+            window_size=self.config.window_size, device=self.device, phy2log=phy2log, others=self.models,
         )
         self.models.append(entry)
         self.machine.num_layers = entry.layer_offset + entry.num_layers
@@ -229,8 +232,7 @@ class EplbController:
             return self.machine.state
         counters = self.counters
         step = counters.steps
-        counters.steps = step + 1
-        counters.since += 1
+        counters.count_step(bool(self.models))  # the interval counts from the first add_model
         trace = self.trace
         trace.step = step
         state = self.machine.state

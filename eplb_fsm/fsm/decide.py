@@ -65,8 +65,8 @@ def decide_step(state: str, since: int, threshold: int, has_models: bool, log_no
                 in_flight: bool) -> StepDecision:
     """The step's decision from shared counters.
 
-    ``since``: steps since the interval restarted, this one included; ``threshold``: steps
-    it needs; ``in_flight``: async mode with a plan or layer job running (every rank has one
+    ``since``: steps since the interval restarted with a model added, this one included
+    (see :meth:`Counters.count_step`); ``threshold``: steps it needs; ``in_flight``: async mode with a plan or layer job running (every rank has one
     or none, since jobs start on the same step everywhere).
     """
     due = state == COLLECTING and since >= threshold and has_models
@@ -128,13 +128,22 @@ class Counters:
     """The step counters every rank advances identically (what :func:`decide_step` reads).
 
     ``steps``: engine steps taken (profile steps excluded); ``since``: steps since the
-    interval restarted (at start, a rearrangement, a recovery or a scale); ``threshold``:
-    the steps the current interval needs.
+    interval restarted (at start, a rearrangement, a recovery or a scale) taken with at
+    least one model added (:meth:`count_step`); ``threshold``: the steps the current
+    interval needs.
     """
 
     steps: int
     since: int
     threshold: int
+
+    def count_step(self, has_models: bool) -> None:
+        """One engine step. Steps before the first ``add_model`` do not count toward the
+        interval, so adding a model late never makes a rearrangement due at once: its load
+        window has not seen a step yet."""
+        self.steps += 1
+        if has_models:
+            self.since += 1
 
     def restart(self, interval: int) -> None:
         """The next rearrangement is due ``interval`` steps from now."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -12,8 +12,9 @@ from eplb_fsm.fsm.model_protocol import bytes_per_slot, validate_model
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.stats import LoadWindow
 from eplb_fsm.transfer import TransferBuffer
+from eplb_fsm.transfer.inputs import check_movable, find_shared_memory
 
-__all__ = ["ModelEntry", "build_model_entry"]
+__all__ = ["ModelEntry", "build_model_entry", "check_weights_distinct"]
 
 
 @dataclass
@@ -79,23 +80,56 @@ class ModelEntry:
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)
 
 
+def check_weights_distinct(model: Any, name: str, others: Sequence[ModelEntry]) -> None:
+    """Refuse ``model`` if any of its expert weight rows shares memory with another of its own
+    or with a model already added (``others``), e.g. the same model added twice: moving
+    one would silently overwrite the other's rows, and its maps would no longer describe
+    its weights. Also refuses a layout the executor cannot move (see
+    :func:`eplb_fsm.transfer.inputs.check_movable`). Raises ``ValueError`` naming both models
+    and the layer and tensor.
+    """
+    named = []
+    for layer, tensors in enumerate(model.expert_weights):
+        for t, tensor in enumerate(tensors):
+            check_movable(f"model {name!r}: expert_weights[{layer}][{t}]", tensor, layer)
+            named.append((f"model {name!r} expert_weights[{layer}][{t}]", tensor))
+    for entry in others:
+        for layer, tensors in enumerate(entry.model.expert_weights):
+            named.extend((f"model {entry.name!r} expert_weights[{layer}][{t}]", tensor)
+                         for t, tensor in enumerate(tensors))
+    shared = find_shared_memory(named)
+    if shared is not None:
+        raise ValueError(
+            f"{shared[0]} shares memory with {shared[1]}: every balanced model needs its own expert weights "
+            "(moving one model's rows would overwrite the other's, and its maps would no longer describe them)")
+
+
 def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world_size: int, num_redundant: int,
-                      window_size: int, device: torch.device, phy2log: Any = None) -> ModelEntry:
+                      window_size: int, device: torch.device, phy2log: Any = None,
+                      others: Sequence[ModelEntry] = ()) -> ModelEntry:
     """Validate ``model`` for ``world_size`` ranks and build its entry (maps, window, router tensors, buffer).
 
-    ``phy2log`` (L, P): its current placement (default: the initial contiguous one). The
+    ``phy2log`` (L, P): its current placement (default: the initial contiguous one); it
+    needs one column per slot of the group, P = S × G (S: this rank's weight rows). ``others``:
+    the entries already added (their weights must not share memory with this model's). The
     model is not told about the entry yet (the controller does that once it is added).
     """
     shape = validate_model(model, world_size, num_redundant)
     L = shape["num_moe_layers"]
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]
+    S = shape["num_local_physical_experts"]
+    check_weights_distinct(model, name, others)
     if phy2log is None:
         maps = ExpertMaps.initial(L, N, P)
     else:
+        got = tuple(getattr(phy2log, "shape", np.shape(phy2log)))
+        if got != (L, P):
+            raise ValueError(
+                f"phy2log: must have shape (num_moe_layers, S × G) = ({L}, {S} × {world_size} = {P}): one row per "
+                f"MoE layer and one column per slot of the group, where S = {S} is the rows of this rank's "
+                f"expert_weights tensors; got shape {got}")
         maps = ExpertMaps.from_phy2log(phy2log, N)
-        if maps.phy2log.shape != (L, P):
-            raise ValueError(f"phy2log must have shape ({L}, {P}), got {maps.phy2log.shape}")
     return ModelEntry(
         name=name,
         model=model,

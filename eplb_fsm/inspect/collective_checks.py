@@ -22,7 +22,7 @@ from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary
 def handled_by_fault(f: Finding, cast: Cast) -> bool:
     """A collective problem after which every member aborted the rearrangement with ``fault``.
 
-    That is the machine doing its job (design §8): the collective failed or timed out
+    That is the machine doing its job (docs/design.md §8): the collective failed or timed out
     somewhere, every rank agreed and rolled back. The finding is kept as a note.
     """
     if f.kind not in ("collective_mismatch", "hang") or not isinstance(f.step, int):

@@ -1,4 +1,4 @@
-"""Replay per-rank traces and name the first divergence (design §7).
+"""Replay per-rank traces and name the first divergence (docs/design.md §7).
 
 Stage 1 (``eplb_fsm.inspect.summary``) walks each rank file once: its transitions are
 re-driven through the machine definition and its collectives indexed by group and

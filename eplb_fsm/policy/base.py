@@ -71,6 +71,26 @@ def is_hierarchical(num_groups: int, num_nodes: int) -> bool:
     return num_groups % num_nodes == 0
 
 
+def _weight_as_numpy(weight: Any) -> np.ndarray:
+    """``weight`` (torch tensor, numpy array or nested lists) as a CPU numpy array, not yet checked."""
+    import torch
+
+    if isinstance(weight, torch.Tensor):
+        weight = weight.detach().cpu()
+        if weight.dtype == torch.bool:
+            raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
+        if weight.is_complex():
+            raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
+        try:
+            return weight.numpy()
+        except TypeError:  # bfloat16 and other dtypes numpy lacks: float32 holds them exactly
+            return weight.to(torch.float32).numpy()
+    try:
+        return np.asarray(weight)
+    except Exception as exc:  # noqa: BLE001 - any conversion failure is a bad argument
+        raise ValueError(f"weight must be a tensor of shape (layers, experts): {exc}") from None
+
+
 def check_rebalance_args(
     weight: Any,
     num_replicas: Any,
@@ -93,30 +113,31 @@ def check_rebalance_args(
     num_nodes = _as_int(num_nodes, "num_nodes")
     num_ranks = _as_int(num_ranks, "num_ranks")
 
-    if not isinstance(weight, torch.Tensor):
-        try:
-            weight = torch.as_tensor(np.asarray(weight))
-        except Exception as exc:  # noqa: BLE001 - any conversion failure is a bad argument
-            raise ValueError(f"weight must be a tensor of shape (layers, experts): {exc}") from None
-    if weight.dim() != 2:
+    weight = _weight_as_numpy(weight)
+    if weight.ndim != 2:
         raise ValueError(
             f"weight must be 2-D (layers, experts), got shape {tuple(weight.shape)}"
         )
     num_layers, num_experts = weight.shape
     if num_layers == 0 or num_experts == 0:
         raise ValueError(f"weight must have at least one layer and one expert, got shape {tuple(weight.shape)}")
-    if weight.dtype == torch.bool or weight.is_complex():
+    if weight.dtype == np.bool_ or np.iscomplexobj(weight) or not np.issubdtype(weight.dtype, np.number):
         raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
-    weight = weight.detach().cpu()
-    if weight.is_floating_point():
-        if not bool(torch.isfinite(weight).all()):
-            bad = "NaN" if bool(torch.isnan(weight).any()) else "infinite"
+    # The checks run in numpy, single-threaded: torch's element-wise ops hand inputs past
+    # ~32K elements to its thread pool, whose dispatch costs more than the work here.
+    if np.issubdtype(weight.dtype, np.floating):
+        if not np.isfinite(weight).all():
+            bad = "NaN" if np.isnan(weight).any() else "infinite"
             raise ValueError(f"weight must be finite, found {bad} loads")
-    if bool((weight < 0).any()):
+    if (weight < 0).any():
         raise ValueError("weight must be non-negative, found negative loads")
-    weight32 = weight.to(torch.float32).contiguous()
-    if not bool(torch.isfinite(weight32).all()) or float(weight32.double().sum(-1).max()) >= FLOAT32_TOTAL_LIMIT:
+    with np.errstate(over="ignore"):  # an overflow to inf is reported just below
+        weight32 = np.ascontiguousarray(weight, dtype=np.float32)
+    if not np.isfinite(weight32).all() or float(weight32.sum(axis=-1, dtype=np.float64).max()) >= FLOAT32_TOTAL_LIMIT:
         raise ValueError("weight: each layer's total load must fit in float32 (below 2**126)")
+    if not weight32.flags.writeable:
+        weight32 = weight32.copy()  # torch.from_numpy wants a writable buffer
+    weight32 = torch.from_numpy(weight32)
 
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")

@@ -96,11 +96,6 @@ def placement_balancedness(phy2log: Any, weight: Any, num_ranks: int) -> float:
     return balancedness(rank_loads(phy2log, weight, num_ranks))
 
 
-#: the former name; commands/plan.py and docs/guide.md still use it (remove once they
-#: call :func:`placement_balancedness`)
-balancedness = placement_balancedness
-
-
 def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.ndarray:
     """Lowest max rank load any placement of ``num_replicas`` slots on ``num_ranks`` ranks can reach.
 

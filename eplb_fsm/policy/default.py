@@ -1,6 +1,6 @@
 """The default policy: greedy replication and balanced packing, hierarchical when possible.
 
-Design section 5 fixes the behaviour; this module is the fast implementation. Every loop
+docs/design.md §5 fixes the behaviour; this module is the fast implementation. Every loop
 runs over item *positions* (at most a few hundred iterations) and each iteration is a
 handful of numpy operations over all rows at once (rows = layers, or layers x nodes), so
 the cost does not grow with a Python loop per layer. The slow, one-item-at-a-time
@@ -13,7 +13,8 @@ Helpers that other policies build on:
 - :func:`inverse_permutation` ``(R, n) -> (R, n)``
 - :func:`descending_order` ``(R, n) -> (R, n)``: the stable visiting order of balanced packing
 - :func:`group_loads` ``(L, N), groups -> (L, groups)`` float32, summed the way the reference does
-- :func:`rebalance_hierarchical` the whole section-5 pipeline on a float32 load, in numpy
+- :func:`slots_of_experts` ``(L, P), (L, N) -> (L, N, K)``: log2phy of a full placement
+- :func:`rebalance_hierarchical` the whole docs/design.md §5 pipeline on a float32 load, in numpy
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb_fsm.policy.base import AbstractEplbPolicy, build_log2phy, check_rebalance_args
+from eplb_fsm.policy.base import AbstractEplbPolicy, check_rebalance_args
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -35,6 +36,7 @@ __all__ = [
     "inverse_permutation",
     "rebalance_hierarchical",
     "replicate_experts",
+    "slots_of_experts",
 ]
 
 
@@ -50,6 +52,10 @@ def _as_float_rows(weight: Any, name: str = "weight") -> np.ndarray:
     if np.isnan(arr).any():
         raise ValueError(f"{name} must not contain NaN")
     return arr
+
+
+# torch runs an op inline (no thread-pool dispatch) below this many elements (its grain size).
+_SERIAL_ELEMENTS = 32768
 
 
 def _flat_rows(num_rows: int, width: int) -> np.ndarray:
@@ -200,13 +206,43 @@ def group_loads(weight32: "torch.Tensor | np.ndarray", num_groups: int) -> np.nd
     """Load of each expert group: ``(L, N) float32 -> (L, num_groups)`` float32.
 
     Groups are N / num_groups contiguous experts. The sum is torch's float32 reduction,
-    the same call the reference makes, so both see bit-identical group loads.
+    the same call the reference makes, so both see bit-identical group loads. It runs in
+    blocks of fewer than 32K elements: torch hands larger inputs to its thread pool,
+    whose dispatch costs several times the sum itself; each row's sum is the same
+    kernel either way, so the blocks change no bit.
     """
     import torch
 
     w = weight32 if isinstance(weight32, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(weight32))
     num_layers, num_experts = w.shape
-    return w.to(torch.float32).reshape(num_layers, num_groups, num_experts // num_groups).sum(-1).numpy()
+    grouped = w.to(torch.float32).reshape(num_layers, num_groups, num_experts // num_groups)
+    block = max(1, (_SERIAL_ELEMENTS - 1) // num_experts)  # layers per block
+    if num_layers <= block:
+        return grouped.sum(-1).numpy()
+    out = torch.empty((num_layers, num_groups), dtype=torch.float32)
+    for start in range(0, num_layers, block):
+        torch.sum(grouped[start : start + block], -1, out=out[start : start + block])
+    return out.numpy()
+
+
+def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replicas: int) -> np.ndarray:
+    """``log2phy`` of a full placement: ``(L, P), (L, N) -> (L, N, max_replicas)`` int64.
+
+    Every slot holds an expert (no -1) and ``replica_count`` counts them, so the slots of
+    each expert, ascending, are one sort of (expert, slot) keys per layer away; the -1
+    padding is the only write that scales with the output's size.
+    """
+    num_layers, num_slots = phy2log.shape
+    num_experts = replica_count.shape[1]
+    key = phy2log * num_slots + np.arange(num_slots, dtype=np.int64)
+    key.sort(axis=1)  # grouped by expert, slots ascending inside a group
+    expert = key // num_slots
+    first = np.cumsum(replica_count, axis=1) - replica_count  # sorted position of each expert's first slot
+    layer_expert = expert + _flat_rows(num_layers, num_experts)
+    position = np.arange(num_slots, dtype=np.int64) - first.reshape(-1).take(layer_expert)
+    log2phy = np.full(num_layers * num_experts * max_replicas, -1, dtype=np.int64)
+    log2phy[layer_expert * max_replicas + position] = key - expert * num_slots
+    return log2phy.reshape(num_layers, num_experts, max_replicas)
 
 
 def rebalance_hierarchical(
@@ -216,7 +252,7 @@ def rebalance_hierarchical(
     num_nodes: int,
     num_ranks: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Design section 5 on validated input.
+    """docs/design.md §5 on validated input.
 
     Args:
         weight32: (L, N) float32 load, a CPU tensor or numpy array, validated (see
@@ -282,7 +318,7 @@ def rebalance_hierarchical(
 
 
 class DefaultEplbPolicy(AbstractEplbPolicy):
-    """Greedy replication + balanced packing (design section 5), vectorised over layers.
+    """Greedy replication + balanced packing (docs/design.md §5), vectorised over layers.
 
     Hierarchical (groups packed onto nodes, then replicas onto each node's ranks) when
     ``num_groups % num_nodes == 0``; otherwise the same with groups = nodes = 1.
@@ -309,5 +345,5 @@ class DefaultEplbPolicy(AbstractEplbPolicy):
         )
         num_experts = weight32.shape[1]
         phy2log, replica_count = rebalance_hierarchical(weight32, num_replicas, groups, nodes, num_ranks)
-        log2phy, _ = build_log2phy(phy2log, num_experts, num_replicas - num_experts + 1)
+        log2phy = slots_of_experts(phy2log, replica_count, num_replicas - num_experts + 1)
         return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(replica_count)

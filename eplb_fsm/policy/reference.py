@@ -1,17 +1,23 @@
-"""The slow baseline: design section 5 written one layer and one item at a time.
+"""The baseline: docs/design.md §5 with the structure of vLLM 0.12's implementation.
 
 :func:`reference_rebalance_experts` is what the fast :class:`~eplb_fsm.policy.default.DefaultEplbPolicy`
-is checked against (tests) and timed against (``eplb-fsm bench policy``). It is written
-for obviousness, not speed: plain Python loops over layers, nodes, items and packs, with
-numpy float32 scalars for every load so the arithmetic is the float32 arithmetic that
-section 5 prescribes:
+is checked against (tests) and timed against (``eplb-fsm bench policy``). Its structure is
+the one the inference engines ship, so the benchmark's ratio is a ratio against them:
+
+- group loads, replication, the index bookkeeping and the inverse map are whole-tensor
+  torch operations over all layers (replication: one ``max`` over every row per extra slot);
+- packing is the per-item part: for each row, one ``argsort`` of the weights, then a
+  Python loop over the items, each going to the lightest pack with room found by ``min``.
+
+The float32 arithmetic is the one docs/design.md §5 prescribes:
 
 - loads are cast to float32 first; group loads are torch's float32 sum over the group;
 - per-replica load = float32 load / float32 replica count;
-- pack totals are float32, accumulated one item at a time in visiting order;
-- items are visited by descending weight with Python's stable sort (equal weights:
-  lowest index first); ties between packs go to the lowest pack index, ties between
-  experts during replication to the lowest expert index.
+- pack totals are float32, accumulated one item at a time in visiting order (numpy
+  float32 scalars: a Python float plus a float32 scalar stays float32);
+- items are visited by descending weight in a stable order (equal weights: lowest index
+  first); ties between packs go to the lowest pack index (``min`` keeps the first), ties
+  between experts during replication to the lowest expert index.
 
 Do not use it on a hot path.
 """
@@ -35,24 +41,36 @@ def reference_balanced_packing(weights: list, num_packs: int) -> tuple[list[int]
 
     Returns ``(pack_index, rank_in_pack)`` as lists indexed by item.
     """
-    num_items = len(weights)
+    pack_index, rank_in_pack = _pack_rows(np.asarray(weights, dtype=np.float32)[None, :], num_packs)
+    return pack_index[0].tolist(), rank_in_pack[0].tolist()
+
+
+def _pack_rows(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Balanced packing of every row of ``weight`` (R, n) float32 -> pack_index, rank_in_pack (R, n)."""
+    num_rows, num_items = weight.shape
     capacity = num_items // num_packs
     if capacity == 1:
-        return list(range(num_items)), [0] * num_items
-    visit = sorted(range(num_items), key=lambda i: -weights[i])  # stable: ties keep index order
-    totals = [np.float32(0.0)] * num_packs
-    counts = [0] * num_packs
-    pack_index = [0] * num_items
-    rank_in_pack = [0] * num_items
-    for item in visit:
-        best = -1
-        for pack in range(num_packs):
-            if counts[pack] < capacity and (best < 0 or totals[pack] < totals[best]):
-                best = pack
-        pack_index[item] = best
-        rank_in_pack[item] = counts[best]
-        counts[best] += 1
-        totals[best] = totals[best] + weights[item]
+        identity = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
+        return identity.copy(), np.zeros((num_rows, num_items), dtype=np.int64)
+    pack_index = np.empty((num_rows, num_items), dtype=np.int64)
+    rank_in_pack = np.empty((num_rows, num_items), dtype=np.int64)
+    packs = range(num_packs)
+    for row in range(num_rows):
+        loads = list(weight[row])  # numpy float32 scalars: the totals stay float32
+        visit = np.argsort(-weight[row], kind="stable").tolist()  # ties keep index order
+        totals = [0.0] * num_packs
+        counts = [0] * num_packs
+        row_pack = [0] * num_items
+        row_rank = [0] * num_items
+        for item in visit:
+            # the lightest pack with room; min keeps the first, i.e. the lowest index, on ties
+            pack = min((p for p in packs if counts[p] < capacity), key=totals.__getitem__)
+            row_pack[item] = pack
+            row_rank[item] = counts[pack]
+            totals[pack] += loads[item]
+            counts[pack] += 1
+        pack_index[row] = row_pack
+        rank_in_pack[row] = row_rank
     return pack_index, rank_in_pack
 
 
@@ -61,18 +79,36 @@ def reference_replicate_experts(weights: list, num_slots: int) -> tuple[list[int
 
     Returns ``(phy2log, replica_rank, replica_count)`` as lists.
     """
-    num_experts = len(weights)
-    phy2log = list(range(num_experts))
-    replica_rank = [0] * num_experts
-    count = [1] * num_experts
-    per_replica = list(weights)  # load / count of every expert
-    for _ in range(num_experts, num_slots):
-        best = max(range(num_experts), key=per_replica.__getitem__)  # first maximum: lowest index
-        phy2log.append(best)
-        replica_rank.append(count[best])
-        count[best] += 1
-        per_replica[best] = weights[best] / np.float32(count[best])
+    import torch
+
+    phy2log, replica_rank, count = _replicate_rows(torch.tensor([list(weights)], dtype=torch.float32), num_slots)
+    return phy2log[0].tolist(), replica_rank[0].tolist(), count[0].tolist()
+
+
+def _replicate_rows(weight: "torch.Tensor", num_slots: int) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """Replicate every row of ``weight`` (R, n) float32 -> phy2log, replica_rank (R, p), replica_count (R, n)."""
+    import torch
+
+    num_rows, num_experts = weight.shape
+    phy2log = torch.arange(num_slots, dtype=torch.int64).repeat(num_rows, 1)
+    replica_rank = torch.zeros(num_rows, num_slots, dtype=torch.int64)
+    count = torch.ones(num_rows, num_experts, dtype=torch.int64)
+    rows = torch.arange(num_rows, dtype=torch.int64)
+    for slot in range(num_experts, num_slots):
+        expert = (weight / count).max(dim=-1).indices  # first maximum: lowest expert index
+        phy2log[:, slot] = expert
+        replica_rank[:, slot] = count[rows, expert]
+        count[rows, expert] += 1
     return phy2log, replica_rank, count
+
+
+def _inverse(perm: "torch.Tensor") -> "torch.Tensor":
+    """Row-wise inverse permutation (R, n) -> (R, n)."""
+    import torch
+
+    inv = torch.empty_like(perm)
+    inv.scatter_(1, perm, torch.arange(perm.size(1), dtype=torch.int64).expand(perm.shape))
+    return inv
 
 
 def reference_rebalance_experts(
@@ -83,7 +119,7 @@ def reference_rebalance_experts(
     num_ranks: int,
     old_phy2log: "torch.Tensor | None" = None,
 ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
-    """Slow per-item baseline with the same contract as ``DefaultEplbPolicy.rebalance_experts``.
+    """Baseline with the same contract as ``DefaultEplbPolicy.rebalance_experts``.
 
     Returns ``(phy2log (L, P), log2phy (L, N, P-N+1), replica_count (L, N))`` int64 tensors;
     ``log2phy`` lists each expert's slots in ascending order, -1 padded.
@@ -95,45 +131,36 @@ def reference_rebalance_experts(
     )
     num_layers, num_experts = weight32.shape
     group_size = num_experts // groups
+    experts_per_node = num_experts // nodes
     slots_per_node = num_replicas // nodes
-    ranks_per_node = num_ranks // nodes
     slots_per_rank = num_replicas // num_ranks
     max_replicas = num_replicas - num_experts + 1
-    group_load = weight32.reshape(num_layers, groups, group_size).sum(-1).numpy()  # torch float32 sum
 
-    out_phy2log = np.full((num_layers, num_replicas), -1, dtype=np.int64)
-    out_log2phy = np.full((num_layers, num_experts, max_replicas), -1, dtype=np.int64)
-    out_count = np.zeros((num_layers, num_experts), dtype=np.int64)
-    for layer in range(num_layers):
-        loads = [np.float32(x) for x in weight32[layer].numpy()]
+    # 1. groups onto nodes; "mlog" numbers experts node-major in the groups' arrival order.
+    group_load = weight32.reshape(num_layers, groups, group_size).sum(-1)  # torch float32 sum
+    group_pack, group_rank = (torch.from_numpy(a) for a in _pack_rows(group_load.numpy(), nodes))
+    group_pos = group_pack * (groups // nodes) + group_rank
+    log2mlog = (group_pos[:, :, None] * group_size + torch.arange(group_size)).flatten(-2)
+    mlog2log = _inverse(log2mlog)
+    node_load = weight32.gather(-1, mlog2log).reshape(num_layers * nodes, experts_per_node)
 
-        # 1. groups onto nodes; a node's experts follow its groups' arrival order.
-        group_pack, group_rank = reference_balanced_packing(
-            [np.float32(x) for x in group_load[layer]], nodes
-        )
-        node_experts: list[list[int]] = []
-        for node in range(nodes):
-            node_groups = sorted((group_rank[g], g) for g in range(groups) if group_pack[g] == node)
-            node_experts.append([g * group_size + j for _, g in node_groups for j in range(group_size)])
+    # 2. replicate within each node, 3. pack each node's replicas onto its ranks.
+    phy2mlog, phy_rank, mlog_count = _replicate_rows(node_load, slots_per_node)
+    replica_load = (node_load / mlog_count).gather(-1, phy2mlog)
+    pack, rank_in_pack = (torch.from_numpy(a) for a in _pack_rows(replica_load.numpy(), num_ranks // nodes))
 
-        for node, experts in enumerate(node_experts):
-            node_loads = [loads[e] for e in experts]
-            # 2. replicate the node's experts into its slots.
-            local_phy2log, _, local_count = reference_replicate_experts(node_loads, slots_per_node)
-            for j, e in enumerate(experts):
-                out_count[layer, e] = local_count[j]
-            # 3. pack the replicas onto the node's ranks.
-            replica_loads = [node_loads[j] / np.float32(local_count[j]) for j in local_phy2log]
-            pack, rank_in_pack = reference_balanced_packing(replica_loads, ranks_per_node)
-            for i, j in enumerate(local_phy2log):
-                slot = node * slots_per_node + pack[i] * slots_per_rank + rank_in_pack[i]
-                out_phy2log[layer, slot] = experts[j]
+    # 4. slot of every replica -> expert of every slot.
+    slot_of = pack * slots_per_rank + rank_in_pack
+    replica_at = _inverse(slot_of)  # (L * nodes, slots_per_node)
+    node_base = (torch.arange(nodes, dtype=torch.int64) * experts_per_node).reshape(1, nodes, 1)
+    mlog_at = (phy2mlog.gather(-1, replica_at).reshape(num_layers, nodes, slots_per_node) + node_base).flatten(-2)
+    phy2log = mlog2log.gather(-1, mlog_at)
+    replica_count = mlog_count.reshape(num_layers, num_experts).gather(-1, log2mlog)
 
-        # 4. each expert's slots, ascending.
-        filled = [0] * num_experts
-        for slot in range(num_replicas):
-            e = int(out_phy2log[layer, slot])
-            out_log2phy[layer, e, filled[e]] = slot
-            filled[e] += 1
-
-    return torch.from_numpy(out_phy2log), torch.from_numpy(out_log2phy), torch.from_numpy(out_count)
+    # 5. each expert's slots, ascending: a stable sort by expert gives them in slot order.
+    expert_sorted, slot_sorted = torch.sort(phy2log, dim=-1, stable=True)
+    first = (replica_count.cumsum(-1) - replica_count).gather(-1, expert_sorted)
+    position = torch.arange(num_replicas, dtype=torch.int64) - first
+    log2phy = torch.full((num_layers, num_experts * max_replicas), -1, dtype=torch.int64)
+    log2phy.scatter_(-1, expert_sorted * max_replicas + position, slot_sorted)
+    return phy2log, log2phy.reshape(num_layers, num_experts, max_replicas), replica_count

@@ -1,6 +1,9 @@
 """ESFT routing traces as load matrices: per-sequence token counts and per-batch windows.
 
-A task directory (``shared/data/loads/esft_deepseek_v2lite_routing/<task>/``) holds one
+Bundled with the package (``data/esft_routing.npz``, MIT, see ``data/ESFT-SOURCE.md``):
+per-sequence token counts for the tasks ``intent`` (26 layers), ``law``, ``summary`` and
+``translation`` (layers 1, 13, 26), named ``"esft:<task>"`` wherever a trace directory is
+accepted. A task directory of the original traces holds one
 ``expert_weights_<layer>.txt`` per layer: one line per sequence, ``ids<TAB><TAB>gate
 weights`` with ``ids`` the flat, tab-separated top-k expert ids of its tokens. Every
 layer file of a task lists the same sequences in the same order.
@@ -19,11 +22,31 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-__all__ = ["esft_load_windows", "esft_sequence_loads", "has_esft_traces", "iter_esft_windows", "trace_file_layer"]
+__all__ = [
+    "BUNDLED_ESFT",
+    "ESFT_PREFIX",
+    "ESFT_TASKS",
+    "bundled_sequence_loads",
+    "bundled_task",
+    "esft_layers",
+    "esft_load_windows",
+    "esft_sequence_loads",
+    "esft_token_scores",
+    "has_esft_traces",
+    "iter_esft_windows",
+    "trace_file_layer",
+]
+
+#: bundled ESFT routing traces: per-sequence token counts (see data/ESFT-SOURCE.md)
+BUNDLED_ESFT = Path(__file__).resolve().parent.parent / "data" / "esft_routing.npz"
+#: the tasks of the bundled traces ("esft:<task>")
+ESFT_TASKS = ("intent", "law", "summary", "translation")
+#: prefix naming a bundled task where a trace directory is accepted
+ESFT_PREFIX = "esft:"
 
 _TRACE_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
 
@@ -37,6 +60,39 @@ def trace_file_layer(path: Path) -> int | None:
 def has_esft_traces(directory: Path) -> bool:
     """Whether ``directory`` holds at least one ``expert_weights_<layer>.txt`` file."""
     return any(_TRACE_FILE.match(child.name) for child in directory.iterdir())
+
+
+def bundled_task(source: Any) -> str | None:
+    """The task of an ``"esft:<task>"`` reference, else None (a directory path)."""
+    text = str(source)
+    if not text.startswith(ESFT_PREFIX):
+        return None
+    task = text[len(ESFT_PREFIX):]
+    if task not in ESFT_TASKS:
+        raise ValueError(f"{text}: unknown bundled ESFT task {task!r}; choose from {', '.join(ESFT_TASKS)}")
+    return task
+
+
+def bundled_sequence_loads(task: str) -> tuple[np.ndarray, list[int]]:
+    """The bundled per-sequence counts of ``task``: ((S, L, 64) int64, layer numbers)."""
+    with np.load(BUNDLED_ESFT, allow_pickle=False) as data:
+        return data[f"{task}.sequences"].astype(np.int64), [int(x) for x in data[f"{task}.layers"]]
+
+
+def esft_token_scores(task: str) -> np.ndarray:
+    """The bundled ``summary.json`` ``token_scores`` of ``task``: (26, 64) float64 fractions per layer."""
+    bundled_task(ESFT_PREFIX + task)
+    with np.load(BUNDLED_ESFT, allow_pickle=False) as data:
+        return data[f"{task}.token_scores"].copy()
+
+
+def esft_layers(source: str | os.PathLike) -> list[int]:
+    """Layer numbers available in a trace directory or a bundled ``"esft:<task>"``, ascending."""
+    task = bundled_task(source)
+    if task is not None:
+        return bundled_sequence_loads(task)[1]
+    return [layer for layer, _ in _trace_files(Path(source), None)]
+
 
 
 def _trace_files(directory: Path, layers: list[int] | None) -> list[tuple[int, Path]]:
@@ -87,7 +143,24 @@ def esft_sequence_loads(
     ``layers`` selects layer numbers (default: every ``expert_weights_<l>.txt`` present,
     in numeric order); ``num_experts`` defaults to the largest id seen + 1 (64 for the
     ESFT data). Raises ``ValueError`` when files disagree on the number of sequences.
+    ``directory`` may also be ``"esft:<task>"``: the traces bundled with the package.
     """
+    task = bundled_task(directory)
+    if task is not None:
+        counts, present = bundled_sequence_loads(task)
+        chosen = present if layers is None else layers
+        missing = [layer for layer in chosen if layer not in present]
+        if missing:
+            raise ValueError(f"{directory}: no trace for layer(s) {missing}; present: {present}")
+        counts = counts[:, [present.index(layer) for layer in chosen]]
+        if num_experts is not None:
+            if num_experts < counts.shape[2] and counts[:, :, num_experts:].any():
+                raise ValueError(f"{directory}: expert id >= num_experts {num_experts}")
+            out = np.zeros(counts.shape[:2] + (num_experts,), dtype=np.int64)
+            width = min(num_experts, counts.shape[2])
+            out[:, :, :width] = counts[:, :, :width]
+            counts = out
+        return counts
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"{directory}: not a directory")
@@ -145,3 +218,5 @@ def esft_load_windows(
     if not windows:
         raise ValueError(f"{directory}: fewer than {sequences_per_window} sequences, no full window")
     return np.stack(windows)
+
+

@@ -5,14 +5,18 @@ Readers
     routing-trace directories (or their ``summary.json``) into a float64 (L, N) array;
     ``"example"`` names the bundled example. Bad files raise ``ValueError`` naming the
     file and the problem.
-ESFT traces (``shared/data/loads/esft_deepseek_v2lite_routing/<task>/``)
-    ``expert_weights_<layer>.txt``: one line per sequence, ``ids<TAB><TAB>gate weights``
-    with ``ids`` the flat, tab-separated top-k expert ids of its tokens. Every layer file
-    of a task lists the same sequences in the same order. :func:`esft_sequence_loads`
-    gives per-sequence counts (S, L, N); :func:`iter_esft_windows` /
-    :func:`esft_load_windows` sum consecutive sequences into per-batch windows (they
-    live in :mod:`eplb_fsm.sim.esft` and are re-exported here).
-Generators (design section 9, ``scenarios.json``)
+ESFT traces
+    Bundled with the package (``data/esft_routing.npz``, MIT, see ``data/ESFT-SOURCE.md``):
+    per-sequence token counts of the DeepSeek ESFT routing traces for the tasks
+    ``intent`` (26 layers), ``law``, ``summary``, ``translation`` (layers 1, 13, 26),
+    named ``"esft:<task>"`` wherever a trace directory is accepted. A trace directory
+    holds the original text files ``expert_weights_<layer>.txt``: one line per sequence,
+    ``ids<TAB><TAB>gate weights`` with ``ids`` the flat, tab-separated top-k expert ids
+    of its tokens; every layer file of a task lists the same sequences in the same
+    order. :func:`esft_sequence_loads` gives per-sequence counts (S, L, N);
+    :func:`iter_esft_windows` / :func:`esft_load_windows` sum consecutive sequences into
+    per-batch windows.
+Generators (docs/design.md §9, ``scenarios.json``)
     :func:`zipf_load` (per layer: probabilities 1/i^exponent, shuffled per layer, then
     multinomial draws), :func:`drift` (times lognormal(0, sigma) noise),
     :func:`load_scenarios` and :func:`scenario_load`.
@@ -27,14 +31,30 @@ from typing import Any
 
 import numpy as np
 
-from eplb_fsm.sim.esft import esft_load_windows, esft_sequence_loads, has_esft_traces, iter_esft_windows, trace_file_layer
+from eplb_fsm.sim.esft import (
+    BUNDLED_ESFT,
+    ESFT_TASKS,
+    bundled_sequence_loads,
+    bundled_task,
+    esft_layers,
+    esft_load_windows,
+    esft_sequence_loads,
+    esft_token_scores,
+    has_esft_traces,
+    iter_esft_windows,
+    trace_file_layer,
+)
 
 __all__ = [
+    "BUNDLED_ESFT",
+    "ESFT_TASKS",
     "EXAMPLE_LOAD",
     "SCENARIOS_ENV",
     "drift",
+    "esft_layers",
     "esft_load_windows",
     "esft_sequence_loads",
+    "esft_token_scores",
     "iter_esft_windows",
     "load_matrix",
     "load_scenarios",
@@ -167,9 +187,8 @@ def _read_file(path: Path) -> Any:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source}: cannot read as JSON: {exc}") from None
         return _from_json_object(obj, source)
-    layer = trace_file_layer(path)
-    if layer is not None:
-        return esft_sequence_loads(path.parent, layers=[layer]).sum(axis=0)
+    if trace_file_layer(path) is not None:
+        return esft_sequence_loads(path.parent, layers=[trace_file_layer(path)]).sum(axis=0)
     raise ValueError(
         f"{source}: unknown load file type {suffix or '(none)'}; use .npy, .npz, .pt, .json or a trace directory"
     )
@@ -183,13 +202,16 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     ``.json`` (a list of lists, ``{"load": [[...]]}``, an ESFT ``summary.json`` or a vLLM
     ``{"load_history": [...]}``) file, or an ESFT task directory: its
     ``expert_weights_<l>.txt`` traces summed to token counts per layer (layers in numeric
-    order of the files present), else its ``summary.json``.
+    order of the files present), else its ``summary.json``; or ``"esft:<task>"``, the
+    bundled traces of one ESFT task summed the same way.
 
     Raises ``ValueError`` naming the file when it cannot be read, is not 2-D, is empty,
     or holds NaN, infinite or negative loads.
     """
     if str(path) == "example":
         path = EXAMPLE_LOAD
+    if bundled_task(path) is not None:
+        return _checked(bundled_sequence_loads(bundled_task(path))[0].sum(axis=0), str(path))
     p = Path(path)
     if p.is_dir():
         if has_esft_traces(p):
@@ -249,18 +271,14 @@ def drift(load: Any, sigma: float, rng: np.random.Generator | int | None = None)
 
 def _default_scenarios_path() -> Path:
     env = os.environ.get(SCENARIOS_ENV)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    shared = repo.parent / "shared" / "bench" / "scenarios.json"
-    return shared if shared.is_file() else BUNDLED_SCENARIOS
+    return Path(env) if env else BUNDLED_SCENARIOS
 
 
 def load_scenarios(path: str | os.PathLike | None = None) -> dict:
     """Read ``scenarios.json`` (benchmark shapes, synthetic-load and drift specs).
 
-    Looks at ``path``, else ``$EPLB_FSM_SCENARIOS``, else ``../shared/bench/scenarios.json``
-    next to the repository, else the copy bundled with the package. Checks every shape
+    Looks at ``path``, else ``$EPLB_FSM_SCENARIOS``, else the copy bundled with the
+    package (nothing outside the package is read unless asked). Checks every shape
     has integer layers, experts, replicas, ranks, nodes, groups with replicas % ranks == 0
     and replicas >= experts; raises ``ValueError`` naming the file otherwise.
     """

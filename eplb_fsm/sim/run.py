@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eplb_fsm.stats import balancedness_from_rank_loads, rank_loads_physical
+from eplb_fsm.stats import balancedness, rank_loads_physical
 
 __all__ = [
     "SimOptions",
@@ -155,13 +155,10 @@ def _call(hooks: list[Any], name: str, *args: Any) -> list[Any]:
 # --------------------------------------------------------------------------- load targets
 
 
-def default_esft_dir() -> Path:
-    """Where the ESFT 'intent' traces are: ``$EPLB_FSM_ESFT_DIR`` or ../shared/data/loads/... next to the repo."""
+def default_esft_dir() -> Path | str:
+    """Where the ESFT 'intent' traces are: ``$EPLB_FSM_ESFT_DIR``, else ``"esft:intent"`` (bundled with the package)."""
     env = os.environ.get("EPLB_FSM_ESFT_DIR")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "loads" / "esft_deepseek_v2lite_routing" / "intent"
+    return Path(env) if env else "esft:intent"
 
 
 def _fit(matrix: np.ndarray, layers: int, experts: int) -> np.ndarray:
@@ -197,9 +194,9 @@ def load_targets(opts: SimOptions) -> SimOptions:
     first = max(1, opts.interval // 4)
     if opts.load == "esft":
         directory = default_esft_dir()
-        if not directory.is_dir():
-            raise ValueError(f"--load esft: ESFT traces not found at {directory} (set EPLB_FSM_ESFT_DIR)")
-        available = sorted(int(p.stem.rsplit("_", 1)[1]) for p in directory.glob("expert_weights_*.txt"))
+        if isinstance(directory, Path) and not directory.is_dir():
+            raise ValueError(f"--load esft: ESFT traces not found at {directory} (EPLB_FSM_ESFT_DIR)")
+        available = loads.esft_layers(directory)
         chosen = [available[i % len(available)] for i in range(min(opts.layers, len(available)))]
         windows = loads.esft_load_windows(directory, 4, num_experts=64, layers=chosen)
         targets = np.stack([_normalise(_fit(w, opts.layers, opts.experts)) for w in windows])
@@ -322,7 +319,7 @@ def engine_step(ctx: RankContext, hooks: list[Any], opts: SimOptions, model: Any
                 tally.first_mismatch = step
         # the batch's balancedness under the placement it was routed with (local:
         # every rank routes the whole batch)
-        tally.series.append((step, balancedness_from_rank_loads(rank_loads_physical(model.last_global_load, world))))
+        tally.series.append((step, balancedness(rank_loads_physical(model.last_global_load, world))))
     before = controller.state
     if overrides.get("skip_step"):
         return before, before  # this rank's engine forgot the controller this step

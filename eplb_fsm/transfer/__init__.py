@@ -28,6 +28,7 @@ from eplb_fsm.transfer.execute import (
     rearrange_expert_weights_inplace,
     transfer_layer_to_buffer,
 )
+from eplb_fsm.transfer.inputs import UnmovableWeightsError
 from eplb_fsm.transfer.plan import moved_slots
 from eplb_fsm.transfer.rank_mapping import RankMappingInfo, expand_maps, expand_phy2log, validate_rank_mapping
 
@@ -40,6 +41,7 @@ __all__ = [
     "TorchDistCommunicator",
     "TransferBuffer",
     "TransferError",
+    "UnmovableWeightsError",
     "commit_layer_from_buffer",
     "default_buffer",
     "expand_maps",

@@ -1,8 +1,10 @@
 """How transfer messages travel: a small protocol and two implementations.
 
 A :class:`Communicator` queues sends and receives, then runs them together with
-``execute()``. Messages between the same (src, dst) pair match in the order they were
-queued on each side. The executor calls ``execute()`` once per wave on every rank.
+``execute()``. Messages between the same (src, dst) pair and tag match in the order they
+were queued on each side. The executor calls ``execute()`` (or ``start()``, then
+``wait()``) once per wave on every rank; a communicator with ``supports_tags`` also
+takes a ``tag`` per message and lets the executor ``start()`` a wave in two phases.
 
 - :class:`TorchDistCommunicator`: one rank of a ``torch.distributed`` process group;
   ``execute`` issues one ``dist.batch_isend_irecv`` and waits on every request, with a
@@ -64,7 +66,10 @@ class Communicator(Protocol):
     split in two, so that local copies and the next layer's planning overlap the messages
     in flight), ``stream_context()`` (a context manager the copies and messages run
     under), ``finish()`` (called after a layer's commit) and ``discard()`` (drop queued or
-    started messages after a failure).
+    started messages after a failure). ``supports_tags`` (attribute, default False): when
+    true, ``add_send``/``add_recv`` take a ``tag`` keyword, messages pair by (src, dst,
+    tag), and ``start()`` may run several times before ``wait()``; the executor then
+    posts a layer's first wave in two phases (see ``execute.HeldReceives``).
     """
 
     world_size: int
@@ -120,19 +125,27 @@ class TorchDistCommunicator:
         self._ops: list = []
         self._works: list = []
         self._warmed = self.backend != "nccl"
+        # add_send/add_recv honour ``tag`` and ``start`` may run several times before
+        # ``wait`` (the executor's two-phase posting). gloo pairs messages by (peer, tag);
+        # NCCL ignores tags and pairs by order, so it keeps one batch per wave.
+        self.supports_tags = self.backend == "gloo"
 
-    def add_send(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+    def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if src != self.rank:
             raise ValueError(f"src: this communicator is rank {self.rank}, cannot send as rank {src}")
-        self._ops.append(self._dist.P2POp(self._dist.isend, tensor, group=self.group, group_peer=dst))
+        self._ops.append(self._dist.P2POp(self._dist.isend, tensor, group=self.group, group_peer=dst, tag=tag))
 
-    def add_recv(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+    def add_recv(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if dst != self.rank:
             raise ValueError(f"dst: this communicator is rank {self.rank}, cannot receive as rank {dst}")
-        self._ops.append(self._dist.P2POp(self._dist.irecv, tensor, group=self.group, group_peer=src))
+        self._ops.append(self._dist.P2POp(self._dist.irecv, tensor, group=self.group, group_peer=src, tag=tag))
 
     def start(self) -> None:
-        """Issue the queued messages as one batch without waiting (see ``wait``)."""
+        """Issue the queued messages as one batch without waiting (see ``wait``).
+
+        May be called several times before ``wait``: each call issues what was queued
+        since the last one (the executor's two-phase posting; tags pair the messages).
+        """
         ops, self._ops = self._ops, []
         if not self._warmed:
             # every rank starts every wave, so this barrier is collective
@@ -177,10 +190,11 @@ class InProcessCommunicator:
     """All ranks of a group in one process: messages are matched and copied by ``execute``.
 
     Counters (cumulative until ``reset_counters``): ``messages[(src, dst)]`` and
-    ``bytes[(src, dst)]`` delivered, ``executes`` (calls to ``execute``).
+    ``bytes[(src, dst)]`` delivered, ``executes`` (calls to ``execute`` or ``wait``: one per wave).
     """
 
     multi_rank = True
+    supports_tags = True  # messages pair by (src, dst, tag), in queue order within one
 
     def __init__(self, world_size: int, *, name: str = "world") -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -201,44 +215,64 @@ class InProcessCommunicator:
         if src == dst:
             raise ValueError(f"src: rank {src} cannot message itself")
 
-    def add_send(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+    def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         self._check(src, dst)
-        self._sends[(src, dst)].append(tensor)
+        self._sends[(src, dst, tag)].append(tensor)
 
-    def add_recv(self, tensor: torch.Tensor, src: int, dst: int) -> None:
+    def add_recv(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         self._check(src, dst)
-        self._recvs[(src, dst)].append(tensor)
+        self._recvs[(src, dst, tag)].append(tensor)
 
-    def execute(self) -> None:
-        """Deliver every queued message; raise MessageMismatchError if they do not pair up."""
-        sends, self._sends = self._sends, defaultdict(list)
-        recvs, self._recvs = self._recvs, defaultdict(list)
-        self.executes += 1
+    def _deliver(self, final: bool) -> None:
+        """Copy every message whose (src, dst, tag) has as many receives as sends queued.
+
+        ``final``: anything left unpaired raises :class:`MessageMismatchError` (a real
+        group would hang), before any copy. Otherwise unpaired messages stay queued for a
+        later ``start``/``wait`` (the other side posts them in a second phase).
+        """
+        sends, recvs = self._sends, self._recvs
+        ready = []
         for key in sorted(set(sends) | set(recvs)):
             out, inn = sends.get(key, []), recvs.get(key, [])
             if len(out) != len(inn):
-                raise MessageMismatchError(
-                    f"rank {key[0]} queued {len(out)} sends to rank {key[1]}, which queued "
-                    f"{len(inn)} receives from it (a process group would hang)"
-                )
+                if final:
+                    raise MessageMismatchError(
+                        f"rank {key[0]} queued {len(out)} sends to rank {key[1]}, which queued "
+                        f"{len(inn)} receives from it (a process group would hang)"
+                    )
+                continue
             for i, (a, b) in enumerate(zip(out, inn)):
                 if a.dtype != b.dtype or a.shape != b.shape:
                     raise MessageMismatchError(
                         f"message {i} from rank {key[0]} to rank {key[1]}: sent {a.dtype}{tuple(a.shape)}, "
                         f"receive buffer is {b.dtype}{tuple(b.shape)}"
                     )
-        for key in sorted(sends):
-            for a, b in zip(sends[key], recvs[key]):
+            ready.append(key)
+        for key in ready:
+            for a, b in zip(sends.pop(key, []), recvs.pop(key, [])):
                 b.copy_(a)
-                self.messages[key] += 1
-                self.bytes[key] += a.numel() * a.element_size()
+                self.messages[key[:2]] += 1
+                self.bytes[key[:2]] += a.numel() * a.element_size()
+
+    def execute(self) -> None:
+        """Deliver every queued message; raise MessageMismatchError if they do not pair up."""
+        self.executes += 1
+        try:
+            self._deliver(final=True)
+        finally:
+            self.discard()
 
     def start(self) -> None:
-        """Deliver now (there is nothing to overlap with in one process); same as ``execute``."""
-        self.execute()
+        """Deliver what already pairs up (there is nothing to overlap with in one process)."""
+        self._deliver(final=False)
 
     def wait(self) -> None:
-        return None
+        """Deliver the rest; raise MessageMismatchError if anything is left unpaired."""
+        self.executes += 1
+        try:
+            self._deliver(final=True)
+        finally:
+            self.discard()
 
     def stream_context(self) -> ContextManager:
         return contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """Execute a rearrangement: move expert weights so every slot holds its new expert.
 
-Per layer (design §6) each rank:
+Per layer (docs/design.md §6.3) each rank:
 
 1. plans the layer from the replicated old/new rows: every layer's transfers and this
    process's plans come from one vectorised pass before the first layer
@@ -47,7 +47,7 @@ from eplb_fsm.transfer.inputs import (
     resolve_communicator,
     traces_for,
 )
-from eplb_fsm.transfer.messages import copy_runs, run_layer
+from eplb_fsm.transfer.messages import HeldReceives, copy_runs, run_layer
 from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
@@ -203,20 +203,30 @@ def _rearrange_layers(
     """All layers, pipelined over the one buffer.
 
     While layer k's first wave is in flight, this process also finishes layer k-1's
-    commit and (first use of these maps only) plans layer k+1. Only the part of layer
-    k-1's commit that reads buffer rows layer k is about to overwrite runs before layer k
-    starts. If layer k fails, layer k-1's commit is completed first, so layers < k are
-    new and layers >= k are old.
+    commit and (first use of these maps only) plans layer k+1. The part of layer k-1's
+    commit that reads buffer rows layer k is about to overwrite must run before those
+    receives are posted: with a communicator that pairs messages by tag it runs after
+    layer k's sends and other receives went out (two phases, :class:`HeldReceives`),
+    otherwise before layer k starts. If layer k fails, layer k-1's commit is completed
+    first, so layers < k are new and layers >= k are old.
     """
     num_layers = sched.old.shape[0]
+    two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
     for k in range(num_layers):
         prep = sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
         late: dict[int, Commit] = {}
+        hold: HeldReceives | None = None
         if prev_w is not None:
             early, late = sched.split(k - 1)
-            _apply_runs(early, prev_w, buffers)
+            if two_phase and prep.waves:
+                # layer k's receives into rows layer k-1's commit still reads wait for it;
+                # the commit runs while the rest of layer k's messages fly
+                rows = {r: set(c.src.tolist()) for r, c in early.items() if c.src.size}
+                hold = HeldReceives(rows, lambda early=early, prev_w=prev_w: _apply_runs(early, prev_w, buffers))
+            else:
+                _apply_runs(early, prev_w, buffers)
         state = {"late_done": not late}
 
         def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state) -> None:
@@ -228,8 +238,10 @@ def _rearrange_layers(
 
         buf.generation += 1
         try:
-            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile)
+            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold)
         except TransferError as exc:
+            if hold is not None:
+                hold.release()  # no held receive was posted before it ran
             if not state["late_done"]:
                 _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
             exc.committed_layers = k

@@ -5,18 +5,30 @@ local slot); every layer must have the first layer's :data:`Layout` (shapes, dty
 devices), since one buffer serves every layer. A communicator that plays several ranks
 takes a list over its local ranks wherever one rank takes a single value. Bad input
 raises ``ValueError`` naming the argument and the rule.
+
+Weights the executor would move wrongly are refused before anything moves, with
+:class:`UnmovableWeightsError` (a ``ValueError`` and a ``TransferError`` with
+``committed_layers = 0``): a tensor whose elements may share memory (a stride 0, as
+``expand`` makes, or overlapping strides), a last dimension of size 1 with a stride other
+than 1 (torch still calls such a tensor contiguous, but its rows cannot be viewed as
+bytes), and two tensors whose rows share memory (a weight listed twice, in two layers or
+for two ranks): moving one would overwrite the other.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator
+from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, TransferError
 
 __all__ = [
     "Layout",
+    "UnmovableWeightsError",
+    "check_movable",
+    "find_shared_memory",
     "check_all_weights",
     "check_layer_tensors",
     "check_layer_weights",
@@ -44,7 +56,84 @@ def resolve_communicator(group: Any, communicator: Communicator | None, timeout:
     return TorchDistCommunicator(group, timeout=timeout)
 
 
-def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None) -> list[torch.Tensor]:
+class UnmovableWeightsError(TransferError, ValueError):
+    """Weights the executor cannot move correctly; raised before anything moves.
+
+    ``committed_layers`` is 0 (every layer still holds its old weights); ``layer`` is the
+    layer of the offending tensor when known.
+    """
+
+    def __init__(self, message: str, layer: int | None = None) -> None:
+        super().__init__(message, layer=layer, committed_layers=0)
+
+
+def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
+    """Refuse a tensor (S, ...) whose layout the executor would move wrongly (see the module doc)."""
+    dims = [(st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1]
+    if any(st == 0 for st, _ in dims):
+        raise UnmovableWeightsError(
+            f"{name}: has shape {tuple(t.shape)} and strides {t.stride()}: a stride of 0 on a dimension of size > 1 "
+            "makes elements share memory (an expanded view); writing one row would change others", layer)
+    dims.sort()
+    span = 1
+    for st, sz in dims:
+        if st < span:  # not provably free of overlap: sorted strides must each step over the dims below
+            raise UnmovableWeightsError(
+                f"{name}: has shape {tuple(t.shape)} and strides {t.stride()}: its elements may share memory "
+                "(overlapping strides); give a tensor whose elements are distinct", layer)
+        span = st * sz
+    if t.ndim >= 2 and t.shape[-1] == 1 and t.stride(-1) != 1:
+        raise UnmovableWeightsError(
+            f"{name}: has shape {tuple(t.shape)} and strides {t.stride()}: a last dimension of size 1 must have "
+            "stride 1 (rows travel as bytes); pass .clone(memory_format=torch.contiguous_format)", layer)
+
+
+def _row_ranges(t: torch.Tensor) -> tuple[tuple, np.ndarray, np.ndarray]:
+    """(device, starts, ends): the byte range of each row of ``t`` (S, ...); one range for
+    the whole tensor when its rows interleave (a transposed view)."""
+    es = t.element_size()
+    row_extent = (1 + sum((sz - 1) * st for sz, st in zip(t.shape[1:], t.stride()[1:]))) * es
+    base = t.data_ptr()
+    device = (t.device.type, t.device.index)
+    step = t.stride(0) * es
+    if t.shape[0] > 1 and step < row_extent:
+        return device, np.array([base]), np.array([base + (t.shape[0] - 1) * step + row_extent])
+    starts = base + step * np.arange(t.shape[0], dtype=np.int64)
+    return device, starts, starts + row_extent
+
+
+def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """The names of the first two tensors (in the order of ``named``) whose rows share memory, or None.
+
+    ``named``: (name, tensor (S, ...)) pairs; a tensor listed twice counts. Compares whole
+    byte spans first and the rows of a pair only when their spans meet (views that
+    interleave rows of one storage, e.g. the two halves of a fused projection, are fine).
+    """
+    spans = []
+    for i, (_, t) in enumerate(named):
+        if t.numel() == 0:
+            continue
+        device, starts, ends = _row_ranges(t)
+        spans.append((device, int(starts.min()), int(ends.max()), i, starts, ends))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    best = None  # the first pair in the order of ``named``: the error names the earliest layer
+    for a in range(len(spans)):
+        dev, _, end, i, starts_i, ends_i = spans[a]
+        for b in range(a + 1, len(spans)):
+            dev_b, start_b, _, j, starts_j, ends_j = spans[b]
+            if dev_b != dev or start_b >= end:
+                break
+            # rows meet if some row of one starts before a row of the other ends, and vice versa
+            lo = np.maximum(starts_i[:, None], starts_j[None, :])
+            hi = np.minimum(ends_i[:, None], ends_j[None, :])
+            if (lo < hi).any():
+                pair = (min(i, j), max(i, j))
+                best = pair if best is None else min(best, pair)
+    return None if best is None else (named[best[0]][0], named[best[1]][0])
+
+
+def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
+                        layer: int | None = None) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise ValueError(f"{name}: must be a list of tensors shaped (S, ...)")
     out = list(tensors)
@@ -55,6 +144,7 @@ def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None) 
             raise ValueError(
                 f"{name}[{t}]: has shape {tuple(w.shape)}; its first dim must be S = P / G = {rows} rows"
             )
+        check_movable(f"{name}[{t}]", w, layer)
     if ref is not None and layout(out) != ref:
         raise ValueError(
             f"{name}: tensors {[(tuple(s), str(d)) for s, d, _ in layout(out)]} must match the first layer's "
@@ -87,10 +177,19 @@ def check_all_weights(
             raise ValueError(f"{name}: must be a list over the L={num_layers} layers of the maps, got {got}")
         checked = []
         for k, layer in enumerate(layers):
-            checked.append(check_layer_tensors(f"{name}[{k}]", layer, rows, ref))
+            checked.append(check_layer_tensors(f"{name}[{k}]", layer, rows, ref, k))
             if ref is None:
                 ref = layout(checked[-1])
         out[r] = checked
+    multi = getattr(comm, "multi_rank", False)
+    shared = find_shared_memory([
+        (f"expert_weights{f'[{r}]' if multi else ''}[{k}][{t}]", w)
+        for r, layers in out.items() for k, tensors in enumerate(layers) for t, w in enumerate(tensors)
+    ])
+    if shared is not None:
+        raise UnmovableWeightsError(
+            f"{shared[0]} and {shared[1]}: share memory; every weight row must be moved on its own "
+            "(a tensor listed twice would be overwritten by its other use)")
     return out
 
 

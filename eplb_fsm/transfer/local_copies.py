@@ -1,6 +1,6 @@
 """Order a rank's local copies so that most rows move once, weights to weights.
 
-A *local* row (design §6) gets an expert this rank already holds, from the first old
+A *local* row (docs/design.md §6.1) gets an expert this rank already holds, from the first old
 row holding it. Staging every such copy through the buffer costs two copies per row
 (weights → buffer while the messages fly, buffer → weights at commit). At commit time
 every message of the layer has completed, so nothing may still be sent from a row; a

@@ -72,11 +72,13 @@ def run_layer(
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None = None,
+    hold: "HeldReceives | None" = None,
 ) -> None:
     """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
 
     The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
     wave is in flight: they read the weights and write buffer rows no message touches.
+    ``hold``: the first wave goes out in two phases (see :class:`HeldReceives`).
     """
 
     def local_copies() -> None:
@@ -86,13 +88,41 @@ def run_layer(
             meanwhile()
 
     if not prep.waves:
+        if hold is not None:
+            hold.release()  # before the local copies overwrite staged rows it reads
         local_copies()
         return
     send_bytes = {r: [_RowBytes(t, False) for t in weights[r]] for r in prep.plans}
     recv_bytes = {r: [_RowBytes(t, True) for t in buffers[r]] for r in prep.plans}
     row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
-        _run_wave(prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces, local_copies if w == 0 else None)
+        _run_wave(
+            prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces,
+            local_copies if w == 0 else None, hold if w == 0 else None,
+        )
+
+
+class HeldReceives:
+    """Receives of a wave that must wait for a commit, and that commit.
+
+    ``rows[r]``: buffer rows of local rank r that the previous layer's pending commit
+    still reads. The wave then goes out in two phases: every send and every receive into
+    another row first; ``release()`` (the commit of those rows) runs while they fly;
+    then the held receives. Each message carries its ordinal within its (src, dst) pair
+    as tag, so both sides pair them whatever the phase a receive was posted in.
+    """
+
+    __slots__ = ("rows", "commit", "done")
+
+    def __init__(self, rows: dict[int, set[int]], commit: Callable[[], None]) -> None:
+        self.rows = rows
+        self.commit = commit
+        self.done = False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.commit()
 
 
 def _run_wave(
@@ -105,17 +135,38 @@ def _run_wave(
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None,
+    hold: HeldReceives | None = None,
 ) -> None:
     layer, num_waves = prep.layer, len(prep.waves)
     ops = prep.ops[w]
     add_send, add_recv = comm.add_send, comm.add_recv
-    for r in prep.plans:
-        for peer, row in ops.sends[r]:
-            for tb in send_bytes[r]:
-                add_send(tb[row], r, peer)
-        for peer, row in ops.recvs[r]:
-            for tb in recv_bytes[r]:
-                add_recv(tb[row], peer, r)
+    held: list[tuple[torch.Tensor, int, int, int]] = []  # (buffer row bytes, src, dst, tag)
+    if hold is None:
+        for r in prep.plans:
+            for peer, row in ops.sends[r]:
+                for tb in send_bytes[r]:
+                    add_send(tb[row], r, peer)
+            for peer, row in ops.recvs[r]:
+                for tb in recv_bytes[r]:
+                    add_recv(tb[row], peer, r)
+    else:
+        for r in prep.plans:
+            ordinal: dict[int, int] = {}
+            for peer, row in ops.sends[r]:
+                for tb in send_bytes[r]:
+                    tag = ordinal.get(peer, 0)
+                    ordinal[peer] = tag + 1
+                    add_send(tb[row], r, peer, tag=tag)
+            ordinal = {}
+            rows_held = hold.rows.get(r, ())
+            for peer, row in ops.recvs[r]:
+                for tb in recv_bytes[r]:
+                    tag = ordinal.get(peer, 0)
+                    ordinal[peer] = tag + 1
+                    if row in rows_held:
+                        held.append((tb[row], peer, r, tag))
+                    else:
+                        add_recv(tb[row], peer, r, tag=tag)
     stats: dict[int, list[int]] = {}
     if traces:
         for r in prep.plans:
@@ -147,6 +198,14 @@ def _run_wave(
         try:
             if start is not None and wait is not None:
                 start()
+                if hold is not None:
+                    # the pending commit reads the held rows while phase one flies, then
+                    # their receives go out
+                    hold.release()
+                    for view, src, dst, tag in held:
+                        add_recv(view, src, dst, tag=tag)
+                    if held:
+                        start()
             else:
                 if meanwhile is not None:
                     meanwhile()

@@ -1,6 +1,6 @@
 """Pure per-layer transfer planning: numpy in, numpy out, no process groups.
 
-Vocabulary (design §2, §6). A layer has P physical slots spread over G ranks, S = P / G
+Vocabulary (docs/design.md §2, §6.1-§6.2). A layer has P physical slots spread over G ranks, S = P / G
 slots per rank; global slot p lives on rank p // S at row p % S. ``old`` and ``new`` are
 the layer's ``phy2log`` rows before and after, int64, -1 for an empty slot.
 
@@ -15,7 +15,7 @@ For one rank, every row falls in exactly one class:
 - *duplicate*: a further row needing the same remote expert; it is copied from the
   primary after the transfer.
 
-Pairing (§6): an expert held by S_e ranks (senders) in the old map and needed by R_e
+Pairing (docs/design.md §6.2): an expert held by S_e ranks (senders) in the old map and needed by R_e
 ranks that do not hold it (receivers), both ascending, with k = R_e // S_e: sender i
 serves receivers i·k … i·k+k−1, plus receiver S_e·k+i if it exists. A sender sends
 from its first old row holding the expert; a receiver receives into its primary row.
@@ -198,7 +198,7 @@ def _first_rows(m: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def layer_transfers(old: Any, new: Any, world_size: int, *, validate: bool = True) -> LayerTransfers:
-    """All point-to-point transfers of one layer (every rank's), by the §6 pairing rule."""
+    """All point-to-point transfers of one layer (every rank's), by the pairing rule of docs/design.md §6.2."""
     if validate:
         old, new = check_layer_maps(old, new, world_size)
     else:

@@ -2,7 +2,7 @@
 
 :func:`.plan.layer_transfers` works on dense (G, E) tables per layer, which at
 DeepSeek-V3 shape (L=58, P=288, G=32) costs tens of milliseconds per rank once repeated
-over all layers. Here the same §6 rules run once over sparse (layer, expert, rank) keys:
+over all layers. Here the same rules (docs/design.md §6.1-§6.2) run once over sparse (layer, expert, rank) keys:
 
 - holders: the distinct (l, e, r) of ``old`` with the first row of r holding e;
 - needers: the same from ``new`` (the first row is the receiver's primary row); both

@@ -3,7 +3,7 @@
 The default policy re-plans from scratch, so a small drift in load moves almost every
 slot. This policy starts from the placement in use (``old_phy2log``) and changes as few
 slots as it can while staying within a target fraction of the default's balancedness
-(design section 2: sum over layers of mean rank load / sum over layers of max rank load).
+(docs/design.md §2: sum over layers of mean rank load / sum over layers of max rank load).
 A slot is *moved* when its new expert was not on its rank before (its weights cross the
 network); changes inside a rank are free. docs/policies.md has the long version.
 

@@ -1,0 +1,85 @@
+"""Checks ``eplb-fsm simulate`` makes before any work: output paths, and what a load of another shape becomes.
+
+Each check raises ``ValueError`` whose message starts with the option it is about
+(``--trace-dir: ...``, ``--png: ...``); the command prints it as one line and exits 2,
+so a path that cannot be written is found before a rank starts, not after the run.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+__all__ = ["check_png_path", "load_note", "prepare_trace_dir"]
+
+
+def _writable(directory: Path) -> str | None:
+    """None when a file can be created in ``directory`` (tried, not guessed: root ignores modes), else why not."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".eplb-write-check-"):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def prepare_trace_dir(path: str | None) -> str:
+    """The trace folder, created if missing and checked writable; ValueError naming ``--trace-dir`` otherwise."""
+    if path is None:
+        return tempfile.mkdtemp(prefix="eplb-simulate-")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--trace-dir: {p} exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--trace-dir: cannot create {p}: {exc.strerror or exc}") from None
+    why = _writable(p)
+    if why:
+        raise ValueError(f"--trace-dir: cannot write in {p}: {why}")
+    return str(p)
+
+
+def check_png_path(png: str | None, no_png: bool = False) -> None:
+    """``--png`` must name a ``.png`` file in an existing, writable directory; ValueError naming it otherwise."""
+    if png is None:
+        return
+    if no_png:
+        raise ValueError("--png and --no-png cannot be combined")
+    p = Path(png)
+    if p.is_dir():
+        raise ValueError(f"--png: {p} is a directory; give the file to write, e.g. {p / 'balancedness.png'}")
+    if p.suffix.lower() != ".png":
+        raise ValueError(f"--png: {p} must end in .png")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ValueError(f"--png: directory {parent} does not exist")
+    why = _writable(parent)
+    if why:
+        raise ValueError(f"--png: cannot write in {parent}: {why}")
+
+
+def load_note(opts) -> str | None:
+    """One line saying how a load of another shape was fitted to (--layers, --experts), or None when it fits."""
+    if opts.load == "zipf":
+        return None
+    if opts.load == "esft":
+        from eplb_fsm.sim.loads import esft_layers
+        from eplb_fsm.sim.run import default_esft_dir
+
+        layers, experts, what = len(esft_layers(default_esft_dir())), 64, "the ESFT intent traces have"
+    else:
+        from eplb_fsm.sim.loads import load_matrix
+
+        (layers, experts), what = load_matrix(opts.load).shape, f"{opts.load} has"
+    if (layers, experts) == (opts.layers, opts.experts):
+        return None
+    how = []
+    if layers != opts.layers:
+        how.append(f"layer l uses load layer l mod {layers}" if opts.layers > layers else
+                   f"only its first {opts.layers} layers are used")
+    if experts != opts.experts:
+        how.append(f"expert e's load goes to expert e mod {opts.experts}" if experts > opts.experts else
+                   f"expert e takes the load of expert e mod {experts}")
+    return (f"--load: {what} {layers} layers x {experts} experts, the simulation {opts.layers} x {opts.experts}: "
+            f"fitted ({'; '.join(how)})")

@@ -1,0 +1,48 @@
+"""Tests for eplb_fsm.commands.simulate_checks: output-path checks and the note on a load of another shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.commands.simulate_checks import check_png_path, prepare_trace_dir
+
+
+def test_load_of_another_shape_is_announced():
+    """A load file or the ESFT traces of another shape are fitted, and the note says how; a fitting one has none."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_checks import load_note
+    from eplb_fsm.sim.loads import EXAMPLE_LOAD
+
+    note = load_note(SimpleNamespace(load=str(EXAMPLE_LOAD), layers=4, experts=32))
+    assert "26 layers x 64 experts" in note and "4 x 32" in note and "first 4 layers" in note and "mod 32" in note
+    note = load_note(SimpleNamespace(load="esft", layers=30, experts=128))
+    assert "ESFT" in note and "l mod 26" in note and "expert e mod 64" in note
+    assert load_note(SimpleNamespace(load=str(EXAMPLE_LOAD), layers=26, experts=64)) is None
+    assert load_note(SimpleNamespace(load="zipf", layers=4, experts=32)) is None
+
+
+def test_trace_dir_is_created_or_refused(tmp_path):
+    """A missing trace folder is created (parents too); a file or a folder under a file is refused naming --trace-dir."""
+    made = prepare_trace_dir(str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir() and made == str(tmp_path / "a" / "b")
+    assert not list((tmp_path / "a" / "b").iterdir())  # the write check leaves nothing behind
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="^--trace-dir: .* exists and is not a directory"):
+        prepare_trace_dir(str(tmp_path / "f"))
+    with pytest.raises(ValueError, match="^--trace-dir: cannot create"):
+        prepare_trace_dir(str(tmp_path / "f" / "sub"))
+    assert prepare_trace_dir(None)  # a fresh temp folder
+
+
+def test_png_path_rules(tmp_path):
+    """--png must be a .png file in an existing folder; None passes; each refusal names --png and the rule."""
+    check_png_path(None)
+    check_png_path(str(tmp_path / "b.png"))
+    check_png_path(str(tmp_path / "B.PNG"))
+    for png, rule in ((tmp_path, "is a directory"), (tmp_path / "b.jpg", "must end in .png"),
+                      (tmp_path / "no" / "b.png", "does not exist")):
+        with pytest.raises(ValueError, match=f"^--png: .*{rule}"):
+            check_png_path(str(png))
+    with pytest.raises(ValueError, match="--no-png"):
+        check_png_path(str(tmp_path / "b.png"), no_png=True)
