@@ -45,8 +45,8 @@ def periodic_stretches(text: str, n_lines: int) -> list[tuple[int, int, int]]:
 
     Lines are 0-based indices into ``text.split("\\n")``; a stretch starts on a step line.
     """
-    if n_lines < MIN_LINES or text.count('"event":"collective_end"') < n_lines // (2 * MAX_PERIOD):
-        return []  # few collectives per step (the compact case): nothing repeats with them
+    if n_lines < MIN_LINES or 2 * text.count('"event":"collective_end"') < text.count('"event":"step"'):
+        return []  # fewer collectives than one every other step (the compact case): the step runs do it
     sk = text.encode("utf-8", "surrogateescape").translate(None, _DIGITS).split(b"\n")
     if len(sk) != n_lines:
         return []

@@ -9,7 +9,7 @@ other step back is disorder, kept with the file line for an ``out_of_order`` fin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 MAX_DISORDER = 20   # disorder entries kept per session (the first ones say where)
 
@@ -30,8 +30,9 @@ class SeqCheck:
         """The ``seq`` the session's next record must carry (None before any)."""
         return None if self.prev is None else self.prev + 1 + n_steps - self.steps_at_prev
 
-    def check(self, seq: Any, n_steps: int, where: str, line: int | None, event: Any) -> bool:
-        """Account one record's ``seq``; returns whether it carried one."""
+    def check(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]], event: Any) -> bool:
+        """Account one record's ``seq``; returns whether it carried one. ``locate()`` gives
+        (``file:line``, line) for a disorder entry (asked only then)."""
         if type(seq) is not int:
             return False
         jump, self.jump = self.jump, None     # an inserted or mislabelled record is one jump and back
@@ -48,6 +49,7 @@ class SeqCheck:
                 self.odd += 1
             elif seq < expected and len(self.disorder) < MAX_DISORDER:
                 # written out of order (or a copied line): the order of the file is not the rank's
+                where, line = locate()
                 self.disorder.append({"where": where, "line": line, "seq": seq, "expected": expected,
                                       "event": event})
         self.prev, self.steps_at_prev = seq, n_steps

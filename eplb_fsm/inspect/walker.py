@@ -197,7 +197,10 @@ class Walker:
 
     def _check_seq(self, rec: dict, ev: Any) -> bool:
         """``seq`` must advance by one per record (``SeqCheck``); disorder goes to the summary."""
-        return self.seqs.check(rec.get("seq"), self.n_steps, self.where(), self.line, ev)
+        return self.seqs.check(rec.get("seq"), self.n_steps, self._locate, ev)
+
+    def _locate(self) -> tuple[str, int | None]:
+        return self.where(), self.line
 
     def where(self) -> str:
         name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
@@ -212,7 +215,12 @@ class Walker:
                 f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {TYPE_NAMES[k]}" for k in wrong)
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
-        self.saw(rec.get("ts"), rec.get("step"), rec.get("state"))
+        ts = rec.get("ts")
+        seen = self._seen
+        if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
+            self._seen = (ts, rec.get("step"), rec.get("state"))   # the common case, inline
+        else:
+            self.saw(ts, rec.get("step"), rec.get("state"))
         ev = rec.get("event")
         if ev == "step":
             self.last = rec
@@ -225,7 +233,11 @@ class Walker:
         self.plain_ok = False
         if self.first is None and ev != "header":
             self.first = rec
-        self._check_seq(rec, ev)
+        seq, seqs = rec.get("seq"), self.seqs
+        if seqs.jump is None and seqs.prev is not None and seq == seqs.prev + 1 + self.n_steps - seqs.steps_at_prev:
+            seqs.prev, seqs.steps_at_prev = seq, self.n_steps   # in order: the common case, inline
+        else:
+            self._check_seq(rec, ev)
         s = self.s
         s.events[ev] += 1
         if self.world is None and "world" in rec:
