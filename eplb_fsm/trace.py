@@ -231,8 +231,10 @@ class EventTrace:
             return None
         first = run.first + run.written % _DUMMY
         run.written = packed
-        return self._record("steps", {"state": run.state, "step": first, "count": delta % _DUMMY,
-                                      "dummy": delta // _DUMMY})
+        count, dummy = delta % _DUMMY, delta // _DUMMY
+        if count == 1:   # a run of one step is the classic `step` record (shorter, and what readers bulk-read)
+            return self._record("step", {"state": run.state, "step": first, **({"dummy": True} if dummy else {})})
+        return self._record("steps", {"state": run.state, "step": first, "count": count, "dummy": dummy})
 
     def _write_run(self) -> dict | None:
         record = self._run_record()

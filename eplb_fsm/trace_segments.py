@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_trace", "record_steps", "rotate",
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace", "record_steps", "rotate",
            "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
@@ -91,6 +91,21 @@ def record_steps(record: dict) -> range:
     if event == "step":
         return range(record["step"], record["step"] + 1)
     return range(0)
+
+
+def read_rank_text(path: str | os.PathLike) -> str:
+    """The text of a rank's trace: its segments (:func:`segment_paths`) joined oldest first.
+
+    A rotated segment passed itself is read alone. Each segment's text is ended by a newline
+    so that a line never runs into the next segment's header.
+    """
+    paths = [Path(path)] if is_rotated_segment(path) else segment_paths(path) or [Path(path)]
+    parts = []
+    for one in paths:
+        with open(one, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+        parts.append(text if not text or text.endswith("\n") or one == paths[-1] else text + "\n")
+    return "".join(parts)
 
 
 def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dict], int]:

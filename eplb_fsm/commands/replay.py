@@ -117,7 +117,7 @@ def _sessions_of(records: list[dict]) -> list[int | None]:
     marks: list[tuple[int, int]] = []
     run, session, seen = 0, 0, False
     for rec in records:
-        if rec.get("event") == "header" and seen:
+        if rec.get("event") == "header" and seen and rec.get("continued") is not True:
             if rec.get("role") == "joiner":
                 session += 1
             else:
