@@ -16,7 +16,7 @@ def test_bench_step_json_keys_and_sanity(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     for key in ("bare_record_pass_us", "controller_step_us", "overhead_us", "overhead_ratio",
                 "full_machine_step_us", "trace_line_us", "trace_bytes_per_step", "target_overhead_us",
-                "within_target", "shape", "rounds_us"):
+                "within_target", "shape", "rounds_us", "meets_target", "trace_count_us", "paired_overhead_us", "disk"):
         assert key in result
     assert result["shape"] == {"layers": 4, "slots": 16, "experts": 12, "window": 10, "world": 1}
     assert result["bare_record_pass_us"] > 0 and result["controller_step_us"] > 0

@@ -9,7 +9,9 @@ Side by side in one process (world 1, trace file on), on a realistic shape (defa
   (written later as one ``steps`` record; docs/events.md, "Runs of quiet steps"), with
   the controller's liveness thread on (it writes the runs once a second);
 - for reference, what a step would cost through the full machine: ``EplbMachine.fire``
-  plus a ``transition`` record (the path due steps take).
+  plus a ``transition`` record (the path due steps take); what one JSON ``step`` line
+  costs (``trace_line_us``, the per-step cost before issue 14) and what counting a step
+  into a run costs (``trace_count_us``), each alone.
 
 Rounds alternate bare and controller runs so drift in machine speed hits both alike;
 each figure is the median over rounds of the per-step mean. The overhead is
@@ -113,11 +115,18 @@ def run(args: argparse.Namespace) -> dict:
         full_trace.transition("step", fired.source, fired.dest, layer=fired.layer, num_layers=L, due=False)
 
     line_trace = EventTrace(0, 1, trace_dir / "lines")
+    count_trace = EventTrace(0, 1, trace_dir / "counts")
+    count_trace.set_context(state="collecting")
+
+    def count_only() -> None:   # the trace's whole share of a quiet step: store the step, count it
+        count_trace.step += 1
+        count_trace.count_step(False)
+
     warm = max(50, args.steps // 10)
     _per_step_us(bare.record_pass, warm)
     _per_step_us(controller.step, warm)
     _per_step_us(full_machine_step, warm)
-    bare_us, ctl_us, full_us, line_us = [], [], [], []
+    bare_us, ctl_us, full_us, line_us, count_us = [], [], [], [], []
     controller.trace.flush()
     size_before = controller.trace.path.stat().st_size
     steps_before = controller.steps
@@ -127,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
             ctl_us.append(_per_step_us(controller.step, args.steps))
             full_us.append(_per_step_us(full_machine_step, args.steps))
             line_us.append(_per_step_us(lambda: line_trace.emit("step"), args.steps))
+            count_us.append(_per_step_us(count_only, args.steps))
         controller.trace.flush()
         bytes_per_step = (controller.trace.path.stat().st_size - size_before) / max(1, controller.steps - steps_before)
         state = controller.state
@@ -138,6 +148,7 @@ def run(args: argparse.Namespace) -> dict:
         controller.close()
         full_trace.close()
         line_trace.close()
+        count_trace.close()
         if scratch is not None:
             scratch.cleanup()
     b = statistics.median(bare_us)
@@ -159,6 +170,9 @@ def run(args: argparse.Namespace) -> dict:
         "full_machine_step_us": round(f, 3),
         "full_machine_overhead_us": round(f - b, 3),
         "trace_line_us": round(statistics.median(line_us), 3),
+        "trace_count_us": round(statistics.median(count_us), 3),
+        # the same difference taken within each round, then the median: steadier on a busy machine
+        "paired_overhead_us": round(statistics.median(c_ - b_ for c_, b_ in zip(ctl_us, bare_us)), 3),
         "trace_bytes_per_step": round(bytes_per_step, 3),
         "target_overhead_us": TARGET_OVERHEAD_US,
         "within_target": overhead <= TARGET_OVERHEAD_US,
