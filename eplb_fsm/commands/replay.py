@@ -95,7 +95,7 @@ def _timeline(args: argparse.Namespace) -> int:
     text = format_timeline(records, args.rank).split("\n")
     out = text[:2]
     for rec, at, line in zip(records, where, text[2:]):
-        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step") else "   ")
+        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps") else "   ")
                    + line)
     out[1] = "   " + out[1]
     if bad:
