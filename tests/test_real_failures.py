@@ -37,7 +37,6 @@ pytestmark = pytest.mark.multiprocess
 
 BASE = ["--layers", "3", "--experts", "8", "--redundant", "4", "--hidden", "8", "--tokens", "48",
         "--interval", "8", "--window", "8", "--collective-timeout", "2", "--no-png", "--no-progress", "--json"]
-NEEDS_REPLAY_REAL = pytest.mark.xfail(strict=True, reason="needs replay-real")
 
 
 _RUNS: dict[tuple, tuple[int, dict, Path]] = {}
@@ -171,7 +170,6 @@ def test_sigstop_while_collecting_shows_an_alive_gap(tmp_path_factory):
     assert code in (0, 1)  # 1 once replay reports the freeze (see the replay test below)
 
 
-@NEEDS_REPLAY_REAL
 @pytest.mark.parametrize("mode,spec", [("sync", FREEZE_COLLECTING), ("async", FREEZE_TRANSFER)],
                          ids=["collecting-sync", "transfer-async"])
 def test_replay_names_the_frozen_rank(tmp_path_factory, mode, spec):
@@ -244,7 +242,6 @@ def test_sigkill_from_outside_while_collecting(tmp_path):
     _RUNS["outside-kill"] = (box["code"], report, tmp_path)
 
 
-@NEEDS_REPLAY_REAL
 def test_replay_names_a_rank_killed_from_outside():
     """Replay names rank 1 (killed from outside, no injector, untraced engine collectives), not healthy."""
     if "outside-kill" not in _RUNS:

@@ -8,7 +8,13 @@ reader must at least do), and once more with the files spread over worker proces
 (one per CPU, ``jobs=0``). One rank is simulated through the real machine and trace
 writer; its file is copied to the other ranks with the rank field changed.
 
-Wall times are the best of ``--repeat`` runs; ``cpu_s`` is this process's CPU time in
+A third trace set is the record mix of ``log_balancedness`` at interval 1: a controller
+all-reduce every step (a step record, then the all-reduce's start and end records: 3 records
+per step, 2M for 64 ranks x 10k steps). The report gives both targets: ``TARGET_S`` for
+the compact traces (steps and a rearrangement every ``--interval``), ``TARGET_ALLREDUCE_S``
+for the all-reduce mix, each with ``meets_target``.
+
+Wall times are the best of ``--repeats`` runs; ``cpu_s`` is this process's CPU time in
 that run, which stays meaningful when other work shares the machine.
 """
 
@@ -21,6 +27,7 @@ import time
 from pathlib import Path
 
 TARGET_S = 2.0
+TARGET_ALLREDUCE_S = 4.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +64,25 @@ def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interva
     return trace_path(folder, 0)
 
 
+def _simulate_allreduce(tmp: Path, world: int, steps: int, layers: int) -> Path:
+    """Rank 0 of a job that all-reduces its per-pass load every step (``log_balancedness``, interval 1)."""
+    from eplb_fsm.testing import SyntheticJob
+    from eplb_fsm.trace import trace_path
+
+    folder = tmp / "template-allreduce"
+    job = SyntheticJob(world=world, num_layers=layers, interval=steps + 1, trace_dir=folder, ranks=[0], keep=False)
+    rank = job.ranks[0]
+    size = layers * job.num_experts
+    for step in range(steps):
+        rank.clock.at_least(job.t0 + step * job.step_s)
+        rank.trace.set_context(step=step)
+        rank.fire("step", due=False)
+        rank.collective("all_reduce", group=rank.group, shape=[size], dtype="torch.float64",
+                        parts=["balancedness"], sizes=[size])
+    job.close()
+    return trace_path(folder, 0)
+
+
 def _time(fn, repeat: int) -> tuple[float, float, float, object]:
     """(best wall s, median wall s, CPU s of this process in the best run, result)."""
     runs, result = [], None
@@ -89,8 +115,11 @@ def run(args: argparse.Namespace) -> dict:
                                 Faults(stop={0: Stop(hang_step, "in_collective")}))
         culprit_src = _simulate(tmp, "culprit", world, steps, args.layers, args.interval,
                                 Faults(stop={0: Stop(hang_step, "before_collective")}))
-        healthy_dir, hang_dir = tmp / "healthy", tmp / "hang"
+        allreduce_src = _simulate_allreduce(tmp, world, steps, args.layers)
+        healthy_dir, hang_dir, allreduce_dir = tmp / "healthy", tmp / "hang", tmp / "allreduce"
         per_rank = _write_world(healthy_src, healthy_dir, list(range(world)))
+        allreduce_bytes = _write_world(allreduce_src, allreduce_dir, list(range(world)))
+        allreduce_records = sum(1 for _ in open(trace_path(allreduce_dir, 0), encoding="utf-8")) * world
         _write_world(waiting_src, hang_dir, [r for r in range(world) if r != culprit])
         _write_world(culprit_src, hang_dir, [culprit])
         generate_s = time.perf_counter() - t0
@@ -102,6 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         parse_best, _, parse_cpu, parsed = _time(parse_only, args.repeats)
         healthy_best, healthy_median, healthy_cpu, healthy = _time(lambda: replay_dir(healthy_dir), args.repeats)
         hang_best, hang_median, hang_cpu, hang = _time(lambda: replay_dir(hang_dir), args.repeats)
+        ar_best, ar_median, ar_cpu, ar = _time(lambda: replay_dir(allreduce_dir), args.repeats)
         jobs = min(default_jobs(), world)
         parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeats)
     assert parsed == n_records
@@ -139,6 +169,18 @@ def run(args: argparse.Namespace) -> dict:
             "seconds": round(parallel_best, 3),
             "over_serial": round(parallel_best / hang_best, 3),
         },
+        "allreduce_every_step": {
+            "records": allreduce_records,
+            "bytes": allreduce_bytes * world,
+            "verdict": ar.verdict,
+            "seconds": round(ar_best, 3),
+            "median_s": round(ar_median, 3),
+            "cpu_s": round(ar_cpu, 3),
+            "target_s": TARGET_ALLREDUCE_S,
+            "meets_target": ar_best < TARGET_ALLREDUCE_S,
+        },
+        "compact": {"seconds": round(max(healthy_best, hang_best), 3), "target_s": TARGET_S,
+                    "meets_target": max(healthy_best, hang_best) < TARGET_S},
         "target_s": TARGET_S,
-        "meets_target": max(healthy_best, hang_best) < TARGET_S,
+        "meets_target": max(healthy_best, hang_best) < TARGET_S and ar_best < TARGET_ALLREDUCE_S,
     }

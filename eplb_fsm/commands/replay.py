@@ -1,11 +1,13 @@
 """``eplb-fsm replay LOGDIR``: replay per-rank traces and name the first divergence.
 
-    eplb-fsm replay LOGDIR [--json] [--rank R] [--world N] [--jobs N]
+    eplb-fsm replay LOGDIR [--json] [--rank R] [--world N] [--jobs N] [--run-id ID]
 
 Prints the verdict on the first line and the detail below it (``--json``: one JSON
-object). Exit status: 0 healthy, 1 a problem was found, 2 the input is unusable (no
-such folder, no ``rank*.jsonl`` file, nothing readable). ``--rank R`` prints that rank's
-timeline instead, one line per record, with the records the machine refuses marked.
+object, with the structured verdict under ``verdict_detail``). Exit status: 0 healthy,
+1 a problem was found, 2 a usage error or unusable input (no such folder, no
+``rank*.jsonl`` file, nothing readable, traces of several runs without ``--run-id``,
+``--world`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
+line per record, with the records the machine refuses marked.
 """
 
 from __future__ import annotations
@@ -16,15 +18,38 @@ import os
 import sys
 
 
+EXIT_CODES = """exit status:
+  0  healthy: every rank agrees and ended in order (aborted rearrangements are listed)
+  1  a problem was found: the first line names the culprit (the rank that died, froze,
+     crashed, lagged or issued the odd collective), then what followed from it
+  2  usage error or unusable input: bad --world/--jobs, no folder, no rank*.jsonl file,
+     nothing readable, or traces of several runs (pick one with --run-id)"""
+
+
+def _at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_CODES
     parser.add_argument("logdir", help="folder holding rank<N>.jsonl traces (one per rank)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
                         help="print rank R's timeline (one line per record) instead of the report")
-    parser.add_argument("--world", type=int, default=None, metavar="N",
-                        help="expected world size (default: read from the traces)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+    parser.add_argument("--world", type=_at_least(1, "--world"), default=None, metavar="N",
+                        help="expected world size, >= 1 (default: read from the traces; a mismatch is reported)")
+    parser.add_argument("--jobs", type=_at_least(0, "--jobs"), default=1, metavar="N",
                         help="worker processes reading the files (default 1; 0: one per CPU)")
+    parser.add_argument("--run-id", default=None, metavar="ID",
+                        help="replay only the files of this run (when the folder holds several runs)")
 
 
 def _out(text: str) -> None:
@@ -109,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb_fsm.inspect.replay import NoTraces, replay_dir
 
     try:
-        report = replay_dir(args.logdir, world=args.world, jobs=args.jobs)
+        report = replay_dir(args.logdir, world=args.world, jobs=args.jobs, run_id=args.run_id)
     except NoTraces as exc:
         if args.json:
             print(json.dumps({"verdict": "unusable_input", "error": str(exc)}))

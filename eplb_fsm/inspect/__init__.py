@@ -1,10 +1,13 @@
 """Tools that read the machine and the traces: diagrams, replay and hang diagnosis.
 
 This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine),
-``summary`` (one rank file re-driven through the machine: ``walker``, ``model``),
-``replay`` (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, and
-``elastic`` for group swaps, joiners and leaving ranks) and ``render`` (text report,
-timeline). The synthetic-trace writer it re-exports (``SyntheticJob``, ``Faults``, ...)
+``summary`` (one rank file re-driven through the machine: ``walker``, ``model``,
+``records``, and ``bulk`` for stretches read without parsing them), ``replay``
+(diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, ``liveness``
+for ranks that died, froze, crashed or lagged, ``identity`` for run ids and misnamed or
+duplicated files, and ``elastic`` for group swaps, joiners and leaving ranks) and
+``render`` (text report, timeline). The synthetic-trace writer it re-exports
+(``SyntheticJob``, ``Faults``, ...)
 lives in :mod:`eplb_fsm.testing`.
 """
 
@@ -13,6 +16,7 @@ from eplb_fsm.inspect.render import format_report, format_timeline
 from eplb_fsm.inspect.replay import (
     Finding,
     MachineOracle,
+    MixedRuns,
     NoTraces,
     RankSummary,
     Report,
@@ -29,6 +33,7 @@ __all__ = [
     "Faults",
     "Finding",
     "MachineOracle",
+    "MixedRuns",
     "NoTraces",
     "RankSummary",
     "Report",

@@ -190,7 +190,8 @@ def check_ends(cast: Cast, folded: set[Key]) -> list[Finding]:
     found = []
     for k, last in sorted(lasts.items()):
         s = cast.parts[k]
-        if top - last <= DIED_SLACK_STEPS or k in folded or s.ended_on_purpose:
+        # a session with an end record stopped in order (the liveness checks judge it)
+        if top - last <= DIED_SLACK_STEPS or k in folded or s.ended_on_purpose or s.end is not None:
             continue
         others = {o: v for o, v in lasts.items() if o != k and not cast.parts[o].ended_on_purpose}
         positions = [cast.position(k, "stopped", last_seen(s), last, s.final_state, s.final_layer)]

@@ -16,7 +16,7 @@ from typing import Any
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
-from eplb_fsm.inspect.model import Collective, RankSummary
+from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary
 
 
 def handled_by_fault(f: Finding, cast: Cast) -> bool:
@@ -56,7 +56,13 @@ def check_collectives(cast: Cast) -> list[Finding]:
         streams = [parts[k].collectives.get(g, {}) if k in parts else {} for k in members]
         limits = [parts[k].max_cseq(g) if k in parts and cast.away(k, g) else math.inf for k in members]
         everyone = min(limits, default=math.inf)
-        for c in range(top + 1):
+        c = -1
+        while c < top:
+            c += 1
+            skip = _runs_agree(streams, limits, c)
+            if skip is not None:   # every member read these cseqs in bulk, with one signature
+                c = skip
+                continue
             if c <= everyone:
                 active, active_streams = members, streams
             else:
@@ -74,6 +80,27 @@ def check_collectives(cast: Cast) -> list[Finding]:
                 found.append(finding)
                 break
     return found
+
+
+def _runs_agree(streams: list, limits: list, c: int) -> int | None:
+    """The last cseq from ``c`` on that every active member holds in a bulk run with the same
+    signature (all ended), or None."""
+    end, sig = math.inf, None
+    active = 0
+    for st, lim in zip(streams, limits):
+        if c > lim:
+            continue
+        run = st.run_at(c) if isinstance(st, CollectiveIndex) else None
+        if run is None:
+            return None
+        this = run.template.signature()
+        if sig is None:
+            sig = this
+        elif this != sig:
+            return None
+        end = min(end, run.last, lim)
+        active += 1
+    return int(end) if active and end != math.inf else None
 
 
 def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]], default: tuple) -> tuple[tuple, str | None]:
@@ -152,7 +179,8 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
                 out.append(cast.position(k, "inside", f"inside since step {e.step} ({e.state}), never finished; "
                                          + last_seen(s), e.step, e.state, e.layer))
             elif e.status == "error":
-                out.append(cast.position(k, "error", f"left it with an error: {e.error}", e.step, e.state, e.layer))
+                out.append(cast.position(k, "error", f"left it with an error: {short_error(e.error)}", e.step, e.state,
+                                         e.layer))
             else:
                 later = s.last_step is not None and e.step is not None and (
                     s.last_step > e.step or s.max_cseq(g) > c)
@@ -171,6 +199,9 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             f"{coll_text(ref)}, at step {start_step} in {ref.state}",
             ranks=positions(), details=[tie_note] if tie_note else [], **where,
         )
+    extra = _extra_collective(cast, g, c, entries, ended_before + skipped)
+    if extra is not None:
+        return Finding.of("collective_mismatch", extra[1], sorted(entries), extra[0], ranks=positions(), **where)
     if (ended_before or no_file or skipped) and open_:
         culprits = sorted(ended_before + no_file + skipped)
         return Finding.of(
@@ -213,6 +244,35 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             ranks=positions(), **where,
         )
     return None
+
+
+def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective],
+                      absent: list[Key]) -> tuple[str, int | None] | None:
+    """A minority issued a collective the majority never issued: the minority's sequence is the odd one.
+
+    Every member with a trace that did not issue (g, c) has a sequence in ``g`` that ends
+    before it, and they outnumber the ones that did: those issued one collective more than
+    the rest (``log_stats`` or ``rearrange()`` called on one rank alone), so they are the
+    culprits, never the ranks that went on without it.
+    """
+    if not entries or len(absent) <= len(entries):
+        return None
+    if any(cast.parts[k].max_cseq(g) >= c for k in absent):
+        return None
+    ref = next(iter(entries.values()))
+    theirs = max(cast.parts[k].max_cseq(g) for k in absent)
+    text = (f"{cast.who(sorted(entries))} issued an extra {coll_text(ref)} at step {ref.step} in {ref.state} that "
+            f"{cast.who(sorted(absent))} never issued: its sequence in group {g} runs to cseq "
+            f"{max(cast.parts[k].max_cseq(g) for k in entries)}, theirs to cseq {theirs}")
+    # where the sequences part: the first cseq the odd rank issued at another step than the others
+    odd, other = cast.parts[sorted(entries)[0]], cast.parts[sorted(absent)[0]]
+    mine_g, theirs_g = odd.collectives.get(g), other.collectives.get(g)
+    for x in range(c):
+        a, b = mine_g.get(x), theirs_g.get(x)
+        if a is not None and b is not None and a.step != b.step:
+            return (text + f"; the sequences part at cseq {x}: {cast.label(sorted(entries)[0])} issued it at step "
+                    f"{a.step}, {cast.label(sorted(absent)[0])} at step {b.step}", a.step)
+    return text, ref.step
 
 
 def _ended_before(s: RankSummary, step: int | None) -> bool:

@@ -25,11 +25,24 @@ KINDS = (
     "step_divergence",        # the same state change happened at different steps
     "collective_mismatch",    # different op/shape at the same (group, cseq), or a rank skipped one
     "hang",                   # a collective started and never ended on some ranks
-    "rank_died",              # a rank's trace stops while the others went on
+    "rank_died",              # a rank's trace stops while the others went on (liveness: no end, silent)
+    "frozen",                 # a rank wrote no alive record for a long time while the others did
+    "crashed",                # a rank ended with an exception that was not a wait timing out
+    "signalled",              # ranks were stopped by a signal before anything else went wrong
+    "lagging",                # alive ranks stalled, some at a lower step: the others wait for them
+    "step_count_mismatch",    # every rank closed in order but their final steps differ
     "failed",                 # a rank ended in the failed state
     "stuck",                  # the watchdog reported no progress and nothing came after
+    # the input itself
+    "world_mismatch",         # --world differs from the world the traces were written with (explains missing ranks)
     "missing_ranks",          # a rank of the world has no trace file
+    "duplicate_rank_file",    # two files claim one rank
+    "swapped_rank_file",      # a file's name says one rank, its records another
+    "out_of_order",           # records out of order by seq
 )
+# liveness causes: ordered by when they happened, ahead of everything they lead to
+PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "signalled", "lagging")
+INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "out_of_order")
 # at the same step the more causal kind is the verdict: a decision taken differently (or at
 # another step) comes before the collectives it leads to, and those before the hang
 _PRIORITY = {k: i for i, k in enumerate(KINDS)}
@@ -67,7 +80,7 @@ class Finding:
         return [tuple(k) for k in self.sessions] or [(r, 0) for r in self.culprits]
 
     def sort_key(self) -> tuple:
-        tier = 0 if self.kind == "config_mismatch" else 2 if self.kind == "missing_ranks" else 1
+        tier = 0 if self.kind == "config_mismatch" else 2 if self.kind in ("missing_ranks",) + INPUT_KINDS else 1
         step = self.step if isinstance(self.step, (int, float)) else math.inf
         return (tier, step, _PRIORITY.get(self.kind, len(KINDS)), self.culprits[:1])
 
@@ -98,6 +111,16 @@ class Report:
     more_findings: int = 0
     handled: list[Finding] = field(default_factory=list)
     scales: list[dict] = field(default_factory=list)     # elastic EP: one entry per scale request
+    consequences: list[str] = field(default_factory=list)  # what followed from the cause (never culprits)
+    aborted: list[dict] = field(default_factory=list)    # every aborted rearrangement, with who was late
+    injected: list[dict] = field(default_factory=list)   # the simulator's fault_injected records (not used)
+    run_id: str | None = None
+
+    @property
+    def verdict_detail(self) -> dict:
+        """The structured verdict: kind, culprit ranks, step, state, reason, consequences."""
+        return {"kind": self.verdict, "culprits": self.culprit_ranks, "step": self.step, "state": self.state,
+                "reason": self.summary, "consequences": self.consequences}
 
     @property
     def healthy(self) -> bool:
@@ -126,6 +149,11 @@ class Report:
             "world": self.world,
             "missing_ranks": self.missing_ranks,
             "scales": self.scales,
+            "verdict_detail": self.verdict_detail,
+            "consequences": self.consequences,
+            "aborted_rearrangements": self.aborted,
+            "injected": self.injected,
+            "run_id": self.run_id,
         }
 
 

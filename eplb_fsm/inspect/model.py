@@ -10,6 +10,7 @@ entries.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -85,12 +86,14 @@ class Collective:
     layer: Any
     seq: int | None
     wave: Any = None
+    parts: Any = None             # what an all-reduce carries (``parts``: e.g. loads, balancedness)
+    ts: Any = None                # when this rank started it
     status: str = "open"          # open | ended | error
     duration_s: float | None = None
     error: str | None = None
 
     def signature(self) -> tuple:
-        """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave."""
+        """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""
         per_rank = _PER_RANK_OPS.get(self.op)
         if per_rank is None:
             per_rank = _PER_RANK_OPS[self.op] = bool(self.op and PER_RANK_SHAPE.search(str(self.op)))
@@ -101,10 +104,101 @@ class Collective:
             shape = tuple(shape) if all(type(d) is int for d in shape) else _freeze(shape)
         elif shape is not None:
             shape = _freeze(shape)
-        return (self.op, shape, self.layer, self.wave)
+        parts = self.parts
+        if type(parts) is list:
+            parts = tuple(parts) if all(type(p) is str for p in parts) else _freeze(parts)
+        elif parts is not None:
+            parts = _freeze(parts)
+        return (self.op, shape, self.layer, self.wave, parts)
 
     def describe(self) -> dict:
         return {"op": self.op, "group": self.group, "cseq": self.cseq, "shape": self.shape, "dtype": self.dtype}
+
+
+class CollRun:
+    """Collectives ``first..last`` of one group that all ended and share one signature (read in bulk).
+
+    A long trace that all-reduces every step (``log_balancedness`` at interval 1) holds one
+    such run per stretch between two other records; keeping it as one object instead of a
+    ``Collective`` per cseq is what keeps the replay of 2M records in seconds. ``template``
+    is the collective at ``first - 1`` (read record by record); cseq ``c`` of the run is it
+    ``c - template.cseq`` steps later.
+    """
+
+    __slots__ = ("first", "last", "template", "steps_per")
+
+    def __init__(self, first: int, last: int, template: Collective, steps_per: int) -> None:
+        self.first, self.last, self.template, self.steps_per = first, last, template, steps_per
+
+    def at(self, c: int) -> Collective:
+        t = self.template
+        step = t.step + (c - t.cseq) * self.steps_per if type(t.step) is int else t.step
+        return Collective(t.op, t.group, c, t.shape, t.dtype, step, t.state, t.layer, None, t.wave, t.parts, None,
+                          "ended", t.duration_s)
+
+
+class CollectiveIndex:
+    """cseq -> ``Collective`` for one group: entries read one by one, plus ``CollRun``s read in bulk.
+
+    Behaves as a read-only mapping (``get``, ``in``, ``[c]``, iteration in cseq order, ``len``);
+    ``max_cseq`` and ``run_at`` answer without visiting every cseq.
+    """
+
+    __slots__ = ("one", "runs")
+
+    def __init__(self) -> None:
+        self.one: dict[int, Collective] = {}
+        self.runs: list[CollRun] = []          # in cseq order, disjoint from ``one``
+
+    def run_at(self, c: int) -> CollRun | None:
+        runs = self.runs
+        if not runs:
+            return None
+        i = bisect.bisect_right(runs, c, key=lambda r: r.first) - 1
+        return runs[i] if i >= 0 and runs[i].last >= c else None
+
+    def get(self, c: Any, default: Any = None) -> Any:
+        e = self.one.get(c)
+        if e is not None:
+            return e
+        run = self.run_at(c) if type(c) is int else None
+        return run.at(c) if run is not None else default
+
+    def __getitem__(self, c: int) -> Collective:
+        e = self.get(c)
+        if e is None:
+            raise KeyError(c)
+        return e
+
+    def __setitem__(self, c: int, e: Collective) -> None:
+        self.one[c] = e
+
+    def __contains__(self, c: Any) -> bool:
+        return c in self.one or (type(c) is int and self.run_at(c) is not None)
+
+    def __iter__(self):
+        keys = list(self.one)
+        for r in self.runs:
+            keys.extend(range(r.first, r.last + 1))
+        return iter(sorted(keys))
+
+    def __len__(self) -> int:
+        return len(self.one) + sum(r.last - r.first + 1 for r in self.runs)
+
+    def __bool__(self) -> bool:
+        return bool(self.one) or bool(self.runs)
+
+    def keys(self):
+        return list(self)
+
+    def items(self):
+        return [(c, self[c]) for c in self]
+
+    def values(self):
+        return [self[c] for c in self]
+
+    def max_cseq(self) -> int:
+        return max(max(self.one, default=-1), self.runs[-1].last if self.runs else -1)
 
 
 @dataclass(frozen=True)
@@ -152,7 +246,7 @@ class RankSummary:
     final_layer: int | None = None
     step_records: int = 0
     transitions: list[Transition] = field(default_factory=list)
-    collectives: dict[str, dict[int, Collective]] = field(default_factory=dict)
+    collectives: dict[str, CollectiveIndex] = field(default_factory=dict)
     illegal: list[dict] = field(default_factory=list)
     events: Counter = field(default_factory=Counter)
     stuck: list[dict] = field(default_factory=list)
@@ -170,15 +264,27 @@ class RankSummary:
     scalings: list[dict] = field(default_factory=list)    # its `scaling` summaries
     scale_aborts: list[dict] = field(default_factory=list)  # its `scale_aborted` records
     scale_requests: list[dict] = field(default_factory=list)  # its scale_requested transitions (who leaves)
+    # issue 12: how the session ended (its ``end`` record), its liveness records, the injector's notes
+    end: dict | None = None                   # compact `end`: how, error, signal, ts, step, state, seq
+    alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on) per `alive` record
+    alive_interval: float | None = None       # the `interval_s` its alive records announce
+    injected: list[dict] = field(default_factory=list)  # `fault_injected` records (simulator only)
+    # (from ts, to ts, step, state): times the session wrote nothing for over ``records.SILENCE_S``
+    silences: list[tuple] = field(default_factory=list)
+    # input problems found while reading, each with the file line: seq going backwards, wrong field types
+    disorder: list[dict] = field(default_factory=list)
     # earlier sessions of the same file that belong to the same job (a rank that left, then
     # a joiner that took its number); filled on the file's last session only
     previous: list["RankSummary"] = field(default_factory=list)
 
     def open_collectives(self) -> list[Collective]:
-        return [c for g in self.collectives.values() for c in g.values() if c.status == "open"]
+        # runs read in bulk only hold ended collectives
+        return [c for g in self.collectives.values() for c in getattr(g, "one", g).values() if c.status == "open"]
 
     def max_cseq(self, group: str) -> int:
         entries = self.collectives.get(group)
+        if isinstance(entries, CollectiveIndex):
+            return entries.max_cseq()
         return max(entries) if entries else -1
 
     def rearrangements(self) -> int:
@@ -209,7 +315,17 @@ class RankSummary:
             "role": self.role,
             "generation": self.generation,
             "left_step": None if self.left is None else self.left.get("step"),
+            "end": self.end,
+            "alive_records": len(self.alive),
+            "last_ts": self.last_ts,
+            "run_id": (self.header or {}).get("run_id"),
         }
+
+    @property
+    def last_ts(self) -> float | None:
+        """When the session wrote its last readable record (its ``ts``)."""
+        ts = (self.last or {}).get("ts")
+        return ts if type(ts) in (int, float) else None
 
     @property
     def ended_on_purpose(self) -> bool:

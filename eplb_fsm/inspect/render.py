@@ -54,6 +54,10 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         first = report.findings[0] if report.findings else None
         for d in (first.details if first else []):
             lines.append(f"  - {d}")
+        followed = [c for c in report.consequences if not any(c.endswith(f.summary) for f in report.findings[1:])]
+        if followed:
+            lines.append(f"  consequences (not culprits) ({len(followed)}):")
+            lines += [f"    {c}" for c in followed[:max_rank_lines]]
         rest = report.findings[1:]
         if rest:
             lines.append(f"  later findings ({len(rest) + report.more_findings}):")
@@ -65,6 +69,13 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         lines.append(f"  handled (every rank aborted that rearrangement with a fault) ({len(report.handled)}):")
         for f in report.handled:
             lines.append(f"    {f.kind} at {_where(f)}: {f.summary}")
+    if report.aborted:
+        lines.append(f"  aborted rearrangements ({len(report.aborted)}):")
+        lines += [f"    {a['text']}" for a in report.aborted[:max_rank_lines]]
+    if report.injected:
+        lines.append("  injected (simulator; not used for the verdict): " + "; ".join(
+            f"{i.get('kind')} on rank {i.get('target_rank', i.get('rank'))} at step {i.get('at_step')}"
+            for i in report.injected))
     if report.scales:
         lines.append(f"  scales ({len(report.scales)}):")
         lines += [f"    {scale_text(n)}" for n in report.scales]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -42,12 +42,15 @@ from eplb_fsm.inspect.elastic import (
     scale_text,
     transition_offsets,
 )
-from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, ranks_text
+from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
+from eplb_fsm.inspect.identity import MixedRuns, assign
+from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
     RankSummary,
     Transition,
+    find_all_trace_files,
     find_trace_files,
     read_records,
     summarize_rank,
@@ -55,7 +58,7 @@ from eplb_fsm.inspect.summary import (
 )
 
 __all__ = [
-    "KINDS", "HEALTHY", "NoTraces", "Finding", "Report", "Loaded", "diagnose", "load_dir", "replay_dir",
+    "KINDS", "HEALTHY", "NoTraces", "MixedRuns", "Finding", "Report", "Loaded", "diagnose", "load_dir", "replay_dir",
     "default_jobs", "ranks_text", "world_groups", "DIED_SLACK_STEPS", "MAX_FINDINGS",
     # stage 1, re-exported
     "Collective", "MachineOracle", "RankSummary", "Transition", "find_trace_files", "read_records",
@@ -74,6 +77,7 @@ class Loaded:
     summaries: dict[int, RankSummary]
     warnings: list[str]
     files: dict[int, str]
+    findings: list[Finding] = field(default_factory=list)   # problems of the files (``identity``)
 
 
 def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[int, RankSummary | None, list[str]]:
@@ -95,9 +99,6 @@ def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[
             warnings.append(f"rank {r}: {bad - 1} more unreadable line(s) in {path.name} skipped")
     elif bad:
         warnings.append(f"rank {r}: {bad} unreadable line(s) in {path.name} skipped")
-    header_rank = (summary.header or {}).get("rank")
-    if header_rank is not None and header_rank != r:
-        warnings.append(f"rank {r}: {path.name} holds records of rank {header_rank}")
     return r, summary, warnings
 
 
@@ -111,18 +112,24 @@ def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, jobs: int = 1) -> Loaded:
+def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, jobs: int = 1,
+             run_id: str | None = None) -> Loaded:
     """Read and summarise every rank file of ``logdir``.
 
     ``jobs > 1`` spreads the files over that many worker processes (``0``: one per CPU,
-    at most 8); each process holds one file's records at a time either way.
+    at most 8); each process holds one file's records at a time either way. Files of
+    different runs are refused (``identity.MixedRuns``) unless ``run_id`` picks one; files
+    that claim one rank, or carry another rank's records, become findings (``identity``).
     """
+    if type(jobs) is not int or jobs < 0:
+        raise ValueError(f"jobs must be an integer >= 1 (or 0: one per CPU), got {jobs!r}")
     logdir = Path(logdir)
     if not logdir.is_dir():
         raise NoTraces(f"{logdir} is not a directory")
-    files = find_trace_files(logdir)
-    if not files:
+    found = find_all_trace_files(logdir)
+    if not found:
         raise NoTraces(f"no rank*.jsonl trace files in {logdir}")
+    files = found
     jobs = default_jobs() if jobs == 0 else max(1, int(jobs))
     jobs = min(jobs, len(files))
     oracle = oracle or MachineOracle()
@@ -134,24 +141,25 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_load_one_unpacked, files.items(), chunksize=max(1, len(files) // (4 * jobs))))
+            results = list(pool.map(_load_one_unpacked, files, chunksize=max(1, len(files) // (4 * jobs))))
     else:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            results = [_load_one(r, path, oracle) for r, path in files.items()]
+            results = [_load_one(r, path, oracle) for r, path in files]
         finally:
             if enabled:
                 gc.enable()
-    summaries: dict[int, RankSummary] = {}
+    readable = []
     warnings: list[str] = []
-    for r, summary, notes in results:
+    for (r, path), (_, summary, notes) in zip(files, results):
         warnings += notes
         if summary is not None:
-            summaries[r] = summary
-    if not summaries:
+            readable.append((r, path, summary))
+    if not readable:
         raise NoTraces(f"no readable records in the trace files of {logdir}")
-    return Loaded(summaries, warnings, {r: str(p) for r, p in files.items()})
+    summaries, paths, findings = assign(readable, run_id)
+    return Loaded(summaries, warnings, paths, findings)
 
 
 def _as_summaries(traces: Any, oracle: MachineOracle) -> dict[int, RankSummary]:
@@ -172,14 +180,20 @@ def diagnose(
     world: int | None = None,
     warnings: Iterable[str] = (),
     oracle: MachineOracle | None = None,
+    input_findings: Iterable[Finding] = (),
 ) -> Report:
     """The replay verdict over already-loaded traces (rank -> records, or summaries).
 
     ``world`` overrides the world size read from the records (ranks ``0..world-1`` are
     expected in the first generation). The findings are sorted by step (configuration
     problems first, missing ranks last; at equal steps the more causal kind first) and the
-    first is the verdict.
+    first is the verdict. A cause the liveness records show (a rank that died, froze,
+    crashed or lagged; ``liveness``) comes before everything it led to, and the ranks that
+    only reacted to it are listed as consequences, never as culprits. ``input_findings``:
+    problems of the files themselves found while reading them (``load_dir``).
     """
+    if world is not None and (type(world) is not int or world < 1):
+        raise ValueError(f"world must be an integer >= 1, got {world!r}")
     oracle = oracle or MachineOracle()
     summaries = _as_summaries(traces, oracle)
     warnings = list(warnings)
@@ -208,9 +222,15 @@ def diagnose(
     findings += coll
     # a participant whose trace stops inside or before a hang is reported as that hang's culprit
     hang_culprits = {k for f in coll if f.kind == "hang" for k in f.keys()}
-    findings += check_ends(cast, hang_culprits)
+    live = check_liveness(cast)
+    died = {k for f in live.findings if f.kind == "rank_died" for k in f.keys()}
+    findings += check_ends(cast, hang_culprits | died)
+    findings += step_count_mismatch(cast)
     findings += check_failed(cast)
     findings += check_stuck(cast)
+    findings += list(input_findings)
+    findings += _disorder(cast)
+    findings += _world_mismatch(cast, world, summaries)
     missing = sorted(cast.missing)
     if missing:
         findings.append(Finding.of(
@@ -221,6 +241,11 @@ def diagnose(
             ranks=[cast.position(k, "no_trace", "no trace file") for k in missing],
         ))
     findings.sort(key=Finding.sort_key)
+    # cause first: a configuration that differs, then what the liveness records show, then the rest
+    config = [f for f in findings if f.kind == "config_mismatch"]
+    rest = [f for f in findings if f.kind != "config_mismatch"]
+    causes = [f for f in live.findings if not _died_waiting(f, rest, cast)]
+    findings = config + [_with_collective(f, rest) for f in causes] + rest
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):
@@ -233,15 +258,97 @@ def diagnose(
     illegal = [dict(i, session=k[1]) if k[1] else i for k, s in cast.parts.items() for i in s.illegal]
     ranks = [s.to_dict() for s in cast.parts.values()]
     missing_ranks = sorted({k[0] for k in missing})
+    aborted = aborted_rearrangements(cast, handled, live.findings)
+    injected = [dict(i, rank=k[0]) for k, s in cast.parts.items() for i in s.injected]
+    run_ids = sorted({str(s.header.get("run_id")) for s in cast.parts.values() if s.header and s.header.get("run_id")})
+    extra = dict(aborted=aborted, injected=injected, run_id=run_ids[0] if len(run_ids) == 1 else None)
     if findings:
         f = findings[0]
+        # what happened to the other ranks afterwards; the verdict's culprits are not their own consequence
+        consequences = [text for k, text in live.consequences if k[0] not in f.culprits] + [
+            f"{g.kind}: {g.summary}" for g in findings[1:]
+                                            if g.kind not in ("missing_ranks",)]
         return Report(f.kind, f.summary, f.culprits, f.step, f.state, f.layer, f.collective, f.ranks,
-                      findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales)
-    return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled), [], None, None, None, None, [], [],
-                  illegal, ranks, warnings, world, missing_ranks, 0, handled, scales)
+                      findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales,
+                      consequences=consequences, **extra)
+    return Report(HEALTHY, _healthy_summary(cast, summaries, scales, handled, aborted), [], None, None, None, None,
+                  [], [], illegal, ranks, warnings, world, missing_ranks, 0, handled, scales, **extra)
 
 
-def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict], handled: list[Finding]) -> str:
+def _died_waiting(cause: Finding, rest: list[Finding], cast) -> bool:
+    """A rank that died inside a collective another member never joined (gloo aborts a process
+    whose peer issued a different collective) died of that hang: the hang's culprit is the cause.
+    The death becomes the hang's first detail; True when it was folded so."""
+    if cause.kind != "rank_died":
+        return False
+    opened = {(c.group, c.cseq) for k in cause.keys() if k in cast.parts for c in cast.parts[k].open_collectives()}
+    for f in rest:
+        if f.kind in ("hang", "collective_mismatch") and f.collective and not set(f.culprits) & set(cause.culprits) \
+                and (f.collective.get("group"), f.collective.get("cseq")) in opened:
+            f.details.insert(0, f"{cause.summary} (inside this collective, which the culprit never joined)")
+            return True
+    return False
+
+
+def _with_collective(cause: Finding, rest: list[Finding]) -> Finding:
+    """A death the collectives show too (the rank never joined one the others waited in) is told
+    by that collective finding, richer (op, group, cseq, who waited), with the death as its first
+    detail; the collective finding leaves ``rest``. Any other cause stays as it is."""
+    if cause.kind != "rank_died" or type(cause.step) is not int:
+        return cause
+    for f in rest:
+        if f.kind in ("hang", "collective_mismatch") and f.culprits == cause.culprits and type(f.step) is int \
+                and cause.step - 2 <= f.step <= cause.step + 2:
+            rest.remove(f)
+            f.details.insert(0, cause.summary)
+            return f
+    return cause
+
+
+def _disorder(cast) -> list[Finding]:
+    """Records out of order by ``seq``: one finding per participant, with file and line."""
+    found = []
+    for k, s in cast.parts.items():
+        if not s.disorder:
+            continue
+        d = s.disorder[0]
+        more = f" ({len(s.disorder) - 1} more)" if len(s.disorder) > 1 else ""
+        found.append(Finding.of(
+            "out_of_order", None, [k],
+            f"{d['where']}: {cast.label(k)}'s record {d['event']} has seq {d['seq']} where seq {d['expected']} "
+            f"was due: records out of order{more}",
+            ranks=[cast.position(k, "out_of_order", f"{x['where']}: seq {x['seq']}, expected {x['expected']}")
+                   for x in s.disorder[:5]],
+        ))
+    return found
+
+
+def _world_mismatch(cast, world: int | None, summaries: dict[int, RankSummary]) -> list[Finding]:
+    """``--world`` given and different from the world the first ranks' headers were written with."""
+    if world is None:
+        return []
+    by_world: dict[Any, list] = {}
+    for r, s in summaries.items():
+        first = s.previous[0] if s.previous else s
+        w = (first.header or {}).get("world", first.world)
+        if type(w) is int:
+            by_world.setdefault(w, []).append((r, 0))
+    if not by_world:
+        return []
+    traced = majority(by_world)
+    if traced == world:
+        return []
+    outside = sorted(r for r in summaries if r >= world)
+    return [Finding.of(
+        "world_mismatch", None, by_world[traced],
+        f"--world {world} was given but the traces were written by a world of {traced} "
+        f"(rank files {ranks_text(summaries)})"
+        + (f"; rank files {ranks_text(outside)} lie outside --world" if outside else ""),
+    )]
+
+
+def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict], handled: list[Finding],
+                     rollbacks: list[dict] = ()) -> str:
     parts = cast.parts.values()
     n_records = sum(s.records for s in parts)
     steps = [s.last_step for s in parts if isinstance(s.last_step, int)]
@@ -260,14 +367,21 @@ def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict]
             summary += "; " + "; ".join("scale " + scale_text(n) for n in aborted)
     if handled:
         summary += f" ({len(handled)} collective failure(s) handled by a fault on every rank)"
+    if rollbacks:
+        summary += f"; {len(rollbacks)} aborted rearrangement(s): " + "; ".join(a["text"] for a in rollbacks[:3])
     return summary
 
 
-def replay_dir(logdir: str | os.PathLike, world: int | None = None, jobs: int = 1) -> Report:
-    """Read every rank's trace in ``logdir`` and diagnose; raises NoTraces on unusable input.
+def replay_dir(logdir: str | os.PathLike, world: int | None = None, jobs: int = 1,
+               run_id: str | None = None) -> Report:
+    """Read every rank's trace in ``logdir`` and diagnose; raises NoTraces on unusable input
+    (``identity.MixedRuns`` when the folder holds several runs and ``run_id`` picks none).
 
     ``jobs``: worker processes for reading (1: in this process; 0: one per CPU).
     """
+    if world is not None and (type(world) is not int or world < 1):
+        raise ValueError(f"world must be an integer >= 1, got {world!r}")
     oracle = MachineOracle()
-    loaded = load_dir(logdir, oracle, jobs=jobs)
-    return diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle)
+    loaded = load_dir(logdir, oracle, jobs=jobs, run_id=run_id)
+    return diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle,
+                    input_findings=loaded.findings)

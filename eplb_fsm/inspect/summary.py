@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
+from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.walker import parse_line, Walker
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
-    "summarize_rank", "summarize_text", "find_trace_files", "read_records",
+    "summarize_rank", "summarize_text", "find_trace_files", "find_all_trace_files", "read_records",
 ]
 
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
@@ -58,8 +59,9 @@ def summarize_rank(
     w = Walker(rank, oracle, path, bad_lines, truncated)
     last = None
     mux = None
-    for rec in records:
+    for n, rec in enumerate(records):
         last = rec
+        w.line = n + 1
         if mux is not None:
             mux.feed(rec)
             continue
@@ -148,10 +150,18 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     step lines between two of them is matched, in C, against the exact form of a compact
     step record stamped with the replayed state. A run that does not match (another
     state, a ``due`` flag, extra fields, a blank or broken line) is parsed and replayed
-    line by line.
+    line by line. Stretches where one unit of records repeats every step (a step and an
+    all-reduce's start and end) are checked in bulk without parsing them (``bulk``).
     """
     lines = text.split("\n")
-    other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
+    stretches = periodic_stretches(text, len(lines))
+    if stretches:
+        other, pos = [], 0
+        for b_start, b_end, _ in stretches + [(len(lines), len(lines), 0)]:
+            other += [i for i in range(pos, b_start) if '"event":"step"' not in lines[i] and lines[i].strip()]
+            pos = b_end
+    else:
+        other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
     try:
         parsed: list = json.loads("[" + ",".join([lines[i] for i in other]) + "]") if other else []
         if not all(type(r) is dict for r in parsed):
@@ -163,9 +173,23 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     bad = 0
     prev = -1
     mux = None
+    pending = iter(stretches)
+    stretch = next(pending, None)
+
+    def feed_stretch(b_start: int, b_end: int, period: int) -> int:
+        lost = _feed_run(w, lines, prev + 1, b_start) if b_start > prev + 1 else 0
+        if not feed_units(w, lines, b_start, b_end, period, parse_line):
+            lost += _feed_run(w, lines, b_start, b_end)
+        return lost
+
     for i, rec in zip(other, parsed):
+        while stretch is not None and stretch[0] < i:
+            bad += feed_stretch(*stretch)
+            prev = stretch[1] - 1
+            stretch = next(pending, None)
         if i > prev + 1:
             bad += _feed_run(w, lines, prev + 1, i)
+        w.line = i + 1
         if rec is None:
             bad += 1
         elif _interleaves(w, rec):  # two sessions write at once from here: route line by line
@@ -181,6 +205,10 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         else:
             w.record(rec)
         prev = i
+    while mux is None and stretch is not None:
+        bad += feed_stretch(*stretch)
+        prev = stretch[1] - 1
+        stretch = next(pending, None)
     if mux is None and prev + 1 < len(lines):
         bad += _feed_run(w, lines, prev + 1, len(lines))
     last, last_bad = _ends(text)
@@ -200,20 +228,48 @@ def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
         return 0
     if w.state is not None:
         run = "\n".join(lines[start:end]) + "\n"
-        if _step_run(w.state).fullmatch(run) is not None and w.plain_steps(end - start):
+        if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
+                and w.plain_steps(end - start):
+            w.saw_line(lines[start])
+            w.saw_line(lines[end - 1])
             if w.first is None:
                 w.first = parse_line(lines[start])
             w.last, w.last_line = None, lines[end - 1]
             return 0
     bad = 0
-    for line in lines[start:end]:
+    for n, line in enumerate(lines[start:end], start + 1):
         if line.strip():
             rec = parse_line(line)
             if rec is None:
                 bad += 1
             else:
+                w.line = n
                 w.record(rec)
     return bad
+
+
+_SEQ = re.compile(r'"seq":(\d+)')
+
+
+def _seqs_follow(w: Walker, run: str, count: int, first_line: int) -> bool:
+    """The run's ``seq`` values go up by one from what the session's next record must carry.
+
+    When they do not, a step back (lines out of order) is recorded with its line; the
+    caller replays the run line by line (which counts lost lines at the next other record).
+    """
+    seqs = list(map(int, _SEQ.findall(run)))
+    first = w.next_seq()
+    if first is None:
+        first = seqs[0]
+    if seqs == list(range(first, first + count)):
+        return True
+    for j in range(1, len(seqs)):
+        if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
+            w.line = first_line + j
+            w.s.disorder.append({"where": w.where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
+                                 "event": "step"})
+            break
+    return False
 
 
 def _ends(text: str) -> tuple[dict | None, bool]:
@@ -239,13 +295,24 @@ def _ends(text: str) -> tuple[dict | None, bool]:
 # reading files
 
 
-def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
-    """rank -> path for every ``rank<N>.jsonl`` in ``logdir``."""
-    found = {}
+def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(rank, path) for every ``rank<N>.jsonl`` in ``logdir``, sorted; two names may claim one rank
+    (``rank2.jsonl`` and ``rank00002.jsonl``)."""
+    found = []
     for path in Path(logdir).iterdir():
         m = _TRACE_NAME.match(path.name)
         if m and path.is_file():
-            found[int(m.group(1))] = path
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
+    """rank -> path for every ``rank<N>.jsonl`` in ``logdir`` (of two names for one rank, the
+    writer's zero-padded one)."""
+    found: dict[int, Path] = {}
+    for r, path in find_all_trace_files(logdir):
+        if r not in found or path.name == f"rank{r:05d}.jsonl":
+            found[r] = path
     return dict(sorted(found.items()))
 
 

@@ -17,7 +17,6 @@ the earlier runs are dropped with a warning.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from eplb_fsm.fsm.machine import COMMITTING, EVENT_DATA, TRANSFERRING
@@ -25,34 +24,27 @@ from eplb_fsm.inspect.model import (
     SCALE_TRIGGERS,
     WORLD_GROUP,
     Collective,
+    CollectiveIndex,
     MachineOracle,
     RankSummary,
     Transition,
     compact_record,
 )
-
-# what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
-_SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
-                "old_rank", "new_rank", "old_world", "new_world")
-_SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
-                 "reason", "degraded", "lost_experts")
-_ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
-_REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
-
-
-def _start_from_header(w: "Walker", header: dict) -> None:
-    """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
-    if header.get("role") == "joiner":
-        w.s.role = "joiner"
-        gen = header.get("generation")
-        w.s.generation = gen if type(gen) is int else 0
-    machine = header.get("machine")
-    if isinstance(machine, dict) and isinstance(machine.get("state"), str):
-        w.state = machine["state"]
-        w.pending = bool(machine.get("scale_pending", False))
-        if type(machine.get("layer")) is int:
-            w.layer = machine["layer"]
-
+from eplb_fsm.inspect.records import (
+    COLLECTIVE_EVENTS,
+    LINE_HEAD,
+    OWN_STATE,
+    REQUEST_KEYS,
+    SILENCE_S,
+    TYPED_KEYS,
+    TYPES_OK,
+    TYPE_NAMES,
+    keep_record,
+    parse_line,
+    start_from_header,
+    wrong_fields,
+)
+from eplb_fsm.inspect.seqcheck import SeqCheck
 
 class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
@@ -68,6 +60,7 @@ class Walker:
         # the last record fed (or, after a bulk run of step lines, the run's last line, parsed on demand)
         self.last: dict | None = None
         self.last_line: str | None = None
+        self.line: int | None = None       # the file line of the record being fed (the driver sets it)
         self._begin()
 
     def _begin(self) -> None:
@@ -87,10 +80,9 @@ class Walker:
         self._mismatch_example = None
         self._warned_layers = False
         # lost lines: seq must advance by one per record (checked at every non-step record)
-        self._prev_seq: int | None = None
-        self._steps_at_prev = 0
-        self._lost = 0
-        self._lost_between: tuple[int, int] | None = None
+        self.seqs = SeqCheck()
+        self.s.disorder = self.seqs.disorder
+        self._seen: tuple | None = None    # (ts, step, state) of the last record whose time was seen
 
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
@@ -124,7 +116,7 @@ class Walker:
             "replayed_state": replayed, "layer": rec.get("layer", self.layer), "reason": reason,
         })
 
-    def _steps_keep_state(self, due: Any) -> bool:
+    def steps_keep_state(self, due: Any) -> bool:
         key = (self.state, self.layer, self.pending, due)
         ok = self._step_ok.get(key)
         if ok is None:
@@ -141,9 +133,7 @@ class Walker:
 
     def next_seq(self) -> int | None:
         """The ``seq`` this session's next record will carry (None before any)."""
-        if self._prev_seq is None:
-            return None
-        return self._prev_seq + 1 + self.n_steps - self._steps_at_prev
+        return self.seqs.next_seq(self.n_steps)
 
     def last_record(self) -> dict | None:
         return self.last if self.last is not None else parse_line(self.last_line or "")
@@ -155,12 +145,36 @@ class Walker:
         if self.state is None:
             return False
         if not self.plain_ok:
-            if not self._steps_keep_state(False):
+            if not self.steps_keep_state(False):
                 return False
             self.plain_ok = True
         self.n_steps += count
         self.records += count
         return True
+
+    def saw(self, ts, step, state) -> None:
+        """A record written at ``ts``: a silence longer than ``SILENCE_S`` before it is kept (a frozen
+        process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
+        if type(ts) is not float and type(ts) is not int:
+            return
+        before = self._seen
+        if before is not None and ts - before[0] > SILENCE_S and len(self.s.silences) < 100:
+            self.s.silences.append((before[0], ts, before[1], before[2]))
+        self._seen = (ts, step, state)
+
+    def saw_line(self, line: str) -> None:
+        """``saw`` for a line read in bulk (its ts, step and state found without parsing it)."""
+        m = LINE_HEAD.match(line)
+        if m is not None:
+            self.saw(float(m.group(1)), int(m.group(3)), m.group(2))
+
+    def took_bulk(self, records: int, steps: int, last_seq: int, last_line: str) -> None:
+        """Account a stretch read in bulk (``bulk.feed_units``): ``records`` lines, ``steps`` of them
+        step records, the last carrying ``last_seq``."""
+        self.n_steps += steps
+        self.records += records
+        self.seqs.skip_to(last_seq, self.n_steps)
+        self.last, self.last_line = None, last_line
 
     def step_record(self, rec: dict) -> None:
         self.records += 1
@@ -174,14 +188,39 @@ class Walker:
             self._illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
             self.state = st
             self.plain_ok = False
-        ok = self._steps_keep_state(due)
+        ok = self.steps_keep_state(due)
         if not ok:
             self._illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
         self.plain_ok = ok and not due
         self.n_steps += 1
 
+    def _check_seq(self, rec: dict, ev: Any) -> bool:
+        """``seq`` must advance by one per record (``SeqCheck``); disorder goes to the summary."""
+        return self.seqs.check(rec.get("seq"), self.n_steps, self._locate, ev)
+
+    def _locate(self) -> tuple[str, int | None]:
+        return self.where(), self.line
+
+    def where(self) -> str:
+        name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
+        return f"{name}:{self.line}" if self.line is not None else name
+
     def record(self, rec: dict) -> None:
+        seen = tuple(map(type, map(rec.get, TYPED_KEYS)))
+        wrong = () if seen in TYPES_OK else wrong_fields(rec, seen)
+        if wrong:
+            # a well-formed record with a field of the wrong type: warn with file and line, drop the field
+            self.s.warnings.append(f"{self.where()}: " + ", ".join(
+                f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {TYPE_NAMES[k]}" for k in wrong)
+                + "; the field is ignored")
+            rec = {k: v for k, v in rec.items() if k not in wrong}
+        ts = rec.get("ts")
+        seen = self._seen
+        if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
+            self._seen = (ts, rec.get("step"), rec.get("state"))   # the common case, inline
+        else:
+            self.saw(ts, rec.get("step"), rec.get("state"))
         ev = rec.get("event")
         if ev == "step":
             self.last = rec
@@ -194,16 +233,11 @@ class Walker:
         self.plain_ok = False
         if self.first is None and ev != "header":
             self.first = rec
-        seq = rec.get("seq")
-        if type(seq) is int:
-            if self._prev_seq is not None:
-                expected = self._prev_seq + 1 + self.n_steps - self._steps_at_prev
-                if seq > expected:
-                    self._lost += seq - expected
-                    if self._lost_between is None:
-                        self._lost_between = (self._prev_seq, seq)
-            self._prev_seq = seq
-            self._steps_at_prev = self.n_steps
+        seq, seqs = rec.get("seq"), self.seqs
+        if seqs.jump is None and seqs.prev is not None and seq == seqs.prev + 1 + self.n_steps - seqs.steps_at_prev:
+            seqs.prev, seqs.steps_at_prev = seq, self.n_steps   # in order: the common case, inline
+        else:
+            self._check_seq(rec, ev)
         s = self.s
         s.events[ev] += 1
         if self.world is None and "world" in rec:
@@ -216,19 +250,24 @@ class Walker:
         st = rec.get("state")
         if self.state is None:
             self.state = st
-        elif st is not None and st != self.state and ev != "header" and ev != "stuck":
+        elif st is not None and st != self.state and ev not in OWN_STATE:
             self._mismatch += 1
             if self._mismatch_example is None:
                 self._mismatch_example = (rec.get("seq"), ev, st, self.state)
 
-        if ev == "collective_start":
+        if ev in COLLECTIVE_EVENTS and type(rec.get("cseq")) is not int:
+            s.warnings.append(f"{self.where()}: {ev} without an integer cseq; not matched across ranks")
+        elif ev == "collective_start":
             group = str(rec.get("group", WORLD_GROUP))
             cseq = rec.get("cseq")
-            entries = s.collectives.setdefault(group, {})
+            entries = s.collectives.get(group)
+            if entries is None:
+                entries = s.collectives[group] = CollectiveIndex()
             if cseq in entries:
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
             entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
-                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"))
+                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"),
+                                       rec.get("parts"), rec.get("ts"))
         elif ev == "collective_end" or ev == "collective_error":
             group = str(rec.get("group", WORLD_GROUP))
             entry = s.collectives.get(group, {}).get(rec.get("cseq"))
@@ -252,27 +291,13 @@ class Walker:
                 nl = rec.get("num_layers", cfg.get("num_layers"))
                 if self.num_layers is None and isinstance(nl, int):
                     self.num_layers = nl
-                _start_from_header(self, rec)
+                start_from_header(self, rec)
             if not self.rank_given and s.rank < 0 and "rank" in rec:
                 s.rank = int(rec["rank"])
-        elif ev == "group_switch":
-            switch = {k: rec.get(k) for k in _SWITCH_KEYS}
-            s.switches.append(switch)
-            if rec.get("role") == "leaving" or (rec.get("new_rank") == -1 and rec.get("new_group") is None):
-                s.left = switch
-        elif ev == "scaling":
-            s.scalings.append({k: rec.get(k) for k in _SCALING_KEYS})
-        elif ev == "scale_aborted":
-            s.scale_aborts.append({k: rec.get(k) for k in _ABORT_KEYS})
-        elif ev == "transfer_group_reset" and rec.get("group") is not None:
-            s.named_groups.add(str(rec["group"]))
         elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
             self.num_layers = rec["num_layers"]
-        elif ev == "stuck":
-            s.stuck.append(compact_record(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
-            s.progress_after_stuck = False
-        elif ev == "fault":
-            s.faults.append(compact_record(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+        else:
+            keep_record(s, ev, rec, st)
 
     def _transition(self, rec: dict) -> None:
         s = self.s
@@ -339,7 +364,7 @@ class Walker:
             if trig == "fault":
                 s.faults.append(compact_record(rec))
             elif trig == "scale_requested":
-                s.scale_requests.append({k: rec.get(k) for k in _REQUEST_KEYS})
+                s.scale_requests.append({k: rec.get(k) for k in REQUEST_KEYS})
             s.progress_after_stuck = True
 
     def result(self, last: dict | None) -> RankSummary:
@@ -361,13 +386,11 @@ class Walker:
         s.first_step = first.get("step") if first is not None else None
         if last is not None:
             s.last = compact_record(last)
-            s.last_step = last.get("step")
+            step = last.get("step")
+            s.last_step = step if type(step) is int else None
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
-        if self._lost:
-            a, b = self._lost_between
-            s.warnings.append(f"{self._lost} record(s) missing by seq (lost lines), the first between seq {a} "
-                              f"and seq {b}")
+        s.warnings += self.seqs.warnings()
         if self._mismatch:
             seq, ev, st, rep = self._mismatch_example
             s.warnings.append(
@@ -375,11 +398,3 @@ class Walker:
                 f"(first: seq {seq} {ev} says {st!r}, replay is in {rep!r})"
             )
         return s
-
-
-def parse_line(line: str) -> dict | None:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    return rec if type(rec) is dict else None

@@ -1,0 +1,102 @@
+"""Which files make one run: run ids, files that claim the same rank, files named for another rank.
+
+``assign(loaded)`` takes every ``rank<N>.jsonl`` read from a folder, each with its summary,
+and decides what the replay works on:
+
+- **run id**: every rank of a run writes the run id agreed at construction in its header
+  (``run_id``). Files of different runs (or files with a run id next to files without one)
+  are refused with ``MixedRuns``, naming which files belong to which run, unless one run is
+  chosen (``run_id=``).
+- **swapped**: a file whose records carry another rank than its name (a renamed or swapped
+  file) is a ``swapped_rank_file`` finding; when the ranks the records carry are distinct
+  across files, the replay keys each file by them (so the culprit named is the real rank).
+- **duplicate**: two files that claim one rank (``rank2.jsonl`` and ``rank00002.jsonl``)
+  are a ``duplicate_rank_file`` finding; the replay keeps the writer's zero-padded name, or
+  the one whose records carry that rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eplb_fsm.inspect.findings import Finding, NoTraces, ranks_text
+from eplb_fsm.inspect.model import RankSummary
+
+NO_RUN_ID = "(no run id)"
+
+
+class MixedRuns(NoTraces):
+    """The folder holds the traces of more than one run; the message says which files belong to which."""
+
+
+def run_id_of(s: RankSummary) -> str | None:
+    """The run id in the header of the file's first session (a joiner's later session shares the file)."""
+    first = s.previous[0] if s.previous else s
+    rid = (first.header or {}).get("run_id")
+    return str(rid) if rid is not None else None
+
+
+def _header_rank(s: RankSummary) -> int | None:
+    first = s.previous[0] if s.previous else s
+    r = (first.header or {}).get("rank")
+    return r if type(r) is int else None
+
+
+def _names(paths: list[Path], limit: int = 4) -> str:
+    names = [p.name for p in paths]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = None
+           ) -> tuple[dict[int, RankSummary], dict[int, str], list[Finding]]:
+    """(rank -> summary, rank -> file, findings about the files); raises ``MixedRuns``."""
+    runs: dict[str, list[tuple[int, Path, RankSummary]]] = {}
+    for item in loaded:
+        runs.setdefault(run_id_of(item[2]) or NO_RUN_ID, []).append(item)
+    if run_id is not None:
+        if run_id not in runs:
+            raise NoTraces(f"no trace of run {run_id!r}; the folder holds " + _runs_text(runs))
+        loaded = runs[run_id]
+    elif len(runs) > 1:
+        raise MixedRuns("the folder holds the traces of " + str(len(runs)) + " runs, replay one at a time "
+                        "(--run-id ID): " + _runs_text(runs))
+    findings: list[Finding] = []
+    claimed = [_header_rank(s) for _, _, s in loaded]
+    swapped = [(r, p, h) for (r, p, _), h in zip(loaded, claimed) if h is not None and h != r]
+    by_records = len(swapped) > 0 and len({h if h is not None else r for (r, _, _), h in zip(loaded, claimed)}) \
+        == len(loaded)
+    if swapped:
+        findings.append(Finding.of(
+            "swapped_rank_file", None,
+            [(h, 0) for _, _, h in swapped] if by_records else [(r, 0) for r, _, _ in swapped],
+            "; ".join(f"{p.name} holds the records of rank {h}" for _, p, h in swapped)
+            + (": files renamed or swapped; replayed by the rank the records carry" if by_records else
+               ": files renamed or swapped; the ranks the records carry collide, replayed by the file names"),
+        ))
+    by_rank: dict[int, list[tuple[Path, RankSummary]]] = {}
+    for (r, p, s), h in zip(loaded, claimed):
+        key = h if by_records and h is not None else r
+        by_rank.setdefault(key, []).append((p, s))
+    summaries: dict[int, RankSummary] = {}
+    files: dict[int, str] = {}
+    for r, items in sorted(by_rank.items()):
+        keep = min(items, key=lambda it: (it[0].name != f"rank{r:05d}.jsonl", _header_rank(it[1]) != r,
+                                          it[0].name))
+        if len(items) > 1:
+            findings.append(Finding.of(
+                "duplicate_rank_file", None, [(r, 0)],
+                f"{len(items)} files claim rank {r}: " + "; ".join(
+                    f"{p.name} ({s.records} records, last step {s.last_step}, run {run_id_of(s) or NO_RUN_ID})"
+                    for p, s in items) + f"; replayed {keep[0].name}",
+            ))
+        s = keep[1]
+        for part in list(s.previous) + [s]:
+            part.rank = r
+        summaries[r] = s
+        files[r] = str(keep[0])
+    return summaries, files, findings
+
+
+def _runs_text(runs: dict[str, list[tuple[int, Path, RankSummary]]]) -> str:
+    return "; ".join(f"run {rid}: rank files {ranks_text(r for r, _, _ in items)} ({_names([p for _, p, _ in items])})"
+                     for rid, items in sorted(runs.items(), key=lambda kv: min(r for r, _, _ in kv[1])))

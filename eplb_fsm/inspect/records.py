@@ -1,0 +1,110 @@
+"""What the replay keeps of each kind of record, and the field types it relies on.
+
+``keep_record`` files the records that do not move the replayed machine (elastic-EP
+records, watchdog reports, liveness and endings, faults) into the session's
+``RankSummary``; ``wrong_fields`` tells a record whose fields have the wrong type (a
+warning with file and line, never a traceback); ``start_from_header`` sets where a
+joiner's machine starts. ``walker.Walker`` uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+from eplb_fsm.inspect.model import RankSummary, compact_record
+
+if TYPE_CHECKING:
+    from eplb_fsm.inspect.walker import Walker
+
+# silences longer than this between two records of a rank are kept (liveness judges them)
+SILENCE_S = 2.0
+# ts, state and step of a line as the trace writer lays it out (read without parsing the line)
+LINE_HEAD = re.compile(r'\{"ts":(-?[0-9.eE+-]+),"rank":-?\d+,"world":\d+,"event":"[^"]*","state":"([^"]*)",'
+                       r'"step":(-?\d+),')
+
+# what a summary keeps of the elastic-EP records (docs/events.md, "Elastic EP")
+_SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
+                "old_rank", "new_rank", "old_world", "new_world")
+_SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
+                 "reason", "degraded", "lost_experts")
+_ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
+COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
+_END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
+_INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
+# records stamped with their own view of the state: a header, a watchdog report, the liveness
+# thread (which can read the state while a transition is being written)
+OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
+# the types the replay relies on; a record with another type in one of these is warned about
+_NUM = (int, float)
+_FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
+                ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
+                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)))
+TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
+TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
+
+
+def wrong_fields(rec: dict, seen: tuple) -> list[str]:
+    wrong = [k for (k, types), t in zip(_FIELD_TYPES, seen) if t is not type(None) and t not in types]
+    if not wrong:
+        TYPES_OK.add(seen)
+    return wrong
+
+
+TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
+                              for t in types if not (t is int and float in types))
+               for k, types in _FIELD_TYPES}
+REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
+
+
+def start_from_header(w: "Walker", header: dict) -> None:
+    """A joiner's header says where its machine starts (``machine``: scaling, scale pending)."""
+    if header.get("role") == "joiner":
+        w.s.role = "joiner"
+        gen = header.get("generation")
+        w.s.generation = gen if type(gen) is int else 0
+    machine = header.get("machine")
+    if isinstance(machine, dict) and isinstance(machine.get("state"), str):
+        w.state = machine["state"]
+        w.pending = bool(machine.get("scale_pending", False))
+        if type(machine.get("layer")) is int:
+            w.layer = machine["layer"]
+
+
+def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
+    """Keep what the cross-rank stage needs of a record that does not move the replayed machine."""
+    if ev == "group_switch":
+        switch = {k: rec.get(k) for k in _SWITCH_KEYS}
+        s.switches.append(switch)
+        if rec.get("role") == "leaving" or (rec.get("new_rank") == -1 and rec.get("new_group") is None):
+            s.left = switch
+    elif ev == "scaling":
+        s.scalings.append({k: rec.get(k) for k in _SCALING_KEYS})
+    elif ev == "scale_aborted":
+        s.scale_aborts.append({k: rec.get(k) for k in _ABORT_KEYS})
+    elif ev == "transfer_group_reset" and rec.get("group") is not None:
+        s.named_groups.add(str(rec["group"]))
+    elif ev == "stuck":
+        s.stuck.append(compact_record(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
+        s.progress_after_stuck = False
+    elif ev == "alive":
+        waiting = rec.get("waiting_on")
+        s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None))
+        iv = rec.get("interval_s")
+        if type(iv) in (int, float) and iv > 0:
+            s.alive_interval = float(iv)
+    elif ev == "end":
+        s.end = {k: rec.get(k) for k in _END_KEYS if k in rec}
+    elif ev == "fault_injected":
+        s.injected.append({k: rec.get(k) for k in _INJECTED_KEYS if k in rec})
+    elif ev == "fault":
+        s.faults.append(compact_record(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+
+
+def parse_line(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if type(rec) is dict else None

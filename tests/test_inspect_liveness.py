@@ -1,0 +1,333 @@
+"""Replay's verdicts from the liveness records (``end``, ``alive``) on small hand-written JSONL traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eplb_fsm.cli import main
+from eplb_fsm.inspect import liveness
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.replay import MixedRuns, replay_dir
+
+T0 = 1_700_000_000.0
+STEP_S = 0.1          # 10 steps a second
+WORLD = 4
+
+
+class Rank:
+    """One rank's trace, written the way EventTrace writes it (compact JSON, one record a line)."""
+
+    def __init__(self, rank: int, world: int = WORLD, run_id: str = "run-a") -> None:
+        self.rank, self.world, self.seq, self.step, self.ts = rank, world, 0, 0, T0
+        self.offset = 0.0     # time spent waiting or frozen: later steps come that much later
+        self.state = "collecting"
+        self.records: list[dict] = []
+        self.cseq: dict[str, int] = {}
+        self.emit("header", schema=1, run_id=run_id, config_hash="0123456789abcdef", mode="sync",
+                  config={"num_layers": 2}, versions={"eplb_fsm": "test"}, group="ep", transfer_group="ep_transfer")
+
+    def emit(self, event: str, **fields) -> dict:
+        rec = {"ts": round(self.ts, 6), "rank": self.rank, "world": self.world, "event": event, "state": self.state,
+               "step": self.step, "seq": self.seq}
+        rec.update(fields)
+        self.seq += 1
+        self.records.append(rec)
+        return rec
+
+    def steps(self, upto: int, alive: bool = True, collective_every: int = 0) -> "Rank":
+        """Engine steps up to ``upto`` (inclusive), an alive record every 10 steps (1 s)."""
+        while self.step < upto:
+            self.step += 1
+            self.ts = T0 + self.offset + self.step * STEP_S
+            self.emit("step")
+            if collective_every and self.step % collective_every == 0:
+                self.collective()
+            if alive and self.step % 10 == 0:
+                self.alive()
+        return self
+
+    def collective(self, op: str = "all_reduce", group: str = "ep", parts=("loads",)) -> None:
+        c = self.cseq.get(group, 0)
+        self.cseq[group] = c + 1
+        info = {"op": op, "group": group, "cseq": c, "shape": [16], "dtype": "torch.float64", "parts": list(parts)}
+        self.emit("collective_start", **info)
+        self.emit("collective_end", duration_s=0.001, **info)
+
+    def alive(self, waiting_on=None) -> None:
+        self.emit("alive", interval_s=1.0, waiting_on=waiting_on, steps_seen=self.step)
+
+    def wait(self, seconds: float) -> "Rank":
+        """Alive records once a second for ``seconds`` while the step stays where it is (a wait)."""
+        start = self.ts
+        while self.ts < start + seconds:
+            self.ts += 1.0
+            self.alive()
+        self.offset += self.ts - start
+        return self
+
+    def freeze(self, seconds: float) -> "Rank":
+        self.ts += seconds
+        self.offset += seconds
+        return self
+
+    def end(self, how: str = "closed", **fields) -> "Rank":
+        self.ts += 0.01
+        self.emit("end", how=how, **fields)
+        return self
+
+
+def write(tmp_path: Path, ranks: list[Rank], name: str = "rank{r:05d}.jsonl") -> Path:
+    for rk in ranks:
+        (tmp_path / name.format(r=rk.rank)).write_text(
+            "".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in rk.records), encoding="utf-8")
+    return tmp_path
+
+
+def killed_job(victim: int = 2, at: int = 57) -> list[Rank]:
+    """``victim`` is SIGKILLed at step ``at``; the others wait 20 s in the engine, then the launcher SIGTERMs them."""
+    ranks = [Rank(r) for r in range(WORLD)]
+    for rk in ranks:
+        rk.steps(at)
+    for rk in ranks:
+        if rk.rank != victim:
+            rk.steps(at + 1, alive=False).wait(20).end("signal", signal="SIGTERM")
+    return ranks
+
+
+def test_killed_rank_is_named_first_and_the_sigterms_are_consequences(tmp_path):
+    """A rank with no end record, silent 20 s before the others, died; the SIGTERMed ranks are only consequences."""
+    report = replay_dir(write(tmp_path, killed_job()))
+    assert report.verdict == "rank_died" and report.culprit_ranks == [2] and report.step == 57
+    assert report.summary.startswith("rank 2 died (SIGKILL?) at step 57 in collecting: no end record")
+    assert "before the others' last record" in report.summary
+    detail = report.to_dict()["verdict_detail"]
+    assert detail["kind"] == "rank_died" and detail["culprits"] == [2] and detail["state"] == "collecting"
+    sigterms = [c for c in detail["consequences"] if "SIGTERM" in c]
+    assert len(sigterms) == 3 and all("after the cause" in c for c in sigterms)
+    assert format_report(report).splitlines()[0].startswith("rank_died: rank 2 died (SIGKILL?) at step 57")
+
+
+def test_rank_without_end_while_the_others_closed_died(tmp_path):
+    """Killed right after its last step, before the others closed: no end record is still a death."""
+    ranks = [Rank(r).steps(100) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank != 0:
+            rk.end()
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "rank_died" and report.culprit_ranks == [0] and report.step == 100
+    assert "while every other rank wrote its end record" in report.summary
+
+
+def test_json_output_carries_the_structured_verdict(tmp_path, capsys):
+    """--json has verdict_detail (kind, culprits, step, state, reason, consequences); exit 1."""
+    write(tmp_path, killed_job(victim=1, at=33))
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    detail = json.loads(capsys.readouterr().out)["verdict_detail"]
+    assert detail["kind"] == "rank_died" and detail["culprits"] == [1] and detail["step"] == 33
+    assert detail["reason"].startswith("rank 1 died") and len(detail["consequences"]) == 3
+
+
+def test_help_documents_the_exit_codes(capsys):
+    """replay --help lists exit statuses 0, 1 and 2."""
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "0  healthy" in out and "1  a problem" in out and "2  usage error" in out
+
+
+def test_rank_that_died_inside_a_collective_its_peer_never_joined_is_not_the_cause(tmp_path):
+    """Rank 0 dies inside an all-reduce rank 1 never issued (rank 1 lagged): the verdict names rank 1."""
+    ranks = [Rank(r, world=2).steps(19) for r in range(2)]
+    ranks[0].steps(20)
+    c = ranks[0].cseq.get("ep", 0)
+    ranks[0].emit("collective_start", op="all_reduce", group="ep", cseq=c, shape=[16], dtype="torch.float64",
+                  parts=["loads"])
+    ranks[1].steps(20, alive=False)    # one step behind: its engine step, no controller collective
+    ranks[1].end("exception", error="RuntimeError: Read error: Connection reset by peer")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "hang" and report.culprit_ranks == [1], format_report(report)
+    assert any("rank 0 died" in d for d in report.findings[0].details)
+
+
+def test_sigterm_before_any_failure_is_the_cause(tmp_path):
+    """A rank stopped by SIGTERM while nothing had failed is named (signalled), not reported healthy."""
+    ranks = [Rank(r).steps(30) for r in range(WORLD)]
+    ranks[1].end("signal", signal="SIGTERM")
+    for rk in ranks[:1] + ranks[2:]:
+        rk.steps(31, alive=False).wait(10).end("exception", error="GroupBroken: all_reduce timed out")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "signalled" and report.culprit_ranks == [1]
+    assert sum("gave up waiting" in c for c in report.consequences) == 3
+
+
+def test_frozen_rank_is_named_with_its_gap(tmp_path):
+    """A 9 s silence of one rank while the others kept writing alive records is a freeze (SIGSTOP, SIGCONT)."""
+    ranks = [Rank(r) for r in range(WORLD)]
+    for rk in ranks:
+        rk.steps(30)
+    ranks[1].freeze(9.0)
+    for rk in ranks:
+        rk.wait(9.0 if rk.rank != 1 else 0.0).steps(60).end()
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "frozen" and report.culprit_ranks == [1] and report.step == 30
+    # the silence from its last record before the 9 s stop to its next step 0.1 s after it
+    assert "froze for 9.1 s" in report.summary and "SIGSTOP" in report.summary
+
+
+def test_crash_with_exception_is_named(tmp_path):
+    """An end with an exception that is no wait timing out is a crash; the others' timeouts follow from it."""
+    ranks = [Rank(r).steps(40) for r in range(WORLD)]
+    ranks[3].end("exception", error="ValueError: bad plan")
+    for rk in ranks[:3]:
+        rk.steps(41, alive=False).wait(8).end("exception", error="GroupBroken: all_reduce timed out after 5 s")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "crashed" and report.culprit_ranks == [3] and "ValueError: bad plan" in report.summary
+
+
+def test_lagging_rank_is_the_culprit_and_the_waiting_ranks_are_not(tmp_path):
+    """All ranks alive with stalled steps: the one at the lower step lags, the others only wait."""
+    ranks = [Rank(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank != 3:
+            rk.steps(41, alive=False)
+        rk.wait(6)
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "lagging" and report.culprit_ranks == [3] and report.step == 40
+    assert "ranks 0-2 wait at step 41" in report.summary
+
+
+def test_step_count_mismatch_is_a_finding(tmp_path):
+    """Every rank closed in order but one ended a step short: a finding, not slack."""
+    ranks = [Rank(r).steps(99 if r == 1 else 100).end() for r in range(WORLD)]
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "step_count_mismatch" and report.culprit_ranks == [1] and report.step == 99
+
+
+def test_clean_job_with_liveness_is_healthy(tmp_path):
+    """Every rank closed in order at the same step with steady alive records: healthy, exit 0."""
+    ranks = [Rank(r).steps(100, collective_every=10).end() for r in range(WORLD)]
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "healthy", format_report(report)
+    assert report.run_id == "run-a"
+
+
+def test_extra_collective_blames_the_rank_that_issued_it(tmp_path):
+    """One rank issues one controller collective more than the others: it is the culprit, not the three others."""
+    ranks = [Rank(r) for r in range(WORLD)]
+    for rk in ranks:
+        rk.steps(10, collective_every=10)
+        rk.steps(15)
+        if rk.rank == 2:
+            rk.collective()        # log_stats on rank 2 alone, same op and shape as the regular one
+        rk.steps(40, collective_every=20).end()
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [2], format_report(report)
+    assert "extra all_reduce" in report.summary and "ranks 0-1,3 never issued" in report.summary
+    # the step where the sequences part: rank 2's second all-reduce came at step 15, the others' at 20
+    assert report.step == 15 and "the sequences part at cseq 1" in report.summary
+
+
+def test_traces_of_two_runs_are_refused_with_the_files_named(tmp_path, capsys):
+    """Files of different run ids are refused (exit 2), naming which files belong to which run; --run-id picks one."""
+    ranks = [Rank(r, run_id="run-a" if r < 2 else "run-b").steps(20).end() for r in range(WORLD)]
+    write(tmp_path, ranks)
+    with pytest.raises(MixedRuns, match=r"run run-a: rank files 0-1 .*run run-b: rank files 2-3"):
+        replay_dir(tmp_path)
+    assert main(["replay", str(tmp_path)]) == 2
+    assert "rank00002.jsonl" in capsys.readouterr().err
+    report = replay_dir(tmp_path, world=2, run_id="run-b")
+    assert sorted(r["rank"] for r in report.ranks) == [2, 3]
+
+
+def test_duplicate_rank_file_is_reported(tmp_path):
+    """Two files claiming one rank give a duplicate_rank_file finding naming both files."""
+    ranks = [Rank(r).steps(20).end() for r in range(WORLD)]
+    write(tmp_path, ranks)
+    write(tmp_path, ranks[2:3], name="rank{r}.jsonl")
+    report = replay_dir(tmp_path)
+    assert report.verdict == "duplicate_rank_file" and report.culprit_ranks == [2]
+    assert "rank00002.jsonl" in report.summary and "rank2.jsonl" in report.summary
+
+
+def test_swapped_rank_files_are_reported_and_the_culprit_keeps_its_rank(tmp_path):
+    """Files whose names say another rank than their records are reported; the dead rank is still named right."""
+    write(tmp_path, killed_job(victim=2))
+    a, b = tmp_path / "rank00001.jsonl", tmp_path / "rank00002.jsonl"
+    text_a, text_b = a.read_text(), b.read_text()
+    a.write_text(text_b)
+    b.write_text(text_a)
+    report = replay_dir(tmp_path)
+    assert report.verdict == "rank_died" and report.culprit_ranks == [2]
+    swapped = [f for f in report.findings if f.kind == "swapped_rank_file"]
+    assert swapped and "rank00001.jsonl holds the records of rank 2" in swapped[0].summary
+
+
+def test_records_out_of_order_are_a_finding_with_file_and_line(tmp_path):
+    """Two lines swapped (seq going back) give an out_of_order finding with file:line."""
+    ranks = [Rank(r).steps(30, collective_every=10).end() for r in range(WORLD)]
+    write(tmp_path, ranks)
+    path = tmp_path / "rank00001.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines[20], lines[21] = lines[21], lines[20]
+    path.write_text("".join(lines))
+    report = replay_dir(tmp_path)
+    found = [f for f in report.findings if f.kind == "out_of_order"]
+    assert found and found[0].culprits == [1] and "rank00001.jsonl:22" in found[0].summary
+
+
+def test_wrongly_typed_fields_are_warnings_with_file_and_line(tmp_path):
+    """A well-formed record with "step": "x" is a warning naming file and line, never a traceback."""
+    ranks = [Rank(r).steps(30, collective_every=10).end() for r in range(WORLD)]
+    write(tmp_path, ranks)
+    path = tmp_path / "rank00003.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    n = next(i for i, line in enumerate(lines) if '"collective_start"' in line)
+    lines[n] = lines[n].replace('"step":10,', '"step":"x",').replace('"cseq":0,', '"cseq":[0],')
+    path.write_text("".join(lines))
+    report = replay_dir(tmp_path)
+    warning = next(w for w in report.warnings if f"rank00003.jsonl:{n + 1}" in w)
+    assert "field 'step' is str 'x', expected an integer" in warning and "'cseq'" in warning
+
+
+def test_world_is_validated(tmp_path, capsys):
+    """--world 0 and --jobs -1 are usage errors (exit 2); a --world that differs from the traces is reported."""
+    write(tmp_path, [Rank(r).steps(20).end() for r in range(WORLD)])
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(tmp_path), "--world", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(tmp_path), "--jobs", "-1"])
+    assert exc.value.code == 2
+    with pytest.raises(ValueError, match="world must be an integer >= 1"):
+        replay_dir(tmp_path, world=0)
+    report = replay_dir(tmp_path, world=2)
+    mismatch = [f for f in report.findings if f.kind == "world_mismatch"]
+    assert mismatch and "--world 2 was given but the traces were written by a world of 4" in mismatch[0].summary
+
+
+def test_traces_without_liveness_records_give_no_liveness_finding(tmp_path):
+    """Older traces (no end, no alive) leave the liveness checks silent: the step checks judge them."""
+    ranks = [Rank(r).steps(50, alive=False) for r in range(WORLD)]
+    from eplb_fsm.inspect.elastic import build_cast
+    from eplb_fsm.inspect.replay import load_dir
+
+    cast = build_cast(load_dir(write(tmp_path, ranks)).summaries, None, [])
+    assert not liveness.check_liveness(cast).aware
+    assert replay_dir(tmp_path).verdict == "healthy"
+
+
+def test_healthy_verdict_lists_aborted_rearrangements(tmp_path):
+    """A rearrangement every rank rolled back keeps the verdict healthy but is listed with its step."""
+    from eplb_fsm.testing import Faults, SyntheticJob
+
+    job = SyntheticJob(world=WORLD, trace_dir=tmp_path)
+    job.run(45, Faults(transfer_error={1: (19, 1)}))
+    job.close()
+    report = replay_dir(tmp_path)
+    assert report.verdict == "healthy", format_report(report)
+    assert [a["step"] for a in report.aborted] == [19]
+    assert "1 aborted rearrangement(s): step 19: ranks 0-3 aborted the rearrangement" in report.summary
+    assert "aborted rearrangements (1):" in format_report(report)
