@@ -83,7 +83,7 @@ def test_missing_rank_and_truncated_file_are_reported(tmp_path, capsys):
     assert main(["replay", str(logs), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "missing_ranks" and data["culprit_ranks"] == [3]
-    assert main(["replay", str(logs), "--world", "6", "--json"]) == 1
+    assert main(["replay", str(logs), "--ranks", "6", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["missing_ranks"] == [3, 4, 5]
 
 

@@ -331,3 +331,4 @@ def test_healthy_verdict_lists_aborted_rearrangements(tmp_path):
     assert [a["step"] for a in report.aborted] == [19]
     assert "1 aborted rearrangement(s): step 19: ranks 0-3 aborted the rearrangement" in report.summary
     assert "aborted rearrangements (1):" in format_report(report)
+

@@ -7,9 +7,8 @@ left: a killed rank has no ``end`` record and its last record is ``fault_injecte
 ranks stopped as a consequence end with ``end`` (closed, exception or signal); a frozen rank's
 ``alive`` records have a gap as long as the freeze while its peers' show what they wait on.
 
-Replay's verdict is asserted through one small interface (:func:`verdict`). Where today's
-replay names the wrong rank, those assertions are ``xfail(strict=True, reason="needs
-replay-real")``: the branch that rebuilds replay's verdicts turns them into passes.
+Replay's verdict is asserted through one small interface (:func:`verdict`): the culprit
+rank and step must be the rank that was killed or frozen, never the ranks that waited.
 
 Shape (small, so the file stays well under 90 s on 2 cores): 3 layers, 8 + 4 slots,
 interval 8 (rearrangements due at steps 1, 9, 17), collective timeout 2 s.

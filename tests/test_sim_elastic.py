@@ -176,3 +176,4 @@ def test_scale_specs_are_validated():
             (["5:1"], "cannot hold"), (["5"], "STEP:RANKS"), (["25:2"], "STEP"):
         with pytest.raises(ValueError, match=match):
             parse_scale_specs(bad, 4, 20, 8, 8)
+

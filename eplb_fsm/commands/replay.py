@@ -1,12 +1,12 @@
 """``eplb-fsm replay LOGDIR``: replay per-rank traces and name the first divergence.
 
-    eplb-fsm replay LOGDIR [--json] [--rank R] [--world N] [--jobs N] [--run-id ID]
+    eplb-fsm replay LOGDIR [--json] [--rank R] [--ranks N] [--jobs N] [--run-id ID]
 
 Prints the verdict on the first line and the detail below it (``--json``: one JSON
 object, with the structured verdict under ``verdict_detail``). Exit status: 0 healthy,
 1 a problem was found, 2 a usage error or unusable input (no such folder, no
 ``rank*.jsonl`` file, nothing readable, traces of several runs without ``--run-id``,
-``--world`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
+``--ranks`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
 line per record, with the records the machine refuses marked.
 """
 
@@ -17,12 +17,14 @@ import json
 import os
 import sys
 
+from eplb_fsm.cli import hidden_alias
+
 
 EXIT_CODES = """exit status:
   0  healthy: every rank agrees and ended in order (aborted rearrangements are listed)
   1  a problem was found: the first line names the culprit (the rank that died, froze,
      crashed, lagged or issued the odd collective), then what followed from it
-  2  usage error or unusable input: bad --world/--jobs, no folder, no rank*.jsonl file,
+  2  usage error or unusable input: bad --ranks/--jobs, no folder, no rank*.jsonl file,
      nothing readable, or traces of several runs (pick one with --run-id)"""
 
 
@@ -38,14 +40,16 @@ def _at_least(low: int, what: str):
     return parse
 
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_CODES
     parser.add_argument("logdir", help="folder holding rank<N>.jsonl traces (one per rank)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
                         help="print rank R's timeline (one line per record) instead of the report")
-    parser.add_argument("--world", type=_at_least(1, "--world"), default=None, metavar="N",
-                        help="expected world size, >= 1 (default: read from the traces; a mismatch is reported)")
+    parser.add_argument("--ranks", dest="world", type=_at_least(1, "--ranks"), default=None, metavar="N",
+                        help="expected number of ranks, >= 1 (default: read from the traces; a mismatch is reported)")
+    hidden_alias(parser, "--world", dest="world", type=_at_least(1, "--world"))
     parser.add_argument("--jobs", type=_at_least(0, "--jobs"), default=1, metavar="N",
                         help="worker processes reading the files (default 1; 0: one per CPU)")
     parser.add_argument("--run-id", default=None, metavar="ID",

@@ -226,6 +226,10 @@ class Walker:
             self.last = rec
             self.step_record(rec)
             return
+        if ev == "end":
+            # a process that ended in order is silent by design until the next session's header
+            # (an elastic rank that left, then rejoined): that wait is no freeze
+            self._seen = None
         if ev == "header" and (self.s.header is not None or self.records) and rec.get("continued") is not True:
             self._new_session(rec)   # (a `continued` header only repeats the header atop a rotated segment)
         self.last = rec

@@ -1,8 +1,10 @@
 """Elastic simulation: ranks leave and join while the toy engine serves (``simulate --scale``).
 
 ``--scale STEP:RANKS`` (repeatable) asks every rank serving at step STEP to call
-``EplbController.request_scale(RANKS)`` before that step's forward pass. The launcher
-here owns the processes:
+``EplbController.request_scale(RANKS)`` before that step's forward pass. This module
+holds the specs and what one process runs (:func:`run_elastic_rank`);
+``eplb_fsm.sim.elastic_report`` checks the processes' results across ranks. The launcher
+(``eplb_fsm.sim.elastic_launcher``) owns the processes:
 
 - it hosts the TCP store every EP group is built from (``transfer.groups``): generation
   0 for the first ranks, generation i+1 for the i-th ``--scale``; no rank ever calls
@@ -24,18 +26,15 @@ raises or dies makes the run raise ``RankFailedError`` after stopping the others
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import queue as queue_mod
 import time
-import traceback
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["ScaleEvent", "parse_scale_specs", "run_elastic", "run_elastic_rank", "elastic_report", "JOINER_ID"]
+__all__ = ["ScaleEvent", "parse_scale_specs", "scale_events", "spawn_key", "run_elastic_rank", "JOINER_ID"]
 
 # process ids of joiners: JOINER_ID * (scale index + 1) + new rank (first ranks: their rank)
 JOINER_ID = 1000
@@ -88,11 +87,13 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
     return events
 
 
-def _events(opts: Any) -> list[ScaleEvent]:
+def scale_events(opts: Any) -> list[ScaleEvent]:
+    """The validated ``--scale`` events a run's options carry (``opts.extra["scale"]``)."""
     return parse_scale_specs(opts.extra.get("scale") or (), opts.ranks, opts.steps, opts.experts, opts.redundant)
 
 
-def _spawn_key(index: int) -> str:
+def spawn_key(index: int) -> str:
+    """The store key where old rank 0 announces the ``index``-th scale's joiners to the launcher."""
     return f"sim/spawn/{index}"
 
 
@@ -119,7 +120,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
-    events = _events(opts)
+    events = scale_events(opts)
     join_timeout = float(opts.extra.get("join_timeout_s") or opts.collective_timeout_s)
     if opts.log_dir and opts.redirect_output:
         Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
@@ -193,7 +194,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                                    "reason": f"already {event.ranks} ranks"})
                     continue
                 if event.ranks > controller.world_size and controller.rank == 0:
-                    store.set(_spawn_key(index), pickle.dumps({
+                    store.set(spawn_key(index), pickle.dumps({
                         "index": index, "generation": index + 1, "from": controller.world_size, "to": event.ranks,
                         "joiners": list(range(controller.world_size, event.ranks)), "step": step}))
                 result = controller.request_scale(event.ranks, timeout_s=join_timeout, generation=index + 1)
@@ -264,190 +265,3 @@ def _fresh_gates(opts: Any, world: int) -> list:
 
 
 _GATES: dict = {}
-
-
-def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
-                  pid_key: int, results: Any) -> None:
-    from eplb_fsm.sim import signals
-
-    signals.install()  # issue 12 wiring: own process group, SIGTERM -> `end how=signal` (sim/signals.py)
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        value = run_elastic_rank(role, rank, world, opts, store_info, join)
-    except BaseException:
-        results.put((pid_key, "error", traceback.format_exc()))
-        return
-    results.put((pid_key, "ok", value))
-
-
-# --------------------------------------------------------------------------- the launcher
-
-
-def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = None) -> list[dict]:
-    """Run an elastic simulation; returns every process's result (first ranks, then joiners).
-
-    Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
-    ``RanksTimeoutError`` at the deadline; no child outlives the call.
-    """
-    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, _context, _stop
-    from eplb_fsm.transfer.groups import host_store
-
-    events = _events(opts)
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
-    ctx = _context(start_method)
-    store, info = host_store(timeout_s=max(60.0, opts.collective_timeout_s + 30.0), namespace="eplb")
-    results_q = ctx.Queue()
-    procs: dict[int, Any] = {}
-    values: dict[int, dict] = {}
-    failures: dict[int, str] = {}
-    spawned: set[int] = set()
-    deadline = time.monotonic() + timeout
-
-    def start(role: str, rank: int, world: int, join: dict | None) -> None:
-        key = rank if join is None else JOINER_ID * (join["index"] + 1) + rank
-        p = ctx.Process(target=_process_main, args=(role, rank, world, opts, info, join, key, results_q),
-                        name=f"eplb-elastic-{key}", daemon=True)
-        p.start()
-        procs[key] = p
-
-    def poll_spawns() -> None:
-        for index, event in enumerate(events):
-            if index in spawned or not store.check([_spawn_key(index)]):
-                continue
-            spawned.add(index)
-            announce = pickle.loads(store.get(_spawn_key(index)))
-            if event.absent:
-                continue
-            for r in announce["joiners"]:
-                start("joiner", r, announce["to"], {"index": index, "generation": announce["generation"],
-                                                   "step": announce["step"]})
-
-    try:
-        for r in range(opts.ranks):
-            start("initial", r, opts.ranks, None)
-        while True:
-            poll_spawns()
-            if len(values) + len(failures) == len(procs):
-                poll_spawns()  # a last announcement may have come with the last result
-                if len(values) + len(failures) == len(procs):
-                    break
-            now = time.monotonic()
-            if now >= deadline:
-                pending = [k for k in procs if k not in values and k not in failures]
-                err = RanksTimeoutError(pending, timeout, values, failures)
-                err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
-                raise err
-            try:
-                key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
-            except queue_mod.Empty:
-                for key, p in procs.items():
-                    if key in values or key in failures or p.exitcode is None:
-                        continue
-                    with contextlib.suppress(queue_mod.Empty):
-                        k2, s2, v2 = results_q.get(timeout=0.5)
-                        (values if s2 == "ok" else failures)[k2] = v2
-                        continue
-                    failures[key] = f"process exited with code {p.exitcode} without reporting"
-                if failures:
-                    break
-                continue
-            (values if status == "ok" else failures)[key] = payload
-            if failures:
-                grace = time.monotonic() + 1.0
-                while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
-                    with contextlib.suppress(queue_mod.Empty):
-                        k2, s2, v2 = results_q.get(timeout=0.1)
-                        (values if s2 == "ok" else failures)[k2] = v2
-                # issue 12 wiring: a process that died meanwhile (a signal) failed too, it is no bystander
-                for k, p in procs.items():
-                    if k not in values and k not in failures and p.exitcode not in (None, 0):
-                        failures[k] = f"process exited with code {p.exitcode} without reporting"
-                break
-    finally:
-        _stop(list(procs.values()))
-        results_q.close()
-        results_q.join_thread()
-        del store
-    if failures:
-        err = RankFailedError(failures, values)
-        err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
-        raise err
-    return [values[k] for k in sorted(values)]
-
-
-# --------------------------------------------------------------------------- the report
-
-
-def final_members(results: Sequence[dict]) -> list[dict]:
-    """The processes serving at the end (not left, not stopped), by final rank."""
-    finals = [r for r in results if not r["left"]]
-    return sorted(finals, key=lambda r: r["rank"])
-
-
-def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
-    """Add the elastic fields to ``base`` (``build_report`` of the final members); returns it.
-
-    ``scalings``: one entry per ``--scale`` (``step``, ``from_ranks``, ``to_ranks``,
-    ``moved_slots``, ``moved_bytes``, ``seconds`` (slowest rank), ``outcome``, ``generation``,
-    ``kind``, ``agree``); ``outputs_unchanged`` and ``weights_exact`` cover every process,
-    leaving ones included, and the checks after every scale; ``processes`` lists them.
-    """
-    events = _events(opts)
-    scalings = []
-    for index, event in enumerate(events):
-        gen = index + 1
-        entries = [s for r in results for s in r["scalings"] if s["generation"] == gen]
-        skipped = [c for r in results for c in r["checks"] if c.get("at") == "skipped" and c["generation"] == gen]
-        if not entries:
-            scalings.append({"step": event.step, "generation": gen, "requested_ranks": event.ranks,
-                             "outcome": "skipped" if skipped else "not_reached", "from_ranks": None,
-                             "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0, "agree": True})
-            continue
-        outcomes = {s["outcome"] for s in entries} - {"left"}
-        ref = entries[0]
-        scalings.append({
-            "step": ref["step"],
-            "generation": gen,
-            "kind": ref["kind"],
-            "from_ranks": ref["from_ranks"],
-            "to_ranks": ref["to_ranks"],
-            "requested_ranks": ref["requested_ranks"],
-            "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
-            "moved_slots": max(s["moved_slots"] for s in entries),
-            "moved_bytes": max(s["moved_bytes"] for s in entries),
-            "seconds": round(max(s["seconds"] for s in entries), 4),
-            "reason": next((s["reason"] for s in entries if s["reason"]), None),
-            "lost_experts": next((s["lost_experts"] for s in entries if s["lost_experts"]), []),
-            "agree": len({(s["outcome"] if s["outcome"] != "left" else "switched", s["moved_slots"])
-                          for s in entries}) == 1,
-        })
-    # after each scale every member must hold bit-exact rows and the same maps
-    scale_checks_ok = True
-    by_gen: dict[int, set] = {}
-    for r in results:
-        for c in r["checks"]:
-            if "bad_rows" in c:
-                scale_checks_ok &= not c["bad_rows"] and c["gates_exact"]
-                by_gen.setdefault(c["generation"], set()).add(c["maps_crc"])
-    maps_each_scale = all(len(v) == 1 for v in by_gen.values())
-    finals = final_members(results)
-    joined = max((r["start_step"] for r in finals), default=0)
-    sigs = [[(h["step"], h["outcome"], h["moves"]) for h in r["history"] if h["step"] >= joined] for r in finals]
-    base["histories_agree"] = all(s == sigs[0] for s in sigs)
-    base["outputs_unchanged"] = all(r["mismatches"] == 0 for r in results) and any(r["output_checks"] for r in results)
-    base["output_checks"] = sum(r["output_checks"] for r in results)
-    base["weights_exact"] = all(r["weights_exact"] for r in results) and scale_checks_ok
-    base["maps_agree"] = bool(base["maps_agree"]) and maps_each_scale
-    base["scalings"] = scalings
-    base["final_ranks"] = len(finals)
-    base["processes"] = [{"process": r["process"], "role": r["role"], "start_step": r["start_step"],
-                          "end_step": r["steps"], "left": r["left"], "final_rank": None if r["left"] else r["rank"],
-                          "final_state": r["final_state"], "stop_reason": r["stop_reason"]} for r in results]
-    base["traces"] = sorted({r["trace"] for r in results if r["trace"]})
-    base["ok"] = bool(base["outputs_unchanged"] and base["weights_exact"] and base["maps_agree"]
-                      and base["histories_agree"] and len(set(base["final_states"])) == 1
-                      and all(s["agree"] for s in scalings) and not any(r["stop_reason"] for r in results))
-    return base

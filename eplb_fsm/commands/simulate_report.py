@@ -1,0 +1,276 @@
+"""The report of ``eplb-fsm simulate``: built from the ranks' results, and formatted as text.
+
+:func:`build_report` turns every rank's result into one dict (what ``--json`` prints);
+:func:`build_failed_report` describes a run whose ranks did not all finish, from the
+launcher's error and the last record of each trace; :func:`replay_verdict` adds the
+replay of the traces; :func:`format_report` writes either report for a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_report", "build_failed_report", "replay_verdict", "format_report"]
+
+
+def _last_record(path: Path) -> dict | None:
+    """The last readable record of a trace file (a half-written last line is skipped)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - 65536))
+            lines = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def _reason(text: str) -> str:
+    """The last line of a rank's traceback (the exception), or the launcher's note."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    # "package.module.SomeError: message" -> "SomeError: message"
+    last = re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1])
+    # gloo's messages: drop the C++ source location and the boilerplate after the first sentence
+    last = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", last)
+    return last.split(". This is typically")[0]
+
+
+def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
+    """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
+    from eplb_fsm.sim.elastic import JOINER_ID
+    from eplb_fsm.sim.launcher import RanksTimeoutError
+    from eplb_fsm.trace import trace_path
+
+    failures = dict(getattr(exc, "failures", {}) or {})
+    values = dict(getattr(exc, "values", {}) or {})
+    pending = set(getattr(exc, "pending", []) or [])
+    ranks = []
+    # first ranks by rank, then the joiners of --scale by process id (JOINER_ID * (scale + 1) + rank)
+    started = set(getattr(exc, "processes", []) or [])  # elastic runs: every process the launcher started
+    joiners = sorted(k for k in set(failures) | set(values) | pending | started if k >= opts.ranks)
+    for r in list(range(opts.ranks)) + joiners:
+        process = r
+        r = r % JOINER_ID if process >= opts.ranks else r
+        path = trace_path(opts.log_dir, r)
+        last = _last_record(path) if path.is_file() else None
+        if process in values:
+            status, reason = "finished", None
+        elif process in failures:
+            reason = _reason(failures[process])
+            status = "died" if reason.startswith("process exited with code") else "failed"
+        elif process in pending:
+            status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):.0f} s deadline (killed)"
+        else:
+            status, reason = "stopped", "stopped by the launcher after another rank failed"
+        if last and last.get("event") == "rearrangement":  # its `step` is the due step
+            last = dict(last, step=last.get("end_step", last.get("step")))
+        ranks.append({"rank": r, "process": process, "role": "joiner" if process >= opts.ranks else "initial",
+                      "status": status, "reason": reason,
+                      "last_step": last.get("step") if last else None,
+                      "last_state": last.get("state") if last else None,
+                      "last_event": last.get("event") if last else None,
+                      "trace": str(path) if path.is_file() else None})
+    report = {
+        "config": opts.config_dict(),
+        "ok": False,
+        "failed": True,
+        "error": "timeout" if isinstance(exc, RanksTimeoutError) else "ranks_failed",
+        "ranks": ranks,
+        "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
+        "failed_processes": [e["process"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
+        "final_states": [e["last_state"] for e in ranks],
+        "log_dir": opts.log_dir,
+        "traces": [e["trace"] for e in ranks if e["trace"]],
+        "wall_s": _r(wall_s, 2),
+    }
+    if opts.extra.get("inject"):
+        report["inject"] = list(opts.extra["inject"])
+    return report
+
+
+def replay_verdict(log_dir: str) -> dict:
+    """Replay the traces of ``log_dir`` (eplb_fsm.inspect.replay): the verdict and where it points."""
+    try:
+        from eplb_fsm.inspect.replay import replay_dir
+
+        rep = replay_dir(log_dir)
+    except Exception as exc:  # the report must come out even if the traces can't be replayed
+        return {"verdict": "unavailable", "summary": f"{type(exc).__name__}: {exc}", "culprit_ranks": []}
+    return {"verdict": rep.verdict, "summary": rep.summary, "culprit_ranks": rep.culprit_ranks, "step": rep.step,
+            "state": rep.state, "layer": rep.layer, "collective": rep.collective,
+            "illegal_transitions": len(rep.illegal_transitions)}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _r(value: Any, digits: int = 4) -> Any:
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def build_report(opts, results: list[dict], wall_s: float) -> dict:
+    """The simulation's report from every rank's result (rank 0 speaks for shared values)."""
+    first = results[0]
+    series = first["balancedness"]
+    by_step = dict(series)
+    rearrangements = []
+    for h in first["history"]:
+        before = [v for s, v in series if h["step"] - opts.window < s <= h["step"]]
+        after = [by_step[s] for s in range(h["end_step"] + 1, h["end_step"] + 1 + opts.window) if s in by_step]
+        rearrangements.append({
+            "index": h["index"],
+            "step": h["step"],
+            "end_step": h["end_step"],
+            "outcome": h["outcome"],
+            "reason": h["reason"],
+            # predicted by the planner, both placements under the planning load
+            "balancedness_before": _r(h["balancedness_before"]),
+            "balancedness_after": _r(h["balancedness_after"]),
+            # measured on the live batches: mean over `window` steps before / after
+            "measured_before": _r(_mean(before)),
+            "measured_after": _r(_mean(after)),
+            "moved_slots": h["moves"],
+            "moved_bytes": h["moved_bytes"],
+            "layers_committed": h["layers_committed"],
+            "seconds": _r(h["seconds"], 6),
+        })
+    signature = [[(h["step"], h["outcome"], h["moves"]) for h in r["history"]] for r in results]
+    states: set[str] = set()
+    for r in results:
+        states |= set(r["state_seconds"])
+    time_in_state = {s: _r(max(r["state_seconds"].get(s, 0.0) for r in results), 6) for s in sorted(states)}
+    outputs_unchanged = all(r["mismatches"] == 0 for r in results) and all(r["output_checks"] > 0 for r in results)
+    maps_identical = all(r["phy2log"] == first["phy2log"] for r in results)
+    report = {
+        "config": opts.config_dict(),
+        "rearrangements": rearrangements,
+        "committed": sum(1 for r in rearrangements if r["outcome"] == "committed"),
+        "moved_slots_total": sum(r["moved_slots"] for r in rearrangements if r["outcome"] == "committed"),
+        "moved_bytes_total": sum(r["moved_bytes"] for r in rearrangements if r["outcome"] == "committed"),
+        "outputs_unchanged": outputs_unchanged,
+        "output_checks": sum(r["output_checks"] for r in results),
+        "weights_exact": all(r["weights_exact"] for r in results),
+        "maps_agree": all(r["maps_agree"] for r in results) and maps_identical,
+        "histories_agree": all(sig == signature[0] for sig in signature),
+        "final_state": first["final_state"],
+        "final_states": [r["final_state"] for r in results],
+        "time_in_state_s": time_in_state,
+        "balancedness_first_window": _r(_mean([v for s, v in series if s < opts.window])),
+        "balancedness_last_window": _r(_mean([v for s, v in series[-opts.window:]])),
+        "steps": first["steps"],
+        "log_dir": opts.log_dir,
+        "traces": [r["trace"] for r in results],
+        "wall_s": _r(wall_s, 2),
+    }
+    report["ok"] = bool(report["outputs_unchanged"] and report["weights_exact"] and report["maps_agree"]
+                        and report["histories_agree"] and len(set(report["final_states"])) == 1)
+    extras = {r["rank"]: r["extra"] for r in results if r.get("extra")}
+    if extras:
+        report["hooks"] = extras
+    return report
+
+
+def _format_failed(report: dict) -> list[str]:
+    c = report["config"]
+    what = "did not finish in time" if report.get("error") == "timeout" else "failed"
+    lines = [
+        f"eplb-fsm simulate: {c['ranks']} ranks, {c['layers']} layers, {c['experts']} experts + {c['redundant']} "
+        f"redundant, {c['steps']} steps, interval {c['interval']}, window {c['window']}, {c['mode']}, load {c['load']}",
+    ]
+    if report.get("inject"):
+        lines.append("injected: " + " ".join(report["inject"]))
+    lines += ["", f"the run {what}: rank(s) {', '.join(map(str, report['failed_ranks'])) or '-'}"]
+    for e in report["ranks"]:
+        where = (f"last record: step {e['last_step']}, {e['last_state']} ({e['last_event']})"
+                 if e["last_event"] else "no trace")
+        who = f"rank {e['rank']}" + (f" (joiner, process {e['process']})" if e.get("role") == "joiner" else "")
+        lines.append(f"  {who}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
+    lines += ["", f"traces: {report['log_dir']}", f"wall time: {report['wall_s']} s"]
+    return lines
+
+
+def _format_replay(report: dict) -> list[str]:
+    lines = []
+    if report.get("inject_unfired"):
+        lines.append("injection(s) that never fired: " + " ".join(report["inject_unfired"]) + " (the run fails)")
+    rep = report.get("replay")
+    if rep:
+        lines.append(f"replay: {rep['verdict']}: {rep['summary']}")
+    return lines
+
+
+def _format_scalings(report: dict) -> list[str]:
+    """One line per --scale; a scale that did not run says why instead of printing empty rank counts."""
+    lines, current = [], report["config"]["ranks"]
+    for sc in report.get("scalings", ()):
+        wanted = sc.get("requested_ranks")
+        if sc.get("from_ranks") is None:  # no process scaled: same size, or the run ended first
+            why = (f"the group already has {current} ranks" if sc["outcome"] == "skipped"
+                   else "the run ended before this step")
+            lines.append(f"scale at step {sc['step']} to {wanted} ranks: {sc['outcome']} ({why})")
+            continue
+        lines.append(f"scale at step {sc['step']}: {sc['from_ranks']} -> {wanted} ranks: "
+                     f"{sc['outcome']}, {sc['moved_slots']} slots moved, {sc['seconds']} s"
+                     + (f" ({sc['reason']})" if sc.get("reason") else ""))
+        if sc.get("to_ranks") is not None:
+            current = sc["to_ranks"]
+    return lines
+
+
+def format_report(report: dict) -> str:
+    """The report as text for a terminal."""
+    if report.get("failed"):
+        return "\n".join(_format_failed(report) + _format_replay(report))
+    c = report["config"]
+    lines = [
+        f"eplb-fsm simulate: {c['ranks']} ranks, {c['layers']} layers, {c['experts']} experts + {c['redundant']} "
+        f"redundant, {c['steps']} steps, interval {c['interval']}, window {c['window']}, {c['mode']}, load {c['load']}",
+        "",
+        "rearrangements (balancedness: planned = both placements under the planning load; "
+        "measured = mean over the window before / after)",
+        f"  {'#':>2} {'step':>5} {'outcome':<10} {'planned':>15} {'measured':>15} {'moved':>6} {'bytes':>9}  layers",
+    ]
+    for r in report["rearrangements"]:
+        planned = (f"{r['balancedness_before']:.3f}->{r['balancedness_after']:.3f}"
+                   if r["balancedness_before"] is not None else "-")
+        measured = (f"{r['measured_before']:.3f}->{r['measured_after']:.3f}"
+                    if r["measured_before"] is not None and r["measured_after"] is not None else "-")
+        outcome = r["outcome"] if not r["reason"] or r["outcome"] == "committed" else f"{r['outcome']}"
+        lines.append(f"  {r['index']:>2} {r['step']:>5} {outcome:<10} {planned:>15} {measured:>15} "
+                     f"{r['moved_slots']:>6} {r['moved_bytes']:>9}  {r['layers_committed']}"
+                     + (f"  ({r['reason']})" if r["reason"] else ""))
+    if not report["rearrangements"]:
+        lines.append("  (none)")
+    lines += [
+        "",
+        f"moved in total: {report['moved_slots_total']} slots, {report['moved_bytes_total']} bytes",
+        "time in state (s, slowest rank): " + ", ".join(f"{k} {v:.3f}" for k, v in report["time_in_state_s"].items()),
+        f"balancedness: first window {report['balancedness_first_window']}, last window "
+        f"{report['balancedness_last_window']}",
+        f"outputs identical to the reference: {'yes' if report['outputs_unchanged'] else 'NO'} "
+        f"({report['output_checks']} checks); weights bit-exact: {'yes' if report['weights_exact'] else 'NO'}; "
+        f"maps agree on every rank: {'yes' if report['maps_agree'] else 'NO'}",
+        f"final state: {report['final_state']} (all ranks: {', '.join(report['final_states'])})",
+        f"traces: {report['log_dir']}",
+    ]
+    if report.get("png"):
+        lines.append(f"balancedness plot: {report['png']}")
+    elif report.get("png_note"):
+        lines.append(f"no plot: {report['png_note']}")
+    lines += _format_scalings(report)
+    lines.append(f"wall time: {report['wall_s']} s")
+    if report.get("inject"):
+        lines.append("injected: " + " ".join(report["inject"]))
+    return "\n".join(lines + _format_replay(report))

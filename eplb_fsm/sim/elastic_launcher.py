@@ -1,0 +1,131 @@
+"""The launcher of an elastic simulation (``simulate --scale``): it owns every process.
+
+It hosts the TCP store every EP group is built from, starts the first ranks, starts a
+scale-up's joiners when old rank 0 announces the scale in the store (never for
+``STEP:RANKS:absent``), collects one result per process and stops them all at the end,
+at the first failure or at the deadline. What each process runs is
+``eplb_fsm.sim.elastic.run_elastic_rank``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import queue as queue_mod
+import time
+import traceback
+from typing import Any
+
+from eplb_fsm.sim.elastic import JOINER_ID, run_elastic_rank, scale_events, spawn_key
+
+__all__ = ["run_elastic"]
+
+
+def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
+                  pid_key: int, results: Any) -> None:
+    """One child process: run its rank and put ``(pid_key, "ok" | "error", result | traceback)`` on ``results``."""
+    from eplb_fsm.sim import signals
+
+    signals.install()  # issue 12 wiring: own process group, SIGTERM -> `end how=signal` (sim/signals.py)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = run_elastic_rank(role, rank, world, opts, store_info, join)
+    except BaseException:
+        results.put((pid_key, "error", traceback.format_exc()))
+        return
+    results.put((pid_key, "ok", value))
+
+
+def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = None) -> list[dict]:
+    """Run an elastic simulation; returns every process's result (first ranks, then joiners).
+
+    Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
+    ``RanksTimeoutError`` at the deadline; no child outlives the call.
+    """
+    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, _context, _stop
+    from eplb_fsm.transfer.groups import host_store
+
+    events = scale_events(opts)
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    ctx = _context(start_method)
+    store, info = host_store(timeout_s=max(60.0, opts.collective_timeout_s + 30.0), namespace="eplb")
+    results_q = ctx.Queue()
+    procs: dict[int, Any] = {}
+    values: dict[int, dict] = {}
+    failures: dict[int, str] = {}
+    spawned: set[int] = set()
+    deadline = time.monotonic() + timeout
+
+    def start(role: str, rank: int, world: int, join: dict | None) -> None:
+        key = rank if join is None else JOINER_ID * (join["index"] + 1) + rank
+        p = ctx.Process(target=_process_main, args=(role, rank, world, opts, info, join, key, results_q),
+                        name=f"eplb-elastic-{key}", daemon=True)
+        p.start()
+        procs[key] = p
+
+    def poll_spawns() -> None:
+        for index, event in enumerate(events):
+            if index in spawned or not store.check([spawn_key(index)]):
+                continue
+            spawned.add(index)
+            announce = pickle.loads(store.get(spawn_key(index)))
+            if event.absent:
+                continue
+            for r in announce["joiners"]:
+                start("joiner", r, announce["to"], {"index": index, "generation": announce["generation"],
+                                                   "step": announce["step"]})
+
+    try:
+        for r in range(opts.ranks):
+            start("initial", r, opts.ranks, None)
+        while True:
+            poll_spawns()
+            if len(values) + len(failures) == len(procs):
+                poll_spawns()  # a last announcement may have come with the last result
+                if len(values) + len(failures) == len(procs):
+                    break
+            now = time.monotonic()
+            if now >= deadline:
+                pending = [k for k in procs if k not in values and k not in failures]
+                err = RanksTimeoutError(pending, timeout, values, failures)
+                err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+                raise err
+            try:
+                key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
+            except queue_mod.Empty:
+                for key, p in procs.items():
+                    if key in values or key in failures or p.exitcode is None:
+                        continue
+                    with contextlib.suppress(queue_mod.Empty):
+                        k2, s2, v2 = results_q.get(timeout=0.5)
+                        (values if s2 == "ok" else failures)[k2] = v2
+                        continue
+                    failures[key] = f"process exited with code {p.exitcode} without reporting"
+                if failures:
+                    break
+                continue
+            (values if status == "ok" else failures)[key] = payload
+            if failures:
+                grace = time.monotonic() + 1.0
+                while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
+                    with contextlib.suppress(queue_mod.Empty):
+                        k2, s2, v2 = results_q.get(timeout=0.1)
+                        (values if s2 == "ok" else failures)[k2] = v2
+                # issue 12 wiring: a process that died meanwhile (a signal) failed too, it is no bystander
+                for k, p in procs.items():
+                    if k not in values and k not in failures and p.exitcode not in (None, 0):
+                        failures[k] = f"process exited with code {p.exitcode} without reporting"
+                break
+    finally:
+        _stop(list(procs.values()))
+        results_q.close()
+        results_q.join_thread()
+        del store
+    if failures:
+        err = RankFailedError(failures, values)
+        err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started
+        raise err
+    return [values[k] for k in sorted(values)]

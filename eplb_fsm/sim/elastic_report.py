@@ -1,0 +1,86 @@
+"""The report of an elastic simulation: every ``--scale`` and every process, checked across ranks.
+
+:func:`elastic_report` adds the elastic fields to the plain report of the processes
+serving at the end (:func:`final_members`): one entry per scale, the weight and map checks
+after each scale, and the outputs of leaving processes too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from eplb_fsm.sim.elastic import scale_events
+
+__all__ = ["final_members", "elastic_report"]
+
+
+def final_members(results: Sequence[dict]) -> list[dict]:
+    """The processes serving at the end (not left, not stopped), by final rank."""
+    finals = [r for r in results if not r["left"]]
+    return sorted(finals, key=lambda r: r["rank"])
+
+
+def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
+    """Add the elastic fields to ``base`` (``build_report`` of the final members); returns it.
+
+    ``scalings``: one entry per ``--scale`` (``step``, ``from_ranks``, ``to_ranks``,
+    ``moved_slots``, ``moved_bytes``, ``seconds`` (slowest rank), ``outcome``, ``generation``,
+    ``kind``, ``agree``); ``outputs_unchanged`` and ``weights_exact`` cover every process,
+    leaving ones included, and the checks after every scale; ``processes`` lists them.
+    """
+    events = scale_events(opts)
+    scalings = []
+    for index, event in enumerate(events):
+        gen = index + 1
+        entries = [s for r in results for s in r["scalings"] if s["generation"] == gen]
+        skipped = [c for r in results for c in r["checks"] if c.get("at") == "skipped" and c["generation"] == gen]
+        if not entries:
+            scalings.append({"step": event.step, "generation": gen, "requested_ranks": event.ranks,
+                             "outcome": "skipped" if skipped else "not_reached", "from_ranks": None,
+                             "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0, "agree": True})
+            continue
+        outcomes = {s["outcome"] for s in entries} - {"left"}
+        ref = entries[0]
+        scalings.append({
+            "step": ref["step"],
+            "generation": gen,
+            "kind": ref["kind"],
+            "from_ranks": ref["from_ranks"],
+            "to_ranks": ref["to_ranks"],
+            "requested_ranks": ref["requested_ranks"],
+            "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
+            "moved_slots": max(s["moved_slots"] for s in entries),
+            "moved_bytes": max(s["moved_bytes"] for s in entries),
+            "seconds": round(max(s["seconds"] for s in entries), 4),
+            "reason": next((s["reason"] for s in entries if s["reason"]), None),
+            "lost_experts": next((s["lost_experts"] for s in entries if s["lost_experts"]), []),
+            "agree": len({(s["outcome"] if s["outcome"] != "left" else "switched", s["moved_slots"])
+                          for s in entries}) == 1,
+        })
+    # after each scale every member must hold bit-exact rows and the same maps
+    scale_checks_ok = True
+    by_gen: dict[int, set] = {}
+    for r in results:
+        for c in r["checks"]:
+            if "bad_rows" in c:
+                scale_checks_ok &= not c["bad_rows"] and c["gates_exact"]
+                by_gen.setdefault(c["generation"], set()).add(c["maps_crc"])
+    maps_each_scale = all(len(v) == 1 for v in by_gen.values())
+    finals = final_members(results)
+    joined = max((r["start_step"] for r in finals), default=0)
+    sigs = [[(h["step"], h["outcome"], h["moves"]) for h in r["history"] if h["step"] >= joined] for r in finals]
+    base["histories_agree"] = all(s == sigs[0] for s in sigs)
+    base["outputs_unchanged"] = all(r["mismatches"] == 0 for r in results) and any(r["output_checks"] for r in results)
+    base["output_checks"] = sum(r["output_checks"] for r in results)
+    base["weights_exact"] = all(r["weights_exact"] for r in results) and scale_checks_ok
+    base["maps_agree"] = bool(base["maps_agree"]) and maps_each_scale
+    base["scalings"] = scalings
+    base["final_ranks"] = len(finals)
+    base["processes"] = [{"process": r["process"], "role": r["role"], "start_step": r["start_step"],
+                          "end_step": r["steps"], "left": r["left"], "final_rank": None if r["left"] else r["rank"],
+                          "final_state": r["final_state"], "stop_reason": r["stop_reason"]} for r in results]
+    base["traces"] = sorted({r["trace"] for r in results if r["trace"]})
+    base["ok"] = bool(base["outputs_unchanged"] and base["weights_exact"] and base["maps_agree"]
+                      and base["histories_agree"] and len(set(base["final_states"])) == 1
+                      and all(s["agree"] for s in scalings) and not any(r["stop_reason"] for r in results))
+    return base
