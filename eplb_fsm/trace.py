@@ -11,9 +11,14 @@ after it; a trace without ``end`` belongs to a rank that died or was still runni
 ``alive`` records (written by :mod:`eplb_fsm.liveness`, a background thread) carry the
 open collective, if any, so a reader can tell a frozen rank from the ranks waiting on it.
 
-The trace is its own structlog logger writing one JSONL file per rank, flushed per
-line, so a rank killed mid-collective still leaves the start record on disk. The
-library never calls ``structlog.configure()``: the host's logging setup is untouched.
+The trace is its own structlog logger writing one JSONL file per rank. Every record is
+written and flushed at once (a rank killed mid-collective still leaves the start record
+on disk), except quiet engine steps: :meth:`EventTrace.count_step` only counts, and the
+counted steps reach the file as one ``steps`` run record (first step, count, dummies)
+right before the next other record, at every :meth:`EventTrace.flush` (the liveness
+thread flushes once per interval) and at ``end``/close (docs/events.md, "Runs of quiet
+steps"). Files roll by size (:mod:`eplb_fsm.trace_segments`). The library never calls
+``structlog.configure()``: the host's logging setup is untouched.
 """
 
 from __future__ import annotations
@@ -29,46 +34,39 @@ from typing import Any, Callable, Iterator
 
 import structlog
 
-SCHEMA_VERSION = 1
+from eplb_fsm import trace_segments
+from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
+from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
+    END_HOWS, SCHEMA_VERSION, alive_fields, collective_fields, config_hash, end_fields, exception_text,
+    header_fields, json_default,
+)
+
 
 # record keys every reader may rely on (docs/events.md documents each)
 BASE_FIELDS = ("ts", "rank", "world", "event", "state", "step", "seq")
 COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
-END_HOWS = ("closed", "exception", "signal")
+# a run of counted steps is written once it holds this many, flusher or not: a rank
+# without a liveness thread loses at most this many steps when killed
+MAX_RUN = 1 << 16
+_DUMMY = 1 << 40   # StepRun.packed: steps in the low 40 bits, dummies above
 
 
-def end_fields(how: str, error: str | None = None, signal: str | None = None) -> dict:
-    """The fields of an ``end`` record (beyond the base fields); ValueError on a bad combination.
+class StepRun:
+    """Steps counted by :meth:`EventTrace.count_step` since the run began: consecutive, one state.
 
-    ``how``: ``closed`` (an orderly close), ``exception`` (``error`` = ``"Type: message"``)
-    or ``signal`` (``signal`` = the signal's name, e.g. ``"SIGTERM"``).
+    Written by the engine thread only (``packed`` and ``next``); ``written`` (what is
+    already on disk) changes only under the trace's lock. ``packed`` holds both counts
+    in one int so that a flusher reads them together: ``steps + dummies * 2**40``.
     """
-    if how not in END_HOWS:
-        raise ValueError(f"end: how must be one of {', '.join(END_HOWS)}, got {how!r}")
-    fields: dict[str, Any] = {"how": how}
-    if how == "exception":
-        if not isinstance(error, str) or not error:
-            raise ValueError(f"end: how='exception' needs error as a non-empty string, got {error!r}")
-        fields["error"] = error
-    elif error is not None:
-        raise ValueError(f"end: error is only given with how='exception', got how={how!r}")
-    if how == "signal":
-        if not isinstance(signal, str) or not signal:
-            raise ValueError(f"end: how='signal' needs signal as a name such as 'SIGTERM', got {signal!r}")
-        fields["signal"] = signal
-    elif signal is not None:
-        raise ValueError(f"end: signal is only given with how='signal', got how={how!r}")
-    return fields
 
+    __slots__ = ("first", "state", "next", "packed", "written")
 
-def exception_text(exc: BaseException) -> str:
-    """``"Type: message"``: how an ``end`` record and ``collective_error`` name an exception."""
-    return f"{type(exc).__name__}: {exc}"
-
-
-def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None) -> dict:
-    """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective."""
-    return {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
+    def __init__(self, first: int, state: str | None) -> None:
+        self.first = first          # the step of the run's first count
+        self.state = state
+        self.next = first           # the step the next count must carry to stay in this run
+        self.packed = 0
+        self.written = 0            # packed value already written as `steps` records
 
 
 def trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
@@ -88,21 +86,7 @@ def end_open_traces(how: str, error: str | None = None, signal: str | None = Non
     return sum(trace.end(how, error, signal) is not None for trace in list(_OPEN_TRACES))
 
 
-def config_hash(config: dict) -> str:
-    """First 16 hex digits of the sha256 of ``config`` as canonical JSON (sorted keys, no spaces)."""
-    import hashlib
-
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=_json_default)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-def _json_default(value: Any) -> Any:
-    # numpy / torch scalars and shapes reach the trace from counters and tensors
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return str(value)
+_json_default = json_default
 
 
 def _dumps(record: dict, **_: Any) -> str:
@@ -113,13 +97,19 @@ _RENDER = structlog.processors.JSONRenderer(serializer=_dumps)
 
 
 class EventTrace:
-    """The trace writer of one rank.
+    """The trace writer of one rank; its methods are safe from several threads.
 
     ``state`` and ``step`` are context the owner updates (``set_context``) so that
     every record is stamped without the caller repeating them. With
     ``trace_dir=None`` nothing is written, but counters and ``last_collective`` are
     still kept (the watchdog and the tests read them). ``keep=True`` also keeps every
-    record in ``records`` (for tests and in-process inspection).
+    record in ``records`` exactly as written (``steps`` runs included; for tests and
+    in-process inspection). ``max_bytes`` / ``max_segments``: size-based rotation
+    (:mod:`eplb_fsm.trace_segments`; defaults 64 MiB x 4 files per rank).
+
+    One lock orders every record (its ``seq`` and its line go out together). The step
+    path (:meth:`count_step`) takes it only when a run of steps begins; see
+    :class:`StepRun` for why counting without it is exact.
     """
 
     def __init__(
@@ -129,7 +119,10 @@ class EventTrace:
         trace_dir: str | os.PathLike | None = None,
         clock: Callable[[], float] = time.time,
         keep: bool = False,
+        max_bytes: int = trace_segments.DEFAULT_MAX_BYTES,
+        max_segments: int = trace_segments.DEFAULT_MAX_SEGMENTS,
     ) -> None:
+        self.max_bytes, self.max_segments = trace_segments.check_rotation(max_bytes, max_segments)
         self.rank = int(rank)
         self.world = int(world)
         self.clock = clock
@@ -142,19 +135,27 @@ class EventTrace:
         self.open_collectives: dict[tuple[int, str], dict] = {}
         self.ended = False              # an `end` record was written: nothing more goes to the file
         self.records: list[dict] | None = [] if keep else None
+        self.rotations = 0              # segments this writer has rolled over
         self.path: Path | None = None
+        self._lock = threading.Lock()
+        self._run: StepRun | None = None
+        self._header: dict = {}         # the header's own fields, repeated at the top of each new segment
         self._file = None
         self._sink = None
+        self._bytes = 0
         if trace_dir is not None:
             self.path = trace_path(trace_dir, self.rank)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._open()
             _OPEN_TRACES.add(self)
-            # structlog's WriteLogger writes and flushes one line per call; the
-            # renderer is called directly rather than through a BoundLogger because
-            # the per-step record is on the engine's hot path (~6 us vs ~12 us)
-            self._sink = structlog.WriteLogger(self._file)
+
+    def _open(self) -> None:
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._bytes = self._file.tell()
+        # structlog's WriteLogger writes and flushes one message per call; the renderer is
+        # called directly rather than through a BoundLogger (cheaper, and records are rare now)
+        self._sink = structlog.WriteLogger(self._file)
 
     # -- context ---------------------------------------------------------
     def set_context(self, state: str | None = None, step: int | None = None) -> None:
@@ -166,12 +167,44 @@ class EventTrace:
 
     def set_world(self, rank: int, world: int) -> None:
         """Change rank/world after a process-group swap (the file stays the same)."""
-        self.rank = int(rank)
-        self.world = int(world)
+        with self._lock:
+            self._write_run()   # the run's steps belong to the old rank/world
+            self.rank = int(rank)
+            self.world = int(world)
 
     # -- records ---------------------------------------------------------
+    def count_step(self, dummy: bool = False) -> None:
+        """Count the engine step ``self.step`` (state ``self.state``) into the current run; writes nothing.
+
+        The engine's hot path: call it from the engine thread only. A step that does not
+        continue the run (another step number or state, or the run holds ``MAX_RUN``)
+        starts a new run, writing what the old one still held.
+        """
+        run = self._run
+        step = self.step
+        if run is not None and run.next == step and run.state == self.state and step - run.first < MAX_RUN:
+            # lock-free: only this thread writes `packed`/`next`; a flusher reads `packed` once
+            run.packed += (_DUMMY + 1) if dummy else 1
+            run.next = step + 1
+            return
+        with self._lock:
+            self._write_run()
+            run = StepRun(step, self.state)
+            run.packed = (_DUMMY + 1) if dummy else 1
+            run.next = step + 1
+            self._run = run
+
+    def flush(self) -> dict | None:
+        """Write the steps counted since the last write as one ``steps`` record; returns it (None: nothing pending)."""
+        with self._lock:
+            return self._write_run()
+
     def emit(self, event: str, **fields: Any) -> dict:
-        """Write one record; returns it. Explicit ``state``/``step`` fields win."""
+        """Write one record (after the pending ``steps`` run, if any); returns it. Explicit ``state``/``step`` win."""
+        with self._lock:
+            return self._emit_locked(event, fields)
+
+    def _record(self, event: str, fields: dict) -> dict:
         record = {
             "ts": self.clock(),
             "rank": self.rank,
@@ -183,18 +216,62 @@ class EventTrace:
         }
         record.update(fields)
         self.seq += 1
-        if self._sink is not None:
-            self._sink.msg(_RENDER(None, "msg", record))
         if self.records is not None:
             self.records.append(record)
         return record
 
+    def _run_record(self) -> dict | None:
+        """The pending run as a ``steps`` record (lock held), or None."""
+        run = self._run
+        if run is None:
+            return None
+        packed = run.packed          # one read: steps and dummies of the same moment
+        delta = packed - run.written
+        if not delta:
+            return None
+        first = run.first + run.written % _DUMMY
+        run.written = packed
+        count, dummy = delta % _DUMMY, delta // _DUMMY
+        if count == 1:   # a run of one step is the classic `step` record (shorter, and what readers bulk-read)
+            return self._record("step", {"state": run.state, "step": first, **({"dummy": True} if dummy else {})})
+        return self._record("steps", {"state": run.state, "step": first, "count": count, "dummy": dummy})
+
+    def _write_run(self) -> dict | None:
+        record = self._run_record()
+        if record is not None and self._sink is not None:
+            self._write(_RENDER(None, "msg", record))
+        return record
+
+    def _emit_locked(self, event: str, fields: dict) -> dict:
+        run = self._run_record()
+        record = self._record(event, fields)
+        if self._sink is not None:
+            line = _RENDER(None, "msg", record)
+            # the run and the record in one write call
+            self._write(line if run is None else _RENDER(None, "msg", run) + "\n" + line)
+        return record
+
+    def _write(self, text: str) -> None:
+        self._sink.msg(text)
+        self._bytes += len(text) + 1      # ASCII JSON: characters are bytes
+        if self._bytes > self.max_bytes:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Roll the live file (lock held) and start the new one with the header, ``continued: true``."""
+        self._file.close()
+        trace_segments.rotate(self.path, self.max_segments)
+        self._open()
+        self.rotations += 1
+        self._emit_locked("header", {**self._header, "continued": True, "segment": self.rotations})
+
     def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
         """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
         ``run_id`` (shared by every rank of the run, :mod:`eplb_fsm.run_identity`) and
-        ``config_hash`` (:func:`config_hash` of ``config``)."""
-        return self.emit("header", **header_fields(config, run_id=run_id, config_hash=config_hash(config or {}),
-                                                    **extra))
+        ``config_hash`` (:func:`config_hash` of ``config``). Repeated at the top of each rotated segment."""
+        fields = header_fields(config, run_id=run_id, config_hash=config_hash(config or {}), **extra)
+        self._header = dict(fields)
+        return self.emit("header", **fields)
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
@@ -253,32 +330,37 @@ class EventTrace:
     def end(self, how: str, error: str | None = None, signal: str | None = None) -> dict | None:
         """Write the ``end`` record (see :func:`end_fields`) once; later calls and records are not written.
 
-        Returns the record, or None when an ``end`` was already written. Safe from another
-        thread (a signal handler's): with a ``_lock`` (``SharedTrace``) it is held throughout.
+        Returns the record, or None when an ``end`` was already written. Steps still
+        pending are written first. Safe from another thread (a signal handler's).
         """
         fields = end_fields(how, error, signal)
-        lock = getattr(self, "_lock", None)
-        with lock if lock is not None else contextlib.nullcontext():
+        with self._lock:
             if self.ended:
                 return None
-            record = EventTrace.emit(self, "end", **fields)   # the unlocked emit: the lock is held here
+            record = self._emit_locked("end", fields)
             self.ended = True
             self._sink = None   # the file stays open until close(); no record follows `end`
         _OPEN_TRACES.discard(self)
         return record
 
     def alive(self, interval_s: float, steps_seen: int | None) -> dict | None:
-        """Write one ``alive`` record (current state/step, the open collective); None after ``end``."""
+        """Write one ``alive`` record (current state/step, the open collective); None after ``end``.
+
+        It writes the pending ``steps`` run first, so the liveness thread is also the flusher.
+        """
         if self.ended:
             return None
         return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()))
 
     def close(self) -> None:
+        """Write the pending ``steps`` run (unless ended) and close the file."""
         _OPEN_TRACES.discard(self)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            self._sink = None
+        with self._lock:
+            self._write_run()
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+                self._sink = None
 
     def __enter__(self) -> "EventTrace":
         return self
@@ -287,68 +369,6 @@ class EventTrace:
         self.close()
 
 
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("eplb-fsm")
-    except Exception:  # running from a source checkout that is not installed
-        return "0+source"
-
-
-def header_fields(config: dict | None = None, **extra: Any) -> dict:
-    """The fields of a ``header`` record after the base fields: schema, pid, versions, config, ``extra``."""
-    import numpy
-    import torch
-    import transitions
-
-    return {
-        "schema": SCHEMA_VERSION,
-        "pid": os.getpid(),
-        "versions": {
-            "eplb_fsm": _package_version(),
-            "torch": torch.__version__,
-            "numpy": numpy.__version__,
-            "transitions": transitions.__version__,
-            "structlog": structlog.__version__,
-        },
-        "config": config or {},
-        **extra,
-    }
-
-
-def collective_fields(op: str, group: str, cseq: int, shape: Any = None, dtype: Any = None, **fields: Any) -> dict:
-    """The fields of a ``collective_*`` record after the base fields (``COLLECTIVE_FIELDS`` first, then ``fields``)."""
-    info = {
-        "op": op,
-        "group": group,
-        "cseq": cseq,
-        "shape": list(shape) if shape is not None else None,
-        "dtype": str(dtype) if dtype is not None else None,
-    }
-    info.update(fields)
-    return info
-
-
 def encode_record(record: dict) -> str:
     """One record as the JSON text of its trace line (no newline), as :class:`EventTrace` writes it."""
     return _dumps(record)
-
-
-def read_trace(path: str | os.PathLike) -> tuple[list[dict], int]:
-    """Read one rank's JSONL file: (records, number of unreadable lines skipped).
-
-    A truncated last line (a rank killed mid-write) is counted, not fatal.
-    """
-    records: list[dict] = []
-    bad = 0
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                bad += 1
-    return records, bad

@@ -10,7 +10,7 @@ from eplb_fsm.cli import main
 def test_small_bench_reports_both_verdicts(capsys):
     """A small run: healthy traces replay as healthy, the injected hang names the expected culprit."""
     assert main(["bench", "replay", "--json", "--ranks", "8", "--steps", "600", "--interval", "50",
-                 "--layers", "2", "--repeats", "1"]) == 0
+                 "--layers", "2", "--repeats", "1", "--long-steps", "0"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranks"] == 8 and data["steps"] == 600
     assert data["healthy"]["verdict"] == "healthy"
@@ -25,6 +25,21 @@ def test_small_bench_reports_both_verdicts(capsys):
     assert ar["verdict"] == "healthy" and ar["records"] == 8 * (600 * 3 + 2) and ar["target_s"] == 4.0
     assert data["compact"]["target_s"] == 2.0
     assert data["meets_target"] == (data["compact"]["meets_target"] and ar["meets_target"])
+    assert data["long"] is None     # --long-steps 0 skips the long case
+
+
+def test_long_case_replays_compact_traces_to_both_verdicts(capsys):
+    """The long case writes runs of steps through the real trace writer; healthy stays healthy, the hang is named."""
+    assert main(["bench", "replay", "--json", "--ranks", "4", "--steps", "200", "--interval", "50", "--layers", "2",
+                 "--repeats", "1", "--long-steps", "6000", "--long-interval", "1000", "--long-alive-every", "20"]) == 0
+    long = json.loads(capsys.readouterr().out)["long"]
+    assert (long["ranks"], long["steps"], long["interval"], long["finished"]) == (4, 6000, 1000, True)
+    assert long["healthy"]["verdict"] == "healthy" and long["healthy"]["seconds"] > 0
+    hang = long["hang"]
+    assert hang["verdict"] == "hang" and hang["culprit_ranks"] == [hang["expected_culprit"]] == [2]
+    assert hang["step"] == hang["expected_step"] == 5999 - 1000
+    # one alive record and one run per 20 steps, a few records per rearrangement: far fewer records than steps
+    assert 4 * 6000 // 20 < long["records"] < 4 * 6000 // 5
 
 
 def test_bad_sizes_are_refused(capsys):
@@ -33,3 +48,6 @@ def test_bad_sizes_are_refused(capsys):
     assert "eplb-fsm bench replay: error: need --ranks >= 2" in capsys.readouterr().err
     assert main(["bench", "replay", "--ranks", "4", "--steps", "50", "--interval", "100"]) == 2
     assert "--steps >= 2 * --interval" in capsys.readouterr().err
+    assert main(["bench", "replay", "--ranks", "4", "--steps", "200", "--interval", "50", "--long-steps", "100",
+                 "--long-interval", "100"]) == 2
+    assert "--long-steps 0 or >= 2 * --long-interval" in capsys.readouterr().err

@@ -16,11 +16,13 @@ def test_bench_step_json_keys_and_sanity(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     for key in ("bare_record_pass_us", "controller_step_us", "overhead_us", "overhead_ratio",
                 "full_machine_step_us", "trace_line_us", "trace_bytes_per_step", "target_overhead_us",
-                "within_target", "shape", "rounds_us"):
+                "within_target", "shape", "rounds_us", "meets_target", "trace_count_us", "paired_overhead_us", "disk"):
         assert key in result
     assert result["shape"] == {"layers": 4, "slots": 16, "experts": 12, "window": 10, "world": 1}
     assert result["bare_record_pass_us"] > 0 and result["controller_step_us"] > 0
-    assert result["trace_line_us"] > 0 and result["trace_bytes_per_step"] > 20
+    # issue 14: quiet steps are counted into `steps` runs, so a step costs a fraction of a byte on disk
+    assert result["trace_line_us"] > 0 and 0 < result["trace_bytes_per_step"] < 20
+    assert result["meets_target"] is (result["overhead_us"] <= result["target_overhead_us"] == 3.0)
     assert abs(result["overhead_us"] - (result["controller_step_us"] - result["bare_record_pass_us"])) < 0.01
     assert len(result["rounds_us"]["bare"]) == 2 and result["state"] == "collecting"
     assert (tmp_path / "controller" / "rank00000.jsonl").is_file()
@@ -30,3 +32,18 @@ def test_bench_step_cleans_up_its_scratch_traces(capsys):
     """Without --trace-dir the traces go to a temporary directory that is removed afterwards."""
     assert main(["bench", "step", "--json", *SMALL]) == 0
     assert json.loads(capsys.readouterr().out)["trace_dir"] is None
+
+
+def test_bench_step_reports_disk_use_per_million_steps(tmp_path, capsys):
+    """Disk use: bytes per million steps from the file's growth, and the liveness floor at 10 steps/s."""
+    assert main(["bench", "step", "--json", *SMALL, "--trace-dir", str(tmp_path)]) == 0
+    disk = json.loads(capsys.readouterr().out)["disk"]
+    assert disk["target_bytes_per_million_steps"] == 10_000_000
+    assert disk["meets_target"] is (disk["bytes_per_million_steps"] <= 10_000_000)
+    # one interval writes one alive record and one run: a hundred bytes or more, a few hundred at most
+    assert 100 < disk["per_second_bytes"] < 1000 and disk["liveness_interval_s"] == 1.0
+    at_10 = disk["at_10_steps_per_s"]
+    # 1M steps at 10 steps/s take 1e5 s of liveness, plus the runs' own bytes (rounding: the per-second figure)
+    expected = disk["per_second_bytes"] * 1e5 + disk["bytes_per_million_steps"]
+    assert abs(at_10["bytes_per_million_steps"] - expected) < 1e4
+    assert at_10["meets_target"] is (at_10["bytes_per_million_steps"] <= 10_000_000)

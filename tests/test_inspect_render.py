@@ -87,3 +87,13 @@ def test_handled_faults_are_listed_in_a_healthy_report():
     text = format_report(diagnose(records(faults=Faults(transfer_error={1: (19, 0)}))))
     assert text.splitlines()[0].startswith("healthy:")
     assert "  handled (every rank aborted that rearrangement with a fault) (1):" in text
+
+
+def test_timeline_names_step_runs_and_continued_headers():
+    """A `steps` run shows its first and last step, count and dummies; a continued header says it is one."""
+    rows = timeline_rows([
+        {"ts": 1.0, "event": "header", "continued": True, "segment": 2, "step": 40, "seq": 7, "state": "collecting"},
+        {"ts": 2.0, "event": "steps", "step": 40, "count": 25, "dummy": 3, "seq": 8, "state": "collecting"},
+    ])
+    assert rows[0]["what"] == "header (continued: segment 2 of a rotated file)"
+    assert rows[1]["what"] == "steps 40..64 (25, 3 dummy)" and rows[1]["t"] == 1.0

@@ -411,3 +411,88 @@ def test_world_groups_include_header_groups_and_their_recreations(healthy):
     wide = rp.world_groups(summaries)
     assert {"world", "ep", "ep_transfer", "ep_transfer.4"} <= wide
     assert "side" not in wide
+
+
+# --------------------------------------------------------------------------- issue 14: compact runs, rotated files
+
+
+def _replay_files(tmp_path, faults, compact: bool, steps: int = 40):
+    job = SyntheticJob(world=WORLD, trace_dir=tmp_path, keep=False, compact_steps=compact)
+    job.run(steps, faults)
+    job.close()
+    return rp.replay_dir(tmp_path)
+
+
+@pytest.mark.parametrize("faults", [None, hang_faults(WORLD, 1, 19), Faults(skip_count={3: 12})],
+                         ids=["healthy", "hang", "skip"])
+def test_compact_runs_give_the_verdicts_of_per_step_records(tmp_path, faults):
+    """Traces whose quiet steps are `steps` runs replay to the same verdict, culprit and step as per-step ones."""
+    compact = _replay_files(tmp_path / "compact", faults, True)
+    plain = _replay_files(tmp_path / "plain", faults, False)
+    assert (compact.verdict, compact.culprit_ranks, compact.step) == (plain.verdict, plain.culprit_ranks, plain.step)
+    assert any('"event":"steps"' in p.read_text() for p in (tmp_path / "compact").iterdir())
+
+
+def test_a_skipped_step_is_found_from_compact_traces(tmp_path):
+    """Rank 3 misses step 12's count; written as runs, replay still names it and the step it diverged at."""
+    report = _replay_files(tmp_path, Faults(skip_count={3: 12}), True)
+    assert report.verdict == "step_divergence" and report.culprit_ranks == [3] and report.step == 19
+
+
+def _liveness_ranks(tmp_path, last_step: dict[int, int], world: int = 3, closed=(), **trace_kwargs) -> None:
+    """Ranks written by the real EventTrace: quiet steps counted, an alive record (a flush) every 10 steps."""
+    from eplb_fsm.trace import EventTrace
+
+    for r in range(world):
+        now = [1_700_000_000.0]
+        trace = EventTrace(r, world, tmp_path, clock=lambda: now[0], **trace_kwargs)
+        trace.set_context(state="collecting", step=0)
+        trace.header({"num_layers": 2}, run_id="run-z", mode="sync", group="ep", transfer_group="ep_transfer")
+        for step in range(last_step[r] + 1):
+            now[0] = 1_700_000_000.0 + step * 0.1
+            trace.step = step
+            trace.count_step(step % 4 == 0)
+            if step % 10 == 9:
+                trace.alive(1.0, step - 10)
+        if r in closed:
+            trace.end("closed")
+        trace.close()
+
+
+def test_a_rank_one_step_short_is_named_from_its_runs(tmp_path):
+    """Every rank closed, rank 1 counted one step fewer: step_count_mismatch names it, from the runs' counts."""
+    _liveness_ranks(tmp_path, {0: 99, 1: 98, 2: 99}, closed=(0, 1, 2))
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "step_count_mismatch" and report.culprit_ranks == [1] and report.step == 98
+
+
+def test_a_killed_rank_ends_at_the_last_step_of_its_last_run(tmp_path):
+    """A rank whose file ends in a `steps` run (killed, no end): its last step is the run's last, not its first."""
+    _liveness_ranks(tmp_path, {0: 99, 1: 99, 2: 56}, closed=(0, 1))
+    summary = rp.load_dir(tmp_path).summaries[2]
+    assert summary.last["event"] == "steps" and summary.last_step == 56 and summary.step_records == 57
+    report = rp.replay_dir(tmp_path)
+    assert report.culprit_ranks == [2], format_report(report)
+
+
+def test_rotated_segments_replay_like_one_file(tmp_path):
+    """Traces rolled into many segments replay to the same verdict and steps as unrotated ones."""
+    last = {0: 299, 1: 298, 2: 299}
+    _liveness_ranks(tmp_path / "one", last, closed=(0, 1, 2))
+    _liveness_ranks(tmp_path / "rolled", last, closed=(0, 1, 2), max_bytes=4096, max_segments=1000)
+    assert len(list((tmp_path / "rolled").glob("rank00000.jsonl.*"))) >= 2
+    one, rolled = rp.replay_dir(tmp_path / "one"), rp.replay_dir(tmp_path / "rolled")
+    assert (rolled.verdict, rolled.culprit_ranks, rolled.step) == (one.verdict, one.culprit_ranks, one.step) \
+        == ("step_count_mismatch", [1], 298)
+    a, b = rp.load_dir(tmp_path / "one").summaries, rp.load_dir(tmp_path / "rolled").summaries
+    assert [(s.step_records, s.last_step, s.illegal) for s in a.values()] == \
+        [(s.step_records, s.last_step, s.illegal) for s in b.values()]
+
+
+def test_a_trace_whose_oldest_segments_were_dropped_still_replays(tmp_path):
+    """With the cap reached (oldest segments deleted) each rank starts at a continued header and replays cleanly."""
+    _liveness_ranks(tmp_path, {0: 299, 1: 299, 2: 299}, closed=(0, 1, 2), max_bytes=4096, max_segments=2)
+    loaded = rp.load_dir(tmp_path)
+    assert all(s.header["continued"] is True and s.first_step > 0 and not s.illegal for s in loaded.summaries.values())
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy", format_report(report)

@@ -203,3 +203,180 @@ def test_end_open_traces_ends_every_open_file_once(tmp_path):
     last = {r: read_trace(trace_path(tmp_path, r))[0] for r in range(3)}
     assert last[0][-1]["how"] == "signal" and last[0][-1]["signal"] == "SIGTERM"
     assert last[1][-1]["how"] == "closed" and last[2] == []
+
+
+# -- issue 14: quiet steps counted into runs, flush points, rotation ---------------------------------
+
+
+def _collecting(trace: EventTrace, step: int = 0) -> EventTrace:
+    trace.set_context(state="collecting", step=step)
+    return trace
+
+
+def _count(trace: EventTrace, steps, dummy=()) -> None:
+    for s in steps:
+        trace.step = s
+        trace.count_step(s in dummy)
+
+
+def test_counted_steps_become_one_run_with_exact_counts():
+    """Counted steps are written as one `steps` record (first step, count, dummies) right before the next record."""
+    trace = _collecting(EventTrace(rank=1, world=2, keep=True))
+    _count(trace, range(10, 17), dummy={11, 15})
+    assert trace.records == []              # counting writes nothing
+    trace.emit("balancedness", value=0.5)
+    run, other = trace.records
+    assert (run["event"], run["step"], run["count"], run["dummy"], run["state"]) == ("steps", 10, 7, 2, "collecting")
+    assert (run["seq"], other["seq"]) == (0, 1) and set(BASE_FIELDS) <= set(run)
+
+
+def test_a_run_ends_where_the_steps_stop_following_on():
+    """A skipped step number or another state starts a new run; a one-step run is a plain `step` record."""
+    trace = _collecting(EventTrace(keep=True))
+    _count(trace, [0, 1, 2, 5, 6])           # 3 and 4 never counted
+    trace.set_context(state="transferring")
+    _count(trace, [7], dummy={7})
+    trace.flush()
+    got = [(r["event"], r["step"], r.get("count"), r.get("dummy"), r["state"]) for r in trace.records]
+    assert got == [("steps", 0, 3, 0, "collecting"), ("steps", 5, 2, 0, "collecting"),
+                   ("step", 7, None, True, "transferring")]
+
+
+def test_buffered_steps_reach_the_file_at_each_flush_point(tmp_path):
+    """Counted steps are not on disk until a flush point: flush(), any other record, end; close writes the rest."""
+    path = trace_path(tmp_path, 0)
+    trace = _collecting(EventTrace(rank=0, world=1, trace_dir=tmp_path))
+    _count(trace, range(5))
+    assert path.read_text() == ""
+    assert trace.flush()["count"] == 5 and trace.flush() is None
+    _count(trace, range(5, 8))
+    with trace.collective("all_reduce"):
+        assert [r["event"] for r in read_trace(path)[0]] == ["steps", "steps", "collective_start"]
+    _count(trace, range(8, 12))
+    trace.end("closed")
+    records = read_trace(path)[0]
+    assert [(r["event"], r["step"], r.get("count")) for r in records][-2:] == [("steps", 8, 4), ("end", 11, None)]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+    trace.close()
+
+
+def test_close_writes_the_pending_run(tmp_path):
+    """A trace closed without `end` still writes the steps it counted."""
+    with _collecting(EventTrace(rank=0, world=1, trace_dir=tmp_path)) as trace:
+        _count(trace, range(3))
+    assert [(r["event"], r["count"]) for r in read_trace(trace_path(tmp_path, 0))[0]] == [("steps", 3)]
+
+
+def test_a_long_run_is_written_every_max_run_steps_without_a_flusher(tmp_path, monkeypatch):
+    """With no flusher, a run is written once it holds MAX_RUN steps: a killed rank loses at most that many."""
+    import eplb_fsm.trace as trace_module
+
+    monkeypatch.setattr(trace_module, "MAX_RUN", 4)
+    trace = _collecting(EventTrace(rank=0, world=1, trace_dir=tmp_path))
+    _count(trace, range(10))
+    on_disk = read_trace(trace_path(tmp_path, 0))[0]
+    assert [(r["step"], r["count"]) for r in on_disk] == [(0, 4), (4, 4)]
+    trace.close()
+
+
+def test_counts_stay_exact_while_another_thread_flushes(tmp_path):
+    """The lock-free step path loses and duplicates no step while a liveness-like thread flushes and writes alive."""
+    import threading
+
+    trace = _collecting(EventTrace(rank=0, world=1, trace_dir=tmp_path))
+    n = 60_000
+    done = threading.Event()
+
+    def flusher():
+        while not done.is_set():
+            trace.flush()
+            trace.alive(0.001, None)
+
+    thread = threading.Thread(target=flusher)
+    thread.start()
+    try:
+        _count(trace, range(n), dummy=set(range(0, n, 3)))
+    finally:
+        done.set()
+        thread.join(10)
+    trace.close()
+    records = read_trace(trace_path(tmp_path, 0))[0]
+    runs = [r for r in records if r["event"] in ("step", "steps")]
+    assert len(runs) > 1 and sum(r.get("count", 1) for r in runs) == n
+    assert sum(r["dummy"] if r["event"] == "steps" else int(r.get("dummy", False)) for r in runs) == len(range(0, n, 3))
+    assert [r["step"] for r in runs] == [0] + [a["step"] + a.get("count", 1) for a in runs[:-1]]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_rotation_keeps_at_most_max_segments_each_starting_with_a_continued_header(tmp_path):
+    """Past max_bytes the file rolls; at most max_segments files remain, each new one opens with the header."""
+    from eplb_fsm.trace_segments import segment_paths
+
+    trace = _collecting(EventTrace(rank=3, world=4, trace_dir=tmp_path, max_bytes=2048, max_segments=3))
+    trace.header({"window_size": 3}, run_id="r1")
+    for i in range(200):
+        trace.emit("balancedness", value=i / 200)
+    trace.close()
+    paths = segment_paths(trace_path(tmp_path, 3))
+    assert [p.name for p in paths] == ["rank00003.jsonl.2", "rank00003.jsonl.1", "rank00003.jsonl"]
+    assert trace.rotations > 3 and not (tmp_path / "rank00003.jsonl.3").exists()
+    for p in paths:
+        first = json.loads(p.read_text().splitlines()[0])
+        assert first["event"] == "header" and first["continued"] is True and first["run_id"] == "r1"
+        assert p.stat().st_size <= 2048 + 400     # one write past the cap at most
+    records, bad = read_trace(trace_path(tmp_path, 3))
+    seqs = [r["seq"] for r in records]
+    assert bad == 0 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))    # oldest segment first, in order
+    assert records[-1]["value"] == 199 / 200
+
+
+def test_rotation_settings_are_checked_before_anything_is_written(tmp_path):
+    """A bad max_bytes / max_segments names the field and creates no file."""
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1024"):
+        EventTrace(trace_dir=tmp_path, max_bytes=10)
+    with pytest.raises(ValueError, match="max_segments must be an int >= 1"):
+        EventTrace(trace_dir=tmp_path, max_segments=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigkilled_process_loses_no_step_older_than_the_flush_interval(tmp_path):
+    """A real process counts steps, then blocks; SIGKILLed after two liveness intervals, every step is on disk."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    code = (
+        "import sys, time\n"
+        "from eplb_fsm.fsm.reporting import SharedTrace\n"
+        "from eplb_fsm.liveness import Liveness\n"
+        f"t = SharedTrace(0, 1, {str(tmp_path)!r})\n"
+        "t.set_context(state='collecting')\n"
+        "Liveness(t, 0.2).start()\n"
+        "for s in range(5000):\n"
+        "    t.step = s\n"
+        "    t.count_step(s % 10 == 0)\n"
+        "print('counted', flush=True)\n"
+        "time.sleep(120)\n"       # a hung engine: only the liveness thread runs
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "counted"
+        deadline = time.monotonic() + 30
+        while sum(r.get("count", 0) for r in read_trace(trace_path(tmp_path, 0))[0]) < 5000:
+            assert time.monotonic() < deadline, "the liveness thread did not flush within 30 s"
+            time.sleep(0.2)
+        time.sleep(0.5)   # more than two intervals: alive records keep coming, no step is written twice
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    records, bad = read_trace(trace_path(tmp_path, 0))
+    runs = [r for r in records if r["event"] == "steps"]
+    assert sum(r["count"] for r in runs) == 5000 and sum(r["dummy"] for r in runs) == 500
+    assert any(r["event"] == "alive" for r in records) and not any(r["event"] == "end" for r in records)

@@ -14,6 +14,11 @@ per step, 2M for 64 ranks x 10k steps). The report gives both targets: ``TARGET_
 the compact traces (steps and a rearrangement every ``--interval``), ``TARGET_ALLREDUCE_S``
 for the all-reduce mix, each with ``meets_target``.
 
+The long case (``long``, issue 14) is 64 ranks x 1M steps as the controller now writes
+them: quiet steps counted into ``steps`` runs, an ``alive`` record (which writes the run so
+far) every ``--long-alive-every`` steps, a rearrangement every ``--long-interval`` steps,
+healthy and hung; each is replayed once and timed (it has no target but to finish).
+
 Wall times are the best of ``--repeats`` runs; ``cpu_s`` is this process's CPU time in
 that run, which stays meaningful when other work shares the machine.
 """
@@ -40,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed replays per trace set; the best is reported (default 3)")
     hidden_alias(parser, "--repeat", dest="repeats", type=int)
+    parser.add_argument("--long-steps", type=int, default=1_000_000,
+                        help="engine steps per rank of the long case, in the controller's compact form "
+                             "(default 1000000; 0: skip it)")
+    parser.add_argument("--long-interval", type=int, default=3000,
+                        help="steps between rearrangements in the long case (default 3000, the config's default)")
+    parser.add_argument("--long-alive-every", type=int, default=20,
+                        help="steps between liveness records (each writes the run so far) in the long case "
+                             "(default 20: one a second at 20 steps/s; 0: none)")
 
 
 def _write_world(src: Path, out_dir: Path, ranks: list[int]) -> int:
@@ -83,6 +96,63 @@ def _simulate_allreduce(tmp: Path, world: int, steps: int, layers: int) -> Path:
     return trace_path(folder, 0)
 
 
+def _simulate_long(tmp: Path, name: str, world: int, steps: int, layers: int, interval: int, alive_every: int,
+                   faults=None) -> Path:
+    """Rank 0 of a long job written as the controller writes it: quiet steps counted into ``steps`` runs
+    (``EventTrace.count_step``), an ``alive`` record every ``alive_every`` steps (the liveness thread,
+    which writes the run so far), an ``end`` record when it closed."""
+    from eplb_fsm.testing import SyntheticJob
+    from eplb_fsm.trace import trace_path
+
+    folder = tmp / f"template-long-{name}"
+    job = SyntheticJob(world=world, num_layers=layers, interval=interval, trace_dir=folder, ranks=[0], keep=False,
+                       compact_steps=True)
+    rank = job.ranks[0]
+    chunk = alive_every or steps
+    seen = None
+    while job.step_no < steps and not rank.stopped:
+        job.run(min(chunk, steps - job.step_no), faults)
+        if alive_every and not rank.stopped:
+            rank.trace.alive(1.0, seen)
+            seen = rank.trace.step
+    if not rank.stopped:
+        rank.trace.end("closed")
+    job.close()
+    return trace_path(folder, 0)
+
+
+def _long_case(tmp: Path, args: argparse.Namespace, world: int, culprit: int) -> dict:
+    """64 ranks x 1M steps (by default) in the compact form: healthy and hung, generated then timed once each."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.testing import Faults, Stop
+
+    steps, interval = args.long_steps, args.long_interval
+    hang_step = (steps // interval) * interval - 1
+    if hang_step >= steps - 1:
+        hang_step -= interval
+    t0 = time.perf_counter()
+    healthy = _simulate_long(tmp, "healthy", world, steps, args.layers, interval, args.long_alive_every)
+    waiting = _simulate_long(tmp, "waiting", world, steps, args.layers, interval, args.long_alive_every,
+                             Faults(stop={0: Stop(hang_step, "in_collective")}))
+    culprit_src = _simulate_long(tmp, "culprit", world, steps, args.layers, interval, args.long_alive_every,
+                                 Faults(stop={0: Stop(hang_step, "before_collective")}))
+    per_rank = _write_world(healthy, tmp / "long-healthy", list(range(world)))
+    _write_world(waiting, tmp / "long-hang", [r for r in range(world) if r != culprit])
+    _write_world(culprit_src, tmp / "long-hang", [culprit])
+    generate_s = time.perf_counter() - t0
+    records = sum(1 for _ in open(healthy, encoding="utf-8")) * world
+    h_s, _, h_cpu, h = _time(lambda: replay_dir(tmp / "long-healthy"), 1)
+    g_s, _, g_cpu, g = _time(lambda: replay_dir(tmp / "long-hang"), 1)
+    return {
+        "ranks": world, "steps": steps, "interval": interval, "alive_every": args.long_alive_every,
+        "records": records, "bytes": per_rank * world, "bytes_per_rank": per_rank, "generate_s": round(generate_s, 3),
+        "healthy": {"verdict": h.verdict, "seconds": round(h_s, 3), "cpu_s": round(h_cpu, 3)},
+        "hang": {"verdict": g.verdict, "culprit_ranks": g.culprit_ranks, "expected_culprit": culprit,
+                 "step": g.step, "expected_step": hang_step, "seconds": round(g_s, 3), "cpu_s": round(g_cpu, 3)},
+        "finished": True,
+    }
+
+
 def _time(fn, repeat: int) -> tuple[float, float, float, object]:
     """(best wall s, median wall s, CPU s of this process in the best run, result)."""
     runs, result = [], None
@@ -102,6 +172,10 @@ def run(args: argparse.Namespace) -> dict:
     world, steps = args.ranks, args.steps
     if world < 2 or steps < 2 * args.interval:
         raise SystemExit("eplb-fsm bench replay: need --ranks >= 2 and --steps >= 2 * --interval")
+    if args.long_steps and (args.long_interval < 1 or args.long_steps < 2 * args.long_interval
+                            or args.long_alive_every < 0):
+        raise SystemExit("eplb-fsm bench replay: need --long-steps 0 or >= 2 * --long-interval (>= 1), "
+                         "and --long-alive-every >= 0")
     culprit = world // 2
     # the last rearrangement step that fits, so the hang leaves a long healthy prefix
     hang_step = (steps // args.interval) * args.interval - 1
@@ -134,6 +208,7 @@ def run(args: argparse.Namespace) -> dict:
         ar_best, ar_median, ar_cpu, ar = _time(lambda: replay_dir(allreduce_dir), args.repeats)
         jobs = min(default_jobs(), world)
         parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeats)
+        long = _long_case(tmp, args, world, culprit) if args.long_steps else None
     assert parsed == n_records
     return {
         "ranks": world,
@@ -181,6 +256,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "compact": {"seconds": round(max(healthy_best, hang_best), 3), "target_s": TARGET_S,
                     "meets_target": max(healthy_best, hang_best) < TARGET_S},
+        "long": long,
         "target_s": TARGET_S,
         "meets_target": max(healthy_best, hang_best) < TARGET_S and ar_best < TARGET_ALLREDUCE_S,
     }

@@ -99,7 +99,7 @@ def _timeline(args: argparse.Namespace) -> int:
     text = format_timeline(records, args.rank).split("\n")
     out = text[:2]
     for rec, at, line in zip(records, where, text[2:]):
-        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step") else "   ")
+        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps") else "   ")
                    + line)
     out[1] = "   " + out[1]
     if bad:
@@ -121,7 +121,7 @@ def _sessions_of(records: list[dict]) -> list[int | None]:
     marks: list[tuple[int, int]] = []
     run, session, seen = 0, 0, False
     for rec in records:
-        if rec.get("event") == "header" and seen:
+        if rec.get("event") == "header" and seen and rec.get("continued") is not True:
             if rec.get("role") == "joiner":
                 session += 1
             else:

@@ -242,13 +242,10 @@ class EplbController:
         config = self.config
         log_now = log_stats and config.log_balancedness and step % config.log_balancedness_interval == 0
         if state == COLLECTING and counters.since < counters.threshold and not log_now:
-            # the hot path: nothing but the window and one compact trace line
+            # the hot path: nothing but the window and a count (written later as a `steps` run)
             for entry in self.models:
                 entry.window.record_pass(is_dummy)
-            if is_dummy:
-                trace.emit("step", dummy=True)
-            else:
-                trace.emit("step")
+            trace.count_step(is_dummy)
             return state
         return self._decided_step(step, state, is_dummy, log_now)
 
@@ -268,10 +265,8 @@ class EplbController:
             self.restart_interval()
             self.fire("step", extra={"dummy": True} if is_dummy else None, due=True)
             parts["loads"] = rearranger.begin(step, forced=False)
-        elif is_dummy:
-            self.trace.emit("step", dummy=True)
         else:
-            self.trace.emit("step")
+            self.trace.count_step(is_dummy)
         if decision.poll:
             parts["ready"] = rearranger.ready_flags()
         if not decision.all_reduces:

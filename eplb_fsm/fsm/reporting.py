@@ -7,7 +7,6 @@ one :class:`Reporter` (``controller.reporter``) and hands it what each record ne
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,18 +24,11 @@ _log = structlog.get_logger("eplb_fsm")
 
 
 class SharedTrace(EventTrace):
-    """An EventTrace whose records may come from several threads (engine, worker, watchdog).
+    """The controller's trace: records come from several threads (engine, worker, watchdog, liveness).
 
-    One lock makes each record's ``seq`` and its line go out together.
+    :class:`EventTrace` itself orders them under one lock (each record's ``seq`` and its
+    line go out together); the name stays for the controller's callers.
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._lock = threading.Lock()
-
-    def emit(self, event: str, **fields: Any) -> dict:
-        with self._lock:
-            return super().emit(event, **fields)
 
 
 @dataclass

@@ -40,7 +40,7 @@ OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
 _NUM = (int, float)
 _FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
                 ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
-                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)))
+                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)), ("count", (int,)))
 TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
 TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
 
@@ -64,6 +64,8 @@ def start_from_header(w: "Walker", header: dict) -> None:
         w.s.role = "joiner"
         gen = header.get("generation")
         w.s.generation = gen if type(gen) is int else 0
+    if header.get("continued") is True:   # atop a rotated segment: the stamped state is where it is now
+        return
     machine = header.get("machine")
     if isinstance(machine, dict) and isinstance(machine.get("state"), str):
         w.state = machine["state"]

@@ -136,6 +136,10 @@ def timeline_rows(records: Iterable[dict]) -> list[dict]:
         elif ev == "group_switch":
             what = (f"group_switch {rec.get('old_group')}->{rec.get('new_group')} ({rec.get('role')}, "
                     f"rank {rec.get('old_rank')}->{rec.get('new_rank')}, world {rec.get('new_world')})")
+        elif ev == "steps" and type(rec.get("step")) is int and type(rec.get("count")) is int:
+            what = f"steps {rec['step']}..{rec['step'] + rec['count'] - 1} ({rec['count']}, {rec.get('dummy')} dummy)"
+        elif ev == "header" and rec.get("continued") is True:
+            what = f"header (continued: segment {rec.get('segment')} of a rotated file)"
         elif ev == "header" and rec.get("role") == "joiner":
             what = f"header (joiner of generation {rec.get('generation')}, a new session)"
         rows.append({

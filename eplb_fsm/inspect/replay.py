@@ -45,6 +45,7 @@ from eplb_fsm.inspect.elastic import (
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.identity import MixedRuns, assign
 from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
+from eplb_fsm.trace_segments import read_rank_text
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
@@ -84,8 +85,7 @@ def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[
     """Read and summarise one rank file: (rank, summary or None, warnings)."""
     warnings: list[str] = []
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
+        text = read_rank_text(path)   # rotated segments first, oldest first
     except OSError as exc:
         return r, None, [f"rank {r}: cannot read {path}: {exc}"]
     summary = summarize_text(text, r, path=str(path), oracle=oracle)

@@ -31,6 +31,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.walker import parse_line, Walker
+from eplb_fsm.trace_segments import read_rank_text
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
@@ -81,7 +82,8 @@ def summarize_rank(
 
 def _interleaves(w: Walker, rec: dict) -> bool:
     """A joiner's header while the file's current session may still write: both go on in one file."""
-    return rec.get("event") == "header" and rec.get("role") == "joiner" and w.live()
+    return rec.get("event") == "header" and rec.get("role") == "joiner" and rec.get("continued") is not True \
+        and w.live()
 
 
 class _Interleaved:
@@ -99,7 +101,7 @@ class _Interleaved:
         self.rank, self.oracle, self.path = rank, oracle, path
 
     def feed(self, rec: dict) -> None:
-        if rec.get("event") == "header":
+        if rec.get("event") == "header" and rec.get("continued") is not True:
             w = Walker(self.rank, self.oracle, self.path)
             if rec.get("role") != "joiner":  # a new job appended to the file: the earlier runs are stale
                 w.s.warnings.append(f"the file holds several runs (a header at seq {rec.get('seq')}, step "
@@ -319,11 +321,11 @@ def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
 def read_records(path: str | os.PathLike) -> tuple[list[dict], int, bool]:
     """(records, unreadable lines, whether the last line was the unreadable one).
 
-    The whole file is parsed as one JSON array when it is clean (twice as fast as a
-    ``json.loads`` per line); a file with a bad line is read line by line.
+    ``path`` is a rank's live file; its rotated segments are read first, oldest first
+    (``trace_segments``). The whole text is parsed as one JSON array when it is clean
+    (twice as fast as a ``json.loads`` per line); a text with a bad line is read line by line.
     """
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        text = fh.read()
+    text = read_rank_text(path)
     body = text.strip()
     if not body:
         return [], 0, False

@@ -3,7 +3,8 @@
 ``Walker`` is fed a rank file's records in order (``summary.summarize_rank`` and
 ``summary.summarize_text`` drive it; the latter hands it whole runs of compact step lines at
 once). Every ``transition`` is re-driven through the machine definition (``MachineOracle``),
-a compact ``step`` record is the internal ``step`` transition of its state, every other
+a compact ``step`` record is the internal ``step`` transition of its state (a ``steps`` run
+record is ``count`` of them, counted, never expanded), every other
 record is checked against the replayed state; collectives are indexed by group and
 sequence number. An illegal transition is recorded with its reason and the walk
 resynchronises on what the record claims, so one bad record is reported once.
@@ -19,22 +20,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from eplb_fsm.fsm.machine import COMMITTING, EVENT_DATA, TRANSFERRING
+from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.model import (
-    SCALE_TRIGGERS,
     WORLD_GROUP,
     Collective,
     CollectiveIndex,
     MachineOracle,
     RankSummary,
-    Transition,
     compact_record,
 )
 from eplb_fsm.inspect.records import (
     COLLECTIVE_EVENTS,
     LINE_HEAD,
     OWN_STATE,
-    REQUEST_KEYS,
     SILENCE_S,
     TYPED_KEYS,
     TYPES_OK,
@@ -45,6 +43,7 @@ from eplb_fsm.inspect.records import (
     wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
+from eplb_fsm.inspect.transition_replay import replay_transition
 
 class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
@@ -70,7 +69,8 @@ class Walker:
         self.pending = False
         self.num_layers: int | None = None
         self.world = None
-        self.n_steps = 0
+        self.n_steps = 0                   # step records counted without reading their seq
+        self.run_steps = 0                 # steps that `steps` run records stand for
         self.records = 0
         self.first: dict | None = None     # first record that is not a header
         # a compact step record (due false) keeps the current (state, layer, pending): known good
@@ -78,7 +78,7 @@ class Walker:
         self._step_ok: dict[tuple, bool] = {}
         self._mismatch = 0
         self._mismatch_example = None
-        self._warned_layers = False
+        self.warned_layers = False
         # lost lines: seq must advance by one per record (checked at every non-step record)
         self.seqs = SeqCheck()
         self.s.disorder = self.seqs.disorder
@@ -108,7 +108,7 @@ class Walker:
         self._begin()
 
     # -- helpers ---------------------------------------------------------
-    def _illegal(self, rec: dict, reason: str, replayed: str | None) -> None:
+    def illegal(self, rec: dict, reason: str, replayed: str | None) -> None:
         self.s.illegal.append({
             "rank": self.s.rank, "seq": rec.get("seq"), "step": rec.get("step"),
             "trigger": rec.get("trigger", rec.get("event")),
@@ -185,12 +185,12 @@ class Walker:
         if self.state is None:
             self.state = st
         elif st != self.state:
-            self._illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
+            self.illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
             self.state = st
             self.plain_ok = False
         ok = self.steps_keep_state(due)
         if not ok:
-            self._illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
+            self.illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
         self.plain_ok = ok and not due
         self.n_steps += 1
@@ -230,8 +230,8 @@ class Walker:
             # a process that ended in order is silent by design until the next session's header
             # (an elastic rank that left, then rejoined): that wait is no freeze
             self._seen = None
-        if ev == "header" and (self.s.header is not None or self.records):
-            self._new_session(rec)
+        if ev == "header" and (self.s.header is not None or self.records) and rec.get("continued") is not True:
+            self._new_session(rec)   # (a `continued` header only repeats the header atop a rotated segment)
         self.last = rec
         self.records += 1
         self.plain_ok = False
@@ -248,6 +248,9 @@ class Walker:
             self.world = rec.get("world")
         if ev == "transition":
             self._transition(rec)
+            return
+        if ev == "steps":
+            self._steps_run(rec)
             return
 
         # every other record: its stamped state should be the replayed one
@@ -303,73 +306,26 @@ class Walker:
         else:
             keep_record(s, ev, rec, st)
 
+    def _steps_run(self, rec: dict) -> None:
+        """A ``steps`` record: ``count`` quiet steps of its state, each the internal ``step`` (due false)."""
+        count = rec.get("count")
+        if type(count) is not int or count < 1:
+            self.s.warnings.append(f"{self.where()}: steps record without a positive integer count; not counted")
+            return
+        self.run_steps += count
+        st = rec.get("state")
+        if self.state is None:
+            self.state = st
+        elif st != self.state:
+            self.illegal(rec, f"steps record stamped {st!r} but the replayed state is {self.state!r}", self.state)
+            self.state = st
+        self.plain_ok = self.steps_keep_state(False)
+        if not self.plain_ok:
+            self.illegal(rec, f"a steps record says the state stayed {self.state!r}, the machine does not keep it",
+                          self.state)
+
     def _transition(self, rec: dict) -> None:
-        s = self.s
-        trig = rec.get("trigger")
-        src = rec.get("source")
-        dst = rec.get("dest")
-        rec_layer = rec.get("layer")
-        if rec.get("num_layers") is not None:
-            self.num_layers = int(rec["num_layers"])
-        allowed = EVENT_DATA.get(trig)
-        data_src = rec.get("data") if isinstance(rec.get("data"), dict) else rec
-        data = {} if allowed is None else {k: data_src[k] for k in allowed if k in data_src}
-        if self.state is None:  # the trace starts here: trust the first source
-            self.state = src
-            if src == TRANSFERRING and isinstance(rec_layer, int):
-                self.layer = rec_layer
-        reasons = []
-        replayed = self.state
-        if src != self.state:
-            reasons.append(f"recorded source {src!r} but the replayed state is {self.state!r}")
-            self.state = src
-        nl = self.num_layers
-        if nl is None:
-            if trig == "layer_done" and dst == COMMITTING and isinstance(data.get("layer"), int):
-                nl = data["layer"] + 1
-            else:
-                nl = 1 << 20
-            if not self._warned_layers:
-                s.warnings.append("transition records carry no num_layers; layer guards are checked loosely")
-                self._warned_layers = True
-        if allowed is None:
-            out: tuple | str = f"unknown event {trig!r}"
-        else:
-            out = self.oracle.outcome(self.state, self.layer, nl, self.pending, trig, data)
-        layer_after = rec.get("layer_after")
-        if isinstance(out, str):
-            reasons.append(f"the machine refuses it: {out}")
-        elif out[0] != dst:
-            reasons.append(f"the machine goes to {out[0]!r}, the trace says {dst!r}")
-        elif isinstance(layer_after, int) and out[1] != layer_after and dst == TRANSFERRING:
-            reasons.append(f"the machine is at layer {out[1]} after it, the trace says {layer_after}")
-        if reasons:
-            self._illegal(rec, "; ".join(reasons), replayed)
-            # resynchronise on what the trace claims
-            self.state = dst
-            if dst == TRANSFERRING:
-                if isinstance(layer_after, int):
-                    self.layer = layer_after
-                elif trig == "layer_done" and isinstance(data.get("layer"), int):
-                    self.layer = data["layer"] + 1
-                elif isinstance(rec_layer, int):
-                    self.layer = rec_layer
-                else:
-                    self.layer = 0
-            if trig == "scale_requested":
-                self.pending = True
-            elif trig == "switched":
-                self.pending = False
-        else:
-            self.state, self.layer, self.pending = out
-        if not (trig == "step" and src == dst):
-            s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
-                                            rec.get("generation") if trig in SCALE_TRIGGERS else None))
-            if trig == "fault":
-                s.faults.append(compact_record(rec))
-            elif trig == "scale_requested":
-                s.scale_requests.append({k: rec.get(k) for k in REQUEST_KEYS})
-            s.progress_after_stuck = True
+        replay_transition(self, rec)
 
     def result(self, last: dict | None) -> RankSummary:
         """The file's last session, with the earlier sessions of the same job in ``previous``."""
@@ -384,7 +340,7 @@ class Walker:
         if s.rank < 0 and last is not None and "rank" in last:
             s.rank = int(last["rank"])
         s.records = self.records
-        s.step_records = self.n_steps
+        s.step_records = self.n_steps + self.run_steps
         s.world = self.world
         s.num_layers = self.num_layers
         s.first_step = first.get("step") if first is not None else None
@@ -392,6 +348,8 @@ class Walker:
             s.last = compact_record(last)
             step = last.get("step")
             s.last_step = step if type(step) is int else None
+            if s.last_step is not None and last.get("event") == "steps" and type(last.get("count")) is int:
+                s.last_step += max(0, last["count"] - 1)   # a run ends at its last step
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
         s.warnings += self.seqs.warnings()

@@ -1,0 +1,109 @@
+"""The fields of trace records beyond the base fields: header, collectives, ``end``, ``alive``.
+
+Pure builders (no I/O); :mod:`eplb_fsm.trace` re-exports each of them and writes the
+records. docs/events.md documents every field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+SCHEMA_VERSION = 1
+END_HOWS = ("closed", "exception", "signal")
+
+
+def json_default(value: Any) -> Any:
+    """How values JSON does not know are written: numpy / torch scalars and shapes, sets, tuples."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def end_fields(how: str, error: str | None = None, signal: str | None = None) -> dict:
+    """The fields of an ``end`` record (beyond the base fields); ValueError on a bad combination.
+
+    ``how``: ``closed`` (an orderly close), ``exception`` (``error`` = ``"Type: message"``)
+    or ``signal`` (``signal`` = the signal's name, e.g. ``"SIGTERM"``).
+    """
+    if how not in END_HOWS:
+        raise ValueError(f"end: how must be one of {', '.join(END_HOWS)}, got {how!r}")
+    fields: dict[str, Any] = {"how": how}
+    if how == "exception":
+        if not isinstance(error, str) or not error:
+            raise ValueError(f"end: how='exception' needs error as a non-empty string, got {error!r}")
+        fields["error"] = error
+    elif error is not None:
+        raise ValueError(f"end: error is only given with how='exception', got how={how!r}")
+    if how == "signal":
+        if not isinstance(signal, str) or not signal:
+            raise ValueError(f"end: how='signal' needs signal as a name such as 'SIGTERM', got {signal!r}")
+        fields["signal"] = signal
+    elif signal is not None:
+        raise ValueError(f"end: signal is only given with how='signal', got how={how!r}")
+    return fields
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"Type: message"``: how an ``end`` record and ``collective_error`` name an exception."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None) -> dict:
+    """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective."""
+    return {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
+
+
+def config_hash(config: dict) -> str:
+    """First 16 hex digits of the sha256 of ``config`` as canonical JSON (sorted keys, no spaces)."""
+    import hashlib
+
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=json_default)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("eplb-fsm")
+    except Exception:  # running from a source checkout that is not installed
+        return "0+source"
+
+
+def header_fields(config: dict | None = None, **extra: Any) -> dict:
+    """The fields of a ``header`` record after the base fields: schema, pid, versions, config, ``extra``."""
+    import numpy
+    import structlog
+    import torch
+    import transitions
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "pid": os.getpid(),
+        "versions": {
+            "eplb_fsm": _package_version(),
+            "torch": torch.__version__,
+            "numpy": numpy.__version__,
+            "transitions": transitions.__version__,
+            "structlog": structlog.__version__,
+        },
+        "config": config or {},
+        **extra,
+    }
+
+
+def collective_fields(op: str, group: str, cseq: int, shape: Any = None, dtype: Any = None, **fields: Any) -> dict:
+    """The fields of a ``collective_*`` record after the base fields (``COLLECTIVE_FIELDS`` first, then ``fields``)."""
+    info = {
+        "op": op,
+        "group": group,
+        "cseq": cseq,
+        "shape": list(shape) if shape is not None else None,
+        "dtype": str(dtype) if dtype is not None else None,
+    }
+    info.update(fields)
+    return info
