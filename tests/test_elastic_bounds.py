@@ -123,10 +123,10 @@ def stall_drills(tmp_path_factory):
     import queue as queue_mod
     import time
 
-    from eplb_fsm.sim.launcher import _context, _stop
+    from eplb_fsm.sim.launcher import process_context, stop_processes
     from eplb_fsm.transfer.groups import host_store
 
-    ctx = _context(None)
+    ctx = process_context(None)
     master, info = host_store(timeout_s=30.0)
     results = ctx.Queue()
     variants = ("forming", "transfer")
@@ -148,7 +148,7 @@ def stall_drills(tmp_path_factory):
             got[(v, r)] = value
         stalled_alive = {v: procs[names.index((v, STALLED))].is_alive() for v in variants}
     finally:
-        _stop(procs)  # reaps the sleeping ranks
+        stop_processes(procs)  # reaps the sleeping ranks
         del master
     assert expected <= set(got), f"drills did not finish: {sorted(expected - set(got))}"
     return got, stalled_alive, log_dirs

@@ -201,10 +201,10 @@ def fault_drills(tmp_path_factory):
     import queue as queue_mod
     import time
 
-    from eplb_fsm.sim.launcher import _context, _stop
+    from eplb_fsm.sim.launcher import process_context, stop_processes
     from eplb_fsm.transfer.groups import host_store
 
-    ctx = _context(None)
+    ctx = process_context(None)
     master, info = host_store(timeout_s=30.0)
     results = ctx.Queue()
     log_dirs = {v: str(tmp_path_factory.mktemp(f"drill-{v}")) for v in ("spare", "lost", "joiner")}
@@ -224,7 +224,7 @@ def fault_drills(tmp_path_factory):
                 continue
             got[(v, r)] = value
     finally:
-        _stop(procs)
+        stop_processes(procs)
         del master
     assert expected <= set(got), f"drills did not finish: {sorted(expected - set(got))}"
     exits = {name: p.exitcode for name, p in zip(names, procs)}

@@ -115,7 +115,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
     from eplb_fsm.sim.run import (
-        OutputTally, RankContext, _call, build_hooks, engine_step, progress_path, rank_result,
+        OutputTally, RankContext, call_hooks, build_hooks, engine_step, progress_path, rank_result,
         write_step_progress,
     )
     from eplb_fsm.transfer.groups import StoreGroup, connect_store
@@ -160,7 +160,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, controller.group)
     ctx.extra["role"] = role
-    _call(hooks, "on_start", ctx)
+    call_hooks(hooks, "on_start", ctx)
     checks: list[dict] = []
 
     def check(label: str, generation: int) -> None:
@@ -210,7 +210,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 break
             before, state = engine_step(ctx, hooks, opts, model, controller, controller.group, controller.world_size,
                                         step, tally)
-            _call(hooks, "after_step", ctx, step)
+            call_hooks(hooks, "after_step", ctx, step)
             # every row against the committed maps, every step (cheap at simulation sizes)
             if model.check_weights(controller.models[0].maps.phy2log):
                 bad_weight_steps.append(step)
@@ -240,7 +240,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
             "bad_weight_steps": bad_weight_steps[:20],
             "maps_agree": True,  # the parent compares the ranks' maps (and per-scale checksums)
         }
-        _call(hooks, "on_finish", ctx, result)
+        call_hooks(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, controller.rank, step, opts,
                             "left" if left else controller.state, done=True, world=controller.world_size)
         return result

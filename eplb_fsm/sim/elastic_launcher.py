@@ -44,13 +44,13 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
     Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
     ``RanksTimeoutError`` at the deadline; no child outlives the call.
     """
-    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, _context, _stop
+    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, process_context, stop_processes
     from eplb_fsm.transfer.groups import host_store
 
     events = scale_events(opts)
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
-    ctx = _context(start_method)
+    ctx = process_context(start_method)
     store, info = host_store(timeout_s=max(60.0, opts.collective_timeout_s + 30.0), namespace="eplb")
     results_q = ctx.Queue()
     procs: dict[int, Any] = {}
@@ -120,7 +120,7 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
                         failures[k] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
-        _stop(list(procs.values()))
+        stop_processes(list(procs.values()))
         results_q.close()
         results_q.join_thread()
         del store

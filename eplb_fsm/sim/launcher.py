@@ -25,7 +25,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["run_ranks", "find_free_port", "RankFailedError", "RanksTimeoutError"]
+__all__ = ["run_ranks", "find_free_port", "process_context", "stop_processes", "RankFailedError", "RanksTimeoutError"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -124,7 +124,7 @@ def _rank_main(
     results.put((rank, "ok", value))
 
 
-def _context(start_method: str | None) -> mp.context.BaseContext:
+def process_context(start_method: str | None) -> mp.context.BaseContext:
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(start_method)
@@ -134,7 +134,7 @@ def _context(start_method: str | None) -> mp.context.BaseContext:
     return ctx
 
 
-def _stop(procs: Sequence[mp.process.BaseProcess], grace: float = 2.0) -> None:
+def stop_processes(procs: Sequence[mp.process.BaseProcess], grace: float = 2.0) -> None:
     """Stop every rank process and its process group (SIGTERM, then SIGKILL after ``grace``); join them.
 
     A rank writes ``end how=signal`` on SIGTERM (``sim.signals``); a frozen one is sent
@@ -213,7 +213,7 @@ def _launch_once(
                         failures[r] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
-        _stop(procs)
+        stop_processes(procs)
         results_q.close()
         results_q.join_thread()
     if failures:
@@ -259,7 +259,7 @@ def run_ranks(
         raise ValueError(f"world_size: must be a positive int, got {world_size!r}")
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
-    ctx = _context(start_method)
+    ctx = process_context(start_method)
     for attempt in range(retries + 1):
         values, failures, port_taken, partial = _launch_once(
             ctx, fn, world_size, tuple(args), float(timeout), backend, host, torch_threads, env

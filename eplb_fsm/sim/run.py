@@ -143,7 +143,7 @@ def build_hooks(specs: Any) -> list[Any]:
     return hooks
 
 
-def _call(hooks: list[Any], name: str, *args: Any) -> list[Any]:
+def call_hooks(hooks: list[Any], name: str, *args: Any) -> list[Any]:
     out = []
     for hook in hooks:
         method = getattr(hook, name, None)
@@ -303,7 +303,7 @@ def engine_step(ctx: RankContext, hooks: list[Any], opts: SimOptions, model: Any
     rank skip its ``controller.step`` call (fault injection).
     """
     overrides: dict = {}
-    for result in _call(hooks, "before_step", ctx, step):
+    for result in call_hooks(hooks, "before_step", ctx, step):
         if result:
             overrides.update(result)
     is_dummy = bool(overrides.get("is_dummy", opts.dummy_every > 0 and step % opts.dummy_every
@@ -362,7 +362,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     controller.add_model(model, "main")
     hooks = build_hooks(opts.hooks)
     ctx = RankContext(rank, world, opts, model, controller, group)
-    _call(hooks, "on_start", ctx)
+    call_hooks(hooks, "on_start", ctx)
     tally = OutputTally()
     t0 = time.perf_counter()
     step = 0
@@ -370,7 +370,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
         for step in range(opts.steps):
             ctx.step = step
             before, state = engine_step(ctx, hooks, opts, model, controller, group, world, step, tally)
-            _call(hooks, "after_step", ctx, step)
+            call_hooks(hooks, "after_step", ctx, step)
             if progress is not None and (step % opts.progress_every == 0 or state != before):
                 write_step_progress(progress, controller, rank, step, opts, state)
             if ctx.stop:
@@ -387,7 +387,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
             "bad_rows": bad_rows[:20],
             "maps_agree": _maps_agree(entry.maps.phy2log, group, world),
         }
-        _call(hooks, "on_finish", ctx, result)
+        call_hooks(hooks, "on_finish", ctx, result)
         write_step_progress(progress, controller, rank, step, opts, controller.state, done=True)
         return result
     except BaseException as exc:  # issue 12 wiring: `end how=exception` (SIGTERM: sim/signals.py ends it)
