@@ -191,7 +191,15 @@ def _format_failed(report: dict) -> list[str]:
     ]
     if report.get("inject"):
         lines.append("injected: " + " ".join(report["inject"]))
-    lines += ["", f"the run {what}: rank(s) {', '.join(map(str, report['failed_ranks'])) or '-'}"]
+    rep = report.get("replay") or {}
+    culprits = rep.get("culprit_ranks") or []
+    stopped = ', '.join(map(str, report['failed_ranks'])) or '-'
+    if culprits:
+        # the cause first (what replay blames), then every rank that stopped as a consequence
+        lines += ["", f"the run {what}: caused by rank(s) {', '.join(map(str, culprits))}: "
+                      f"{rep['verdict']}: {rep['summary']}", f"ranks that stopped: {stopped}"]
+    else:
+        lines += ["", f"the run {what}: rank(s) {stopped}"]
     for e in report["ranks"]:
         where = (f"last record: step {e['last_step']}, {e['last_state']} ({e['last_event']})"
                  if e["last_event"] else "no trace")
@@ -206,7 +214,7 @@ def _format_replay(report: dict) -> list[str]:
     if report.get("inject_unfired"):
         lines.append("injection(s) that never fired: " + " ".join(report["inject_unfired"]) + " (the run fails)")
     rep = report.get("replay")
-    if rep:
+    if rep and not (report.get("failed") and rep.get("culprit_ranks")):  # else it leads the failure report
         lines.append(f"replay: {rep['verdict']}: {rep['summary']}")
     return lines
 
