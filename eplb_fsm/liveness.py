@@ -20,8 +20,9 @@ costs the thread one JSON line (~10 us) per interval, i.e. ~1e-5 of one core at 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
+
+from eplb_fsm.periodic import PeriodicThread
 
 __all__ = ["DEFAULT_INTERVAL_S", "Liveness", "check_interval"]
 
@@ -50,8 +51,7 @@ class Liveness:
         self.trace = trace
         self.interval_s = check_interval(interval_s) if interval_s else None
         self._steps_seen: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PeriodicThread("eplb-liveness", lambda: self.interval_s, self._beat)
 
     def tick(self) -> dict | None:
         """Write one ``alive`` record now; returns it (None once the trace has ended)."""
@@ -60,14 +60,14 @@ class Liveness:
         self._steps_seen = step
         return record
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if getattr(self.trace, "ended", False):
-                return
-            try:
-                self.tick()
-            except Exception:  # a closed file at shutdown: liveness must never take the engine down
-                return
+    def _beat(self) -> bool:
+        if getattr(self.trace, "ended", False):
+            return False
+        try:
+            self.tick()
+        except Exception:  # a closed file at shutdown: liveness must never take the engine down
+            return False
+        return True
 
     def start_on(self, trace: Any) -> "Liveness":
         """Attach ``trace`` and start, if it writes to a file (nothing to report to otherwise)."""
@@ -75,22 +75,14 @@ class Liveness:
         return self.start() if getattr(trace, "path", None) is not None else self
 
     def start(self) -> "Liveness":
-        if self.interval_s is None or self.trace is None:
-            return self
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="eplb-liveness", daemon=True)
-            self._thread.start()
+        if self.interval_s is not None and self.trace is not None:
+            self._loop.start()
         return self
 
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop the thread; True if it ended within ``timeout``."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+        return self._loop.stop(timeout)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.running

@@ -23,7 +23,7 @@ from eplb_fsm.sim.loads import (
     zipf_load,
 )
 
-# the ESFT traces bundled with the package (eplb_fsm/data/esft_routing.npz), never ../shared
+# the ESFT traces bundled with the package (eplb_fsm/data/esft_routing.npz); no test reads data outside the repository
 INTENT, LAW = "esft:intent", "esft:law"
 LOAD = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import structlog
 
+from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, SCALING, TRANSFERRING
 
 WATCHED_STATES = (PLANNING, TRANSFERRING, COMMITTING, SCALING)
@@ -57,8 +58,7 @@ class Watchdog:
         self.since = clock()          # when (state, layer) last changed
         self._next_report = self.since + self.deadline_s
         self.reports: list[dict] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PeriodicThread("eplb-watchdog", lambda: self.poll_s, self._poll)
 
     # -- progress --------------------------------------------------------
     def progress(self, state: str, layer: int) -> None:
@@ -107,28 +107,20 @@ class Watchdog:
         return record
 
     # -- thread ----------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.check()
-            except Exception as exc:  # a logging failure must never kill the engine
-                self.logger.error("eplb watchdog check failed", error=f"{type(exc).__name__}: {exc}")
+    def _poll(self) -> None:
+        try:
+            self.check()
+        except Exception as exc:  # a logging failure must never kill the engine
+            self.logger.error("eplb watchdog check failed", error=f"{type(exc).__name__}: {exc}")
 
     def start(self) -> "Watchdog":
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="eplb-watchdog", daemon=True)
-            self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop the thread; True if it ended within ``timeout``."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+        return self._loop.stop(timeout)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.running
