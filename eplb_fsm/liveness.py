@@ -1,32 +1,48 @@
-"""Liveness: a background thread that writes a low-rate ``alive`` record to a rank's trace.
+"""Liveness: a background thread that beats once per ``interval_s`` and keeps a rank's trace telling.
 
 Why: when a job stops, a trace alone cannot tell a rank that froze (SIGSTOP, a stuck
-driver) from a rank that waits on it. An ``alive`` record every ``interval_s`` seconds
-(default :data:`DEFAULT_INTERVAL_S`) settles it:
+driver) from a rank that waits on it. Each beat (every ``interval_s`` seconds, default
+:data:`DEFAULT_INTERVAL_S`) writes what is needed to settle it, and no more (issue 14:
+disk per rank stays under 10 MB per million steps at 10 steps/s):
 
-- a running rank keeps writing them; ``step`` advances between them, or it does not
-  and ``waiting_on`` names the collective it waits in (the controller's, or, when that
-  is null while the step stays put, the engine's own collective the controller never sees);
-- a frozen rank writes none for as long as it is frozen: a gap in its ``alive`` records
-  (every thread of a stopped process stops), while the ranks waiting on it keep writing;
-- a killed rank's records simply stop, and its trace has no ``end`` record.
+- the rank **waits** (its step did not advance since the previous beat, or a traced
+  collective is open): an ``alive`` record, with ``waiting_on`` naming the collective it
+  waits in (the controller's, or, when that is null while the step stays put, the
+  engine's own collective the controller never sees). This is every beat of a wait, so a
+  frozen rank's silence is framed by the ``alive`` records of the ranks waiting on it;
+- the rank **makes progress**: its pending ``steps`` run is the evidence of life; the
+  thread then beats every :data:`FLUSH_FACTOR` x ``interval_s`` (1.5 s by default) and
+  writes the run (so a killed rank loses at most that much of quiet steps), with an
+  ``alive`` record only every :data:`HEARTBEAT_S` seconds (and at the first beat: the
+  record that announces ``interval_s``). A live rank is so never silent for more than
+  1.5 intervals, under replay's 2 s (silences kept) and 2.5 intervals (frozen);
+- a frozen rank writes nothing for as long as it is frozen (every thread of a stopped
+  process stops); a killed rank's records simply stop, and its trace has no ``end`` record.
 
 Cost on the engine's step path: nothing of its own. The thread reads the trace's
-``step`` and ``state`` (which the controller already stores on every step) and its
-open collectives; the step path does not call into this module at all. Each record
-costs the thread one JSON line (~10 us) per interval, i.e. ~1e-5 of one core at 1 s.
+``step`` (which the controller already stores on every step) and its open collectives;
+the step path does not call into this module at all. A beat costs the thread at most one
+JSON line (~10 us), i.e. ~1e-5 of one core at 1 s.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from typing import Any, Callable
 
 from eplb_fsm.periodic import PeriodicThread
 
-__all__ = ["DEFAULT_INTERVAL_S", "Liveness", "check_interval"]
+__all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
 
 DEFAULT_INTERVAL_S = 1.0
+# while the step advances, the thread beats (and writes the run of quiet steps) every this
+# many intervals: one `steps` line (~120 bytes) per 1.5 s, ~8 MB per million steps at
+# 10 steps/s; 1.0 would be ~12 MB, 2.0 would put a live rank's gaps at replay's 2 s limit
+FLUSH_FACTOR = 1.5
+# while the step advances, an `alive` record this often (seconds) all the same: a reader
+# that sees only steps runs still learns the rank's interval and that its thread runs
+HEARTBEAT_S = 30.0
 
 
 def check_interval(interval_s: Any) -> float:
@@ -38,33 +54,63 @@ def check_interval(interval_s: Any) -> float:
 
 
 class Liveness:
-    """Write ``alive`` to ``trace`` every ``interval_s`` seconds from a daemon thread.
+    """Beat every ``interval_s`` seconds from a daemon thread: ``alive`` while waiting, runs while moving.
 
     ``trace``: an :class:`~eplb_fsm.trace.EventTrace` whose ``emit`` is safe from another
     thread (``SharedTrace``), or None until :meth:`start_on`. ``interval_s``: None or 0
-    turns liveness off (``start`` then starts nothing). ``tick()`` writes one record and is
-    what the thread calls, so tests can drive it without the thread. ``steps_seen`` in a
-    record is the trace's step at the previous record (None for the first).
+    turns liveness off (``start`` then starts nothing). :meth:`beat` is what the thread
+    calls (the module docstring says what it writes) and sets the wait before the next
+    beat (:attr:`period`); :meth:`tick` writes one ``alive`` record unconditionally. Both
+    can be driven without the thread; ``clock`` (seconds, monotonic) times the heartbeat. ``steps_seen`` in a record is the trace's step at the
+    previous beat (None for the first).
     """
 
-    def __init__(self, trace: Any, interval_s: float | None = DEFAULT_INTERVAL_S) -> None:
+    def __init__(self, trace: Any, interval_s: float | None = DEFAULT_INTERVAL_S,
+                 heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.trace = trace
         self.interval_s = check_interval(interval_s) if interval_s else None
+        if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) \
+                or not math.isfinite(heartbeat_s) or heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be a finite number > 0 (seconds between alive records), got {heartbeat_s!r}")
+        self.heartbeat_s = float(heartbeat_s)
+        self.clock = clock
+        self.moving = False                      # the last beat saw the step advance: beat every FLUSH_FACTOR intervals
         self._steps_seen: int | None = None
-        self._loop = PeriodicThread("eplb-liveness", lambda: self.interval_s, self._beat)
+        self._last_alive: float | None = None   # clock() at the last alive record
+        self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
+
+    def period(self) -> float | None:
+        """Seconds until the next beat: ``interval_s`` while the rank waits, ``FLUSH_FACTOR`` times it while it moves."""
+        if self.interval_s is None:
+            return None
+        return self.interval_s * FLUSH_FACTOR if self.moving else self.interval_s
 
     def tick(self) -> dict | None:
-        """Write one ``alive`` record now; returns it (None once the trace has ended)."""
+        """Write one ``alive`` record now (the pending run first); returns it (None once the trace has ended)."""
         step = self.trace.step
         record = self.trace.alive(self.interval_s, self._steps_seen)
         self._steps_seen = step
+        self._last_alive = self.clock()
         return record
+
+    def beat(self) -> dict | None:
+        """One beat: an ``alive`` record when the rank waits (its step did not advance since the
+        previous beat, or a traced collective is open), at the first beat and when the heartbeat
+        is due; otherwise the pending run. Returns what was written (an ``alive``, ``steps`` or
+        ``step`` record), or None (nothing pending: the step's own records went out already)."""
+        step = self.trace.step
+        self.moving = step != self._steps_seen and self.trace.waiting_on() is None
+        due = self._last_alive is None or self.clock() - self._last_alive >= self.heartbeat_s
+        if not self.moving or due:
+            return self.tick()
+        self._steps_seen = step
+        return self.trace.flush()
 
     def _beat(self) -> bool:
         if getattr(self.trace, "ended", False):
             return False
         try:
-            self.tick()
+            self.beat()
         except Exception:  # a closed file at shutdown: liveness must never take the engine down
             return False
         return True

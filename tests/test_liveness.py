@@ -98,3 +98,94 @@ def test_controller_refuses_a_bad_liveness_interval():
 
     with pytest.raises(ValueError, match="liveness_interval_s"):
         EplbController(EplbConfig(), liveness_interval_s=-1.0)
+
+
+class _Clock:
+    """A settable monotonic clock (seconds) for driving the heartbeat without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _moving_rank(beats: int, steps_per_beat: int, heartbeat_s: float = 30.0):
+    """A trace counting quiet steps, beaten once per ``steps_per_beat`` steps; returns (trace, liveness, written)."""
+    trace = EventTrace(rank=0, world=2, keep=True)
+    trace.set_context(state="collecting", step=0)
+    clock = _Clock()
+    live = Liveness(trace, interval_s=1.0, heartbeat_s=heartbeat_s, clock=clock)
+    written = []
+    for _ in range(beats):
+        for _ in range(steps_per_beat):
+            trace.count_step()
+            trace.step += 1
+        clock.now += live.period()
+        written.append(live.beat())
+    return trace, live, written
+
+
+def test_beat_writes_runs_while_moving_and_alive_only_at_first_and_heartbeat():
+    """A rank whose step advances: the first beat is alive, then runs only, one alive per heartbeat; every step on record."""
+    trace, live, written = _moving_rank(beats=50, steps_per_beat=15, heartbeat_s=30.0)
+    kinds = [r["event"] if r else None for r in written]
+    assert kinds[0] == "alive" and live.moving and live.period() == 1.5
+    # 1.5 s per beat: the heartbeat (30 s) is due every 20 beats
+    assert [i for i, k in enumerate(kinds) if k == "alive"] == [0, 20, 40]
+    assert all(k == "steps" for i, k in enumerate(kinds) if i not in (0, 20, 40))
+    assert sum(len(range(r["step"], r["step"] + r.get("count", 1))) for r in trace.records
+               if r["event"] in ("step", "steps")) == 50 * 15
+
+
+def test_beat_writes_alive_every_interval_while_the_step_stays_put():
+    """A rank that stops stepping (waits in the engine's collective): every beat is alive with step == steps_seen."""
+    trace, live, _ = _moving_rank(beats=3, steps_per_beat=10)
+    waits = [live.beat() for _ in range(4)]
+    assert all(r["event"] == "alive" for r in waits)
+    assert all(r["step"] == r["steps_seen"] == 30 for r in waits)
+    assert not live.moving and live.period() == 1.0
+    # the first beat after the stop flushed the last run before its alive record
+    assert trace.records[-5]["event"] == "steps" and trace.records[-5]["step"] + trace.records[-5]["count"] == 30
+
+
+def test_beat_writes_alive_while_a_collective_is_open_even_if_steps_advance():
+    """An open traced collective (waiting_on) makes every beat alive, naming it, though the step advances."""
+    trace = EventTrace(rank=0, world=2, keep=True)
+    live = Liveness(trace, interval_s=1.0, clock=_Clock())
+    live.beat()
+    with trace.collective("all_reduce", "engine"):
+        trace.step += 1
+        record = live.beat()
+    assert record["event"] == "alive" and record["waiting_on"] == {"op": "all_reduce", "group": "engine", "cseq": 0}
+    assert not live.moving
+
+
+@pytest.mark.parametrize("bad", [0, -2.0, float("nan"), "30", True])
+def test_bad_heartbeat_is_refused(bad):
+    """heartbeat_s must be a finite number > 0; the error names it."""
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        Liveness(EventTrace(), heartbeat_s=bad)
+
+
+def test_moving_rank_writes_under_100_bytes_a_second_at_10_steps_a_second(tmp_path):
+    """Default interval and heartbeat, 10 steps/s for 120 s of beats: under 100 bytes/s on disk (10 MB per 1M steps)."""
+    trace = EventTrace(rank=3, world=64, trace_dir=tmp_path)
+    trace.set_context(state="collecting", step=1_234_567)
+    trace.seq = 123_456
+    clock = _Clock()
+    live = Liveness(trace, clock=clock)
+    live.beat()
+    trace.flush()
+    size0 = trace.path.stat().st_size
+    while clock.now < 120.0:
+        period = live.period()
+        for _ in range(round(period * 10)):
+            trace.count_step()
+            trace.step += 1
+        clock.now += period
+        live.beat()
+    trace.flush()
+    per_second = (trace.path.stat().st_size - size0) / clock.now
+    trace.close()
+    assert 40 < per_second < 100, per_second
