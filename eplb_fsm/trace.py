@@ -16,7 +16,7 @@ written and flushed at once (a rank killed mid-collective still leaves the start
 on disk), except quiet engine steps: :meth:`EventTrace.count_step` only counts, and the
 counted steps reach the file as one ``steps`` run record (first step, count, dummies)
 right before the next other record, at every :meth:`EventTrace.flush` (the liveness
-thread flushes once per interval) and at ``end``/close (docs/events.md, "Runs of quiet
+thread flushes every 1.5 intervals while steps advance) and at ``end``/close (docs/events.md, "Runs of quiet
 steps"). Files roll by size (:mod:`eplb_fsm.trace_segments`). The library never calls
 ``structlog.configure()``: the host's logging setup is untouched.
 """

@@ -35,15 +35,16 @@ def test_bench_step_cleans_up_its_scratch_traces(capsys):
 
 
 def test_bench_step_reports_disk_use_per_million_steps(tmp_path, capsys):
-    """Disk use: bytes per million steps from the file's growth, and the liveness floor at 10 steps/s."""
+    """Disk use: bytes per million steps from the file's growth, and 10 steps/s under the default config within 10 MB."""
     assert main(["bench", "step", "--json", *SMALL, "--trace-dir", str(tmp_path)]) == 0
     disk = json.loads(capsys.readouterr().out)["disk"]
     assert disk["target_bytes_per_million_steps"] == 10_000_000
     assert disk["meets_target"] is (disk["bytes_per_million_steps"] <= 10_000_000)
-    # one interval writes one alive record and one run: a hundred bytes or more, a few hundred at most
-    assert 100 < disk["per_second_bytes"] < 1000 and disk["liveness_interval_s"] == 1.0
+    # while moving, a run of ~120 bytes every 1.5 s and an alive record every 30 s: 50 to 100 bytes a second
+    assert 50 < disk["per_second_bytes"] < 100 and disk["liveness_interval_s"] == 1.0
     at_10 = disk["at_10_steps_per_s"]
-    # 1M steps at 10 steps/s take 1e5 s of liveness, plus the runs' own bytes (rounding: the per-second figure)
-    expected = disk["per_second_bytes"] * 1e5 + disk["bytes_per_million_steps"]
-    assert abs(at_10["bytes_per_million_steps"] - expected) < 1e4
-    assert at_10["meets_target"] is (at_10["bytes_per_million_steps"] <= 10_000_000)
+    # the paced run took 10 steps per simulated second, and its bytes are the per-second figure's
+    assert at_10["steps"] == 10 * at_10["simulated_seconds"]
+    assert abs(at_10["bytes"] / at_10["simulated_seconds"] - disk["per_second_bytes"]) < 0.1
+    assert at_10["bytes_per_million_steps"] == round(at_10["bytes"] / at_10["steps"] * 1e6)
+    assert at_10["meets_target"] is True and at_10["bytes_per_million_steps"] <= 10_000_000
