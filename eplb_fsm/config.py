@@ -55,6 +55,12 @@ class EplbConfig:
     movement_balancedness_target: float = 0.99
     # EP layout used by the default (hierarchical) policy
     num_nodes: int = 1
+    # async mode: the nice increment the background worker thread gives itself at start
+    # (0-19; Linux renices that one thread): on a CPU-bound host the engine thread wins the CPU
+    async_worker_nice: int = 0
+    # async mode: at most this many bytes of expert rows moved per engine step (0: no limit);
+    # the worker waits for the next step between chunks, so its CPU per step is bounded
+    async_max_bytes_per_step: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +69,8 @@ class EplbConfig:
         _check_int(self.num_redundant_experts, "num_redundant_experts", minimum=0)
         _check_int(self.log_balancedness_interval, "log_balancedness_interval", minimum=1)
         _check_int(self.num_nodes, "num_nodes", minimum=1)
+        _check_int(self.async_worker_nice, "async_worker_nice", minimum=0, maximum=19)
+        _check_int(self.async_max_bytes_per_step, "async_max_bytes_per_step", minimum=0)
         for name in ("use_async", "log_balancedness", "enable_migration_batching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

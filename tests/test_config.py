@@ -55,6 +55,11 @@ def test_from_dict_and_kwargs_agree():
         ({"extra": 3}, "extra", "mapping"),
         ({"policy": "bogus"}, "policy", "one of default, movement_aware"),
         ({"window_size": 10**12}, "window_size", "<= 100000"),
+        ({"async_worker_nice": -1}, "async_worker_nice", ">= 0"),
+        ({"async_worker_nice": 20}, "async_worker_nice", "<= 19"),
+        ({"async_worker_nice": 1.5}, "async_worker_nice", "integer"),
+        ({"async_max_bytes_per_step": -1}, "async_max_bytes_per_step", ">= 0"),
+        ({"async_max_bytes_per_step": "4MB"}, "async_max_bytes_per_step", "integer"),
     ],
 )
 def test_bad_values_name_field_and_rule(changes, field, rule):
@@ -116,3 +121,10 @@ def test_from_file_reads_a_path_and_from_json_says_so(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"window_size": 0}))
     with pytest.raises(ValueError, match="bad.json.*window_size must be >= 1"):
         EplbConfig.from_file(tmp_path / "bad.json")
+
+
+def test_async_knobs_default_off_and_round_trip():
+    """async_worker_nice and async_max_bytes_per_step default to 0 (off) and survive to_dict/from_dict."""
+    assert (EplbConfig().async_worker_nice, EplbConfig().async_max_bytes_per_step) == (0, 0)
+    cfg = EplbConfig(use_async=True, async_worker_nice=10, async_max_bytes_per_step=4 << 20)
+    assert EplbConfig.from_dict(cfg.to_dict()) == cfg

@@ -152,3 +152,54 @@ def test_world4_sync_and_async_agree_and_stay_exact():
     for res in (sync, async_):
         assert sum(1 for h in res["history"] if h[2] == "committed") >= 2
         assert res["history"][0][3] > 0
+
+
+def _first_rearrangement(rank: int, world: int, max_bytes: int) -> dict:
+    """Async, one forced load shift: run until the first rearrangement ends; its placement, steps and outputs."""
+    import torch.distributed as dist
+
+    from eplb_fsm import EplbConfig, EplbController
+    from eplb_fsm.sim.model import ToyMoE
+
+    group = dist.group.WORLD
+    model = ToyMoE(num_layers=3, num_experts=8, num_redundant=4, hidden=16, rank=rank, world_size=world)
+    config = EplbConfig(window_size=8, step_interval=12, num_redundant_experts=4, use_async=True,
+                        collective_timeout_s=5.0, async_max_bytes_per_step=max_bytes)
+    ctl = EplbController(config, group=group, keep_trace=True)
+    ctl.add_model(model, "main")
+    model.set_load_target(_target(3, 8, seed=3))
+    mismatches, step = [], 0
+    while not ctl.history and step < 300:
+        x = model.make_batch(step, 48)
+        if not torch.equal(model.forward(x, group), model.reference_forward(x)):
+            mismatches.append(step)
+        ctl.step()
+        step += 1
+    h = ctl.history[0] if ctl.history else {}
+    out = {
+        "outcome": h.get("outcome"), "steps_taken": h.get("end_step", 0) - h.get("step", 0), "moves": h.get("moves"),
+        "phy2log": ctl.maps("main").phy2log.tolist(), "bad_rows": model.check_weights(ctl.maps("main").phy2log),
+        "mismatches": mismatches, "chunk_waits": ctl.mover.chunk_waits,
+        "row_bytes": sum(t[0].numel() * t.element_size() for t in model.expert_weights[0]),
+    }
+    ctl.close()
+    return out
+
+
+def _chunked_vs_whole(rank: int, world: int) -> list[dict]:
+    whole = _first_rearrangement(rank, world, 0)
+    chunked = _first_rearrangement(rank, world, 2 * whole["row_bytes"])   # two expert rows per engine step
+    return [whole, chunked]
+
+
+def test_chunked_async_transfer_ends_bit_exact_with_the_same_placement():
+    """World 2, async_max_bytes_per_step = 2 rows: the same placement, exact weights, outputs unchanged, more steps."""
+    results = run_ranks(_chunked_vs_whole, 2, timeout=150)
+    for whole, chunked in results:
+        for res in (whole, chunked):
+            assert res["outcome"] == "committed" and res["moves"] > 0
+            assert res["bad_rows"] == [] and res["mismatches"] == []
+        assert chunked["phy2log"] == whole["phy2log"]
+        assert whole["chunk_waits"] == 0 and chunked["chunk_waits"] > 0
+        assert chunked["steps_taken"] > whole["steps_taken"]
+    assert results[0][1]["phy2log"] == results[1][1]["phy2log"]

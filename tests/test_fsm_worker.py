@@ -113,3 +113,42 @@ def test_cuda_jobs_run_on_the_worker_stream():
         assert job.done() and job.cuda_event is not None
         job.wait_stream()
         assert torch.equal(dst, src)
+
+
+def test_nice_is_applied_to_the_worker_thread_only():
+    """nice=5: the worker thread's own priority (read back by its native id) is the process's + 5; the caller's is unchanged."""
+    import os
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with BackgroundWorker(nice=5) as worker:
+        assert worker.native_id is not None and worker.native_id != threading.get_native_id()
+        seen = worker.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(timeout=10)
+        assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == seen == min(19, mine + 5) == worker.niced_to
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_nice_zero_leaves_the_priority_alone():
+    """nice=0 (the default): the worker keeps the process's priority."""
+    import os
+
+    with BackgroundWorker() as worker:
+        assert worker.niced_to is None
+        assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_step_pacer_waits_for_the_next_step_and_gives_up_after_its_bound():
+    """wait() returns at once when the step moved since begin(), waits for it otherwise, and stops waiting at max_wait_s."""
+    from eplb_fsm.fsm.worker import StepPacer
+
+    box = {"step": 0}
+    pacer = StepPacer(lambda: box["step"], max_wait_s=30.0, poll_s=0.001)
+    pacer.begin()
+    box["step"] = 1
+    assert pacer.wait() is True and pacer.waits == 0          # moved already: no wait
+    timer = threading.Timer(0.05, lambda: box.update(step=2))
+    timer.start()
+    assert pacer.wait() is True and box["step"] == 2 and pacer.waits == 1
+    timer.join()
+    short = StepPacer(lambda: box["step"], max_wait_s=0.01, poll_s=0.001)
+    short.begin()
+    assert short.wait() is False and short.timeouts == 1      # the engine stopped stepping: go on anyway

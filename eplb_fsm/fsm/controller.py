@@ -113,13 +113,14 @@ class EplbController:
         # before a layer's transfer, in the thread that runs it; raising = a transfer error
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
-                                self.transfer_hooks)
+                                self.transfer_hooks,
+                                config.async_max_bytes_per_step if config.use_async else 0)
         self.collectives.new_transfer_group()
         self.worker = None
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
 
-            self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}")
+            self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}", nice=config.async_worker_nice)
         self.rearranger = Rearranger(machine=self.machine, fire=self.fire, config=config, policy=self.policy,
                                      models=self.models, counters=self.counters, collectives=self.collectives,
                                      mover=self.mover, reporter=self.reporter, worker=self.worker, trace=self.trace)

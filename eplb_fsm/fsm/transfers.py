@@ -16,6 +16,7 @@ import torch
 
 from eplb_fsm.fsm.collectives import Collectives, flags
 from eplb_fsm.fsm.model_entry import ModelEntry
+from eplb_fsm.fsm.worker import StepPacer
 from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
 
 __all__ = ["LayerMover", "ready_flags"]
@@ -27,15 +28,20 @@ class LayerMover:
     ``models``: the controller's list of :class:`ModelEntry` (shared, grows with
     ``add_model``); ``hooks``: called as ``hook(global_layer, model_name, model_layer)`` right
     before a layer's transfer, in the thread that runs it (raising = a transfer error).
+    ``max_bytes_per_step`` > 0 (async mode's ``async_max_bytes_per_step``): a layer's messages
+    go in chunks of at most that many bytes, waiting for the next engine step (``trace.step``
+    advancing) between two (:class:`~eplb_fsm.fsm.worker.StepPacer`).
     """
 
     def __init__(self, models: list[ModelEntry], collectives: Collectives, trace: Any, batching: bool,
-                 hooks: list[Callable[[int, str, int], None]]) -> None:
+                 hooks: list[Callable[[int, str, int], None]], max_bytes_per_step: int = 0) -> None:
         self.models = models
         self.collectives = collectives
         self.trace = trace
         self.batching = bool(batching)
         self.hooks = hooks
+        self.max_bytes_per_step = int(max_bytes_per_step)
+        self.chunk_waits = 0     # chunks that waited for the next engine step (all layers)
 
     def locate(self, layer: int) -> tuple[ModelEntry, int]:
         """The model a global layer index belongs to, and the layer's index within it."""
@@ -53,11 +59,20 @@ class LayerMover:
         for hook in list(self.hooks):
             hook(layer, entry.name, local)
         comm = self.collectives
-        return transfer_layer_to_buffer(
-            entry.maps.phy2log[local].copy(), new_phy2log[entry.index][local],
-            comm.wrap(entry.model.expert_weights[local]), entry.buffer, layer=layer,
-            communicator=comm.communicator, trace=self.trace, migration_batching=self.batching,
-        )
+        pacer = None
+        if self.max_bytes_per_step > 0:
+            pacer = StepPacer(lambda: self.trace.step)
+            pacer.begin()
+        try:
+            return transfer_layer_to_buffer(
+                entry.maps.phy2log[local].copy(), new_phy2log[entry.index][local],
+                comm.wrap(entry.model.expert_weights[local]), entry.buffer, layer=layer,
+                communicator=comm.communicator, trace=self.trace, migration_batching=self.batching,
+                max_chunk_bytes=self.max_bytes_per_step, between_chunks=pacer.wait if pacer else None,
+            )
+        finally:
+            if pacer is not None:
+                self.chunk_waits += pacer.waits
 
     def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
         """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op)."""

@@ -11,7 +11,13 @@ event after it; ``Job.done()`` is true only once that event has completed, and
 ``Job.wait_stream()`` makes the caller's stream wait for it before the buffer is read.
 Without a GPU that path is never taken.
 
-Every wait here is bounded: ``result(timeout)``, ``wait_idle(timeout)``, ``close(timeout)``.
+Every wait here is bounded: ``result(timeout)``, ``wait_idle(timeout)``, ``close(timeout)``,
+and :class:`StepPacer`'s wait for the next engine step.
+
+Two knobs bound what the worker takes from the engine on a CPU-bound host
+(``EplbConfig.async_worker_nice``, ``async_max_bytes_per_step``; docs/guide.md): the worker
+thread renices itself at start (:func:`renice_this_thread`), and a layer's transfer can go in
+chunks with a wait for the next engine step between them (:class:`StepPacer`).
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -80,13 +88,82 @@ class Job:
         return f"Job(id={self.id}, kind={self.kind!r}, layer={self.layer}, {status})"
 
 
+_RENICE_WARNED = False
+
+
+def renice_this_thread(increment: int) -> int | None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: per thread); returns the new value.
+
+    Where threads cannot be reniced one by one (no ``os.setpriority``, or not Linux, where it
+    would renice the whole process) it does nothing and warns once per process; returns None.
+    """
+    global _RENICE_WARNED
+    if not increment:
+        return None
+    if not hasattr(os, "setpriority") or not os.uname().sysname == "Linux":
+        if not _RENICE_WARNED:
+            _RENICE_WARNED = True
+            warnings.warn("async_worker_nice: this platform cannot renice one thread; the worker keeps the "
+                          "process's priority", RuntimeWarning, stacklevel=2)
+        return None
+    tid = threading.get_native_id()
+    value = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    os.setpriority(os.PRIO_PROCESS, tid, value)
+    return value
+
+
+class StepPacer:
+    """Between two chunks of a transfer, wait until the engine has stepped since the previous chunk began.
+
+    ``step()``: the engine's current step (the controller's trace step, stored by every
+    ``step()`` call). :meth:`begin` notes the step a chunk starts at; :meth:`wait` returns once
+    the step differs from it, or after ``max_wait_s`` (an engine that stopped stepping, e.g. a
+    drain at close, must not hold the transfer forever), polling every ``poll_s``.
+    Returns True when the step advanced.
+    """
+
+    def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005) -> None:
+        self.step = step
+        self.max_wait_s = max_wait_s
+        self.poll_s = poll_s
+        self.started_at: int | None = None
+        self.waits = 0           # chunks that found the step not yet advanced
+        self.timeouts = 0        # waits that ended by max_wait_s
+
+    def begin(self) -> None:
+        self.started_at = self.step()
+
+    def wait(self) -> bool:
+        start = self.started_at
+        if start is None or self.step() != start:
+            self.begin()
+            return True
+        self.waits += 1
+        deadline = time.monotonic() + self.max_wait_s
+        while self.step() == start:
+            if time.monotonic() >= deadline:
+                self.timeouts += 1
+                self.begin()
+                return False
+            time.sleep(self.poll_s)
+        self.begin()
+        return True
+
+
 class BackgroundWorker:
-    """A daemon thread with its own asyncio loop that runs submitted jobs one at a time."""
+    """A daemon thread with its own asyncio loop that runs submitted jobs one at a time.
+
+    ``nice``: the thread's nice increment, applied by the thread itself at start
+    (:func:`renice_this_thread`; 0: none). ``native_id``: the thread's OS id once started.
+    """
 
     def __init__(self, device: torch.device | str | None = None, name: str = "eplb-worker",
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, nice: int = 0) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.name = name
+        self.nice = int(nice)
+        self.native_id: int | None = None
+        self.niced_to: int | None = None   # the nice value the thread set (None: unchanged)
         self.stream = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -108,7 +185,10 @@ class BackgroundWorker:
     # -- thread body -----------------------------------------------------
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
+        self.native_id = threading.get_native_id()
         try:
+            # the thread's own priority, before any job: it yields the CPU to the engine thread
+            self.niced_to = renice_this_thread(self.nice)
             if self.device.type == "cuda":
                 # the worker's own stream: transfers overlap the engine's compute
                 self.stream = torch.cuda.Stream(device=self.device)

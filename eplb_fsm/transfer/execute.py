@@ -275,8 +275,14 @@ def transfer_layer_to_buffer(
     trace: Any = None,
     migration_batching: bool = False,
     timeout: float | None = None,
+    max_chunk_bytes: int = 0,
+    between_chunks: Any = None,
 ) -> PendingLayer:
     """Run one layer's local copies and messages into ``buffer``; the weights stay untouched.
+
+    ``max_chunk_bytes`` > 0: the messages go in chunks of at most that many bytes of rows,
+    cut alike on every rank (:mod:`eplb_fsm.transfer.chunks`), calling ``between_chunks()``
+    between two (the async worker waits there for the next engine step).
 
     ``old_phy2log_row``/``new_phy2log_row``: the layer's (P,) rows. ``layer_weights``: this
     rank's list of tensors (S, ...) for the layer (a list over ranks with a multi-rank
@@ -298,7 +304,15 @@ def transfer_layer_to_buffer(
     if prep.layer != layer:
         prep = dataclasses.replace(prep, layer=layer)
     with _stream(comm):
-        run_layer(prep, weights, buffers, comm, traces)
+        if max_chunk_bytes > 0:
+            from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
+
+            for i, part in enumerate(chunk_layer(prep, row_bytes(next(iter(weights.values()))), max_chunk_bytes)):
+                if i and between_chunks is not None:
+                    between_chunks()
+                run_layer(part, weights, buffers, comm, traces)
+        else:
+            run_layer(prep, weights, buffers, comm, traces)
     return PendingLayer(
         layer=layer,
         plans=prep.plans,
