@@ -82,8 +82,24 @@ def test_ratios_and_targets_follow_from_the_medians(result):
     (["--experts", "7", "--redundant", "0"], "must be divisible by --ranks"),
     (["--warm", "2"], "--warm must be >= 4"),
     (["--worker-nice", "25"], "--worker-nice must be in 0..19"),
+    (["--max-bytes-per-step", "-1"], "--max-bytes-per-step must be >= 0"),
 ])
 def test_bad_settings_are_refused_before_any_rank_starts(argv, message, capsys):
     """A bad option is named with its rule (usage error, exit 2), and nothing is launched."""
     assert main(["bench", "stall", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_device_engine_with_both_knobs_stays_exact_and_paces_the_async_transfer():
+    """--engine device --worker-nice 5 --max-bytes-per-step (one row): both modes exact, async spread over more steps."""
+    out = io.StringIO()
+    argv = [*SMALL[:-6], "--tail", "1", "--repeats", "1", "--timeout", "180", "--engine", "device",
+            "--worker-nice", "5", "--max-bytes-per-step", "2048"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stdout", out)
+        assert main(["bench", "stall", "--json", *argv]) == 0
+    res = json.loads(out.getvalue())
+    assert (res["engine"], res["worker_nice"], res["max_bytes_per_step"]) == ("device", 5, 2048)
+    assert res["same_placement"] and res["bit_exact"]
+    # 0.5 MB over 2 layers x 4 slots x 2 tensors: 16 KB rows; 2 KB per step still moves a row per step
+    assert res["async"]["steps_to_commit"] > res["moved_slots"] // 2

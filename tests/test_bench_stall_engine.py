@@ -65,3 +65,24 @@ def test_engine_step_records_every_token_on_the_replicas_of_its_expert():
     for layer in range(2):
         per_expert = np.bincount(maps.phy2log[layer], weights=got[layer], minlength=6)
         np.testing.assert_array_equal(per_expert, load[layer])
+
+
+def test_device_engine_waits_instead_of_computing_and_records_the_same_load():
+    """engine='device': the step sleeps the matmul's measured median (CPU idle) and records the same load."""
+    import time
+
+    loads = []
+    for engine in ("matmul", "device"):
+        model = _model()
+        maps = ExpertMaps.initial(2, 6, 8)
+        load_pass = torch.zeros(2, 8, dtype=torch.int64)
+        model.set_eplb_state(load_pass, torch.from_numpy(maps.log2phy.copy()),
+                             torch.from_numpy(maps.replica_count.copy()))
+        step = EngineStep(model, np.array([[7, 4, 1, 0, 2, 3], [1, 1, 1, 1, 1, 1]]), matmul=64, engine=engine)
+        step()
+        loads.append(load_pass.numpy().copy())
+        if engine == "device":
+            assert step.device_s > 0 and step.out.shape == (64, 64)
+    np.testing.assert_array_equal(loads[0], loads[1])
+    with pytest.raises(ValueError, match="engine must be one of matmul, device"):
+        EngineStep(_model(), np.zeros((2, 6), dtype=np.int64), matmul=16, engine="gpu")

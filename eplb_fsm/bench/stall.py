@@ -25,11 +25,13 @@ its wall time grows and the other threads' CPU rises. ``--engine-threads`` sets
 ``torch.set_num_threads`` in every rank (intra-op threads of the engine's matmul and of
 the worker's copies alike). Each step is also split into the engine's own work
 (``work_extra``: the same matmul, load and all-reduce, slowed only by contention) and
-the rest (``controller_extra``: the controller's calls). Two knobs that are not config
-fields can be tried: ``--worker-nice`` lowers the priority of the threads the controller
-starts (found as the threads that appear while it is constructed, no internals used)
-and ``--switch-interval`` sets Python's GIL switch interval. The machine's load
-average (what ``uptime`` prints) is recorded before and after.
+the rest (``controller_extra``: the controller's calls). The two config knobs that bound
+the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread renices
+itself) and ``--max-bytes-per-step`` (``async_max_bytes_per_step``: the transfer goes in
+chunks of at most that many bytes, one per engine step); ``--switch-interval`` sets
+Python's GIL switch interval. ``--engine device`` replaces the matmul by a CPU-idle wait
+of its median time (a GPU engine as the host sees it; bench/stall_engine.py). The
+machine's load average (what ``uptime`` prints) is recorded before and after.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
@@ -66,7 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="sync + async pairs, alternating order (default 3)")
     parser.add_argument("--engine-threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     parser.add_argument("--worker-nice", type=int, default=0,
-                        help="nice increment for the threads the async controller starts (default 0: none)")
+                        help="config async_worker_nice: the async worker thread's nice increment (default 0: none)")
+    parser.add_argument("--max-bytes-per-step", type=int, default=0,
+                        help="config async_max_bytes_per_step: bytes the async worker moves per engine step "
+                             "(default 0: no limit)")
+    parser.add_argument("--engine", choices=("matmul", "device"), default="matmul",
+                        help="engine step: a CPU matmul, or a CPU-idle wait of its median time modelling a GPU "
+                             "engine (default matmul)")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="sys.setswitchinterval in every rank, seconds (default 0: Python's 0.005)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the skewed load")
@@ -91,6 +98,7 @@ def _check(args: argparse.Namespace) -> None:
         (args.engine_threads >= 1, f"--engine-threads must be >= 1, got {args.engine_threads}"),
         (0 <= args.switch_interval <= 1, f"--switch-interval must be in 0..1 s, got {args.switch_interval}"),
         (0 <= args.worker_nice <= 19, f"--worker-nice must be in 0..19, got {args.worker_nice}"),
+        (args.max_bytes_per_step >= 0, f"--max-bytes-per-step must be >= 0, got {args.max_bytes_per_step}"),
         (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}"),
     ]
     for ok, message in rules:
@@ -116,22 +124,15 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str) -> dict:
     from eplb_fsm.fsm.controller import EplbController
 
     config = EplbConfig(window_size=cfg["warm"], step_interval=10**9, num_redundant_experts=cfg["redundant"],
-                        use_async=mode == "async", collective_timeout_s=cfg["collective_timeout_s"])
+                        use_async=mode == "async", collective_timeout_s=cfg["collective_timeout_s"],
+                        async_worker_nice=cfg["worker_nice"], async_max_bytes_per_step=cfg["max_bytes_per_step"])
     model = HeavyMoE(cfg["layers"], cfg["experts"], cfg["redundant"], cfg["hidden"], rank, world)
-    before = {t.native_id for t in threading.enumerate()}
     controller = EplbController(config)
     try:
-        if cfg["worker_nice"]:
-            # Linux nices threads one by one: lower the priority of the threads the controller
-            # started (its background worker), so the engine thread wins when cores are short
-            for thread in threading.enumerate():
-                if thread.native_id not in before:
-                    os.setpriority(os.PRIO_PROCESS, thread.native_id,
-                                   os.getpriority(os.PRIO_PROCESS, 0) + cfg["worker_nice"])
         controller.add_model(model, "main")
         model.load_weights(controller.maps("main").phy2log)
         load = skewed_load(cfg["seed"], cfg["layers"], cfg["experts"], tokens=4096)
-        engine = EngineStep(model, load, cfg["matmul"], seed=cfg["seed"])
+        engine = EngineStep(model, load, cfg["matmul"], seed=cfg["seed"], engine=cfg["engine"])
         # a full collection of everything torch and the earlier runs left takes ~100 ms here and
         # lands in whichever step it likes: freeze what exists (as a long-running engine does
         # after start-up) so the measured steps only ever scan what they create
@@ -281,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"layers": args.layers, "experts": args.experts, "redundant": args.redundant, "hidden": hidden,
            "matmul": args.matmul, "warm": args.warm, "tail": args.tail, "max_steps": args.max_steps,
            "repeats": args.repeats, "seed": args.seed, "worker_nice": args.worker_nice,
+           "max_bytes_per_step": args.max_bytes_per_step, "engine": args.engine,
            "switch_interval": args.switch_interval, "collective_timeout_s": max(10.0, args.timeout / 4)}
     load_before = os.getloadavg()
     per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
@@ -308,6 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul": args.matmul,
         "engine_threads": args.engine_threads,
         "worker_nice": args.worker_nice,
+        "max_bytes_per_step": args.max_bytes_per_step,
+        "engine": args.engine,
         "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
         "repeats": args.repeats,
         "sync": _rounded(sync),

@@ -12,16 +12,26 @@ be checked bit for bit against the expert the committed maps put there.
 gives a step its baseline time), the routed load of a skewed, fixed token distribution
 recorded through the router's current maps, and one small all-reduce over the EP group
 (the engine's own collective, which keeps the ranks in lockstep as a real one does).
+
+Two engine models (``engine=``): ``matmul`` computes on the CPU, so on a small box every
+CPU millisecond of the async worker comes out of the engine's; ``device`` models a GPU
+engine whose compute leaves the host CPU idle: the step sleeps for the median time the
+same matmul took at construction (measured once per rank), which is what a serving step
+looks like to the host while the kernels run.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["HeavyMoE", "EngineStep", "expert_value", "skewed_load"]
+__all__ = ["ENGINES", "HeavyMoE", "EngineStep", "expert_value", "skewed_load"]
+
+ENGINES = ("matmul", "device")
 
 
 def expert_value(layer: int, expert: int, tensor: int) -> float:
@@ -85,15 +95,29 @@ class HeavyMoE:
 
 
 class EngineStep:
-    """One engine step: matmul (n, n) @ (n, n), route a fixed load, all-reduce ``combine`` floats."""
+    """One engine step: matmul (n, n) @ (n, n) (``engine="matmul"``) or a CPU-idle wait of its
+    median time (``engine="device"``), then route a fixed load and all-reduce ``combine`` floats."""
 
-    def __init__(self, model: HeavyMoE, load: np.ndarray, matmul: int, combine: int = 4096, seed: int = 0) -> None:
+    def __init__(self, model: HeavyMoE, load: np.ndarray, matmul: int, combine: int = 4096, seed: int = 0,
+                 engine: str = "matmul") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         gen = torch.Generator().manual_seed(seed)
         self.a = torch.randn(matmul, matmul, generator=gen)
         self.b = torch.randn(matmul, matmul, generator=gen)
         self.model = model
         self.load = torch.from_numpy(load)           # (L, N) tokens per logical expert
         self.combine = torch.zeros(min(combine, matmul * matmul))
+        self.engine = engine
+        self.device_s = 0.0
+        self.out = None
+        if engine == "device":
+            took = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                self.out = self.a @ self.b
+                took.append(time.perf_counter() - t0)
+            self.device_s = statistics.median(took)   # the kernel time the host waits out
 
     def _record_load(self) -> None:
         """Spread each expert's tokens evenly over its replicas (the router's maps, read now)."""
@@ -107,7 +131,11 @@ class EngineStep:
             model.load_pass.scatter_add_(1, slots, tokens)
 
     def __call__(self, group: Any = None) -> None:
-        out = self.a @ self.b
+        if self.engine == "device":
+            time.sleep(self.device_s)   # the host waits on the device: its CPU is free meanwhile
+            out = self.out
+        else:
+            out = self.a @ self.b
         self._record_load()
         import torch.distributed as dist
 
