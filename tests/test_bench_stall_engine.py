@@ -69,7 +69,6 @@ def test_engine_step_records_every_token_on_the_replicas_of_its_expert():
 
 def test_device_engine_waits_instead_of_computing_and_records_the_same_load():
     """engine='device': the step sleeps the matmul's measured median (CPU idle) and records the same load."""
-    import time
 
     loads = []
     for engine in ("matmul", "device"):
