@@ -60,9 +60,9 @@ class Liveness:
     thread (``SharedTrace``), or None until :meth:`start_on`. ``interval_s``: None or 0
     turns liveness off (``start`` then starts nothing). :meth:`beat` is what the thread
     calls (the module docstring says what it writes) and sets the wait before the next
-    beat (:attr:`period`); :meth:`tick` writes one ``alive`` record unconditionally. Both
-    can be driven without the thread; ``clock`` (seconds, monotonic) times the heartbeat. ``steps_seen`` in a record is the trace's step at the
-    previous beat (None for the first).
+    beat (:meth:`period`); :meth:`tick` writes one ``alive`` record unconditionally. Both
+    can be driven without the thread; ``clock`` (seconds, monotonic) times the heartbeat.
+    ``steps_seen`` in a record is the trace's step at the previous beat (None for the first).
     """
 
     def __init__(self, trace: Any, interval_s: float | None = DEFAULT_INTERVAL_S,
@@ -71,7 +71,8 @@ class Liveness:
         self.interval_s = check_interval(interval_s) if interval_s else None
         if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) \
                 or not math.isfinite(heartbeat_s) or heartbeat_s <= 0:
-            raise ValueError(f"heartbeat_s must be a finite number > 0 (seconds between alive records), got {heartbeat_s!r}")
+            raise ValueError("heartbeat_s must be a finite number > 0 (seconds between alive records), "
+                             f"got {heartbeat_s!r}")
         self.heartbeat_s = float(heartbeat_s)
         self.clock = clock
         self.moving = False                      # the last beat saw the step advance: beat every FLUSH_FACTOR intervals
