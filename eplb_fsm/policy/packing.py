@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["balanced_packing", "descending_order", "float_rows", "pack_in_rounds", "pack_per_item", "row_offsets"]
+__all__ = [
+    "balanced_packing",
+    "descending_keys",
+    "descending_order",     "float_rows",
+    "pack_in_rounds",
+    "pack_per_item",
+    "row_offsets",
+]
 
 # Largest int64 key: marks a full pack, above every open pack's key.
 _FULL = np.iinfo(np.int64).max
@@ -47,19 +54,29 @@ def row_offsets(num_rows: int, width: int) -> np.ndarray:
     return (np.arange(num_rows, dtype=np.int64) * width)[:, None]
 
 
+def descending_keys(weight: np.ndarray) -> np.ndarray:
+    """Unique int64 sort keys of a float32 ``(R, n)`` array: ascending key = descending weight.
+
+    Key = order-preserving bit pattern of the weight (-0.0 counts as 0.0), reversed, then
+    the item index in the low 31 bits (``key & 0x7FFFFFFF``), so equal weights order by
+    ascending index. Needs n < 2**31.
+    """
+    num_items = weight.shape[1]
+    bits = (weight + np.float32(0.0)).view(np.int32).astype(np.int64)  # + 0 turns -0.0 into 0.0
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # same order as the floats, in [-2**31, 2**31)
+    return ((0x7FFFFFFF - monotone) << 31) | np.arange(num_items, dtype=np.int64)
+
+
 def descending_order(weight: np.ndarray) -> np.ndarray:
     """Stable descending order of every row: ``(R, n) float -> (R, n)`` int64 item indices.
 
     Equal weights keep ascending index order (-0.0 counts as 0.0). For float32 the sort
-    runs on unique int64 keys (order-preserving bit pattern, then index), which numpy
-    sorts several times faster than a stable argsort of the floats.
+    runs on :func:`descending_keys`, which numpy sorts several times faster than a stable
+    argsort of the floats.
     """
-    num_rows, num_items = weight.shape
-    if weight.dtype != np.float32 or num_items >= 2**31:
+    if weight.dtype != np.float32 or weight.shape[1] >= 2**31:
         return np.argsort(-weight, axis=1, kind="stable")
-    bits = (weight + np.float32(0.0)).view(np.int32).astype(np.int64)  # + 0 turns -0.0 into 0.0
-    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # same order as the floats, in [-2**31, 2**31)
-    key = ((0x7FFFFFFF - monotone) << 31) | np.arange(num_items, dtype=np.int64)
+    key = descending_keys(weight)
     key.sort(axis=1)
     return key & 0x7FFFFFFF
 
@@ -144,45 +161,53 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     capacity = num_items // num_packs
     count_bits = int(capacity).bit_length()
     count_mask = (1 << count_bits) - 1
-    width = num_items + num_packs  # padded: a step reads m items past a row's next one
+    # Keys are (R, m + 1): column m is a _FULL sentinel that stays last and is never taken,
+    # so the taken prefix's length is the first False along a row. Element-wise work runs
+    # on flat 1-D views, which numpy iterates without a per-row overhead.
+    keys_width = num_packs + 1
+    width = num_items + keys_width  # padded: a step reads m + 1 items from a row's next one
     padded = np.zeros((num_rows, width), dtype=np.float32)
     padded[:, :num_items] = sorted_w
     flat_w = padded.reshape(-1)
     record = np.empty(num_rows * width, dtype=np.int64)  # key each visited item met, by position
 
-    keys = np.broadcast_to(np.arange(num_packs, dtype=np.int64) << count_bits, (num_rows, num_packs)).copy()
+    keys = np.full((num_rows, keys_width), _FULL, dtype=np.int64)
+    keys[:, :num_packs] = np.arange(num_packs, dtype=np.int64) << count_bits
     # fill[low half] is _FULL where the count reaches capacity: np.maximum then marks the pack full.
     fill = np.zeros(num_packs << count_bits, dtype=np.int64)
     fill[(np.arange(num_packs) << count_bits) + capacity] = _FULL
     row_start = row_offsets(num_rows, width)[:, 0]
     next_item = row_start.copy()  # flat index of each row's next item
     row_end = row_start + num_items
-    steps = np.arange(num_packs, dtype=np.int64)
+    steps = np.arange(keys_width, dtype=np.int64)
     live = num_rows + 1
     while True:
         if len(keys) < live:  # fewer rows than the buffers: size them to the live rows
             live = len(keys)
-            index = np.empty((live, num_packs), dtype=np.int64)
-            items = np.empty((live, num_packs), dtype=np.float32)
-            updated = np.empty((live, num_packs), dtype=np.int64)
-            taken = np.empty((live, num_packs), dtype=bool)
-            # below[:, j] = the smallest updated key of q_0..q_{j-1}; column 0 is _FULL, so an
-            # open lightest pack is always taken and a done row (all keys _FULL) never is.
-            below = np.full((live, num_packs + 1), _FULL, dtype=np.int64)
-            updated_total = updated.view(np.float32)[:, 1::2]  # high half of each key (little-endian)
-            updated_low = updated.view(np.uint32)[:, 0::2]
+            index = np.empty((live, keys_width), dtype=np.int64)
+            items = np.empty(live * keys_width, dtype=np.float32)
+            updated = np.empty(live * keys_width, dtype=np.int64)
+            lowest = np.empty((live, keys_width), dtype=np.int64)
+            taken = np.empty((live, keys_width), dtype=bool)
+            updated_total = updated.view(np.float32)[1::2]  # high half of each key (little-endian)
+            updated_low = updated.view(np.uint32)[0::2]
+            lowest_flat, taken_flat = lowest.reshape(-1), taken.reshape(-1)
+        flat_keys = keys.reshape(-1)
         keys.sort(axis=1)
         np.add(next_item[:, None], steps, out=index)
-        flat_w.take(index, out=items)
+        flat_w.take(index.reshape(-1), out=items)
         record[index] = keys  # items past the taken prefix are rewritten by a later step
-        np.add(keys, 1, out=updated)  # count + 1 (a full pack's _FULL wraps; it is never taken)
-        np.add(keys.view(np.float32)[:, 1::2], items, out=updated_total)  # float32 running sum
+        np.add(flat_keys, 1, out=updated)  # count + 1 (_FULL wraps: such keys are never taken)
+        np.add(flat_keys.view(np.float32)[1::2], items, out=updated_total)  # float32 running sum
         np.maximum(updated, fill.take(updated_low), out=updated)
-        np.minimum.accumulate(updated, axis=1, out=below[:, 1:])
-        # Taken is a prefix: once q_j >= below[j], every later (larger) q stays above below.
-        np.less(keys, below[:, :num_packs], out=taken)
-        np.copyto(keys, updated, where=taken)
-        next_item += taken.sum(axis=1)
+        np.minimum.accumulate(updated.reshape(live, keys_width), axis=1, out=lowest)
+        # q_j is taken if below the updated keys of q_0..q_{j-1}; the flat shift compares
+        # column 0 with the previous row, so column 0 is set after: taken if the pack is open.
+        # Taken is a prefix: once q_j >= that minimum, every later (larger) q stays above it.
+        np.less(flat_keys[1:], lowest_flat[:-1], out=taken_flat[1:])
+        np.not_equal(keys[:, 0], _FULL, out=taken[:, 0])
+        np.copyto(flat_keys, updated, where=taken_flat)
+        next_item += taken.argmin(axis=1)
         unfinished = next_item != row_end
         still = int(np.count_nonzero(unfinished))
         if still == 0:
