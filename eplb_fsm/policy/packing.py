@@ -31,6 +31,10 @@ __all__ = [
     "row_offsets",
 ]
 
+# Up to this many items past the first m, the per-item loop (one iteration each) costs
+# less than the rounds path's set-up (e.g. the policy's groups onto nodes: 8 into 4).
+_PER_ITEM_MAX = 16
+
 # Largest int64 key: marks a full pack, above every open pack's key.
 _FULL = np.iinfo(np.int64).max
 
@@ -111,7 +115,7 @@ def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarra
     if num_packs == 1:
         chosen = np.zeros((num_rows, num_items), dtype=np.int64)
         arrival = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
-    elif _rounds_apply(w, num_packs, capacity):
+    elif num_items - num_packs > _PER_ITEM_MAX and _rounds_apply(w, num_packs, capacity):
         sorted_w = w.reshape(-1)[flat_order].reshape(num_rows, num_items)
         chosen, arrival = pack_in_rounds(sorted_w, num_packs)
     else:
@@ -168,8 +172,13 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     width = num_items + keys_width  # padded: a step reads m + 1 items from a row's next one
     padded = np.zeros((num_rows, width), dtype=np.float32)
     padded[:, :num_items] = sorted_w
-    flat_w = padded.reshape(-1)
-    record = np.empty(num_rows * width, dtype=np.int64)  # key each visited item met, by position
+    record = np.empty((num_rows, width), dtype=np.int64)  # key each visited item met, by position
+    # Row i of these (overlapping, read-only for items) views is the m + 1 positions from
+    # flat position i, so one index per row reads or writes a whole step's window.
+    item_windows = np.lib.stride_tricks.as_strided(
+        padded, shape=(padded.size - keys_width + 1, keys_width), strides=(4, 4), writeable=False
+    )
+    record_windows = np.lib.stride_tricks.as_strided(record, shape=(record.size - keys_width + 1, keys_width), strides=(8, 8))
 
     keys = np.full((num_rows, keys_width), _FULL, dtype=np.int64)
     keys[:, :num_packs] = np.arange(num_packs, dtype=np.int64) << count_bits
@@ -179,13 +188,10 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     row_start = row_offsets(num_rows, width)[:, 0]
     next_item = row_start.copy()  # flat index of each row's next item
     row_end = row_start + num_items
-    steps = np.arange(keys_width, dtype=np.int64)
     live = num_rows + 1
     while True:
         if len(keys) < live:  # fewer rows than the buffers: size them to the live rows
             live = len(keys)
-            index = np.empty((live, keys_width), dtype=np.int64)
-            items = np.empty(live * keys_width, dtype=np.float32)
             updated = np.empty(live * keys_width, dtype=np.int64)
             lowest = np.empty((live, keys_width), dtype=np.int64)
             taken = np.empty((live, keys_width), dtype=bool)
@@ -194,11 +200,10 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
             lowest_flat, taken_flat = lowest.reshape(-1), taken.reshape(-1)
         flat_keys = keys.reshape(-1)
         keys.sort(axis=1)
-        np.add(next_item[:, None], steps, out=index)
-        flat_w.take(index.reshape(-1), out=items)
-        record[index] = keys  # items past the taken prefix are rewritten by a later step
+        items = item_windows[next_item]
+        record_windows[next_item] = keys  # items past the taken prefix are rewritten by a later step
         np.add(flat_keys, 1, out=updated)  # count + 1 (_FULL wraps: such keys are never taken)
-        np.add(flat_keys.view(np.float32)[1::2], items, out=updated_total)  # float32 running sum
+        np.add(flat_keys.view(np.float32)[1::2], items.reshape(-1), out=updated_total)  # float32 running sum
         np.maximum(updated, fill.take(updated_low), out=updated)
         np.minimum.accumulate(updated.reshape(live, keys_width), axis=1, out=lowest)
         # q_j is taken if below the updated keys of q_0..q_{j-1}; the flat shift compares
@@ -215,7 +220,7 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         if 4 * still <= 3 * len(keys):  # drop finished rows: the per-row costs shrink with them
             keys, next_item, row_end = keys[unfinished], next_item[unfinished], row_end[unfinished]
 
-    low = record.reshape(num_rows, width)[:, :num_items] & 0xFFFFFFFF
+    low = record[:, :num_items] & 0xFFFFFFFF
     return low >> count_bits, low & count_mask
 
 
