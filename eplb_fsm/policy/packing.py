@@ -189,7 +189,7 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     next_item = row_start.copy()  # flat index of each row's next item
     row_end = row_start + num_items
     live = num_rows + 1
-    while True:
+    for _ in range(num_items):  # each step places >= 1 item of every unfinished row
         if len(keys) < live:  # fewer rows than the buffers: size them to the live rows
             live = len(keys)
             updated = np.empty(live * keys_width, dtype=np.int64)
@@ -219,6 +219,8 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
             break
         if 4 * still <= 3 * len(keys):  # drop finished rows: the per-row costs shrink with them
             keys, next_item, row_end = keys[unfinished], next_item[unfinished], row_end[unfinished]
+    else:  # pragma: no cover - the greedy rule always places the lightest open pack's item
+        raise AssertionError("pack_in_rounds: a row made no progress")
 
     low = record[:, :num_items] & 0xFFFFFFFF
     return low >> count_bits, low & count_mask
