@@ -144,11 +144,13 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
-    # int32 keys when they fit: numpy sorts them about twice as fast as int64.
-    key_type = np.int32 if num_experts * num_slots < 2**31 else np.int64
-    key = phy2log.astype(key_type) * key_type(num_slots) + np.arange(num_slots, dtype=key_type)
+    # key = expert << bits | slot; int32 when it fits: numpy sorts that ~2x faster than int64.
+    bits = int(num_slots - 1).bit_length()
+    key_type = np.int32 if (num_experts << bits) < 2**31 else np.int64
+    key = (phy2log.astype(key_type) << bits) | np.arange(num_slots, dtype=key_type)
     key.sort(axis=1)  # grouped by expert, slots ascending inside a group
-    expert, slot = np.divmod(key, key_type(num_slots))
+    expert = key >> bits
+    slot = key & ((1 << bits) - 1)
     first = np.cumsum(replica_count, axis=1) - replica_count  # sorted position of each expert's first slot
     layer_expert = expert + row_offsets(num_layers, num_experts)
     position = np.arange(num_slots, dtype=np.int64) - first.reshape(-1).take(layer_expert)

@@ -182,14 +182,22 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
 
     keys = np.full((num_rows, keys_width), _FULL, dtype=np.int64)
     keys[:, :num_packs] = np.arange(num_packs, dtype=np.int64) << count_bits
+    first_step = 0
+    if (sorted_w[:, num_packs - 2] > 0).all():
+        # Exact shortcut (as in pack_per_item): while the first m - 1 items are > 0, item k < m
+        # finds packs 0..k-1 heavier than the empty pack k, so the first m go to packs 0..m-1.
+        record[:, :num_packs] = keys[:, :num_packs]
+        keys[:, :num_packs] += 1
+        keys[:, :num_packs].view(np.float32)[:, 1::2] = sorted_w[:, :num_packs]
+        first_step = 1
     # fill[low half] is _FULL where the count reaches capacity: np.maximum then marks the pack full.
     fill = np.zeros(num_packs << count_bits, dtype=np.int64)
     fill[(np.arange(num_packs) << count_bits) + capacity] = _FULL
     row_start = row_offsets(num_rows, width)[:, 0]
-    next_item = row_start.copy()  # flat index of each row's next item
+    next_item = row_start + first_step * num_packs  # flat index of each row's next item
     row_end = row_start + num_items
     live = num_rows + 1
-    for _ in range(num_items):  # each step places >= 1 item of every unfinished row
+    for step in range(first_step, num_items):  # each step places >= 1 item of every unfinished row
         if len(keys) < live:  # fewer rows than the buffers: size them to the live rows
             live = len(keys)
             updated = np.empty(live * keys_width, dtype=np.int64)
@@ -213,6 +221,8 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         np.not_equal(keys[:, 0], _FULL, out=taken[:, 0])
         np.copyto(flat_keys, updated, where=taken_flat)
         next_item += taken.argmin(axis=1)
+        if step < capacity - 1:  # a step places <= 1 item per pack: no row is done before `capacity` steps
+            continue
         unfinished = next_item != row_end
         still = int(np.count_nonzero(unfinished))
         if still == 0:
