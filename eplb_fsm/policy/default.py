@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from eplb_fsm.policy.base import AbstractEplbPolicy, check_rebalance_args
-from eplb_fsm.policy.packing import balanced_packing, descending_keys, descending_order, float_rows, row_offsets
+from eplb_fsm.policy.packing import (
+    balanced_packing,
+    descending_keys,
+    descending_order,
+    float_rows,
+    pack_visited,
+    row_offsets,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -216,7 +223,8 @@ def rebalance_hierarchical(
     # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
     per_replica = (w_node / mlog_count.astype(np.float32)).reshape(-1)
     replica_load = per_replica[(phy2mlog + row_offsets(rows, experts_per_node)).reshape(-1)]
-    pack, rank_in_pack = balanced_packing(replica_load.reshape(rows, slots_per_node), ranks_per_node)
+    # In visiting order: the scatter below places each replica directly (no per-item arrays).
+    visit, pack, rank_in_pack = pack_visited(replica_load.reshape(rows, slots_per_node), ranks_per_node)
 
     # 4. Slot of every replica, and its global expert id.
     node_base = (np.arange(num_nodes, dtype=np.int64) * experts_per_node)[None, :, None]
@@ -231,7 +239,7 @@ def rebalance_hierarchical(
         replica_count = mlog_count.reshape(-1)[(log2mlog + layer_flat).reshape(-1)].reshape(num_layers, num_experts)
     slot = pack * slots_per_rank + rank_in_pack + row_offsets(rows, slots_per_node)  # flat (layer, node, slot)
     phy2log = np.empty(num_layers * num_replicas, dtype=np.int64)
-    phy2log[slot.reshape(-1)] = expert.reshape(-1)
+    phy2log[slot.reshape(-1)] = expert.reshape(-1)[visit]
     return phy2log.reshape(num_layers, num_replicas), np.ascontiguousarray(replica_count)
 
 

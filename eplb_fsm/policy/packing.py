@@ -28,6 +28,7 @@ __all__ = [
     "descending_order",     "float_rows",
     "pack_in_rounds",
     "pack_per_item",
+    "pack_visited",
     "row_offsets",
 ]
 
@@ -102,13 +103,32 @@ def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarra
     """
     w = float_rows(weight)
     num_rows, num_items = w.shape
+    flat_order, chosen, arrival = pack_visited(w, num_packs)
+    pack_index = np.empty(num_rows * num_items, dtype=np.int64)
+    rank_in_pack = np.empty(num_rows * num_items, dtype=np.int64)
+    pack_index[flat_order] = chosen.reshape(-1)
+    rank_in_pack[flat_order] = arrival.reshape(-1)
+    return pack_index.reshape(num_rows, num_items), rank_in_pack.reshape(num_rows, num_items)
+
+
+def pack_visited(w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`balanced_packing` in visiting order, for callers that need no per-item arrays.
+
+    Args:
+        w: (R, n) float numpy array, no NaN (see :func:`float_rows`).
+        num_packs: m, a divisor of n.
+
+    Returns:
+        ``flat_order`` (R * n,) int64: the flat index (row * n + item) of each row's k-th
+        visited item; ``chosen`` and ``arrival`` (R, n) int64: its pack and its position there.
+    """
+    num_rows, num_items = w.shape
     if num_packs < 1 or num_items % num_packs != 0:
         raise ValueError(f"num_packs ({num_packs}) must be >= 1 and divide the number of items ({num_items})")
     capacity = num_items // num_packs
-    if capacity == 1 or num_rows == 0:
-        pack_index = np.broadcast_to(np.arange(num_items, dtype=np.int64) // capacity, (num_rows, num_items))
-        rank_in_pack = np.broadcast_to(np.arange(num_items, dtype=np.int64) % capacity, (num_rows, num_items))
-        return pack_index.copy(), rank_in_pack.copy()
+    if capacity == 1 or num_rows == 0:  # item i alone in pack i, whatever the order
+        identity = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
+        return np.arange(num_rows * num_items, dtype=np.int64), identity.copy(), np.zeros_like(identity)
 
     order = descending_order(w)  # (R, n) visiting order
     flat_order = (order + row_offsets(num_rows, num_items)).reshape(-1)
@@ -116,17 +136,11 @@ def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarra
         chosen = np.zeros((num_rows, num_items), dtype=np.int64)
         arrival = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
     elif num_items - num_packs > _PER_ITEM_MAX and _rounds_apply(w, num_packs, capacity):
-        sorted_w = w.reshape(-1)[flat_order].reshape(num_rows, num_items)
-        chosen, arrival = pack_in_rounds(sorted_w, num_packs)
+        chosen, arrival = pack_in_rounds(w.reshape(-1)[flat_order].reshape(num_rows, num_items), num_packs)
     else:
         sorted_w = np.ascontiguousarray(w.reshape(-1)[flat_order].reshape(num_rows, num_items).T)
         chosen, arrival = (a.T for a in pack_per_item(sorted_w, num_packs))
-
-    pack_index = np.empty(num_rows * num_items, dtype=np.int64)
-    rank_in_pack = np.empty(num_rows * num_items, dtype=np.int64)
-    pack_index[flat_order] = chosen.reshape(-1)
-    rank_in_pack[flat_order] = arrival.reshape(-1)
-    return pack_index.reshape(num_rows, num_items), rank_in_pack.reshape(num_rows, num_items)
+    return flat_order, chosen, arrival
 
 
 def _rounds_apply(w: np.ndarray, num_packs: int, capacity: int) -> bool:
