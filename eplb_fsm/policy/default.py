@@ -26,7 +26,6 @@ import numpy as np
 from eplb_fsm.policy.base import AbstractEplbPolicy, check_rebalance_args
 from eplb_fsm.policy.packing import (
     balanced_packing,
-    descending_keys,
     descending_order,
     float_rows,
     pack_visited,
@@ -78,35 +77,20 @@ def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarr
     if num_slots == num_experts or num_rows == 0:
         return phy2log, replica_rank, replica_count
 
-    extra = num_slots - num_experts
-    if w.dtype == np.float32 and extra < num_experts and np.isfinite(w).all() and not (w < 0).any():
-        # Only the `extra` hottest experts (by load, then lowest index) can win a slot: the
-        # first time expert e wins, every expert ranked above it has w / 1 > w_e (or ties
-        # it at a lower index), so each of them must already hold a second copy, and
-        # there are only `extra` of those. The loop then runs over (R, extra) candidates.
-        key = descending_keys(w)
-        top = np.partition(key, extra - 1, axis=1)[:, :extra] & 0x7FFFFFFF
-        top.sort(axis=1)  # ascending expert index: argmax's first maximum is still the lowest
-        candidates = top
-    else:
-        candidates = np.broadcast_to(np.arange(num_experts, dtype=np.int64), (num_rows, num_experts))
-    width = candidates.shape[1]
-    flat_candidates = (candidates + row_offsets(num_rows, num_experts)).reshape(-1)
-    cand_w = np.ascontiguousarray(w).reshape(-1)[flat_candidates]  # (R * width,)
-    per_replica = cand_w.reshape(num_rows, width).copy()  # load / count, updated only where a count changes
+    flat_w = np.ascontiguousarray(w).reshape(-1)
+    per_replica = w.copy()  # load / count, updated only where a count changes
     flat_per_replica = per_replica.reshape(-1)
-    cand_count = np.ones(num_rows * width, dtype=np.int64)
-    flat_expert = np.ascontiguousarray(candidates).reshape(-1)
-    row_base = np.arange(num_rows, dtype=np.int64) * width
+    flat_count = replica_count.reshape(-1)
+    row_base = np.arange(num_rows, dtype=np.int64) * num_experts
     for slot in range(num_experts, num_slots):
-        flat = row_base + per_replica.argmax(axis=1)  # first maximum = lowest expert index
-        count = cand_count[flat]
-        phy2log[:, slot] = flat_expert[flat]
+        expert = per_replica.argmax(axis=1)  # first maximum = lowest expert index
+        flat = row_base + expert
+        count = flat_count[flat]
+        phy2log[:, slot] = expert
         replica_rank[:, slot] = count
         count += 1
-        cand_count[flat] = count
-        flat_per_replica[flat] = cand_w[flat] / count.astype(w.dtype)
-    replica_count.reshape(-1)[flat_candidates] = cand_count
+        flat_count[flat] = count
+        flat_per_replica[flat] = flat_w[flat] / count.astype(w.dtype)
     return phy2log, replica_rank, replica_count
 
 
