@@ -193,12 +193,14 @@ def rebalance_hierarchical(
         mlog2log = None
         w_mlog = w
     else:
-        group_pack, group_rank = balanced_packing(group_loads(w, num_groups), num_nodes)
-        group_pos = group_pack * groups_per_node + group_rank  # (L, groups)
-        group_at = inverse_permutation(group_pos)  # (L, groups): group at each position
+        # Work on group rows: (L * groups, group_size) views, row l * groups + g = group g of layer l.
+        group_offsets = row_offsets(num_layers, num_groups)
+        visit, group_pack, group_rank = pack_visited(group_loads(w, num_groups), num_nodes)
+        group_row_at = np.empty(num_layers * num_groups, dtype=np.int64)  # group row at each position row
+        group_row_at[(group_pack * groups_per_node + group_rank + group_offsets).reshape(-1)] = visit
+        group_at = group_row_at.reshape(num_layers, num_groups) - group_offsets  # (L, groups)
         mlog2log = (group_at[:, :, None] * group_size + in_group).reshape(num_layers, num_experts)
-        log2mlog = (group_pos[:, :, None] * group_size + in_group).reshape(num_layers, num_experts)
-        w_mlog = w.reshape(-1)[(mlog2log + row_offsets(num_layers, num_experts)).reshape(-1)]
+        w_mlog = w.reshape(num_layers * num_groups, group_size)[group_row_at].reshape(num_layers, num_experts)
 
     # 2. Replicate within each node.
     w_node = w_mlog.reshape(rows, experts_per_node)
@@ -218,9 +220,10 @@ def rebalance_hierarchical(
         expert = expert_mlog
         replica_count = mlog_count.reshape(num_layers, num_experts)
     else:
-        layer_flat = row_offsets(num_layers, num_experts)
-        expert = mlog2log.reshape(-1)[(expert_mlog + layer_flat).reshape(-1)]
-        replica_count = mlog_count.reshape(-1)[(log2mlog + layer_flat).reshape(-1)].reshape(num_layers, num_experts)
+        expert = mlog2log.reshape(-1)[(expert_mlog + row_offsets(num_layers, num_experts)).reshape(-1)]
+        replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
+        replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
+        replica_count = replica_count.reshape(num_layers, num_experts)
     slot = pack * slots_per_rank + rank_in_pack + row_offsets(rows, slots_per_node)  # flat (layer, node, slot)
     phy2log = np.empty(num_layers * num_replicas, dtype=np.int64)
     phy2log[slot.reshape(-1)] = expert.reshape(-1)[visit]
