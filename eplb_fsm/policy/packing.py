@@ -64,9 +64,15 @@ def descending_keys(weight: np.ndarray) -> np.ndarray:
     ascending index. Needs n < 2**31.
     """
     num_items = weight.shape[1]
-    bits = (weight + np.float32(0.0)).view(np.int32).astype(np.int64)  # + 0 turns -0.0 into 0.0
-    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # same order as the floats, in [-2**31, 2**31)
-    return ((0x7FFFFFFF - monotone) << 31) | np.arange(num_items, dtype=np.int64)
+    bits = (weight + np.float32(0.0)).view(np.int32)  # + 0 turns -0.0 into 0.0
+    key = bits.astype(np.int64)
+    if bits.min() < 0:  # negative weights: their bit patterns order backwards, flip all but the sign
+        key ^= (key >> 31) & 0x7FFFFFFF  # now the same order as the floats, in [-2**31, 2**31)
+    # In place, as the policy calls this on every packing: each temporary costs a pass.
+    np.subtract(0x7FFFFFFF, key, out=key)
+    key <<= 31
+    key |= np.arange(num_items, dtype=np.int64)
+    return key
 
 
 def descending_order(weight: np.ndarray) -> np.ndarray:
