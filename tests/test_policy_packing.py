@@ -1,0 +1,110 @@
+"""Tests for eplb_fsm.policy.packing: both packing paths agree with the one-item-at-a-time reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb_fsm.policy.packing import (
+    balanced_packing,
+    descending_keys,
+    descending_order,
+    pack_in_rounds,
+    pack_per_item,
+)
+from eplb_fsm.policy.reference import reference_balanced_packing
+
+# Few distinct values, zeros among them: ties between items and between pack totals are common.
+TIE_VALUES = [0.0, 0.5, 1.0, 2.0, 3.0, 7.25, 1e-3, 1e6]
+
+
+def _reference_rows(w: np.ndarray, packs: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = [reference_balanced_packing(list(row), packs) for row in w]
+    return np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+
+
+def _visited(w: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(w, descending_order(w), axis=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(2, 9), st.integers(1, 4), st.data())
+def test_rounds_equal_per_item_and_reference(packs, per_pack, rows, data):
+    """pack_in_rounds, pack_per_item and the reference place every visited item alike (ties, zeros)."""
+    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * packs * per_pack,
+                                max_size=rows * packs * per_pack))
+    w = np.array(values, dtype=np.float32).reshape(rows, packs * per_pack)
+    visited = _visited(w)
+    chosen, arrival = pack_in_rounds(visited, packs)
+    item_chosen, item_arrival = pack_per_item(np.ascontiguousarray(visited.T), packs)
+    assert np.array_equal(chosen, item_chosen.T) and np.array_equal(arrival, item_arrival.T)
+    pack, rank = balanced_packing(w, packs)
+    ref_pack, ref_rank = _reference_rows(w, packs)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+    for r in range(rows):
+        assert (np.bincount(pack[r], minlength=packs) == per_pack).all()
+        assert sorted(zip(pack[r], rank[r])) == [(p, k) for p in range(packs) for k in range(per_pack)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("rows, items, packs", [(7, 72, 8), (3, 288, 32), (2, 320, 64), (5, 60, 3)])
+def test_rounds_on_policy_sized_rows(seed, rows, items, packs):
+    """Rows of the policy's sizes (zipf and lognormal loads, some rows all equal) match the reference."""
+    rng = np.random.default_rng(seed)
+    if seed % 2:
+        w = rng.zipf(1.4, (rows, items)).astype(np.float32)
+    else:
+        w = rng.lognormal(0, 2, (rows, items)).astype(np.float32)
+    w[0] = 5.0  # every item tied
+    pack, rank = balanced_packing(w, packs)
+    ref_pack, ref_rank = _reference_rows(w, packs)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+
+
+def test_rounds_when_most_items_are_zero():
+    """A long tail of zero-weight items fills the lightest open pack first, lowest index on ties."""
+    w = np.zeros((2, 40), dtype=np.float32)
+    w[0, :3] = [9.0, 4.0, 4.0]
+    w[1, 5] = 1.0
+    pack, rank = balanced_packing(w, 4)
+    ref_pack, ref_rank = _reference_rows(w, 4)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: w.astype(np.float64),          # other float dtype: per-item path in float64
+    lambda w: w - np.float32(3.0),           # negative weights: per-item path
+])
+def test_inputs_outside_the_rounds_path_match_the_reference(make):
+    """Float64 and negative weights take the per-item path and still follow the greedy rule."""
+    rng = np.random.default_rng(5)
+    w = make(rng.integers(0, 6, (3, 48)).astype(np.float32))
+    pack, rank = balanced_packing(w, 4)
+    ref_pack, ref_rank = _reference_rows(w.astype(np.float32), 4)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+
+
+def test_infinite_weight_never_overfills_a_pack():
+    """An infinite weight (allowed here, rejected by the policy) still leaves every pack at capacity."""
+    w = np.ones((1, 40), dtype=np.float32)
+    w[0, 3] = np.inf
+    pack, _ = balanced_packing(w, 4)
+    assert (np.bincount(pack[0], minlength=4) == 10).all()
+
+
+def test_one_pack_ranks_follow_the_visiting_order():
+    """With one pack every item lands in it, ranked by the stable descending order."""
+    w = np.array([[1.0, 3.0, 3.0, 0.0, 2.0] * 5], dtype=np.float32)
+    pack, rank = balanced_packing(w, 1)
+    assert (pack == 0).all()
+    assert np.array_equal(np.argsort(rank[0]), descending_order(w)[0])
+
+
+def test_descending_keys_order_and_index():
+    """Ascending keys give the stable descending order; the low 31 bits are the item index."""
+    w = np.array([[2.0, -0.0, 0.0, 7.5, 2.0, -1.0, 1e30]], dtype=np.float32)
+    key = descending_keys(w)
+    assert np.array_equal(key & 0x7FFFFFFF, np.arange(7)[None])
+    assert np.argsort(key[0]).tolist() == [6, 3, 0, 4, 1, 2, 5]
