@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -392,25 +391,6 @@ def test_esft_batch_windows_match_reference():
         assert _same(
             DefaultEplbPolicy.rebalance_experts(weight, *config), reference_rebalance_experts(weight, *config)
         )
-
-
-def test_speedup_over_reference():
-    """dsv3_ep32_global plans >= 5x faster than the reference (a regression guard; the bench measures 10x+)."""
-    s = SCENARIOS["shapes"]["dsv3_ep32_global"]
-    weight = torch.from_numpy(scenario_load("dsv3_ep32_global", SCENARIOS, rng=0))
-    args = (s["replicas"], s["groups"], s["nodes"], s["ranks"])
-
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    fast, slow = [], []
-    for _ in range(3):  # interleaved, so a burst of load on the shared CPU hits both
-        slow.append(timed(lambda: reference_rebalance_experts(weight, *args)))
-        fast.extend(timed(lambda: DefaultEplbPolicy.rebalance_experts(weight, *args)) for _ in range(3))
-    ratio = min(slow) / min(fast)
-    assert ratio >= 5, f"speed-up only {ratio:.1f}x ({min(fast) * 1e3:.2f} ms vs {min(slow) * 1e3:.1f} ms)"
 
 
 # --------------------------------------------------------------------------- perf-path helpers
