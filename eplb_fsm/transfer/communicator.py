@@ -171,11 +171,13 @@ class TorchDistCommunicator:
     def wait(self) -> None:
         """Wait for every started request (each wait bounded by ``timeout``)."""
         works, self._works = self._works, []
-        for work in works:
-            if self.timeout is None:
+        if self.timeout is None:
+            for work in works:
                 work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+            return
+        timeout = datetime.timedelta(seconds=self.timeout)
+        for work in works:
+            work.wait(timeout)
 
     def execute(self) -> None:
         """Issue the queued messages as one batch and wait for all of them."""
