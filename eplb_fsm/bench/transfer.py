@@ -117,9 +117,14 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     commits = [sched.layer(k).commit[rank] for k in range(num_layers)]
     staged = [sched.layer(k).local_runs[rank] for k in range(num_layers)]
     moved_bytes = 0
+    same_messages = True  # the baselines post exactly the executor's messages, in its order
     for k in range(num_layers):
         t = layer_transfers(old[k], new[k], world)
         plan = plan_from_transfers(old[k], new[k], t, rank)
+        engine_ops = sched.layer(k).ops
+        mine = (tuple(zip(plan.send_peers.tolist(), plan.send_rows.tolist())),
+                tuple(zip(plan.recv_peers.tolist(), plan.recv_rows.tolist())))
+        same_messages &= mine == ((engine_ops[0].sends[rank], engine_ops[0].recvs[rank]) if engine_ops else ((), ()))
         ops, ops1, ops2 = [], [], []
         for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist()):
             for w, w_real in zip(pristine[k], weights[k]):
@@ -243,7 +248,7 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
             cpu[name].append(used)
     total = torch.tensor([moved_bytes], dtype=torch.float64)
     dist.all_reduce(total)
-    ok = torch.tensor([1 if correct else 0, 1 if baselines_correct else 0])
+    ok = torch.tensor([1 if correct else 0, 1 if baselines_correct else 0, 1 if same_messages else 0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {
         "times": times,
@@ -253,6 +258,7 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         "weight_bytes_per_rank": sum(w.numel() * w.element_size() for layer in pristine for w in layer),
         "correct": bool(ok[0].item()),
         "baselines_correct": bool(ok[1].item()),
+        "same_messages": bool(ok[2].item()),
     }
 
 
@@ -316,4 +322,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bit_exact": res["correct"],
         # raw_commit and raw_commit_overlap leave the same weights as the engine
         "baselines_bit_exact": res["baselines_correct"],
+        # every rank's baseline messages are the executor's (peers, rows, order)
+        "same_messages": res["same_messages"],
     }
