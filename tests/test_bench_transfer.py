@@ -22,6 +22,9 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
                 "transfer_one_phase")
     assert set(r["median_s"]) == set(variants) and all(r["median_s"][v] > 0 for v in variants)
     assert r["bit_exact"] is True
+    assert r["baselines_bit_exact"] is True  # raw_commit and the ceiling are real transfers too
+    assert r["same_messages"] is True  # ... of exactly the executor's messages
+    assert 0 < r["transfer_vs_ceiling_paired"] < 100
     assert r["world"] == 2 and r["layers"] == 2 and r["slots_per_rank"] == 4 and r["moved_slots"] > 0
     t = r["median_s"]  # same bytes in every variant: the throughput ratio is the inverse time ratio
     assert r["ratio_vs_raw"] == pytest.approx(t["raw"] / t["transfer"], rel=0.05)

@@ -128,3 +128,32 @@ def test_in_process_pairs_by_tag_across_starts():
     comm.start()  # nothing pairs yet: no error until the wave ends
     with pytest.raises(MessageMismatchError, match="rank 1 queued 1 sends to rank 0"):
         comm.wait()
+
+
+def _tagged_pairs_rank(rank: int, world: int) -> list[list[float]]:
+    """Rank 0 sends three tagged rows in one start(); rank 1 receives them over two start()s, out of order."""
+    comm = TorchDistCommunicator(timeout=30.0)
+    rows = [torch.full((5,), float(10 * t + 1)) for t in range(3)]
+    if rank == 0:
+        for t, row in enumerate(rows):
+            comm.add_send(row, 0, 1, tag=t)
+        comm.start()
+        comm.wait()
+        return []
+    got = [torch.zeros(5) for _ in range(3)]
+    comm.add_recv(got[2], 0, 1, tag=2)
+    comm.start()
+    comm.add_recv(got[0], 0, 1, tag=0)
+    comm.add_recv(got[1], 0, 1, tag=1)
+    comm.start()
+    comm.wait()
+    return [g.tolist() for g in got]
+
+
+@pytest.mark.multiprocess
+def test_torch_dist_on_gloo_pairs_messages_by_tag_across_starts():
+    """On 2 gloo ranks, receives posted in a later start() and out of order still get the send with their tag."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    _, received = run_ranks(_tagged_pairs_rank, 2, timeout=60.0)
+    assert received == [[1.0] * 5, [11.0] * 5, [21.0] * 5]

@@ -5,22 +5,31 @@ float32 and bfloat16). One random rearrangement (all experts plus random replica
 and new drawn independently) is executed with ``rearrange_expert_weights_inplace``, with
 and without migration batching; the baseline is a raw ``dist.batch_isend_irecv`` of
 exactly the same messages (same peers, sizes and order, one batch per layer, buffers
-allocated up front). A second baseline, ``raw_commit``, adds to it one copy of every
-changed row into the weights per layer: the least any transfer must do that keeps a
+allocated up front). A second baseline, ``raw_commit``, sends the same messages from the
+weights and adds the executor's own commit of each layer (planned before timing: local
+rows straight from their old rows, one staged row per in-rank cycle, received and
+duplicate rows from the staging buffer): the least any transfer must do that keeps a
 layer's old weights intact until its exchange has succeeded (docs/design.md §6.4).
 ``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly,
-two staging buffers, nothing planned): the ceiling for any such transfer. Runs
-alternate, each starts after a barrier, and a run's time is the slowest rank's; the figures are medians over ``--repeats``. The weights are restored
-between runs outside the timed region, and the result is checked bit for bit once.
+two staging buffers, nothing planned, nothing checked): the ceiling for any such transfer.
+Both are real transfers: their result is checked bit for bit (``baselines_bit_exact``),
+and their messages are checked to be the executor's (``same_messages``). Each round
+runs every variant once, starting one variant later than the round before; each run
+starts after a barrier, and a run's time is the slowest rank's; the figures are medians
+over ``--repeats`` rounds. The weights are restored between runs outside the timed
+region, and each transfer variant's result is checked bit for bit once.
 
 ``transfer`` (the headline ratio) clears the executor's schedule cache before each
 run, so planning is timed as in a real rearrangement, whose maps are new;
-``transfer_warm`` reuses the cached schedule, like the raw baseline's precomputed
-message list; ``transfer_one_phase`` is ``transfer`` with each wave posted in one batch
-(no tags: the conflicting part of layer k-1's commit runs before layer k's messages).
+``transfer_warm`` runs with the schedule cached beforehand (outside the timing), like the
+raw baseline's precomputed message list; ``transfer_one_phase`` is ``transfer`` with
+each wave posted in one batch (no tags: the conflicting part of layer k-1's commit runs
+before layer k's messages).
 
 Targets: ``meets_target`` is ``transfer`` >= 0.9 of ``raw_commit_overlap`` in the same
-run; ``meets_raw_target`` the older >= 0.8 of ``raw``. ``cores_busy`` (and every row of
+run; ``meets_raw_target`` the older >= 0.8 of ``raw``. ``transfer_vs_ceiling_paired``
+is the same ratio taken round by round, then the median (load drifting during a run
+moves both sides of a pair alike). ``cores_busy`` (and every row of
 ``variants``) says how many cores each variant kept busy, and ``load_average`` how busy
 the machine was.
 """
@@ -87,7 +96,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     from eplb_fsm.transfer import TransferBuffer, moved_slots, rearrange_expert_weights_inplace
     from eplb_fsm.transfer.plan import layer_transfers, plan_from_transfers
     from eplb_fsm.transfer.communicator import TorchDistCommunicator
-    from eplb_fsm.transfer.schedule import clear_schedule_cache
+    from eplb_fsm.transfer.messages import copy_runs
+    from eplb_fsm.transfer.schedule import clear_schedule_cache, prepare_maps
 
     num_layers, s = cfg["layers"], cfg["slots"]
     p = world * s
@@ -106,27 +116,42 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     # two staging buffers: raw and raw_commit use the first; raw_commit_overlap alternates
     staging = [[torch.zeros_like(w) for w in pristine[0]] for _ in range(2)]
     raw_ops: list[list] = []
+    real_ops: list[list] = []  # raw_commit: the same messages, sent from the weights themselves
     overlap_ops: list[list] = []
-    commits = []
+    # each layer's commit exactly as the executor makes it, planned here outside the timed
+    # runs: local rows straight from their old rows (one staged row per in-rank cycle),
+    # received and duplicate rows from the staging buffer. So the baselines are real
+    # transfers (checked bit for bit below) that copy what the engine copies.
+    _, _, sched = prepare_maps(old, new, world, None, 2, (rank,), False)
+    commits = [sched.layer(k).commit[rank] for k in range(num_layers)]
+    staged = [sched.layer(k).local_runs[rank] for k in range(num_layers)]
     moved_bytes = 0
+    same_messages = True  # the baselines post exactly the executor's messages, in its order
     for k in range(num_layers):
         t = layer_transfers(old[k], new[k], world)
         plan = plan_from_transfers(old[k], new[k], t, rank)
-        commits.append(plan.commit_rows())
-        ops, ops2 = [], []
+        engine_ops = sched.layer(k).ops
+        mine = (tuple(zip(plan.send_peers.tolist(), plan.send_rows.tolist())),
+                tuple(zip(plan.recv_peers.tolist(), plan.recv_rows.tolist())))
+        same_messages &= mine == ((engine_ops[0].sends[rank], engine_ops[0].recvs[rank]) if engine_ops else ((), ()))
+        ops, ops1, ops2 = [], [], []
         for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist()):
-            for w in pristine[k]:
+            for w, w_real in zip(pristine[k], weights[k]):
                 # real data in private pages (an untouched torch.empty would read the zero page)
                 data = w[row].reshape(-1).view(torch.uint8).clone()
                 ops.append(dist.P2POp(dist.isend, data, peer))
-                ops2.append(dist.P2POp(dist.isend, data, peer))
+                real = w_real[row].reshape(-1).view(torch.uint8)
+                ops1.append(dist.P2POp(dist.isend, real, peer))
+                ops2.append(dist.P2POp(dist.isend, real, peer))
         for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()):
             for buf, buf2 in zip(staging[0], staging[k % 2]):
                 view = buf[row].reshape(-1).view(torch.uint8)
                 ops.append(dist.P2POp(dist.irecv, view, peer))
+                ops1.append(dist.P2POp(dist.irecv, view, peer))
                 ops2.append(dist.P2POp(dist.irecv, buf2[row].reshape(-1).view(torch.uint8), peer))
                 moved_bytes += view.numel()
         raw_ops.append(ops)
+        real_ops.append(ops1)
         overlap_ops.append(ops2)
 
     def raw() -> None:
@@ -135,24 +160,27 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
 
+    def stage(k: int, buffers) -> None:
+        copy_runs(buffers, weights[k], staged[k])  # in-rank cycles: one old row each, rows no receive writes
+
     def commit(k: int, buffers) -> None:
-        dst, src = commits[k]
-        for w, b in zip(weights[k], buffers):
-            for d, s_ in zip(dst.tolist(), src.tolist()):
-                w[d].copy_(b[s_])
+        copy_runs(weights[k], weights[k], commits[k].direct)
+        copy_runs(weights[k], buffers, commits[k].runs)
 
     def raw_commit() -> None:
-        for k, ops in enumerate(raw_ops):
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+        for k, ops in enumerate(real_ops):
+            works = dist.batch_isend_irecv(ops) if ops else []
+            stage(k, staging[0])
+            for work in works:
+                work.wait()
             commit(k, staging[0])
 
     def raw_commit_overlap() -> None:
         # the ideal pipeline: layer k-1's commit runs while layer k's messages fly (two
-        # staging buffers, so they never share a row; no planning at all)
+        # staging buffers, so they never share a row; nothing planned, nothing checked)
         for k, ops in enumerate(overlap_ops):
             works = dist.batch_isend_irecv(ops) if ops else []
+            stage(k, staging[k % 2])
             if k:
                 commit(k - 1, staging[(k - 1) % 2])
             for work in works:
@@ -171,11 +199,12 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     one_phase = TorchDistCommunicator(timeout=60.0)
     one_phase.supports_tags = False  # the executor then posts each wave in one batch, as before tags
 
-    def transfer(batching: bool, warm: bool = False, communicator=None):
+    def transfer(batching: bool, communicator=None):
+        # cold unless the schedule was cached before the run (transfer_warm): timed() empties
+        # the cache first, outside the timing, so these maps are planned inside the run as a
+        # real rearrangement's new maps would be (and freeing the old schedules is not timed:
+        # a real one leaves them in the LRU)
         def go() -> None:
-            if not warm:
-                # a real rearrangement has maps never seen before: plan inside the timed run
-                clear_schedule_cache()
             if communicator is None:
                 rearrange_expert_weights_inplace(
                     old_t, new_t, weights, buffer=buffer, migration_batching=batching, timeout=60.0
@@ -187,8 +216,21 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
         return go
 
+    def cache_schedule() -> None:
+        # what transfer_warm assumes: these maps' schedule is cached (the cold variants
+        # clear the cache, so it is refilled before each warm run, outside the timing)
+        sched_warm = prepare_maps(old_t, new_t, world, None, 2, (rank,), False)[2]
+        for k in range(num_layers):
+            sched_warm.layer(k)
+            if k + 1 < num_layers:
+                sched_warm.split(k)
+
     def timed(fn) -> tuple[float, float]:
         """(wall seconds of the slowest rank, CPU seconds of all ranks' processes, every thread)."""
+        if fn in cold:
+            clear_schedule_cache()
+        elif fn is variants["transfer_warm"]:
+            cache_schedule()
         restore()
         dist.barrier()
         c0 = _cpu_seconds()
@@ -203,8 +245,9 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         return float(elapsed), float(cpu_t)
 
     variants = {"raw": raw, "raw_commit": raw_commit, "raw_commit_overlap": raw_commit_overlap, "transfer": transfer(False),
-                "transfer_batched": transfer(True), "transfer_warm": transfer(False, warm=True),
+                "transfer_batched": transfer(True), "transfer_warm": transfer(False),
                 "transfer_one_phase": transfer(False, communicator=one_phase)}
+    cold = [variants[name] for name in ("transfer", "transfer_batched", "transfer_one_phase")]
     for fn in variants.values():  # warm-up (connections, allocator)
         timed(fn)
     # correctness, once per transfer variant
@@ -214,16 +257,22 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     for name in ("transfer", "transfer_batched", "transfer_one_phase"):
         timed(variants[name])
         correct &= all(torch.equal(a, b) for la, lb in zip(weights, expect) for a, b in zip(la, lb))
+    baselines_correct = True  # the baselines that commit are real transfers too
+    for name in ("raw_commit", "raw_commit_overlap"):
+        timed(variants[name])
+        baselines_correct &= all(torch.equal(a, b) for la, lb in zip(weights, expect) for a, b in zip(la, lb))
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(cfg["repeats"]):
-        for name, fn in variants.items():
-            wall, used = timed(fn)
+    names = list(variants)
+    for i in range(cfg["repeats"]):
+        # each round starts one variant later, so no variant always follows the same one
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            wall, used = timed(variants[name])
             times[name].append(wall)
             cpu[name].append(used)
     total = torch.tensor([moved_bytes], dtype=torch.float64)
     dist.all_reduce(total)
-    ok = torch.tensor([1 if correct else 0])
+    ok = torch.tensor([1 if correct else 0, 1 if baselines_correct else 0, 1 if same_messages else 0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {
         "times": times,
@@ -231,7 +280,9 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         "moved_bytes": int(total.item()),
         "moved_slots": moved_slots(old, new, world),
         "weight_bytes_per_rank": sum(w.numel() * w.element_size() for layer in pristine for w in layer),
-        "correct": bool(ok.item()),
+        "correct": bool(ok[0].item()),
+        "baselines_correct": bool(ok[1].item()),
+        "same_messages": bool(ok[2].item()),
     }
 
 
@@ -247,6 +298,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
     cores_busy = {k: round(cpu[k] / med[k], 2) for k in med}
     vs_ceiling = gbps["transfer"] / gbps["raw_commit_overlap"]
+    # the same ratio round by round (both timed within one round), then the median: a
+    # machine whose load drifts during the run moves both sides of each pair alike
+    paired = statistics.median(c / t for c, t in zip(res["times"]["raw_commit_overlap"], res["times"]["transfer"]))
     return {
         "bench": "transfer",
         "backend": "gloo",
@@ -282,6 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_commit_overlap_vs_raw": round(gbps["raw_commit_overlap"] / gbps["raw"], 3),
         # the engine against that ceiling (the target), and the two-phase posting against one batch per wave
         "transfer_vs_ceiling": round(vs_ceiling, 3),
+        "transfer_vs_ceiling_paired": round(paired, 3),
         "one_phase_vs_ceiling": round(gbps["transfer_one_phase"] / gbps["raw_commit_overlap"], 3),
         "two_phase_vs_one_phase": round(gbps["transfer"] / gbps["transfer_one_phase"], 3),
         "target_ratio": TARGET_VS_CEILING,
@@ -289,4 +344,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_target_ratio": TARGET_VS_RAW,
         "meets_raw_target": gbps["transfer"] / gbps["raw"] >= TARGET_VS_RAW,
         "bit_exact": res["correct"],
+        # raw_commit and raw_commit_overlap leave the same weights as the engine
+        "baselines_bit_exact": res["baselines_correct"],
+        # every rank's baseline messages are the executor's (peers, rows, order)
+        "same_messages": res["same_messages"],
     }

@@ -133,35 +133,51 @@ class TorchDistCommunicator:
     def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if src != self.rank:
             raise ValueError(f"src: this communicator is rank {self.rank}, cannot send as rank {src}")
-        self._ops.append(self._dist.P2POp(self._dist.isend, tensor, group=self.group, group_peer=dst, tag=tag))
+        self._ops.append((True, tensor, dst, tag))
 
     def add_recv(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if dst != self.rank:
             raise ValueError(f"dst: this communicator is rank {self.rank}, cannot receive as rank {dst}")
-        self._ops.append(self._dist.P2POp(self._dist.irecv, tensor, group=self.group, group_peer=src, tag=tag))
+        self._ops.append((False, tensor, src, tag))
 
     def start(self) -> None:
         """Issue the queued messages as one batch without waiting (see ``wait``).
 
         May be called several times before ``wait``: each call issues what was queued
         since the last one (the executor's two-phase posting; tags pair the messages).
+        gloo has no coalescing, so ``batch_isend_irecv`` would post one message at a
+        time anyway; the messages go straight to the group's ``send``/``recv`` (group
+        ranks, same tags), which skips that function's per-message Python checks.
         """
         ops, self._ops = self._ops, []
         if not self._warmed:
             # every rank starts every wave, so this barrier is collective
             self._dist.barrier(group=self.group)
             self._warmed = True
-        if ops:
-            self._works.extend(self._dist.batch_isend_irecv(ops) or ())
+        if not ops:
+            return
+        if self.backend == "gloo" and type(self.group) is self._dist.ProcessGroup:
+            send, recv, works = self.group.send, self.group.recv, self._works
+            for is_send, tensor, peer, tag in ops:
+                works.append(send([tensor], peer, tag) if is_send else recv([tensor], peer, tag))
+            return
+        dist = self._dist
+        p2p = [
+            dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=self.group, group_peer=peer, tag=tag)
+            for is_send, tensor, peer, tag in ops
+        ]
+        self._works.extend(dist.batch_isend_irecv(p2p) or ())
 
     def wait(self) -> None:
         """Wait for every started request (each wait bounded by ``timeout``)."""
         works, self._works = self._works, []
-        for work in works:
-            if self.timeout is None:
+        if self.timeout is None:
+            for work in works:
                 work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+            return
+        timeout = datetime.timedelta(seconds=self.timeout)
+        for work in works:
+            work.wait(timeout)
 
     def execute(self) -> None:
         """Issue the queued messages as one batch and wait for all of them."""

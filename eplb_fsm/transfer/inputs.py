@@ -113,17 +113,24 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
     for i, (_, t) in enumerate(named):
         if t.numel() == 0:
             continue
-        device, starts, ends = _row_ranges(t)
-        spans.append((device, int(starts.min()), int(ends.max()), i, starts, ends))
+        # the tensor's whole byte span (first row's start to last row's end; strides are
+        # never negative); the rows themselves are looked at only when two spans meet
+        es = t.element_size()
+        row_extent = (1 + sum((sz - 1) * st for sz, st in zip(t.shape[1:], t.stride()[1:]))) * es
+        base = t.data_ptr()
+        end = base + (t.shape[0] - 1) * t.stride(0) * es + row_extent
+        spans.append(((t.device.type, t.device.index), base, end, i))
     spans.sort(key=lambda s: (s[0], s[1]))
     best = None  # the first pair in the order of ``named``: the error names the earliest layer
     for a in range(len(spans)):
-        dev, _, end, i, starts_i, ends_i = spans[a]
+        dev, _, end, i = spans[a]
         for b in range(a + 1, len(spans)):
-            dev_b, start_b, _, j, starts_j, ends_j = spans[b]
+            dev_b, start_b, _, j = spans[b]
             if dev_b != dev or start_b >= end:
                 break
             # rows meet if some row of one starts before a row of the other ends, and vice versa
+            _, starts_i, ends_i = _row_ranges(named[i][1])
+            _, starts_j, ends_j = _row_ranges(named[j][1])
             lo = np.maximum(starts_i[:, None], starts_j[None, :])
             hi = np.minimum(ends_i[:, None], ends_j[None, :])
             if (lo < hi).any():

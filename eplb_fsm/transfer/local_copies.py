@@ -55,6 +55,11 @@ def order_local_copies(local_rows: np.ndarray, local_src_rows: np.ndarray) -> Lo
         raise ValueError(f"local_src_rows: length {len(src)} must equal local_rows' {len(dst)}")
     if len(set(dst)) != len(dst):
         raise ValueError("local_rows: destination rows must be distinct")
+    if set(dst).isdisjoint(src):
+        # no copy reads a row another one writes: every copy may run at once, so the
+        # lowest destination row first is the whole order (what the loop below gives too)
+        order = sorted(range(len(dst)), key=dst.__getitem__)
+        return LocalCopyOrder(_pick(order, dst), _pick(order, src), _pick([], dst), _pick([], src))
     readers: dict[int, list[int]] = {}  # row -> pending copies that still need its old contents
     for i, s in enumerate(src):
         readers.setdefault(s, []).append(i)

@@ -48,7 +48,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 def read_only(a: np.ndarray) -> np.ndarray:
     """A contiguous int64 copy (or view) of ``a`` (any shape) that refuses writes: plans are shared."""
-    a = np.ascontiguousarray(a, dtype=np.int64)
+    if not (a.dtype == np.int64 and a.flags.c_contiguous):
+        a = np.ascontiguousarray(a, dtype=np.int64)
     a.flags.writeable = False
     return a
 

@@ -206,6 +206,12 @@ def _prepare_layer(
     for wave in waves:
         pairs = set(wave.pairs)
         sends, recvs = {}, {}
+        if len(waves) == 1:  # one wave carries every transfer of the layer: nothing to filter
+            for r, plan in plans.items():
+                sends[r] = tuple(zip(plan.send_peers.tolist(), plan.send_rows.tolist()))
+                recvs[r] = tuple(zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()))
+            ops.append(WaveOps(sends, recvs))
+            continue
         for r, plan in plans.items():
             sends[r] = tuple(
                 (peer, row)
@@ -233,9 +239,16 @@ def _split_runs(prev: PreparedLayer, nxt: PreparedLayer) -> tuple[dict[int, Comm
     """
     early, late = {}, {}
     for r, commit in prev.commit.items():
-        overwritten = np.concatenate([nxt.plans[r].recv_rows, nxt.staged[r]])
-        hit = np.isin(commit.src, overwritten)
-        direct_early = bool(commit.direct) and bool(np.isin(commit.dst[hit], commit.direct_reads).any())
+        # row masks over the S rows (np.isin sorts; these arrays hold a few rows each)
+        overwritten = np.zeros(nxt.plans[r].slots_per_rank, dtype=bool)
+        overwritten[nxt.plans[r].recv_rows] = True
+        overwritten[nxt.staged[r]] = True
+        hit = overwritten[commit.src]
+        direct_early = False
+        if commit.direct:
+            read = np.zeros_like(overwritten)
+            read[commit.direct_reads] = True
+            direct_early = bool(read[commit.dst[hit]].any())
         early[r] = commit.part(hit, with_direct=direct_early)
         rest = commit.part(~hit, with_direct=not direct_early)
         if not rest.empty:
