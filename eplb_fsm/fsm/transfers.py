@@ -41,7 +41,9 @@ class LayerMover:
         self.batching = bool(batching)
         self.hooks = hooks
         self.max_bytes_per_step = int(max_bytes_per_step)
-        self.chunk_waits = 0     # chunks that waited for the next engine step (all layers)
+        self.chunk_boundaries = 0  # chunk boundaries crossed (all layers): each needs an engine step
+        self.chunk_waits = 0     # of those, the ones that waited for the next engine step
+        self.chunk_timeouts = 0  # of those, the waits that ended by the pacer's limit instead
 
     def locate(self, layer: int) -> tuple[ModelEntry, int]:
         """The model a global layer index belongs to, and the layer's index within it."""
@@ -72,7 +74,9 @@ class LayerMover:
             )
         finally:
             if pacer is not None:
+                self.chunk_boundaries += pacer.calls
                 self.chunk_waits += pacer.waits
+                self.chunk_timeouts += pacer.timeouts
 
     def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
         """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op)."""

@@ -127,6 +127,7 @@ class StepPacer:
         self.max_wait_s = max_wait_s
         self.poll_s = poll_s
         self.started_at: int | None = None
+        self.calls = 0           # chunk boundaries (a pure function of the plan and the byte cap)
         self.waits = 0           # chunks that found the step not yet advanced
         self.timeouts = 0        # waits that ended by max_wait_s
 
@@ -134,6 +135,7 @@ class StepPacer:
         self.started_at = self.step()
 
     def wait(self) -> bool:
+        self.calls += 1
         start = self.started_at
         if start is None or self.step() != start:
             self.begin()
