@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
+from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_text
@@ -164,14 +165,28 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             pos = b_end
     else:
         other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
+    # runs of consecutive non-step lines (rearrangement blocks) go through ``blocks`` and are parsed
+    # only when they cannot be applied from a template; the other lines are parsed at once
+    block_end: dict[int, int] = {}     # position in ``other`` -> end position of its block
+    a = 0
+    for b in range(1, len(other) + 1):
+        if b == len(other) or other[b] != other[b - 1] + 1:
+            if b - a >= MIN_BLOCK_LINES:
+                block_end[a] = b
+            a = b
+    eager = [k for a, b in _gaps(block_end, len(other)) for k in range(a, b)]
+    parsed: list = [None] * len(other)
     try:
-        parsed: list = json.loads("[" + ",".join([lines[i] for i in other]) + "]") if other else []
-        if not all(type(r) is dict for r in parsed):
+        batch = json.loads("[" + ",".join([lines[other[k]] for k in eager]) + "]") if eager else []
+        if not all(type(r) is dict for r in batch):
             raise ValueError("a line is not a JSON object")
     except ValueError:
-        parsed = [parse_line(lines[i]) for i in other]
+        batch = [parse_line(lines[other[k]]) for k in eager]
+    for k, rec in zip(eager, batch):
+        parsed[k] = rec
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
+    blocks = BlockReader(lines, parse_line)
     bad = 0
     prev = -1
     mux = None
@@ -184,13 +199,24 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             lost += _feed_run(w, lines, b_start, b_end)
         return lost
 
-    for i, rec in zip(other, parsed):
+    k = 0
+    while k < len(other):
+        i = other[k]
         while stretch is not None and stretch[0] < i:
             bad += feed_stretch(*stretch)
             prev = stretch[1] - 1
             stretch = next(pending, None)
         if i > prev + 1:
             bad += _feed_run(w, lines, prev + 1, i)
+        end = block_end.get(k)
+        if end is not None:
+            done = blocks.feed(w, i, other[end - 1] + 1)
+            if done is True:
+                prev = other[end - 1]
+                k = end
+                continue
+            parsed[k:end] = done
+        rec = parsed[k]
         w.line = i + 1
         if rec is None:
             bad += 1
@@ -207,6 +233,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         else:
             w.record(rec)
         prev = i
+        k += 1
     while mux is None and stretch is not None:
         bad += feed_stretch(*stretch)
         prev = stretch[1] - 1
@@ -220,6 +247,16 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     return summary
 
 
+
+
+def _gaps(block_end: dict[int, int], n: int) -> list[tuple[int, int]]:
+    """The position ranges of ``other`` outside the blocks (``block_end``: start -> end)."""
+    out, pos = [], 0
+    for a in sorted(block_end):
+        out.append((pos, a))
+        pos = block_end[a]
+    out.append((pos, n))
+    return out
 
 
 def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
