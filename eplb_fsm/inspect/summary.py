@@ -31,6 +31,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
+from eplb_fsm.inspect.stepruns import feed_run
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_text
 
@@ -127,22 +128,6 @@ class _Interleaved:
         return sessions[-1]
 
 
-# A compact step record exactly as EventTrace writes it (keys in emit order, nothing but
-# an optional dummy flag after seq). A run of such lines in the replayed state is checked
-# by one regex match in C instead of a json.loads per line; anything else is parsed.
-_NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
-_STEP_LINE = (r'\{"ts":' + _NUM + r',"rank":-?\d+,"world":\d+,"event":"step","state":"%s","step":-?\d+,'
-              r'"seq":\d+(?:,"dummy":(?:true|false))?\}[ \t\r]*\n')
-_STEP_RUNS: dict[str, re.Pattern] = {}
-
-
-def _step_run(state: str) -> re.Pattern:
-    pattern = _STEP_RUNS.get(state)
-    if pattern is None:
-        pattern = _STEP_RUNS[state] = re.compile("(?:" + _STEP_LINE % re.escape(state) + ")*")
-    return pattern
-
-
 def summarize_text(text: str, rank: int | None = None, *, path: str | None = None,
                    oracle: MachineOracle | None = None) -> RankSummary:
     """``summarize_rank`` over a JSONL file's text, with runs of compact step lines checked in bulk.
@@ -194,9 +179,9 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     stretch = next(pending, None)
 
     def feed_stretch(b_start: int, b_end: int, period: int) -> int:
-        lost = _feed_run(w, lines, prev + 1, b_start) if b_start > prev + 1 else 0
+        lost = feed_run(w, lines, prev + 1, b_start, parse_line) if b_start > prev + 1 else 0
         if not feed_units(w, lines, b_start, b_end, period, parse_line):
-            lost += _feed_run(w, lines, b_start, b_end)
+            lost += feed_run(w, lines, b_start, b_end, parse_line)
         return lost
 
     k = 0
@@ -207,7 +192,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             prev = stretch[1] - 1
             stretch = next(pending, None)
         if i > prev + 1:
-            bad += _feed_run(w, lines, prev + 1, i)
+            bad += feed_run(w, lines, prev + 1, i, parse_line)
         end = block_end.get(k)
         if end is not None:
             done = blocks.feed(w, i, other[end - 1] + 1)
@@ -239,7 +224,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         prev = stretch[1] - 1
         stretch = next(pending, None)
     if mux is None and prev + 1 < len(lines):
-        bad += _feed_run(w, lines, prev + 1, len(lines))
+        bad += feed_run(w, lines, prev + 1, len(lines), parse_line)
     last, last_bad = _ends(text)
     summary = mux.result() if mux is not None else w.result(last)
     summary.bad_lines = bad
@@ -257,58 +242,6 @@ def _gaps(block_end: dict[int, int], n: int) -> list[tuple[int, int]]:
         pos = block_end[a]
     out.append((pos, n))
     return out
-
-
-def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
-    """Replay lines[start:end] (step lines between two other records); returns unreadable lines."""
-    while end > start and not lines[end - 1].strip():
-        end -= 1  # the empty string after the file's final newline, trailing blank lines
-    if end <= start:
-        return 0
-    if w.state is not None:
-        run = "\n".join(lines[start:end]) + "\n"
-        if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
-                and w.plain_steps(end - start):
-            w.saw_line(lines[start])
-            w.saw_line(lines[end - 1])
-            if w.first is None:
-                w.first = parse_line(lines[start])
-            w.last, w.last_line = None, lines[end - 1]
-            return 0
-    bad = 0
-    for n, line in enumerate(lines[start:end], start + 1):
-        if line.strip():
-            rec = parse_line(line)
-            if rec is None:
-                bad += 1
-            else:
-                w.line = n
-                w.record(rec)
-    return bad
-
-
-_SEQ = re.compile(r'"seq":(\d+)')
-
-
-def _seqs_follow(w: Walker, run: str, count: int, first_line: int) -> bool:
-    """The run's ``seq`` values go up by one from what the session's next record must carry.
-
-    When they do not, a step back (lines out of order) is recorded with its line; the
-    caller replays the run line by line (which counts lost lines at the next other record).
-    """
-    seqs = list(map(int, _SEQ.findall(run)))
-    first = w.next_seq()
-    if first is None:
-        first = seqs[0]
-    if seqs == list(range(first, first + count)):
-        return True
-    for j in range(1, len(seqs)):
-        if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
-            w.line = first_line + j
-            w.s.disorder.append({"where": w.where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
-                                 "event": "step"})
-            break
-    return False
 
 
 def _ends(text: str) -> tuple[dict | None, bool]:
