@@ -5,11 +5,20 @@ Most lines of a compact trace are step records of a step that kept the state, ex
 
     {"ts":T,"rank":R,"world":W,"event":"step","state":"S","step":N,"seq":Q}
 
-``feed_run`` checks a run of them as a whole, by one regex match in C (which also takes
-the optional ``dummy`` flag and trailing blanks), with the ``seq`` values read by a second
-regex (``seqs_follow``, which also records a step back as disorder), and counts it
-(``Walker.plain_steps``) instead of parsing each line. A run that does not pass is parsed
-and replayed line by line.
+``feed_run`` checks a run of them as a whole and counts it (``Walker.plain_steps``)
+instead of parsing each line:
+
+- first against ``StepLines``, made once per file with a few numpy passes over its bytes:
+  every line with each run of digits cut to one ``0`` (its "shape"), and the number each
+  line ends with before its closing brace (a step line's ``seq``). A run passes when every
+  line has the shape of a step line stamped with the replayed state (ts with a fraction,
+  rank, world, step and seq unsigned integers, nothing else) and the seqs run on by one
+  from the walker's next one;
+- else by one regex match of the whole run, which also takes the optional ``dummy`` flag,
+  signs and trailing blanks, with the ``seq`` values read by a second regex
+  (``seqs_follow``, which also records a step back as disorder).
+
+A run that passes neither is parsed and replayed line by line.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-__all__ = ["feed_run", "seqs_follow", "step_run"]
+import numpy as np
+
+__all__ = ["StepLines", "feed_run", "seqs_follow", "step_run"]
 
 # A compact step record exactly as EventTrace writes it (keys in emit order, nothing but
 # an optional dummy flag after seq). A run of such lines in the replayed state is checked
@@ -35,6 +46,75 @@ def step_run(state: str) -> re.Pattern:
     if pattern is None:
         pattern = _STEP_RUNS[state] = re.compile("(?:" + _STEP_LINE % re.escape(state) + ")*")
     return pattern
+
+
+_MAX_DIGITS = 18    # longer numbers do not fit an int64: such a line is left to the regex
+
+
+def _shape_of(data: np.ndarray) -> np.ndarray:
+    """``data`` (uint8) with every run of ASCII digits cut to one ``0``."""
+    digit = (data >= 48) & (data <= 57)
+    repeat_digit = np.zeros_like(digit)
+    repeat_digit[1:] = digit[1:] & digit[:-1]
+    shape = data[~repeat_digit]
+    shape[shape - 48 < 10] = 48    # (uint8: bytes below "0" wrap round to large values)
+    return shape
+
+
+class StepLines:
+    """The shape of every line of one file and the number each ends with, for ``feed_run``.
+
+    Lines are those of ``text.split("\n")``; a newline byte never occurs inside a UTF-8
+    character, so the lines of the encoded bytes are the same lines.
+    """
+
+    def __init__(self, text: str) -> None:
+        data = np.frombuffer(text.encode("utf-8", "replace"), np.uint8)
+        shape = _shape_of(data)
+        self.shape = shape.tobytes()
+        ends = np.flatnonzero(shape == 10)
+        self.shape_start = np.concatenate(([0], ends + 1))
+        self.shape_end = np.concatenate((ends, [len(shape)]))
+        line_end = np.concatenate((np.flatnonzero(data == 10), [len(data)]))
+        # the number before each line's last byte (a step line's seq, before its "}")
+        tail = np.zeros(len(line_end), np.int64)
+        scale = 1
+        going = line_end >= 2
+        for k in range(_MAX_DIGITS + 1):
+            at = line_end - 2 - k
+            byte = data[np.maximum(at, 0)]
+            going &= (at >= 0) & (byte >= 48) & (byte <= 57)
+            if not going.any():
+                break
+            if k == _MAX_DIGITS:
+                tail[going] = -1      # too long: no seq this check vouches for
+                break
+            tail += np.where(going, (byte.astype(np.int64) - 48) * scale, 0)
+            scale *= 10
+        self.tail = tail
+        self.steps_by_one = np.concatenate((np.diff(tail) == 1, [False]))
+        self._expected: dict[str, bytes] = {}
+
+    def step_shape(self, state: str) -> bytes:
+        """The shape of a compact step line stamped ``state``."""
+        shape = self._expected.get(state)
+        if shape is None:
+            line = '{"ts":0.0,"rank":0,"world":0,"event":"step","state":"%s","step":0,"seq":0}' % state
+            shape = self._expected[state] = _shape_of(np.frombuffer(line.encode("utf-8", "replace"),
+                                                                    np.uint8)).tobytes()
+        return shape
+
+    def follow(self, start: int, end: int, state: str, first: int | None) -> bool:
+        """Lines[start:end] are compact step lines stamped ``state`` whose seqs run on by one from
+        ``first`` (None: from the first line's)."""
+        n = end - start
+        one = self.step_shape(state)
+        if self.shape[self.shape_start[start]:self.shape_end[end - 1]] != b"\n".join([one] * n):
+            return False
+        tail = self.tail
+        if first is not None and tail[start] != first or tail[start] < 0:
+            return False
+        return n == 1 or bool(self.steps_by_one[start:end - 1].all())
 
 
 def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
@@ -58,16 +138,18 @@ def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
     return False
 
 
-def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], dict | None]) -> int:
+def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], dict | None],
+             known: StepLines | None = None) -> int:
     """Replay lines[start:end] (step lines between two other records) into walker ``w``; returns the
-    unreadable lines. ``parse`` reads one line (None: unreadable)."""
+    unreadable lines. ``parse`` reads one line (None: unreadable); ``known``: the file's ``StepLines``."""
     while end > start and not lines[end - 1].strip():
         end -= 1  # the empty string after the file's final newline, trailing blank lines
     if end <= start:
         return 0
     if w.state is not None:
-        run = "\n".join(lines[start:end]) + "\n"
-        if step_run(w.state).fullmatch(run) is not None and seqs_follow(w, run, end - start, start + 1):
+        if (known is not None and known.follow(start, end, w.state, w.next_seq())) or (
+                step_run(w.state).fullmatch(run := "\n".join(lines[start:end]) + "\n") is not None
+                and seqs_follow(w, run, end - start, start + 1)):
             if w.plain_steps(end - start):
                 w.saw_line(lines[start])
                 w.saw_line(lines[end - 1])

@@ -31,7 +31,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
-from eplb_fsm.inspect.stepruns import feed_run
+from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_text
 
@@ -40,6 +40,7 @@ __all__ = [
     "summarize_rank", "summarize_text", "find_trace_files", "find_all_trace_files", "read_records",
 ]
 
+MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
 
 
@@ -172,6 +173,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
     blocks = BlockReader(lines, parse_line)
+    known = StepLines(text) if len(lines) >= MIN_KNOWN_LINES else None
     bad = 0
     prev = -1
     mux = None
@@ -179,9 +181,9 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     stretch = next(pending, None)
 
     def feed_stretch(b_start: int, b_end: int, period: int) -> int:
-        lost = feed_run(w, lines, prev + 1, b_start, parse_line) if b_start > prev + 1 else 0
+        lost = feed_run(w, lines, prev + 1, b_start, parse_line, known) if b_start > prev + 1 else 0
         if not feed_units(w, lines, b_start, b_end, period, parse_line):
-            lost += feed_run(w, lines, b_start, b_end, parse_line)
+            lost += feed_run(w, lines, b_start, b_end, parse_line, known)
         return lost
 
     k = 0
@@ -192,7 +194,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             prev = stretch[1] - 1
             stretch = next(pending, None)
         if i > prev + 1:
-            bad += feed_run(w, lines, prev + 1, i, parse_line)
+            bad += feed_run(w, lines, prev + 1, i, parse_line, known)
         end = block_end.get(k)
         if end is not None:
             done = blocks.feed(w, i, other[end - 1] + 1)
@@ -224,7 +226,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         prev = stretch[1] - 1
         stretch = next(pending, None)
     if mux is None and prev + 1 < len(lines):
-        bad += feed_run(w, lines, prev + 1, len(lines), parse_line)
+        bad += feed_run(w, lines, prev + 1, len(lines), parse_line, known)
     last, last_bad = _ends(text)
     summary = mux.result() if mux is not None else w.result(last)
     summary.bad_lines = bad
