@@ -23,10 +23,13 @@ A run that passes neither is parsed and replayed line by line.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Callable
 
 import numpy as np
+
+from eplb_fsm.inspect.records import LINE_HEAD, SILENCE_S
 
 __all__ = ["StepLines", "feed_run", "seqs_follow", "step_run"]
 
@@ -61,6 +64,29 @@ def _shape_of(data: np.ndarray) -> np.ndarray:
     return shape
 
 
+def _digits(data: np.ndarray, at: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """(value, count) of the run of ASCII digits starting at each of ``at`` (at most ``most`` digits)."""
+    value = np.zeros(len(at), np.int64)
+    count = np.zeros(len(at), np.int64)
+    going = np.ones(len(at), bool)
+    last = len(data) - 1
+    for k in range(most):
+        byte = data[np.minimum(at + k, last)].astype(np.int64)
+        going &= (at + k <= last) & (byte >= 48) & (byte <= 57)
+        if not going.any():
+            break
+        value = np.where(going, value * 10 + byte - 48, value)
+        count += going
+    return value, count
+
+
+def _step_times(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The ``ts`` of each line laid out as a step line (``{"ts":D.D,``); garbage for other lines."""
+    whole, n_whole = _digits(data, starts + 6, 12)
+    fraction, n_fraction = _digits(data, starts + 7 + n_whole, 12)
+    return whole + fraction / np.power(10.0, n_fraction)
+
+
 class StepLines:
     """The shape of every line of one file and the number each ends with, for ``feed_run``.
 
@@ -92,7 +118,10 @@ class StepLines:
             tail += np.where(going, (byte.astype(np.int64) - 48) * scale, 0)
             scale *= 10
         self.tail = tail
-        self.steps_by_one = np.concatenate((np.diff(tail) == 1, [False]))
+        # a line and the next: seq up by one and no silence between them (the time read without its last
+        # digits' rounding: a gap within a millisecond of SILENCE_S is left to the exact line-by-line path)
+        ts = _step_times(data, np.concatenate(([0], line_end[:-1] + 1)))
+        self.next_follows = np.concatenate(((np.diff(tail) == 1) & (np.diff(ts) < SILENCE_S - 1e-3), [False]))
         self._expected: dict[str, bytes] = {}
 
     def step_shape(self, state: str) -> bytes:
@@ -114,7 +143,17 @@ class StepLines:
         tail = self.tail
         if first is not None and tail[start] != first or tail[start] < 0:
             return False
-        return n == 1 or bool(self.steps_by_one[start:end - 1].all())
+        return n == 1 or bool(self.next_follows[start:end - 1].all())
+
+
+_TS = re.compile(r'^\{"ts":([^,]*),', re.M)
+
+
+def _calm(run: str) -> bool:
+    """No two consecutive lines of ``run`` further apart in time than SILENCE_S (a silence inside a run
+    is kept by the line-by-line path, with the records either side)."""
+    ts = list(map(float, _TS.findall(run)))
+    return not ts or max(map(operator.sub, ts[1:], ts[:-1]), default=0.0) <= SILENCE_S
 
 
 def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
@@ -149,10 +188,9 @@ def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], d
     if w.state is not None:
         if (known is not None and known.follow(start, end, w.state, w.next_seq())) or (
                 step_run(w.state).fullmatch(run := "\n".join(lines[start:end]) + "\n") is not None
-                and seqs_follow(w, run, end - start, start + 1)):
+                and seqs_follow(w, run, end - start, start + 1) and _calm(run)):
             if w.plain_steps(end - start):
-                w.saw_line(lines[start])
-                w.saw_line(lines[end - 1])
+                w.saw_run(lines[start], lines[end - 1])
                 if w.first is None:
                     w.first = parse(lines[start])
                 w.last, w.last_line = None, lines[end - 1]

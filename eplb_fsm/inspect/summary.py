@@ -32,6 +32,7 @@ from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, Mach
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
+from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_text
 
@@ -74,6 +75,11 @@ def summarize_rank(
             w.n_steps += 1
             w.records += 1
             w.last = rec
+            ts, seen = rec.get("ts"), w.seen_at   # its time, as Walker.record keeps it: silences are exact
+            if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
+                w.seen_at = (ts, rec.get("step"), rec.get("state"))
+            else:
+                w.saw(ts, rec.get("step"), rec.get("state"))
             continue
         if _interleaves(w, rec):
             mux = _Interleaved(w, rank, oracle, path)

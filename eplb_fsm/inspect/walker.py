@@ -168,6 +168,14 @@ class Walker:
         if m is not None:
             self.saw(float(m.group(1)), int(m.group(3)), m.group(2))
 
+    def saw_run(self, first_line: str, last_line: str) -> None:
+        """``saw`` for a run of lines read in bulk with no silence inside (checked by the reader): its first
+        line is compared with what came before, its last becomes the latest time seen."""
+        self.saw_line(first_line)
+        m = LINE_HEAD.match(last_line)
+        if m is not None:
+            self.seen_at = (float(m.group(1)), int(m.group(3)), m.group(2))
+
     def took_bulk(self, records: int, steps: int, last_seq: int, last_line: str) -> None:
         """Account a stretch read in bulk (``bulk.feed_units``): ``records`` lines, ``steps`` of them
         step records, the last carrying ``last_seq``."""
