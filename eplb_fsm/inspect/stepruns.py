@@ -64,27 +64,22 @@ def _shape_of(data: np.ndarray) -> np.ndarray:
     return shape
 
 
-def _digits(data: np.ndarray, at: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
-    """(value, count) of the run of ASCII digits starting at each of ``at`` (at most ``most`` digits)."""
-    value = np.zeros(len(at), np.int64)
-    count = np.zeros(len(at), np.int64)
-    going = np.ones(len(at), bool)
-    last = len(data) - 1
-    for k in range(most):
-        byte = data[np.minimum(at + k, last)].astype(np.int64)
-        going &= (at + k <= last) & (byte >= 48) & (byte <= 57)
-        if not going.any():
-            break
-        value = np.where(going, value * 10 + byte - 48, value)
-        count += going
-    return value, count
+_PAD = 32          # zero bytes either side of a file's bytes: every index read stays inside
 
 
-def _step_times(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """The ``ts`` of each line laid out as a step line (``{"ts":D.D,``); garbage for other lines."""
-    whole, n_whole = _digits(data, starts + 6, 12)
-    fraction, n_fraction = _digits(data, starts + 7 + n_whole, 12)
-    return whole + fraction / np.power(10.0, n_fraction)
+def _rough_times(padded: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The ``ts`` of each line laid out ``{"ts":DDDDDDDDDD.D`` (ten digits: a time of this century), read to
+    within 0.1 s (its tenths); NaN for a line laid out otherwise."""
+    at = starts + 6
+    whole = np.zeros(len(at))
+    ok = np.ones(len(at), bool)
+    for k in range(10):
+        digit = padded[at + k] - np.uint8(48)     # (uint8: bytes below "0" wrap round to large values)
+        ok &= digit < 10
+        whole = whole * 10 + digit
+    tenths = padded[at + 11] - np.uint8(48)
+    ok &= (padded[at + 10] == 46) & (tenths < 10)
+    return np.where(ok, whole + tenths / 10, np.nan)
 
 
 class StepLines:
@@ -101,27 +96,27 @@ class StepLines:
         ends = np.flatnonzero(shape == 10)
         self.shape_start = np.concatenate(([0], ends + 1))
         self.shape_end = np.concatenate((ends, [len(shape)]))
-        line_end = np.concatenate((np.flatnonzero(data == 10), [len(data)]))
+        padded = np.concatenate((np.zeros(_PAD, np.uint8), data, np.zeros(_PAD, np.uint8)))
+        line_end = np.concatenate((np.flatnonzero(data == 10), [len(data)])) + _PAD
         # the number before each line's last byte (a step line's seq, before its "}")
         tail = np.zeros(len(line_end), np.int64)
         scale = 1
-        going = line_end >= 2
+        going = np.ones(len(line_end), bool)
         for k in range(_MAX_DIGITS + 1):
-            at = line_end - 2 - k
-            byte = data[np.maximum(at, 0)]
-            going &= (at >= 0) & (byte >= 48) & (byte <= 57)
+            byte = padded[np.maximum(line_end - 2 - k, 0)] - np.uint8(48)
+            going &= byte < 10
             if not going.any():
                 break
             if k == _MAX_DIGITS:
                 tail[going] = -1      # too long: no seq this check vouches for
                 break
-            tail += np.where(going, (byte.astype(np.int64) - 48) * scale, 0)
+            tail += np.where(going, byte.astype(np.int64) * scale, 0)
             scale *= 10
         self.tail = tail
-        # a line and the next: seq up by one and no silence between them (the time read without its last
-        # digits' rounding: a gap within a millisecond of SILENCE_S is left to the exact line-by-line path)
-        ts = _step_times(data, np.concatenate(([0], line_end[:-1] + 1)))
-        self.next_follows = np.concatenate(((np.diff(tail) == 1) & (np.diff(ts) < SILENCE_S - 1e-3), [False]))
+        # a line and the next: seq up by one and no silence between them (times read to 0.1 s: a gap within
+        # 0.2 s of SILENCE_S, or a time laid out otherwise, is left to the exact paths)
+        ts = _rough_times(padded, np.concatenate(([_PAD], line_end[:-1] + 1)))
+        self.next_follows = np.concatenate(((np.diff(tail) == 1) & (np.diff(ts) < SILENCE_S - 0.2), [False]))
         self._expected: dict[str, bytes] = {}
 
     def step_shape(self, state: str) -> bytes:
