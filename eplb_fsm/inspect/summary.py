@@ -179,7 +179,10 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
     blocks = BlockReader(lines, parse_line)
-    known = StepLines(text) if len(lines) >= MIN_KNOWN_LINES else None
+    # the shapes of a file's lines pay off when most lines are step lines in long runs (the compact form);
+    # a file that all-reduces every step has short runs, read by its periodic stretches
+    known = StepLines(text) if not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines) \
+        else None
     bad = 0
     prev = -1
     mux = None
