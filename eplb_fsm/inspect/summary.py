@@ -23,8 +23,10 @@ compact step lines (most of a long trace) checked in bulk.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Iterable
 
@@ -156,7 +158,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             other += [i for i in range(pos, b_start) if '"event":"step"' not in lines[i] and lines[i].strip()]
             pos = b_end
     else:
-        other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
+        other = _not_step_lines(lines)
     # runs of consecutive non-step lines (rearrangement blocks) go through ``blocks`` and are parsed
     # only when they cannot be applied from a template; the other lines are parsed at once
     block_end: dict[int, int] = {}     # position in ``other`` -> end position of its block
@@ -243,6 +245,12 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     return summary
 
 
+
+
+def _not_step_lines(lines: list[str]) -> list[int]:
+    """Indices of the non-blank lines that are no step record (a C pass over the lines, then the few left)."""
+    is_step = map(operator.contains, lines, repeat('"event":"step"'))
+    return [i for i in compress(range(len(lines)), map(operator.not_, is_step)) if lines[i].strip()]
 
 
 def _gaps(block_end: dict[int, int], n: int) -> list[tuple[int, int]]:
