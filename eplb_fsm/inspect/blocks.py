@@ -64,27 +64,19 @@ def _picker(indices: list[int]) -> Callable[[list], tuple]:
 
 class _Values:
     """Where one counter sits in a block's fields (the block's lines joined by commas, split at commas):
-    every piece starts with ``prefix`` (``"seq":``) and the rest is a number of type ``kind``."""
+    every piece is ``prefix`` (``"seq":``) and a number of type ``kind``; ``take`` picks its values out
+    of the block's counter values (``Recipe.read``)."""
 
-    __slots__ = ("pick", "cut", "prefix", "kind")
+    __slots__ = ("at", "prefix", "kind", "take")
 
     def __init__(self, at: list[int], prefix: str, kind: type) -> None:
-        self.pick, self.cut, self.prefix, self.kind = _picker(at), operator.itemgetter(slice(len(prefix), None)), \
-            prefix, kind
+        self.at, self.prefix, self.kind = at, prefix, kind
+        self.take: Callable[[list], tuple] = _picker([])
 
-    def read(self, fields: list[str]) -> list | None:
-        """The numbers, or None when a piece is not ``prefix`` and a JSON number of type ``kind``."""
-        pieces = self.pick(fields)
-        if not all(map(str.startswith, pieces, repeat(self.prefix))):
-            return None
-        try:
-            # one JSON array of the tokens: the decoder checks each is a number as a line's parse would
-            numbers = json.loads("[" + ",".join(map(self.cut, pieces)) + "]")
-        except ValueError:
-            return None
-        if len(numbers) != len(pieces) or set(map(type, numbers)) != {self.kind}:
-            return None   # a token that was no number of the template's type (or hid a comma)
-        return numbers
+
+_HEAD = operator.itemgetter(0)
+_TOKEN = operator.itemgetter(2)
+_AT_COLON = operator.methodcaller("partition", ":")
 
 
 class Recipe:
@@ -96,7 +88,8 @@ class Recipe:
     """
 
     __slots__ = ("pre", "post", "n", "events", "fixed_at", "fixed", "seq", "ts", "step", "cseq_start",
-                 "cseq_end", "duration", "others", "transitions", "collectives", "groups", "last_state")
+                 "cseq_end", "duration", "others", "transitions", "collectives", "groups", "last_state",
+                 "counters_at", "heads", "kinds")
 
     def __init__(self, pre: tuple, post: tuple, recs: list[dict]) -> None:
         self.pre, self.post, self.n = pre, post, len(recs)
@@ -107,6 +100,34 @@ class Recipe:
         self.groups: tuple = ()
         self.duration: _Values | None = None
         self.others: list[_Values] = []
+
+    def finish(self) -> None:
+        """Index every counter: one pick, one ``json.loads`` and one type check read them all (``read``)."""
+        groups = [self.seq, self.ts, self.step, self.cseq_start, self.cseq_end, self.duration, *self.others]
+        groups = [g for g in groups if g is not None]
+        at = sorted(i for g in groups for i in g.at)
+        where = {i: n for n, i in enumerate(at)}
+        prefix = {i: g.prefix for g in groups for i in g.at}
+        kind = {i: g.kind for g in groups for i in g.at}
+        self.counters_at = _picker(at)
+        self.heads = [prefix[i][:-1] for i in at]      # each prefix ends with the colon the pieces split at
+        self.kinds = [kind[i] for i in at]
+        for g in groups:
+            g.take = _picker([where[i] for i in g.at])
+
+    def read(self, fields: list[str]) -> list | None:
+        """The block's counter values, or None when a piece is not its key and a JSON number of the
+        template's type there (what a line's parse would read, checked by one ``json.loads``)."""
+        parts = list(map(_AT_COLON, self.counters_at(fields)))
+        if list(map(_HEAD, parts)) != self.heads:
+            return None
+        try:
+            values = json.loads("[" + ",".join(map(_TOKEN, parts)) + "]")
+        except ValueError:
+            return None
+        if len(values) != len(parts) or list(map(type, values)) != self.kinds:
+            return None     # a token that was no number of the template's type (or hid a comma)
+        return values
 
 
 def _context(w) -> tuple | None:
@@ -277,18 +298,19 @@ class BlockReader:
         for i in sorted(set(vary) - used):
             rest.setdefault(vary[i][1:], []).append(i)
         recipe.others = [_Values(at_, prefix, kind) for (prefix, kind), at_ in rest.items()]
+        recipe.finish()
         return recipe
 
     # -- a later block, from its template's recipe ------------------------------
     def _apply(self, w, recipe: Recipe, fields: list[str], end: int) -> bool:
         n = recipe.n
         first = w.next_seq()
-        seqs = recipe.seq.read(fields)
-        if seqs is None or seqs != list(range(first, first + n)):
-            return False     # lost, inserted or reordered records: the record-by-record path says which
-        ts, steps = recipe.ts.read(fields), recipe.step.read(fields)
-        if ts is None or steps is None or any(v.read(fields) is None for v in recipe.others):
+        values = recipe.read(fields)
+        if values is None:
             return False     # not a number written as the template's: read record by record
+        if list(recipe.seq.take(values)) != list(range(first, first + n)):
+            return False     # lost, inserted or reordered records: the record-by-record path says which
+        ts, steps = recipe.ts.take(values), recipe.step.take(values)
         seen = w.seen_at
         if (seen is not None and ts[0] - seen[0] > SILENCE_S) \
                 or (n > 1 and max(map(operator.sub, ts[1:], ts[:-1])) > SILENCE_S):
@@ -297,8 +319,8 @@ class BlockReader:
         cols = s.collectives
         durations: list | repeat = repeat(None)
         if recipe.collectives:
-            cseqs = recipe.cseq_start.read(fields)
-            if cseqs is None or cseqs != recipe.cseq_end.read(fields):
+            cseqs = recipe.cseq_start.take(values)
+            if cseqs != recipe.cseq_end.take(values):
                 return False  # a collective ended with another cseq than it started with
             for group, c in zip(recipe.groups, cseqs):
                 index = cols.get(group)
@@ -307,9 +329,7 @@ class BlockReader:
             if len(set(zip(recipe.groups, cseqs))) != len(cseqs):
                 return False
             if recipe.duration is not None:
-                durations = recipe.duration.read(fields)
-                if durations is None:
-                    return False
+                durations = recipe.duration.take(values)
         # accepted: the template's effect with this block's numbers
         transitions = s.transitions
         for j, trig, src, dst, layer in recipe.transitions:
