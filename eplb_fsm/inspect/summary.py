@@ -23,13 +23,18 @@ compact step lines (most of a long trace) checked in bulk.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
+from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
+from eplb_fsm.inspect.stepruns import StepLines, feed_run
+from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_text
 
@@ -38,6 +43,7 @@ __all__ = [
     "summarize_rank", "summarize_text", "find_trace_files", "find_all_trace_files", "read_records",
 ]
 
+MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
 
 
@@ -71,6 +77,11 @@ def summarize_rank(
             w.n_steps += 1
             w.records += 1
             w.last = rec
+            ts, seen = rec.get("ts"), w.seen_at   # its time, as Walker.record keeps it: silences are exact
+            if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
+                w.seen_at = (ts, rec.get("step"), rec.get("state"))
+            else:
+                w.saw(ts, rec.get("step"), rec.get("state"))
             continue
         if _interleaves(w, rec):
             mux = _Interleaved(w, rank, oracle, path)
@@ -126,22 +137,6 @@ class _Interleaved:
         return sessions[-1]
 
 
-# A compact step record exactly as EventTrace writes it (keys in emit order, nothing but
-# an optional dummy flag after seq). A run of such lines in the replayed state is checked
-# by one regex match in C instead of a json.loads per line; anything else is parsed.
-_NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
-_STEP_LINE = (r'\{"ts":' + _NUM + r',"rank":-?\d+,"world":\d+,"event":"step","state":"%s","step":-?\d+,'
-              r'"seq":\d+(?:,"dummy":(?:true|false))?\}[ \t\r]*\n')
-_STEP_RUNS: dict[str, re.Pattern] = {}
-
-
-def _step_run(state: str) -> re.Pattern:
-    pattern = _STEP_RUNS.get(state)
-    if pattern is None:
-        pattern = _STEP_RUNS[state] = re.compile("(?:" + _STEP_LINE % re.escape(state) + ")*")
-    return pattern
-
-
 def summarize_text(text: str, rank: int | None = None, *, path: str | None = None,
                    oracle: MachineOracle | None = None) -> RankSummary:
     """``summarize_rank`` over a JSONL file's text, with runs of compact step lines checked in bulk.
@@ -163,15 +158,33 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
             other += [i for i in range(pos, b_start) if '"event":"step"' not in lines[i] and lines[i].strip()]
             pos = b_end
     else:
-        other = [i for i, line in enumerate(lines) if '"event":"step"' not in line and line.strip()]
+        other = _not_step_lines(lines)
+    # runs of consecutive non-step lines (rearrangement blocks) go through ``blocks`` and are parsed
+    # only when they cannot be applied from a template; the other lines are parsed at once
+    block_end: dict[int, int] = {}     # position in ``other`` -> end position of its block
+    a = 0
+    for b in range(1, len(other) + 1):
+        if b == len(other) or other[b] != other[b - 1] + 1:
+            if b - a >= MIN_BLOCK_LINES:
+                block_end[a] = b
+            a = b
+    eager = [k for a, b in _gaps(block_end, len(other)) for k in range(a, b)]
+    parsed: list = [None] * len(other)
     try:
-        parsed: list = json.loads("[" + ",".join([lines[i] for i in other]) + "]") if other else []
-        if not all(type(r) is dict for r in parsed):
+        batch = json.loads("[" + ",".join([lines[other[k]] for k in eager]) + "]") if eager else []
+        if not all(type(r) is dict for r in batch):
             raise ValueError("a line is not a JSON object")
     except ValueError:
-        parsed = [parse_line(lines[i]) for i in other]
+        batch = [parse_line(lines[other[k]]) for k in eager]
+    for k, rec in zip(eager, batch):
+        parsed[k] = rec
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
+    blocks = BlockReader(lines, parse_line)
+    # the shapes of a file's lines pay off when most lines are step lines in long runs (the compact form);
+    # a file that all-reduces every step has short runs, read by its periodic stretches
+    known = StepLines(text) if not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines) \
+        else None
     bad = 0
     prev = -1
     mux = None
@@ -179,18 +192,29 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     stretch = next(pending, None)
 
     def feed_stretch(b_start: int, b_end: int, period: int) -> int:
-        lost = _feed_run(w, lines, prev + 1, b_start) if b_start > prev + 1 else 0
+        lost = feed_run(w, lines, prev + 1, b_start, parse_line, known) if b_start > prev + 1 else 0
         if not feed_units(w, lines, b_start, b_end, period, parse_line):
-            lost += _feed_run(w, lines, b_start, b_end)
+            lost += feed_run(w, lines, b_start, b_end, parse_line, known)
         return lost
 
-    for i, rec in zip(other, parsed):
+    k = 0
+    while k < len(other):
+        i = other[k]
         while stretch is not None and stretch[0] < i:
             bad += feed_stretch(*stretch)
             prev = stretch[1] - 1
             stretch = next(pending, None)
         if i > prev + 1:
-            bad += _feed_run(w, lines, prev + 1, i)
+            bad += feed_run(w, lines, prev + 1, i, parse_line, known)
+        end = block_end.get(k)
+        if end is not None:
+            done = blocks.feed(w, i, other[end - 1] + 1)
+            if done is True:
+                prev = other[end - 1]
+                k = end
+                continue
+            parsed[k:end] = done
+        rec = parsed[k]
         w.line = i + 1
         if rec is None:
             bad += 1
@@ -207,12 +231,13 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         else:
             w.record(rec)
         prev = i
+        k += 1
     while mux is None and stretch is not None:
         bad += feed_stretch(*stretch)
         prev = stretch[1] - 1
         stretch = next(pending, None)
     if mux is None and prev + 1 < len(lines):
-        bad += _feed_run(w, lines, prev + 1, len(lines))
+        bad += feed_run(w, lines, prev + 1, len(lines), parse_line, known)
     last, last_bad = _ends(text)
     summary = mux.result() if mux is not None else w.result(last)
     summary.bad_lines = bad
@@ -222,56 +247,20 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
 
 
 
-def _feed_run(w: Walker, lines: list[str], start: int, end: int) -> int:
-    """Replay lines[start:end] (step lines between two other records); returns unreadable lines."""
-    while end > start and not lines[end - 1].strip():
-        end -= 1  # the empty string after the file's final newline, trailing blank lines
-    if end <= start:
-        return 0
-    if w.state is not None:
-        run = "\n".join(lines[start:end]) + "\n"
-        if _step_run(w.state).fullmatch(run) is not None and _seqs_follow(w, run, end - start, start + 1) \
-                and w.plain_steps(end - start):
-            w.saw_line(lines[start])
-            w.saw_line(lines[end - 1])
-            if w.first is None:
-                w.first = parse_line(lines[start])
-            w.last, w.last_line = None, lines[end - 1]
-            return 0
-    bad = 0
-    for n, line in enumerate(lines[start:end], start + 1):
-        if line.strip():
-            rec = parse_line(line)
-            if rec is None:
-                bad += 1
-            else:
-                w.line = n
-                w.record(rec)
-    return bad
+def _not_step_lines(lines: list[str]) -> list[int]:
+    """Indices of the non-blank lines that are no step record (a C pass over the lines, then the few left)."""
+    is_step = map(operator.contains, lines, repeat('"event":"step"'))
+    return [i for i in compress(range(len(lines)), map(operator.not_, is_step)) if lines[i].strip()]
 
 
-_SEQ = re.compile(r'"seq":(\d+)')
-
-
-def _seqs_follow(w: Walker, run: str, count: int, first_line: int) -> bool:
-    """The run's ``seq`` values go up by one from what the session's next record must carry.
-
-    When they do not, a step back (lines out of order) is recorded with its line; the
-    caller replays the run line by line (which counts lost lines at the next other record).
-    """
-    seqs = list(map(int, _SEQ.findall(run)))
-    first = w.next_seq()
-    if first is None:
-        first = seqs[0]
-    if seqs == list(range(first, first + count)):
-        return True
-    for j in range(1, len(seqs)):
-        if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
-            w.line = first_line + j
-            w.s.disorder.append({"where": w.where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
-                                 "event": "step"})
-            break
-    return False
+def _gaps(block_end: dict[int, int], n: int) -> list[tuple[int, int]]:
+    """The position ranges of ``other`` outside the blocks (``block_end``: start -> end)."""
+    out, pos = [], 0
+    for a in sorted(block_end):
+        out.append((pos, a))
+        pos = block_end[a]
+    out.append((pos, n))
+    return out
 
 
 def _ends(text: str) -> tuple[dict | None, bool]:

@@ -76,13 +76,13 @@ class Walker:
         # a compact step record (due false) keeps the current (state, layer, pending): known good
         self.plain_ok = False
         self._step_ok: dict[tuple, bool] = {}
-        self._mismatch = 0
+        self.mismatches = 0
         self._mismatch_example = None
         self.warned_layers = False
         # lost lines: seq must advance by one per record (checked at every non-step record)
         self.seqs = SeqCheck()
         self.s.disorder = self.seqs.disorder
-        self._seen: tuple | None = None    # (ts, step, state) of the last record whose time was seen
+        self.seen_at: tuple | None = None    # (ts, step, state) of the last record whose time was seen
 
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
@@ -157,16 +157,24 @@ class Walker:
         process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
         if type(ts) is not float and type(ts) is not int:
             return
-        before = self._seen
+        before = self.seen_at
         if before is not None and ts - before[0] > SILENCE_S and len(self.s.silences) < 100:
             self.s.silences.append((before[0], ts, before[1], before[2]))
-        self._seen = (ts, step, state)
+        self.seen_at = (ts, step, state)
 
     def saw_line(self, line: str) -> None:
         """``saw`` for a line read in bulk (its ts, step and state found without parsing it)."""
         m = LINE_HEAD.match(line)
         if m is not None:
             self.saw(float(m.group(1)), int(m.group(3)), m.group(2))
+
+    def saw_run(self, first_line: str, last_line: str) -> None:
+        """``saw`` for a run of lines read in bulk with no silence inside (checked by the reader): its first
+        line is compared with what came before, its last becomes the latest time seen."""
+        self.saw_line(first_line)
+        m = LINE_HEAD.match(last_line)
+        if m is not None:
+            self.seen_at = (float(m.group(1)), int(m.group(3)), m.group(2))
 
     def took_bulk(self, records: int, steps: int, last_seq: int, last_line: str) -> None:
         """Account a stretch read in bulk (``bulk.feed_units``): ``records`` lines, ``steps`` of them
@@ -216,9 +224,9 @@ class Walker:
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
         ts = rec.get("ts")
-        seen = self._seen
+        seen = self.seen_at
         if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
-            self._seen = (ts, rec.get("step"), rec.get("state"))   # the common case, inline
+            self.seen_at = (ts, rec.get("step"), rec.get("state"))   # the common case, inline
         else:
             self.saw(ts, rec.get("step"), rec.get("state"))
         ev = rec.get("event")
@@ -229,7 +237,7 @@ class Walker:
         if ev == "end":
             # a process that ended in order is silent by design until the next session's header
             # (an elastic rank that left, then rejoined): that wait is no freeze
-            self._seen = None
+            self.seen_at = None
         if ev == "header" and (self.s.header is not None or self.records) and rec.get("continued") is not True:
             self._new_session(rec)   # (a `continued` header only repeats the header atop a rotated segment)
         self.last = rec
@@ -258,7 +266,7 @@ class Walker:
         if self.state is None:
             self.state = st
         elif st is not None and st != self.state and ev not in OWN_STATE:
-            self._mismatch += 1
+            self.mismatches += 1
             if self._mismatch_example is None:
                 self._mismatch_example = (rec.get("seq"), ev, st, self.state)
 
@@ -353,10 +361,10 @@ class Walker:
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
         s.warnings += self.seqs.warnings()
-        if self._mismatch:
+        if self.mismatches:
             seq, ev, st, rep = self._mismatch_example
             s.warnings.append(
-                f"{self._mismatch} record(s) stamped with a state other than the replayed one "
+                f"{self.mismatches} record(s) stamped with a state other than the replayed one "
                 f"(first: seq {seq} {ev} says {st!r}, replay is in {rep!r})"
             )
         return s
