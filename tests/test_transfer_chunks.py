@@ -39,13 +39,17 @@ def test_chunked_transfer_ends_bit_exact_with_chunks_between(case, batching, row
     assert len(calls) == max(0, -(-messages // rows_per_chunk) - 1)
 
 
+def _random_prep(seed: int, ranks: int, slots: int, experts: int, batching: bool):
+    """A prepared layer moving a random (ranks * slots,) phy2log row to a permutation of itself."""
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, experts, size=ranks * slots)
+    return _prep(old, rng.permutation(old), ranks, batching)
+
+
 def test_chunks_cover_every_message_once_within_the_byte_bound():
     """Each chunk holds at most max_bytes of rows; together they hold every message of every pair once, in order."""
-    rng = np.random.default_rng(3)
-    g, s = 4, 6
-    old = rng.integers(0, 12, size=g * s)
-    new = rng.permutation(old)
-    prep = _prep(old, new, g, True)
+    g = 4
+    prep = _random_prep(seed=3, ranks=g, slots=6, experts=12, batching=True)
     size = 100
     for max_bytes in (100, 250, 1000, 10**9):
         pieces = chunk_pieces(prep, size, max_bytes)
@@ -59,11 +63,8 @@ def test_chunks_cover_every_message_once_within_the_byte_bound():
 
 def test_each_rank_runs_its_own_share_of_every_chunk():
     """Per chunk, the sends of a pair on its source equal the receives on its destination (what gloo pairs)."""
-    rng = np.random.default_rng(5)
-    g, s = 3, 8
-    old = rng.integers(0, 10, size=g * s)
-    new = rng.permutation(old)
-    prep = _prep(old, new, g, False)
+    g = 3
+    prep = _random_prep(seed=5, ranks=g, slots=8, experts=10, batching=False)
     total = 0
     for part in chunk_layer(prep, 1, 3):
         for ops in part.ops:
