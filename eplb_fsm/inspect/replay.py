@@ -91,7 +91,6 @@ def _load_one(r: int, path: Path, oracle: MachineOracle | None = None,
     except OSError as exc:
         return r, None, [f"rank {r}: cannot read {path}: {exc}"]
     summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates)
-    del text
     bad = summary.bad_lines
     if not summary.records:
         return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]
