@@ -184,8 +184,8 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     blocks = BlockReader(lines, parse_line, templates)
     # the shapes of a file's lines pay off when most lines are step lines in long runs (the compact form);
     # a file that all-reduces every step has short runs, read by its periodic stretches
-    known = StepLines(text) if not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines) \
-        else None
+    compact = not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines)
+    known = StepLines.of_lines(lines, other) if compact else None
     bad = 0
     prev = -1
     mux = None
