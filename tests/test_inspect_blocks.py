@@ -237,3 +237,95 @@ def test_a_rank_that_stops_inside_a_block_is_the_hang_culprit(tmp_path, monkeypa
     fast, slow = both(lines)
     assert comparable(fast) == comparable(slow)
     assert fast.open_collectives(), "the stopped rank's last collective is open"
+
+
+def test_later_error_records_for_a_template_s_collectives_do_not_leak_into_later_blocks(healthy_lines, readers):
+    """collective_error records for every collective of the first blocks (the templates among them), later in
+    the file: the blocks applied after them carry their own collectives' fields (no error), as record by record."""
+    at = block_starts(healthy_lines)[5]
+    before = json.loads(healthy_lines[at - 1])
+    opened = [json.loads(line) for line in healthy_lines[:at] if '"event":"collective_start"' in line]
+    errors = [dump(dict(before, event="collective_error", op=c["op"], group=c["group"], cseq=c["cseq"], error="boom",
+                        seq=before["seq"] + 1 + j)) for j, c in enumerate(opened)]
+    shifted = [dump(dict(r, seq=r["seq"] + len(errors))) for r in map(json.loads, healthy_lines[at:])]
+    lines = healthy_lines[:at] + errors + shifted
+    fast, slow = both(lines)
+    assert comparable(fast) == comparable(slow)
+    later = [c for idx in fast.collectives.values() for c in idx.one.values() if c.seq > before["seq"] + len(errors)]
+    assert later and all(c.error is None and c.status == "ended" for c in later)
+    assert readers[-1].applied > 0
+
+
+def rank_file(lines: list[str], rank: int) -> str:
+    """Rank 0's lines as another rank writes them: the same records but for the rank field."""
+    return "\n".join(line.replace(',"rank":0,', f',"rank":{rank},') for line in lines) + "\n"
+
+
+def test_templates_learned_on_one_rank_s_file_apply_to_another_s(healthy_lines, readers):
+    """A second rank's file, read with the first one's templates: no template learned, the same summary
+    as its record-by-record replay."""
+    store = blocks.TemplateStore()
+    sm.summarize_text(rank_file(healthy_lines, 0), 0, templates=store)
+    assert readers[-1].learned > 0 and readers[-1].adopted == 0
+    text = rank_file(healthy_lines, 1)
+    fast = sm.summarize_text(text, 1, templates=store)
+    slow = sm.summarize_rank([json.loads(line) for line in text.split("\n") if line], 1)
+    assert comparable(fast) == comparable(slow)
+    reader = readers[-1]
+    assert reader.learned == 0 and reader.adopted > 0
+    assert reader.applied == len(block_starts(healthy_lines)), "every block of the second file was applied"
+
+
+def peers_changed(recs):
+    """Another rank's transfer peers (a field that is no counter and no rank)."""
+    for r in recs:
+        if "peers" in r:
+            r["peers"] = [2, 0]
+
+
+def rank_as_string(recs):
+    """A rank written as a string on one line of the block."""
+    recs[1]["rank"] = str(recs[1]["rank"])
+
+
+def rank_differs_inside(recs):
+    """Two ranks in one block."""
+    recs[1]["rank"] = 2
+
+
+def rank_nested_too(recs):
+    """A second "rank": key inside a nested value on every line."""
+    for r in recs:
+        r["extra"] = {"rank": r["rank"]}
+
+
+@pytest.mark.parametrize("change", [peers_changed, rank_as_string, rank_differs_inside, rank_nested_too])
+def test_another_file_s_block_that_differs_from_the_shared_template_is_read_as_before(healthy_lines, readers, change):
+    """Blocks of a second file that differ from the first file's template in more than counters and one
+    top-level integer rank are not applied from it: the summary is the record-by-record replay's."""
+    store = blocks.TemplateStore()
+    sm.summarize_text(rank_file(healthy_lines, 0), 0, templates=store)
+    lines = healthy_lines
+    for b in range(len(block_starts(lines))):
+        lines = mutate(lines, b, change)
+    text = rank_file(lines, 1)
+    fast = sm.summarize_text(text, 1, templates=store)
+    slow = sm.summarize_rank([json.loads(line) for line in text.split("\n") if line], 1)
+    assert comparable(fast) == comparable(slow)
+    assert readers[-1].adopted == 0 or readers[-1].learned > 0, "a changed block was taken for the template"
+
+
+def test_a_replay_shares_templates_between_the_files_and_gives_the_same_report(tmp_path, monkeypatch, readers):
+    """replay_dir with templates shared between rank files: the same report as with blocks off, and only
+    the first file learns templates."""
+    src = simulate(tmp_path / "s")
+    lines = src.read_text().rstrip("\n").split("\n")
+    out = tmp_path / "job"
+    out.mkdir()
+    for r in range(WORLD):
+        trace_path(out, r).write_text(rank_file(lines, r))
+    on = replay_dir(out).to_dict()
+    assert [(x.learned > 0, x.adopted > 0) for x in readers] == [(True, False)] + [(False, True)] * (WORLD - 1)
+    monkeypatch.setattr(sm, "MIN_BLOCK_LINES", 10 ** 9)
+    assert replay_dir(out).to_dict() == on
+    assert on["verdict"] == "healthy"

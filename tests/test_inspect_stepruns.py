@@ -80,6 +80,28 @@ def test_shapes_and_seqs_of_lines():
     assert not known.follow(0, 1, "planning", None)
 
 
+def test_step_lines_of_a_file_but_its_other_lines_answer_as_over_the_whole_file(lines):
+    """StepLines.of_lines (the other records left out) answers follow() for every span of file lines as
+    StepLines over the whole text does, in file line numbers; a span holding a left-out line never follows."""
+    other = [i for i, line in enumerate(lines) if '"event":"step"' not in line]
+    whole = stepruns.StepLines("\n".join(lines))
+    part = stepruns.StepLines.of_lines(lines, other)
+    runs, a = [], 0
+    for b in other + [len(lines)]:
+        if b > a:
+            runs.append((a, b))
+        a = b + 1
+    assert len(runs) > 5
+    for a, b in runs:
+        for start, end in ((a, b), (a + 1, b), (a, b - 1), (a + 2, a + 3)):
+            if start < end:
+                for first in (None, whole.tail[start].item(), whole.tail[start].item() + 1):
+                    assert part.follow(start, end, "collecting", first) == whole.follow(start, end, "collecting", first)
+    assert any(part.follow(a, b, "collecting", None) for a, b in runs)
+    a, b = runs[1]
+    assert not part.follow(a, b + 2, "collecting", None), "a span across a left-out line"
+
+
 def test_clean_runs_pass_by_shape(lines, follows):
     """On a clean long file every step run passes the StepLines check; the summary is the slow path's."""
     fast, slow = both(lines)

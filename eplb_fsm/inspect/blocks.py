@@ -24,110 +24,31 @@ Anything else is parsed and replayed record by record, exactly as without this m
 The effect of an applied block is the template's with the block's numbers: its transitions
 and collectives (with their steps, seqs, times and durations), its record and event counts,
 the machine state after it.
+
+The ranks of one job write the same blocks but for their ``rank`` field: a ``TemplateStore``
+shared by the files of one replay lets a file use a template another file learned. What the
+walker does with a block depends only on the context above and the block's bytes (a
+top-level ``rank`` is only type-checked), so a template applies to a block of another file
+whose text is the template's but for the counters and the value of the top-level ``rank``
+(one JSON integer per block, in the template's place, the only ``"rank":`` of its line).
 """
 
 from __future__ import annotations
 
 import json
 import operator
-from collections import Counter
 from itertools import repeat
 from typing import Callable
 
-from eplb_fsm.inspect.model import SCALE_TRIGGERS, Collective, CollectiveIndex, Transition
+from eplb_fsm.inspect.model import Collective, CollectiveIndex, Transition
+from eplb_fsm.inspect.recipes import MAX_SHAPES, Recipe, TemplateStore, build_recipe
 from eplb_fsm.inspect.records import SILENCE_S
 
-__all__ = ["BlockReader", "MIN_BLOCK_LINES"]
+__all__ = ["BlockReader", "MIN_BLOCK_LINES", "TemplateStore"]
 
 MIN_BLOCK_LINES = 4       # shorter runs of non-step lines are read record by record (nothing to gain)
-MAX_SHAPES = 8            # templates kept per (context, line count, field count): bounds the tries per block
-# the counters a block of one shape changes; everything else must be byte for byte the template's
-_VARYING = frozenset({"ts", "seq", "step", "cseq", "duration_s", "index", "rearrangement"})
-# records a block may hold: the walker keeps nothing of them but counts, transitions and collectives
 _BLOCK_EVENTS = frozenset({"transition", "collective_start", "collective_end", "rearrangement", "plan_skipped",
                            "balancedness", "stats", "load_stats"})
-_NOT_BLOCK_TRIGGERS = SCALE_TRIGGERS | {"fault"}
-
-
-def _number(token: str) -> int | float:
-    """A JSON number token as ``json.loads`` reads it."""
-    return float(token) if "." in token or "e" in token or "E" in token else int(token)
-
-
-def _picker(indices: list[int]) -> Callable[[list], tuple]:
-    """A function giving ``tuple(items[i] for i in indices)``, in C."""
-    if len(indices) == 1:
-        i = indices[0]
-        return lambda items: (items[i],)
-    return operator.itemgetter(*indices) if indices else (lambda items: ())
-
-
-class _Values:
-    """Where one counter sits in a block's fields (the block's lines joined by commas, split at commas):
-    every piece is ``prefix`` (``"seq":``) and a number of type ``kind``; ``take`` picks its values out
-    of the block's counter values (``Recipe.read``)."""
-
-    __slots__ = ("at", "prefix", "kind", "take")
-
-    def __init__(self, at: list[int], prefix: str, kind: type) -> None:
-        self.at, self.prefix, self.kind = at, prefix, kind
-        self.take: Callable[[list], tuple] = _picker([])
-
-
-_HEAD = operator.itemgetter(0)
-_TOKEN = operator.itemgetter(2)
-_AT_COLON = operator.methodcaller("partition", ":")
-
-
-class Recipe:
-    """The effect of one replayed template block, to apply to a block of the same shape.
-
-    ``fixed``: the template's fields that must recur byte for byte; the ``_Values`` read the
-    counters: seq, ts and step of every record, the cseq each collective starts and ends
-    with, each end's duration, and any other counter (checked to be a number, not used).
-    """
-
-    __slots__ = ("pre", "post", "n", "events", "fixed_at", "fixed", "seq", "ts", "step", "cseq_start",
-                 "cseq_end", "duration", "others", "transitions", "collectives", "groups", "last_state",
-                 "counters_at", "heads", "kinds")
-
-    def __init__(self, pre: tuple, post: tuple, recs: list[dict]) -> None:
-        self.pre, self.post, self.n = pre, post, len(recs)
-        self.events = tuple(Counter(r["event"] for r in recs).items())
-        self.last_state = recs[-1].get("state")
-        self.transitions: list[tuple] = []  # (record, trigger, source, dest, layer)
-        self.collectives: list[tuple] = []  # (group, start record, template collective)
-        self.groups: tuple = ()
-        self.duration: _Values | None = None
-        self.others: list[_Values] = []
-
-    def finish(self) -> None:
-        """Index every counter: one pick, one ``json.loads`` and one type check read them all (``read``)."""
-        groups = [self.seq, self.ts, self.step, self.cseq_start, self.cseq_end, self.duration, *self.others]
-        groups = [g for g in groups if g is not None]
-        at = sorted(i for g in groups for i in g.at)
-        where = {i: n for n, i in enumerate(at)}
-        prefix = {i: g.prefix for g in groups for i in g.at}
-        kind = {i: g.kind for g in groups for i in g.at}
-        self.counters_at = _picker(at)
-        self.heads = [prefix[i][:-1] for i in at]      # each prefix ends with the colon the pieces split at
-        self.kinds = [kind[i] for i in at]
-        for g in groups:
-            g.take = _picker([where[i] for i in g.at])
-
-    def read(self, fields: list[str]) -> list | None:
-        """The block's counter values, or None when a piece is not its key and a JSON number of the
-        template's type there (what a line's parse would read, checked by one ``json.loads``)."""
-        parts = list(map(_AT_COLON, self.counters_at(fields)))
-        if list(map(_HEAD, parts)) != self.heads:
-            return None
-        try:
-            values = json.loads("[" + ",".join(map(_TOKEN, parts)) + "]")
-        except ValueError:
-            return None
-        if len(values) != len(parts) or list(map(type, values)) != self.kinds:
-            return None     # a token that was no number of the template's type (or hid a comma)
-        return values
 
 
 def _context(w) -> tuple | None:
@@ -141,12 +62,15 @@ def _context(w) -> tuple | None:
 class BlockReader:
     """Templates of one rank file's blocks and the fast path that applies them (``feed``)."""
 
-    def __init__(self, lines: list[str], parse: Callable[[str], dict | None]) -> None:
+    def __init__(self, lines: list[str], parse: Callable[[str], dict | None],
+                 store: TemplateStore | None = None) -> None:
         self.lines = lines
         self.parse = parse
         self.recipes: dict[tuple, list[Recipe]] = {}
+        self.store = store                 # templates of the replay's other files
         self.applied = 0                   # blocks applied from a recipe (for tests and profiling)
         self.learned = 0                   # templates kept
+        self.adopted = 0                   # templates taken from the store
 
     def feed(self, w, start: int, end: int) -> bool | list:
         """Account lines[start:end] (non-step, non-blank lines) to walker ``w``.
@@ -163,10 +87,18 @@ class BlockReader:
         known = self.recipes.get(key, ()) if ctx is not None else ()
         for recipe in known:
             if recipe.fixed_at(fields) == recipe.fixed:
-                if self._apply(w, recipe, fields, end):
-                    self.applied += 1
-                    return True
                 break
+        else:
+            recipe = None
+            if ctx is not None and self.store is not None and len(known) < MAX_SHAPES:
+                recipe = self.store.find(key + (w.warned_layers,), fields)
+                if recipe is not None:
+                    self.recipes.setdefault(key, []).append(recipe)
+                    self.adopted += 1
+        if recipe is not None:
+            if self._apply(w, recipe, fields, end):
+                self.applied += 1
+                return True
         else:
             if ctx is not None and len(known) < MAX_SHAPES:
                 try:
@@ -177,10 +109,13 @@ class BlockReader:
                     return [self.parse(line) for line in lines]
                 if not all(r.get("event") in _BLOCK_EVENTS for r in recs):
                     return recs
+                warned = w.warned_layers
                 recipe = self._learn(w, recs, lines, start, ctx, fields)
                 if recipe is not None:
                     self.recipes.setdefault(key, []).append(recipe)
                     self.learned += 1
+                    if self.store is not None:
+                        self.store.keep(key + (warned,), recipe)
                 return True
         try:
             recs = json.loads("[" + joined + "]")
@@ -213,93 +148,7 @@ class BlockReader:
                  w.sessions, len(s.injected))
         if after != before or w.seqs.jump is not None:
             return None
-        return self._recipe(w, recs, lines, ctx, fields, made, starts)
-
-    def _recipe(self, w, recs, lines, ctx, fields, made, starts) -> Recipe | None:
-        recipe = Recipe(ctx, (w.state, w.layer, w.pending, w.num_layers), recs)
-        vary: dict[int, tuple[str, str, type]] = {}      # field -> (key, prefix, type)
-        where: list[dict[str, int]] = []                 # per record: key -> field
-        at = 0
-        for rec, line in zip(recs, lines):
-            mine: dict[str, int] = {}
-            pieces = line.split(",")
-            for key in _VARYING.intersection(rec):
-                value = rec[key]
-                if type(value) is not int and type(value) is not float:
-                    continue
-                text = json.dumps(value)    # as the writer writes it; a counter written otherwise stays fixed
-                piece = f'"{key}":{text}'
-                n = 0 if pieces[0] == "{" + piece else pieces.index(piece) if piece in pieces else -1
-                if n < 0:
-                    continue
-                if pieces.count(piece) + (pieces[0] == "{" + piece) != 1:
-                    return None    # the same counter twice (one in a nested value): not a block to repeat
-                mine[key] = at + n
-                vary[at + n] = (key, piece[:-len(text)] if n else "{" + piece[:-len(text)], type(value))
-            at += line.count(",") + 1
-            if not {"ts", "seq", "step"} <= mine.keys():
-                return None
-            where.append(mine)
-        if at != len(fields):
-            return None
-        fixed = [i for i in range(len(fields)) if i not in vary]
-        recipe.fixed_at, recipe.fixed = _picker(fixed), _picker(fixed)(fields)
-        used: set[int] = set()
-
-        def values(at_: list[int]) -> _Values | None:
-            kinds = {vary[i][1:] for i in at_}
-            if len(kinds) != 1:
-                return None
-            used.update(at_)
-            prefix, kind = kinds.pop()
-            return _Values(at_, prefix, kind)
-
-        recipe.seq = values([m["seq"] for m in where])
-        recipe.ts = values([m["ts"] for m in where])
-        recipe.step = values([m["step"] for m in where])
-        if recipe.seq is None or recipe.ts is None or recipe.step is None or recipe.seq.kind is not int \
-                or recipe.step.kind is not int:
-            return None
-        for j, t in made:
-            if t.trigger in _NOT_BLOCK_TRIGGERS or t.generation is not None:
-                return None
-            recipe.transitions.append((j, t.trigger, t.source, t.dest, t.layer))
-        c_start, c_end, durations = [], [], []
-        for j, rec in enumerate(recs):
-            if rec["event"] != "collective_end":
-                continue
-            group, cseq = rec.get("group"), rec.get("cseq")
-            js = starts.pop((group, cseq), None)
-            if js is None or type(group) is not str or "cseq" not in where[j] or "cseq" not in where[js]:
-                return None
-            index = w.s.collectives.get(group)
-            tmpl = index.one.get(cseq) if isinstance(index, CollectiveIndex) else None
-            if tmpl is None or tmpl.status != "ended":
-                return None
-            recipe.collectives.append((group, js, tmpl))
-            c_start.append(where[js]["cseq"])
-            c_end.append(where[j]["cseq"])
-            if "duration_s" in where[j]:
-                durations.append(where[j]["duration_s"])
-        events = dict(recipe.events)
-        n_coll = len(recipe.collectives)
-        if starts or events.get("collective_end", 0) != n_coll or events.get("collective_start", 0) != n_coll:
-            return None    # a collective left open (or ended without a start): not a block to repeat
-        if durations and len(durations) != n_coll:
-            return None    # some ends time their collective, some not: rare, read record by record
-        recipe.groups = tuple(g for g, _, _ in recipe.collectives)
-        recipe.cseq_start, recipe.cseq_end = values(c_start), values(c_end)
-        if n_coll and (recipe.cseq_start is None or recipe.cseq_end is None or recipe.cseq_start.kind is not int):
-            return None
-        recipe.duration = values(durations) if durations else None
-        if durations and recipe.duration is None:
-            return None
-        rest: dict[tuple, list[int]] = {}
-        for i in sorted(set(vary) - used):
-            rest.setdefault(vary[i][1:], []).append(i)
-        recipe.others = [_Values(at_, prefix, kind) for (prefix, kind), at_ in rest.items()]
-        recipe.finish()
-        return recipe
+        return build_recipe(w, recs, lines, ctx, fields, made, starts)
 
     # -- a later block, from its template's recipe ------------------------------
     def _apply(self, w, recipe: Recipe, fields: list[str], end: int) -> bool:
@@ -340,8 +189,9 @@ class BlockReader:
             index = cols.get(group)
             if index is None:
                 index = cols[group] = CollectiveIndex()
-            index.one[c] = Collective(t.op, t.group, c, t.shape, t.dtype, steps[js], t.state, t.layer, first + js,
-                                      t.wave, t.parts, ts[js], "ended", t.duration_s if d is None else d, t.error)
+            op, name, shape, dtype, state, layer, wave, parts, duration, error = t
+            index.one[c] = Collective(op, name, c, shape, dtype, steps[js], state, layer, first + js, wave, parts,
+                                      ts[js], "ended", duration if d is None else d, error)
         events = s.events
         for ev, count in recipe.events:
             events[ev] += count

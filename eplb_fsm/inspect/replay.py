@@ -43,6 +43,7 @@ from eplb_fsm.inspect.elastic import (
     transition_offsets,
 )
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
+from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign
 from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
 from eplb_fsm.trace_segments import read_rank_text
@@ -81,15 +82,15 @@ class Loaded:
     findings: list[Finding] = field(default_factory=list)   # problems of the files (``identity``)
 
 
-def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[int, RankSummary | None, list[str]]:
-    """Read and summarise one rank file: (rank, summary or None, warnings)."""
+def _load_one(r: int, path: Path, oracle: MachineOracle | None = None,
+              templates: TemplateStore | None = None) -> tuple[int, RankSummary | None, list[str]]:
+    """Read and summarise one rank file: (rank, summary or None, warnings); ``templates``: see ``blocks``."""
     warnings: list[str] = []
     try:
         text = read_rank_text(path)   # rotated segments first, oldest first
     except OSError as exc:
         return r, None, [f"rank {r}: cannot read {path}: {exc}"]
-    summary = summarize_text(text, r, path=str(path), oracle=oracle)
-    del text
+    summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates)
     bad = summary.bad_lines
     if not summary.records:
         return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]
@@ -102,9 +103,12 @@ def _load_one(r: int, path: Path, oracle: MachineOracle | None = None) -> tuple[
     return r, summary, warnings
 
 
+_WORKER_TEMPLATES = TemplateStore()   # filled only in a worker process (its own copy), by the files it reads
+
+
 def _load_one_unpacked(item: tuple[int, Path]) -> tuple[int, RankSummary | None, list[str]]:
     gc.disable()  # a worker only allocates records and frees them: the cycle collector is pure cost
-    return _load_one(*item)
+    return _load_one(*item, templates=_WORKER_TEMPLATES)
 
 
 def default_jobs() -> int:
@@ -146,7 +150,8 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
         enabled = gc.isenabled()
         gc.disable()
         try:
-            results = [_load_one(r, path, oracle) for r, path in files]
+            templates = TemplateStore()
+            results = [_load_one(r, path, oracle, templates) for r, path in files]
         finally:
             if enabled:
                 gc.enable()

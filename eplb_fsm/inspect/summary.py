@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
-from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader
+from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader, TemplateStore
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.records import SILENCE_S
@@ -138,7 +138,7 @@ class _Interleaved:
 
 
 def summarize_text(text: str, rank: int | None = None, *, path: str | None = None,
-                   oracle: MachineOracle | None = None) -> RankSummary:
+                   oracle: MachineOracle | None = None, templates: TemplateStore | None = None) -> RankSummary:
     """``summarize_rank`` over a JSONL file's text, with runs of compact step lines checked in bulk.
 
     Gives the same summary as parsing every line and calling ``summarize_rank``
@@ -149,6 +149,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     state, a ``due`` flag, extra fields, a blank or broken line) is parsed and replayed
     line by line. Stretches where one unit of records repeats every step (a step and an
     all-reduce's start and end) are checked in bulk without parsing them (``bulk``).
+    ``templates``: rearrangement blocks learned from the other files of the same replay (``blocks``).
     """
     lines = text.split("\n")
     stretches = periodic_stretches(text, len(lines))
@@ -180,11 +181,11 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         parsed[k] = rec
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
-    blocks = BlockReader(lines, parse_line)
+    blocks = BlockReader(lines, parse_line, templates)
     # the shapes of a file's lines pay off when most lines are step lines in long runs (the compact form);
     # a file that all-reduces every step has short runs, read by its periodic stretches
-    known = StepLines(text) if not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines) \
-        else None
+    compact = not stretches and len(lines) >= MIN_KNOWN_LINES and 4 * len(other) < len(lines)
+    known = StepLines.of_lines(lines, other) if compact else None
     bad = 0
     prev = -1
     mux = None
