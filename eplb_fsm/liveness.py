@@ -97,15 +97,22 @@ class Liveness:
     def beat(self) -> dict | None:
         """One beat: an ``alive`` record when the rank waits (its step did not advance since the
         previous beat, or a traced collective is open), at the first beat and when the heartbeat
-        is due; otherwise the pending run. Returns what was written (an ``alive``, ``steps`` or
-        ``step`` record), or None (nothing pending: the step's own records went out already)."""
+        is due; otherwise the pending run (an ``alive`` when nothing is pending). Returns what
+        was written (an ``alive``, ``steps`` or ``step`` record); never None while the trace is
+        open, so no beat is silent."""
         step = self.trace.step
         self.moving = step != self._steps_seen and self.trace.waiting_on() is None
         due = self._last_alive is None or self.clock() - self._last_alive >= self.heartbeat_s
         if not self.moving or due:
             return self.tick()
+        written = self.trace.flush()
+        if written is None:
+            # the step's own records (a transition, a collective) took the run out already;
+            # a beat that wrote nothing would leave up to two beat periods of silence, which
+            # replay reads as a freeze, so such a beat says alive instead
+            return self.tick()
         self._steps_seen = step
-        return self.trace.flush()
+        return written
 
     def _beat(self) -> bool:
         if getattr(self.trace, "ended", False):

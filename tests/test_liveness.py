@@ -161,6 +161,18 @@ def test_beat_writes_alive_while_a_collective_is_open_even_if_steps_advance():
     assert not live.moving
 
 
+def test_a_moving_beat_with_nothing_pending_writes_alive_so_no_beat_is_silent():
+    """Steps advanced but their own records flushed the run (a transition): the beat writes alive, not nothing."""
+    trace, live, _ = _moving_rank(beats=3, steps_per_beat=10)
+    trace.step += 1
+    trace.emit("transition", source="collecting", dest="scaling", trigger="scale")  # takes the run out
+    record = live.beat()
+    assert record is not None and record["event"] == "alive"
+    assert record["steps_seen"] == 30 and record["step"] == 31
+    # the rank then waits in scaling: the next beat is alive again, one interval later
+    assert live.beat()["event"] == "alive" and live.period() == 1.0
+
+
 @pytest.mark.parametrize("bad", [0, -2.0, float("nan"), "30", True])
 def test_bad_heartbeat_is_refused(bad):
     """heartbeat_s must be a finite number > 0; the error names it."""
