@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
 from eplb_fsm.transfer.communicator import Communicator, TransferError
 from eplb_fsm.transfer.inputs import (
     Layout,
@@ -305,8 +306,6 @@ def transfer_layer_to_buffer(
         prep = dataclasses.replace(prep, layer=layer)
     with _stream(comm):
         if max_chunk_bytes > 0:
-            from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
-
             for i, part in enumerate(chunk_layer(prep, row_bytes(next(iter(weights.values()))), max_chunk_bytes)):
                 if i and between_chunks is not None:
                     between_chunks()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eplb_fsm.transfer.batching import Wave
+from eplb_fsm.transfer.chunks import row_bytes
 from eplb_fsm.transfer.communicator import Communicator, TransferError
 from eplb_fsm.transfer.schedule import PreparedLayer, Run
 
@@ -64,10 +65,6 @@ def _row_bytes(t: torch.Tensor, for_recv: bool) -> "tuple[torch.Tensor, ...] | _
     return _RowBytes(t, for_recv)
 
 
-def _row_nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum((t[0].numel() if t.shape[0] else 0) * t.element_size() for t in tensors)
-
-
 def run_layer(
     prep: PreparedLayer,
     weights: dict[int, list[torch.Tensor]],
@@ -97,7 +94,7 @@ def run_layer(
         return
     send_bytes = {r: [_row_bytes(t, False) for t in weights[r]] for r in prep.plans}
     recv_bytes = {r: [_row_bytes(t, True) for t in buffers[r]] for r in prep.plans}
-    row_nbytes = {r: _row_nbytes(weights[r]) for r in prep.plans} if traces else {}
+    row_nbytes = {r: row_bytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
         _run_wave(
             prep, w, wave, send_bytes, recv_bytes, row_nbytes, comm, traces,
