@@ -288,7 +288,10 @@ def test_signal_to_simulate_stops_every_rank(tmp_path, sig, code):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "eplb_fsm", "simulate", *BASE[:-1], "--ranks", "2", "--steps", "100000",
            "--log-dir", str(tmp_path), "--timeout", "120"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # as in an operator's terminal: Ctrl-C is not ignored, even when this test runs under a
+    # shell's background job (which ignores SIGINT, and children inherit that)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 60
