@@ -31,6 +31,8 @@ import math
 import time
 from typing import Any, Callable
 
+import structlog
+
 from eplb_fsm.periodic import PeriodicThread
 
 __all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
@@ -43,6 +45,8 @@ FLUSH_FACTOR = 1.5
 # while the step advances, an `alive` record this often (seconds) all the same: a reader
 # that sees only steps runs still learns the rank's interval and that its thread runs
 HEARTBEAT_S = 30.0
+
+_log = structlog.get_logger("eplb_fsm.liveness")
 
 
 def check_interval(interval_s: Any) -> float:
@@ -78,6 +82,7 @@ class Liveness:
         self.moving = False                      # the last beat saw the step advance: beat every FLUSH_FACTOR intervals
         self._steps_seen: int | None = None
         self._last_alive: float | None = None   # clock() at the last alive record
+        self.errors = 0                          # beats that raised (the thread logs the first and goes on)
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
 
     def period(self) -> float | None:
@@ -119,8 +124,16 @@ class Liveness:
             return False
         try:
             self.beat()
-        except Exception:  # a closed file at shutdown: liveness must never take the engine down
-            return False
+        except Exception as exc:
+            # liveness must never take the engine down, and must not fall silent on a passing
+            # error either: a live rank without beats replays as frozen. Only a trace that is
+            # closed (its file gone at shutdown) ends the thread.
+            if getattr(self.trace, "ended", False) or getattr(self.trace, "closed", False):
+                return False
+            self.errors += 1
+            if self.errors == 1:
+                _log.error("eplb liveness beat failed; the thread goes on", error=f"{type(exc).__name__}: {exc}",
+                           rank=getattr(self.trace, "rank", None))
         return True
 
     def start_on(self, trace: Any) -> "Liveness":

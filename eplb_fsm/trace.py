@@ -362,6 +362,11 @@ class EventTrace:
                 self._file = None
                 self._sink = None
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran on a trace that wrote to a file (nothing more is written)."""
+        return self.path is not None and self._file is None
+
     def __enter__(self) -> "EventTrace":
         return self
 

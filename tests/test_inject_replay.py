@@ -39,6 +39,25 @@ def records(log_dir, rank: int) -> list[dict]:
     return read_trace(trace_path(log_dir, rank))[0]
 
 
+def evidence(log_dir, report: dict, world: int = 2) -> str:
+    """What a failed assertion shows: each rank's status, last records and the tail of its log
+    (which ends with every thread's stack when the launcher stopped it or its threads stood still)."""
+    out = []
+    for entry in report.get("ranks", []):
+        out.append(f"rank {entry.get('rank')}: {entry.get('status')} {str(entry.get('reason'))[:200]}")
+    for r in range(world):
+        recs = records(log_dir, r)
+        t0 = recs[0]["ts"] if recs else 0.0
+        out.append(f"-- rank {r} last records:")
+        out += [f"   t+{x['ts'] - t0:.2f} step {x.get('step')} {x['event']} {x.get('state')} "
+                f"{x.get('op') or x.get('trigger') or x.get('waiting_on') or ''}" for x in recs[-6:]]
+        log = log_dir / f"rank{r:05d}.log"
+        if log.is_file():
+            out.append(f"-- rank {r} log tail:")
+            out += log.read_text(errors="replace").splitlines()[-40:]
+    return "\n".join(out)
+
+
 # (mode, spec, extra args, verdicts accepted, culprit, steps accepted, layer, collective (op, group) or None)
 SCENARIOS = [
     pytest.param("sync", "die:rank=1,step=5", [], {"hang"}, [1], {5}, None, ("all_reduce", "engine"),
@@ -86,7 +105,7 @@ def test_injected_fault_ends_the_run_and_replay_names_it(tmp_path, capsys, mode,
 
     rcode, rep = replay(log_dir, capsys)
     assert rcode == 1
-    where = f"{rep['verdict']}: {rep['summary']}"
+    where = f"{rep['verdict']}: {rep['summary']}\n{evidence(log_dir, report)}"
     assert rep["verdict"] in verdicts, where
     assert rep["culprit_ranks"] == culprit, where
     assert rep["illegal_transitions"] == [], where

@@ -201,3 +201,46 @@ def test_moving_rank_writes_under_100_bytes_a_second_at_10_steps_a_second(tmp_pa
     per_second = (trace.path.stat().st_size - size0) / clock.now
     trace.close()
     assert 40 < per_second < 100, per_second
+
+
+class _FlakyTrace:
+    """A trace whose first two writes raise (a passing error), then behave; counts alive records."""
+
+    def __init__(self) -> None:
+        self.step, self.ended, self.closed, self.calls, self.alive_count = 0, False, False, 0, 0
+
+    def waiting_on(self):
+        return None
+
+    def flush(self):
+        return None
+
+    def alive(self, interval_s, steps_seen):
+        self.calls += 1
+        if self.calls <= 2:
+            raise RuntimeError("disk hiccup")
+        self.alive_count += 1
+        return {"event": "alive"}
+
+
+def test_a_failing_beat_does_not_end_the_thread():
+    """A beat that raises is counted and logged once; the thread keeps beating (a silent live rank replays as frozen)."""
+    trace = _FlakyTrace()
+    live = Liveness(trace, interval_s=0.02).start()
+    deadline = time.monotonic() + 10
+    while trace.alive_count < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live.running and trace.alive_count >= 3 and live.errors == 2
+    assert live.stop(timeout=5.0)
+
+
+def test_a_closed_trace_ends_the_thread_on_a_failing_beat():
+    """Once the trace is closed, a beat that raises ends the thread instead of retrying forever."""
+    trace = _FlakyTrace()
+    trace.closed = True
+    live = Liveness(trace, interval_s=0.02).start()
+    deadline = time.monotonic() + 10
+    while live.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not live.running and trace.calls == 1
+

@@ -198,3 +198,77 @@ def test_rank_failed_error_names_every_failed_rank():
     err = RankFailedError({1: "Traceback ...\nRuntimeError: Connection reset", 0: "process exited with code 3"})
     assert err.first == 1 and "Connection reset" in str(err)
     assert "rank 0: process exited with code 3" in str(err)
+
+
+def _blocked_rank_with_its_stdout_in_a_file(rank: int, world: int, log_dir: str) -> int:
+    """Each rank sends its stdout to <log_dir>/<rank>.log; rank 1 sleeps, so rank 0 blocks in a gloo barrier."""
+    import torch.distributed as dist
+
+    fd = os.open(os.path.join(log_dir, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+    if rank == 1:
+        time.sleep(120)
+    dist.barrier()
+    return rank
+
+
+def test_a_stopped_rank_writes_the_stack_of_every_thread(tmp_path):
+    """SIGTERM from the launcher: each rank's stdout gets every thread's stack, rank 0's main one in the barrier."""
+    with pytest.raises(RanksTimeoutError):
+        run_ranks(_blocked_rank_with_its_stdout_in_a_file, 2, args=(str(tmp_path),), timeout=4.0)
+    text = (tmp_path / "0.log").read_text()
+    assert "eplb-signals: SIGTERM received" in text
+    stacks = text.split("the stack of every thread follows", 1)[1]
+    assert "_blocked_rank_with_its_stdout_in_a_file" in stacks and "barrier" in stacks
+    assert "_wait_loop" in stacks  # the signal thread's own stack is there too
+    assert "_blocked_rank_with_its_stdout_in_a_file" in (tmp_path / "1.log").read_text()  # rank 1, in its sleep
+
+
+def test_interpreter_watch_dumps_stacks_when_no_python_thread_runs(tmp_path):
+    """A C call that holds the GIL for longer than the watch's timeout: faulthandler's thread writes the stacks."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from eplb_fsm.sim import signals\n"
+        "signals.watch_interpreter(0.5, period_s=0.1)\n"
+        "time.sleep(0.3)\n"
+        "def hold_the_gil():\n"
+        "    import re\n"
+        "    re.match(r'(a+)+$', 'a' * 26 + 'b')  # catastrophic backtracking in C, GIL held\n"
+        "hold_the_gil()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Timeout" in out.stdout and "hold_the_gil" in out.stdout
+
+
+@pytest.mark.parametrize("timeout_s, period_s", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.0)])
+def test_interpreter_watch_refuses_a_timeout_not_above_its_period(timeout_s, period_s):
+    """timeout_s must exceed period_s > 0 (else it would fire between re-arms); the error names both."""
+    from eplb_fsm.sim import signals
+
+    with pytest.raises(ValueError, match="timeout_s > period_s > 0"):
+        signals.watch_interpreter(timeout_s, period_s)
+
+
+def test_log_to_sends_stdout_to_the_file_and_starts_the_watch(tmp_path):
+    """log_to: the process's stdout (fd 1, what structlog prints to) lands in the file; the watch thread runs."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "logs" / "rank00003.log"
+    script = (
+        "import sys, threading\n"
+        "from pathlib import Path\n"
+        "from eplb_fsm.sim import signals\n"
+        f"signals.log_to(Path({str(path)!r}))\n"
+        "print('hello from the rank', flush=True)\n"
+        "sys.stderr.write(str([t.name for t in threading.enumerate()]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "", out.stderr
+    assert path.read_text() == "hello from the rank\n"
+    assert "eplb-interpreter-watch" in out.stderr

@@ -380,3 +380,11 @@ def test_a_sigkilled_process_loses_no_step_older_than_the_flush_interval(tmp_pat
     runs = [r for r in records if r["event"] == "steps"]
     assert sum(r["count"] for r in runs) == 5000 and sum(r["dummy"] for r in runs) == 500
     assert any(r["event"] == "alive" for r in records) and not any(r["event"] == "end" for r in records)
+
+
+def test_trace_closed_is_true_only_after_close(tmp_path):
+    """EventTrace.closed: False while the file is open (and for a trace without a file), True after close()."""
+    trace = EventTrace(rank=0, world=1, trace_dir=tmp_path)
+    assert not trace.closed and not EventTrace().closed
+    trace.close()
+    assert trace.closed

@@ -26,13 +26,14 @@ raises or dies makes the run raise ``RankFailedError`` after stopping the others
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from eplb_fsm.sim import signals
 
 __all__ = ["ScaleEvent", "parse_scale_specs", "scale_events", "spawn_key", "run_elastic_rank", "JOINER_ID"]
 
@@ -123,11 +124,8 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     events = scale_events(opts)
     join_timeout = float(opts.extra.get("join_timeout_s") or opts.collective_timeout_s)
     if opts.log_dir and opts.redirect_output:
-        Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
         name = f"rank{rank:05d}.log" if join is None else f"rank{rank:05d}.g{join['generation']}.log"
-        fd = os.open(Path(opts.log_dir) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.close(fd)
+        signals.log_to(Path(opts.log_dir) / name)
     slots = (opts.experts + opts.redundant) // opts.ranks
     config = EplbConfig(
         window_size=opts.window, step_interval=opts.interval, num_redundant_experts=slots * world - opts.experts,

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eplb_fsm.sim import signals
 from eplb_fsm.stats import balancedness, rank_loads_physical
 
 __all__ = [
@@ -335,10 +336,7 @@ def run_rank(rank: int, world: int, opts: SimOptions) -> dict:
     from eplb_fsm.sim.model import ToyMoE
 
     if opts.log_dir and opts.redirect_output:
-        Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
-        log_fd = os.open(Path(opts.log_dir) / f"rank{rank:05d}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log_fd, 1)  # this process's stdout (structlog's default sink) -> its own log file
-        os.close(log_fd)
+        signals.log_to(Path(opts.log_dir) / f"rank{rank:05d}.log")
     group = dist.group.WORLD if dist.is_initialized() else None
     progress = None
     if opts.log_dir:

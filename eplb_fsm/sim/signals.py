@@ -8,8 +8,12 @@ A rank process calls :func:`install` first thing, before any other thread exists
 - it blocks SIGTERM and SIGINT in every thread and starts one thread that waits for
   them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
   to every trace of the process still open (``trace.end_open_traces``: the controller's),
-  stops any freeze helper and exits the process with ``128 + signum``. It works while the main thread is blocked inside a gloo
-  wait, where a Python signal handler would not run until the wait returned.
+  writes the stack of every thread to the process's stdout (:func:`dump_stacks`; a
+  simulated rank's stdout is its ``rank<r>.log``), stops any freeze helper and exits the
+  process with ``128 + signum``. It works while the main thread is blocked inside a gloo
+  wait, where a Python signal handler would not run until the wait returned. The stacks
+  say where each thread was when the launcher stopped the rank: the one question a trace
+  cannot answer about a rank that went quiet.
 
 :func:`kill_self` and :func:`freeze_self` are the injected faults: a real SIGKILL sent to
 this process, and a real SIGSTOP / SIGCONT pair sent by a helper process (a process
@@ -24,11 +28,16 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["STOP_SIGNALS", "install", "on_signal", "clear", "kill_self", "freeze_self", "stop_groups"]
+__all__ = ["STOP_SIGNALS", "INTERPRETER_WATCH_S", "install", "on_signal", "clear", "dump_stacks",
+           "watch_interpreter", "log_to", "kill_self", "freeze_self", "stop_groups"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# a rank whose Python threads make no progress for this long dumps their stacks into its log
+INTERPRETER_WATCH_S = 10.0
 
 _callbacks: list[Callable[[str], None]] = []
 _helpers: list[subprocess.Popen] = []
@@ -45,6 +54,58 @@ def clear() -> None:
     _callbacks.clear()
 
 
+def dump_stacks(reason: str, fd: int = 1) -> None:
+    """Write ``reason`` and the Python stack of every thread of this process to ``fd`` (default: stdout).
+
+    ``faulthandler`` reads the frames without taking the GIL, so the dump works even when
+    another thread holds it (a C call that never returns, a deadlock).
+    """
+    import faulthandler
+
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    os.write(fd, f"eplb-signals: {reason}; the stack of every thread follows\n".encode())
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+
+
+def watch_interpreter(timeout_s: float, period_s: float = 1.0) -> threading.Thread:
+    """Dump every thread's stack to stdout when this process's Python threads stop running for ``timeout_s``.
+
+    A daemon thread re-arms ``faulthandler.dump_traceback_later(timeout_s)`` every
+    ``period_s``; the dump itself comes from faulthandler's C thread, which needs no GIL.
+    So when no Python thread can run for ``timeout_s`` (a C call that holds the GIL and
+    blocks, a real SIGSTOP: the dump then comes right after SIGCONT) the rank's log says
+    where each thread stood. The simulator's ranks only: ``dump_traceback_later`` is one
+    per process, and a library must not take it from its host.
+    """
+    import faulthandler
+
+    if not (timeout_s > period_s > 0):
+        raise ValueError(f"watch_interpreter: need timeout_s > period_s > 0, got {timeout_s!r}, {period_s!r}")
+
+    def rearm() -> None:
+        while True:
+            faulthandler.dump_traceback_later(timeout_s, repeat=False, file=sys.stdout, exit=False)
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=rearm, name="eplb-interpreter-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def log_to(path: Path) -> None:
+    """Send this rank process's stdout (structlog's default sink) to ``path``, and watch its threads there.
+
+    A rank whose Python threads all stop for :data:`INTERPRETER_WATCH_S` (a C call holding
+    the GIL, a real freeze) leaves their stacks in that file (:func:`watch_interpreter`).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+    watch_interpreter(INTERPRETER_WATCH_S)
+
+
 def _handle(signum: int) -> None:
     name = signal.Signals(signum).name
     for callback in list(_callbacks):
@@ -54,6 +115,8 @@ def _handle(signum: int) -> None:
         from eplb_fsm.trace import end_open_traces
 
         end_open_traces("signal", signal=name)
+    with contextlib.suppress(Exception):
+        dump_stacks(f"{name} received (pid {os.getpid()})")
     for helper in list(_helpers):
         with contextlib.suppress(Exception):
             helper.kill()
@@ -128,8 +191,6 @@ def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool], 
     ``is_alive(pid)`` / ``join(pid, timeout)`` come from the launcher's process objects.
     Bound: ``grace`` + the joins' timeout.
     """
-    import time
-
     live = [pid for pid in pids if is_alive(pid)]
     for pid in live:
         _signal_group(pid, signal.SIGTERM)
