@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -50,10 +51,10 @@ def _write_pid(pid_dir: str, rank: int) -> None:
         fh.write(str(os.getpid()))
 
 
-def _assert_gone(pid_dir: str) -> None:
-    pids = [int(open(os.path.join(pid_dir, f)).read()) for f in os.listdir(pid_dir)]
+def _assert_gone(pid_dir: str, within: float = 5.0) -> None:
+    pids = [int(open(os.path.join(pid_dir, f)).read()) for f in os.listdir(pid_dir) if f.endswith(".pid")]
     assert pids
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + within
     for pid in pids:
         while True:
             try:
@@ -272,3 +273,46 @@ def test_log_to_sends_stdout_to_the_file_and_starts_the_watch(tmp_path):
     assert out.returncode == 0 and out.stdout == "", out.stderr
     assert path.read_text() == "hello from the rank\n"
     assert "eplb-interpreter-watch" in out.stderr
+
+
+def _sleep_writing_pid(rank: int, world: int, pid_dir: str) -> int:
+    """Both ranks write their pid and sleep: only a signal ends them."""
+    _write_pid(pid_dir, rank)
+    time.sleep(120)
+    return rank
+
+
+def test_ranks_end_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL to the launcher (it stops no one): each rank notices within a second and ends itself with SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {tests_dir!r})\n"
+        "from test_sim_launcher import _sleep_writing_pid\n"
+        "from eplb_fsm.sim.launcher import run_ranks\n"
+        "if __name__ == '__main__':\n"
+        f"    run_ranks(_sleep_writing_pid, 2, args=({str(tmp_path)!r},), timeout=300)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(tmp_path) if f.endswith(".pid")]) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)  # each rank wrote its pid after install(): the request to the kernel is in place
+        pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        _assert_gone(str(tmp_path), within=20)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)

@@ -5,6 +5,8 @@ A rank process calls :func:`install` first thing, before any other thread exists
 - it moves into a process group of its own (``setpgid``), so that the launcher can stop
   the rank and everything it started (a freeze helper) with one ``killpg``, and so that a
   Ctrl-C in the terminal reaches the launcher only (the launcher stops the ranks);
+- it watches its launcher and sends itself SIGTERM once the launcher is gone
+  (:func:`die_with_launcher`), so no rank outlives a launcher that was killed outright;
 - it blocks SIGTERM and SIGINT in every thread and starts one thread that waits for
   them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
   to every trace of the process still open (``trace.end_open_traces``: the controller's),
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["STOP_SIGNALS", "INTERPRETER_WATCH_S", "install", "on_signal", "clear", "dump_stacks",
-           "watch_interpreter", "log_to", "kill_self", "freeze_self", "stop_groups"]
+           "watch_interpreter", "log_to", "die_with_launcher", "kill_self", "freeze_self", "stop_groups"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # a rank whose Python threads make no progress for this long dumps their stacks into its log
@@ -128,6 +130,38 @@ def _wait_loop() -> None:
     _handle(signum)
 
 
+def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
+    """End this rank (SIGTERM to itself) once the process that launched it is gone.
+
+    The launcher is ``multiprocessing.parent_process()`` (with a forkserver, the process
+    that asked for the rank, not the forkserver, which outlives it). A launcher killed
+    outright (SIGKILL, a crash: it stops no one) so no longer leaves its ranks running and
+    waiting on each other: within ``period_s`` each ends through the signal thread, with
+    its ``end how=signal`` record. Returns the watching thread (None: no launcher known).
+    """
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return None
+    launcher = parent.pid
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except PermissionError:   # alive, owned by someone else
+                pass
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=watch, name="eplb-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def install(new_group: bool = True) -> None:
     """Own process group + a thread that turns SIGTERM/SIGINT into callbacks and an exit (once per process).
 
@@ -143,6 +177,7 @@ def install(new_group: bool = True) -> None:
             os.setpgid(0, 0)
     signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     threading.Thread(target=_wait_loop, name="eplb-signals", daemon=True).start()
+    die_with_launcher()
 
 
 def kill_self() -> None:
