@@ -22,10 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.policy.keyed_packing import keyed_packing_applies, pack_per_item_keyed
+
 __all__ = [
     "balanced_packing",
     "descending_keys",
-    "descending_order",     "float_rows",
+    "descending_order",
+    "float_rows",
     "pack_in_rounds",
     "pack_per_item",
     "pack_visited",
@@ -142,22 +145,24 @@ def pack_visited(w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray,
         chosen, arrival = pack_in_rounds(w.reshape(-1)[flat_order].reshape(num_rows, num_items), num_packs)
     else:
         sorted_w = np.ascontiguousarray(w.reshape(-1)[flat_order].reshape(num_rows, num_items).T)
-        chosen, arrival = (a.T for a in pack_per_item(sorted_w, num_packs))
+        per_item = pack_per_item_keyed if keyed_packing_applies(w, num_packs) else pack_per_item
+        chosen, arrival = (a.T for a in per_item(sorted_w, num_packs))
     return flat_order, chosen, arrival
 
 
 def _rounds_cheaper(num_rows: int, num_items: int, num_packs: int) -> bool:
     """Whether the rounds path should beat the per-item loop, by a cost model in microseconds.
 
-    The per-item loop runs n - m iterations, each an ``argmin`` over every row (~35 ns per
-    row on the 2-core test box) plus ~4 us of fixed cost. The rounds path runs about
-    1.5 n / m + 3 steps (rows that take few items per step add a tail), each ~25 us plus
-    ~12 ns per key. Measured: rounds win 2-3x on the DeepSeek-V3 global and Qwen3 shapes;
-    the per-item loop wins slightly on 232 (layer, node) rows of 72 items into 8 packs,
-    and on tiny packings such as 8 groups onto 4 nodes.
+    The per-item loop (:func:`pack_per_item_keyed`) runs n - m iterations, each ~5 us of
+    fixed cost plus ~7 ns per row and ~0.4 ns per (row, pack) key. The rounds path runs
+    about 1.5 n / m + 3 steps (rows that take few items per step add a tail), each ~12 us
+    plus ~12 ns per key. Measured on the 2-core test box: rounds win 2-4x on the
+    DeepSeek-V3 global and Qwen3 shapes and on 26 rows of 72 items into 8 packs; the
+    per-item loop wins ~1.6x on 232 (layer, node) rows of 72 items into 8 packs, and on
+    tiny packings such as 8 groups onto 4 nodes.
     """
-    per_item_us = (num_items - num_packs) * (4.0 + 0.035 * num_rows)
-    rounds_us = (1.5 * num_items / num_packs + 3.0) * (25.0 + 0.012 * num_rows * (num_packs + 1))
+    per_item_us = (num_items - num_packs) * (5.0 + 0.007 * num_rows + 0.0004 * num_rows * num_packs)
+    rounds_us = (1.5 * num_items / num_packs + 3.0) * (12.0 + 0.012 * num_rows * (num_packs + 1))
     return rounds_us < per_item_us
 
 
