@@ -135,22 +135,32 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
-    # key = expert << bits | slot; int32 when it fits: numpy sorts that ~2x faster than int64.
+    # key = (layer * N + expert) << bits | slot: a row's sort groups it by expert, slots
+    # ascending, and the high bits are the expert's flat (layer, expert) index. int32 when
+    # it fits: numpy sorts that ~2x faster than int64.
     bits = int(num_slots - 1).bit_length()
-    key_type = np.int32 if (num_experts << bits) < 2**31 else np.int64
-    key = (phy2log.astype(key_type) << bits) | np.arange(num_slots, dtype=key_type)
-    key.sort(axis=1)  # grouped by expert, slots ascending inside a group
-    expert = key >> bits
+    key_type = np.int32 if ((num_layers * num_experts) << bits) < 2**31 else np.int64
+    key = phy2log.astype(key_type)
+    key += (np.arange(num_layers, dtype=key_type) * num_experts)[:, None]
+    key <<= bits
+    key |= np.arange(num_slots, dtype=key_type)
+    key.sort(axis=1)
     slot = key & ((1 << bits) - 1)
-    first = np.cumsum(replica_count, axis=1) - replica_count  # sorted position of each expert's first slot
-    layer_expert = expert + row_offsets(num_layers, num_experts)
-    position = np.arange(num_slots, dtype=np.int64) - first.reshape(-1).take(layer_expert)
+    key >>= bits  # flat (layer, expert) of each sorted slot
+    # The k-th sorted slot of a layer is replica k - first of its expert, first = the sorted
+    # position of the expert's first slot: its destination is start[expert] + k with
+    # start = (layer * N + expert) * max_replicas - first.
+    start = np.arange(0, num_layers * num_experts * max_replicas, max_replicas, dtype=np.int64)
+    start += replica_count.reshape(-1)
+    start -= np.cumsum(replica_count, axis=1).reshape(-1)
+    dest = start[key]
+    dest += np.arange(num_slots, dtype=np.int64)
     # The -1 padding is the one write that scales with the output (3.9 MB on DeepSeek-V3):
     # -1 is all 0xFF bytes, and a byte fill (memset) runs ~1.5x faster than np.full's int64
     # loop; torch.full is no better, as it hands large fills to its thread pool.
     log2phy = np.empty(num_layers * num_experts * max_replicas, dtype=np.int64)
     log2phy.view(np.uint8).fill(0xFF)
-    log2phy[layer_expert * max_replicas + position] = slot
+    log2phy[dest] = slot
     return log2phy.reshape(num_layers, num_experts, max_replicas)
 
 
@@ -224,9 +234,13 @@ def rebalance_hierarchical(
         replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
         replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
         replica_count = replica_count.reshape(num_layers, num_experts)
-    slot = pack * slots_per_rank + rank_in_pack + row_offsets(rows, slots_per_node)  # flat (layer, node, slot)
+    # Flat (layer, node, slot) of each visited replica. pack and rank_in_pack may be
+    # transposed views: the index arrays keep their layout (no copy to ravel them).
+    slot = pack * slots_per_rank
+    slot += rank_in_pack
+    slot += row_offsets(rows, slots_per_node)
     phy2log = np.empty(num_layers * num_replicas, dtype=np.int64)
-    phy2log[slot.reshape(-1)] = expert.reshape(-1)[visit]
+    phy2log[slot] = expert.reshape(-1)[visit.reshape(rows, slots_per_node)]
     return phy2log.reshape(num_layers, num_replicas), np.ascontiguousarray(replica_count)
 
 
