@@ -20,10 +20,11 @@ __all__ = ["keyed_packing_applies", "pack_per_item_keyed"]
 _FULL = np.iinfo(np.int64).max
 
 
-def _low_bits(num_rows: int, num_packs: int, capacity: int) -> tuple[int, bool]:
-    """Bits for the item count below the slot index, and whether both fit the key's low 32 bits."""
+def _low_bits(num_rows: int, num_packs: int, capacity: int) -> tuple[int, int, bool]:
+    """Bits of the item count and of the row index, and whether pack, row and count fit 32 bits."""
     count_bits = int(capacity).bit_length()
-    return count_bits, ((num_rows * num_packs) << count_bits) <= 2**32
+    row_bits = int(max(num_rows - 1, 1)).bit_length()
+    return count_bits, row_bits, (num_packs << (row_bits + count_bits)) <= 2**32
 
 
 def keyed_packing_applies(w: np.ndarray, num_packs: int) -> bool:
@@ -32,7 +33,7 @@ def keyed_packing_applies(w: np.ndarray, num_packs: int) -> bool:
     return (
         w.dtype == np.float32
         and sys.byteorder == "little"  # the key's high half is read as the float32 total
-        and _low_bits(num_rows, num_packs, num_items // num_packs)[1]
+        and _low_bits(num_rows, num_packs, num_items // num_packs)[2]
         and bool(np.isfinite(w).all())
         and not bool((w < 0).any())
     )
@@ -52,7 +53,8 @@ def pack_per_item_keyed(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarra
 
     Pack p of row r is the int64 key at ``keys[p, r]``: the float32 bits of its total in
     the high half (for totals >= 0 the bit patterns order like the values), then in the
-    low half the flat index ``p * R + r`` of the key itself and the pack's item count.
+    low half the key's own flat index ``p << row_bits | r`` (rows padded to a power of two,
+    so the pack is a shift away) and the pack's item count.
     Within a column r the keys order like (total, pack index): the greedy rule's order,
     so the column minimum is the chosen pack, and its low half says where to write the
     updated key back. A full pack's key is the largest int64 (an open pack's total may
@@ -60,10 +62,11 @@ def pack_per_item_keyed(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarra
     """
     num_items, num_rows = sorted_w.shape
     capacity = num_items // num_packs
-    count_bits, _ = _low_bits(num_rows, num_packs, capacity)
+    count_bits, row_bits, _ = _low_bits(num_rows, num_packs, capacity)
     count_mask = (1 << count_bits) - 1
-    keys = (np.arange(num_packs * num_rows, dtype=np.int64) << count_bits).reshape(num_packs, num_rows)
-    flat_keys = keys.reshape(-1)
+    padded_keys = (np.arange(num_packs << row_bits, dtype=np.int64) << count_bits).reshape(num_packs, -1)
+    flat_keys = padded_keys.reshape(-1)
+    keys = padded_keys[:, :num_rows]  # the padding columns are never read
     # record[k] = the key item k met: its pack and its count before arriving.
     record = np.empty((num_items, num_rows), dtype=np.int64)
     record_low = record.view(np.uint32)[:, 0::2]  # little-endian: the low half comes first
@@ -104,4 +107,4 @@ def pack_per_item_keyed(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarra
             maximum(updated, full_at[count], out=updated)
             flat_keys[slot] = updated
     low = record_low.astype(np.int64)
-    return (low >> count_bits) // num_rows, low & count_mask
+    return low >> (count_bits + row_bits), low & count_mask
