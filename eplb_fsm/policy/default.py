@@ -67,31 +67,44 @@ def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarr
     expert index); the replica's rank is the expert's count before it was added.
     """
     w = float_rows(weight)
+    if num_slots < w.shape[1]:
+        raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({w.shape[1]})")
+    phy2log, replica_rank, replica_count, _ = _replicate(w, num_slots)
+    return phy2log, replica_rank, replica_count
+
+
+def _replicate(w: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`replicate_experts` on a checked float (R, n) array, plus each expert's final
+    load per replica (R, n) in w's dtype: w / count, the loads balanced packing then packs."""
     num_rows, num_experts = w.shape
-    if num_slots < num_experts:
-        raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({num_experts})")
     phy2log = np.empty((num_rows, num_slots), dtype=np.int64)
     replica_rank = np.zeros((num_rows, num_slots), dtype=np.int64)
     phy2log[:, :num_experts] = np.arange(num_experts, dtype=np.int64)
     replica_count = np.ones((num_rows, num_experts), dtype=np.int64)
+    per_replica = w.copy()  # load / count, updated only where a count changes
     if num_slots == num_experts or num_rows == 0:
-        return phy2log, replica_rank, replica_count
+        return phy2log, replica_rank, replica_count, per_replica
 
     flat_w = np.ascontiguousarray(w).reshape(-1)
-    per_replica = w.copy()  # load / count, updated only where a count changes
     flat_per_replica = per_replica.reshape(-1)
     flat_count = replica_count.reshape(-1)
     row_base = np.arange(num_rows, dtype=np.int64) * num_experts
+    # Array operands and a lookup of each count as a float: a Python scalar operand or an
+    # astype costs a ufunc call more than the work on a few hundred rows.
+    count_value = np.arange(num_slots - num_experts + 2, dtype=w.dtype)
+    one = np.ones(num_rows, dtype=np.int64)
+    expert = np.empty(num_rows, dtype=np.int64)
+    flat = np.empty(num_rows, dtype=np.int64)
     for slot in range(num_experts, num_slots):
-        expert = per_replica.argmax(axis=1)  # first maximum = lowest expert index
-        flat = row_base + expert
+        per_replica.argmax(axis=1, out=expert)  # first maximum = lowest expert index
+        np.add(row_base, expert, out=flat)
         count = flat_count[flat]
         phy2log[:, slot] = expert
         replica_rank[:, slot] = count
-        count += 1
+        np.add(count, one, out=count)
         flat_count[flat] = count
-        flat_per_replica[flat] = flat_w[flat] / count.astype(w.dtype)
-    return phy2log, replica_rank, replica_count
+        flat_per_replica[flat] = flat_w[flat] / count_value[count]
+    return phy2log, replica_rank, replica_count, per_replica
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
@@ -214,11 +227,10 @@ def rebalance_hierarchical(
 
     # 2. Replicate within each node.
     w_node = w_mlog.reshape(rows, experts_per_node)
-    phy2mlog, _, mlog_count = replicate_experts(w_node, slots_per_node)  # (rows, spn), (rows, epn)
+    phy2mlog, _, mlog_count, per_replica = _replicate(w_node, slots_per_node)  # (rows, spn), (rows, epn) x2
 
     # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
-    per_replica = (w_node / mlog_count.astype(np.float32)).reshape(-1)
-    replica_load = per_replica[(phy2mlog + row_offsets(rows, experts_per_node)).reshape(-1)]
+    replica_load = per_replica.reshape(-1)[(phy2mlog + row_offsets(rows, experts_per_node)).reshape(-1)]
     # In visiting order: the scatter below places each replica directly (no per-item arrays).
     visit, pack, rank_in_pack = pack_visited(replica_load.reshape(rows, slots_per_node), ranks_per_node)
 
