@@ -144,11 +144,11 @@ def pack_visited(w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray,
         arrival = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
     elif capacity == 2 and (pairs := pack_pairs(w.reshape(-1)[flat_order].reshape(num_rows, num_items))):
         chosen, arrival = pairs
-    elif _rounds_cheaper(num_rows, num_items, num_packs) and _rounds_apply(w, num_packs, capacity):
+    elif (path := _cheapest_path(num_rows, num_items, num_packs)) == "rounds" and _rounds_apply(w, num_packs, capacity):
         chosen, arrival = pack_in_rounds(w.reshape(-1)[flat_order].reshape(num_rows, num_items), num_packs)
     else:
         sorted_w = w.reshape(-1)[flat_order.reshape(num_rows, num_items).T]  # (n, R), C-contiguous
-        keyed = _keyed_cheaper(num_rows, num_items, num_packs) and keyed_packing_applies(w, num_packs)
+        keyed = path == "keyed" and keyed_packing_applies(w, num_packs)
         per_item = pack_per_item_keyed if keyed else pack_per_item
         chosen, arrival = (a.T for a in per_item(sorted_w, num_packs))
     return flat_order, chosen, arrival
@@ -192,33 +192,27 @@ def pack_pairs(sorted_w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return chosen, arrival
 
 
-def _rounds_cheaper(num_rows: int, num_items: int, num_packs: int) -> bool:
-    """Whether the rounds path should beat the per-item loop, by a cost model in microseconds.
+def _cheapest_path(num_rows: int, num_items: int, num_packs: int) -> str:
+    """``"rounds"``, ``"keyed"`` or ``"plain"``: the packing loop a cost model (in us) expects fastest.
 
-    The per-item loop (:func:`pack_per_item_keyed`) runs n - m iterations, each ~5 us of
-    fixed cost plus ~7 ns per row and ~0.4 ns per (row, pack) key. The rounds path runs
-    about 1.5 n / m + 3 steps (rows that take few items per step add a tail), each ~12 us
-    plus ~12 ns per key. Measured on the 2-core test box: rounds win 2-4x on the
-    DeepSeek-V3 global and Qwen3 shapes and on 26 rows of 72 items into 8 packs; the
-    per-item loop wins ~1.6x on 232 (layer, node) rows of 72 items into 8 packs, and on
-    tiny packings such as 8 groups onto 4 nodes.
-    """
-    per_item_us = (num_items - num_packs) * (5.0 + 0.007 * num_rows + 0.0004 * num_rows * num_packs)
-    rounds_us = (1.5 * num_items / num_packs + 3.0) * (12.0 + 0.012 * num_rows * (num_packs + 1))
-    return rounds_us < per_item_us
+    - plain (:func:`pack_per_item`): n - m iterations, ~4 us each plus ~35 ns per row
+      (its ``argmin`` over the packs of every row);
+    - keyed (:func:`pack_per_item_keyed`): ~30 us of setup, then n - m iterations of ~5 us
+      plus ~7 ns per row and ~0.4 ns per (row, pack) key;
+    - rounds (:func:`pack_in_rounds`): about 1.5 n / m + 3 steps (rows that take few items
+      per step add a tail), each ~25 us plus ~12 ns per key.
 
-
-def _keyed_cheaper(num_rows: int, num_items: int, num_packs: int) -> bool:
-    """Whether :func:`pack_per_item_keyed` should beat :func:`pack_per_item` (cost model in us).
-
-    The plain loop's ``argmin(axis=1)`` costs ~28 ns per row; the keyed loop's reduction
-    across packs is a vector operation, but its setup costs ~30 us, more than a tiny
-    packing (8 groups onto 4 nodes: 4 iterations) takes.
+    Measured on the 2-core test box: rounds win 2-4x on the DeepSeek-V3 global and Qwen3
+    shapes; keyed wins ~1.5x on the hierarchical shape's 232 (layer, node) rows of 72
+    replicas into 8 ranks; plain wins on a few dozen such rows and on tiny packings.
     """
     iterations = num_items - num_packs
-    plain_us = iterations * (8.0 + 0.035 * num_rows)
-    keyed_us = 30.0 + iterations * (5.0 + 0.007 * num_rows + 0.0004 * num_rows * num_packs)
-    return keyed_us < plain_us
+    costs = {
+        "plain": iterations * (4.0 + 0.035 * num_rows),
+        "keyed": 30.0 + iterations * (5.0 + 0.007 * num_rows + 0.0004 * num_rows * num_packs),
+        "rounds": (1.5 * num_items / num_packs + 3.0) * (25.0 + 0.012 * num_rows * (num_packs + 1)),
+    }
+    return min(costs, key=costs.__getitem__)
 
 
 def _rounds_apply(w: np.ndarray, num_packs: int, capacity: int) -> bool:
