@@ -79,7 +79,7 @@ def pack_per_item_keyed(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarra
         record[:first] = keys
         keys += 1
         keys.view(np.float32)[:, 1::2] = sorted_w[:first]
-    # full_at[low 32 bits of the key an item meets] is _FULL where that item fills its pack.
+    # full_at[count an item meets] is _FULL where that item fills its pack.
     # The loop's ufuncs take array operands and write into preallocated buffers: a Python
     # scalar operand or a take(out=...) costs more than the work on a few hundred rows.
     full_at = np.zeros(count_mask + 1, dtype=np.int64)
