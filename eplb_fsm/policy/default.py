@@ -230,19 +230,18 @@ def rebalance_hierarchical(
     phy2mlog, _, mlog_count, per_replica = _replicate(w_node, slots_per_node)  # (rows, spn), (rows, epn) x2
 
     # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
-    replica_load = per_replica.reshape(-1)[(phy2mlog + row_offsets(rows, experts_per_node)).reshape(-1)]
+    # Flat (row, expert in node) of every replica: also its flat (layer, mlog) index.
+    replica_mlog = phy2mlog + row_offsets(rows, experts_per_node)
+    replica_load = per_replica.reshape(-1)[replica_mlog]
     # In visiting order: the scatter below places each replica directly (no per-item arrays).
     visit, pack, rank_in_pack = pack_visited(replica_load.reshape(rows, slots_per_node), ranks_per_node)
 
     # 4. Slot of every replica, and its global expert id.
-    node_base = (np.arange(num_nodes, dtype=np.int64) * experts_per_node)[None, :, None]
-    expert_mlog = phy2mlog.reshape(num_layers, num_nodes, slots_per_node) + node_base
-    expert_mlog = expert_mlog.reshape(num_layers, num_replicas)
     if mlog2log is None:
-        expert = expert_mlog
+        expert = phy2mlog  # one node: mlog ids are log ids
         replica_count = mlog_count.reshape(num_layers, num_experts)
     else:
-        expert = mlog2log.reshape(-1)[(expert_mlog + row_offsets(num_layers, num_experts)).reshape(-1)]
+        expert = mlog2log.reshape(-1)[replica_mlog]  # (rows, slots_per_node) log ids
         replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
         replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
         replica_count = replica_count.reshape(num_layers, num_experts)
