@@ -1,4 +1,4 @@
-"""Tests for eplb_fsm.policy.packing: both packing paths agree with the one-item-at-a-time reference."""
+"""Tests for eplb_fsm.policy.packing and keyed_packing: every packing path agrees with the one-item-at-a-time reference."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from eplb_fsm.policy.packing import (
     descending_keys,
     descending_order,
     pack_in_rounds,
+    pack_pairs,
     pack_per_item,
 )
+from eplb_fsm.policy.keyed_packing import keyed_packing_applies, pack_per_item_keyed
 from eplb_fsm.policy.reference import reference_balanced_packing
 
 # Few distinct values, zeros among them: ties between items and between pack totals are common.
@@ -108,3 +110,91 @@ def test_descending_keys_order_and_index():
     key = descending_keys(w)
     assert np.array_equal(key & 0x7FFFFFFF, np.arange(7)[None])
     assert np.argsort(key[0]).tolist() == [6, 3, 0, 4, 1, 2, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(2, 9), st.integers(1, 5), st.data())
+def test_keyed_per_item_equals_per_item_and_reference(packs, per_pack, rows, data):
+    """pack_per_item_keyed places every visited item as pack_per_item and the reference do (ties, zeros)."""
+    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * packs * per_pack,
+                                max_size=rows * packs * per_pack))
+    w = np.array(values, dtype=np.float32).reshape(rows, packs * per_pack)
+    order = descending_order(w)
+    visited_t = np.ascontiguousarray(_visited(w).T)
+    chosen, arrival = pack_per_item_keyed(visited_t, packs)
+    item_chosen, item_arrival = pack_per_item(visited_t, packs)
+    assert np.array_equal(chosen, item_chosen) and np.array_equal(arrival, item_arrival)
+    ref_pack, ref_rank = _reference_rows(w, packs)
+    visited_ref_pack = np.take_along_axis(ref_pack, order, axis=1)
+    visited_ref_rank = np.take_along_axis(ref_rank, order, axis=1)
+    assert np.array_equal(chosen.T, visited_ref_pack) and np.array_equal(arrival.T, visited_ref_rank)
+
+
+def test_keyed_per_item_on_hierarchical_rows():
+    """232 rows of 72 items into 8 packs (the hierarchical policy's replica packing) match the reference."""
+    rng = np.random.default_rng(11)
+    w = (rng.zipf(1.3, (232, 72)) / rng.integers(1, 4, (232, 72))).astype(np.float32)
+    w[5] = 2.0  # a row of ties
+    w[6, 40:] = 0.0  # a tail of zeros
+    assert keyed_packing_applies(w, 8)
+    pack, rank = balanced_packing(w, 8)
+    ref_pack, ref_rank = _reference_rows(w, 8)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+    visited_t = np.ascontiguousarray(_visited(w).T)
+    assert all(np.array_equal(a, b) for a, b in zip(pack_per_item_keyed(visited_t, 8), pack_per_item(visited_t, 8)))
+
+
+def test_keyed_per_item_when_totals_overflow_to_inf():
+    """A pack total that overflows float32 to inf still ranks below a full pack: packs stay at capacity."""
+    w = np.full((2, 24), 3e38, dtype=np.float32)
+    w[1, ::3] = 1.0
+    visited_t = np.ascontiguousarray(_visited(w).T)
+    with np.errstate(over="ignore"):
+        ref_pack, ref_rank = _reference_rows(w, 4)
+    chosen, arrival = pack_per_item_keyed(visited_t, 4)
+    order = descending_order(w)
+    assert np.array_equal(chosen.T, np.take_along_axis(ref_pack, order, axis=1))
+    assert np.array_equal(arrival.T, np.take_along_axis(ref_rank, order, axis=1))
+    for r in range(2):
+        assert (np.bincount(chosen[:, r], minlength=4) == 6).all()
+
+
+@pytest.mark.parametrize("make, applies", [
+    (lambda w: w, True),
+    (lambda w: w.astype(np.float64), False),
+    (lambda w: w - np.float32(3.0), False),
+    (lambda w: np.where(w == w.max(), np.float32(np.inf), w), False),
+])
+def test_keyed_path_takes_only_finite_non_negative_float32(make, applies):
+    """keyed_packing_applies admits float32, finite, >= 0 weights and nothing else."""
+    w = make(np.arange(48, dtype=np.float32).reshape(2, 24))
+    assert keyed_packing_applies(w, 4) is applies
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 5), st.data())
+def test_pack_pairs_equals_reference(packs, rows, data):
+    """Packs of two items in closed form match the reference wherever pack_pairs applies (ties, zeros)."""
+    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * 2 * packs, max_size=rows * 2 * packs))
+    w = np.array(values, dtype=np.float32).reshape(rows, 2 * packs)
+    order = descending_order(w)
+    visited = _visited(w)
+    pairs = pack_pairs(visited)
+    applies = bool((visited[:, packs - 2] > 0).all())
+    assert (pairs is not None) is applies
+    if pairs is not None:
+        ref_pack, ref_rank = _reference_rows(w, packs)
+        assert np.array_equal(pairs[0], np.take_along_axis(ref_pack, order, axis=1))
+        assert np.array_equal(pairs[1], np.take_along_axis(ref_rank, order, axis=1))
+    pack, rank = balanced_packing(w, packs)  # through whichever path applies
+    ref_pack, ref_rank = _reference_rows(w, packs)
+    assert np.array_equal(pack, ref_pack) and np.array_equal(rank, ref_rank)
+
+
+def test_pack_pairs_declines_negative_or_float64_rows():
+    """pack_pairs returns None for a negative item in the first half or a float64 input; the second half's signs do not matter."""
+    assert pack_pairs(np.array([[5.0, -1.0, -2.0, -3.0]], dtype=np.float32)) is None
+    pack, rank = pack_pairs(np.array([[5.0, 4.0, 3.0, -1.0, -2.0, -3.0]], dtype=np.float32))
+    assert pack.tolist() == [[0, 1, 2, 2, 1, 0]] and rank.tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert pack_pairs(np.array([[5.0, 4.0, 3.0, 2.0]])) is None
+    assert pack_pairs(np.array([[5.0, 4.0, 3.0, 2.0]], dtype=np.float32)) is not None

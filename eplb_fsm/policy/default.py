@@ -67,31 +67,44 @@ def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarr
     expert index); the replica's rank is the expert's count before it was added.
     """
     w = float_rows(weight)
+    if num_slots < w.shape[1]:
+        raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({w.shape[1]})")
+    phy2log, replica_rank, replica_count, _ = _replicate(w, num_slots)
+    return phy2log, replica_rank, replica_count
+
+
+def _replicate(w: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`replicate_experts` on a checked float (R, n) array, plus each expert's final
+    load per replica (R, n) in w's dtype: w / count, the loads balanced packing then packs."""
     num_rows, num_experts = w.shape
-    if num_slots < num_experts:
-        raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({num_experts})")
     phy2log = np.empty((num_rows, num_slots), dtype=np.int64)
     replica_rank = np.zeros((num_rows, num_slots), dtype=np.int64)
     phy2log[:, :num_experts] = np.arange(num_experts, dtype=np.int64)
     replica_count = np.ones((num_rows, num_experts), dtype=np.int64)
+    per_replica = w.copy()  # load / count, updated only where a count changes
     if num_slots == num_experts or num_rows == 0:
-        return phy2log, replica_rank, replica_count
+        return phy2log, replica_rank, replica_count, per_replica
 
     flat_w = np.ascontiguousarray(w).reshape(-1)
-    per_replica = w.copy()  # load / count, updated only where a count changes
     flat_per_replica = per_replica.reshape(-1)
     flat_count = replica_count.reshape(-1)
     row_base = np.arange(num_rows, dtype=np.int64) * num_experts
+    # Array operands and a lookup of each count as a float: a Python scalar operand or an
+    # astype costs a ufunc call more than the work on a few hundred rows.
+    count_value = np.arange(num_slots - num_experts + 2, dtype=w.dtype)
+    one = np.ones(num_rows, dtype=np.int64)
+    expert = np.empty(num_rows, dtype=np.int64)
+    flat = np.empty(num_rows, dtype=np.int64)
     for slot in range(num_experts, num_slots):
-        expert = per_replica.argmax(axis=1)  # first maximum = lowest expert index
-        flat = row_base + expert
+        per_replica.argmax(axis=1, out=expert)  # first maximum = lowest expert index
+        np.add(row_base, expert, out=flat)
         count = flat_count[flat]
         phy2log[:, slot] = expert
         replica_rank[:, slot] = count
-        count += 1
+        np.add(count, one, out=count)
         flat_count[flat] = count
-        flat_per_replica[flat] = flat_w[flat] / count.astype(w.dtype)
-    return phy2log, replica_rank, replica_count
+        flat_per_replica[flat] = flat_w[flat] / count_value[count]
+    return phy2log, replica_rank, replica_count, per_replica
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
@@ -135,22 +148,32 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
-    # key = expert << bits | slot; int32 when it fits: numpy sorts that ~2x faster than int64.
+    # key = (layer * N + expert) << bits | slot: a row's sort groups it by expert, slots
+    # ascending, and the high bits are the expert's flat (layer, expert) index. int32 when
+    # it fits: numpy sorts that ~2x faster than int64.
     bits = int(num_slots - 1).bit_length()
-    key_type = np.int32 if (num_experts << bits) < 2**31 else np.int64
-    key = (phy2log.astype(key_type) << bits) | np.arange(num_slots, dtype=key_type)
-    key.sort(axis=1)  # grouped by expert, slots ascending inside a group
-    expert = key >> bits
+    key_type = np.int32 if ((num_layers * num_experts) << bits) < 2**31 else np.int64
+    key = phy2log.astype(key_type)
+    key += (np.arange(num_layers, dtype=key_type) * num_experts)[:, None]
+    key <<= bits
+    key |= np.arange(num_slots, dtype=key_type)
+    key.sort(axis=1)
     slot = key & ((1 << bits) - 1)
-    first = np.cumsum(replica_count, axis=1) - replica_count  # sorted position of each expert's first slot
-    layer_expert = expert + row_offsets(num_layers, num_experts)
-    position = np.arange(num_slots, dtype=np.int64) - first.reshape(-1).take(layer_expert)
+    key >>= bits  # flat (layer, expert) of each sorted slot
+    # The k-th sorted slot of a layer is replica k - first of its expert, first = the sorted
+    # position of the expert's first slot: its destination is start[expert] + k with
+    # start = (layer * N + expert) * max_replicas - first.
+    start = np.arange(0, num_layers * num_experts * max_replicas, max_replicas, dtype=np.int64)
+    start += replica_count.reshape(-1)
+    start -= np.cumsum(replica_count, axis=1).reshape(-1)
+    dest = start[key]
+    dest += np.arange(num_slots, dtype=np.int64)
     # The -1 padding is the one write that scales with the output (3.9 MB on DeepSeek-V3):
     # -1 is all 0xFF bytes, and a byte fill (memset) runs ~1.5x faster than np.full's int64
     # loop; torch.full is no better, as it hands large fills to its thread pool.
     log2phy = np.empty(num_layers * num_experts * max_replicas, dtype=np.int64)
     log2phy.view(np.uint8).fill(0xFF)
-    log2phy[layer_expert * max_replicas + position] = slot
+    log2phy[dest] = slot
     return log2phy.reshape(num_layers, num_experts, max_replicas)
 
 
@@ -204,29 +227,31 @@ def rebalance_hierarchical(
 
     # 2. Replicate within each node.
     w_node = w_mlog.reshape(rows, experts_per_node)
-    phy2mlog, _, mlog_count = replicate_experts(w_node, slots_per_node)  # (rows, spn), (rows, epn)
+    phy2mlog, _, mlog_count, per_replica = _replicate(w_node, slots_per_node)  # (rows, spn), (rows, epn) x2
 
     # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
-    per_replica = (w_node / mlog_count.astype(np.float32)).reshape(-1)
-    replica_load = per_replica[(phy2mlog + row_offsets(rows, experts_per_node)).reshape(-1)]
+    # Flat (row, expert in node) of every replica: also its flat (layer, mlog) index.
+    replica_mlog = phy2mlog + row_offsets(rows, experts_per_node)
+    replica_load = per_replica.reshape(-1)[replica_mlog]
     # In visiting order: the scatter below places each replica directly (no per-item arrays).
     visit, pack, rank_in_pack = pack_visited(replica_load.reshape(rows, slots_per_node), ranks_per_node)
 
     # 4. Slot of every replica, and its global expert id.
-    node_base = (np.arange(num_nodes, dtype=np.int64) * experts_per_node)[None, :, None]
-    expert_mlog = phy2mlog.reshape(num_layers, num_nodes, slots_per_node) + node_base
-    expert_mlog = expert_mlog.reshape(num_layers, num_replicas)
     if mlog2log is None:
-        expert = expert_mlog
+        expert = phy2mlog  # one node: mlog ids are log ids
         replica_count = mlog_count.reshape(num_layers, num_experts)
     else:
-        expert = mlog2log.reshape(-1)[(expert_mlog + row_offsets(num_layers, num_experts)).reshape(-1)]
+        expert = mlog2log.reshape(-1)[replica_mlog]  # (rows, slots_per_node) log ids
         replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
         replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
         replica_count = replica_count.reshape(num_layers, num_experts)
-    slot = pack * slots_per_rank + rank_in_pack + row_offsets(rows, slots_per_node)  # flat (layer, node, slot)
+    # Flat (layer, node, slot) of each visited replica. pack and rank_in_pack may be
+    # transposed views: the index arrays keep their layout (no copy to ravel them).
+    slot = pack * slots_per_rank
+    slot += rank_in_pack
+    slot += row_offsets(rows, slots_per_node)
     phy2log = np.empty(num_layers * num_replicas, dtype=np.int64)
-    phy2log[slot.reshape(-1)] = expert.reshape(-1)[visit]
+    phy2log[slot] = expert.reshape(-1)[visit.reshape(rows, slots_per_node)]
     return phy2log.reshape(num_layers, num_replicas), np.ascontiguousarray(replica_count)
 
 

@@ -22,11 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.policy.keyed_packing import keyed_packing_applies, pack_per_item_keyed
+
 __all__ = [
     "balanced_packing",
     "descending_keys",
-    "descending_order",     "float_rows",
+    "descending_order",
+    "float_rows",
     "pack_in_rounds",
+    "pack_pairs",
     "pack_per_item",
     "pack_visited",
     "row_offsets",
@@ -138,27 +142,77 @@ def pack_visited(w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray,
     if num_packs == 1:
         chosen = np.zeros((num_rows, num_items), dtype=np.int64)
         arrival = np.broadcast_to(np.arange(num_items, dtype=np.int64), (num_rows, num_items))
-    elif _rounds_cheaper(num_rows, num_items, num_packs) and _rounds_apply(w, num_packs, capacity):
+    elif capacity == 2 and (pairs := pack_pairs(w.reshape(-1)[flat_order].reshape(num_rows, num_items))):
+        chosen, arrival = pairs
+    elif (path := _cheapest_path(num_rows, num_items, num_packs)) == "rounds" and _rounds_apply(w, num_packs, capacity):
         chosen, arrival = pack_in_rounds(w.reshape(-1)[flat_order].reshape(num_rows, num_items), num_packs)
     else:
-        sorted_w = np.ascontiguousarray(w.reshape(-1)[flat_order].reshape(num_rows, num_items).T)
-        chosen, arrival = (a.T for a in pack_per_item(sorted_w, num_packs))
+        sorted_w = w.reshape(-1)[flat_order.reshape(num_rows, num_items).T]  # (n, R), C-contiguous
+        keyed = path == "keyed" and keyed_packing_applies(w, num_packs)
+        per_item = pack_per_item_keyed if keyed else pack_per_item
+        chosen, arrival = (a.T for a in per_item(sorted_w, num_packs))
     return flat_order, chosen, arrival
 
 
-def _rounds_cheaper(num_rows: int, num_items: int, num_packs: int) -> bool:
-    """Whether the rounds path should beat the per-item loop, by a cost model in microseconds.
+def pack_pairs(sorted_w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Greedy packing into packs of two items, in closed form; None where it does not apply.
 
-    The per-item loop runs n - m iterations, each an ``argmin`` over every row (~35 ns per
-    row on the 2-core test box) plus ~4 us of fixed cost. The rounds path runs about
-    1.5 n / m + 3 steps (rows that take few items per step add a tail), each ~25 us plus
-    ~12 ns per key. Measured: rounds win 2-3x on the DeepSeek-V3 global and Qwen3 shapes;
-    the per-item loop wins slightly on 232 (layer, node) rows of 72 items into 8 packs,
-    and on tiny packings such as 8 groups onto 4 nodes.
+    Args:
+        sorted_w: (R, 2m) float32, row r's items in visiting order (descending).
+
+    Returns:
+        ``chosen``, ``arrival`` (R, 2m) int64 as :func:`pack_in_rounds`, or None unless
+        every row's first m - 1 items are > 0 and its m-th is finite and >= 0.
+
+    Under that condition item k < m goes to the empty pack k (packs 0..k-1 hold positive
+    totals), and each later item fills the lightest pack still holding one item: the
+    second half goes to the packs in ascending (total, index) order, whatever its weights.
+    The 8 groups of DeepSeek-V3 onto 4 nodes are such a packing.
     """
-    per_item_us = (num_items - num_packs) * (4.0 + 0.035 * num_rows)
-    rounds_us = (1.5 * num_items / num_packs + 3.0) * (25.0 + 0.012 * num_rows * (num_packs + 1))
-    return rounds_us < per_item_us
+    num_rows, num_items = sorted_w.shape
+    half = num_items // 2
+    first = sorted_w[:, :half] + np.float32(0.0)  # pack totals; + 0 turns -0.0 into 0.0
+    if (
+        sorted_w.dtype != np.float32
+        or sys.byteorder != "little"
+        or not (sorted_w[:, half - 2] > 0).all()
+        or not (first[:, half - 1] >= 0).all()
+        or not np.isfinite(first[:, 0]).all()
+    ):
+        return None
+    # Key = total's bits (ordered like the values for totals >= 0), then the pack index.
+    key = first.view(np.int32).astype(np.int64) << 32
+    key |= np.arange(half, dtype=np.int64)
+    key.sort(axis=1)
+    chosen = np.empty((num_rows, num_items), dtype=np.int64)
+    chosen[:, :half] = np.arange(half, dtype=np.int64)
+    np.bitwise_and(key, 0xFFFFFFFF, out=chosen[:, half:])
+    arrival = np.zeros((num_rows, num_items), dtype=np.int64)
+    arrival[:, half:] = 1
+    return chosen, arrival
+
+
+def _cheapest_path(num_rows: int, num_items: int, num_packs: int) -> str:
+    """``"rounds"``, ``"keyed"`` or ``"plain"``: the packing loop a cost model (in us) expects fastest.
+
+    - plain (:func:`pack_per_item`): n - m iterations, ~4 us each plus ~35 ns per row
+      (its ``argmin`` over the packs of every row);
+    - keyed (:func:`pack_per_item_keyed`): ~30 us of setup, then n - m iterations of ~5 us
+      plus ~7 ns per row and ~0.4 ns per (row, pack) key;
+    - rounds (:func:`pack_in_rounds`): about 1.5 n / m + 3 steps (rows that take few items
+      per step add a tail), each ~25 us plus ~12 ns per key.
+
+    Measured on the 2-core test box: rounds win 2-4x on the DeepSeek-V3 global and Qwen3
+    shapes; keyed wins ~1.5x on the hierarchical shape's 232 (layer, node) rows of 72
+    replicas into 8 ranks; plain wins on a few dozen such rows and on tiny packings.
+    """
+    iterations = num_items - num_packs
+    costs = {
+        "plain": iterations * (4.0 + 0.035 * num_rows),
+        "keyed": 30.0 + iterations * (5.0 + 0.007 * num_rows + 0.0004 * num_rows * num_packs),
+        "rounds": (1.5 * num_items / num_packs + 3.0) * (25.0 + 0.012 * num_rows * (num_packs + 1)),
+    }
+    return min(costs, key=costs.__getitem__)
 
 
 def _rounds_apply(w: np.ndarray, num_packs: int, capacity: int) -> bool:
@@ -207,10 +261,10 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     record = np.empty((num_rows, width), dtype=np.int64)  # key each visited item met, by position
     # Row i of these (overlapping, read-only for items) views is the m + 1 positions from
     # flat position i, so one index per row reads or writes a whole step's window.
-    item_windows = np.lib.stride_tricks.as_strided(
-        padded, shape=(padded.size - keys_width + 1, keys_width), strides=(4, 4), writeable=False
-    )
-    record_windows = np.lib.stride_tricks.as_strided(record, shape=(record.size - keys_width + 1, keys_width), strides=(8, 8))
+    # (np.ndarray over the buffer: as_strided builds the same view several microseconds slower.)
+    windows = padded.size - keys_width + 1
+    item_windows = np.ndarray((windows, keys_width), np.float32, buffer=padded, strides=(4, 4))
+    record_windows = np.ndarray((windows, keys_width), np.int64, buffer=record, strides=(8, 8))
 
     keys = np.full((num_rows, keys_width), _FULL, dtype=np.int64)
     keys[:, :num_packs] = np.arange(num_packs, dtype=np.int64) << count_bits
