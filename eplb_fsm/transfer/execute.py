@@ -214,8 +214,11 @@ def _rearrange_layers(
     num_layers = sched.old.shape[0]
     two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
+    # new maps: layer 0's messages go out first, and the rest of its plan (this rank's
+    # plans, staged copies, commit order) is built while they fly
+    cold = not sched.prepared
     for k in range(num_layers):
-        prep = sched.layer(k)
+        prep = sched.messages(0) if k == 0 and cold else sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
         late: dict[int, Commit] = {}
         hold: HeldReceives | None = None
@@ -230,7 +233,11 @@ def _rearrange_layers(
                 _apply_runs(early, prev_w, buffers)
         state = {"late_done": not late}
 
-        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state) -> None:
+        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep) -> None:
+            full = sched.layer(k)
+            if full is not posted:  # layer 0 was posted from its messages alone
+                for r, runs in full.local_runs.items():
+                    copy_runs(buffers[r], layer_w[r], runs)
             if not state["late_done"]:
                 _apply_runs(late, prev_w, buffers)
                 state["late_done"] = True
