@@ -48,7 +48,7 @@ from eplb_fsm.transfer.inputs import (
     resolve_communicator,
     traces_for,
 )
-from eplb_fsm.transfer.messages import HeldReceives, copy_runs, run_layer
+from eplb_fsm.transfer.messages import HeldReceives, copy_runs, row_views, run_layer
 from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
@@ -217,6 +217,10 @@ def _rearrange_layers(
     # new maps: layer 0's messages go out first, and the rest of its plan (this rank's
     # plans, staged copies, commit order) is built while they fly
     cold = not sched.prepared
+    # rows as uint8 views: the buffer's once, each layer's weights while the layer
+    # before it is in flight
+    recv_views = row_views(buffers, True)
+    send_views = {0: row_views({r: weights[r][0] for r in comm.local_ranks}, False)}
     for k in range(num_layers):
         prep = sched.messages(0) if k == 0 and cold else sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
@@ -243,10 +247,14 @@ def _rearrange_layers(
                 state["late_done"] = True
             if k + 1 < num_layers:
                 sched.split(k)  # plans layer k+1 too (a no-op once the schedule is complete)
+                send_views[k + 1] = row_views({r: weights[r][k + 1] for r in comm.local_ranks}, False)
 
         buf.generation += 1
         try:
-            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold)
+            views = send_views.pop(k, None)
+            if views is None:  # no wave before (meanwhile runs in the first wave)
+                views = row_views(layer_w, False)
+            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold, views=(views, recv_views))
         except TransferError as exc:
             if hold is not None:
                 hold.release()  # no held receive was posted before it ran

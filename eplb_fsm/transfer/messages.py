@@ -21,7 +21,7 @@ from eplb_fsm.transfer.chunks import row_bytes
 from eplb_fsm.transfer.communicator import Communicator, TransferError
 from eplb_fsm.transfer.schedule import PreparedLayer, Run
 
-__all__ = ["copy_runs", "run_layer"]
+__all__ = ["copy_runs", "row_views", "run_layer"]
 
 
 def copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
@@ -65,6 +65,16 @@ def _row_bytes(t: torch.Tensor, for_recv: bool) -> "tuple[torch.Tensor, ...] | _
     return _RowBytes(t, for_recv)
 
 
+def row_views(tensors: dict[int, list[torch.Tensor]], for_recv: bool) -> dict[int, list[Any]]:
+    """Per local rank and tensor (S, ...), its rows as flat uint8 tensors (``views[r][t][row]``).
+
+    What :func:`run_layer` posts; built ahead (while the previous layer's messages fly,
+    or once per call for the buffer, which every layer reuses) it keeps the gap between
+    two layers short.
+    """
+    return {r: [_row_bytes(t, for_recv) for t in ts] for r, ts in tensors.items()}
+
+
 def run_layer(
     prep: PreparedLayer,
     weights: dict[int, list[torch.Tensor]],
@@ -73,12 +83,14 @@ def run_layer(
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None = None,
     hold: "HeldReceives | None" = None,
+    views: "tuple[dict[int, list[Any]], dict[int, list[Any]]] | None" = None,
 ) -> None:
     """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
 
     The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
     wave is in flight: they read the weights and write buffer rows no message touches.
     ``hold``: the first wave goes out in two phases (see :class:`HeldReceives`).
+    ``views``: ``(row_views(weights, False), row_views(buffers, True))`` if already built.
     """
 
     def local_copies() -> None:
@@ -92,8 +104,11 @@ def run_layer(
             hold.release()  # before the local copies overwrite staged rows it reads
         local_copies()
         return
-    send_bytes = {r: [_row_bytes(t, False) for t in weights[r]] for r in prep.plans}
-    recv_bytes = {r: [_row_bytes(t, True) for t in buffers[r]] for r in prep.plans}
+    if views is not None:
+        send_bytes, recv_bytes = views
+    else:
+        send_bytes = row_views({r: weights[r] for r in prep.plans}, False)
+        recv_bytes = row_views({r: buffers[r] for r in prep.plans}, True)
     row_nbytes = {r: row_bytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
         _run_wave(
