@@ -154,24 +154,23 @@ def _run_wave(
 ) -> None:
     layer, num_waves = prep.layer, len(prep.waves)
     ops = prep.ops[w]
-    add_send, add_recv = comm.add_send, comm.add_recv
-    held: list[tuple[torch.Tensor, int, int, int]] = []  # (buffer row bytes, src, dst, tag)
+    # messages as (is_send, row bytes, peer, tag), queued per local rank in one call
+    held: list[tuple[int, tuple[bool, Any, int, int]]] = []  # (rank, receive) after the commit
     if hold is None:
         for r in prep.plans:
-            for peer, row in ops.sends[r]:
-                for tb in send_bytes[r]:
-                    add_send(tb[row], r, peer)
-            for peer, row in ops.recvs[r]:
-                for tb in recv_bytes[r]:
-                    add_recv(tb[row], peer, r)
+            sb, rb = send_bytes[r], recv_bytes[r]
+            items = [(True, tb[row], peer, 0) for peer, row in ops.sends[r] for tb in sb]
+            items += [(False, tb[row], peer, 0) for peer, row in ops.recvs[r] for tb in rb]
+            _queue(comm, r, items, False)
     else:
         for r in prep.plans:
+            items = []
             ordinal: dict[int, int] = {}
             for peer, row in ops.sends[r]:
                 for tb in send_bytes[r]:
                     tag = ordinal.get(peer, 0)
                     ordinal[peer] = tag + 1
-                    add_send(tb[row], r, peer, tag=tag)
+                    items.append((True, tb[row], peer, tag))
             ordinal = {}
             rows_held = hold.rows.get(r, ())
             for peer, row in ops.recvs[r]:
@@ -179,9 +178,10 @@ def _run_wave(
                     tag = ordinal.get(peer, 0)
                     ordinal[peer] = tag + 1
                     if row in rows_held:
-                        held.append((tb[row], peer, r, tag))
+                        held.append((r, (False, tb[row], peer, tag)))
                     else:
-                        add_recv(tb[row], peer, r, tag=tag)
+                        items.append((False, tb[row], peer, tag))
+            _queue(comm, r, items, True)
     stats: dict[int, list[int]] = {}
     if traces:
         for r in prep.plans:
@@ -217,8 +217,8 @@ def _run_wave(
                     # the pending commit reads the held rows while phase one flies, then
                     # their receives go out
                     hold.release()
-                    for view, src, dst, tag in held:
-                        add_recv(view, src, dst, tag=tag)
+                    for r, item in held:
+                        _queue(comm, r, (item,), True)
                     if held:
                         start()
             else:
@@ -244,6 +244,26 @@ def _run_wave(
                     raise _failed(comm, layer, w, num_waves, exc) from exc
         if local_error is not None:
             raise local_error
+
+
+def _queue(comm: Communicator, rank: int, items: Sequence[tuple[bool, Any, int, int]], tagged: bool) -> None:
+    """Queue local rank ``rank``'s messages ``(is_send, tensor, peer, tag)``, in order.
+
+    One ``add_ops`` call where the communicator has it (one Python call per rank and
+    wave, not per message); otherwise ``add_send``/``add_recv`` per message, with the
+    tag only when ``tagged`` (the protocol's plain form takes none).
+    """
+    add_ops = getattr(comm, "add_ops", None)
+    if add_ops is not None:
+        add_ops(rank, items)
+        return
+    add_send, add_recv = comm.add_send, comm.add_recv
+    for is_send, tensor, peer, tag in items:
+        kw = {"tag": tag} if tagged else {}
+        if is_send:
+            add_send(tensor, rank, peer, **kw)
+        else:
+            add_recv(tensor, peer, rank, **kw)
 
 
 def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:
