@@ -5,7 +5,8 @@ Per layer (docs/design.md §6.3) each rank:
 1. plans the layer from the replicated old/new rows: every layer's transfers and this
    process's plans come from one vectorised pass before the first layer
    (:mod:`eplb_fsm.transfer.plan_all`), each layer's messages and copy runs are built
-   while the previous layer is in flight. All of it is kept per (maps, group size,
+   while the previous layer is in flight (with new maps, layer 0's messages go out from
+   the transfers alone and its own plan is built while they fly). All of it is kept per (maps, group size,
    local ranks, batching) in a small LRU cache, so a repeated rearrangement neither
    re-validates nor re-plans: the CPU left on the critical path between layers is
    posting the messages and the copies;
