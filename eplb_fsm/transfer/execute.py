@@ -6,10 +6,10 @@ Per layer (docs/design.md §6.3) each rank:
    process's plans come from one vectorised pass before the first layer
    (:mod:`eplb_fsm.transfer.plan_all`), each layer's messages and copy runs are built
    while the previous layer is in flight (with new maps, layer 0's messages go out from
-   the transfers alone and its own plan is built while they fly). All of it is kept per (maps, group size,
-   local ranks, batching) in a small LRU cache, so a repeated rearrangement neither
-   re-validates nor re-plans: the CPU left on the critical path between layers is
-   posting the messages and the copies;
+   the transfers alone and its own plan is built while they fly). All of it is kept
+   per (maps, group size, local ranks, batching) in a small LRU cache, so a repeated
+   rearrangement neither re-validates nor re-plans: the CPU left on the critical path
+   between layers is posting the messages and the copies;
 2. runs the waves of point-to-point messages: sends read the old weight rows, receives
    land in the buffer's primary rows (one wave, or several with migration batching);
 3. while the first wave is in flight, copies into the buffer the source of one *local*
