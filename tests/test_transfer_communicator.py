@@ -88,6 +88,8 @@ def test_torch_dist_on_one_rank(one_rank_group):
         comm.add_recv(torch.ones(1), 0, 1)
     with pytest.raises(ValueError, match="timeout"):
         TorchDistCommunicator(timeout=0)
+    with pytest.raises(ValueError, match="cannot post as rank 1"):
+        comm.add_ops(1, [(True, torch.ones(1), 0, 0)])
 
 
 def test_torch_dist_requires_initialized():
@@ -131,7 +133,8 @@ def test_in_process_pairs_by_tag_across_starts():
 
 
 def _tagged_pairs_rank(rank: int, world: int) -> list[list[float]]:
-    """Rank 0 sends three tagged rows in one start(); rank 1 receives them over two start()s, out of order."""
+    """Rank 0 sends three tagged rows in one start(); rank 1 receives them over two start()s, out of order
+    (the second start's receives queued with add_ops)."""
     comm = TorchDistCommunicator(timeout=30.0)
     rows = [torch.full((5,), float(10 * t + 1)) for t in range(3)]
     if rank == 0:
@@ -143,8 +146,8 @@ def _tagged_pairs_rank(rank: int, world: int) -> list[list[float]]:
     got = [torch.zeros(5) for _ in range(3)]
     comm.add_recv(got[2], 0, 1, tag=2)
     comm.start()
-    comm.add_recv(got[0], 0, 1, tag=0)
-    comm.add_recv(got[1], 0, 1, tag=1)
+    # the rest in one add_ops call: (is_send, tensor, peer, tag) each
+    comm.add_ops(1, [(False, got[0], 0, 0), (False, got[1], 0, 1)])
     comm.start()
     comm.wait()
     return [g.tolist() for g in got]
@@ -152,7 +155,7 @@ def _tagged_pairs_rank(rank: int, world: int) -> list[list[float]]:
 
 @pytest.mark.multiprocess
 def test_torch_dist_on_gloo_pairs_messages_by_tag_across_starts():
-    """On 2 gloo ranks, receives posted in a later start() and out of order still get the send with their tag."""
+    """On 2 gloo ranks, receives posted in a later start() (via add_ops) and out of order still get the send with their tag."""
     from eplb_fsm.sim.launcher import run_ranks
 
     _, received = run_ranks(_tagged_pairs_rank, 2, timeout=60.0)

@@ -126,3 +126,54 @@ def test_cache_is_bounded():
             rearrange_expert_weights_inplace(OLD, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
             assert _same(weights, want)
     assert len(schedule._SCHEDULES) <= schedule._SCHEDULE_CACHE_SIZE
+
+
+def test_messages_alone_equal_the_full_layers_and_are_reused():
+    """A schedule's messages-only layer has the full layer's waves and ops, no plans or commit, and the full layer reuses them."""
+    for batching in (False, True):
+        schedule.clear_schedule_cache()
+        _, _, sched = schedule.prepare_maps(OLD, NEW, G, None, 2, tuple(range(G)), batching)
+        assert not sched.prepared
+        heads = [sched.messages(k) for k in range(OLD.shape[0])]
+        assert not sched.prepared  # posting needs no per-rank plan
+        for k, head in enumerate(heads):
+            full = sched.layer(k)
+            assert head.layer == k and set(head.plans) == set(full.plans) and set(head.plans.values()) == {None}
+            assert head.waves == full.waves and head.ops == full.ops
+            assert head.commit == {} and head.local_runs == {}
+            assert full.ops is head.ops  # built once
+            assert sched.messages(k) is full  # once the layer is prepared it is what posting gets
+            for r, plan in full.plans.items():  # the ops are the plan's sends and receives, in order
+                if not batching:
+                    assert full.ops[0].sends[r] == tuple(zip(plan.send_peers.tolist(), plan.send_rows.tolist()))
+                    assert full.ops[0].recvs[r] == tuple(zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()))
+        assert sched.prepared
+
+
+class _FirstStartSpy(InProcessCommunicator):
+    """Records, at every start(), whether the schedule of the maps in flight had layer 0 prepared."""
+
+    def __init__(self, g, maps):
+        super().__init__(g)
+        self.maps = maps
+        self.prepared_at_start: list[bool] = []
+
+    def start(self):
+        sched = schedule.prepare_maps(*self.maps, G, None, 2, self.local_ranks, False)[2]
+        self.prepared_at_start.append(sched.prepared)
+        super().start()
+
+
+def test_new_maps_post_layer_0_before_planning_it_and_stay_bit_exact():
+    """With new maps layer 0's messages go out before its plans and commit order exist; cached maps start fully planned; both bit-exact."""
+    schedule.clear_schedule_cache()
+    spy = _FirstStartSpy(G, (OLD, NEW))
+    weights = _world(OLD)
+    rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=spy, buffer=TransferBuffer())
+    assert _same(weights, _world(NEW))
+    assert spy.prepared_at_start[0] is False and all(spy.prepared_at_start[1:])
+    spy.prepared_at_start.clear()
+    weights = _world(OLD)
+    rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=spy, buffer=TransferBuffer())
+    assert _same(weights, _world(NEW))
+    assert spy.prepared_at_start and all(spy.prepared_at_start)

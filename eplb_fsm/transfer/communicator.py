@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import Counter, defaultdict
-from typing import ContextManager, Protocol, runtime_checkable
+from typing import ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -139,6 +139,13 @@ class TorchDistCommunicator:
         if dst != self.rank:
             raise ValueError(f"dst: this communicator is rank {self.rank}, cannot receive as rank {dst}")
         self._ops.append((False, tensor, src, tag))
+
+    def add_ops(self, rank: int, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> None:
+        """Queue several messages of this rank at once: ``(is_send, tensor, peer, tag)`` each,
+        the same as ``add_send(tensor, rank, peer, tag=tag)`` / ``add_recv(tensor, peer, rank, tag=tag)``."""
+        if rank != self.rank:
+            raise ValueError(f"rank: this communicator is rank {self.rank}, cannot post as rank {rank}")
+        self._ops.extend(ops)
 
     def start(self) -> None:
         """Issue the queued messages as one batch without waiting (see ``wait``).

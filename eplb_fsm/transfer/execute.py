@@ -5,10 +5,11 @@ Per layer (docs/design.md §6.3) each rank:
 1. plans the layer from the replicated old/new rows: every layer's transfers and this
    process's plans come from one vectorised pass before the first layer
    (:mod:`eplb_fsm.transfer.plan_all`), each layer's messages and copy runs are built
-   while the previous layer is in flight. All of it is kept per (maps, group size,
-   local ranks, batching) in a small LRU cache, so a repeated rearrangement neither
-   re-validates nor re-plans: the CPU left on the critical path between layers is
-   posting the messages and the copies;
+   while the previous layer is in flight (with new maps, layer 0's messages go out from
+   the transfers alone and its own plan is built while they fly). All of it is kept
+   per (maps, group size, local ranks, batching) in a small LRU cache, so a repeated
+   rearrangement neither re-validates nor re-plans: the CPU left on the critical path
+   between layers is posting the messages and the copies;
 2. runs the waves of point-to-point messages: sends read the old weight rows, receives
    land in the buffer's primary rows (one wave, or several with migration batching);
 3. while the first wave is in flight, copies into the buffer the source of one *local*
@@ -48,7 +49,7 @@ from eplb_fsm.transfer.inputs import (
     resolve_communicator,
     traces_for,
 )
-from eplb_fsm.transfer.messages import HeldReceives, copy_runs, run_layer
+from eplb_fsm.transfer.messages import HeldReceives, copy_runs, row_views, run_layer
 from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
@@ -214,8 +215,15 @@ def _rearrange_layers(
     num_layers = sched.old.shape[0]
     two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
+    # new maps: layer 0's messages go out first, and the rest of its plan (this rank's
+    # plans, staged copies, commit order) is built while they fly
+    cold = not sched.prepared
+    # rows as uint8 views: the buffer's once, each layer's weights while the layer
+    # before it is in flight
+    recv_views = row_views(buffers, True)
+    send_views = {0: row_views({r: weights[r][0] for r in comm.local_ranks}, False)}
     for k in range(num_layers):
-        prep = sched.layer(k)
+        prep = sched.messages(0) if k == 0 and cold else sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
         late: dict[int, Commit] = {}
         hold: HeldReceives | None = None
@@ -230,16 +238,24 @@ def _rearrange_layers(
                 _apply_runs(early, prev_w, buffers)
         state = {"late_done": not late}
 
-        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state) -> None:
+        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep) -> None:
+            full = sched.layer(k)
+            if full is not posted:  # layer 0 was posted from its messages alone
+                for r, runs in full.local_runs.items():
+                    copy_runs(buffers[r], layer_w[r], runs)
             if not state["late_done"]:
                 _apply_runs(late, prev_w, buffers)
                 state["late_done"] = True
             if k + 1 < num_layers:
                 sched.split(k)  # plans layer k+1 too (a no-op once the schedule is complete)
+                send_views[k + 1] = row_views({r: weights[r][k + 1] for r in comm.local_ranks}, False)
 
         buf.generation += 1
         try:
-            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold)
+            views = send_views.pop(k, None)
+            if views is None:  # no wave before (meanwhile runs in the first wave)
+                views = row_views(layer_w, False)
+            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold, views=(views, recv_views))
         except TransferError as exc:
             if hold is not None:
                 hold.release()  # no held receive was posted before it ran

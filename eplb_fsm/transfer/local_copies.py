@@ -49,17 +49,20 @@ def order_local_copies(local_rows: np.ndarray, local_src_rows: np.ndarray) -> Lo
     a cycle is broken at its lowest destination row. Every rank computing the same plan
     gets the same order (only this rank's weights are involved, but tests rely on it).
     """
-    dst = [int(r) for r in np.asarray(local_rows, dtype=np.int64)]
-    src = [int(r) for r in np.asarray(local_src_rows, dtype=np.int64)]
+    dst_a = np.asarray(local_rows, dtype=np.int64).reshape(-1)
+    src_a = np.asarray(local_src_rows, dtype=np.int64).reshape(-1)
+    dst, src = dst_a.tolist(), src_a.tolist()
     if len(dst) != len(src):
         raise ValueError(f"local_src_rows: length {len(src)} must equal local_rows' {len(dst)}")
+    if not dst:
+        return _NO_COPIES
     if len(set(dst)) != len(dst):
         raise ValueError("local_rows: destination rows must be distinct")
     if set(dst).isdisjoint(src):
         # no copy reads a row another one writes: every copy may run at once, so the
         # lowest destination row first is the whole order (what the loop below gives too)
-        order = sorted(range(len(dst)), key=dst.__getitem__)
-        return LocalCopyOrder(_pick(order, dst), _pick(order, src), _pick([], dst), _pick([], src))
+        order = np.argsort(dst_a, kind="stable")
+        return LocalCopyOrder(dst_a[order], src_a[order], _NO_ROWS, _NO_ROWS)
     readers: dict[int, list[int]] = {}  # row -> pending copies that still need its old contents
     for i, s in enumerate(src):
         readers.setdefault(s, []).append(i)
@@ -104,6 +107,11 @@ def order_local_copies(local_rows: np.ndarray, local_src_rows: np.ndarray) -> Lo
         release(x)
     staged.sort(key=lambda i: dst[i])
     return LocalCopyOrder(_pick(direct, dst), _pick(direct, src), _pick(staged, dst), _pick(staged, src))
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False  # shared by every empty result
+_NO_COPIES = LocalCopyOrder(_NO_ROWS, _NO_ROWS, _NO_ROWS, _NO_ROWS)
 
 
 def _pick(order: list[int], values: list[int]) -> np.ndarray:

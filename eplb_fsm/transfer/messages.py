@@ -21,7 +21,7 @@ from eplb_fsm.transfer.chunks import row_bytes
 from eplb_fsm.transfer.communicator import Communicator, TransferError
 from eplb_fsm.transfer.schedule import PreparedLayer, Run
 
-__all__ = ["copy_runs", "run_layer"]
+__all__ = ["copy_runs", "row_views", "run_layer"]
 
 
 def copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
@@ -65,6 +65,16 @@ def _row_bytes(t: torch.Tensor, for_recv: bool) -> "tuple[torch.Tensor, ...] | _
     return _RowBytes(t, for_recv)
 
 
+def row_views(tensors: dict[int, list[torch.Tensor]], for_recv: bool) -> dict[int, list[Any]]:
+    """Per local rank and tensor (S, ...), its rows as flat uint8 tensors (``views[r][t][row]``).
+
+    What :func:`run_layer` posts; built ahead (while the previous layer's messages fly,
+    or once per call for the buffer, which every layer reuses) it keeps the gap between
+    two layers short.
+    """
+    return {r: [_row_bytes(t, for_recv) for t in ts] for r, ts in tensors.items()}
+
+
 def run_layer(
     prep: PreparedLayer,
     weights: dict[int, list[torch.Tensor]],
@@ -73,12 +83,14 @@ def run_layer(
     traces: list[tuple[Any, int | None]],
     meanwhile: Callable[[], None] | None = None,
     hold: "HeldReceives | None" = None,
+    views: "tuple[dict[int, list[Any]], dict[int, list[Any]]] | None" = None,
 ) -> None:
     """Steps 2-3 for one layer: local copies into the buffer and every wave of messages.
 
     The local copies (and ``meanwhile``, e.g. planning the next layer) run while the first
     wave is in flight: they read the weights and write buffer rows no message touches.
     ``hold``: the first wave goes out in two phases (see :class:`HeldReceives`).
+    ``views``: ``(row_views(weights, False), row_views(buffers, True))`` if already built.
     """
 
     def local_copies() -> None:
@@ -92,8 +104,11 @@ def run_layer(
             hold.release()  # before the local copies overwrite staged rows it reads
         local_copies()
         return
-    send_bytes = {r: [_row_bytes(t, False) for t in weights[r]] for r in prep.plans}
-    recv_bytes = {r: [_row_bytes(t, True) for t in buffers[r]] for r in prep.plans}
+    if views is not None:
+        send_bytes, recv_bytes = views
+    else:
+        send_bytes = row_views({r: weights[r] for r in prep.plans}, False)
+        recv_bytes = row_views({r: buffers[r] for r in prep.plans}, True)
     row_nbytes = {r: row_bytes(weights[r]) for r in prep.plans} if traces else {}
     for w, wave in enumerate(prep.waves):
         _run_wave(
@@ -139,24 +154,23 @@ def _run_wave(
 ) -> None:
     layer, num_waves = prep.layer, len(prep.waves)
     ops = prep.ops[w]
-    add_send, add_recv = comm.add_send, comm.add_recv
-    held: list[tuple[torch.Tensor, int, int, int]] = []  # (buffer row bytes, src, dst, tag)
+    # messages as (is_send, row bytes, peer, tag), queued per local rank in one call
+    held: list[tuple[int, tuple[bool, Any, int, int]]] = []  # (rank, receive) after the commit
     if hold is None:
         for r in prep.plans:
-            for peer, row in ops.sends[r]:
-                for tb in send_bytes[r]:
-                    add_send(tb[row], r, peer)
-            for peer, row in ops.recvs[r]:
-                for tb in recv_bytes[r]:
-                    add_recv(tb[row], peer, r)
+            sb, rb = send_bytes[r], recv_bytes[r]
+            items = [(True, tb[row], peer, 0) for peer, row in ops.sends[r] for tb in sb]
+            items += [(False, tb[row], peer, 0) for peer, row in ops.recvs[r] for tb in rb]
+            _queue(comm, r, items, False)
     else:
         for r in prep.plans:
+            items = []
             ordinal: dict[int, int] = {}
             for peer, row in ops.sends[r]:
                 for tb in send_bytes[r]:
                     tag = ordinal.get(peer, 0)
                     ordinal[peer] = tag + 1
-                    add_send(tb[row], r, peer, tag=tag)
+                    items.append((True, tb[row], peer, tag))
             ordinal = {}
             rows_held = hold.rows.get(r, ())
             for peer, row in ops.recvs[r]:
@@ -164,9 +178,10 @@ def _run_wave(
                     tag = ordinal.get(peer, 0)
                     ordinal[peer] = tag + 1
                     if row in rows_held:
-                        held.append((tb[row], peer, r, tag))
+                        held.append((r, (False, tb[row], peer, tag)))
                     else:
-                        add_recv(tb[row], peer, r, tag=tag)
+                        items.append((False, tb[row], peer, tag))
+            _queue(comm, r, items, True)
     stats: dict[int, list[int]] = {}
     if traces:
         for r in prep.plans:
@@ -202,8 +217,8 @@ def _run_wave(
                     # the pending commit reads the held rows while phase one flies, then
                     # their receives go out
                     hold.release()
-                    for view, src, dst, tag in held:
-                        add_recv(view, src, dst, tag=tag)
+                    for r, item in held:
+                        _queue(comm, r, (item,), True)
                     if held:
                         start()
             else:
@@ -229,6 +244,26 @@ def _run_wave(
                     raise _failed(comm, layer, w, num_waves, exc) from exc
         if local_error is not None:
             raise local_error
+
+
+def _queue(comm: Communicator, rank: int, items: Sequence[tuple[bool, Any, int, int]], tagged: bool) -> None:
+    """Queue local rank ``rank``'s messages ``(is_send, tensor, peer, tag)``, in order.
+
+    One ``add_ops`` call where the communicator has it (one Python call per rank and
+    wave, not per message); otherwise ``add_send``/``add_recv`` per message, with the
+    tag only when ``tagged`` (the protocol's plain form takes none).
+    """
+    add_ops = getattr(comm, "add_ops", None)
+    if add_ops is not None:
+        add_ops(rank, items)
+        return
+    add_send, add_recv = comm.add_send, comm.add_recv
+    for is_send, tensor, peer, tag in items:
+        kw = {"tag": tag} if tagged else {}
+        if is_send:
+            add_send(tensor, rank, peer, **kw)
+        else:
+            add_recv(tensor, peer, rank, **kw)
 
 
 def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:

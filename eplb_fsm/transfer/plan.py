@@ -72,16 +72,18 @@ class LayerTransfers:
     def pairs(self) -> dict[tuple[int, int], np.ndarray]:
         """Indices of the transfers of each (src, dst) pair, in the stored order."""
         out: dict[tuple[int, int], np.ndarray] = {}
-        if len(self) == 0:
+        n = len(self)
+        if n == 0:
             return out
-        key = self.src * self.world_size + self.dst
-        # transfers are sorted by (src, dst, expert): equal keys are contiguous
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1])
-        ends = np.append(starts[1:], len(self))
-        idx = np.arange(len(self))
-        src, dst = self.src[starts].tolist(), self.dst[starts].tolist()
-        for s, d, a, b in zip(src, dst, starts.tolist(), ends.tolist()):
-            out[(s, d)] = idx[a:b]
+        # transfers are sorted by (src, dst, expert): equal pairs are contiguous. A layer
+        # holds few transfers, so one pass over Python ints beats a chain of numpy calls.
+        src, dst = self.src.tolist(), self.dst.tolist()
+        idx = np.arange(n)
+        a = 0
+        for b in range(1, n + 1):
+            if b == n or src[b] != src[a] or dst[b] != dst[a]:
+                out[(src[a], dst[a])] = idx[a:b]
+                a = b
         return out
 
 

@@ -133,6 +133,21 @@ def plans_for_rank(
     remote = changed & ~has
     primary = remote & (first_same == rows)
     duplicate = remote & ~primary
+    # each row field for every layer at once: one nonzero per mask, then per-layer
+    # slices of one read-only array (views, so the layer loop below is cheap)
+    per_layer = {
+        name: _by_layer(mask, values, num_layers)
+        for name, mask, values in (
+            ("empty_rows", empty, None),
+            ("unchanged_rows", unchanged, None),
+            ("local_rows", local, None),
+            ("local_src_rows", local, first_old),
+            ("primary_rows", primary, None),
+            ("primary_experts", primary, n),
+            ("duplicate_rows", duplicate, None),
+            ("duplicate_src_rows", duplicate, first_same),
+        )
+    }
     plans = []
     for x, t in enumerate(transfers):
         # transfers are sorted by src: this rank's sends are one contiguous run
@@ -143,14 +158,7 @@ def plans_for_rank(
                 rank=int(rank),
                 world_size=g,
                 slots_per_rank=s,
-                empty_rows=read_only(rows[empty[x]]),
-                unchanged_rows=read_only(rows[unchanged[x]]),
-                local_rows=read_only(rows[local[x]]),
-                local_src_rows=read_only(first_old[x][local[x]]),
-                primary_rows=read_only(rows[primary[x]]),
-                primary_experts=read_only(n[x][primary[x]]),
-                duplicate_rows=read_only(rows[duplicate[x]]),
-                duplicate_src_rows=read_only(first_same[x][duplicate[x]]),
+                **{name: rows_of[x] for name, rows_of in per_layer.items()},
                 send_peers=read_only(t.dst[a:b]),
                 send_experts=read_only(t.expert[a:b]),
                 send_rows=read_only(t.src_row[a:b]),
@@ -160,3 +168,12 @@ def plans_for_rank(
             )
         )
     return plans
+
+
+def _by_layer(mask: np.ndarray, values: np.ndarray | None, num_layers: int) -> list[np.ndarray]:
+    """For a (L, S) mask, layer l's masked row numbers (``values`` None) or ``values[l]``
+    at those rows: L read-only int64 views of one array, in row order."""
+    layer, row = np.nonzero(mask)
+    picked = read_only(row if values is None else values[layer, row])
+    bounds = np.searchsorted(layer, np.arange(num_layers + 1)).tolist()
+    return [picked[bounds[x] : bounds[x + 1]] for x in range(num_layers)]

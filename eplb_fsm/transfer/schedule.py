@@ -198,36 +198,49 @@ def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
     return commit, row_runs(order.staged_rows, order.staged_src_rows), order.staged_rows
 
 
-def _prepare_layer(
-    layer: int, transfers: LayerTransfers, plans: dict[int, LayerPlan], migration_batching: bool
-) -> PreparedLayer:
+def _layer_messages(
+    transfers: LayerTransfers, local_ranks: tuple[int, ...], migration_batching: bool
+) -> tuple[list[Wave], tuple[WaveOps, ...]]:
+    """A layer's waves and, per wave and local rank, its ((peer, row), ...) sends and receives.
+
+    Straight from the layer's transfers (sorted by (src, dst, expert)): a rank's sends are
+    its run of ``src``, its receives the transfers whose ``dst`` it is; the same lists, in
+    the same order, as its plan's ``send_*``/``recv_*`` fields.
+    """
     waves = plan_waves(transfers) if migration_batching else single_wave(transfers)
+    if not waves:
+        return waves, ()
+    mine = {}
+    for r in local_ranks:
+        a, b = np.searchsorted(transfers.src, [r, r + 1])
+        recvs = transfers.dst == r
+        mine[r] = (
+            tuple(zip(transfers.dst[a:b].tolist(), transfers.src_row[a:b].tolist())),
+            tuple(zip(transfers.src[recvs].tolist(), transfers.dst_row[recvs].tolist())),
+        )
+    if len(waves) == 1:  # one wave carries every transfer of the layer: nothing to filter
+        return waves, (WaveOps({r: m[0] for r, m in mine.items()}, {r: m[1] for r, m in mine.items()}),)
     ops = []
     for wave in waves:
         pairs = set(wave.pairs)
-        sends, recvs = {}, {}
-        if len(waves) == 1:  # one wave carries every transfer of the layer: nothing to filter
-            for r, plan in plans.items():
-                sends[r] = tuple(zip(plan.send_peers.tolist(), plan.send_rows.tolist()))
-                recvs[r] = tuple(zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()))
-            ops.append(WaveOps(sends, recvs))
-            continue
-        for r, plan in plans.items():
-            sends[r] = tuple(
-                (peer, row)
-                for peer, row in zip(plan.send_peers.tolist(), plan.send_rows.tolist())
-                if (r, peer) in pairs
-            )
-            recvs[r] = tuple(
-                (peer, row)
-                for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist())
-                if (peer, r) in pairs
-            )
+        sends = {r: tuple((peer, row) for peer, row in m[0] if (r, peer) in pairs) for r, m in mine.items()}
+        recvs = {r: tuple((peer, row) for peer, row in m[1] if (peer, r) in pairs) for r, m in mine.items()}
         ops.append(WaveOps(sends, recvs))
+    return waves, tuple(ops)
+
+
+def _prepare_layer(
+    layer: int,
+    transfers: LayerTransfers,
+    plans: dict[int, LayerPlan],
+    migration_batching: bool,
+    messages: "tuple[list[Wave], tuple[WaveOps, ...]] | None" = None,
+) -> PreparedLayer:
+    waves, ops = messages if messages is not None else _layer_messages(transfers, tuple(plans), migration_batching)
     commits, local_runs, staged = {}, {}, {}
     for r, plan in plans.items():
         commits[r], local_runs[r], staged[r] = _commit_of(plan)
-    return PreparedLayer(layer, plans, waves, tuple(ops), local_runs, commits, staged)
+    return PreparedLayer(layer, plans, waves, ops, local_runs, commits, staged)
 
 
 def _split_runs(prev: PreparedLayer, nxt: PreparedLayer) -> tuple[dict[int, Commit], dict[int, Commit]]:
@@ -277,18 +290,47 @@ class Schedule:
         self._splits: list[tuple[dict, dict] | None] = [None] * max(n - 1, 0)
         self._transfers: list[LayerTransfers] | None = None
         self._plans: dict[int, list[LayerPlan]] = {}
+        self._messages: dict[int, tuple[list[Wave], tuple[WaveOps, ...]]] = {}
+
+    def _all_transfers(self) -> list[LayerTransfers]:
+        if self._transfers is None:
+            # every layer's transfers in one vectorised pass (plan_all)
+            self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
+        return self._transfers
 
     def layer(self, k: int) -> PreparedLayer:
         prep = self._layers[k]
         if prep is None:
-            if self._transfers is None:
-                # every layer's transfers and plans in one vectorised pass (plan_all)
-                self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
-                self._plans = {r: plans_for_rank(self.old, self.new, self._transfers, r) for r in self.local_ranks}
+            transfers = self._all_transfers()
+            if not self._plans:
+                # this process's plans of every layer in one vectorised pass too
+                self._plans = {r: plans_for_rank(self.old, self.new, transfers, r) for r in self.local_ranks}
             plans = {r: self._plans[r][k] for r in self.local_ranks}
-            prep = _prepare_layer(k, self._transfers[k], plans, self.batching)
+            prep = _prepare_layer(k, transfers[k], plans, self.batching, self._messages.pop(k, None))
             self._layers[k] = prep
         return prep
+
+    @property
+    def prepared(self) -> bool:
+        """Whether layer 0 is prepared (a cached schedule: nothing left to plan before posting)."""
+        return self._layers[0] is not None if self._layers else True
+
+    def messages(self, k: int) -> PreparedLayer:
+        """Layer k's waves and messages only, for posting them before the rest is planned.
+
+        The result's ``plans`` maps each local rank to None and it has no copy runs or
+        commit: those come from :meth:`layer` (computed while the messages fly), which
+        reuses these messages. Costs the vectorised transfers of every layer and this
+        layer's message lists, not the per-rank plans or the commit order.
+        """
+        prep = self._layers[k]
+        if prep is not None:
+            return prep
+        msgs = self._messages.get(k)
+        if msgs is None:
+            msgs = _layer_messages(self._all_transfers()[k], self.local_ranks, self.batching)
+            self._messages[k] = msgs
+        return PreparedLayer(k, dict.fromkeys(self.local_ranks), msgs[0], msgs[1])
 
     def split(self, k: int) -> tuple[dict[int, Commit], dict[int, Commit]]:
         """(early, late) runs of layer k's commit with respect to layer k+1."""
