@@ -94,7 +94,8 @@ def test_breakdown_names_where_each_mode_spent_its_extra_time(result):
             assert set(part) == {f"{p}_ms" for p in PARTS} | {"step_extra_ms", "unstamped_ms"}
         assert set(result["breakdown"][mode]["baseline"]) == {f"{p}_ms" for p in PARTS}
     sync, asy = result["breakdown"]["sync"]["total"], result["breakdown"]["async"]["total"]
-    assert sync["transfer_ms"] > 0 and sync["commit_weights_ms"] > 0
+    assert sync["transfer_ms"] > 0 and sync["commit_weights_ms"] > 0 and sync["commit_maps_ms"] > 0
+    assert asy["commit_maps_ms"] > 0        # the maps flip is stamped on the prepared path too
     assert asy["transfer_ms"] == 0          # the worker's transfer is not stamped on the engine thread
     assert asy["ready_all_reduce_ms"] > 0   # async polls the ready flags every rearrangement step
     assert result["breakdown"]["plain"]["total"]["commit_weights_ms"] == 0

@@ -70,7 +70,15 @@ class StepStamps:
         coll.all_reduce = self.timed("ready_all_reduce", coll.all_reduce)
         mover.transfer = self.timed("transfer", mover.transfer)
         write = self.timed("commit_total", mover.write)
-        mover.write = write
+
+        def write_stamping_maps(new_phy2log: Any, layer: int, pending: Any) -> None:
+            # the maps flip: a prepared one (fsm.transfers.PreparedRow) or the entry's commit_row
+            prepared = getattr(pending, "prepared", None)
+            if prepared is not None:
+                prepared.apply = self.timed("commit_maps", prepared.apply)
+            write(new_phy2log, layer, pending)
+
+        mover.write = write_stamping_maps
         for entry in mover.models:
             entry.commit_row = self.timed("commit_maps", entry.commit_row)
 
