@@ -17,6 +17,13 @@ repeats, with the ratios async / sync of the longest step's extra time and of th
 Targets: async adds at most 5% of the sync stall to any single step and at most 20%
 in total.
 
+Each repeat also runs ``plain``: the async controller and engine for as many steps as
+that repeat's async run took, with no rearrangement; its extras over the same window are
+the box's own noise, and ``noise_corrected`` gives async's extras less those (labelled;
+``meets_target`` stays on the raw figures). ``breakdown`` says, per mode, where the extra
+time went on the engine thread, part by part (bench/stall_stamps.py): on the worst steps
+of the rearrangement and in total.
+
 CPU: for each run the engine thread's CPU time (``time.thread_time`` on the thread that
 steps) and the whole process's (every thread: the background worker's, gloo's) are
 taken over the baseline steps and over the rearrangement, summed over ranks, so a
