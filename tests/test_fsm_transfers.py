@@ -98,3 +98,17 @@ def test_apply_refuses_to_drop_an_expert_with_recorded_load_before_any_change():
         prepared.apply(entry, 2)
     np.testing.assert_array_equal(entry.maps.phy2log, before[0])
     assert torch.equal(entry.window.window, before[1])
+
+
+def test_write_checks_a_prepared_commit_before_touching_the_weights():
+    """LayerMover.write refuses a stale prepared commit before the weights' copy is even attempted."""
+    from eplb_fsm.fsm.transfers import LayerMover, TransferredLayer
+
+    entry = _entry(3)
+    rows = _placements(3, 2)
+    prepared = PreparedRow(entry.maps, entry.maps.phy2log[1].copy(), rows[0])
+    entry.commit_row(1, rows[1])
+    mover = LayerMover([entry], collectives=None, trace=None, batching=False, hooks=[])
+    # the pending layer is a placeholder: reaching the weights' copy would fail on it differently
+    with pytest.raises(ValueError, match="changed since its commit was prepared"):
+        mover.write([np.stack([rows[0]] * L)], 1, TransferredLayer(object(), prepared))

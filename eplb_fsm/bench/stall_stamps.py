@@ -75,7 +75,8 @@ class StepStamps:
             # the maps flip: a prepared one (fsm.transfers.PreparedRow) or the entry's commit_row
             prepared = getattr(pending, "prepared", None)
             if prepared is not None:
-                prepared.apply = self.timed("commit_maps", prepared.apply)
+                prepared.remapped_window = self.timed("commit_maps", prepared.remapped_window)
+                prepared.install = self.timed("commit_maps", prepared.install)
             write(new_phy2log, layer, pending)
 
         mover.write = write_stamping_maps

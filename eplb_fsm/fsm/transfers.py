@@ -66,6 +66,14 @@ class PreparedRow:
 
     def apply(self, entry: Any, layer: int) -> None:
         """Flip ``entry``'s maps row ``layer`` and remap its window (nothing changes on error)."""
+        self.install(entry, layer, self.remapped_window(entry, layer))
+
+    def remapped_window(self, entry: Any, layer: int) -> torch.Tensor:
+        """The (W, P) window passes of ``layer`` in the new placement; checks, changes nothing.
+
+        Raises ``ValueError`` if the layer's maps are no longer the old row, or if the new
+        row leaves out an expert that has load in the window.
+        """
         if not np.array_equal(entry.maps.phy2log[layer], self.old_row):
             raise ValueError(f"layer {layer}'s maps changed since its commit was prepared")
         window = entry.window.window[:, layer, :]          # (W, P)
@@ -74,12 +82,15 @@ class PreparedRow:
         if self.dropped.numel() and bool(logical[:, self.dropped].any()):
             raise ValueError("new_row drops an expert that has recorded load")
         held = logical[:, self.safe]                       # (W, P) each slot's expert's count
-        share = held // self.divisor + (held % self.divisor) * self.first
+        return (held // self.divisor + (held % self.divisor) * self.first) * self.valid
+
+    def install(self, entry: Any, layer: int, window_rows: torch.Tensor) -> None:
+        """Write the new maps row and ``window_rows`` (:meth:`remapped_window`), hand the router its maps."""
         maps = entry.maps
         maps.phy2log[layer] = self.new_row
         maps.log2phy[layer] = self.log2phy
         maps.replica_count[layer] = self.counts
-        window.copy_(share * self.valid)
+        entry.window.window[:, layer, :].copy_(window_rows)
         entry.log2phy[layer].copy_(torch.from_numpy(self.log2phy))
         entry.replica_count[layer].copy_(torch.from_numpy(self.counts))
         entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
@@ -162,12 +173,14 @@ class LayerMover:
         if pending is None:
             return
         entry, local = self.locate(layer)
-        prepared = None
+        prepared = window_rows = None
         if isinstance(pending, TransferredLayer):
             pending, prepared = pending
+            # its checks before the weights change: a refused commit leaves the layer whole
+            window_rows = prepared.remapped_window(entry, local)
         commit_layer_from_buffer(pending, self.collectives.wrap(entry.model.expert_weights[local]))
         if prepared is not None:
-            prepared.apply(entry, local)
+            prepared.install(entry, local, window_rows)
         else:
             entry.commit_row(local, new_phy2log[entry.index][local])
 
