@@ -44,6 +44,7 @@ def test_every_mode_reports_every_field_once_per_repeat(result):
         assert set(result[mode]) == set(MODE_FIELDS)
         assert len(result["runs"][mode]) == 2
         assert all(set(run) == set(MODE_FIELDS) for run in result["runs"][mode])
+    assert len(result["runs"]["plain"]) == 2
 
 
 def test_sync_commits_in_the_asking_step_and_async_over_several(result):
@@ -62,6 +63,42 @@ def test_step_figures_are_consistent(result):
             assert run["total_extra_ms"] == pytest.approx(wall - steps * run["baseline_step_ms"], abs=5e-3 * steps)
             assert run["baseline_longest_step_ms"] >= run["baseline_step_ms"]
             assert run["engine_cpu_per_step_base_ms"] > 0 and run["cores_busy_base"] > 0
+
+
+def test_plain_run_covers_the_async_steps_with_nothing_moved(result):
+    """The noise-floor run steps as long as each async run did, its extras measured the same way."""
+    assert set(result["plain"]) == set(MODE_FIELDS)
+    for plain, asy in zip(result["runs"]["plain"], result["runs"]["async"]):
+        assert plain["steps_to_commit"] == asy["steps_to_commit"]
+        assert plain["longest_extra_ms"] == pytest.approx(plain["longest_step_ms"] - plain["baseline_step_ms"], abs=2e-3)
+
+
+def test_noise_corrected_figures_are_async_less_plain_and_labelled(result):
+    """noise_corrected subtracts the plain run's extras from async's; meets_target stays on the raw ratios."""
+    noise, a, p, s = result["noise_corrected"], result["async"], result["plain"], result["sync"]
+    assert "raw figures decide meets_target" in noise["what"]
+    assert noise["async_longest_extra_ms"] == pytest.approx(a["longest_extra_ms"] - p["longest_extra_ms"], abs=2e-3)
+    assert noise["async_total_extra_ms"] == pytest.approx(a["total_extra_ms"] - p["total_extra_ms"], abs=2e-3)
+    assert noise["longest_extra_over_sync"] == pytest.approx(noise["async_longest_extra_ms"] / s["longest_extra_ms"],
+                                                             rel=1e-2, abs=1e-3)
+    assert noise["within_target"]["total"] == (noise["total_extra_over_sync"] <= result["target_total"])
+
+
+def test_breakdown_names_where_each_mode_spent_its_extra_time(result):
+    """Per mode, the parts' extras plus the unstamped rest add up to the step's; sync's transfer is on the engine thread."""
+    from eplb_fsm.bench.stall_stamps import PARTS
+
+    for mode in ("sync", "async", "plain"):
+        for where in ("worst_steps", "total"):
+            part = result["breakdown"][mode][where]
+            assert set(part) == {f"{p}_ms" for p in PARTS} | {"step_extra_ms", "unstamped_ms"}
+        assert set(result["breakdown"][mode]["baseline"]) == {f"{p}_ms" for p in PARTS}
+    sync, asy = result["breakdown"]["sync"]["total"], result["breakdown"]["async"]["total"]
+    assert sync["transfer_ms"] > 0 and sync["commit_weights_ms"] > 0 and sync["commit_maps_ms"] > 0
+    assert asy["commit_maps_ms"] > 0        # the maps flip is stamped on the prepared path too
+    assert asy["transfer_ms"] == 0          # the worker's transfer is not stamped on the engine thread
+    assert asy["ready_all_reduce_ms"] > 0   # async polls the ready flags every rearrangement step
+    assert result["breakdown"]["plain"]["total"]["commit_weights_ms"] == 0
 
 
 def test_ratios_and_targets_follow_from_the_medians(result):

@@ -152,3 +152,19 @@ def test_step_pacer_waits_for_the_next_step_and_gives_up_after_its_bound():
     short = StepPacer(lambda: box["step"], max_wait_s=0.01, poll_s=0.001)
     short.begin()
     assert short.wait() is False and short.timeouts == 1      # the engine stopped stepping: go on anyway
+
+
+def test_a_job_waits_start_yield_before_its_code_runs_so_the_submitter_keeps_the_gil():
+    """With start_yield_s, a submitted job's code has not run when submit returns; it runs after the pause."""
+    ran = threading.Event()
+    with BackgroundWorker(start_yield_s=0.3) as worker:
+        job = worker.submit(ran.set, kind="t")
+        assert not ran.is_set() and job.started_at is None   # the submitter's code after submit runs first
+        assert job.result(timeout=5.0) is None and ran.is_set()
+        assert job.started_at - job.submitted_at >= 0.3      # the pause came before the job's code
+
+
+def test_start_yield_out_of_range_is_refused_naming_the_field():
+    """start_yield_s must be 0..1 s; the worker does not start otherwise."""
+    with pytest.raises(ValueError, match=r"start_yield_s must be in 0..1 s, got -0.1"):
+        BackgroundWorker(start_yield_s=-0.1)

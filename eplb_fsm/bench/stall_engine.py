@@ -111,6 +111,7 @@ class EngineStep:
         self.engine = engine
         self.device_s = 0.0
         self.out = None
+        self.parts: dict[str, float] = {}   # the last step's parts, seconds
         if engine == "device":
             took = []
             for _ in range(9):
@@ -131,14 +132,20 @@ class EngineStep:
             model.load_pass.scatter_add_(1, slots, tokens)
 
     def __call__(self, group: Any = None) -> None:
+        """One step; ``parts`` then holds its ``compute``, ``route`` and ``engine_all_reduce`` seconds."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
         if self.engine == "device":
             time.sleep(self.device_s)   # the host waits on the device: its CPU is free meanwhile
             out = self.out
         else:
             out = self.a @ self.b
+        t1 = time.perf_counter()
         self._record_load()
-        import torch.distributed as dist
-
+        t2 = time.perf_counter()
         self.combine.copy_(out.reshape(-1)[: self.combine.numel()])
         if dist.is_initialized():
             dist.all_reduce(self.combine, group=group)
+        t3 = time.perf_counter()
+        self.parts = {"compute": t1 - t0, "route": t2 - t1, "engine_all_reduce": t3 - t2}

@@ -6,20 +6,102 @@ untouched (:meth:`LayerMover.transfer`); once every rank has it, :meth:`LayerMov
 writes the weights and flips the layer's maps in one go, so what the router sees always
 matches the weights. In async mode the worker runs ``transfer`` on its own thread;
 :func:`ready_flags` is what this rank says about that job in the step's all-reduce.
+
+What a commit needs that depends only on the layer's old and new placement (the new
+maps row, validated, and the index plan that re-expresses the load window in it) is
+worked out by ``transfer`` too (:class:`PreparedRow`, on the worker in async mode), so
+the commit on the engine thread is the weights' copy, row assignments and a few
+gathers over the window: no validation, no map derivation.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from eplb_fsm.fsm.collectives import Collectives, flags
 from eplb_fsm.fsm.model_entry import ModelEntry
 from eplb_fsm.fsm.worker import StepPacer
+from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
 
-__all__ = ["LayerMover", "ready_flags"]
+__all__ = ["LayerMover", "PreparedRow", "TransferredLayer", "ready_flags"]
+
+
+class PreparedRow:
+    """One layer's commit of maps and window, worked out from its old and new rows alone.
+
+    ``old_row``, ``new_row``: (P,) int64 placements (-1: empty slot). Validates ``new_row``
+    as :meth:`ExpertMaps.replace_layer` does (raises ``ValueError`` naming the rule) and
+    derives its (N, K) log2phy and (N,) replica counts. :meth:`apply` then flips the
+    entry's maps and re-expresses the window's held passes in the new placement, exactly
+    as :meth:`ModelEntry.commit_row` would: each expert's count is split evenly over its
+    new slots, the remainder to its first slot.
+    """
+
+    def __init__(self, maps: ExpertMaps, old_row: np.ndarray, new_row: np.ndarray, device: Any = None) -> None:
+        n = maps.num_logical
+        row = ExpertMaps.from_phy2log(np.asarray(new_row).reshape(1, -1), n, max_replicas=maps.max_replicas,
+                                      allow_empty=True)
+        if row.num_physical != maps.num_physical:
+            raise ValueError(f"new_row must have {maps.num_physical} slots, got {row.num_physical}")
+        self.old_row = np.asarray(old_row, dtype=np.int64).copy()
+        self.new_row = row.phy2log[0]
+        self.log2phy, self.counts = row.log2phy[0], row.replica_count[0]     # (N, K), (N,)
+        old_valid = np.flatnonzero(self.old_row >= 0)
+        valid = self.new_row >= 0
+        safe = np.where(valid, self.new_row, 0)
+        slots = np.arange(self.new_row.size)
+        first = np.full(n, self.new_row.size, dtype=np.int64)
+        np.minimum.at(first, self.new_row[valid], slots[valid])
+        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)   # noqa: E731
+        self.old_slots, self.old_experts = as_t(old_valid), as_t(self.old_row[old_valid])
+        self.safe = as_t(safe)                                                # (P,) expert per slot
+        self.divisor = as_t(np.maximum(self.counts[safe], 1))                 # (P,) its replica count
+        self.valid = as_t(valid)                                              # (P,) slot not empty
+        self.first = as_t(valid & (slots == first[safe]))                     # (P,) the expert's first slot
+        self.dropped = as_t(np.flatnonzero(self.counts == 0))                 # experts with no slot now
+
+    def apply(self, entry: Any, layer: int) -> None:
+        """Flip ``entry``'s maps row ``layer`` and remap its window (nothing changes on error)."""
+        self.install(entry, layer, self.remapped_window(entry, layer))
+
+    def remapped_window(self, entry: Any, layer: int) -> torch.Tensor:
+        """The (W, P) window passes of ``layer`` in the new placement; checks, changes nothing.
+
+        Raises ``ValueError`` if the layer's maps are no longer the old row, or if the new
+        row leaves out an expert that has load in the window.
+        """
+        if not np.array_equal(entry.maps.phy2log[layer], self.old_row):
+            raise ValueError(f"layer {layer}'s maps changed since its commit was prepared")
+        window = entry.window.window[:, layer, :]          # (W, P)
+        logical = torch.zeros((window.shape[0], entry.num_logical), dtype=window.dtype, device=window.device)
+        logical.index_add_(1, self.old_experts, window[:, self.old_slots])     # (W, N)
+        if self.dropped.numel() and bool(logical[:, self.dropped].any()):
+            raise ValueError("new_row drops an expert that has recorded load")
+        held = logical[:, self.safe]                       # (W, P) each slot's expert's count
+        return (held // self.divisor + (held % self.divisor) * self.first) * self.valid
+
+    def install(self, entry: Any, layer: int, window_rows: torch.Tensor) -> None:
+        """Write the new maps row and ``window_rows`` (:meth:`remapped_window`), hand the router its maps."""
+        maps = entry.maps
+        maps.phy2log[layer] = self.new_row
+        maps.log2phy[layer] = self.log2phy
+        maps.replica_count[layer] = self.counts
+        entry.window.window[:, layer, :].copy_(window_rows)
+        entry.log2phy[layer].copy_(torch.from_numpy(self.log2phy))
+        entry.replica_count[layer].copy_(torch.from_numpy(self.counts))
+        entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
+
+
+class TransferredLayer(NamedTuple):
+    """What :meth:`LayerMover.transfer` hands to :meth:`LayerMover.write`: the buffer's pending
+    layer, and the layer's maps and window commit worked out ahead (:class:`PreparedRow`)."""
+
+    pending: Any
+    prepared: PreparedRow
 
 
 class LayerMover:
@@ -53,25 +135,29 @@ class LayerMover:
         raise IndexError(f"layer {layer} is outside the {sum(e.num_layers for e in self.models)} layers")
 
     def transfer(self, new_phy2log: Sequence[Any], layer: int) -> Any:
-        """Move one layer's weights into its model's buffer (weights untouched); returns the pending layer.
+        """Move one layer's weights into its model's buffer (weights untouched); returns a
+        :class:`TransferredLayer` (the pending layer and its prepared maps commit).
 
         ``new_phy2log``: the plan's per-model (L, P) placements.
         """
         entry, local = self.locate(layer)
         for hook in list(self.hooks):
             hook(layer, entry.name, local)
+        old_row = entry.maps.phy2log[local].copy()
+        prepared = PreparedRow(entry.maps, old_row, new_phy2log[entry.index][local], entry.window.window.device)
         comm = self.collectives
         pacer = None
         if self.max_bytes_per_step > 0:
             pacer = StepPacer(lambda: self.trace.step)
             pacer.begin()
         try:
-            return transfer_layer_to_buffer(
-                entry.maps.phy2log[local].copy(), new_phy2log[entry.index][local],
+            pending = transfer_layer_to_buffer(
+                old_row, new_phy2log[entry.index][local],
                 comm.wrap(entry.model.expert_weights[local]), entry.buffer, layer=layer,
                 communicator=comm.communicator, trace=self.trace, migration_batching=self.batching,
                 max_chunk_bytes=self.max_bytes_per_step, between_chunks=pacer.wait if pacer else None,
             )
+            return TransferredLayer(pending, prepared)
         finally:
             if pacer is not None:
                 self.chunk_boundaries += pacer.calls
@@ -79,12 +165,24 @@ class LayerMover:
                 self.chunk_timeouts += pacer.timeouts
 
     def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
-        """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op)."""
+        """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op).
+
+        ``pending``: what :meth:`transfer` returned (a bare pending layer from elsewhere is
+        committed the unprepared way, :meth:`ModelEntry.commit_row`).
+        """
         if pending is None:
             return
         entry, local = self.locate(layer)
+        prepared = window_rows = None
+        if isinstance(pending, TransferredLayer):
+            pending, prepared = pending
+            # its checks before the weights change: a refused commit leaves the layer whole
+            window_rows = prepared.remapped_window(entry, local)
         commit_layer_from_buffer(pending, self.collectives.wrap(entry.model.expert_weights[local]))
-        entry.commit_row(local, new_phy2log[entry.index][local])
+        if prepared is not None:
+            prepared.install(entry, local, window_rows)
+        else:
+            entry.commit_row(local, new_phy2log[entry.index][local])
 
     def reserve(self) -> int:
         """Reserve each model's transfer buffer (transfer profile mode); returns the bytes reserved."""

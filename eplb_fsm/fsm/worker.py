@@ -157,10 +157,18 @@ class BackgroundWorker:
 
     ``nice``: the thread's nice increment, applied by the thread itself at start
     (:func:`renice_this_thread`; 0: none). ``native_id``: the thread's OS id once started.
+    ``start_yield_s``: how long the worker sleeps before each job's own code runs. The
+    submitter (the engine thread, inside ``step()``) wakes the loop through a socket send
+    that releases the GIL; the woken worker would take the GIL and start the job's Python,
+    and the engine thread waited up to the switch interval (5 ms) to get it back. Sleeping
+    first lets the submitter finish its step's Python before the job competes for the GIL.
     """
 
     def __init__(self, device: torch.device | str | None = None, name: str = "eplb-worker",
-                 start_timeout_s: float = 10.0, nice: int = 0) -> None:
+                 start_timeout_s: float = 10.0, nice: int = 0, start_yield_s: float = 0.001) -> None:
+        if not 0 <= start_yield_s <= 1:
+            raise ValueError(f"start_yield_s must be in 0..1 s, got {start_yield_s}")
+        self.start_yield_s = float(start_yield_s)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.name = name
         self.nice = int(nice)
@@ -213,6 +221,8 @@ class BackgroundWorker:
             job.future.set_exception(RuntimeError(f"background worker {self.name!r} was closed"))
             self._finish(job)
             return
+        if self.start_yield_s:
+            time.sleep(self.start_yield_s)   # let the submitting thread have the GIL back first
         job.started_at = job.clock()
         try:
             if self.stream is not None:  # pragma: no cover - GPU only
