@@ -74,17 +74,22 @@ def test_a_bad_row_is_refused_when_prepared_naming_the_rule():
         PreparedRow(entry.maps, entry.maps.phy2log[0].copy(), np.arange(P - 2) % N)
 
 
+def _assert_refused_and_unchanged(entry, prepared, layer: int, match: str) -> None:
+    """prepared.apply raises ValueError matching ``match`` and leaves the maps and the window as they were."""
+    before = copy.deepcopy((entry.maps.phy2log, entry.window.window))
+    with pytest.raises(ValueError, match=match):
+        prepared.apply(entry, layer)
+    np.testing.assert_array_equal(entry.maps.phy2log, before[0])
+    assert torch.equal(entry.window.window, before[1])
+
+
 def test_apply_refuses_a_layer_whose_maps_moved_on_and_changes_nothing():
     """A prepared commit for a stale old row raises, and maps and window stay as they were."""
     entry = _entry(1)
     rows = _placements(1, 2)
     prepared = PreparedRow(entry.maps, entry.maps.phy2log[0].copy(), rows[0])
     entry.commit_row(0, rows[1])
-    before = copy.deepcopy((entry.maps.phy2log, entry.window.window))
-    with pytest.raises(ValueError, match="changed since its commit was prepared"):
-        prepared.apply(entry, 0)
-    np.testing.assert_array_equal(entry.maps.phy2log, before[0])
-    assert torch.equal(entry.window.window, before[1])
+    _assert_refused_and_unchanged(entry, prepared, 0, "changed since its commit was prepared")
 
 
 def test_apply_refuses_to_drop_an_expert_with_recorded_load_before_any_change():
@@ -93,11 +98,7 @@ def test_apply_refuses_to_drop_an_expert_with_recorded_load_before_any_change():
     row = np.full(P, -1, dtype=np.int64)
     row[: N - 1] = np.arange(N - 1)          # expert N-1 loses its slot (empty slots allowed mid-scale)
     prepared = PreparedRow(entry.maps, entry.maps.phy2log[2].copy(), row)
-    before = (entry.maps.phy2log.copy(), entry.window.window.clone())
-    with pytest.raises(ValueError, match="drops an expert that has recorded load"):
-        prepared.apply(entry, 2)
-    np.testing.assert_array_equal(entry.maps.phy2log, before[0])
-    assert torch.equal(entry.window.window, before[1])
+    _assert_refused_and_unchanged(entry, prepared, 2, "drops an expert that has recorded load")
 
 
 def test_write_checks_a_prepared_commit_before_touching_the_weights():

@@ -27,6 +27,12 @@ def _reference_rows(w: np.ndarray, packs: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
 
 
+def _tie_rows(data, rows: int, items: int) -> np.ndarray:
+    """(rows, items) float32 weights drawn from TIE_VALUES: many ties and zeros."""
+    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * items, max_size=rows * items))
+    return np.array(values, dtype=np.float32).reshape(rows, items)
+
+
 def _visited(w: np.ndarray) -> np.ndarray:
     return np.take_along_axis(w, descending_order(w), axis=1)
 
@@ -35,9 +41,7 @@ def _visited(w: np.ndarray) -> np.ndarray:
 @given(st.integers(2, 9), st.integers(2, 9), st.integers(1, 4), st.data())
 def test_rounds_equal_per_item_and_reference(packs, per_pack, rows, data):
     """pack_in_rounds, pack_per_item and the reference place every visited item alike (ties, zeros)."""
-    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * packs * per_pack,
-                                max_size=rows * packs * per_pack))
-    w = np.array(values, dtype=np.float32).reshape(rows, packs * per_pack)
+    w = _tie_rows(data, rows, packs * per_pack)
     visited = _visited(w)
     chosen, arrival = pack_in_rounds(visited, packs)
     item_chosen, item_arrival = pack_per_item(np.ascontiguousarray(visited.T), packs)
@@ -116,9 +120,7 @@ def test_descending_keys_order_and_index():
 @given(st.integers(2, 9), st.integers(2, 9), st.integers(1, 5), st.data())
 def test_keyed_per_item_equals_per_item_and_reference(packs, per_pack, rows, data):
     """pack_per_item_keyed places every visited item as pack_per_item and the reference do (ties, zeros)."""
-    values = data.draw(st.lists(st.sampled_from(TIE_VALUES), min_size=rows * packs * per_pack,
-                                max_size=rows * packs * per_pack))
-    w = np.array(values, dtype=np.float32).reshape(rows, packs * per_pack)
+    w = _tie_rows(data, rows, packs * per_pack)
     order = descending_order(w)
     visited_t = np.ascontiguousarray(_visited(w).T)
     chosen, arrival = pack_per_item_keyed(visited_t, packs)
