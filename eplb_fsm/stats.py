@@ -15,12 +15,12 @@ Everything here is local to one rank; nothing talks to other ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["ESTIMATORS", "LoadWindow", "aggregate_logical", "balancedness", "rank_loads_physical"]
+__all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "rank_loads_physical"]
 
 ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 
@@ -100,24 +100,52 @@ class LoadWindow:
         each pass's per-expert count is spread over the expert's new slots (the
         remainder goes to its first slot), so logical sums are unchanged exactly.
         """
-        counts = self.window[:, layer, :]  # (W, P)
-        logical = aggregate_logical(counts, torch.as_tensor(np.tile(old_row, (counts.shape[0], 1))), num_logical)
-        new = torch.as_tensor(np.asarray(new_row, dtype=np.int64))
+        plan = RemapPlan.of(old_row, new_row, num_logical, self.window.device)
+        self.window[:, layer, :] = plan.apply(self.window[:, layer, :], num_logical)
+
+
+class RemapPlan(NamedTuple):
+    """How one layer's per-slot counts move from an old placement to a new one; tensors on one device.
+
+    Depends on the two (P,) rows alone, so it can be built ahead (on the async worker) and
+    applied to the window later (:meth:`apply`).
+    """
+
+    old_slots: torch.Tensor     # (V,) the old row's occupied slots
+    old_experts: torch.Tensor   # (V,) their experts
+    safe: torch.Tensor          # (P,) each new slot's expert (0 for an empty slot)
+    divisor: torch.Tensor       # (P,) that expert's new replica count (1 for an empty slot)
+    first: torch.Tensor         # (P,) the slot is its expert's first (it takes the remainder)
+    valid: torch.Tensor         # (P,) the slot is not empty
+    dropped: torch.Tensor       # (D,) experts with no slot in the new row
+
+    @classmethod
+    def of(cls, old_row: Any, new_row: Any, num_logical: int, device: Any = None) -> "RemapPlan":
+        """The plan from ``old_row`` to ``new_row`` (P,) int64 placements, -1 for an empty slot."""
+        old = np.asarray(old_row, dtype=np.int64)
+        new = np.asarray(new_row, dtype=np.int64)
+        old_valid = np.flatnonzero(old >= 0)
         valid = new >= 0
-        replicas = torch.zeros(num_logical, dtype=torch.int64)
-        replicas.scatter_add_(0, new[valid], torch.ones_like(new[valid]))
-        if ((logical.sum(0) > 0) & (replicas == 0)).any():
+        counts = np.bincount(new[valid], minlength=num_logical)[:num_logical]
+        safe = np.where(valid, new, 0)
+        slots = np.arange(new.size)
+        first = np.full(num_logical, new.size, dtype=np.int64)
+        np.minimum.at(first, new[valid], slots[valid])
+        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)   # noqa: E731
+        return cls(as_t(old_valid), as_t(old[old_valid]), as_t(safe), as_t(np.maximum(counts[safe], 1)),
+                   as_t(valid & (slots == first[safe])), as_t(valid), as_t(np.flatnonzero(counts == 0)))
+
+    def apply(self, counts: torch.Tensor, num_logical: int) -> torch.Tensor:
+        """``counts`` (W, P) in the old placement -> (W, P) in the new one; changes nothing.
+
+        Raises ``ValueError`` if the new row leaves out an expert that has counts.
+        """
+        logical = torch.zeros((counts.shape[0], num_logical), dtype=counts.dtype, device=counts.device)
+        logical.index_add_(1, self.old_experts, counts[:, self.old_slots])     # (W, N)
+        if self.dropped.numel() and bool(logical[:, self.dropped].any()):
             raise ValueError("new_row drops an expert that has recorded load")
-        safe = new.clamp(min=0)
-        share = torch.where(valid, logical[:, safe] // replicas[safe].clamp(min=1), 0)
-        # the first slot of each expert takes the remainder
-        slots = torch.arange(new.shape[0])
-        first = torch.full((num_logical,), new.shape[0], dtype=torch.int64)
-        first.scatter_reduce_(0, new[valid], slots[valid], reduce="amin")
-        remainder = logical - share.new_zeros(logical.shape).scatter_add_(1, safe.expand_as(share) * valid, share * valid)
-        is_first = valid & (slots == first[safe])
-        share = share + torch.where(is_first, remainder[:, safe], 0)
-        self.window[:, layer, :] = share
+        held = logical[:, self.safe]                       # (W, P) each slot's expert's count
+        return (held // self.divisor + (held % self.divisor) * self.first) * self.valid
 
 
 def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:

@@ -148,3 +148,23 @@ def test_remap_layer_preserves_expert_totals(passes, old_extra, new_extra, seed)
     assert torch.equal(before, after)
     assert torch.equal(w.window[:, 1], other_layer)
     assert (w.window >= 0).all()
+
+
+def test_remap_plan_built_ahead_gives_what_remap_layer_writes_and_changes_nothing():
+    """RemapPlan.of(old, new).apply(counts) returns remap_layer's result and leaves its input as it was."""
+    from eplb_fsm.stats import LoadWindow, RemapPlan
+
+    rng = np.random.default_rng(3)
+    old_row = np.array([0, 1, 2, 3, 0, 1], dtype=np.int64)
+    new_row = np.array([3, 3, 2, 1, 0, -1], dtype=np.int64)
+    win = LoadWindow(num_layers=2, num_physical=6, window_size=3)
+    win.window[:] = torch.as_tensor(rng.integers(0, 50, size=(3, 2, 6)))
+    counts = win.window[:, 1, :].clone()
+    got = RemapPlan.of(old_row, new_row, 4).apply(win.window[:, 1, :], 4)
+    assert torch.equal(win.window[:, 1, :], counts)
+    win.remap_layer(1, old_row, new_row, 4)
+    assert torch.equal(got, win.window[:, 1, :])
+    # every expert keeps its total
+    before = torch.zeros((3, 4), dtype=torch.int64).index_add_(1, torch.as_tensor(old_row), counts)
+    after = torch.zeros((3, 4), dtype=torch.int64).index_add_(1, torch.as_tensor(new_row.clip(0)), got)
+    assert torch.equal(before, after)

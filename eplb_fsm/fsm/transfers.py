@@ -25,6 +25,7 @@ from eplb_fsm.fsm.collectives import Collectives, flags
 from eplb_fsm.fsm.model_entry import ModelEntry
 from eplb_fsm.fsm.worker import StepPacer
 from eplb_fsm.maps import ExpertMaps
+from eplb_fsm.stats import RemapPlan
 from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
 
 __all__ = ["LayerMover", "PreparedRow", "TransferredLayer", "ready_flags"]
@@ -36,9 +37,9 @@ class PreparedRow:
     ``old_row``, ``new_row``: (P,) int64 placements (-1: empty slot). Validates ``new_row``
     as :meth:`ExpertMaps.replace_layer` does (raises ``ValueError`` naming the rule) and
     derives its (N, K) log2phy and (N,) replica counts. :meth:`apply` then flips the
-    entry's maps and re-expresses the window's held passes in the new placement, exactly
-    as :meth:`ModelEntry.commit_row` would: each expert's count is split evenly over its
-    new slots, the remainder to its first slot.
+    entry's maps and re-expresses the window's held passes in the new placement with the
+    same :class:`~eplb_fsm.stats.RemapPlan` that :meth:`ModelEntry.commit_row` uses (each
+    expert's count split evenly over its new slots, the remainder to its first slot).
     """
 
     def __init__(self, maps: ExpertMaps, old_row: np.ndarray, new_row: np.ndarray, device: Any = None) -> None:
@@ -50,19 +51,7 @@ class PreparedRow:
         self.old_row = np.asarray(old_row, dtype=np.int64).copy()
         self.new_row = row.phy2log[0]
         self.log2phy, self.counts = row.log2phy[0], row.replica_count[0]     # (N, K), (N,)
-        old_valid = np.flatnonzero(self.old_row >= 0)
-        valid = self.new_row >= 0
-        safe = np.where(valid, self.new_row, 0)
-        slots = np.arange(self.new_row.size)
-        first = np.full(n, self.new_row.size, dtype=np.int64)
-        np.minimum.at(first, self.new_row[valid], slots[valid])
-        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)   # noqa: E731
-        self.old_slots, self.old_experts = as_t(old_valid), as_t(self.old_row[old_valid])
-        self.safe = as_t(safe)                                                # (P,) expert per slot
-        self.divisor = as_t(np.maximum(self.counts[safe], 1))                 # (P,) its replica count
-        self.valid = as_t(valid)                                              # (P,) slot not empty
-        self.first = as_t(valid & (slots == first[safe]))                     # (P,) the expert's first slot
-        self.dropped = as_t(np.flatnonzero(self.counts == 0))                 # experts with no slot now
+        self.remap = RemapPlan.of(self.old_row, self.new_row, n, device)
 
     def apply(self, entry: Any, layer: int) -> None:
         """Flip ``entry``'s maps row ``layer`` and remap its window (nothing changes on error)."""
@@ -76,13 +65,7 @@ class PreparedRow:
         """
         if not np.array_equal(entry.maps.phy2log[layer], self.old_row):
             raise ValueError(f"layer {layer}'s maps changed since its commit was prepared")
-        window = entry.window.window[:, layer, :]          # (W, P)
-        logical = torch.zeros((window.shape[0], entry.num_logical), dtype=window.dtype, device=window.device)
-        logical.index_add_(1, self.old_experts, window[:, self.old_slots])     # (W, N)
-        if self.dropped.numel() and bool(logical[:, self.dropped].any()):
-            raise ValueError("new_row drops an expert that has recorded load")
-        held = logical[:, self.safe]                       # (W, P) each slot's expert's count
-        return (held // self.divisor + (held % self.divisor) * self.first) * self.valid
+        return self.remap.apply(entry.window.window[:, layer, :], entry.num_logical)
 
     def install(self, entry: Any, layer: int, window_rows: torch.Tensor) -> None:
         """Write the new maps row and ``window_rows`` (:meth:`remapped_window`), hand the router its maps."""
