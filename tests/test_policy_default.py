@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb_fsm.policy.base import build_log2phy
+from eplb_fsm.policy.base import build_log2phy, checked_float32
 from eplb_fsm.policy.bounds import balancedness_bound, placement_balancedness
 from eplb_fsm.policy.default import (
     DefaultEplbPolicy,
@@ -427,3 +427,35 @@ def test_group_loads_in_blocks_equal_one_torch_sum():
     weight = (rng.random((300, 256)) * 1e6).astype(np.float32)  # 76,800 elements: several blocks
     expected = torch.from_numpy(weight).reshape(300, 8, 32).sum(-1).numpy()
     assert np.array_equal(group_loads(weight, 8), expected)
+
+
+def test_slots_of_experts_rejects_an_expert_without_a_slot():
+    """slots_of_experts refuses a placement where some expert holds no slot (its fast path needs one each)."""
+    phy2log = np.array([[0, 0, 2]], dtype=np.int64)  # expert 1 missing
+    with pytest.raises(ValueError, match="at least one slot"):
+        slots_of_experts(phy2log, np.array([[2, 0, 1]], dtype=np.int64), 2)
+
+
+@pytest.mark.parametrize("weight, match", [
+    (np.array([[3, -1]], dtype=np.int64), "non-negative"),
+    (np.array([[3, -1]], dtype=np.int8), "non-negative"),
+    (np.array([[1.0, -0.5]], dtype=np.float64), "non-negative"),
+    (np.array([[1.0, np.nan]], dtype=np.float32), "NaN"),
+    (np.array([[1.0, -np.inf]], dtype=np.float32), "infinite"),
+    (np.array([[3e38, 3e38]], dtype=np.float32), "float32"),
+])
+def test_checked_float32_names_each_bad_load(weight, match):
+    """checked_float32's fast check sends every bad integer or float load to the error that names it."""
+    with pytest.raises(ValueError, match=match):
+        checked_float32(weight)
+
+
+@pytest.mark.parametrize("dtype", [np.uint64, np.int16, np.float16, np.float64])
+def test_checked_float32_accepts_integers_and_floats_as_float32(dtype):
+    """Unsigned, signed and float loads (with a -0.0 for floats) come back as the contiguous float32 cast."""
+    weight = np.array([[7, 0, 2**15 - 1], [1, 5, 3]], dtype=dtype)[:, ::-1]  # not contiguous
+    if weight.dtype.kind == "f":
+        weight[0, 1] = -0.0
+    out = checked_float32(weight)
+    assert out.dtype == np.float32 and out.flags.c_contiguous and out.flags.writeable
+    assert np.array_equal(out, weight.astype(np.float32))

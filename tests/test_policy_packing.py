@@ -15,7 +15,7 @@ from eplb_fsm.policy.packing import (
     pack_pairs,
     pack_per_item,
 )
-from eplb_fsm.policy.keyed_packing import keyed_packing_applies, pack_per_item_keyed
+from eplb_fsm.policy.keyed_packing import finite_non_negative, keyed_packing_applies, pack_per_item_keyed
 from eplb_fsm.policy.reference import reference_balanced_packing
 
 # Few distinct values, zeros among them: ties between items and between pack totals are common.
@@ -200,3 +200,28 @@ def test_pack_pairs_declines_negative_or_float64_rows():
     assert pack.tolist() == [[0, 1, 2, 2, 1, 0]] and rank.tolist() == [[0, 0, 0, 1, 1, 1]]
     assert pack_pairs(np.array([[5.0, 4.0, 3.0, 2.0]])) is None
     assert pack_pairs(np.array([[5.0, 4.0, 3.0, 2.0]], dtype=np.float32)) is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 12), st.booleans(), st.data())
+def test_descending_keys_both_layouts_give_the_stable_descending_order(rows, items, signed, data):
+    """Non-negative rows (two-half keys) and rows with -0.0 or negatives (shifted keys) both sort to the stable descending order, index in the low 31 bits."""
+    w = _tie_rows(data, rows, items)
+    if signed:
+        w[0, 0] = data.draw(st.sampled_from([-0.0, -1.0]))
+    key = descending_keys(w)
+    expected = np.argsort(-(w + np.float32(0.0)), axis=1, kind="stable")
+    assert np.array_equal(np.argsort(key, axis=1), expected)
+    assert np.array_equal(key & 0x7FFFFFFF, np.broadcast_to(np.arange(items), w.shape))
+
+
+@pytest.mark.parametrize("weight, expected", [
+    (np.array([[0.0, -0.0, 3.5]], dtype=np.float32), True),
+    (np.zeros((2, 0), dtype=np.float32), True),
+    (np.array([[1.0, -1e-30]], dtype=np.float32), False),
+    (np.array([[1.0, np.inf]], dtype=np.float32), False),
+    (np.array([[1.0, np.nan]], dtype=np.float64), False),
+])
+def test_finite_non_negative(weight, expected):
+    """finite_non_negative is True exactly for arrays without NaN, infinities or negative entries."""
+    assert finite_non_negative(weight) is expected

@@ -91,6 +91,46 @@ def _weight_as_numpy(weight: Any) -> np.ndarray:
         raise ValueError(f"weight must be a tensor of shape (layers, experts): {exc}") from None
 
 
+def checked_float32(weight: np.ndarray) -> np.ndarray:
+    """A real (L, N) ``weight`` as a contiguous, writable float32 array, checked finite, >= 0
+    and with every layer's total below :data:`FLOAT32_TOTAL_LIMIT`; ``ValueError`` otherwise.
+
+    The checks run in numpy, single-threaded: torch's element-wise ops hand inputs past
+    ~32K elements to its thread pool, whose dispatch costs more than the work here. The
+    common case is two reductions (a min, the row totals) and no temporary array.
+    """
+    if weight.dtype.kind in "iu":
+        # Any integer is finite in float32 (|x| < 2**64 < 3.4e38), and a layer's total stays
+        # below N * 2**64 < 2**126: only the sign needs a look, taken on the float32 copy
+        # (same signs, half the bytes, a vectorised min).
+        weight32 = np.ascontiguousarray(weight, dtype=np.float32)
+        if weight.dtype.kind == "i" and weight32.size and weight32.min() < 0:
+            raise ValueError("weight must be non-negative, found negative loads")
+    else:
+        if weight.dtype.itemsize > 4:
+            with np.errstate(over="ignore"):  # an overflow to inf is reported below
+                weight32 = np.ascontiguousarray(weight, dtype=np.float32)
+        else:
+            weight32 = np.ascontiguousarray(weight, dtype=np.float32)
+        # min >= 0 is False for a NaN or a negative load; with every load >= 0, a total below
+        # the limit also rules out an infinite load (before or after the float32 cast).
+        if not (weight.min() >= 0 and weight32.sum(axis=-1, dtype=np.float64).max() < FLOAT32_TOTAL_LIMIT):
+            _raise_bad_float_weight(weight, weight32)
+    if not weight32.flags.writeable:
+        weight32 = weight32.copy()  # torch.from_numpy wants a writable buffer
+    return weight32
+
+
+def _raise_bad_float_weight(weight: np.ndarray, weight32: np.ndarray) -> None:
+    """Raise the ``ValueError`` that names what is wrong with a float ``weight`` that failed the fast check."""
+    if not np.isfinite(weight).all():
+        bad = "NaN" if np.isnan(weight).any() else "infinite"
+        raise ValueError(f"weight must be finite, found {bad} loads")
+    if (weight < 0).any():
+        raise ValueError("weight must be non-negative, found negative loads")
+    raise ValueError("weight: each layer's total load must fit in float32 (below 2**126)")
+
+
 def check_rebalance_args(
     weight: Any,
     num_replicas: Any,
@@ -121,23 +161,9 @@ def check_rebalance_args(
     num_layers, num_experts = weight.shape
     if num_layers == 0 or num_experts == 0:
         raise ValueError(f"weight must have at least one layer and one expert, got shape {tuple(weight.shape)}")
-    if weight.dtype == np.bool_ or np.iscomplexobj(weight) or not np.issubdtype(weight.dtype, np.number):
+    if weight.dtype.kind not in "iuf":  # bool, complex, object, str, datetime ...
         raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
-    # The checks run in numpy, single-threaded: torch's element-wise ops hand inputs past
-    # ~32K elements to its thread pool, whose dispatch costs more than the work here.
-    if np.issubdtype(weight.dtype, np.floating):
-        if not np.isfinite(weight).all():
-            bad = "NaN" if np.isnan(weight).any() else "infinite"
-            raise ValueError(f"weight must be finite, found {bad} loads")
-    if (weight < 0).any():
-        raise ValueError("weight must be non-negative, found negative loads")
-    with np.errstate(over="ignore"):  # an overflow to inf is reported just below
-        weight32 = np.ascontiguousarray(weight, dtype=np.float32)
-    if not np.isfinite(weight32).all() or float(weight32.sum(axis=-1, dtype=np.float64).max()) >= FLOAT32_TOTAL_LIMIT:
-        raise ValueError("weight: each layer's total load must fit in float32 (below 2**126)")
-    if not weight32.flags.writeable:
-        weight32 = weight32.copy()  # torch.from_numpy wants a writable buffer
-    weight32 = torch.from_numpy(weight32)
+    weight32 = torch.from_numpy(checked_float32(weight))
 
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")

@@ -142,9 +142,9 @@ def group_loads(weight32: "torch.Tensor | np.ndarray", num_groups: int) -> np.nd
 def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replicas: int) -> np.ndarray:
     """``log2phy`` of a full placement: ``(L, P), (L, N) -> (L, N, max_replicas)`` int64.
 
-    Every slot holds an expert (no -1) and ``replica_count`` counts them, so the slots of
-    each expert, ascending, are one sort of (expert, slot) keys per layer away; the -1
-    padding is the only write that scales with the output's size.
+    Every slot holds an expert (no -1) and every expert has a slot (``replica_count``
+    >= 1), so the slots of each expert, ascending, are one sort of (expert, slot) keys per
+    layer away; the -1 padding is the only write that scales with the output's size.
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
@@ -158,16 +158,24 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     key <<= bits
     key |= np.arange(num_slots, dtype=key_type)
     key.sort(axis=1)
-    slot = key & ((1 << bits) - 1)
-    key >>= bits  # flat (layer, expert) of each sorted slot
-    # The k-th sorted slot of a layer is replica k - first of its expert, first = the sorted
-    # position of the expert's first slot: its destination is start[expert] + k with
-    # start = (layer * N + expert) * max_replicas - first.
+    key = key.reshape(-1)
+    # int64 (intp) outputs: numpy indexes and scatters with them without a cast buffer.
+    slot = np.bitwise_and(key, (1 << bits) - 1, dtype=np.int64)
+    expert = np.right_shift(key, bits, dtype=np.int64)  # flat (layer, expert) of each sorted slot
+    # Every expert has a slot, so the sorted positions where the expert changes are, in
+    # order, the first sorted position of each (layer, expert): no cumsum of the counts.
+    starts = np.empty(key.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(expert[1:], expert[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)  # (L * N,)
+    if first.size != num_layers * num_experts:
+        raise ValueError("slots_of_experts: every expert needs at least one slot")
+    # The k-th sorted slot is replica k - first[expert] of its expert: its destination is
+    # start[expert] + k with start = (layer * N + expert) * max_replicas - first.
     start = np.arange(0, num_layers * num_experts * max_replicas, max_replicas, dtype=np.int64)
-    start += replica_count.reshape(-1)
-    start -= np.cumsum(replica_count, axis=1).reshape(-1)
-    dest = start[key]
-    dest += np.arange(num_slots, dtype=np.int64)
+    start -= first
+    dest = start[expert]
+    dest += np.arange(key.size, dtype=np.int64)
     # The -1 padding is the one write that scales with the output (3.9 MB on DeepSeek-V3):
     # -1 is all 0xFF bytes, and a byte fill (memset) runs ~1.5x faster than np.full's int64
     # loop; torch.full is no better, as it hands large fills to its thread pool.

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["keyed_packing_applies", "pack_per_item_keyed"]
+__all__ = ["finite_non_negative", "keyed_packing_applies", "pack_per_item_keyed"]
 
 # Largest int64 key: marks a full pack, above every open pack's key.
 _FULL = np.iinfo(np.int64).max
@@ -27,6 +27,15 @@ def _low_bits(num_rows: int, num_packs: int, capacity: int) -> tuple[int, int, b
     return count_bits, row_bits, (num_packs << (row_bits + count_bits)) <= 2**32
 
 
+def finite_non_negative(w: np.ndarray) -> bool:
+    """Whether every entry of the float array ``w`` is finite and >= 0 (False for NaN).
+
+    Two reductions and no temporary: ``isfinite(w).all()`` and ``(w < 0).any()`` each
+    build a boolean array first.
+    """
+    return w.size == 0 or bool(w.min() >= 0 and w.max() < np.inf)
+
+
 def keyed_packing_applies(w: np.ndarray, num_packs: int) -> bool:
     """Whether :func:`pack_per_item_keyed` can take ``w`` (R, n): float32, finite, >= 0, keys in 64 bits."""
     num_rows, num_items = w.shape
@@ -34,8 +43,7 @@ def keyed_packing_applies(w: np.ndarray, num_packs: int) -> bool:
         w.dtype == np.float32
         and sys.byteorder == "little"  # the key's high half is read as the float32 total
         and _low_bits(num_rows, num_packs, num_items // num_packs)[2]
-        and bool(np.isfinite(w).all())
-        and not bool((w < 0).any())
+        and finite_non_negative(w)
     )
 
 
