@@ -61,6 +61,9 @@ class EplbConfig:
     # async mode: at most this many bytes of expert rows moved per engine step (0: no limit);
     # the worker waits for the next step between chunks, so its CPU per step is bounded
     async_max_bytes_per_step: int = 0
+    # async mode: post each step's ready-flag all-reduce and read it on the next step, so the
+    # engine never waits on it (a layer commits one step later); False: wait within the step
+    async_overlap_poll: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,7 +74,7 @@ class EplbConfig:
         _check_int(self.num_nodes, "num_nodes", minimum=1)
         _check_int(self.async_worker_nice, "async_worker_nice", minimum=0, maximum=19)
         _check_int(self.async_max_bytes_per_step, "async_max_bytes_per_step", minimum=0)
-        for name in ("use_async", "log_balancedness", "enable_migration_batching"):
+        for name in ("use_async", "log_balancedness", "enable_migration_batching", "async_overlap_poll"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import structlog
 
@@ -94,6 +94,15 @@ def _dumps(record: dict, **_: Any) -> str:
 
 
 _RENDER = structlog.processors.JSONRenderer(serializer=_dumps)
+
+
+class OpenCollective(NamedTuple):
+    """A collective whose start is written and whose end is not (:meth:`EventTrace.open_collective`)."""
+
+    start: dict          # the collective_start record
+    info: dict           # the fields its end or error record repeats
+    key: tuple           # (thread id, group): its entry in ``open_collectives``
+    t0: float            # perf_counter at the start
 
 
 class EventTrace:
@@ -279,32 +288,40 @@ class EventTrace:
         return self.emit("transition", trigger=trigger, source=source, dest=dest, state=dest, **fields)
 
     @contextlib.contextmanager
-    def collective(
-        self,
-        op: str,
-        group: str = "world",
-        shape: Any = None,
-        dtype: Any = None,
-        **fields: Any,
-    ) -> Iterator[dict]:
+    def collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
+                   **fields: Any) -> Iterator[dict]:
         """Bracket one collective with start/end records; an exception writes ``collective_error``.
 
         The yielded dict is the start record; the group's ``cseq`` advances once per call,
         so the n-th collective of a group has the same ``cseq`` on every rank that issues it.
         """
+        opened = self.open_collective(op, group, shape, dtype, **fields)
+        try:
+            yield opened.start
+        except BaseException as exc:
+            self.close_collective(opened, exc)
+            raise
+        self.close_collective(opened)
+
+    def open_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
+                        **fields: Any) -> "OpenCollective":
+        """Write a ``collective_start`` and note the collective as open (what ``alive`` reports).
+
+        For a collective that is waited on later than it is issued (a posted all-reduce read
+        on the next step): :meth:`close_collective` writes its end, from the same thread.
+        """
         start = self.start_collective(op, group, shape, dtype, **fields)
         info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
         key = (threading.get_ident(), group)
         self.open_collectives[key] = {"op": op, "group": group, "cseq": start["cseq"]}
-        t0 = time.perf_counter()
-        try:
-            yield start
-        except BaseException as exc:
-            self.open_collectives.pop(key, None)
-            self.emit("collective_error", error=exception_text(exc), **info)
-            raise
-        self.open_collectives.pop(key, None)
-        self.emit("collective_end", duration_s=round(time.perf_counter() - t0, 6), **info)
+        return OpenCollective(start, info, key, time.perf_counter())
+
+    def close_collective(self, opened: "OpenCollective", error: BaseException | None = None) -> dict:
+        """Write the ``collective_end`` (``duration_s`` since it opened) or, with ``error``, ``collective_error``."""
+        self.open_collectives.pop(opened.key, None)
+        if error is not None:
+            return self.emit("collective_error", error=exception_text(error), **opened.info)
+        return self.emit("collective_end", duration_s=round(time.perf_counter() - opened.t0, 6), **opened.info)
 
     def start_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
                          **fields: Any) -> dict:

@@ -60,6 +60,7 @@ def test_from_dict_and_kwargs_agree():
         ({"async_worker_nice": 1.5}, "async_worker_nice", "integer"),
         ({"async_max_bytes_per_step": -1}, "async_max_bytes_per_step", ">= 0"),
         ({"async_max_bytes_per_step": "4MB"}, "async_max_bytes_per_step", "integer"),
+        ({"async_overlap_poll": 1}, "async_overlap_poll", "bool"),
     ],
 )
 def test_bad_values_name_field_and_rule(changes, field, rule):
@@ -128,3 +129,6 @@ def test_async_knobs_default_off_and_round_trip():
     assert (EplbConfig().async_worker_nice, EplbConfig().async_max_bytes_per_step) == (0, 0)
     cfg = EplbConfig(use_async=True, async_worker_nice=10, async_max_bytes_per_step=4 << 20)
     assert EplbConfig.from_dict(cfg.to_dict()) == cfg
+    assert EplbConfig().async_overlap_poll is True      # posted ready flags are the default
+    off = EplbConfig(use_async=True, async_overlap_poll=False)
+    assert EplbConfig.from_dict(off.to_dict()) == off

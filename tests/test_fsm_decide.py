@@ -15,32 +15,52 @@ from eplb_fsm.fsm.decide import (
     decide_progress,
     decide_salvage,
     decide_step,
+    decide_poll,
+    JOIN,
+    POST,
+    StepDecision,
 )
 from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING
 
 
 def test_a_step_is_due_only_while_collecting_with_models_at_the_threshold():
     """due needs collecting, since >= threshold and at least one model; below it, only recording."""
-    assert decide_step(COLLECTING, 10, 10, True, False, False).due
-    assert not decide_step(COLLECTING, 9, 10, True, False, False).due
-    assert not decide_step(COLLECTING, 10, 10, False, False, False).due
+    assert decide_step(COLLECTING, 10, 10, True, False).due
+    assert not decide_step(COLLECTING, 9, 10, True, False).due
+    assert not decide_step(COLLECTING, 10, 10, False, False).due
     for state in (PLANNING, TRANSFERRING, COMMITTING, SCALING, FAILED):
-        assert not decide_step(state, 99, 10, True, False, False).due
+        assert not decide_step(state, 99, 10, True, False).due
 
 
 def test_a_step_polls_only_an_async_job_in_planning_or_transferring():
-    """The ready flags are all-reduced while a job is in flight in planning or transferring, never otherwise."""
-    assert decide_step(PLANNING, 0, 10, True, False, True).poll
-    assert decide_step(TRANSFERRING, 0, 10, True, False, True).poll
-    assert not decide_step(TRANSFERRING, 0, 10, True, False, False).poll
-    assert not decide_step(FAILED, 0, 10, True, False, True).poll
+    """The ready flags are asked for while a job is in flight in planning or transferring, never otherwise."""
+    assert decide_poll(PLANNING, True, True, False) == POST
+    assert decide_poll(TRANSFERRING, True, True, False) == POST
+    assert decide_poll(TRANSFERRING, False, True, False) is None
+    for state in (COLLECTING, COMMITTING, SCALING, FAILED):
+        assert decide_poll(state, True, True, False) is None
 
 
-def test_a_step_all_reduces_when_due_logging_or_polling():
-    """all_reduces is the OR of due, log and poll: a plain recording step issues no collective."""
-    assert not decide_step(COLLECTING, 1, 10, True, False, False).all_reduces
-    assert decide_step(COLLECTING, 1, 10, True, True, False).all_reduces
-    assert decide_step(COLLECTING, 10, 10, True, False, False).all_reduces
+def test_the_flags_join_the_steps_all_reduce_when_it_has_one_or_overlap_is_off():
+    """A step that all-reduces anyway (or async_overlap_poll=False) reads the flags at once; else they are posted."""
+    assert decide_poll(TRANSFERRING, True, True, True) == JOIN
+    assert decide_poll(TRANSFERRING, True, False, False) == JOIN
+    assert decide_poll(PLANNING, True, False, True) == JOIN
+
+
+def test_a_job_handed_over_on_this_step_is_not_asked_about_until_the_next():
+    """fresh: a posted poll of a job started this step could only say 'not yet', so nothing is posted."""
+    assert decide_poll(TRANSFERRING, True, True, False, fresh=True) is None
+    assert decide_poll(PLANNING, True, True, False, fresh=True) is None
+    assert decide_poll(TRANSFERRING, True, True, False, fresh=False) == POST
+    assert decide_poll(TRANSFERRING, True, True, True, fresh=True) == JOIN
+
+
+def test_a_step_logs_only_when_asked():
+    """log follows log_now alone: a plain recording step neither logs nor is due."""
+    assert decide_step(COLLECTING, 1, 10, True, False) == StepDecision(due=False, log=False)
+    assert decide_step(COLLECTING, 1, 10, True, True).log
+    assert decide_step(COLLECTING, 10, 10, True, False) == StepDecision(due=True, log=False)
 
 
 @pytest.mark.parametrize("summed, state, action", [
@@ -92,9 +112,9 @@ def test_steps_before_the_first_model_do_not_count_toward_the_interval():
     for _ in range(50):
         counters.count_step(has_models=False)
     assert counters.steps == 50 and counters.since == 0 and counters.until_due == 10
-    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due
+    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False).due
     for _ in range(9):
         counters.count_step(has_models=True)
-    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due
+    assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False).due
     counters.count_step(has_models=True)
-    assert counters.steps == 60 and decide_step(COLLECTING, counters.since, counters.threshold, True, False, False).due
+    assert counters.steps == 60 and decide_step(COLLECTING, counters.since, counters.threshold, True, False).due

@@ -178,6 +178,31 @@ def test_collective_error_clears_the_open_collective():
     assert trace.waiting_on() is None
 
 
+def test_an_open_collective_spans_other_records_until_it_is_closed():
+    """open_collective/close_collective: the start, then other records, then the end with the start's fields."""
+    trace = EventTrace(rank=0, world=2, keep=True)
+    trace.set_context(state="transferring", step=9)
+    opened = trace.open_collective("all_reduce", group="ep", shape=(3,), dtype="torch.float64", posted=True)
+    trace.set_context(step=10)
+    trace.emit("transition", trigger="layer_done")
+    mid = trace.alive(0.5, steps_seen=10)
+    trace.close_collective(opened)
+    start, _, _, end = trace.records
+    assert mid["waiting_on"] == {"op": "all_reduce", "group": "ep", "cseq": 0}
+    assert (start["event"], start["step"], start["posted"]) == ("collective_start", 9, True)
+    assert (end["event"], end["step"], end["cseq"], end["posted"]) == ("collective_end", 10, 0, True)
+    assert end["duration_s"] >= 0 and trace.waiting_on() is None
+
+
+def test_closing_an_open_collective_with_an_error_writes_collective_error():
+    """close_collective(error) writes collective_error naming the error, and the rank waits on nothing."""
+    trace = EventTrace(keep=True)
+    opened = trace.open_collective("all_reduce", group="ep")
+    trace.close_collective(opened, TimeoutError("peer 1 silent"))
+    assert [r["event"] for r in trace.records] == ["collective_start", "collective_error"]
+    assert "peer 1 silent" in trace.records[1]["error"] and trace.waiting_on() is None
+
+
 def test_header_carries_run_id_and_config_hash(tmp_path):
     """The header has run_id and the config's 16-hex hash, equal for equal configs, different otherwise."""
     from eplb_fsm.trace import config_hash

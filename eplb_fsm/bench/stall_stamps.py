@@ -8,14 +8,16 @@ Each engine step is cut into parts (seconds, engine thread only):
 - ``gil_probe``: a no-op Python call right after the forward: how long the engine thread
   waited to run Python again (the GIL held by the worker shows here);
 - ``ready_all_reduce``: the controller's agreement all-reduces on this thread (async: the
-  ready flags every step of a rearrangement; sync: the per-layer agreements and the loads);
+  ready flags every step of a rearrangement, their post and, on the next step, their read;
+  sync: the per-layer agreements and the loads);
 - ``commit_weights``: writing a transferred layer's rows from the buffer into the weights;
 - ``commit_maps``: flipping that layer's maps and window counts;
 - ``transfer``: a layer's transfer when it runs on this thread (sync mode only);
 - ``controller_other``: the rest of ``rearrange()`` + ``step()`` (policy in sync mode, the
   machine, trace records, job hand-offs).
 
-:class:`StepStamps` wraps the controller's collaborators (``collectives.all_reduce``,
+:class:`StepStamps` wraps the controller's collaborators (``collectives.post`` and the read of
+what it returns, which every all-reduce goes through,
 ``mover.write`` / ``mover.transfer``, each entry's ``commit_row``) on the instance, counting
 only calls made on the engine thread (the async worker's transfer runs elsewhere).
 :func:`breakdown` turns a merged run's per-step parts into the extra time of each part over
@@ -67,7 +69,18 @@ class StepStamps:
     def instrument(self, controller: Any) -> None:
         """Time the controller's agreement all-reduce, commits and transfers (after ``add_model``)."""
         coll, mover = controller.collectives, controller.mover
-        coll.all_reduce = self.timed("ready_all_reduce", coll.all_reduce)
+        post = coll.post   # every all-reduce goes through it (a blocking one reads it at once)
+
+        def post_stamped(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                posted = post(*args, **kwargs)
+            finally:
+                self.add("ready_all_reduce", time.perf_counter() - t0)
+            posted.wait = self.timed("ready_all_reduce", posted.wait)   # the read, on this step or the next
+            return posted
+
+        coll.post = post_stamped
         mover.transfer = self.timed("transfer", mover.transfer)
         write = self.timed("commit_total", mover.write)
 

@@ -29,6 +29,7 @@ __all__ = [
     "TRANSFER_GROUP_NAME",
     "LOCAL_GROUP_NAME",
     "GroupBroken",
+    "PostedReduce",
     "Collectives",
     "flags",
     "is_collective_group",
@@ -120,28 +121,46 @@ class Collectives:
         (e.g. ``layer`` for a layer's agreement). Raises :class:`GroupBroken` if the
         collective raises or does not finish in time.
         """
+        return self.post(parts, timeout_s, blocking=True, **fields).wait()
+
+    def post(self, parts: dict[str, torch.Tensor], timeout_s: float, *, blocking: bool = False,
+             **fields: Any) -> "PostedReduce":
+        """Issue the same all-reduce as :meth:`all_reduce` without waiting for it; read it with ``wait()``.
+
+        On a torch group the sum runs in the backend (gloo's threads, NCCL's stream) while
+        the caller goes on, e.g. into the engine's next forward; its ``collective_start``
+        is written now with ``posted=True`` and its end when :meth:`PostedReduce.wait`
+        returns, on a later step. A collective-group object (or no group) has no
+        non-blocking all-reduce: the sum is done here and ``wait()`` hands it over. Issue
+        raises :class:`GroupBroken` like :meth:`all_reduce`; so does ``wait()``.
+        """
         if self.cap is not None:
             timeout_s = self.cap(timeout_s)
         names = list(parts)
+        shapes = [parts[n].shape for n in names]
         flat = [parts[n].reshape(-1).to(device=self.comm_device, dtype=torch.float64) for n in names]
         sizes = [t.numel() for t in flat]
         buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        posted = PostedReduce(self, names, shapes, sizes, buf, timeout_s)
+        native = self.group is not None and not self.custom
+        if not native:
+            blocking = True
+        if not blocking:
+            fields = dict(fields, posted=True)
+        posted.opened = self.trace.open_collective("all_reduce", group=self.name, shape=tuple(buf.shape),
+                                                   dtype=buf.dtype, parts=names, sizes=sizes, **fields)
         try:
-            with self.trace.collective("all_reduce", group=self.name, shape=tuple(buf.shape),
-                                       dtype=buf.dtype, parts=names, sizes=sizes, **fields):
-                if self.custom:
-                    self.group.all_reduce(buf, timeout_s)
-                elif self.group is not None:
-                    import torch.distributed as dist
+            if self.custom:
+                self.group.all_reduce(buf, timeout_s)
+            elif native:
+                import torch.distributed as dist
 
-                    work = dist.all_reduce(buf, group=self.group, async_op=True)
-                    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+                posted.work = dist.all_reduce(buf, group=self.group, async_op=True)
+            if blocking:
+                posted.finish()
         except Exception as exc:
-            raise GroupBroken(f"all_reduce of {names} failed: {type(exc).__name__}: {exc}") from exc
-        out = {}
-        for name, piece in zip(names, torch.split(buf, sizes)):
-            out[name] = piece.reshape(parts[name].shape)
-        return out
+            posted.fail(exc)
+        return posted
 
     def on(self, group: Any) -> "Collectives":
         """The same traced all-reduce on a collective-group object this rank has not moved to yet."""
@@ -219,3 +238,54 @@ class Collectives:
     def wrap(self, value: Any) -> Any:
         """One rank's weights as the communicator wants them (a multi-rank one takes a list of ranks')."""
         return [value] if getattr(self.communicator, "multi_rank", False) else value
+
+
+class PostedReduce:
+    """One all-reduce of :meth:`Collectives.post`: issued, and read by :meth:`wait` (once).
+
+    ``names``, ``shapes``, ``sizes``: the parts; ``buf``: the (sum of sizes,) float64 tensor
+    being summed; ``work``: the backend's handle while it runs (None once finished, or for a
+    group without a non-blocking all-reduce); ``opened``: its open trace record.
+    """
+
+    def __init__(self, collectives: Collectives, names: list[str], shapes: list, sizes: list[int],
+                 buf: torch.Tensor, timeout_s: float) -> None:
+        self.collectives, self.names, self.shapes, self.sizes = collectives, names, shapes, sizes
+        self.buf, self.timeout_s = buf, float(timeout_s)
+        self.work: Any = None
+        self.opened: Any = None
+        self.error: GroupBroken | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """True while the sum may still be running (``wait()`` has not returned yet)."""
+        return self.opened is not None
+
+    def finish(self) -> None:
+        """Wait for the backend (bounded by the timeout), then write the end record."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.collectives.trace.close_collective(self.opened)
+        self.opened = None
+
+    def fail(self, exc: BaseException) -> None:
+        """The collective raised or timed out: write ``collective_error``; ``wait()`` raises."""
+        self.work = None
+        if self.opened is not None:
+            self.collectives.trace.close_collective(self.opened, exc)
+            self.opened = None
+        self.error = GroupBroken(f"all_reduce of {self.names} failed: {type(exc).__name__}: {exc}")
+        self.error.__cause__ = exc
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """The summed parts, name -> tensor of the part's shape; raises :class:`GroupBroken`."""
+        if self.opened is not None:
+            try:
+                self.finish()
+            except Exception as exc:
+                self.fail(exc)
+        if self.error is not None:
+            raise self.error
+        return {name: piece.reshape(shape)
+                for name, shape, piece in zip(self.names, self.shapes, torch.split(self.buf, self.sizes))}

@@ -25,7 +25,9 @@ controller owns its collaborators:
 
 Ranks can never disagree: decisions read counters that advance identically everywhere
 and all-reduces every rank issues on the same step (at most one of the controller's own
-per step, plus one agreement per layer in a sync rearrangement). Elastic EP
+per step, plus one agreement per layer in a sync rearrangement). In async mode the
+step's ready flags are by default *posted*: issued without waiting and read on the next
+step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic EP
 (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
 ``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
 ``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
@@ -251,11 +253,10 @@ class EplbController:
         return self._decided_step(step, state, is_dummy, log_now)
 
     def _decided_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
-        """A step that may all-reduce: what it does is :func:`decide_step`'s answer."""
+        """A step that may all-reduce: what it does is :func:`decide_step`'s answer (and :meth:`Rearranger.poll`'s)."""
         counters = self.counters
         rearranger = self.rearranger
-        decision = decide_step(state, counters.since, counters.threshold, bool(self.models), log_now,
-                               self.worker is not None and rearranger.current is not None)
+        decision = decide_step(state, counters.since, counters.threshold, bool(self.models), log_now)
         parts: dict[str, torch.Tensor] = {}
         if decision.log:
             parts["balancedness"] = torch.cat([e.window.load_pass.reshape(-1) for e in self.models]) \
@@ -268,9 +269,9 @@ class EplbController:
             parts["loads"] = rearranger.begin(step, forced=False)
         else:
             self.trace.count_step(is_dummy)
-        if decision.poll:
-            parts["ready"] = rearranger.ready_flags()
-        if not decision.all_reduces:
+        # after this step's pass is in the window, so a commit re-expresses it in the new placement
+        rearranger.poll(parts, self.config.async_overlap_poll)
+        if not parts:
             return self.machine.state
         reduced = rearranger.all_reduce_or_fail(parts, self.timeout_s)
         if reduced is None:
@@ -384,6 +385,7 @@ class EplbController:
         self.liveness.stop()  # issue 12
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.rearranger.settle_posted_at_close()
         if self.worker is not None:
             self.worker.close(timeout=self.timeout_s)
         self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first

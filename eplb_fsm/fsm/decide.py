@@ -6,8 +6,11 @@ re-drives the same guards from the trace. Inputs are the shared counters (steps 
 the interval restarted, the threshold), the machine's state and layer, and the sums that
 one all-reduce produced; every rank computes the same answer on the same step.
 
-- :func:`decide_step`: on an engine step, record only, or also start planning, log
-  balancedness, or ask whether the job in flight is ready everywhere;
+- :func:`decide_step`: on an engine step, record only, or also start planning or log
+  balancedness;
+- :func:`decide_poll`: whether (and how) the step asks if the async job in flight is
+  ready everywhere: posted now and read on the next step, or joined to the step's
+  all-reduce and read at once;
 - :func:`decide_progress`: from the all-reduced ``[ready, failed, late]`` flags of the
   job in flight: wait, take the plan, commit the layer, or abort;
 - :func:`decide_layer`: sync mode's per-layer agreement: commit the layer or abort;
@@ -31,6 +34,9 @@ __all__ = [
     "COMMIT_LAYER",
     "ABORT",
     "decide_step",
+    "decide_poll",
+    "POST",
+    "JOIN",
     "decide_progress",
     "decide_layer",
     "decide_plan",
@@ -42,36 +48,50 @@ TAKE_PLAN = "take_plan"       # every rank has the plan: fire plan_ready
 COMMIT_LAYER = "commit_layer"  # every rank has the layer: fire layer_done and write it
 ABORT = "abort"               # some rank failed or ran late: fire fault
 
+POST = "post"                 # issue the ready flags now, read the sum on the next step
+JOIN = "join"                 # the ready flags go into this step's all-reduce, read now
+
 
 @dataclass(frozen=True)
 class StepDecision:
     """What one engine step does besides recording its load pass.
 
     ``due``: a rearrangement starts now (the ``due`` of ``step``); ``log``: all-reduce the
-    pass for balancedness; ``poll``: all-reduce the ready flags of the async job in flight.
+    pass for balancedness. Whether it also polls an async job: :func:`decide_poll`.
     """
 
     due: bool
     log: bool
-    poll: bool
-
-    @property
-    def all_reduces(self) -> bool:
-        """Whether the step issues the controller's one all-reduce."""
-        return self.due or self.log or self.poll
 
 
-def decide_step(state: str, since: int, threshold: int, has_models: bool, log_now: bool,
-                in_flight: bool) -> StepDecision:
+def decide_step(state: str, since: int, threshold: int, has_models: bool, log_now: bool) -> StepDecision:
     """The step's decision from shared counters.
 
     ``since``: steps since the interval restarted with a model added, this one included
-    (see :meth:`Counters.count_step`); ``threshold``: steps it needs; ``in_flight``: async mode with a plan or layer job running (every rank has one
-    or none, since jobs start on the same step everywhere).
+    (see :meth:`Counters.count_step`); ``threshold``: steps it needs.
     """
     due = state == COLLECTING and since >= threshold and has_models
-    poll = in_flight and state in (PLANNING, TRANSFERRING)
-    return StepDecision(due=due, log=bool(log_now), poll=poll)
+    return StepDecision(due=due, log=bool(log_now))
+
+
+def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh: bool = False) -> str | None:
+    """How this step asks whether the async job in flight is ready on every rank.
+
+    ``in_flight``: async mode with a plan or layer job running (every rank has one or
+    none, since jobs start on the same step everywhere); ``overlap``: the config's
+    ``async_overlap_poll``; ``joined``: the step all-reduces something else anyway.
+    None: nothing to ask. :data:`POST`: issue the flags now and act on their sum on the
+    next step, so the engine's next forward hides the collective's latency (a layer
+    commits one step later). :data:`JOIN`: put them into the step's all-reduce and act
+    at once. ``fresh``: the job was handed over on this very step (on every rank), so
+    its flags can only say "not yet": nothing is posted, the next step asks. Read after
+    the flags posted on the step before, so it sees the state they left.
+    """
+    if not in_flight or state not in (PLANNING, TRANSFERRING):
+        return None
+    if joined or not overlap:
+        return JOIN
+    return None if fresh else POST
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ destination), never on a re-read state.
 Sync mode (:meth:`Rearranger.run_sync`) moves every layer inside one call: transfer into
 the buffer, one all-reduce that every rank has it, ``layer_done``, then the write (the
 last layer's in ``committing``), and ``committed``. Async mode hands the policy and each
-layer to the background worker; :meth:`Rearranger.progress` acts on the step's summed
-ready flags. Faults: committed layers keep their new placement, the rest keep old maps
+layer to the background worker; :meth:`Rearranger.progress` acts on the summed ready
+flags: those of the step's own all-reduce, or those posted on the step before and read by
+:meth:`Rearranger.settle` (``async_overlap_poll``). Faults: committed layers keep their new placement, the rest keep old maps
 and weights; a failed transfer leaves the EP group usable (fresh transfer group), a
 failed collective on it sends the machine to ``failed``.
 """
@@ -21,8 +22,9 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from eplb_fsm.fsm.collectives import Collectives, GroupBroken, flags
-from eplb_fsm.fsm.decide import ABORT, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_progress
+from eplb_fsm.fsm.collectives import Collectives, GroupBroken, PostedReduce, flags
+from eplb_fsm.fsm.decide import (ABORT, JOIN, POST, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_poll,
+                                 decide_progress)
 from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
 from eplb_fsm.fsm.planning import Plan, bad_load_reason, local_loads, plan_placements, split_loads
 from eplb_fsm.fsm.reporting import Rearrangement, Reporter
@@ -49,6 +51,8 @@ class Rearranger:
         self.reporter, self.worker, self.trace = reporter, worker, trace
         self.timeout_s = float(config.collective_timeout_s)
         self.current: Rearrangement | None = None
+        # async mode: the ready flags posted on the last step, read on this one (settle)
+        self.posted: PostedReduce | None = None
 
     # ------------------------------------------------------------ begin / end
     def begin(self, step: int, forced: bool) -> torch.Tensor:
@@ -92,6 +96,7 @@ class Rearranger:
                 self.run_sync()
         else:
             current.job = self.worker.submit(self.make_plan, loads, current.step, current.forced, kind="plan")
+            current.job_step = self.counters.steps
 
     def make_plan(self, loads: list[torch.Tensor], step: int, forced: bool) -> Plan:
         """Run the policy for every model on the shared load (pure: same input, same plan)."""
@@ -201,6 +206,49 @@ class Rearranger:
         """This rank's (3,) [ready, failed, late] for the async job in flight."""
         return ready_flags(self.current.job, self.timeout_s)
 
+    def poll(self, parts: dict, overlap: bool) -> None:
+        """A step's ask of the async job in flight (:func:`decide_poll`), after reading last step's posted flags.
+
+        Posts this rank's flags (read on the next step), or adds them to ``parts`` as
+        ``ready`` for the step's own all-reduce, or does nothing (no job in flight).
+        """
+        self.settle()
+        current = self.current
+        poll = decide_poll(self.machine.state, self.worker is not None and current is not None, overlap,
+                           bool(parts), fresh=current is not None and current.job_step == self.counters.steps)
+        if poll == POST:
+            self.post_poll()
+        elif poll == JOIN:
+            parts["ready"] = self.ready_flags()
+
+    def post_poll(self) -> None:
+        """Post this rank's ready flags (read by :meth:`settle` on the next step)."""
+        try:
+            self.posted = self.collectives.post({"ready": self.ready_flags()}, self.timeout_s)
+        except GroupBroken as exc:
+            self.group_fault(exc)
+
+    def settle(self) -> None:
+        """Read the ready flags posted on the step before and act on their sum (:meth:`progress`)."""
+        posted, self.posted = self.posted, None
+        if posted is None:
+            return
+        try:
+            summed = posted.wait()["ready"]
+        except GroupBroken as exc:
+            self.group_fault(exc)
+            return
+        self.progress(summed)
+
+    def settle_posted_at_close(self) -> None:
+        """At close: finish the trace record of flags still posted (bounded wait; the sum is not acted on)."""
+        posted, self.posted = self.posted, None
+        if posted is not None:
+            try:
+                posted.wait()
+            except GroupBroken:
+                pass
+
     def progress(self, summed: torch.Tensor) -> None:
         """Async mode: act on the all-reduced ready flags (:func:`decide_progress`)."""
         current, state = self.current, self.machine.state
@@ -240,6 +288,7 @@ class Rearranger:
             if plan.changed[layer]:
                 self.current.job = self.worker.submit(self.mover.transfer, plan.new_phy2log, layer, kind="transfer",
                                                       layer=layer)
+                self.current.job_step = self.counters.steps
                 return
             state = self.commit_layer(layer, None).dest
         if state == COMMITTING:
@@ -247,6 +296,7 @@ class Rearranger:
 
     def drain(self) -> None:
         """Async mode: finish (or roll back) the rearrangement in flight, a step's agreement at a time."""
+        self.settle()
         while self.current is not None and self.machine.state in (PLANNING, TRANSFERRING, COMMITTING):
             job = self.current.job
             if job is not None and not job.done():

@@ -41,6 +41,7 @@ class Rearrangement:
     started: float
     plan: Plan | None = None
     job: Any = None                   # async: the worker job in flight (plan or layer)
+    job_step: int = -1                # async: the shared step count when that job was handed over
     layers_committed: int = 0
 
 

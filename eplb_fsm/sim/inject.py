@@ -323,8 +323,10 @@ class Injector:
     # -- wrong-collective --------------------------------------------------
     def _patch_all_reduce(self, controller: Any) -> None:
         """Arm the wrong collective: the controller's collectives object is wrapped (once)."""
-        if not isinstance(controller.collectives, _WrongCollective):
-            controller.collectives = _WrongCollective(controller.collectives, self)
+        from eplb_fsm.sim.wrong_collective import WrongCollective
+
+        if not isinstance(controller.collectives, WrongCollective):
+            controller.collectives = WrongCollective(controller.collectives, self)
             # the collaborators that issue all-reduces hold the collectives too
             controller.rearranger.collectives = controller.collectives
 
@@ -349,50 +351,6 @@ class Injector:
                 return
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.engine_timeout_s))
-
-
-class _WrongCollective:
-    """The controller's ``Collectives``, except that the next all-reduce after the injection is
-    armed becomes a broadcast from this rank (every other attribute is the wrapped object's)."""
-
-    def __init__(self, inner: Any, injector: Injector) -> None:
-        self.inner = inner
-        self.injector = injector
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def all_reduce(self, parts: dict, timeout_s: float, **fields: Any) -> dict:
-        inj = self.injector.take_wrong()
-        if inj is None:
-            return self.inner.all_reduce(parts, timeout_s, **fields)
-        self.injector.note(inj, f"broadcast instead of the all-reduce of {list(parts)}")
-        return self.broadcast(parts, timeout_s)
-
-    def broadcast(self, parts: dict, timeout_s: float) -> dict:
-        """A broadcast from this rank of the tensor the all-reduce would have summed, traced as such."""
-        import torch
-        import torch.distributed as dist
-
-        from eplb_fsm.fsm.collectives import GroupBroken
-
-        inner = self.inner
-        names = list(parts)
-        flat = [parts[n].reshape(-1).to(dtype=torch.float64, device="cpu") for n in names]
-        sizes = [t.numel() for t in flat]
-        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-        group = inner.group
-        try:
-            with inner.trace.collective("broadcast", group=inner.name, shape=tuple(buf.shape),
-                                        dtype=buf.dtype, parts=names, sizes=sizes, src=inner.rank):
-                src = inner.rank
-                if group is not None and group is not dist.group.WORLD:
-                    src = dist.get_global_rank(group, inner.rank)
-                work = dist.broadcast(buf, src=src, group=group, async_op=True)
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:
-            raise GroupBroken(f"broadcast of {names} failed: {type(exc).__name__}: {exc}") from exc
-        return {n: piece.reshape(parts[n].shape) for n, piece in zip(names, torch.split(buf, sizes))}
 
 
 def make_injector(specs: Iterable[str] = (), collective_timeout_s: float = 5.0, **kwargs: Any) -> Injector:

@@ -1,0 +1,105 @@
+"""The controller's collectives: one all-reduce of named parts, blocking or posted and read later."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from eplb_fsm.fsm.collectives import Collectives, GroupBroken, flags
+from eplb_fsm.sim.launcher import run_ranks
+from eplb_fsm.trace import EventTrace
+
+
+class _SummingGroup:
+    """A collective-group object whose all-reduce adds a fixed peer contribution (or raises)."""
+
+    def __init__(self, peer: torch.Tensor | None, fail: bool = False) -> None:
+        self.rank, self.world_size = 0, 2
+        self.peer, self.fail, self.calls = peer, fail, 0
+
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        self.calls += 1
+        if self.fail:
+            raise TimeoutError("peer 1 silent")
+        tensor.add_(self.peer)
+
+    def transfer_communicator(self, timeout_s: float):  # pragma: no cover - not used here
+        raise NotImplementedError
+
+
+def _collectives(group, trace: EventTrace) -> Collectives:
+    return Collectives(group, 0, 2 if group is not None else 1, trace, torch.device("cpu"), 5.0, "ep")
+
+
+def test_parts_come_back_summed_in_their_own_shapes():
+    """all_reduce concatenates the parts into one sum and splits it back, each part in its shape."""
+    trace = EventTrace(keep=True)
+    coll = _collectives(_SummingGroup(torch.arange(7, dtype=torch.float64)), trace)
+    out = coll.all_reduce({"a": torch.ones(2, 2), "b": flags(1.0, 2.0, 3.0)}, 5.0)
+    assert out["a"].shape == (2, 2) and out["a"].flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert out["b"].tolist() == [5.0, 7.0, 9.0]
+    start = trace.records[0]
+    assert start["parts"] == ["a", "b"] and start["sizes"] == [4, 3] and "posted" not in start
+
+
+def test_a_group_without_a_posted_all_reduce_sums_at_post_and_hands_it_over():
+    """A collective-group object has no non-blocking all-reduce: post sums at once, wait returns it."""
+    trace = EventTrace(keep=True)
+    group = _SummingGroup(flags(1.0, 0.0, 0.0))
+    posted = _collectives(group, trace).post({"ready": flags(1.0, 0.0, 0.0)}, 5.0)
+    assert group.calls == 1 and [r["event"] for r in trace.records] == ["collective_start", "collective_end"]
+    assert posted.wait()["ready"].tolist() == [2.0, 0.0, 0.0]
+
+
+def test_a_failed_all_reduce_raises_group_broken_when_read():
+    """A collective that raises writes collective_error at once; the read raises GroupBroken naming the parts."""
+    trace = EventTrace(keep=True)
+    posted = _collectives(_SummingGroup(None, fail=True), trace).post({"ready": flags(1.0, 0.0, 0.0)}, 5.0)
+    assert [r["event"] for r in trace.records] == ["collective_start", "collective_error"]
+    with pytest.raises(GroupBroken, match=r"\['ready'\].*peer 1 silent"):
+        posted.wait()
+    with pytest.raises(GroupBroken):
+        _collectives(_SummingGroup(None, fail=True), EventTrace()).all_reduce({"x": flags(1.0)}, 5.0)
+
+
+def test_no_group_returns_the_parts_themselves():
+    """World 1 (no group): the sum is this rank's own parts, traced on the local group name."""
+    trace = EventTrace(keep=True)
+    out = _collectives(None, trace).post({"ready": flags(1.0, 0.0, 0.0)}, 5.0).wait()
+    assert out["ready"].tolist() == [1.0, 0.0, 0.0]
+
+
+def _posted_on_gloo(rank: int, world: int, silent_rank: int) -> dict:
+    """Post one ready all-reduce, write a record while it runs, read it; ``silent_rank`` never posts."""
+    import torch.distributed as dist
+
+    trace = EventTrace(rank=rank, world=world, keep=True)
+    coll = Collectives(dist.group.WORLD, rank, world, trace, torch.device("cpu"), 2.0, "ep")
+    out: dict = {}
+    if rank == silent_rank:
+        time.sleep(4.0)   # alive, never posts: the others' read must time out, not hang
+    else:
+        trace.set_context(step=1)
+        posted = coll.post({"ready": flags(1.0, 0.0, float(rank))}, 1.5)
+        trace.set_context(step=2)
+        trace.emit("steps")
+        try:
+            out["sum"] = posted.wait()["ready"].tolist()
+        except GroupBroken as exc:
+            out["error"] = str(exc)
+    out["events"] = [(r["event"], r["step"], r.get("posted")) for r in trace.records]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_posted_all_reduce_on_gloo_sums_later_and_times_out_on_a_silent_peer():
+    """gloo, world 2: a posted all-reduce ends on the later step with the right sum; a silent peer times it out."""
+    ok = run_ranks(_posted_on_gloo, 2, args=(-1,), timeout=60)
+    for res in ok:
+        assert res["sum"] == [2.0, 0.0, 1.0]
+        assert res["events"] == [("collective_start", 1, True), ("steps", 2, None), ("collective_end", 2, True)]
+    silent = run_ranks(_posted_on_gloo, 2, args=(1,), timeout=60)
+    assert "error" in silent[0] and "all_reduce of ['ready'] failed" in silent[0]["error"]
+    assert silent[0]["events"][-1][0] == "collective_error"
