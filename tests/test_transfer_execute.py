@@ -485,6 +485,21 @@ def test_weights_sharing_memory_are_refused(name, make, match):
     assert comm.executes == 0 and _same_tree(weights, snapshot)
 
 
+def test_adjacent_row_slices_of_one_storage_are_moved():
+    """Two layers that are adjacent row slices of one tensor touch but do not overlap: accepted and moved exactly."""
+    weights = []
+    for r in range(G):
+        big = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3) + 100 * r
+        weights.append([[big[0:2]], [big[2:4]]])
+    snapshot = _clone_tree(weights)
+    rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+    s = OLD.shape[1] // G
+    for k in range(OLD.shape[0]):
+        for slot, expert in enumerate(NEW[k].tolist()):
+            held = int(np.flatnonzero(OLD[k] == expert)[0])  # any old slot of the expert holds its row
+            assert torch.equal(weights[slot // s][k][0][slot % s], snapshot[held // s][k][0][held % s])
+
+
 def test_interleaved_views_of_one_storage_are_moved():
     """Views that interleave rows of one storage (halves of a fused projection) are distinct and move exactly."""
     old = np.array([[0, 1, 2, 3]])

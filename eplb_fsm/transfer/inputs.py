@@ -69,6 +69,11 @@ class UnmovableWeightsError(TransferError, ValueError):
 
 def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
     """Refuse a tensor (S, ...) whose layout the executor would move wrongly (see the module doc)."""
+    if t.is_contiguous() and (t.ndim < 2 or t.shape[-1] != 1):
+        # the usual case, checked in one call: torch calls a tensor contiguous when every
+        # dim of size > 1 has its row-major stride, so none is 0 and none overlaps; only
+        # a last dim of size 1 may then carry another stride (the rule below)
+        return
     dims = [(st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1]
     if any(st == 0 for st, _ in dims):
         raise UnmovableWeightsError(
@@ -115,10 +120,13 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
             continue
         # the tensor's whole byte span (first row's start to last row's end; strides are
         # never negative); the rows themselves are looked at only when two spans meet
-        es = t.element_size()
-        row_extent = (1 + sum((sz - 1) * st for sz, st in zip(t.shape[1:], t.stride()[1:]))) * es
         base = t.data_ptr()
-        end = base + (t.shape[0] - 1) * t.stride(0) * es + row_extent
+        if t.is_contiguous():  # the usual case: its elements are one dense block
+            end = base + t.numel() * t.element_size()
+        else:
+            es = t.element_size()
+            row_extent = (1 + sum((sz - 1) * st for sz, st in zip(t.shape[1:], t.stride()[1:]))) * es
+            end = base + (t.shape[0] - 1) * t.stride(0) * es + row_extent
         spans.append(((t.device.type, t.device.index), base, end, i))
     spans.sort(key=lambda s: (s[0], s[1]))
     best = None  # the first pair in the order of ``named``: the error names the earliest layer
