@@ -9,6 +9,7 @@ import re
 import pytest
 
 from eplb_fsm.cli import main
+from eplb_fsm.policy import native
 
 
 def test_bench_policy_json(capsys):
@@ -33,6 +34,16 @@ def test_bench_policy_json(capsys):
     assert "scaling" not in result
     assert result["all_identical"] is True
     assert result["min_speedup"] == min(r["speedup"] for r in result["shapes"].values())
+    assert result["kernel"] == ("c" if native.available() else "numpy")
+
+
+def test_bench_policy_names_the_numpy_kernel_when_the_c_one_is_off(capsys, monkeypatch):
+    """EPLB_FSM_NATIVE=0: the run takes the numpy row loops, says so, and still matches the baseline."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
+    argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
+    assert main(argv + ["--no-scaling"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kernel"] == "numpy" and result["all_identical"] is True
 
 
 def test_bench_policy_torch_threads(capsys):

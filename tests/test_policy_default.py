@@ -399,13 +399,16 @@ def test_esft_batch_windows_match_reference():
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 6), st.data())
 def test_slots_of_experts_matches_build_log2phy(layers, experts, extra, data):
-    """The default policy's log2phy for full placements equals the general build_log2phy."""
+    """The default policy's log2phy for full placements, C kernel and numpy alike, equals the general build_log2phy."""
     slots = experts + extra
     rows = [data.draw(st.permutations(list(range(experts)) + data.draw(
         st.lists(st.integers(0, experts - 1), min_size=extra, max_size=extra)))) for _ in range(layers)]
-    phy2log = np.array(rows, dtype=np.int64)
+    phy2log = np.array(rows, dtype=np.int64).reshape(layers, slots)
     expected, count = build_log2phy(phy2log, experts, extra + 1)
-    assert np.array_equal(slots_of_experts(phy2log, count, extra + 1), expected)
+    for kernel in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EPLB_FSM_NATIVE", kernel)
+            assert np.array_equal(slots_of_experts(phy2log, count, extra + 1), expected)
 
 
 @pytest.mark.parametrize("make", [

@@ -16,7 +16,9 @@ in background load hits both alike:
   (``TARGET_SHAPES``); null on the others;
 - ``balancedness`` of the default placement on that load, the ``bound`` no placement can
   beat, and the ``initial`` placement's balancedness for scale;
-- ``identical``: both gave the same ``phy2log``, ``log2phy`` and ``replica_count``.
+- ``identical``: both gave the same ``phy2log``, ``log2phy`` and ``replica_count``;
+- ``kernel``: ``"c"`` when the default ran its row loops in the C extension
+  (policy/native.py), ``"numpy"`` when it is not built or ``EPLB_FSM_NATIVE=0``.
 
 ``scaling`` (skipped with ``--no-scaling``) times the default policy alone as the problem
 doubles: over layers (1 ... 232) on the DeepSeek-V3 EP32 hierarchical shape, and over
@@ -171,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from eplb_fsm.maps import initial_phy2log
+    from eplb_fsm.policy import native
     from eplb_fsm.policy.bounds import balancedness_bound, placement_balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
     from eplb_fsm.policy.reference import reference_rebalance_experts
@@ -243,6 +246,8 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "reference_repeats": args.reference_repeats,
         "torch_threads": torch.get_num_threads(),
+        # which row loops the default ran: the C kernel (policy/cnative.c) or numpy (not built, or EPLB_FSM_NATIVE=0)
+        "kernel": "c" if native.available() else "numpy",
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "target_speedup": args.target_speedup,
         "shapes": results,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb_fsm.policy import native
 from eplb_fsm.policy.base import AbstractEplbPolicy, check_rebalance_args
 from eplb_fsm.policy.packing import (
     balanced_packing,
@@ -148,6 +149,8 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
+    if native.available():  # one pass over the slots in C (policy/cnative.c)
+        return native.slots_of_experts(phy2log, num_experts, max_replicas)
     # key = (layer * N + expert) << bits | slot: a row's sort groups it by expert, slots
     # ascending, and the high bits are the expert's flat (layer, expert) index. int32 when
     # it fits: numpy sorts that ~2x faster than int64.
@@ -233,8 +236,18 @@ def rebalance_hierarchical(
         mlog2log = (group_at[:, :, None] * group_size + in_group).reshape(num_layers, num_experts)
         w_mlog = w.reshape(num_layers * num_groups, group_size)[group_row_at].reshape(num_layers, num_experts)
 
-    # 2. Replicate within each node.
     w_node = w_mlog.reshape(rows, experts_per_node)
+    if native.available():  # steps 2-4 row by row in C (policy/cnative.c): the same placement
+        slot_item, mlog_count = native.place_rows(w_node, slots_per_node, ranks_per_node)  # (rows, spn), (rows, epn)
+        if mlog2log is None:
+            return slot_item.reshape(num_layers, num_replicas), mlog_count.reshape(num_layers, num_experts)
+        slot_item += row_offsets(rows, experts_per_node)  # flat (row, expert in node): also flat (layer, mlog)
+        replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
+        replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
+        phy2log = mlog2log.reshape(-1)[slot_item].reshape(num_layers, num_replicas)
+        return phy2log, replica_count.reshape(num_layers, num_experts)
+
+    # 2. Replicate within each node.
     phy2mlog, _, mlog_count, per_replica = _replicate(w_node, slots_per_node)  # (rows, spn), (rows, epn) x2
 
     # 3. Pack each node's replicas onto its ranks; a replica's load is float32 load / count.
