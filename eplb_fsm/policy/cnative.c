@@ -93,6 +93,22 @@ static void sift_down(uint64_t *heap, Py_ssize_t n, Py_ssize_t i)
     heap[i] = v;
 }
 
+/* Restore the min-heap property of heap[0..n) after its top grew. */
+static void sift_down_min(int64_t *heap, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    int64_t v = heap[0];
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && heap[c + 1] < heap[c]) c++;
+        if (heap[c] >= v) break;
+        heap[i] = heap[c];
+        i = c;
+    }
+    heap[i] = v;
+}
+
 static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py_ssize_t items, Py_ssize_t slots,
                           Py_ssize_t packs, float *per, int64_t *replica, uint64_t *keys, uint64_t *tmp,
                           float *total, Py_ssize_t *filled, int64_t *pack_key, uint64_t *heap)
@@ -132,16 +148,26 @@ static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py
         filled[p] = 0;
         pack_key[p] = ((int64_t)order_bits(0.0f) << 32) | p;
     }
+    /* Few packs: a scan of the keys. Many: the keys as a min-heap (ascending keys already
+     * are one), whose top is the pack to fill; its key only grows, so it sifts down. An
+     * open pack exists for every replica, so a full key (its low bits no index) never tops. */
+    int heap_packs = packs > 8;
     for (Py_ssize_t k = 0; k < slots; k++) {
         Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
         int64_t least = pack_key[0];
-#pragma GCC unroll 8
-        for (Py_ssize_t p = 1; p < packs; p++) least = pack_key[p] < least ? pack_key[p] : least;
+        if (!heap_packs)
+            for (Py_ssize_t p = 1; p < packs; p++) least = pack_key[p] < least ? pack_key[p] : least;
         Py_ssize_t pick = (Py_ssize_t)(least & 0xFFFFFFFFu);
         total[pick] += per[replica[s]];
         slot_item[pick * capacity + filled[pick]] = replica[s];
         filled[pick] += 1;
-        pack_key[pick] = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
+        int64_t key = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
+        if (heap_packs) {
+            pack_key[0] = key;
+            sift_down_min(pack_key, packs);
+        } else {
+            pack_key[pick] = key;
+        }
     }
 }
 
@@ -215,10 +241,12 @@ static PyObject *slots_of_experts(PyObject *self, PyObject *args)
     int64_t *out = (int64_t *)log2phy.buf;
     int bad = 0;  /* 1: a slot names no expert; 2: an expert has no slot; 3: more than width */
     Py_BEGIN_ALLOW_THREADS
-    memset(out, 0xFF, (size_t)log2phy.len);  /* -1 is all 0xFF bytes */
     for (Py_ssize_t l = 0; l < layers && !bad; l++) {
         memset(seen, 0, (size_t)experts * sizeof(Py_ssize_t));
         int64_t *layer_out = out + l * experts * width;
+        /* -1 is all 0xFF bytes; filled a layer at a time, so the slots written next land in
+         * cache lines just filled (one pass over the output, whatever its size) */
+        memset(layer_out, 0xFF, (size_t)(experts * width) * sizeof(int64_t));
         for (Py_ssize_t s = 0; s < slots; s++) {
             int64_t e = src[l * slots + s];
             if (e < 0 || e >= experts) { bad = 1; break; }
