@@ -109,6 +109,7 @@ static void sift_down_min(int64_t *heap, Py_ssize_t n)
     heap[i] = v;
 }
 
+__attribute__((optimize("no-tree-vectorize")))
 static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py_ssize_t items, Py_ssize_t slots,
                           Py_ssize_t packs, float *per, int64_t *replica, uint64_t *keys, uint64_t *tmp,
                           float *total, Py_ssize_t *filled, int64_t *pack_key, uint64_t *heap)
