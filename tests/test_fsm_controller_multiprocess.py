@@ -203,6 +203,14 @@ def _ready_all_reduces(records: list[dict]) -> list[tuple]:
     return [(c, step, ends.get(c), posted) for c, (step, posted) in sorted(starts.items())]
 
 
+def _assert_committed_alike(a: dict, b: dict) -> None:
+    """Both first rearrangements committed moves, exact weights and outputs, and the same placement."""
+    for res in (a, b):
+        assert res["outcome"] == "committed" and res["moves"] > 0
+        assert res["bad_rows"] == [] and res["mismatches"] == []
+    assert a["phy2log"] == b["phy2log"]
+
+
 def _posted_vs_blocking(rank: int, world: int) -> list[dict]:
     return [_first_rearrangement(rank, world, 0, overlap=True), _first_rearrangement(rank, world, 0, overlap=False)]
 
@@ -211,10 +219,7 @@ def test_posted_ready_flags_are_read_a_step_later_with_the_same_result():
     """World 2, async: posted ready flags end on the next step, blocking ones within it; same placement, exact."""
     results = run_ranks(_posted_vs_blocking, 2, timeout=150)
     for posted, blocking in results:
-        for res in (posted, blocking):
-            assert res["outcome"] == "committed" and res["moves"] > 0
-            assert res["bad_rows"] == [] and res["mismatches"] == []
-        assert posted["phy2log"] == blocking["phy2log"]
+        _assert_committed_alike(posted, blocking)
         assert posted["ready"] and blocking["ready"]
         assert all(p and end == start + 1 for _, start, end, p in posted["ready"]), posted["ready"]
         assert all(not p and end == start for _, start, end, p in blocking["ready"]), blocking["ready"]
@@ -235,10 +240,7 @@ def test_chunked_async_transfer_ends_bit_exact_with_the_same_placement():
     """World 2, async_max_bytes_per_step = 2 rows: the same placement, exact weights, outputs unchanged, a step per chunk."""
     results = run_ranks(_chunked_vs_whole, 2, timeout=150)
     for whole, chunked in results:
-        for res in (whole, chunked):
-            assert res["outcome"] == "committed" and res["moves"] > 0
-            assert res["bad_rows"] == [] and res["mismatches"] == []
-        assert chunked["phy2log"] == whole["phy2log"]
+        _assert_committed_alike(whole, chunked)
         assert whole["chunk_boundaries"] == 0 and chunked["chunk_boundaries"] > 0
         # every boundary not ended by the pacer's limit waited for (or found) an engine step
         assert chunked["steps_taken"] >= chunked["chunk_boundaries"] - chunked["chunk_timeouts"]
