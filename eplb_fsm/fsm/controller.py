@@ -27,8 +27,8 @@ Ranks can never disagree: decisions read counters that advance identically every
 and all-reduces every rank issues on the same step (at most one of the controller's own
 per step, plus one agreement per layer in a sync rearrangement). In async mode the
 step's ready flags are by default *posted*: issued without waiting and read on the next
-step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic EP
-(:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
+step (``async_overlap_poll``), so every rank reads the same sum on the same step.
+Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
 ``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
 ``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
@@ -253,7 +253,7 @@ class EplbController:
         return self._decided_step(step, state, is_dummy, log_now)
 
     def _decided_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
-        """A step that may all-reduce: what it does is :func:`decide_step`'s answer (and :meth:`Rearranger.poll`'s)."""
+        """A step that may all-reduce: :func:`decide_step`'s answer, then :meth:`Rearranger.poll`'s."""
         counters = self.counters
         rearranger = self.rearranger
         decision = decide_step(state, counters.since, counters.threshold, bool(self.models), log_now)
@@ -385,7 +385,7 @@ class EplbController:
         self.liveness.stop()  # issue 12
         if self.watchdog is not None:
             self.watchdog.stop()
-        self.rearranger.settle_posted_at_close()
+        self.rearranger.settle(act=False)  # a posted all-reduce still open: its end record, no action
         if self.worker is not None:
             self.worker.close(timeout=self.timeout_s)
         self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first

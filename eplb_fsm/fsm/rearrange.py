@@ -9,10 +9,11 @@ Sync mode (:meth:`Rearranger.run_sync`) moves every layer inside one call: trans
 the buffer, one all-reduce that every rank has it, ``layer_done``, then the write (the
 last layer's in ``committing``), and ``committed``. Async mode hands the policy and each
 layer to the background worker; :meth:`Rearranger.progress` acts on the summed ready
-flags: those of the step's own all-reduce, or those posted on the step before and read by
-:meth:`Rearranger.settle` (``async_overlap_poll``). Faults: committed layers keep their new placement, the rest keep old maps
-and weights; a failed transfer leaves the EP group usable (fresh transfer group), a
-failed collective on it sends the machine to ``failed``.
+flags: those of the step's own all-reduce, or those posted on the step before and read
+by :meth:`Rearranger.settle` (``async_overlap_poll``). Faults: committed layers keep
+their new placement, the rest keep old maps and weights; a failed transfer leaves the
+EP group usable (fresh transfer group), a failed collective on it sends the machine to
+``failed``.
 """
 
 from __future__ import annotations
@@ -228,26 +229,23 @@ class Rearranger:
         except GroupBroken as exc:
             self.group_fault(exc)
 
-    def settle(self) -> None:
-        """Read the ready flags posted on the step before and act on their sum (:meth:`progress`)."""
+    def settle(self, act: bool = True) -> None:
+        """Read the ready flags posted on the step before and act on their sum (:meth:`progress`).
+
+        ``act=False`` (at close): only finish the collective and its trace record; a broken
+        group is then no news worth a fault.
+        """
         posted, self.posted = self.posted, None
         if posted is None:
             return
         try:
             summed = posted.wait()["ready"]
         except GroupBroken as exc:
-            self.group_fault(exc)
+            if act:
+                self.group_fault(exc)
             return
-        self.progress(summed)
-
-    def settle_posted_at_close(self) -> None:
-        """At close: finish the trace record of flags still posted (bounded wait; the sum is not acted on)."""
-        posted, self.posted = self.posted, None
-        if posted is not None:
-            try:
-                posted.wait()
-            except GroupBroken:
-                pass
+        if act:
+            self.progress(summed)
 
     def progress(self, summed: torch.Tensor) -> None:
         """Async mode: act on the all-reduced ready flags (:func:`decide_progress`)."""
