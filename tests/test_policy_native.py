@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy import native
-from eplb_fsm.policy.default import DefaultEplbPolicy, replicate_experts
+from eplb_fsm.policy.default import DefaultEplbPolicy, group_loads, rebalance_hierarchical, replicate_experts
 from eplb_fsm.policy.packing import pack_visited, row_offsets
 from eplb_fsm.policy.reference import reference_rebalance_experts
 
@@ -102,3 +105,42 @@ def test_the_policy_is_the_same_with_and_without_the_kernel(shape, monkeypatch):
     ref = reference_rebalance_experts(weight, replicas, groups, nodes, ranks)
     for a, b, c in zip(fast, plain, ref):
         assert torch.equal(a, b) and torch.equal(a, torch.as_tensor(c))
+
+
+@st.composite
+def layers_to_place(draw):
+    """(w (L, N) float32 with ties, zeros and -0.0, P, groups, nodes, ranks) obeying check_rebalance_args."""
+    nodes = draw(st.integers(1, 4))
+    groups = nodes * draw(st.integers(1, 4))
+    experts = groups * draw(st.integers(1, 4))
+    ranks = nodes * draw(st.integers(1, 11))   # up to 44 ranks: > 8 per node takes the winner tree
+    replicas = ranks * max(1, -(-experts // ranks)) + ranks * draw(st.integers(0, 2))
+    layers = draw(st.integers(0, 4))
+    values = st.sampled_from([0.0, -0.0, 1.0, 2.0, 3.0, 0.5, 1e-30, 1e30])
+    w = np.array(draw(st.lists(values, min_size=layers * experts, max_size=layers * experts)),
+                 dtype=np.float32).reshape(layers, experts)
+    return w, replicas, groups, nodes, ranks
+
+
+@needs_kernel
+@settings(max_examples=300, deadline=None)
+@given(layers_to_place())
+def test_place_layers_equals_the_numpy_pipeline(problem):
+    """Groups onto nodes, then replicas onto ranks: the one C call places every layer as numpy does."""
+    w, replicas, groups, nodes, ranks = problem
+    group_load = group_loads(w, groups) if groups > 1 else None
+    phy2log, count = native.place_layers(w, group_load, replicas, groups, nodes, ranks)
+    with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+        expect_phy2log, expect_count = rebalance_hierarchical(w, replicas, groups, nodes, ranks)
+    assert np.array_equal(count, expect_count)
+    assert np.array_equal(phy2log, expect_phy2log)
+
+
+@needs_kernel
+def test_place_layers_refuses_shapes_that_do_not_divide():
+    """Groups that do not divide the experts, or a group-load buffer of the wrong size, raise ValueError."""
+    w = np.ones((2, 6), dtype=np.float32)
+    with pytest.raises(ValueError, match="groups | experts"):
+        native.place_layers(w, np.ones((2, 4), dtype=np.float32), 8, 4, 2, 4)
+    with pytest.raises(ValueError, match="buffer sizes do not match"):
+        native.place_layers(w, np.ones((2, 2), dtype=np.float32), 8, 3, 1, 4)

@@ -15,6 +15,17 @@
  *   index, and each goes to the open pack with the smallest float32 running total
  *   (lowest pack on ties). One replica per pack (slots == packs): replica i -> pack i.
  *
+ * place_layers(w, group_load, phy2log, replica_count, layers, experts, groups, nodes, slots, ranks)
+ *     w              (layers, experts) float32, finite, >= 0
+ *     group_load     (layers, groups) float32: each group's load as torch sums it (the
+ *                    reference's call, so bit-identical); ignored when groups == 1
+ *     phy2log        (layers, slots) int64, written; replica_count (layers, experts) int64
+ *   docs/design.md §5 for every layer: the groups (groups / nodes per node) packed onto the
+ *   nodes as place_rows packs (one group per node: group i -> node i), then each node's
+ *   experts, its groups in arrival order, replicated and packed onto its ranks as by
+ *   place_rows. groups = nodes = 1 is the global mode. The same placement as
+ *   default.rebalance_hierarchical's numpy path.
+ *
  * slots_of_experts(phy2log, log2phy, layers, slots, experts, width)
  *     phy2log    (layers, slots) int64, every entry in [0, experts)
  *     log2phy    (layers, experts, width) int64, written: each expert's slots ascending,
@@ -22,7 +33,7 @@
  *   Raises ValueError if a slot names no expert, an expert has no slot, or more than
  *   width slots.
  *
- * Both release the GIL while they run. No -ffast-math: every float operation must round
+ * All three release the GIL while they run. No -ffast-math: every float operation must round
  * as numpy's float32 ones do.
  */
 #define PY_SSIZE_T_CLEAN
@@ -31,14 +42,39 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Ascending sort of unique uint64 keys: insertion sort on runs of 8, then bottom-up merges
- * whose inner step is branch-free (the comparisons are unpredictable by nature). */
+#define SORT2(a, b)                        \
+    do {                                   \
+        uint64_t lo_ = a < b ? a : b;      \
+        uint64_t hi_ = a < b ? b : a;      \
+        a = lo_;                           \
+        b = hi_;                           \
+    } while (0)
+
+/* Sort 8 keys in place: the 19-comparator network (branch-free: the comparisons of a
+ * row's loads are unpredictable, and a mispredicted branch costs more than the swap). */
+static void sort8(uint64_t *k)
+{
+    uint64_t a0 = k[0], a1 = k[1], a2 = k[2], a3 = k[3], a4 = k[4], a5 = k[5], a6 = k[6], a7 = k[7];
+    SORT2(a0, a2); SORT2(a1, a3); SORT2(a4, a6); SORT2(a5, a7);
+    SORT2(a0, a4); SORT2(a1, a5); SORT2(a2, a6); SORT2(a3, a7);
+    SORT2(a0, a1); SORT2(a2, a3); SORT2(a4, a5); SORT2(a6, a7);
+    SORT2(a2, a4); SORT2(a3, a5);
+    SORT2(a1, a4); SORT2(a3, a6);
+    SORT2(a1, a2); SORT2(a3, a4); SORT2(a5, a6);
+    k[0] = a0; k[1] = a1; k[2] = a2; k[3] = a3; k[4] = a4; k[5] = a5; k[6] = a6; k[7] = a7;
+}
+
+/* Ascending sort of unique uint64 keys: runs of 8 by the network (a shorter last run by
+ * insertion), then bottom-up merges whose inner step is branch-free. */
 static void sort_keys(uint64_t *a, uint64_t *tmp, Py_ssize_t n)
 {
     const Py_ssize_t run = 8;
     for (Py_ssize_t lo = 0; lo < n; lo += run) {
-        Py_ssize_t hi = lo + run < n ? lo + run : n;
-        for (Py_ssize_t i = lo + 1; i < hi; i++) {
+        if (lo + run <= n) {
+            sort8(a + lo);
+            continue;
+        }
+        for (Py_ssize_t i = lo + 1; i < n; i++) {
             uint64_t v = a[i];
             Py_ssize_t j = i;
             while (j > lo && a[j - 1] > v) {
@@ -93,27 +129,105 @@ static void sift_down(uint64_t *heap, Py_ssize_t n, Py_ssize_t i)
     heap[i] = v;
 }
 
-/* Restore the min-heap property of heap[0..n) after its top grew. */
-static void sift_down_min(int64_t *heap, Py_ssize_t n)
+/* Greedy balanced packing of one row: n items with loads load[0..n) (finite, >= 0) into
+ * packs of n / packs, visited by descending load (ties: ascending index), each to the open
+ * pack with the smallest float32 running total (lowest pack on ties). Writes
+ * out[pack * (n / packs) + arrival] = label[item] (label NULL: the item itself). Needs
+ * n / packs > 1 (one item per pack is item i -> pack i, the caller's case). */
+__attribute__((optimize("no-tree-vectorize")))
+static void pack_items(const float *load, const int64_t *label, Py_ssize_t n, Py_ssize_t packs, int64_t *out,
+                       uint64_t *keys, uint64_t *tmp, float *total, Py_ssize_t *filled, int64_t *pack_key)
 {
-    Py_ssize_t i = 0;
-    int64_t v = heap[0];
-    for (;;) {
-        Py_ssize_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && heap[c + 1] < heap[c]) c++;
-        if (heap[c] >= v) break;
-        heap[i] = heap[c];
-        i = c;
+    Py_ssize_t capacity = n / packs;
+    for (Py_ssize_t s = 0; s < n; s++)
+        keys[s] = ((uint64_t)(0x7FFFFFFFu - order_bits(load[s])) << 32) | (uint64_t)s;
+    sort_keys(keys, tmp, n);
+    /* A pack's key: its total's order bits, then its index (so the smallest key is the
+     * lightest pack, lowest index on ties); a full pack's key is above every open one, and
+     * an open pack exists for every item, so a full key (its low bits no index) never
+     * wins. */
+    for (Py_ssize_t p = 0; p < packs; p++) {
+        total[p] = 0.0f;
+        filled[p] = 0;
     }
-    heap[i] = v;
+    if (packs <= 8) {
+        /* Eight keys (the missing packs' as full ones), their least found by a tree of
+         * independent minima: three steps deep instead of seven in a row. */
+        int64_t key8[8];
+        for (Py_ssize_t p = 0; p < 8; p++) key8[p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
+            int64_t m01 = key8[0] < key8[1] ? key8[0] : key8[1], m23 = key8[2] < key8[3] ? key8[2] : key8[3];
+            int64_t m45 = key8[4] < key8[5] ? key8[4] : key8[5], m67 = key8[6] < key8[7] ? key8[6] : key8[7];
+            int64_t m03 = m01 < m23 ? m01 : m23, m47 = m45 < m67 ? m45 : m67;
+            Py_ssize_t pick = (Py_ssize_t)((m03 < m47 ? m03 : m47) & 0xFFFFFFFFu);
+            total[pick] += load[s];
+            out[pick * capacity + filled[pick]] = label != NULL ? label[s] : s;
+            filled[pick] += 1;
+            key8[pick] = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
+        }
+        return;
+    }
+    /* More packs: a winner tree over the keys (leaves at [width, 2 * width), node i the
+     * least of nodes 2i and 2i + 1, the root at 1). Filling a pack changes one leaf and
+     * the log2(width) nodes above it, each a branch-free minimum. */
+    Py_ssize_t width = 1;
+    while (width < packs) width *= 2;
+    int64_t *tree = pack_key;
+    for (Py_ssize_t p = 0; p < width; p++) tree[width + p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
+    for (Py_ssize_t i = width - 1; i >= 1; i--) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
+        Py_ssize_t pick = (Py_ssize_t)(tree[1] & 0xFFFFFFFFu);
+        total[pick] += load[s];
+        out[pick * capacity + filled[pick]] = label != NULL ? label[s] : s;
+        filled[pick] += 1;
+        Py_ssize_t i = width + pick;
+        tree[i] = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
+        for (i /= 2; i >= 1; i /= 2) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
+    }
 }
 
-__attribute__((optimize("no-tree-vectorize")))
-static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py_ssize_t items, Py_ssize_t slots,
-                          Py_ssize_t packs, float *per, int64_t *replica, uint64_t *keys, uint64_t *tmp,
-                          float *total, Py_ssize_t *filled, int64_t *pack_key, uint64_t *heap)
+/* Scratch of place_one_row and pack_items for rows of up to `items` items, `slots` slots
+ * and `packs` packs, in one allocation. */
+typedef struct {
+    char *block;
+    uint64_t *keys, *tmp, *heap;
+    int64_t *replica, *pack_key;
+    Py_ssize_t *filled;
+    float *per, *replica_load, *total;
+} Scratch;
+
+static int scratch_alloc(Scratch *sc, Py_ssize_t items, Py_ssize_t slots, Py_ssize_t packs)
 {
+    Py_ssize_t width = 1;  /* the winner tree of pack_items: 2 * width keys */
+    while (width < packs) width *= 2;
+    size_t bytes = (size_t)slots * (2 * sizeof(uint64_t) + sizeof(int64_t) + sizeof(float))
+                   + (size_t)items * (sizeof(uint64_t) + sizeof(float)) + (size_t)(2 * width) * sizeof(int64_t)
+                   + (size_t)packs * (sizeof(Py_ssize_t) + sizeof(float));
+    sc->block = malloc(bytes > 0 ? bytes : 1);
+    if (sc->block == NULL) return -1;
+    /* 8-byte fields first, then the 4-byte ones: every field stays aligned */
+    sc->keys = (uint64_t *)sc->block;
+    sc->tmp = sc->keys + slots;
+    sc->heap = sc->tmp + slots;
+    sc->replica = (int64_t *)(sc->heap + items);
+    sc->pack_key = sc->replica + slots;
+    sc->filled = (Py_ssize_t *)(sc->pack_key + 2 * width);
+    sc->per = (float *)(sc->filled + packs);
+    sc->replica_load = sc->per + items;
+    sc->total = sc->replica_load + slots;
+    return 0;
+}
+
+/* Replication and packing of one row (see the module comment): w (items) -> slot_item
+ * (slots), count (items). */
+static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py_ssize_t items, Py_ssize_t slots,
+                          Py_ssize_t packs, Scratch *sc)
+{
+    float *per = sc->per;
+    int64_t *replica = sc->replica;
+    uint64_t *heap = sc->heap;
     /* Replication: a max-heap of item keys, (order bits of load / replicas, then the
      * reversed index): its top is numpy's argmax (largest value, first index). Each extra
      * slot takes the top item and sifts its new, smaller key down: log(items) steps. */
@@ -134,42 +248,13 @@ static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py
             sift_down(heap, items, 0);
         }
     }
-    Py_ssize_t capacity = slots / packs;
-    if (capacity == 1) {  /* replica i alone in pack i, whatever the loads */
+    if (slots == packs) {  /* replica i alone in pack i, whatever the loads */
         for (Py_ssize_t s = 0; s < slots; s++) slot_item[s] = replica[s];
         return;
     }
-    for (Py_ssize_t s = 0; s < slots; s++)
-        keys[s] = ((uint64_t)(0x7FFFFFFFu - order_bits(per[replica[s]])) << 32) | (uint64_t)s;
-    sort_keys(keys, tmp, slots);
-    /* A pack's key: its total's order bits, then its index (so the smallest key is the
-     * lightest pack, lowest index on ties); a full pack's key is above every open one. */
-    for (Py_ssize_t p = 0; p < packs; p++) {
-        total[p] = 0.0f;
-        filled[p] = 0;
-        pack_key[p] = ((int64_t)order_bits(0.0f) << 32) | p;
-    }
-    /* Few packs: a scan of the keys. Many: the keys as a min-heap (ascending keys already
-     * are one), whose top is the pack to fill; its key only grows, so it sifts down. An
-     * open pack exists for every replica, so a full key (its low bits no index) never tops. */
-    int heap_packs = packs > 8;
-    for (Py_ssize_t k = 0; k < slots; k++) {
-        Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
-        int64_t least = pack_key[0];
-        if (!heap_packs)
-            for (Py_ssize_t p = 1; p < packs; p++) least = pack_key[p] < least ? pack_key[p] : least;
-        Py_ssize_t pick = (Py_ssize_t)(least & 0xFFFFFFFFu);
-        total[pick] += per[replica[s]];
-        slot_item[pick * capacity + filled[pick]] = replica[s];
-        filled[pick] += 1;
-        int64_t key = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
-        if (heap_packs) {
-            pack_key[0] = key;
-            sift_down_min(pack_key, packs);
-        } else {
-            pack_key[pick] = key;
-        }
-    }
+    for (Py_ssize_t s = 0; s < slots; s++) sc->replica_load[s] = per[replica[s]];
+    pack_items(sc->replica_load, replica, slots, packs, slot_item, sc->keys, sc->tmp, sc->total, sc->filled,
+               sc->pack_key);
 }
 
 static PyObject *place_rows(PyObject *self, PyObject *args)
@@ -188,36 +273,104 @@ static PyObject *place_rows(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "place_rows: buffer sizes do not match (rows, items, slots)");
         goto done;
     }
-    size_t bytes = (size_t)items * sizeof(float) + (size_t)slots * (sizeof(int64_t) + 2 * sizeof(uint64_t))
-                   + (size_t)packs * (sizeof(float) + sizeof(Py_ssize_t) + sizeof(int64_t))
-                   + (size_t)items * sizeof(uint64_t);
-    char *scratch = malloc(bytes > 0 ? bytes : 1);
-    if (scratch == NULL) {
+    Scratch sc;
+    if (scratch_alloc(&sc, items, slots, packs) < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    uint64_t *keys = (uint64_t *)scratch;
-    uint64_t *tmp = keys + slots;
-    int64_t *replica = (int64_t *)(tmp + slots);
-    Py_ssize_t *filled = (Py_ssize_t *)(replica + slots);
-    int64_t *pack_key = (int64_t *)(filled + packs);
-    uint64_t *heap = (uint64_t *)(pack_key + packs);
-    float *per = (float *)(heap + items);
-    float *total = per + items;
     const float *wp = (const float *)w.buf;
     int64_t *sp = (int64_t *)slot_item.buf, *cp = (int64_t *)count.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < rows; r++)
-        place_one_row(wp + r * items, sp + r * slots, cp + r * items, items, slots, packs, per, replica, keys, tmp,
-                      total, filled, pack_key, heap);
+        place_one_row(wp + r * items, sp + r * slots, cp + r * items, items, slots, packs, &sc);
     Py_END_ALLOW_THREADS
-    free(scratch);
+    free(sc.block);
     Py_INCREF(Py_None);
     result = Py_None;
 done:
     PyBuffer_Release(&w);
     PyBuffer_Release(&slot_item);
     PyBuffer_Release(&count);
+    return result;
+}
+
+static PyObject *place_layers(PyObject *self, PyObject *args)
+{
+    Py_buffer w, group_load, phy2log, replica_count;
+    Py_ssize_t layers, experts, groups, nodes, slots, ranks;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*nnnnnn", &w, &group_load, &phy2log, &replica_count, &layers, &experts,
+                          &groups, &nodes, &slots, &ranks))
+        return NULL;
+    PyObject *result = NULL;
+    if (layers < 0 || experts < 1 || groups < 1 || nodes < 1 || ranks < 1 || groups % nodes != 0
+        || experts % groups != 0 || ranks % nodes != 0 || slots < experts || slots % ranks != 0
+        || slots >= ((Py_ssize_t)1 << 31)) {
+        PyErr_SetString(PyExc_ValueError, "place_layers: needs groups | experts, nodes | groups, nodes | ranks, "
+                                          "ranks | slots, experts <= slots < 2**31");
+        goto done;
+    }
+    if (w.len != layers * experts * (Py_ssize_t)sizeof(float)
+        || (groups > 1 && group_load.len != layers * groups * (Py_ssize_t)sizeof(float))
+        || phy2log.len != layers * slots * (Py_ssize_t)sizeof(int64_t)
+        || replica_count.len != layers * experts * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "place_layers: buffer sizes do not match (layers, experts, groups, slots)");
+        goto done;
+    }
+    Py_ssize_t group_size = experts / groups, groups_per_node = groups / nodes, experts_per_node = experts / nodes;
+    Py_ssize_t slots_per_node = slots / nodes, ranks_per_node = ranks / nodes;
+    /* The row (one node of one layer) is packed into its ranks, the groups of a layer into
+     * its nodes: one scratch serves both. */
+    Scratch sc;
+    if (scratch_alloc(&sc, experts_per_node, slots_per_node > groups ? slots_per_node : groups,
+                      ranks_per_node > nodes ? ranks_per_node : nodes) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    char *rows = malloc((size_t)experts_per_node * (sizeof(float) + sizeof(int64_t))
+                        + (size_t)slots_per_node * sizeof(int64_t) + (size_t)groups * sizeof(int64_t));
+    if (rows == NULL) {
+        free(sc.block);
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *node_item = (int64_t *)rows, *node_count = node_item + slots_per_node;
+    int64_t *group_at = node_count + experts_per_node;  /* group at each node-major position */
+    float *node_w = (float *)(group_at + groups);
+    const float *wp = (const float *)w.buf, *gp = (const float *)group_load.buf;
+    int64_t *pp = (int64_t *)phy2log.buf, *cp = (int64_t *)replica_count.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        const float *layer_w = wp + l * experts;
+        if (groups_per_node > 1)  /* 1. groups onto nodes */
+            pack_items(gp + l * groups, NULL, groups, nodes, group_at, sc.keys, sc.tmp, sc.total, sc.filled,
+                       sc.pack_key);
+        else
+            for (Py_ssize_t g = 0; g < groups; g++) group_at[g] = g;
+        for (Py_ssize_t n = 0; n < nodes; n++) {
+            const int64_t *node_groups = group_at + n * groups_per_node;
+            for (Py_ssize_t r = 0; r < groups_per_node; r++)  /* the node's experts, its groups in arrival order */
+                memcpy(node_w + r * group_size, layer_w + node_groups[r] * group_size, (size_t)group_size * sizeof(float));
+            place_one_row(node_w, node_item, node_count, experts_per_node, slots_per_node, ranks_per_node, &sc);
+            int64_t *slot_out = pp + l * slots + n * slots_per_node;
+            for (Py_ssize_t k = 0; k < slots_per_node; k++) {
+                int64_t i = node_item[k];
+                slot_out[k] = node_groups[i / group_size] * group_size + i % group_size;
+            }
+            for (Py_ssize_t r = 0; r < groups_per_node; r++)
+                memcpy(cp + l * experts + node_groups[r] * group_size, node_count + r * group_size,
+                       (size_t)group_size * sizeof(int64_t));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(rows);
+    free(sc.block);
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&group_load);
+    PyBuffer_Release(&phy2log);
+    PyBuffer_Release(&replica_count);
     return result;
 }
 
@@ -275,6 +428,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"place_rows", place_rows, METH_VARARGS, "Replicate and pack every row (see the module comment)."},
+    {"place_layers", place_layers, METH_VARARGS, "The whole placement of every layer (see the module comment)."},
     {"slots_of_experts", slots_of_experts, METH_VARARGS, "log2phy of a full placement (see the module comment)."},
     {NULL, NULL, 0, NULL},
 };

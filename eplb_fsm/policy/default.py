@@ -217,6 +217,9 @@ def rebalance_hierarchical(
     slots_per_node = num_replicas // num_nodes
     ranks_per_node = num_ranks // num_nodes
     slots_per_rank = num_replicas // num_ranks
+    if native.available():  # the whole pipeline, layer by layer in C (policy/cnative.c): the same placement
+        group_load = group_loads(w, num_groups) if num_groups > 1 else None
+        return native.place_layers(w, group_load, num_replicas, num_groups, num_nodes, num_ranks)
     rows = num_layers * num_nodes  # one row per (layer, node) from step 2 on
     in_group = np.arange(group_size, dtype=np.int64)
 
@@ -237,15 +240,6 @@ def rebalance_hierarchical(
         w_mlog = w.reshape(num_layers * num_groups, group_size)[group_row_at].reshape(num_layers, num_experts)
 
     w_node = w_mlog.reshape(rows, experts_per_node)
-    if native.available():  # steps 2-4 row by row in C (policy/cnative.c): the same placement
-        slot_item, mlog_count = native.place_rows(w_node, slots_per_node, ranks_per_node)  # (rows, spn), (rows, epn)
-        if mlog2log is None:
-            return slot_item.reshape(num_layers, num_replicas), mlog_count.reshape(num_layers, num_experts)
-        slot_item += row_offsets(rows, experts_per_node)  # flat (row, expert in node): also flat (layer, mlog)
-        replica_count = np.empty((num_layers * num_groups, group_size), dtype=np.int64)
-        replica_count[group_row_at] = mlog_count.reshape(num_layers * num_groups, group_size)
-        phy2log = mlog2log.reshape(-1)[slot_item].reshape(num_layers, num_replicas)
-        return phy2log, replica_count.reshape(num_layers, num_experts)
 
     # 2. Replicate within each node.
     phy2mlog, _, mlog_count, per_replica = _replicate(w_node, slots_per_node)  # (rows, spn), (rows, epn) x2

@@ -1,8 +1,9 @@
 """The default policy's row loops in C, where the optional extension is built.
 
 ``eplb_fsm/policy/cnative.c`` (built by setup.py at install, ``optional``: skipped where
-no C compiler is found) runs replication + balanced packing row by row, and builds
-``log2phy``, with the GIL released. The numpy implementation (:mod:`eplb_fsm.policy.default`,
+no C compiler is found) runs the placement of every layer in one call (groups onto
+nodes, then replication + balanced packing of each node's experts onto its ranks), and
+builds ``log2phy``, with the GIL released; ``place_rows`` is the per-row step alone. The numpy implementation (:mod:`eplb_fsm.policy.default`,
 :mod:`eplb_fsm.policy.packing`) defines the results; the C loops follow the same
 float32 arithmetic in the same order, so both give bit-identical placements (the tests
 run both). :func:`available` says whether the C path is used: the extension imported,
@@ -17,11 +18,15 @@ import os
 import numpy as np
 
 try:
-    from eplb_fsm.policy.cnative import place_rows as _place_rows, slots_of_experts as _slots_of_experts
+    from eplb_fsm.policy.cnative import (
+        place_layers as _place_layers,
+        place_rows as _place_rows,
+        slots_of_experts as _slots_of_experts,
+    )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _place_rows = _slots_of_experts = None
+    _place_layers = _place_rows = _slots_of_experts = None
 
-__all__ = ["available", "built", "place_rows", "slots_of_experts"]
+__all__ = ["available", "built", "place_layers", "place_rows", "slots_of_experts"]
 
 
 def built() -> bool:
@@ -50,6 +55,27 @@ def place_rows(w: np.ndarray, num_slots: int, num_packs: int) -> tuple[np.ndarra
     count = np.empty((rows, items), dtype=np.int64)
     _place_rows(w, slot_item, count, rows, items, int(num_slots), int(num_packs))
     return slot_item, count
+
+
+def place_layers(
+    w: np.ndarray, group_load: np.ndarray | None, num_slots: int, num_groups: int, num_nodes: int, num_ranks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The whole docs/design.md §5 placement: ``(L, N) float32 -> phy2log (L, P), replica_count (L, N)`` int64.
+
+    ``w``: finite, >= 0 (the policy's checked load); ``group_load``: (L, groups) float32,
+    each group's load as ``default.group_loads`` sums it (None when ``num_groups`` is 1).
+    The arguments obey ``check_rebalance_args``'s rules (groups = nodes = 1: the global
+    mode). Same result as ``default.rebalance_hierarchical``'s numpy path: groups packed
+    onto nodes, then each node's experts replicated and packed onto its ranks, in one call.
+    """
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    layers, experts = w.shape
+    group_load = w[:, :0] if group_load is None else np.ascontiguousarray(group_load, dtype=np.float32)
+    phy2log = np.empty((layers, num_slots), dtype=np.int64)
+    replica_count = np.empty((layers, experts), dtype=np.int64)
+    _place_layers(w, group_load, phy2log, replica_count, layers, experts, int(num_groups), int(num_nodes),
+                  int(num_slots), int(num_ranks))
+    return phy2log, replica_count
 
 
 def slots_of_experts(phy2log: np.ndarray, num_experts: int, max_replicas: int) -> np.ndarray:
