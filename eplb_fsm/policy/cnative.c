@@ -129,65 +129,6 @@ static void sift_down(uint64_t *heap, Py_ssize_t n, Py_ssize_t i)
     heap[i] = v;
 }
 
-/* Greedy balanced packing of one row: n items with loads load[0..n) (finite, >= 0) into
- * packs of n / packs, visited by descending load (ties: ascending index), each to the open
- * pack with the smallest float32 running total (lowest pack on ties). Writes
- * out[pack * (n / packs) + arrival] = label[item] (label NULL: the item itself). Needs
- * n / packs > 1 (one item per pack is item i -> pack i, the caller's case). */
-__attribute__((optimize("no-tree-vectorize")))
-static void pack_items(const float *load, const int64_t *label, Py_ssize_t n, Py_ssize_t packs, int64_t *out,
-                       uint64_t *keys, uint64_t *tmp, float *total, Py_ssize_t *filled, int64_t *pack_key)
-{
-    Py_ssize_t capacity = n / packs;
-    for (Py_ssize_t s = 0; s < n; s++)
-        keys[s] = ((uint64_t)(0x7FFFFFFFu - order_bits(load[s])) << 32) | (uint64_t)s;
-    sort_keys(keys, tmp, n);
-    /* A pack's key: its total's order bits, then its index (so the smallest key is the
-     * lightest pack, lowest index on ties); a full pack's key is above every open one, and
-     * an open pack exists for every item, so a full key (its low bits no index) never
-     * wins. */
-    for (Py_ssize_t p = 0; p < packs; p++) {
-        total[p] = 0.0f;
-        filled[p] = 0;
-    }
-    if (packs <= 8) {
-        /* Eight keys (the missing packs' as full ones), their least found by a tree of
-         * independent minima: three steps deep instead of seven in a row. */
-        int64_t key8[8];
-        for (Py_ssize_t p = 0; p < 8; p++) key8[p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
-            int64_t m01 = key8[0] < key8[1] ? key8[0] : key8[1], m23 = key8[2] < key8[3] ? key8[2] : key8[3];
-            int64_t m45 = key8[4] < key8[5] ? key8[4] : key8[5], m67 = key8[6] < key8[7] ? key8[6] : key8[7];
-            int64_t m03 = m01 < m23 ? m01 : m23, m47 = m45 < m67 ? m45 : m67;
-            Py_ssize_t pick = (Py_ssize_t)((m03 < m47 ? m03 : m47) & 0xFFFFFFFFu);
-            total[pick] += load[s];
-            out[pick * capacity + filled[pick]] = label != NULL ? label[s] : s;
-            filled[pick] += 1;
-            key8[pick] = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
-        }
-        return;
-    }
-    /* More packs: a winner tree over the keys (leaves at [width, 2 * width), node i the
-     * least of nodes 2i and 2i + 1, the root at 1). Filling a pack changes one leaf and
-     * the log2(width) nodes above it, each a branch-free minimum. */
-    Py_ssize_t width = 1;
-    while (width < packs) width *= 2;
-    int64_t *tree = pack_key;
-    for (Py_ssize_t p = 0; p < width; p++) tree[width + p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
-    for (Py_ssize_t i = width - 1; i >= 1; i--) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
-        Py_ssize_t pick = (Py_ssize_t)(tree[1] & 0xFFFFFFFFu);
-        total[pick] += load[s];
-        out[pick * capacity + filled[pick]] = label != NULL ? label[s] : s;
-        filled[pick] += 1;
-        Py_ssize_t i = width + pick;
-        tree[i] = filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
-        for (i /= 2; i >= 1; i /= 2) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
-    }
-}
-
 /* Scratch of place_one_row and pack_items for rows of up to `items` items, `slots` slots
  * and `packs` packs, in one allocation. */
 typedef struct {
@@ -218,6 +159,73 @@ static int scratch_alloc(Scratch *sc, Py_ssize_t items, Py_ssize_t slots, Py_ssi
     sc->replica_load = sc->per + items;
     sc->total = sc->replica_load + slots;
     return 0;
+}
+
+/* Item s into pack pick (pack_items' step): its total and arrival grow; returns the pack's
+ * new key (INT64_MAX once full). */
+static inline int64_t put_item(Py_ssize_t s, Py_ssize_t pick, const float *load, const int64_t *label,
+                               Py_ssize_t capacity, int64_t *out, float *total, Py_ssize_t *filled)
+{
+    total[pick] += load[s];
+    out[pick * capacity + filled[pick]] = label != NULL ? label[s] : s;
+    filled[pick] += 1;
+    return filled[pick] == capacity ? INT64_MAX : ((int64_t)order_bits(total[pick]) << 32) | pick;
+}
+
+/* Greedy balanced packing of one row: n items with loads load[0..n) (finite, >= 0) into
+ * packs of n / packs, visited by descending load (ties: ascending index), each to the open
+ * pack with the smallest float32 running total (lowest pack on ties). Writes
+ * out[pack * (n / packs) + arrival] = label[item] (label NULL: the item itself). Needs
+ * n / packs > 1 (one item per pack is item i -> pack i, the caller's case). */
+__attribute__((optimize("no-tree-vectorize")))
+static void pack_items(const float *load, const int64_t *label, Py_ssize_t n, Py_ssize_t packs, int64_t *out,
+                       Scratch *sc)
+{
+    Py_ssize_t capacity = n / packs;
+    uint64_t *keys = sc->keys;
+    float *total = sc->total;
+    Py_ssize_t *filled = sc->filled;
+    for (Py_ssize_t s = 0; s < n; s++)
+        keys[s] = ((uint64_t)(0x7FFFFFFFu - order_bits(load[s])) << 32) | (uint64_t)s;
+    sort_keys(keys, sc->tmp, n);
+    /* A pack's key: its total's order bits, then its index (so the smallest key is the
+     * lightest pack, lowest index on ties); a full pack's key is above every open one, and
+     * an open pack exists for every item, so a full key (its low bits no index) never
+     * wins. */
+    for (Py_ssize_t p = 0; p < packs; p++) {
+        total[p] = 0.0f;
+        filled[p] = 0;
+    }
+    if (packs <= 8) {
+        /* Eight keys (the missing packs' as full ones), their least found by a tree of
+         * independent minima: three steps deep instead of seven in a row. */
+        int64_t key8[8];
+        for (Py_ssize_t p = 0; p < 8; p++) key8[p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
+            int64_t m01 = key8[0] < key8[1] ? key8[0] : key8[1], m23 = key8[2] < key8[3] ? key8[2] : key8[3];
+            int64_t m45 = key8[4] < key8[5] ? key8[4] : key8[5], m67 = key8[6] < key8[7] ? key8[6] : key8[7];
+            int64_t m03 = m01 < m23 ? m01 : m23, m47 = m45 < m67 ? m45 : m67;
+            Py_ssize_t pick = (Py_ssize_t)((m03 < m47 ? m03 : m47) & 0xFFFFFFFFu);
+            key8[pick] = put_item(s, pick, load, label, capacity, out, total, filled);
+        }
+        return;
+    }
+    /* More packs: a winner tree over the keys (leaves at [width, 2 * width), node i the
+     * least of nodes 2i and 2i + 1, the root at 1). Filling a pack changes one leaf and
+     * the log2(width) nodes above it, each a branch-free minimum. */
+    Py_ssize_t width = 1;
+    while (width < packs) width *= 2;
+    int64_t *tree = sc->pack_key;
+    for (Py_ssize_t p = 0; p < width; p++) tree[width + p] = p < packs ? ((int64_t)order_bits(0.0f) << 32) | p : INT64_MAX;
+    for (Py_ssize_t i = width - 1; i >= 1; i--) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t s = (Py_ssize_t)(keys[k] & 0xFFFFFFFFu);
+        Py_ssize_t pick = (Py_ssize_t)(tree[1] & 0xFFFFFFFFu);
+        Py_ssize_t i = width + pick;
+        tree[i] = put_item(s, pick, load, label, capacity, out, total, filled);
+        for (i /= 2; i >= 1; i /= 2) tree[i] = tree[2 * i] < tree[2 * i + 1] ? tree[2 * i] : tree[2 * i + 1];
+    }
 }
 
 /* Replication and packing of one row (see the module comment): w (items) -> slot_item
@@ -253,8 +261,7 @@ static void place_one_row(const float *w, int64_t *slot_item, int64_t *count, Py
         return;
     }
     for (Py_ssize_t s = 0; s < slots; s++) sc->replica_load[s] = per[replica[s]];
-    pack_items(sc->replica_load, replica, slots, packs, slot_item, sc->keys, sc->tmp, sc->total, sc->filled,
-               sc->pack_key);
+    pack_items(sc->replica_load, replica, slots, packs, slot_item, sc);
 }
 
 static PyObject *place_rows(PyObject *self, PyObject *args)
@@ -342,8 +349,7 @@ static PyObject *place_layers(PyObject *self, PyObject *args)
     for (Py_ssize_t l = 0; l < layers; l++) {
         const float *layer_w = wp + l * experts;
         if (groups_per_node > 1)  /* 1. groups onto nodes */
-            pack_items(gp + l * groups, NULL, groups, nodes, group_at, sc.keys, sc.tmp, sc.total, sc.filled,
-                       sc.pack_key);
+            pack_items(gp + l * groups, NULL, groups, nodes, group_at, &sc);
         else
             for (Py_ssize_t g = 0; g < groups; g++) group_at[g] = g;
         for (Py_ssize_t n = 0; n < nodes; n++) {

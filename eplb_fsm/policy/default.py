@@ -210,6 +210,9 @@ def rebalance_hierarchical(
     if hasattr(weight32, "detach"):  # torch tensor
         weight32 = weight32.detach().cpu().numpy()
     w = np.ascontiguousarray(weight32, dtype=np.float32)
+    if native.available():  # the whole pipeline, layer by layer in C (policy/cnative.c): the same placement
+        group_load = group_loads(w, num_groups) if num_groups > 1 else None
+        return native.place_layers(w, group_load, num_replicas, num_groups, num_nodes, num_ranks)
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     groups_per_node = num_groups // num_nodes
@@ -217,9 +220,6 @@ def rebalance_hierarchical(
     slots_per_node = num_replicas // num_nodes
     ranks_per_node = num_ranks // num_nodes
     slots_per_rank = num_replicas // num_ranks
-    if native.available():  # the whole pipeline, layer by layer in C (policy/cnative.c): the same placement
-        group_load = group_loads(w, num_groups) if num_groups > 1 else None
-        return native.place_layers(w, group_load, num_replicas, num_groups, num_nodes, num_ranks)
     rows = num_layers * num_nodes  # one row per (layer, node) from step 2 on
     in_group = np.arange(group_size, dtype=np.int64)
 
