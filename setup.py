@@ -1,7 +1,8 @@
-"""Build hook for the optional C kernel of the default policy (everything else is in pyproject.toml).
+"""Build hook for the optional C kernels of the default and movement-aware policies (everything else is in pyproject.toml).
 
-``optional=True``: where no C compiler is found the build goes on without it and
-``eplb_fsm.policy.native`` falls back to the numpy implementation.
+``optional=True``: where no C compiler is found the build goes on without them and
+``eplb_fsm.policy.native`` / ``eplb_fsm.policy.movement.native`` fall back to the numpy
+implementations.
 """
 
 from setuptools import Extension, setup
@@ -9,6 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
+                  extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
+        Extension("eplb_fsm.policy.movement.csearch", ["eplb_fsm/policy/movement/csearch.c"], optional=True,
                   extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
     ],
 )

@@ -1,0 +1,157 @@
+"""The movement-aware search's C scoring (policy/movement/native.py, csearch.c) against the numpy one."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from eplb_fsm.policy.default import DefaultEplbPolicy
+from eplb_fsm.policy.movement import moves, native, search
+from eplb_fsm.policy.movement.policy import plan_movement
+
+needs_kernel = pytest.mark.skipif(not native.built(), reason="the C extension is not built (no compiler at install)")
+
+# (layers, experts, slots, groups, nodes, ranks): global and hierarchical, 1 to 9 slots per
+# rank, odd ranks per node (a rank left without a swap partner)
+SHAPES = [(6, 32, 40, 1, 1, 8), (5, 24, 36, 4, 2, 6), (4, 64, 72, 8, 4, 8), (6, 12, 16, 1, 1, 16),
+          (3, 30, 45, 1, 1, 5), (5, 40, 48, 1, 1, 4), (4, 48, 64, 4, 2, 16), (4, 64, 96, 1, 1, 32)]
+
+
+def _problem(shape, seed: int, integer: bool):
+    """A load, a drifted load and the default's placement of the first: (weight, new weight, old, call)."""
+    layers, experts, slots, groups, nodes, ranks = shape
+    rng = np.random.default_rng(seed)
+    base = rng.gamma(0.6, 100.0, size=(layers, experts)) + 1.0
+    new = base * np.exp(rng.normal(0.0, 0.4, size=base.shape))
+    if integer:  # token counts: equal loads, equal scores, so the tie-breaks are compared too
+        base, new = np.round(base), np.round(new / 10.0)
+    call = (slots, groups, nodes, ranks)
+    old = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(base), *call)[0]
+    return torch.from_numpy(new), old, call
+
+
+def _plan(weight, old, call, flag: str, max_moves=None):
+    with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": flag}):
+        return plan_movement(weight, *call, old, max_moves=max_moves)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("integer", [False, True])
+def test_plans_are_the_same_with_and_without_the_kernel(shape, integer):
+    """Whole movement-aware plans (placement, moves, rounds) are identical on both paths, with and without a move limit."""
+    searched = 0
+    for seed in range(4):
+        weight, old, call = _problem(shape, seed, integer)
+        for max_moves in (None, 3):
+            c, py = _plan(weight, old, call, "1", max_moves), _plan(weight, old, call, "0", max_moves)
+            assert np.array_equal(c.phy2log, py.phy2log)
+            assert np.array_equal(c.moved, py.moved)
+            assert c.rounds == py.rounds
+            searched += c.rounds
+    assert searched > 0  # the search ran, so the kernels were compared
+
+
+def _comparing(compared: dict):
+    """Wrappers for search's three candidate functions that run C and numpy and compare them."""
+    def numpy_path():
+        return mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"})
+
+    def repoints(st, lr, RL, T):
+        got = native.repoints(st, lr, RL, T)
+        with numpy_path():
+            want = moves.repoints(st, lr, RL, T)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b)
+        compared["repoints"] += 1
+        return want
+
+    def pair_swaps(st, lr, RL, T):
+        got = native.pair_swaps(st, lr, RL, T)
+        with numpy_path():
+            want = moves.pair_swaps(st, lr, RL, T)
+        assert (got is None) == (want is None)
+        if want is not None:
+            for a, b in zip(got, want):
+                assert np.array_equal(a, b)
+        compared["pair_swaps"] += 1
+        return want
+
+    def widened_swap(st, lr):
+        found, slot_a, slot_b = native.widened_choice(st, lr)  # before numpy applies its choice
+        applied = []
+        real_swap = st.swap
+
+        def record(rows, a, b):
+            applied.append((rows.copy(), a.copy(), b.copy()))
+            real_swap(rows, a, b)
+
+        with numpy_path(), mock.patch.object(st, "swap", record):
+            want = moves.widened_swap(st, lr)
+        assert np.array_equal(found, want)
+        if found.any():
+            rows, a, b = applied[0]
+            assert np.array_equal(rows, lr[found]) and np.array_equal(a, slot_a[found]) and np.array_equal(b, slot_b[found])
+        compared["widened_swap"] += 1
+        return want
+
+    return repoints, pair_swaps, widened_swap
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_kernel_call_scores_as_numpy(shape):
+    """Inside real searches, each C scoring call returns exactly the numpy function's result on the same state."""
+    compared = {"repoints": 0, "pair_swaps": 0, "widened_swap": 0}
+    repoints, pair_swaps, widened_swap = _comparing(compared)
+    with mock.patch.object(search, "repoints", repoints), mock.patch.object(search, "pair_swaps", pair_swaps), \
+            mock.patch.object(search, "widened_swap", widened_swap):
+        for seed in range(4):
+            for integer in (False, True):
+                weight, old, call = _problem(shape, seed, integer)
+                _plan(weight, old, call, "1")
+    assert compared["repoints"] + compared["pair_swaps"] > 0
+
+
+@needs_kernel
+def test_kernels_refuse_buffers_of_the_wrong_size():
+    """A state array of the wrong length is refused with its name, before anything is written."""
+    weight, old, call = _problem(SHAPES[0], 0, False)
+    seen = []
+
+    def capture(st, lr, RL, T):
+        seen.append((st, lr.copy(), RL.copy(), T.copy()))
+        return native.pair_swaps(st, lr, RL, T)
+
+    with mock.patch.object(search, "pair_swaps", capture):
+        _plan(weight, old, call, "1")
+    st, lr, RL, T = seen[0]
+    with pytest.raises(ValueError, match="RL has"):
+        native.pair_swaps(st, lr, RL[:, :-1], T)
+    with pytest.raises(ValueError, match="lr must index"):
+        native.repoints(st, lr + st.L, RL, T)
+
+
+@needs_kernel
+def test_usable_follows_the_environment_and_the_count_type():
+    """The C path is taken only with EPLB_FSM_NATIVE unset or not 0, and for int8 replica counts per rank."""
+    weight, old, call = _problem(SHAPES[0], 0, False)
+    seen = []
+
+    def capture(st, lr, RL, T):
+        seen.append(st)
+        return native.repoints(st, lr, RL, T)
+
+    with mock.patch.object(search, "repoints", capture):
+        _plan(weight, old, call, "1")
+    st = seen[0]
+    with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "1"}):
+        assert native.usable(st)
+    with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+        assert not native.usable(st)
+    st.on_rank = st.on_rank.astype(np.int16)
+    assert not native.usable(st)
