@@ -11,7 +11,9 @@ import torch
 
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import moves, native, search
+from eplb_fsm.policy.movement.placement import membership
 from eplb_fsm.policy.movement.policy import plan_movement
+from eplb_fsm.policy.movement.targets import renumbered_default
 
 needs_kernel = pytest.mark.skipif(not native.built(), reason="the C extension is not built (no compiler at install)")
 
@@ -155,3 +157,37 @@ def test_usable_follows_the_environment_and_the_count_type():
         assert not native.usable(st)
     st.on_rank = st.on_rank.astype(np.int16)
     assert not native.usable(st)
+
+
+def _placement(rng, layers: int, slots: int, experts: int, empty: float) -> np.ndarray:
+    """(L, P) random placements with repeated experts on a rank and, with ``empty`` > 0, empty slots."""
+    phy = rng.integers(0, experts, (layers, slots))
+    phy[rng.random(phy.shape) < empty] = -1
+    return phy
+
+
+@needs_kernel
+@pytest.mark.parametrize("ranks, nodes, per_rank", [(4, 1, 3), (8, 2, 2), (6, 3, 4), (16, 4, 1), (5, 1, 6), (32, 1, 2)])
+@pytest.mark.parametrize("empty", [0.0, 0.2])
+def test_renumbered_default_is_the_same_in_c(ranks, nodes, per_rank, empty):
+    """The fallback's renumbering (ranks matched, nodes first, then rows aligned) is identical on both paths."""
+    rng = np.random.default_rng(ranks * 100 + per_rank)
+    experts = max(2, ranks * per_rank // 2)
+    for _ in range(20):
+        old = _placement(rng, 5, ranks * per_rank, experts, empty)
+        new = old.copy() if rng.random() < 0.3 else _placement(rng, 5, ranks * per_rank, experts, empty)
+        new[:, :] = new[:, rng.permutation(new.shape[1])] if rng.random() < 0.5 else new
+        held = membership(old, experts, ranks)
+        got = native.renumbered_default(old, held, new, ranks, nodes)
+        with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+            want = renumbered_default(old, held, new, ranks, nodes)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@needs_kernel
+def test_renumbered_default_refuses_experts_out_of_range():
+    """An expert id outside [-1, N) is refused before anything is written."""
+    old = np.zeros((1, 4), np.int64)
+    held = membership(old, 2, 2)
+    with pytest.raises(ValueError, match=r"\[-1, N\)"):
+        native.renumbered_default(old, held, np.full((1, 4), 5), 2, 1)

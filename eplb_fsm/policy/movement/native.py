@@ -6,9 +6,11 @@ one layer at a time: :func:`repoints`, :func:`pair_swaps` and :func:`widened_cho
 return what the numpy functions of the same names return (the widened swap's choice
 only: the caller applies it). The numpy functions define the results; the C loops follow
 their arithmetic and tie-breaks, so both paths choose the same changes (the tests run
-both). :func:`usable` says whether a search state takes the C path: the extension is
-built, ``EPLB_FSM_NATIVE`` is not ``0`` (read at each call) and its replica counts per
-rank are int8 (fewer than 128 slots per rank).
+both). :func:`renumbered_default` is ``targets.renumbered_default``, the fallback's
+renumbering, in one call. :func:`enabled` says whether the C path is taken: the
+extension is built and ``EPLB_FSM_NATIVE`` is not ``0`` (read at each call);
+:func:`usable` adds, for a search state, that its replica counts per rank are int8
+(fewer than 128 slots per rank).
 
 ``st`` is a :class:`~eplb_fsm.policy.movement.search.SearchState` (not imported: that
 module imports this one through :mod:`~eplb_fsm.policy.movement.moves`).
@@ -24,12 +26,13 @@ try:
     from eplb_fsm.policy.movement.csearch import (
         pair_swaps as _pair_swaps,
         repoints as _repoints,
+        renumber_default as _renumber_default,
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _pair_swaps = _repoints = _widened_choice = None
+    _pair_swaps = _repoints = _renumber_default = _widened_choice = None
 
-__all__ = ["built", "pair_swaps", "repoints", "usable", "widened_choice"]
+__all__ = ["built", "enabled", "pair_swaps", "renumbered_default", "repoints", "usable", "widened_choice"]
 
 
 def built() -> bool:
@@ -37,9 +40,14 @@ def built() -> bool:
     return _repoints is not None
 
 
+def enabled() -> bool:
+    """Whether the C path is taken now: built, and ``EPLB_FSM_NATIVE`` is not ``0``."""
+    return _repoints is not None and os.environ.get("EPLB_FSM_NATIVE", "1") != "0"
+
+
 def usable(st) -> bool:
-    """Whether ``st``'s candidates are scored in C now (built, ``EPLB_FSM_NATIVE`` not ``0``, int8 counts)."""
-    return _repoints is not None and os.environ.get("EPLB_FSM_NATIVE", "1") != "0" and st.on_rank.dtype == np.int8
+    """Whether ``st``'s candidates are scored in C now (:func:`enabled`, and int8 counts per rank)."""
+    return enabled() and st.on_rank.dtype == np.int8
 
 
 def _dims(st) -> tuple[int, int, int, int, int]:
@@ -87,3 +95,17 @@ def widened_choice(st, lr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     _widened_choice(st.cur_f, st.sl_f, _f64(st.rank_load), _f64(st.goal), st.held8, st.moved8, _i64(st.moves),
                       _i64(st.limit), _i64(lr), found, slot_a, slot_b, *_dims(st))
     return found.view(bool), slot_a, slot_b
+
+
+def renumbered_default(old: np.ndarray, held: np.ndarray, new: np.ndarray, num_ranks: int, num_nodes: int):
+    """``targets.renumbered_default`` in C: ``(placement (L, P), moved (L,))`` int64.
+
+    ``held`` (L, N, G) bool must be the membership of ``old`` (as the policy passes it).
+    """
+    old, new = _i64(old), _i64(new)
+    held = np.ascontiguousarray(held, dtype=bool)
+    num_layers, num_slots = new.shape
+    out = np.empty_like(new)
+    moved = np.empty(num_layers, np.int64)
+    _renumber_default(old, held, new, out, moved, num_layers, held.shape[1], num_slots, num_ranks, num_nodes)
+    return out, moved

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from eplb_fsm.policy.base import AbstractEplbPolicy, build_log2phy, check_rebalance_args
-from eplb_fsm.policy.default import DefaultEplbPolicy, rebalance_hierarchical
+from eplb_fsm.policy.default import DefaultEplbPolicy, rebalance_hierarchical, slots_of_experts
 from eplb_fsm.policy.movement.placement import (
     ClassOrInstanceMethod,
     check_max_moves,
@@ -276,7 +276,12 @@ def _rebalance_experts(
         target=policy.target, max_moves=policy.max_moves, diagnostics=False,
     )
     num_experts = plan.default_replica_count.shape[1]
-    log2phy, replica_count = build_log2phy(plan.phy2log, num_experts, plan.phy2log.shape[1] - num_experts + 1)
+    max_replicas = plan.phy2log.shape[1] - num_experts + 1
+    if (plan.phy2log >= 0).all():  # full, as the plans are: the default's one-pass inversion
+        replica_count = expert_counts(plan.phy2log, num_experts)
+        log2phy = slots_of_experts(plan.phy2log, replica_count, max_replicas)
+    else:
+        log2phy, replica_count = build_log2phy(plan.phy2log, num_experts, max_replicas)
     return torch.from_numpy(np.ascontiguousarray(plan.phy2log)), torch.from_numpy(log2phy), torch.from_numpy(replica_count)
 
 

@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from eplb_fsm.policy.movement import native
 from eplb_fsm.policy.movement.placement import membership, moves_per_layer, rank_index
 
 __all__ = [
@@ -353,8 +354,10 @@ def renumbered_default(
 
     ``held`` (L, N, G) is the old placement's membership. The greedy renumbering can lose
     against ``new``'s own numbering; such layers keep it, so a layer never moves more
-    than ``new`` as given would.
+    than ``new`` as given would. (In C, one call, where :mod:`.native` is enabled.)
     """
+    if native.enabled() and held.shape[1] > 0:
+        return native.renumbered_default(old, held, new, num_ranks, num_nodes)
     relabeled = relabel_ranks(new, held.transpose(0, 2, 1), num_ranks, num_nodes)
     moved = moves_per_layer(held, relabeled)
     plain = moves_per_layer(held, new)
