@@ -11,7 +11,10 @@ setup(
     ext_modules=[
         Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
                   extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
-        Extension("eplb_fsm.policy.movement.csearch", ["eplb_fsm/policy/movement/csearch.c"], optional=True,
+        Extension("eplb_fsm.policy.movement.csearch",
+                  [f"eplb_fsm/policy/movement/{name}.c" for name in ("csearch", "csearch_score", "csearch_run",
+                                                                     "csearch_renumber")],
+                  depends=["eplb_fsm/policy/movement/csearch.h"], optional=True,
                   extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
     ],
 )

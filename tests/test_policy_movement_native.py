@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from unittest import mock
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import moves, native, search
+
+csearch = pytest.importorskip("eplb_fsm.policy.movement.csearch", reason="the C extension is not built")
 from eplb_fsm.policy.movement.placement import membership
 from eplb_fsm.policy.movement.policy import plan_movement
 from eplb_fsm.policy.movement.targets import renumbered_default
@@ -107,11 +110,12 @@ def _comparing(compared: dict):
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_kernel_call_scores_as_numpy(shape):
-    """Inside real searches, each C scoring call returns exactly the numpy function's result on the same state."""
+    """Inside real searches (the numpy round loop), each C scoring call returns exactly the numpy function's result."""
     compared = {"repoints": 0, "pair_swaps": 0, "widened_swap": 0}
     repoints, pair_swaps, widened_swap = _comparing(compared)
-    with mock.patch.object(search, "repoints", repoints), mock.patch.object(search, "pair_swaps", pair_swaps), \
-            mock.patch.object(search, "widened_swap", widened_swap):
+    python_loop = types.SimpleNamespace(usable=lambda st: False)  # search.run keeps its numpy loop
+    with mock.patch.object(search, "native", python_loop), mock.patch.object(search, "repoints", repoints), \
+            mock.patch.object(search, "pair_swaps", pair_swaps), mock.patch.object(search, "widened_swap", widened_swap):
         for seed in range(4):
             for integer in (False, True):
                 weight, old, call = _problem(shape, seed, integer)
@@ -119,38 +123,42 @@ def test_every_kernel_call_scores_as_numpy(shape):
     assert compared["repoints"] + compared["pair_swaps"] > 0
 
 
-@needs_kernel
-def test_kernels_refuse_buffers_of_the_wrong_size():
-    """A state array of the wrong length is refused with its name, before anything is written."""
+def _a_search_state():
+    """A SearchState as the policy builds it, captured at the start of its search."""
     weight, old, call = _problem(SHAPES[0], 0, False)
     seen = []
+    real_run = search.SearchState.run
 
-    def capture(st, lr, RL, T):
-        seen.append((st, lr.copy(), RL.copy(), T.copy()))
-        return native.pair_swaps(st, lr, RL, T)
+    def capture(self, *args, **kwargs):
+        seen.append(self)
+        return real_run(self, *args, **kwargs)
 
-    with mock.patch.object(search, "pair_swaps", capture):
+    with mock.patch.object(search.SearchState, "run", capture):
         _plan(weight, old, call, "1")
-    st, lr, RL, T = seen[0]
-    with pytest.raises(ValueError, match="RL has"):
-        native.pair_swaps(st, lr, RL[:, :-1], T)
+    return seen[0]
+
+
+@needs_kernel
+def test_kernels_refuse_buffers_of_the_wrong_size():
+    """A state array or output of the wrong length, or a layer index out of range, is refused with its name."""
+    st = _a_search_state()
+    state, dims = native._state(st)
+    lr = np.arange(st.L, dtype=np.int64)
+    outputs = [np.empty(st.L), *(np.empty(st.L, np.int64) for _ in range(4)), np.empty(st.L * st.G)]
+    with pytest.raises(ValueError, match="eff has"):
+        csearch.repoints(state, dims, lr, np.empty(st.L - 1), *outputs[1:])
+    with pytest.raises(ValueError, match="w has"):
+        csearch.repoints((st.w[:-1],) + state[1:], dims, lr, *outputs)
     with pytest.raises(ValueError, match="lr must index"):
-        native.repoints(st, lr + st.L, RL, T)
+        csearch.repoints(state, dims, lr + st.L, *outputs)
+    with pytest.raises(ValueError, match="12 arrays"):
+        csearch.run(state[:-1], dims, 1.0, 0.0, 1, 0)
 
 
 @needs_kernel
 def test_usable_follows_the_environment_and_the_count_type():
     """The C path is taken only with EPLB_FSM_NATIVE unset or not 0, and for int8 replica counts per rank."""
-    weight, old, call = _problem(SHAPES[0], 0, False)
-    seen = []
-
-    def capture(st, lr, RL, T):
-        seen.append(st)
-        return native.repoints(st, lr, RL, T)
-
-    with mock.patch.object(search, "repoints", capture):
-        _plan(weight, old, call, "1")
-    st = seen[0]
+    st = _a_search_state()
     with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "1"}):
         assert native.usable(st)
     with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):

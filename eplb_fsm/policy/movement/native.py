@@ -1,19 +1,23 @@
-"""The movement-aware search's candidate scoring in C, where the optional extension is built.
+"""The movement-aware search in C, where the optional extension is built.
 
-``eplb_fsm/policy/movement/csearch.c`` (built by setup.py like the default policy's
-kernel, ``optional``) scores the candidates of :mod:`~eplb_fsm.policy.movement.moves`
-one layer at a time: :func:`repoints`, :func:`pair_swaps` and :func:`widened_choice`
-return what the numpy functions of the same names return (the widened swap's choice
-only: the caller applies it). The numpy functions define the results; the C loops follow
-their arithmetic and tie-breaks, so both paths choose the same changes (the tests run
-both). :func:`renumbered_default` is ``targets.renumbered_default``, the fallback's
-renumbering, in one call. :func:`enabled` says whether the C path is taken: the
-extension is built and ``EPLB_FSM_NATIVE`` is not ``0`` (read at each call);
-:func:`usable` adds, for a search state, that its replica counts per rank are int8
-(fewer than 128 slots per rank).
+``eplb_fsm/policy/movement/csearch*.c`` (built by setup.py like the default policy's
+kernel, ``optional``) holds the whole local search, :func:`run`
+(``SearchState.run``, updating the state in place), its candidate scores one call per
+kind (:func:`repoints`, :func:`pair_swaps`, :func:`widened_choice`: what the numpy
+functions of :mod:`~eplb_fsm.policy.movement.moves` return; the widened swap's choice
+only) and the fallback's renumbering, :func:`renumbered_default`. The numpy code defines
+the results; the C loops follow its arithmetic, tie-breaks and order of updates, so both
+paths reach the same placements (the tests compare them call by call and plan by plan).
+
+:func:`enabled` says whether the C path is taken: the extension is built and
+``EPLB_FSM_NATIVE`` is not ``0`` (read at each call, so a test or a benchmark can run
+both in one process); :func:`usable` adds, for a search state, that its replica counts
+per rank are int8 (fewer than 128 slots per rank) and its arrays have the types C reads.
 
 ``st`` is a :class:`~eplb_fsm.policy.movement.search.SearchState` (not imported: that
-module imports this one through :mod:`~eplb_fsm.policy.movement.moves`).
+module imports this one). The scoring calls read the live layers' rank loads and goals
+from ``st`` (``RL``, ``T`` are accepted for the numpy signature and must be
+``st.rank_load[lr]``, ``st.goal[lr]``, as the search passes them).
 """
 
 from __future__ import annotations
@@ -25,54 +29,63 @@ import numpy as np
 try:
     from eplb_fsm.policy.movement.csearch import (
         pair_swaps as _pair_swaps,
-        repoints as _repoints,
         renumber_default as _renumber_default,
+        repoints as _repoints,
+        run as _run,
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _pair_swaps = _repoints = _renumber_default = _widened_choice = None
+    _pair_swaps = _renumber_default = _repoints = _run = _widened_choice = None
 
-__all__ = ["built", "enabled", "pair_swaps", "renumbered_default", "repoints", "usable", "widened_choice"]
+__all__ = ["built", "enabled", "pair_swaps", "renumbered_default", "repoints", "run", "usable", "widened_choice"]
+
+# (attribute, dtype) of the state tuple csearch.c reads, in its order
+_STATE = (("w", np.float64), ("count", np.int64), ("cur", np.int64), ("slot_load", np.float64),
+          ("rank_load", np.float64), ("on_rank", np.int8), ("held8", np.int8), ("moved8", np.int8),
+          ("node_of_expert", np.int64), ("moves", np.int64), ("limit", np.int64), ("goal", np.float64))
 
 
 def built() -> bool:
     """Whether the C extension was built and imports."""
-    return _repoints is not None
+    return _run is not None
 
 
 def enabled() -> bool:
     """Whether the C path is taken now: built, and ``EPLB_FSM_NATIVE`` is not ``0``."""
-    return _repoints is not None and os.environ.get("EPLB_FSM_NATIVE", "1") != "0"
+    return _run is not None and os.environ.get("EPLB_FSM_NATIVE", "1") != "0"
 
 
 def usable(st) -> bool:
-    """Whether ``st``'s candidates are scored in C now (:func:`enabled`, and int8 counts per rank)."""
-    return enabled() and st.on_rank.dtype == np.int8
+    """Whether ``st`` is searched in C now (:func:`enabled`, int8 counts per rank, the array types C reads)."""
+    if not enabled():
+        return False
+    return all(getattr(st, name).dtype == dtype and getattr(st, name).flags.c_contiguous for name, dtype in _STATE)
 
 
-def _dims(st) -> tuple[int, int, int, int, int]:
-    return st.L, st.N, st.P, st.G, st.nodes
+def _state(st) -> tuple:
+    return tuple(getattr(st, name) for name, _ in _STATE), (st.L, st.N, st.P, st.G, st.nodes)
 
 
-def _i64(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int64)
+def _rows(lr: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(lr, dtype=np.int64)
 
 
-def _f64(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float64)
+def run(st, budget: float, fixed_max: float, max_rounds: int) -> None:
+    """``SearchState.run`` in C: the state's arrays change in place, ``st.rounds`` advances."""
+    state, dims = _state(st)
+    st.rounds = _run(state, dims, float(budget), float(fixed_max), int(max_rounds), int(st.rounds))
 
 
-def repoints(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
+def repoints(st, lr: np.ndarray, RL: np.ndarray = None, T: np.ndarray = None):
     """``moves.repoints`` in C: ``(eff, rank, new, donor, cost, after (n, G))``."""
     n = len(lr)
     eff, after = np.empty(n), np.empty((n, st.G))
     rank, new, donor, cost = (np.empty(n, np.int64) for _ in range(4))
-    _repoints(st.w_f, st.count_f, st.cur_f, st.on_rank, st.held8, st.node_of_expert, _i64(st.moves),
-                _i64(st.limit), _i64(lr), _f64(RL), _f64(T), eff, rank, new, donor, cost, after, *_dims(st))
+    _repoints(*_state(st), _rows(lr), eff, rank, new, donor, cost, after)
     return eff, rank, new, donor, cost, after
 
 
-def pair_swaps(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
+def pair_swaps(st, lr: np.ndarray, RL: np.ndarray = None, T: np.ndarray = None):
     """``moves.pair_swaps`` in C: ``(pair_layer, eff, slot_a, slot_b, rank_o, rank_u, cost, delta)`` or None."""
     n, Gn = len(lr), st.Gn
     if Gn < 2 or n == 0:
@@ -80,8 +93,7 @@ def pair_swaps(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     cap = n * st.nodes * (Gn // 2)
     pr, slot_a, slot_b, o, u, cost = (np.empty(cap, np.int64) for _ in range(6))
     eff, delta = np.empty(cap), np.empty(cap)
-    m = _pair_swaps(st.cur_f, st.sl_f, st.held8, st.moved8, _i64(st.moves), _i64(st.limit), _i64(lr), _f64(RL),
-                      _f64(T), pr, eff, slot_a, slot_b, o, u, cost, delta, *_dims(st))
+    m = _pair_swaps(*_state(st), _rows(lr), pr, eff, slot_a, slot_b, o, u, cost, delta)
     if m == 0:
         return None
     return pr[:m], eff[:m], slot_a[:m], slot_b[:m], o[:m], u[:m], cost[:m], delta[:m]
@@ -92,8 +104,7 @@ def widened_choice(st, lr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n = len(lr)
     found = np.zeros(n, dtype=np.int8)
     slot_a, slot_b = np.empty(n, np.int64), np.empty(n, np.int64)
-    _widened_choice(st.cur_f, st.sl_f, _f64(st.rank_load), _f64(st.goal), st.held8, st.moved8, _i64(st.moves),
-                      _i64(st.limit), _i64(lr), found, slot_a, slot_b, *_dims(st))
+    _widened_choice(*_state(st), _rows(lr), found, slot_a, slot_b)
     return found.view(bool), slot_a, slot_b
 
 
@@ -102,7 +113,8 @@ def renumbered_default(old: np.ndarray, held: np.ndarray, new: np.ndarray, num_r
 
     ``held`` (L, N, G) bool must be the membership of ``old`` (as the policy passes it).
     """
-    old, new = _i64(old), _i64(new)
+    old = np.ascontiguousarray(old, dtype=np.int64)
+    new = np.ascontiguousarray(new, dtype=np.int64)
     held = np.ascontiguousarray(held, dtype=bool)
     num_layers, num_slots = new.shape
     out = np.empty_like(new)

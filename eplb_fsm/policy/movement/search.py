@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb_fsm.policy.movement import native
 from eplb_fsm.policy.movement.moves import FREE_COST, best_prefix, pair_swaps, repoints, widened_swap
 
 __all__ = ["COUNT_CAP", "MAX_ROUNDS", "SearchState", "rebalance_counts"]
@@ -154,7 +155,10 @@ class SearchState:
     def run(self, budget: float, fixed_max: float, max_rounds: int = MAX_ROUNDS) -> None:
         """Search until every layer meets its goal, is stuck or out of moves, ``max_rounds``
         are spent, or the budget on the sum of layer maxima holds (``fixed_max``: the sum
-        over the layers outside the search)."""
+        over the layers outside the search). In one C call where :mod:`.native` is usable."""
+        if native.usable(self):
+            native.run(self, budget, fixed_max, max_rounds)
+            return
         layer_max = self.rank_load.max(1)
         live = layer_max > self.goal
         searched = np.flatnonzero(live)
