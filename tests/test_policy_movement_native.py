@@ -15,6 +15,7 @@ from eplb_fsm.policy.movement import moves, native, search
 
 csearch = pytest.importorskip("eplb_fsm.policy.movement.csearch", reason="the C extension is not built")
 from eplb_fsm.policy.movement.placement import membership
+from eplb_fsm.policy.movement import policy as movement_policy
 from eplb_fsm.policy.movement.policy import plan_movement
 from eplb_fsm.policy.movement.targets import renumbered_default
 
@@ -26,12 +27,17 @@ SHAPES = [(6, 32, 40, 1, 1, 8), (5, 24, 36, 4, 2, 6), (4, 64, 72, 8, 4, 8), (6, 
           (3, 30, 45, 1, 1, 5), (5, 40, 48, 1, 1, 4), (4, 48, 64, 4, 2, 16), (4, 64, 96, 1, 1, 32)]
 
 
-def _problem(shape, seed: int, integer: bool):
-    """A load, a drifted load and the default's placement of the first: (weight, new weight, old, call)."""
+def _problem(shape, seed: int, integer: bool, hot: bool = False):
+    """A drifted load, the default's placement of the load before and the call: (new weight, old, call).
+
+    ``hot``: one expert per layer turns 4x hotter (it may then need more replicas).
+    """
     layers, experts, slots, groups, nodes, ranks = shape
     rng = np.random.default_rng(seed)
     base = rng.gamma(0.6, 100.0, size=(layers, experts)) + 1.0
     new = base * np.exp(rng.normal(0.0, 0.4, size=base.shape))
+    if hot:
+        new[np.arange(layers), rng.integers(0, experts, layers)] *= 4.0
     if integer:  # token counts: equal loads, equal scores, so the tie-breaks are compared too
         base, new = np.round(base), np.round(new / 10.0)
     call = (slots, groups, nodes, ranks)
@@ -199,3 +205,49 @@ def test_renumbered_default_refuses_experts_out_of_range():
     held = membership(old, 2, 2)
     with pytest.raises(ValueError, match=r"\[-1, N\)"):
         native.renumbered_default(old, held, np.full((1, 4), 5), 2, 1)
+
+
+def _clone(st) -> "search.SearchState":
+    """An independent SearchState with the same contents as ``st``."""
+    return search.SearchState(st.w.copy(), st.cur.copy(), st.count.copy(), st.slot_load.copy(), st.held.copy(),
+                              st.on_rank.copy(), st.goal.copy(), st.G, st.nodes, st.limit.copy())
+
+
+def _same_state(a, b) -> None:
+    for name in ("cur", "count", "slot_load", "rank_load", "on_rank", "moved", "moves"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.rounds == b.rounds
+
+
+@needs_kernel
+def test_count_pass_and_search_leave_the_same_state_in_c():
+    """From the policy's own starting states (every shape), the C replica-count pass and search leave every array as numpy's do."""
+    captured = []
+    real_counts = search.rebalance_counts
+
+    def capture(st, cap):
+        captured.append((_clone(st), cap.copy()))
+        return real_counts(st, cap)
+
+    changed = 0
+    with mock.patch.object(movement_policy, "rebalance_counts", capture):
+        for shape in SHAPES:
+            for seed in range(4):
+                for integer in (False, True):
+                    for hot in (False, True):
+                        weight, old, call = _problem(shape, seed, integer, hot)
+                        _plan(weight, old, call, "1")
+                        _plan(weight, old, call, "1", max_moves=1)  # the move limit cuts the pass
+    assert captured
+    for st, cap in captured:
+        c, py = _clone(st), _clone(st)
+        with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+            search.rebalance_counts(py, cap)
+        search.rebalance_counts(c, cap)
+        _same_state(c, py)
+        changed += not np.array_equal(c.cur, st.cur)
+        with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+            py.run(float(py.rank_load.max(1).sum()) * 0.9, 0.0)
+        c.run(float(c.rank_load.max(1).sum()) * 0.9, 0.0)
+        _same_state(c, py)
+    assert changed > 0  # some passes re-pointed slots

@@ -10,6 +10,8 @@
  *
  * run(state, dims, budget, fixed_max, max_rounds, rounds) -> rounds
  *     SearchState.run: the whole local search, in place.
+ * rebalance_counts(state, dims, cap)
+ *     search.rebalance_counts, in place; cap (A) float64.
  * repoints(state, dims, lr, eff, rank, new, donor, cost, after)
  *     moves.repoints for the live layers lr (n) int64 (rows of A), their rank loads and
  *     goals read from the state: writes eff (n) float64, rank / new / donor / cost (n)
@@ -134,6 +136,32 @@ static PyObject *run(PyObject *self, PyObject *args)
     out = es_run(&s, budget, fixed_max, max_rounds, rounds);
     Py_END_ALLOW_THREADS
     result = out < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(out);
+done:
+    release(&bs);
+    return result;
+}
+
+static PyObject *rebalance_counts(PyObject *self, PyObject *args)
+{
+    PyObject *state, *dims, *cap_obj;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyTuple_Type, &state, &PyTuple_Type, &dims, &cap_obj))
+        return NULL;
+    Bufs bs = {.n = 0};
+    EsState s;
+    PyObject *result = NULL;
+    void *cap;
+    if (take_state(&bs, state, dims, &s) < 0 || take(&bs, cap_obj, s.A, 8, 0, "cap", &cap) < 0)
+        goto done;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = es_rebalance_counts(&s, cap);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
 done:
     release(&bs);
     return result;
@@ -303,6 +331,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "SearchState.run, in place (see the module comment)."},
+    {"rebalance_counts", rebalance_counts, METH_VARARGS, "search.rebalance_counts, in place (see the module comment)."},
     {"repoints", repoints, METH_VARARGS, "The best re-point of every live layer (see the module comment)."},
     {"pair_swaps", pair_swaps, METH_VARARGS, "The best swap of every rank pair (see the module comment)."},
     {"widened_choice", widened_choice, METH_VARARGS, "The widened swap of every layer (see the module comment)."},

@@ -78,6 +78,9 @@ void es_count_moves(EsState *s, int64_t l);
 /* SearchState.run: returns the rounds run (from `rounds`), -1 when out of memory */
 Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_rounds, Py_ssize_t rounds);
 
+/* search.rebalance_counts (csearch_counts.c): cap (A) the load per replica to reach; -1 when out of memory */
+int es_rebalance_counts(EsState *s, const double *cap);
+
 /* the fallback's renumbering (csearch_renumber.c); -1 when out of memory */
 int es_renumber_default(const int64_t *old, const uint8_t *held, const int64_t *new_, int64_t *out, int64_t *moved,
                         Py_ssize_t L, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G, Py_ssize_t nodes);

@@ -29,15 +29,19 @@ import numpy as np
 try:
     from eplb_fsm.policy.movement.csearch import (
         pair_swaps as _pair_swaps,
+        rebalance_counts as _rebalance_counts,
         renumber_default as _renumber_default,
         repoints as _repoints,
         run as _run,
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _pair_swaps = _renumber_default = _repoints = _run = _widened_choice = None
+    _pair_swaps = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
 
-__all__ = ["built", "enabled", "pair_swaps", "renumbered_default", "repoints", "run", "usable", "widened_choice"]
+__all__ = [
+    "built", "enabled", "pair_swaps", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
+    "widened_choice",
+]
 
 # (attribute, dtype) of the state tuple csearch.c reads, in its order
 _STATE = (("w", np.float64), ("count", np.int64), ("cur", np.int64), ("slot_load", np.float64),
@@ -74,6 +78,11 @@ def run(st, budget: float, fixed_max: float, max_rounds: int) -> None:
     """``SearchState.run`` in C: the state's arrays change in place, ``st.rounds`` advances."""
     state, dims = _state(st)
     st.rounds = _run(state, dims, float(budget), float(fixed_max), int(max_rounds), int(st.rounds))
+
+
+def rebalance_counts(st, cap: np.ndarray) -> None:
+    """``search.rebalance_counts`` in C: the state's arrays change in place. ``cap`` (A,) float64."""
+    _rebalance_counts(*_state(st), np.ascontiguousarray(cap, dtype=np.float64))
 
 
 def repoints(st, lr: np.ndarray, RL: np.ndarray = None, T: np.ndarray = None):

@@ -279,7 +279,7 @@ COUNT_CAP = 2.0
 def _node_major(node: np.ndarray, key: np.ndarray) -> np.ndarray:
     """Expert order by (node, key): ``(n, N), (n, N) -> (n, N)``."""
     span = np.abs(key).max(initial=0.0) * 4 + 1.0
-    return np.argsort(node * span + key, axis=1)
+    return np.argsort(node * span + key, axis=1, kind="stable")
 
 
 def _take(amount: np.ndarray, order: np.ndarray, node: np.ndarray, moves: np.ndarray) -> np.ndarray:
@@ -302,7 +302,10 @@ def _take(amount: np.ndarray, order: np.ndarray, node: np.ndarray, moves: np.nda
 
 def rebalance_counts(st: SearchState, cap: np.ndarray) -> None:
     """Re-point slots of ``st`` so that no expert's load per replica exceeds ``cap`` (A,) where
-    givers allow (module docstring); updates ``st`` in place."""
+    givers allow (module docstring); updates ``st`` in place. In C where :mod:`.native` is usable."""
+    if native.usable(st):
+        native.rebalance_counts(st, cap)
+        return
     w, count = st.w, st.count
     floor = np.maximum(np.ceil(w / np.maximum(cap, 1e-300)[:, None] - 1e-9), 1).astype(np.int64)
     need = np.maximum(floor - count, 0)
@@ -331,7 +334,7 @@ def rebalance_counts(st: SearchState, cap: np.ndarray) -> None:
     cur = st.cur[rows]
     slot_load = st.rank_load[rows][:, st.rank_of_slot]  # (n, P) load of each slot's rank
     span = slot_load.max(initial=0.0) * 4 + 1.0
-    order = np.argsort(cur * span + slot_load, axis=1)  # by expert, then rank load
+    order = np.argsort(cur * span + slot_load, axis=1, kind="stable")  # by expert, then rank load
     sorted_e = np.take_along_axis(cur, order, 1)
     first = np.cumsum(count, 1) - count
     pos = np.arange(P)[None, :] - np.take_along_axis(first, sorted_e, 1)
@@ -341,7 +344,7 @@ def rebalance_counts(st: SearchState, cap: np.ndarray) -> None:
     slot_node = st.node_of_rank[st.rank_of_slot][None, :]
     total = moves.sum(1)
     kmax = int(total.max())
-    slots = np.argsort(np.where(freed, slot_node * span + slot_load, np.inf), axis=1)[:, :kmax]
+    slots = np.argsort(np.where(freed, slot_node * span + slot_load, np.inf), axis=1, kind="stable")[:, :kmax]
     # item j of a layer goes to the expert whose run of new replicas covers j
     ends = np.cumsum(np.take_along_axis(gets, take_order, 1), 1)  # (n, N), ends[:, -1] = total
     item = np.arange(kmax)
