@@ -13,7 +13,7 @@ setup(
                   extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
         Extension("eplb_fsm.policy.movement.csearch",
                   [f"eplb_fsm/policy/movement/{name}.c" for name in ("csearch", "csearch_score", "csearch_run",
-                                                                     "csearch_counts", "csearch_renumber")],
+                                                                     "csearch_counts", "csearch_goals", "csearch_renumber")],
                   depends=["eplb_fsm/policy/movement/csearch.h"], optional=True,
                   extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
     ],

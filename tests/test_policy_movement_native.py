@@ -17,7 +17,7 @@ csearch = pytest.importorskip("eplb_fsm.policy.movement.csearch", reason="the C 
 from eplb_fsm.policy.movement.placement import membership
 from eplb_fsm.policy.movement import policy as movement_policy
 from eplb_fsm.policy.movement.policy import plan_movement
-from eplb_fsm.policy.movement.targets import renumbered_default
+from eplb_fsm.policy.movement.targets import lagrange_levels, renumbered_default
 
 needs_kernel = pytest.mark.skipif(not native.built(), reason="the C extension is not built (no compiler at install)")
 
@@ -251,3 +251,22 @@ def test_count_pass_and_search_leave_the_same_state_in_c():
         c.run(float(c.rank_load.max(1).sum()) * 0.9, 0.0)
         _same_state(c, py)
     assert changed > 0  # some passes re-pointed slots
+
+
+@needs_kernel
+@pytest.mark.parametrize("ranks", [1, 3, 8, 32])
+def test_flat_goals_are_the_same_in_c(ranks):
+    """The flat mode's goals (sorted ranks, floors, the bisected price) are identical on both paths, ties included."""
+    rng = np.random.default_rng(ranks)
+    for case in range(60):
+        layers = int(rng.integers(1, 12))
+        loads = rng.gamma(1.0, 10.0, (layers, ranks))
+        if case % 3 == 0:
+            loads = np.round(loads)  # equal loads
+        top = loads.max(1)
+        floor = top * rng.uniform(0.5, 1.1, layers)
+        budget = float(top.sum()) * rng.uniform(0.6, 1.05)
+        got = native.lagrange_levels(loads, floor, budget)
+        with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+            want = lagrange_levels(loads, floor, budget)
+        assert np.array_equal(got, want)

@@ -22,6 +22,8 @@
  * widened_choice(state, dims, lr, found, slot_a, slot_b)
  *     the swap moves.widened_swap would apply to each layer (found (n) int8, slots (n)
  *     int64); applies nothing.
+ * lagrange_levels(rank_loads, floor, budget, goal, n, G)
+ *     targets.lagrange_levels: rank_loads (n*G), floor (n) float64; writes goal (n).
  * renumber_default(old, held, new, out, moved, L, N, P, G, nodes)
  *     targets.renumbered_default: old / new (L*P) int64 (-1 empty), held (L*N*G) bool
  *     the old membership; writes out (L*P) int64 and moved (L) int64.
@@ -293,6 +295,38 @@ done:
     return result;
 }
 
+static PyObject *lagrange_levels(PyObject *self, PyObject *args)
+{
+    PyObject *o[3];
+    double budget;
+    Py_ssize_t n, G;
+    if (!PyArg_ParseTuple(args, "OOdOnn", &o[0], &o[1], &budget, &o[2], &n, &G))
+        return NULL;
+    Bufs bs = {.n = 0};
+    PyObject *result = NULL;
+    void *p[3];
+    if (n < 0 || G < 1) {
+        PyErr_SetString(PyExc_ValueError, "csearch: needs n >= 0 and G >= 1");
+        goto done;
+    }
+    if (take(&bs, o[0], n * G, 8, 0, "rank_loads", &p[0]) < 0 || take(&bs, o[1], n, 8, 0, "floor", &p[1]) < 0
+        || take(&bs, o[2], n, 8, 1, "goal", &p[2]) < 0)
+        goto done;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = es_lagrange_levels(p[0], p[1], budget, p[2], n, G);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release(&bs);
+    return result;
+}
+
 static PyObject *renumber_default(PyObject *self, PyObject *args)
 {
     PyObject *o[5];
@@ -335,6 +369,7 @@ static PyMethodDef methods[] = {
     {"repoints", repoints, METH_VARARGS, "The best re-point of every live layer (see the module comment)."},
     {"pair_swaps", pair_swaps, METH_VARARGS, "The best swap of every rank pair (see the module comment)."},
     {"widened_choice", widened_choice, METH_VARARGS, "The widened swap of every layer (see the module comment)."},
+    {"lagrange_levels", lagrange_levels, METH_VARARGS, "Per-layer goals in flat mode (see the module comment)."},
     {"renumber_default", renumber_default, METH_VARARGS, "The renumbered default placement (see the module comment)."},
     {NULL, NULL, 0, NULL},
 };

@@ -81,6 +81,10 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
 /* search.rebalance_counts (csearch_counts.c): cap (A) the load per replica to reach; -1 when out of memory */
 int es_rebalance_counts(EsState *s, const double *cap);
 
+/* targets.lagrange_levels (csearch_goals.c): rank_loads (n*G), floor (n) -> goal (n); -1 when out of memory */
+int es_lagrange_levels(const double *rank_loads, const double *floor, double budget, double *goal, Py_ssize_t n,
+                       Py_ssize_t G);
+
 /* the fallback's renumbering (csearch_renumber.c); -1 when out of memory */
 int es_renumber_default(const int64_t *old, const uint8_t *held, const int64_t *new_, int64_t *out, int64_t *moved,
                         Py_ssize_t L, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G, Py_ssize_t nodes);

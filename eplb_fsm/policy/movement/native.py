@@ -28,6 +28,7 @@ import numpy as np
 
 try:
     from eplb_fsm.policy.movement.csearch import (
+        lagrange_levels as _lagrange_levels,
         pair_swaps as _pair_swaps,
         rebalance_counts as _rebalance_counts,
         renumber_default as _renumber_default,
@@ -36,10 +37,10 @@ try:
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _pair_swaps = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
+    _lagrange_levels = _pair_swaps = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
 
 __all__ = [
-    "built", "enabled", "pair_swaps", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
+    "built", "enabled", "lagrange_levels", "pair_swaps", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
     "widened_choice",
 ]
 
@@ -115,6 +116,16 @@ def widened_choice(st, lr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     slot_a, slot_b = np.empty(n, np.int64), np.empty(n, np.int64)
     _widened_choice(*_state(st), _rows(lr), found, slot_a, slot_b)
     return found.view(bool), slot_a, slot_b
+
+
+def lagrange_levels(rank_loads: np.ndarray, floor: np.ndarray, budget: float) -> np.ndarray:
+    """``targets.lagrange_levels`` in C: ``(L, G), (L,) -> (L,)`` float64 goals."""
+    rank_loads = np.ascontiguousarray(rank_loads, dtype=np.float64)
+    num_layers, num_ranks = rank_loads.shape
+    goal = np.empty(num_layers)
+    _lagrange_levels(rank_loads, np.ascontiguousarray(floor, dtype=np.float64), float(budget), goal, num_layers,
+                     num_ranks)
+    return goal
 
 
 def renumbered_default(old: np.ndarray, held: np.ndarray, new: np.ndarray, num_ranks: int, num_nodes: int):

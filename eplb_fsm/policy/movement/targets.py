@@ -83,7 +83,10 @@ def lagrange_levels(rank_loads: np.ndarray, floor: np.ndarray, budget: float) ->
     ``max(R[l, k], floor[l])``. Each layer takes the k that maximises (reduction of its
     max - mu * k) for a price mu per rank; mu is the largest price on a grid whose plan
     still fits the budget (a Lagrangian relaxation of the knapsack), found by bisection.
+    In C where :mod:`.native` is enabled.
     """
+    if native.enabled() and rank_loads.size:
+        return native.lagrange_levels(rank_loads, floor, budget)
     num_layers, num_ranks = rank_loads.shape
     r = -np.sort(-rank_loads, axis=1)
     need = float(r[:, 0].sum()) - budget
