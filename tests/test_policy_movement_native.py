@@ -14,7 +14,7 @@ from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement import moves, native, search
 
 csearch = pytest.importorskip("eplb_fsm.policy.movement.csearch", reason="the C extension is not built")
-from eplb_fsm.policy.movement.placement import membership
+from eplb_fsm.policy.movement.placement import membership, rank_counts
 from eplb_fsm.policy.movement import policy as movement_policy
 from eplb_fsm.policy.movement.policy import plan_movement
 from eplb_fsm.policy.movement.targets import lagrange_levels, renumbered_default
@@ -270,3 +270,16 @@ def test_flat_goals_are_the_same_in_c(ranks):
         with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
             want = lagrange_levels(loads, floor, budget)
         assert np.array_equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ranks, per_rank", [(4, 3), (8, 1), (5, 9), (16, 127)])
+def test_rank_counts_are_the_same_in_c(ranks, per_rank):
+    """Slots of every expert on every rank (repeats counted, empty slots ignored) match numpy's, as int8."""
+    rng = np.random.default_rng(per_rank)
+    for empty in (0.0, 0.3):
+        phy = _placement(rng, 4, ranks * per_rank, max(2, per_rank), empty)
+        got = native.rank_counts(phy, max(2, per_rank), ranks)
+        with mock.patch.dict(os.environ, {"EPLB_FSM_NATIVE": "0"}):
+            want = rank_counts(phy, max(2, per_rank), ranks)
+        assert got.dtype == want.dtype == np.int8 and np.array_equal(got, want)

@@ -24,6 +24,9 @@
  *     int64); applies nothing.
  * lagrange_levels(rank_loads, floor, budget, goal, n, G)
  *     targets.lagrange_levels: rank_loads (n*G), floor (n) float64; writes goal (n).
+ * rank_counts(phy2log, out, L, N, P, G)
+ *     placement.rank_counts for fewer than 128 slots per rank: phy2log (L*P) int64 (-1
+ *     empty, ignored); writes out (L*N*G) int8, the slots of expert e on rank g.
  * renumber_default(old, held, new, out, moved, L, N, P, G, nodes)
  *     targets.renumbered_default: old / new (L*P) int64 (-1 empty), held (L*N*G) bool
  *     the old membership; writes out (L*P) int64 and moved (L) int64.
@@ -34,6 +37,7 @@
 #include "csearch.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     Py_buffer b[24];
@@ -327,6 +331,47 @@ done:
     return result;
 }
 
+static PyObject *rank_counts(PyObject *self, PyObject *args)
+{
+    PyObject *o[2];
+    Py_ssize_t L, N, P, G;
+    if (!PyArg_ParseTuple(args, "OOnnnn", &o[0], &o[1], &L, &N, &P, &G))
+        return NULL;
+    Bufs bs = {.n = 0};
+    PyObject *result = NULL;
+    void *p[2];
+    if (check_dims(L, N, P, G, 1) < 0)
+        goto done;
+    if (P / G >= 128) {
+        PyErr_SetString(PyExc_ValueError, "csearch: rank_counts needs fewer than 128 slots per rank (int8 counts)");
+        goto done;
+    }
+    if (take(&bs, o[0], L * P, 8, 0, "phy2log", &p[0]) < 0 || take(&bs, o[1], L * N * G, 1, 1, "out", &p[1]) < 0)
+        goto done;
+    const int64_t *phy = p[0];
+    int8_t *out = p[1];
+    for (Py_ssize_t i = 0; i < L * P; i++)
+        if (phy[i] < -1 || phy[i] >= N) {
+            PyErr_SetString(PyExc_ValueError, "csearch: phy2log must hold experts in [-1, N)");
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    memset(out, 0, (size_t)(L * N * G));
+    const Py_ssize_t S = P / G;
+    for (Py_ssize_t l = 0; l < L; l++)
+        for (Py_ssize_t q = 0; q < P; q++) {
+            const int64_t e = phy[l * P + q];
+            if (e >= 0)
+                out[(l * N + e) * G + q / S] += 1;
+        }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release(&bs);
+    return result;
+}
+
 static PyObject *renumber_default(PyObject *self, PyObject *args)
 {
     PyObject *o[5];
@@ -370,6 +415,7 @@ static PyMethodDef methods[] = {
     {"pair_swaps", pair_swaps, METH_VARARGS, "The best swap of every rank pair (see the module comment)."},
     {"widened_choice", widened_choice, METH_VARARGS, "The widened swap of every layer (see the module comment)."},
     {"lagrange_levels", lagrange_levels, METH_VARARGS, "Per-layer goals in flat mode (see the module comment)."},
+    {"rank_counts", rank_counts, METH_VARARGS, "Slots of every expert on every rank, int8 (see the module comment)."},
     {"renumber_default", renumber_default, METH_VARARGS, "The renumbered default placement (see the module comment)."},
     {NULL, NULL, 0, NULL},
 };

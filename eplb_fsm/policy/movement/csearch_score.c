@@ -222,6 +222,7 @@ Py_ssize_t es_pairs(const EsState *s, int64_t l, int64_t i, const double *RL, do
                 cost_b[j] = 1 - s->held[(rN + cur[fo + j]) * G + ru] - s->moved[fo + j]; /* u's slot gets it */
                 cost_a[j] = 1 - s->held[(rN + cur[fu + j]) * G + ro] - s->moved[fu + j]; /* o's slot gets it */
             }
+            static const float per_cost[5] = {2.0f, 2.0f, 2.0f, 1.0f, 0.5f};
             float best = 0.0f;
             Py_ssize_t ia = 0, ib = 0;
             for (Py_ssize_t x = 0; x < S; x++)
@@ -230,8 +231,8 @@ Py_ssize_t es_pairs(const EsState *s, int64_t l, int64_t i, const double *RL, do
                     float gain = a3 <= d ? a3 : d;
                     gain -= max0f(b3 + d);
                     gain += bpos;
-                    const float c = (float)(cost_b[x] + cost_a[y]);
-                    gain /= c >= 0.5f ? c : 0.5f;
+                    /* / max(cost, 0.5) with cost in -2..2 is * 2, 2, 2, 1 or 0.5: the same rounding */
+                    gain *= per_cost[cost_b[x] + cost_a[y] + 2];
                     float tie = d - mid;
                     tie = fabsf(tie);
                     tie *= (float)ES_TIE;

@@ -30,6 +30,7 @@ try:
     from eplb_fsm.policy.movement.csearch import (
         lagrange_levels as _lagrange_levels,
         pair_swaps as _pair_swaps,
+        rank_counts as _rank_counts,
         rebalance_counts as _rebalance_counts,
         renumber_default as _renumber_default,
         repoints as _repoints,
@@ -37,10 +38,10 @@ try:
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _lagrange_levels = _pair_swaps = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
+    _lagrange_levels = _pair_swaps = _rank_counts = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
 
 __all__ = [
-    "built", "enabled", "lagrange_levels", "pair_swaps", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
+    "built", "enabled", "lagrange_levels", "pair_swaps", "rank_counts", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
     "widened_choice",
 ]
 
@@ -79,6 +80,15 @@ def run(st, budget: float, fixed_max: float, max_rounds: int) -> None:
     """``SearchState.run`` in C: the state's arrays change in place, ``st.rounds`` advances."""
     state, dims = _state(st)
     st.rounds = _run(state, dims, float(budget), float(fixed_max), int(max_rounds), int(st.rounds))
+
+
+def rank_counts(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """``placement.rank_counts`` in C for fewer than 128 slots per rank: ``(L, P) -> (L, N, G)`` int8."""
+    phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
+    num_layers, num_slots = phy2log.shape
+    out = np.empty((num_layers, num_experts, num_ranks), dtype=np.int8)
+    _rank_counts(phy2log, out, num_layers, num_experts, num_slots, num_ranks)
+    return out
 
 
 def rebalance_counts(st, cap: np.ndarray) -> None:

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from eplb_fsm.policy.movement import native
+
 __all__ = [
     "ClassOrInstanceMethod",
     "check_max_moves",
@@ -96,6 +98,8 @@ def rank_counts(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> np.nda
     """
     num_layers, num_slots = phy2log.shape
     slots_per_rank = num_slots // num_ranks
+    if slots_per_rank < 128 and native.enabled():  # one pass in C
+        return native.rank_counts(phy2log, num_experts, num_ranks)
     dtype = np.int8 if slots_per_rank < 128 else np.int16 if slots_per_rank < 32768 else np.int64
     flat = rank_index(phy2log, num_experts, num_ranks)
     out = membership(phy2log, num_experts, num_ranks).reshape(-1).astype(dtype)
