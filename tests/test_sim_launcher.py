@@ -92,6 +92,25 @@ def test_timeout_kills_stragglers(tmp_path):
     _assert_gone(str(tmp_path))
 
 
+def _slow_exit(rank: int, world: int, flag_dir: str) -> int:
+    from multiprocessing import util
+
+    from eplb_fsm.sim import signals
+
+    def noted(name: str) -> None:  # the launcher's stop reached this rank
+        open(os.path.join(flag_dir, f"signalled-{rank}"), "w").close()
+
+    signals.on_signal(noted)
+    util.Finalize(None, time.sleep, args=(0.5,), exitpriority=100)  # still exiting after it reported
+    return rank
+
+
+def test_ranks_that_reported_exit_on_their_own(tmp_path):
+    """After every rank reported, a rank still in its exit path is let finish, not sent SIGTERM."""
+    assert run_ranks(_slow_exit, 2, args=(str(tmp_path),), timeout=30) == [0, 1]
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_rank_that_dies_is_reported():
     """A rank that exits without reporting (os._exit) is a failure with its exit code."""
     with pytest.raises(RankFailedError, match="exited with code 3"):

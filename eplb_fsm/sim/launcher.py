@@ -30,6 +30,8 @@ __all__ = ["run_ranks", "find_free_port", "process_context", "stop_processes", "
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno: 98")
+# seconds the ranks of a run that fully reported get to exit on their own before the stop
+_EXIT_GRACE = 2.0
 
 
 class RankFailedError(RuntimeError):
@@ -213,6 +215,12 @@ def _launch_once(
                         failures[r] = f"process exited with code {p.exitcode} without reporting"
                 break
     finally:
+        if len(values) == world_size:
+            # every rank reported: let each finish its own exit (queue flush, finalizers)
+            # before the stop below signals what is left, so a clean run logs no signal
+            end = time.monotonic() + _EXIT_GRACE
+            for p in procs:
+                p.join(max(0.0, end - time.monotonic()))
         stop_processes(procs)
         results_q.close()
         results_q.join_thread()
