@@ -65,6 +65,18 @@ static void release(Bufs *bs)
         PyBuffer_Release(&bs->b[i]);
 }
 
+/* The wrappers' common ending: release the buffers; NULL when an error is set, MemoryError
+ * when the kernel ran out of memory (status < 0), else None. */
+static PyObject *finish(Bufs *bs, int status)
+{
+    release(bs);
+    if (PyErr_Occurred())
+        return NULL;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static int check_dims(Py_ssize_t A, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G, Py_ssize_t nodes)
 {
     if (A < 0 || N < 1 || G < 1 || P < G || P % G || nodes < 1 || G % nodes) {
@@ -154,23 +166,15 @@ static PyObject *rebalance_counts(PyObject *self, PyObject *args)
         return NULL;
     Bufs bs = {.n = 0};
     EsState s;
-    PyObject *result = NULL;
     void *cap;
+    int status = 0;
     if (take_state(&bs, state, dims, &s) < 0 || take(&bs, cap_obj, s.A, 8, 0, "cap", &cap) < 0)
         goto done;
-    int status;
     Py_BEGIN_ALLOW_THREADS
     status = es_rebalance_counts(&s, cap);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, status);
 }
 
 static PyObject *repoints(PyObject *self, PyObject *args)
@@ -181,10 +185,10 @@ static PyObject *repoints(PyObject *self, PyObject *args)
         return NULL;
     Bufs bs = {.n = 0};
     EsState s;
-    PyObject *result = NULL;
     Py_ssize_t n;
     const int64_t *lr;
     void *p[6];
+    int status = 0;
     if (take_state(&bs, state, dims, &s) < 0 || take_rows(&bs, o[0], &s, &n, &lr) < 0)
         goto done;
     static const char *names[5] = {"eff", "rank", "new", "donor", "cost"};
@@ -195,7 +199,7 @@ static PyObject *repoints(PyObject *self, PyObject *args)
         goto done;
     double *scratch = malloc(sizeof(double) * es_scratch_doubles(&s));
     if (!scratch) {
-        PyErr_NoMemory();
+        status = -1;
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -210,11 +214,8 @@ static PyObject *repoints(PyObject *self, PyObject *args)
     }
     Py_END_ALLOW_THREADS
     free(scratch);
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, status);
 }
 
 static PyObject *pair_swaps(PyObject *self, PyObject *args)
@@ -274,17 +275,17 @@ static PyObject *widened_choice(PyObject *self, PyObject *args)
         return NULL;
     Bufs bs = {.n = 0};
     EsState s;
-    PyObject *result = NULL;
     Py_ssize_t n;
     const int64_t *lr;
     void *p[3];
+    int status = 0;
     if (take_state(&bs, state, dims, &s) < 0 || take_rows(&bs, o[0], &s, &n, &lr) < 0
         || take(&bs, o[1], n, 1, 1, "found", &p[0]) < 0 || take(&bs, o[2], n, 8, 1, "slot_a", &p[1]) < 0
         || take(&bs, o[3], n, 8, 1, "slot_b", &p[2]) < 0)
         goto done;
     double *scratch = malloc(sizeof(double) * es_scratch_doubles(&s));
     if (!scratch) {
-        PyErr_NoMemory();
+        status = -1;
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -292,11 +293,8 @@ static PyObject *widened_choice(PyObject *self, PyObject *args)
         ((int8_t *)p[0])[i] = (int8_t)es_widened(&s, lr[i], scratch, (int64_t *)p[1] + i, (int64_t *)p[2] + i);
     Py_END_ALLOW_THREADS
     free(scratch);
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, status);
 }
 
 static PyObject *lagrange_levels(PyObject *self, PyObject *args)
@@ -307,8 +305,8 @@ static PyObject *lagrange_levels(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOdOnn", &o[0], &o[1], &budget, &o[2], &n, &G))
         return NULL;
     Bufs bs = {.n = 0};
-    PyObject *result = NULL;
     void *p[3];
+    int status = 0;
     if (n < 0 || G < 1) {
         PyErr_SetString(PyExc_ValueError, "csearch: needs n >= 0 and G >= 1");
         goto done;
@@ -316,19 +314,11 @@ static PyObject *lagrange_levels(PyObject *self, PyObject *args)
     if (take(&bs, o[0], n * G, 8, 0, "rank_loads", &p[0]) < 0 || take(&bs, o[1], n, 8, 0, "floor", &p[1]) < 0
         || take(&bs, o[2], n, 8, 1, "goal", &p[2]) < 0)
         goto done;
-    int status;
     Py_BEGIN_ALLOW_THREADS
     status = es_lagrange_levels(p[0], p[1], budget, p[2], n, G);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, status);
 }
 
 static PyObject *rank_counts(PyObject *self, PyObject *args)
@@ -338,7 +328,6 @@ static PyObject *rank_counts(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOnnnn", &o[0], &o[1], &L, &N, &P, &G))
         return NULL;
     Bufs bs = {.n = 0};
-    PyObject *result = NULL;
     void *p[2];
     if (check_dims(L, N, P, G, 1) < 0)
         goto done;
@@ -365,11 +354,8 @@ static PyObject *rank_counts(PyObject *self, PyObject *args)
                 out[(l * N + e) * G + q / S] += 1;
         }
     Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, 0);
 }
 
 static PyObject *renumber_default(PyObject *self, PyObject *args)
@@ -379,8 +365,8 @@ static PyObject *renumber_default(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOOOnnnnn", &o[0], &o[1], &o[2], &o[3], &o[4], &L, &N, &P, &G, &nodes))
         return NULL;
     Bufs bs = {.n = 0};
-    PyObject *result = NULL;
     void *p[5];
+    int status = 0;
     if (check_dims(L, N, P, G, nodes) < 0)
         goto done;
     if (take(&bs, o[0], L * P, 8, 0, "old", &p[0]) < 0 || take(&bs, o[1], L * N * G, 1, 0, "held", &p[1]) < 0
@@ -393,19 +379,11 @@ static PyObject *renumber_default(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "csearch: placements must hold experts in [-1, N)");
             goto done;
         }
-    int status;
     Py_BEGIN_ALLOW_THREADS
     status = es_renumber_default(old, p[1], new_, p[3], p[4], L, N, P, G, nodes);
     Py_END_ALLOW_THREADS
-    if (status < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
-    release(&bs);
-    return result;
+    return finish(&bs, status);
 }
 
 static PyMethodDef methods[] = {

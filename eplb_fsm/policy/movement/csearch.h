@@ -61,6 +61,14 @@ typedef struct {
     double eff, delta;
 } EsPair;
 
+/* A sort key and its index: qsort with es_by_keys orders by (key1, key2, index), which is
+ * numpy's stable argsort (key2 = 0 for a single key) or np.lexsort((key2, key1)). */
+typedef struct {
+    double key1, key2;
+    int64_t index;
+} EsKeyed;
+
+int es_by_keys(const void *a, const void *b);
 double es_pairwise_sum(const double *a, Py_ssize_t n);
 Py_ssize_t es_argmax(const double *a, Py_ssize_t n);
 

@@ -8,7 +8,8 @@
  * per replica after giving one up) give first, a giver frees its slots on its lightest
  * ranks, and the new replicas, neediest first, go to the freed slots lightest rank first.
  * Every order is numpy's stable argsort of the same float64 keys (node * span + key,
- * with span from all the layers that need a change), rebuilt by qsort on (key, index).
+ * with span from all the layers that need a change), rebuilt by qsort on (key, index)
+ * (es_by_keys).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -16,25 +17,12 @@
 
 #include "csearch.h"
 
-typedef struct {
-    double key;
-    int64_t index;
-} Keyed;
-
-static int by_key(const void *pa, const void *pb)
-{
-    const Keyed *a = pa, *b = pb;
-    if (a->key != b->key)
-        return a->key < b->key ? -1 : 1;
-    return a->index < b->index ? -1 : a->index > b->index;
-}
-
 /* np.argsort(key, kind="stable") of n keys into order (n) */
-static void stable_order(Keyed *tmp, const double *key, Py_ssize_t n, int64_t *order)
+static void stable_order(EsKeyed *tmp, const double *key, Py_ssize_t n, int64_t *order)
 {
     for (Py_ssize_t i = 0; i < n; i++)
-        tmp[i].key = key[i], tmp[i].index = i;
-    qsort(tmp, (size_t)n, sizeof(Keyed), by_key);
+        tmp[i].key1 = key[i], tmp[i].key2 = 0.0, tmp[i].index = i;
+    qsort(tmp, (size_t)n, sizeof(EsKeyed), es_by_keys);
     for (Py_ssize_t i = 0; i < n; i++)
         order[i] = tmp[i].index;
 }
@@ -104,13 +92,13 @@ int es_rebalance_counts(EsState *s, const double *cap)
     span_take = span_take * 4 + 1.0, span_give = span_give * 4 + 1.0, span_slot = span_slot * 4 + 1.0;
 
     const Py_ssize_t big = N > P ? N : P;
-    char *block = malloc(sizeof(Keyed) * big + sizeof(double) * big + sizeof(int64_t) * (8 * big + 4 * width));
+    char *block = malloc(sizeof(EsKeyed) * big + sizeof(double) * big + sizeof(int64_t) * (8 * big + 4 * width));
     if (!block) {
         free(need);
         free(some);
         return -1;
     }
-    Keyed *tmp = (Keyed *)block;
+    EsKeyed *tmp = (EsKeyed *)block;
     double *key = (double *)(tmp + big);
     int64_t *spare = (int64_t *)(key + big), *take_order = spare + big, *give_order = take_order + big;
     int64_t *gets = give_order + big, *gives = gets + big, *slot_order = gives + big, *freed_order = slot_order + big;
@@ -171,8 +159,9 @@ int es_rebalance_counts(EsState *s, const double *cap)
         }
         /* freed slots node-major, lightest rank first (numpy sorts the others as +inf) */
         for (Py_ssize_t p = 0; p < P; p++)
-            tmp[p].key = freed[p] ? (double)((p / S) / s->Gn) * span_slot + rl[p / S] : INFINITY, tmp[p].index = p;
-        qsort(tmp, (size_t)P, sizeof(Keyed), by_key);
+            tmp[p].key1 = freed[p] ? (double)((p / S) / s->Gn) * span_slot + rl[p / S] : INFINITY, tmp[p].key2 = 0.0,
+            tmp[p].index = p;
+        qsort(tmp, (size_t)P, sizeof(EsKeyed), es_by_keys);
         for (Py_ssize_t p = 0; p < P; p++)
             freed_order[p] = tmp[p].index;
         /* new replica j goes to the expert whose run of new replicas (neediest first) covers j */

@@ -86,21 +86,6 @@ static Py_ssize_t search_left(const double *a, Py_ssize_t n, double key)
     return lo;
 }
 
-typedef struct {
-    double key1, key2;
-    Py_ssize_t index;
-} Ranked;
-
-static int by_rank(const void *pa, const void *pb)
-{
-    const Ranked *a = pa, *b = pb;
-    if (a->key1 != b->key1)
-        return a->key1 < b->key1 ? -1 : 1;
-    if (a->key2 != b->key2)
-        return a->key2 < b->key2 ? -1 : 1;
-    return a->index < b->index ? -1 : a->index > b->index;
-}
-
 static double searched_max_sum(const EsState *s, const double *layer_max, const int64_t *searched, Py_ssize_t n,
                                double *tmp)
 {
@@ -115,10 +100,10 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
 {
     const Py_ssize_t A = s->A, G = s->G, cap = A * s->nodes * (s->Gn / 2) + 1;
     const Py_ssize_t nd = es_scratch_doubles(s);
-    /* one block: doubles, then int64, then EsRepoint / EsPair / Ranked, then bytes */
+    /* one block: doubles, then int64, then EsRepoint / EsPair / EsKeyed, then bytes */
     const size_t doubles = (size_t)(nd + 6 * A + 2 * A * G + G), longs = (size_t)(5 * A);
     char *block = malloc(sizeof(double) * doubles + sizeof(int64_t) * longs + sizeof(EsRepoint) * A
-                         + sizeof(EsPair) * cap + sizeof(Ranked) * (A + 1) + (size_t)(6 * A + cap));
+                         + sizeof(EsPair) * cap + sizeof(EsKeyed) * (A + 1) + (size_t)(6 * A + cap));
     if (!block)
         return -1;
     double *scratch = (double *)block, *layer_max = scratch + nd, *value = layer_max + A, *p_value = value + A;
@@ -128,7 +113,7 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
             *keep = p_cost + A;
     EsRepoint *rp = (EsRepoint *)(keep + A);
     EsPair *pairs = (EsPair *)(rp + A);
-    Ranked *ranked = (Ranked *)(pairs + cap);
+    EsKeyed *ranked = (EsKeyed *)(pairs + cap);
     int8_t *live = (int8_t *)(ranked + A + 1), *has_rp = live + A, *use_rp = has_rp + A, *acts = use_rp + A,
            *take = acts + A, *no_rp = take + A, *pick = no_rp + A;
 
@@ -273,7 +258,7 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
                 ranked[i].key2 = -value[i];
                 ranked[i].index = i;
             }
-            qsort(ranked, (size_t)n, sizeof(Ranked), by_rank);
+            qsort(ranked, (size_t)n, sizeof(EsKeyed), es_by_keys);
             double run = 0.0;
             for (Py_ssize_t j = 0; j < n; j++) {
                 run = j ? run + value[ranked[j].index] : value[ranked[j].index];

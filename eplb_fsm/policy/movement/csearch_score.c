@@ -36,6 +36,16 @@ double es_pairwise_sum(const double *a, Py_ssize_t n)
     return es_pairwise_sum(a, n2) + es_pairwise_sum(a + n2, n - n2);
 }
 
+int es_by_keys(const void *pa, const void *pb)
+{
+    const EsKeyed *a = pa, *b = pb;
+    if (a->key1 != b->key1)
+        return a->key1 < b->key1 ? -1 : 1;
+    if (a->key2 != b->key2)
+        return a->key2 < b->key2 ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
+}
+
 static inline double max0(double x) { return x >= 0.0 ? x : 0.0; }
 static inline float max0f(float x) { return x >= 0.0f ? x : 0.0f; }
 
