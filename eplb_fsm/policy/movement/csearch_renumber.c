@@ -81,14 +81,15 @@ int es_renumber_default(const int64_t *old, const uint8_t *held, const int64_t *
                         Py_ssize_t L, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G, Py_ssize_t nodes)
 {
     const Py_ssize_t S = P / G, Gn = G / nodes;
-    /* scratch: overlap, score and work (G*G int32 each), relabeled (P), per-size vectors */
-    char *block = malloc(sizeof(int32_t) * 3 * G * G + sizeof(int64_t) * (P + 5 * G) + sizeof(int32_t) * 2 * G + G + S);
+    /* scratch, widest type first (aligned): relabeled (P) and per-rank int64 vectors, then
+     * overlap, score and work (G*G int32 each) and int32 vectors, then bytes */
+    char *block = malloc(sizeof(int64_t) * (P + 5 * G) + sizeof(int32_t) * (3 * G * G + 2 * G) + G + S);
     if (!block)
         return -1;
-    int32_t *overlap = (int32_t *)block, *score = overlap + G * G, *work = score + G * G;
-    int64_t *relabeled = (int64_t *)(work + G * G), *target = relabeled + P, *node_target = target + G;
+    int64_t *relabeled = (int64_t *)block, *target = relabeled + P, *node_target = target + G;
     int64_t *inner = node_target + G, *choice = inner + G, *winner = choice + G;
-    int32_t *col_block = (int32_t *)(winner + G), *value = col_block + G;
+    int32_t *overlap = (int32_t *)(winner + G), *score = overlap + G * G, *work = score + G * G;
+    int32_t *col_block = work + G * G, *value = col_block + G;
     int8_t *row_free = (int8_t *)(value + G), *used = row_free + G;
     for (Py_ssize_t l = 0; l < L; l++) {
         const int64_t *o_l = old + l * P, *n_l = new_ + l * P;
