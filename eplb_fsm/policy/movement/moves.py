@@ -18,16 +18,15 @@ an expert it held is free, and changing an already moved slot costs nothing extr
   lightest ranks of its node; applied at once.
 - :func:`best_prefix`: how much of a layer's pair list to carry out in the last round.
 
-The first three run in C where :mod:`~eplb_fsm.policy.movement.native` is usable; the
-numpy code below defines their results (its orders come from stable sorts, so the C
-loops can rebuild them exactly).
+This numpy code defines the results; where :mod:`~eplb_fsm.policy.movement.native` is
+usable the whole search runs in C instead, scoring the same candidates one layer at a time
+(its orders come from stable sorts here, so the C loops can rebuild them exactly).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from eplb_fsm.policy.movement import native
 
 __all__ = ["FREE_COST", "best_prefix", "pair_swaps", "repoints", "widened_swap"]
 
@@ -55,8 +54,6 @@ def repoints(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     replicas gain least, times every rank holding the donor (the freed slot's rank).
     Arrays are (n, hot, donor, G).
     """
-    if native.usable(st):
-        return native.repoints(st, lr, RL, T)
     n, S, G, N = len(lr), st.S, st.G, st.N
     rows = st.rows[:n]
     eb = st.expert_base[lr]  # (n, 1) flat (layer, expert) base
@@ -117,8 +114,6 @@ def pair_swaps(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
     ``eff`` is the excess removed per moved slot (-inf: no useful swap or over the move
     limit); ``delta`` the load moved from o to u.
     """
-    if native.usable(st):
-        return native.pair_swaps(st, lr, RL, T)
     n, S, G, Gn = len(lr), st.S, st.G, st.Gn
     if Gn < 2 or n == 0:
         return None
@@ -182,11 +177,6 @@ def pair_swaps(st, lr: np.ndarray, RL: np.ndarray, T: np.ndarray):
 def widened_swap(st, lr: np.ndarray) -> np.ndarray:
     """For layers with no other move: the best swap of the max rank with one of the lightest
     ranks of its node (not only its paired one), applied. Returns found (n,) bool."""
-    if native.usable(st):
-        found, slot_a, slot_b = native.widened_choice(st, lr)
-        if found.any():
-            st.swap(lr[found], slot_a[found], slot_b[found])
-        return found
     n, S = len(lr), st.S
     rows = np.arange(n)
     RL, T = st.rank_load[lr], st.goal[lr]
