@@ -80,9 +80,12 @@ Py_ssize_t es_pairs(const EsState *s, int64_t l, int64_t i, const double *RL, do
 int es_widened(const EsState *s, int64_t l, double *scratch, int64_t *slot_a, int64_t *slot_b);
 
 /* state updates and the round loop (csearch_run.c) */
+/* SearchState.set_slots for one slot (counts are the caller's job; moves kept current) */
+void es_set_slot(EsState *s, int64_t l, int64_t slot, int64_t expert);
+/* layer l's slot and rank loads from its counts, as SearchState.recount recomputes them */
+void es_reload(EsState *s, int64_t l);
 void es_swap(EsState *s, int64_t l, int64_t slot_a, int64_t slot_b);
-void es_recount(EsState *s, int64_t l, int64_t slot, int64_t expert, double *scratch);
-void es_count_moves(EsState *s, int64_t l);
+void es_recount(EsState *s, int64_t l, int64_t slot, int64_t expert);
 /* SearchState.run: returns the rounds run (from `rounds`), -1 when out of memory */
 Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_rounds, Py_ssize_t rounds);
 

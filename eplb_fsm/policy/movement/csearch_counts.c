@@ -49,7 +49,7 @@ static void take_units(const int64_t *amount, const int64_t *order, const int64_
 int es_rebalance_counts(EsState *s, const double *cap)
 {
     const Py_ssize_t A = s->A, N = s->N, P = s->P, S = s->S, G = s->G, width = s->nodes;
-    int64_t *need = malloc(sizeof(int64_t) * (size_t)(A * N));
+    int64_t *need = malloc(sizeof(int64_t) * (size_t)(2 * A * N)), *spare = need + A * N; /* above / below the floor */
     int8_t *some = malloc((size_t)(A > 0 ? A : 1));
     if (!need || !some) {
         free(need);
@@ -65,6 +65,7 @@ int es_rebalance_counts(EsState *s, const double *cap)
             f = f >= 1 ? f : 1;
             const int64_t d = (int64_t)f - s->count[l * N + e];
             need[l * N + e] = d > 0 ? d : 0;
+            spare[l * N + e] = d < 0 ? -d : 0;
             some[l] |= d > 0;
         }
         any |= some[l];
@@ -92,7 +93,7 @@ int es_rebalance_counts(EsState *s, const double *cap)
     span_take = span_take * 4 + 1.0, span_give = span_give * 4 + 1.0, span_slot = span_slot * 4 + 1.0;
 
     const Py_ssize_t big = N > P ? N : P;
-    char *block = malloc(sizeof(EsKeyed) * big + sizeof(double) * big + sizeof(int64_t) * (8 * big + 4 * width));
+    char *block = malloc(sizeof(EsKeyed) * big + sizeof(double) * big + sizeof(int64_t) * (7 * big + 4 * width));
     if (!block) {
         free(need);
         free(some);
@@ -100,7 +101,7 @@ int es_rebalance_counts(EsState *s, const double *cap)
     }
     EsKeyed *tmp = (EsKeyed *)block;
     double *key = (double *)(tmp + big);
-    int64_t *spare = (int64_t *)(key + big), *take_order = spare + big, *give_order = take_order + big;
+    int64_t *take_order = (int64_t *)(key + big), *give_order = take_order + big;
     int64_t *gets = give_order + big, *gives = gets + big, *slot_order = gives + big, *freed_order = slot_order + big;
     int64_t *first = freed_order + big, *moves = first + big, *total_need = moves + width, *total_spare = total_need + width;
     int64_t *start = total_spare + width;
@@ -109,17 +110,13 @@ int es_rebalance_counts(EsState *s, const double *cap)
         if (!some[l])
             continue;
         const double *w = s->w + l * N;
-        const int64_t *count = s->count + l * N, *node = s->node + l * N, *nd_l = need + l * N;
+        const int64_t *count = s->count + l * N, *node = s->node + l * N, *nd_l = need + l * N, *sp_l = spare + l * N;
         for (Py_ssize_t j = 0; j < width; j++)
             total_need[j] = total_spare[j] = 0;
         for (Py_ssize_t e = 0; e < N; e++) {
-            double f = ceil(w[e] / (cap[l] > 1e-300 ? cap[l] : 1e-300) - 1e-9);
-            f = f >= 1 ? f : 1;
-            const int64_t sp = count[e] - (int64_t)f;
-            spare[e] = sp > 0 ? sp : 0;
             const Py_ssize_t nd = width == 1 ? 0 : node[e];
             total_need[nd] += nd_l[e];
-            total_spare[nd] += spare[e];
+            total_spare[nd] += sp_l[e];
         }
         /* replicas changing hands per node, within the layer's move limit, nodes in order */
         int64_t room = s->limit[l] - s->moves[l], used = 0, total = 0;
@@ -142,7 +139,7 @@ int es_rebalance_counts(EsState *s, const double *cap)
             key[e] = (double)(width == 1 ? 0 : node[e]) * span_give
                      + w[e] / (double)(count[e] - 1 > 1 ? count[e] - 1 : 1);
         stable_order(tmp, key, N, give_order); /* least harmed first */
-        take_units(spare, give_order, node, moves, N, width, start, gives);
+        take_units(sp_l, give_order, node, moves, N, width, start, gives);
         /* each giver frees its slots on its lightest ranks: slots by (expert, rank load) */
         const int64_t *cur = s->cur + l * P;
         const double *rl = s->rank_load + l * G;
@@ -173,24 +170,12 @@ int es_rebalance_counts(EsState *s, const double *cap)
             Py_ssize_t at = end <= j ? N : i; /* searchsorted(ends, j, "right"), clipped below */
             at = at > N - 1 ? N - 1 : at;
             const int64_t slot = freed_order[j], expert = take_order[at];
-            /* SearchState.recount(distinct=False): counts, then the slot */
-            const int64_t base = l * N * G + slot / S;
+            /* SearchState.recount(distinct=False): counts, then the slot; loads once after */
             s->count[l * N + cur[slot]] -= 1;
             s->count[l * N + expert] += 1;
-            s->on_rank[base + cur[slot] * G] -= 1;
-            s->on_rank[base + expert * G] += 1;
-            s->cur[l * P + slot] = expert;
-            s->moved[l * P + slot] = (int8_t)(1 - s->held[base + expert * G]);
+            es_set_slot(s, l, slot, expert);
         }
-        /* the layer's loads from the new counts */
-        double *load = s->slot_load + l * P;
-        for (Py_ssize_t p = 0; p < P; p++) {
-            const int64_t e = l * N + cur[p];
-            load[p] = s->w[e] / (double)s->count[e];
-        }
-        for (Py_ssize_t g = 0; g < G; g++)
-            s->rank_load[l * G + g] = es_pairwise_sum(load + g * S, S);
-        es_count_moves(s, l);
+        es_reload(s, l);
     }
     free(block);
     free(need);

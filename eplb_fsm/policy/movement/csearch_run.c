@@ -13,46 +13,20 @@
 
 #include "csearch.h"
 
-/* SearchState.set_slots for one slot: point it at `expert` (counts are the caller's job) */
-static void set_slot(EsState *s, int64_t l, int64_t slot, int64_t expert)
+void es_set_slot(EsState *s, int64_t l, int64_t slot, int64_t expert)
 {
     const int64_t flat = l * s->P + slot, base = l * s->N * s->G + slot / s->S;
     s->on_rank[base + s->cur[flat] * s->G] -= 1;
     s->on_rank[base + expert * s->G] += 1;
     s->cur[flat] = expert;
-    s->moved[flat] = (int8_t)(1 - s->held[base + expert * s->G]); /* the expert is new to the rank */
+    const int8_t moved = (int8_t)(1 - s->held[base + expert * s->G]); /* the expert is new to the rank */
+    s->moves[l] += moved - s->moved[flat];
+    s->moved[flat] = moved;
 }
 
-void es_count_moves(EsState *s, int64_t l)
+void es_reload(EsState *s, int64_t l)
 {
-    int64_t sum = 0;
-    const int8_t *m = s->moved + l * s->P;
-    for (Py_ssize_t p = 0; p < s->P; p++)
-        sum += m[p];
-    s->moves[l] = sum;
-}
-
-void es_swap(EsState *s, int64_t l, int64_t slot_a, int64_t slot_b)
-{
-    const int64_t fa = l * s->P + slot_a, fb = l * s->P + slot_b;
-    const int64_t xa = s->cur[fa], xb = s->cur[fb];
-    const double la = s->slot_load[fa], lb = s->slot_load[fb];
-    set_slot(s, l, slot_a, xb);
-    set_slot(s, l, slot_b, xa);
-    s->slot_load[fa] = lb;
-    s->slot_load[fb] = la;
-    s->rank_load[l * s->G + slot_a / s->S] += lb - la;
-    s->rank_load[l * s->G + slot_b / s->S] += la - lb;
-    es_count_moves(s, l);
-}
-
-void es_recount(EsState *s, int64_t l, int64_t slot, int64_t expert, double *scratch)
-{
-    (void)scratch;
     const int64_t *row = s->cur + l * s->P;
-    s->count[l * s->N + row[slot]] -= 1;
-    s->count[l * s->N + expert] += 1;
-    set_slot(s, l, slot, expert);
     double *load = s->slot_load + l * s->P;
     for (Py_ssize_t p = 0; p < s->P; p++) {
         const int64_t e = l * s->N + row[p];
@@ -60,7 +34,27 @@ void es_recount(EsState *s, int64_t l, int64_t slot, int64_t expert, double *scr
     }
     for (Py_ssize_t g = 0; g < s->G; g++)
         s->rank_load[l * s->G + g] = es_pairwise_sum(load + g * s->S, s->S);
-    es_count_moves(s, l);
+}
+
+void es_swap(EsState *s, int64_t l, int64_t slot_a, int64_t slot_b)
+{
+    const int64_t fa = l * s->P + slot_a, fb = l * s->P + slot_b;
+    const int64_t xa = s->cur[fa], xb = s->cur[fb];
+    const double la = s->slot_load[fa], lb = s->slot_load[fb];
+    es_set_slot(s, l, slot_a, xb);
+    es_set_slot(s, l, slot_b, xa);
+    s->slot_load[fa] = lb;
+    s->slot_load[fb] = la;
+    s->rank_load[l * s->G + slot_a / s->S] += lb - la;
+    s->rank_load[l * s->G + slot_b / s->S] += la - lb;
+}
+
+void es_recount(EsState *s, int64_t l, int64_t slot, int64_t expert)
+{
+    s->count[l * s->N + s->cur[l * s->P + slot]] -= 1;
+    s->count[l * s->N + expert] += 1;
+    es_set_slot(s, l, slot, expert);
+    es_reload(s, l);
 }
 
 static double row_max(const double *a, Py_ssize_t n)
@@ -304,7 +298,7 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
                         at = j;
                         break;
                     }
-                es_recount(s, l, rp[i].rank * s->S + at, rp[i].new_ - l * s->N, scratch);
+                es_recount(s, l, rp[i].rank * s->S + at, rp[i].new_ - l * s->N);
             }
         repoints_pay = (double)taken > ES_REPOINT_MIN_SHARE * (double)n;
         if (last)
