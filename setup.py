@@ -7,14 +7,17 @@ implementations.
 
 from setuptools import Extension, setup
 
+# no fast-math and no fused multiply-adds: the C loops must round as numpy's float ops do
+FLOAT_AS_NUMPY = ["-O3", "-fno-fast-math", "-ffp-contract=off"]
+SEARCH_SOURCES = ("csearch", "csearch_score", "csearch_run", "csearch_counts", "csearch_goals", "csearch_renumber")
+
 setup(
     ext_modules=[
         Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
-                  extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
+                  extra_compile_args=FLOAT_AS_NUMPY),
         Extension("eplb_fsm.policy.movement.csearch",
-                  [f"eplb_fsm/policy/movement/{name}.c" for name in ("csearch", "csearch_score", "csearch_run",
-                                                                     "csearch_counts", "csearch_goals", "csearch_renumber")],
+                  [f"eplb_fsm/policy/movement/{name}.c" for name in SEARCH_SOURCES],
                   depends=["eplb_fsm/policy/movement/csearch.h"], optional=True,
-                  extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off"]),
+                  extra_compile_args=FLOAT_AS_NUMPY),
     ],
 )
