@@ -97,6 +97,27 @@ def test_bench_policy_scaling_table(capsys):
     rows = [r for k, v in scaling.items() if isinstance(v, list) for r in v[1:]]
     assert scaling["max_ratio_per_doubling"] == max(r["ratio_per_doubling"] for r in rows)
     assert scaling["meets_target"] == all(r["meets_target"] for r in rows)
+    every = [r for k, v in scaling.items() if isinstance(v, list) for r in v]
+    assert all(r["us_per_unit"] == pytest.approx(r["ms"] * 1e3 / r["size"], rel=0.02, abs=0.01) for r in every)
+    assert all(r["log2phy_ms"] > 0 for r in every)
+
+
+def test_bench_policy_scaling_draws_a_load_per_run(monkeypatch):
+    """Every timed run of a scaling point gets a load of its own, plus one for the warm-up."""
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    seen: dict[tuple, set] = {}
+    real = DefaultEplbPolicy.rebalance_experts
+
+    def recording(weight, *call):
+        seen.setdefault((tuple(weight.shape), call), set()).add(weight.numpy().tobytes())
+        return real(weight, *call)
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
+    bench_policy._scaling(3, seed=0)
+    assert len(seen) == 2 * (len(bench_policy.SCALING_LAYERS) + len(bench_policy.SCALING_EXPERTS))
+    assert all(len(loads) == 3 + 1 for loads in seen.values())
 
 
 def test_bench_policy_rejects_zero_repeats():
