@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ops spin on a loaded machine, the default policy does not use torch's pool)",
     )
     parser.add_argument(
-        "--scaling-repeats", type=int, default=21, metavar="N",
-        help="timed runs per scaling point, each on a load of its own (default 21)"
+        "--scaling-repeats", type=int, default=41, metavar="N",
+        help="timed runs per scaling point, each on a load of its own (default 41)"
     )
 
 
