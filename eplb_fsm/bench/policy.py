@@ -148,20 +148,20 @@ def _scaling(repeats: int, seed: int) -> dict:
         return [zipf_load(layers, experts) for _ in range(repeats + 1)]
 
     def series(points: list[tuple[int, list, tuple]], size_of) -> list[dict]:
-        for _, loads, call in points:
-            DefaultEplbPolicy.rebalance_experts(loads[-1], *call)  # warm-up
+        for _, point_loads, call in points:
+            DefaultEplbPolicy.rebalance_experts(point_loads[-1], *call)  # warm-up
         times: list[list[float]] = [[] for _ in points]
         cpu: list[list[float]] = [[] for _ in points]
         log2phy: list[list[float]] = [[] for _ in points]
         for run in range(repeats):  # alternated over the points, so load drifts hit every point
-            for i, (_, loads, call) in enumerate(points):
-                w = loads[run]
+            for i, (_, point_loads, call) in enumerate(points):
+                w = point_loads[run]
                 times[i].append(_timed(lambda: DefaultEplbPolicy.rebalance_experts(w, *call), cpu[i])[0])
         # then the last step alone, in a pass of its own (so the timings above are of the
         # bare calls): the (L, N, P - N + 1) int64 output is the one that outgrows the caches
         for run in range(repeats):
-            for i, (_, loads, call) in enumerate(points):
-                phy2log, out, count = DefaultEplbPolicy.rebalance_experts(loads[run], *call)
+            for i, (_, point_loads, call) in enumerate(points):
+                phy2log, out, count = DefaultEplbPolicy.rebalance_experts(point_loads[run], *call)
                 width = out.shape[2]
                 del out
                 log2phy[i].append(_timed(lambda: slots_of_experts(phy2log.numpy(), count.numpy(), width))[0])
