@@ -98,8 +98,10 @@ def test_bench_policy_scaling_table(capsys):
     assert scaling["max_ratio_per_doubling"] == max(r["ratio_per_doubling"] for r in rows)
     assert scaling["meets_target"] == all(r["meets_target"] for r in rows)
     every = [r for k, v in scaling.items() if isinstance(v, list) for r in v]
-    assert all(r["us_per_unit"] == pytest.approx(r["ms"] * 1e3 / r["size"], rel=0.02, abs=0.01) for r in every)
-    assert all(r["log2phy_ms"] > 0 for r in every)
+    # ms is rounded to 0.001 and us_per_unit to 0.01: compare within those roundings
+    assert all(abs(r["us_per_unit"] - r["ms"] * 1e3 / r["size"]) <= 0.5 / r["size"] + 0.006 for r in every)
+    assert all(r["log2phy_ms"] >= 0 for r in every)
+    assert all(r["log2phy_ms"] > 0 for r in scaling["layers_global"] if r["size"] >= 128)  # 8.6 MB or more written
 
 
 def test_bench_policy_scaling_draws_a_load_per_run(monkeypatch):
