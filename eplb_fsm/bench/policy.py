@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
             "default_cpu_ms": round(default_cpu * 1e3, 3),
             "reference_cpu_ms": round(reference_cpu * 1e3, 3),
             "speedup_cpu": round(reference_cpu / default_cpu, 2) if default_cpu > 0 else None,
-            "meets_target": (speedup >= args.target_speedup) if name in TARGET_SHAPES else None,
+            "meets_target": (round(speedup, 2) >= args.target_speedup) if name in TARGET_SHAPES else None,
             "cores_busy": cores,
             "balancedness": round(placement_balancedness(fast[0], load, shape["ranks"]), 6),
             "bound": round(balancedness_bound(load, shape["replicas"], shape["ranks"]), 6),
