@@ -1,8 +1,8 @@
-"""Build hook for the optional C kernels of the default and movement-aware policies (everything else is in pyproject.toml).
+"""Build hook for the optional C kernels: the default and movement-aware policies and the transfer schedule (everything else is in pyproject.toml).
 
 ``optional=True``: where no C compiler is found the build goes on without them and
-``eplb_fsm.policy.native`` / ``eplb_fsm.policy.movement.native`` fall back to the numpy
-implementations.
+``eplb_fsm.policy.native`` / ``eplb_fsm.policy.movement.native`` /
+``eplb_fsm.transfer.native_schedule`` fall back to the numpy implementations.
 """
 
 from setuptools import Extension, setup
@@ -15,6 +15,8 @@ setup(
     ext_modules=[
         Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
                   extra_compile_args=FLOAT_AS_NUMPY),
+        Extension("eplb_fsm.transfer.cschedule", ["eplb_fsm/transfer/cschedule.c"], optional=True,
+                  extra_compile_args=["-O2"]),
         Extension("eplb_fsm.policy.movement.csearch",
                   [f"eplb_fsm/policy/movement/{name}.c" for name in SEARCH_SOURCES],
                   depends=["eplb_fsm/policy/movement/csearch.h"], optional=True,

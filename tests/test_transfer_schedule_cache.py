@@ -46,14 +46,18 @@ def _same(a, b) -> bool:
 
 
 def _count_planning(monkeypatch) -> list[int]:
+    """Counts the schedules planned, in Python (all_layer_transfers) or in C (prepared_layers)."""
     calls = [0]
-    real = schedule.all_layer_transfers
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    def counting(real):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(schedule, "all_layer_transfers", counted)
+        return counted
+
+    monkeypatch.setattr(schedule, "all_layer_transfers", counting(schedule.all_layer_transfers))
+    monkeypatch.setattr(schedule.native_schedule, "prepared_layers", counting(schedule.native_schedule.prepared_layers))
     return calls
 
 
@@ -128,8 +132,9 @@ def test_cache_is_bounded():
     assert len(schedule._SCHEDULES) <= schedule._SCHEDULE_CACHE_SIZE
 
 
-def test_messages_alone_equal_the_full_layers_and_are_reused():
-    """A schedule's messages-only layer has the full layer's waves and ops, no plans or commit, and the full layer reuses them."""
+def test_messages_alone_equal_the_full_layers_and_are_reused(monkeypatch):
+    """With the Python planner, a messages-only layer has the full layer's waves and ops, no plans or commit, and the full layer reuses them."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
     for batching in (False, True):
         schedule.clear_schedule_cache()
         _, _, sched = schedule.prepare_maps(OLD, NEW, G, None, 2, tuple(range(G)), batching)
@@ -164,8 +169,9 @@ class _FirstStartSpy(InProcessCommunicator):
         super().start()
 
 
-def test_new_maps_post_layer_0_before_planning_it_and_stay_bit_exact():
-    """With new maps layer 0's messages go out before its plans and commit order exist; cached maps start fully planned; both bit-exact."""
+def test_new_maps_post_layer_0_before_planning_it_and_stay_bit_exact(monkeypatch):
+    """With the Python planner and new maps, layer 0's messages go out before its plans and commit order exist; cached maps start fully planned; both bit-exact."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
     schedule.clear_schedule_cache()
     spy = _FirstStartSpy(G, (OLD, NEW))
     weights = _world(OLD)
@@ -173,6 +179,17 @@ def test_new_maps_post_layer_0_before_planning_it_and_stay_bit_exact():
     assert _same(weights, _world(NEW))
     assert spy.prepared_at_start[0] is False and all(spy.prepared_at_start[1:])
     spy.prepared_at_start.clear()
+    weights = _world(OLD)
+    rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=spy, buffer=TransferBuffer())
+    assert _same(weights, _world(NEW))
+    assert spy.prepared_at_start and all(spy.prepared_at_start)
+
+
+@pytest.mark.skipif(not schedule.native_schedule.built(), reason="the C schedule extension is not built")
+def test_c_planner_prepares_every_layer_before_the_first_message():
+    """With the C planner, new maps are planned whole at first use: every start() finds layer 0 prepared, bit-exact."""
+    schedule.clear_schedule_cache()
+    spy = _FirstStartSpy(G, (OLD, NEW))
     weights = _world(OLD)
     rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=spy, buffer=TransferBuffer())
     assert _same(weights, _world(NEW))

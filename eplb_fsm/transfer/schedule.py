@@ -5,25 +5,28 @@ Pure bookkeeping between the planners (:mod:`.plan_all`, :mod:`.local_copies`,
 a process group. :func:`prepare_maps` checks the maps and returns their
 :class:`Schedule`, built lazily layer by layer and kept in a small LRU keyed by (maps,
 group size, local ranks, batching), so a repeated rearrangement re-plans nothing.
-
-Rows and runs: a :data:`Run` ``(dst_start, src_start, length)`` copies ``length``
-consecutive rows; copy runs are what the executor turns into tensor copies.
+Without migration batching, and where the optional C extension is built, every layer
+is planned in one C call instead (:mod:`.native_schedule`; same result). The records a
+schedule is made of (:data:`Run`, :class:`WaveOps`, :class:`PreparedLayer`,
+:class:`Commit`, :func:`row_runs`) live in :mod:`.schedule_types` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping as MappingABC
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from eplb_fsm.transfer import native_schedule
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.local_copies import order_local_copies
 from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, check_layer_maps
 from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
 from eplb_fsm.transfer.rank_mapping import expand_maps
+from eplb_fsm.transfer.schedule_types import Commit, PreparedLayer, Run, WaveOps, row_runs
 
 __all__ = [
     "Commit",
@@ -104,85 +107,14 @@ def _maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
     num_layers, p = old.shape
     if old.size == 0:
         return True
+    if native_schedule.available():
+        return native_schedule.maps_valid(old, new)
     if min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
         return False
     held = np.zeros((num_layers, p + 1), dtype=bool)  # column p: the empty slot (-1)
     layer = np.arange(num_layers)[:, None]
     held[layer, old] = True
     return bool(held[layer, new][new >= 0].all())
-
-
-Run = tuple[int, int, int]
-
-
-def row_runs(dst_rows: np.ndarray, src_rows: np.ndarray, *, same_tensor: bool = False) -> tuple[Run, ...]:
-    """(dst_start, src_start, length) runs where both row sequences advance by one.
-
-    ``same_tensor``: the copies read and write one tensor, in the given order; a run then
-    grows only while its destination and source ranges stay disjoint (a slice copy over
-    overlapping rows would read rows it writes).
-    """
-    runs: list[Run] = []
-    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
-        if runs:
-            a, b, n = runs[-1]
-            if a + n == d and b + n == s and (not same_tensor or abs(a - b) > n):
-                runs[-1] = (a, b, n + 1)
-                continue
-        runs.append((d, s, 1))
-    return tuple(runs)
-
-
-@dataclass(frozen=True)
-class WaveOps:
-    """One wave's messages per local rank: ((peer, row), ...) in posting order."""
-
-    sends: dict[int, tuple[tuple[int, int], ...]]
-    recvs: dict[int, tuple[tuple[int, int], ...]]
-
-
-@dataclass(frozen=True)
-class PreparedLayer:
-    """A layer's plans (one per local rank), waves, messages and copy runs: nothing moved."""
-
-    layer: int
-    plans: dict[int, LayerPlan]
-    waves: list[Wave]
-    ops: tuple[WaveOps, ...] = ()
-    local_runs: dict[int, tuple[Run, ...]] = field(default_factory=dict)  # staged local rows: weights -> buffer
-    commit: dict[int, "Commit"] = field(default_factory=dict)
-    staged: dict[int, np.ndarray] = field(default_factory=dict)  # buffer rows the local copies write
-
-
-@dataclass(frozen=True)
-class Commit:
-    """One rank's commit of one layer.
-
-    ``direct``: weights → weights copies of local rows, in the order that reads every
-    source row before it is overwritten (:func:`order_local_copies`); they run first.
-    ``dst``/``src``: then weight rows written from buffer rows (staged local, primary and
-    duplicate rows; ascending by ``dst``), ``runs`` the same as coalesced runs.
-    """
-
-    direct: tuple[Run, ...]
-    direct_reads: np.ndarray
-    dst: np.ndarray
-    src: np.ndarray
-    runs: tuple[Run, ...]
-
-    def part(self, keep: np.ndarray, with_direct: bool) -> "Commit":
-        """The direct copies (or none) and the buffer writes selected by ``keep``."""
-        d, s = self.dst[keep], self.src[keep]
-        direct = self.direct if with_direct else ()
-        reads = self.direct_reads if with_direct else _NO_ROWS
-        return Commit(direct, reads, d, s, row_runs(d, s))
-
-    @property
-    def empty(self) -> bool:
-        return not self.direct and not self.runs
-
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
@@ -269,12 +201,39 @@ def _split_runs(prev: PreparedLayer, nxt: PreparedLayer) -> tuple[dict[int, Comm
     return early, late
 
 
+class _PlansOnDemand(MappingABC):
+    """A layer's plans per local rank, planned in Python on first access.
+
+    What a C-planned layer carries as ``plans``: the executor only iterates its ranks;
+    the one-layer entry points and the tests read the plans themselves.
+    """
+
+    __slots__ = ("_schedule", "_layer")
+
+    def __init__(self, schedule: "Schedule", layer: int) -> None:
+        self._schedule = schedule
+        self._layer = layer
+
+    def __getitem__(self, rank: int) -> LayerPlan:
+        if rank not in self._schedule.local_ranks:
+            raise KeyError(rank)
+        return self._schedule.plans()[rank][self._layer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._schedule.local_ranks)
+
+    def __len__(self) -> int:
+        return len(self._schedule.local_ranks)
+
+
 class Schedule:
     """Every layer of one (old, new) pair of maps, prepared on first use and kept.
 
     Built for one group size, set of local ranks and batching mode; the maps it holds are
-    read-only copies. Layers (and the commit split between consecutive layers) are
-    prepared lazily, so a first call still plans layer k+1 while layer k is in flight.
+    read-only copies. Without batching and with the C extension, the first use plans
+    every layer and split at once (:mod:`.native_schedule`, tens of microseconds).
+    Otherwise layers (and the commit split between consecutive layers) are prepared
+    lazily in Python, so a first call still plans layer k+1 while layer k is in flight.
     """
 
     def __init__(self, old: np.ndarray, new: np.ndarray, world_size: int, local_ranks: tuple[int, ...], batching: bool):
@@ -291,6 +250,8 @@ class Schedule:
         self._transfers: list[LayerTransfers] | None = None
         self._plans: dict[int, list[LayerPlan]] = {}
         self._messages: dict[int, tuple[list[Wave], tuple[WaveOps, ...]]] = {}
+        # None: not tried yet; decided at first use, so EPLB_FSM_NATIVE applies per schedule
+        self._native: bool | None = None
 
     def _all_transfers(self) -> list[LayerTransfers]:
         if self._transfers is None:
@@ -298,15 +259,32 @@ class Schedule:
             self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
         return self._transfers
 
+    def plans(self) -> dict[int, list[LayerPlan]]:
+        """Every local rank's plan of every layer (one vectorised Python pass, kept)."""
+        if not self._plans:
+            transfers = self._all_transfers()
+            self._plans = {r: plans_for_rank(self.old, self.new, transfers, r) for r in self.local_ranks}
+        return self._plans
+
+    def _plan_natively(self) -> bool:
+        """At first use: plan every layer and split in C if this schedule can; whether it did."""
+        if self._native is None:
+            self._native = not self.batching and bool(self._layers) and native_schedule.available()
+            if self._native:
+                layers, splits = native_schedule.prepared_layers(
+                    self.old, self.new, self.world_size, self.local_ranks, lambda k: _PlansOnDemand(self, k)
+                )
+                self._layers[:] = layers
+                self._splits[:] = splits
+        return self._native
+
     def layer(self, k: int) -> PreparedLayer:
         prep = self._layers[k]
+        if prep is None and self._plan_natively():
+            prep = self._layers[k]
         if prep is None:
-            transfers = self._all_transfers()
-            if not self._plans:
-                # this process's plans of every layer in one vectorised pass too
-                self._plans = {r: plans_for_rank(self.old, self.new, transfers, r) for r in self.local_ranks}
-            plans = {r: self._plans[r][k] for r in self.local_ranks}
-            prep = _prepare_layer(k, transfers[k], plans, self.batching, self._messages.pop(k, None))
+            plans = {r: p[k] for r, p in self.plans().items()}
+            prep = _prepare_layer(k, self._all_transfers()[k], plans, self.batching, self._messages.pop(k, None))
             self._layers[k] = prep
         return prep
 
@@ -321,11 +299,12 @@ class Schedule:
         The result's ``plans`` maps each local rank to None and it has no copy runs or
         commit: those come from :meth:`layer` (computed while the messages fly), which
         reuses these messages. Costs the vectorised transfers of every layer and this
-        layer's message lists, not the per-rank plans or the commit order.
+        layer's message lists, not the per-rank plans or the commit order. A schedule
+        planned in C returns the whole layer (it costs no more).
         """
         prep = self._layers[k]
-        if prep is not None:
-            return prep
+        if prep is not None or self._plan_natively():
+            return self._layers[k]
         msgs = self._messages.get(k)
         if msgs is None:
             msgs = _layer_messages(self._all_transfers()[k], self.local_ranks, self.batching)
@@ -335,6 +314,8 @@ class Schedule:
     def split(self, k: int) -> tuple[dict[int, Commit], dict[int, Commit]]:
         """(early, late) runs of layer k's commit with respect to layer k+1."""
         sp = self._splits[k]
+        if sp is None and self._plan_natively():
+            sp = self._splits[k]
         if sp is None:
             sp = _split_runs(self.layer(k), self.layer(k + 1))
             self._splits[k] = sp

@@ -1,0 +1,463 @@
+/* A rearrangement's schedule for some local ranks, every layer in one call (optional C path).
+ *
+ * maps_valid(old, new, layers, slots) -> bool: schedule._maps_valid's rules.
+ *
+ * rank_layers(old, new, layers, slots, world, ranks)
+ *     old, new   (layers, slots) int64 phy2log, validated (ids in [-1, slots), every
+ *                needed expert held); slots = world * S
+ *     ranks      tuple of local ranks
+ *   -> list over layers of (pairs, bounds, {rank: layer_tuple})
+ *     pairs      ((src, dst), ...) every directed pair with a transfer, ascending
+ *     bounds     (b0, ..., bn): pair i holds the layer's sorted transfers [b_i, b_{i+1})
+ *     layer_tuple (sends, recvs, local_runs, direct_runs, direct_reads, commit_dst,
+ *                 commit_src, commit_runs, staged_rows, split)
+ *       sends ((peer, row), ...), recvs ((peer, row), ...): the rank's messages in
+ *       posting order; runs ((dst, src, n), ...); split None on the last layer, else
+ *       (direct_early, early_dst, early_src, early_runs, late_dst, late_src, late_runs)
+ *       against the next layer.
+ *
+ * Every rule is the Python planner's (transfer/plan.py, plan_all.py, local_copies.py,
+ * schedule.py): the same pairing, the same copy order, the same runs. The Python code
+ * defines the result; tests/test_transfer_native_schedule.py compares both on random
+ * maps. This file only exists because planning is on a cold rearrangement's critical
+ * path and the Python planner's many small numpy calls cost ~10x this loop there.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { int64_t src, dst, expert, src_row, dst_row, key; } Transfer;
+
+typedef struct {
+    Py_ssize_t s;       /* slots per rank */
+    int64_t *dst, *src; /* commit entries (buffer -> weights), ascending dst */
+    Py_ssize_t n_commit;
+    int64_t *direct_dst, *direct_src; /* weights -> weights, in commit order */
+    Py_ssize_t n_direct;
+    int64_t *staged_dst, *staged_src; /* through the buffer, ascending dst */
+    Py_ssize_t n_staged;
+    char *overwritten; /* (S,) rows this layer's receives or staged copies write */
+} RankLayer;
+
+static int cmp_transfer(const void *a, const void *b)
+{
+    int64_t x = ((const Transfer *)a)->key, y = ((const Transfer *)b)->key;
+    return (x > y) - (x < y);
+}
+
+/* ---- Python object builders (NULL on failure, with the exception set) ---- */
+
+static PyObject *ints(const int64_t *v, Py_ssize_t n)
+{
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (x == NULL) { Py_CLEAR(t); break; }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+static PyObject *pairs_of(const int64_t *a, const int64_t *b, Py_ssize_t n)
+{
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
+        PyObject *p = Py_BuildValue("(LL)", (long long)a[i], (long long)b[i]);
+        if (p == NULL) { Py_CLEAR(t); break; }
+        PyTuple_SET_ITEM(t, i, p);
+    }
+    return t;
+}
+
+/* schedule.row_runs: (dst, src, n) runs where both rows advance by one; with same_tensor
+ * a run grows only while its dst and src ranges stay disjoint */
+static PyObject *runs_of(const int64_t *dst, const int64_t *src, Py_ssize_t n, int same_tensor)
+{
+    int64_t *ra = malloc(sizeof(int64_t) * 3 * (size_t)(n + 1));
+    if (ra == NULL) return PyErr_NoMemory();
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (m) {
+            int64_t *r = ra + 3 * (m - 1);
+            int64_t gap = r[0] - r[1];
+            if (r[0] + r[2] == dst[i] && r[1] + r[2] == src[i] && (!same_tensor || (gap < 0 ? -gap : gap) > r[2])) {
+                r[2]++;
+                continue;
+            }
+        }
+        ra[3 * m] = dst[i];
+        ra[3 * m + 1] = src[i];
+        ra[3 * m + 2] = 1;
+        m++;
+    }
+    PyObject *t = PyTuple_New(m);
+    for (Py_ssize_t i = 0; t != NULL && i < m; i++) {
+        PyObject *x = Py_BuildValue("(LLL)", (long long)ra[3 * i], (long long)ra[3 * i + 1], (long long)ra[3 * i + 2]);
+        if (x == NULL) { Py_CLEAR(t); break; }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    free(ra);
+    return t;
+}
+
+/* ---- planning ---- */
+
+/* local_copies.order_local_copies on n copies dst[i] <- src[i] (dst distinct, ascending):
+ * writes direct_* in commit order and staged_* ascending by dst. work: 5 n ints. */
+static void order_local(const int64_t *dst, const int64_t *src, Py_ssize_t n, RankLayer *out, int64_t *work)
+{
+    int64_t *waiting = work, *writer_of_src = work + n, *path = work + 2 * n;
+    char *done = (char *)(work + 3 * n), *ready = done + n;
+    out->n_direct = out->n_staged = 0;
+    if (n == 0) return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        waiting[i] = 0;
+        writer_of_src[i] = -1;
+        done[i] = ready[i] = 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (src[j] == dst[i]) waiting[i]++;      /* copies that still read row dst[i] */
+            if (dst[j] == src[i]) writer_of_src[i] = j;
+        }
+    for (Py_ssize_t i = 0; i < n; i++) ready[i] = waiting[i] == 0;
+    Py_ssize_t placed = 0;
+#define RELEASE(i) do { int64_t w_ = writer_of_src[i]; \
+        if (w_ >= 0 && --waiting[w_] == 0 && !done[w_]) ready[w_] = 1; } while (0)
+    while (placed < n) {
+        for (;;) { /* the ready copy with the lowest destination row (what the heap pops) */
+            Py_ssize_t best = -1;
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (ready[i] && !done[i] && (best < 0 || dst[i] < dst[best])) best = i;
+            if (best < 0) break;
+            done[best] = 1;
+            out->direct_dst[out->n_direct] = dst[best];
+            out->direct_src[out->n_direct++] = src[best];
+            placed++;
+            RELEASE(best);
+        }
+        if (placed == n) break;
+        /* every copy left writes a row a copy left reads: walk to a cycle from the lowest
+         * row, always to the lowest pending reader, and stage the cycle's lowest row */
+        Py_ssize_t i = -1;
+        for (Py_ssize_t c = 0; c < n; c++) {
+            path[c] = -1;
+            if (!done[c] && (i < 0 || dst[c] < dst[i])) i = c;
+        }
+        int64_t len = 0;
+        while (path[i] < 0) {
+            path[i] = len++;
+            Py_ssize_t next = -1;
+            for (Py_ssize_t r = 0; r < n; r++)
+                if (!done[r] && src[r] == dst[i] && (next < 0 || dst[r] < dst[next])) next = r;
+            i = next;
+        }
+        Py_ssize_t x = -1;
+        for (Py_ssize_t c = 0; c < n; c++)
+            if (path[c] >= path[i] && (x < 0 || dst[c] < dst[x])) x = c;
+        done[x] = 1;
+        out->staged_dst[out->n_staged] = dst[x];
+        out->staged_src[out->n_staged++] = src[x];
+        placed++;
+        RELEASE(x);
+    }
+#undef RELEASE
+    for (Py_ssize_t a = 1; a < out->n_staged; a++) /* ascending by row (few entries) */
+        for (Py_ssize_t b = a; b > 0 && out->staged_dst[b] < out->staged_dst[b - 1]; b--) {
+            int64_t t = out->staged_dst[b]; out->staged_dst[b] = out->staged_dst[b - 1]; out->staged_dst[b - 1] = t;
+            t = out->staged_src[b]; out->staged_src[b] = out->staged_src[b - 1]; out->staged_src[b - 1] = t;
+        }
+}
+
+/* plan.plan_from_transfers + schedule._commit_of for rank r of one layer */
+static void plan_rank(const int64_t *o, const int64_t *nw, Py_ssize_t s, const Transfer *t, Py_ssize_t nt,
+                      int64_t r, RankLayer *out, int64_t *work)
+{
+    int64_t *local_dst = work, *local_src = work + s, *more = work + 2 * s;
+    Py_ssize_t n_local = 0;
+    out->n_commit = 0;
+    memset(out->overwritten, 0, (size_t)s);
+    for (Py_ssize_t row = 0; row < s; row++) {
+        int64_t e = nw[row];
+        if (e < 0 || e == o[row]) continue; /* empty, unchanged */
+        Py_ssize_t j = 0;
+        while (j < s && o[j] != e) j++;
+        if (j < s) { /* local: from this rank's first old row holding e */
+            local_dst[n_local] = row;
+            local_src[n_local++] = j;
+            continue;
+        }
+        Py_ssize_t first = 0; /* remote: the first row needing e is its primary */
+        while (nw[first] != e) first++;
+        out->dst[out->n_commit] = row; /* primary reads its own buffer row, a duplicate its primary's */
+        out->src[out->n_commit++] = first;
+    }
+    order_local(local_dst, local_src, n_local, out, more);
+    /* commit entries: staged, primary and duplicate rows, ascending by row (all distinct) */
+    for (Py_ssize_t i = 0; i < out->n_staged; i++) {
+        out->dst[out->n_commit] = out->src[out->n_commit] = out->staged_dst[i];
+        out->n_commit++;
+    }
+    for (Py_ssize_t a = 1; a < out->n_commit; a++)
+        for (Py_ssize_t b = a; b > 0 && out->dst[b] < out->dst[b - 1]; b--) {
+            int64_t x = out->dst[b]; out->dst[b] = out->dst[b - 1]; out->dst[b - 1] = x;
+            x = out->src[b]; out->src[b] = out->src[b - 1]; out->src[b - 1] = x;
+        }
+    for (Py_ssize_t i = 0; i < nt; i++)
+        if (t[i].dst == r) out->overwritten[t[i].dst_row] = 1;
+    for (Py_ssize_t i = 0; i < out->n_staged; i++) out->overwritten[out->staged_dst[i]] = 1;
+}
+
+/* schedule._split_runs of prev's commit against the rows nxt overwrites */
+static PyObject *split_of(const RankLayer *prev, const RankLayer *nxt, int64_t *work)
+{
+    Py_ssize_t n = prev->n_commit;
+    int64_t *e_dst = work, *e_src = work + n, *l_dst = work + 2 * n, *l_src = work + 3 * n;
+    Py_ssize_t ne = 0, nl = 0;
+    int direct_early = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nxt->overwritten[prev->src[i]]) {
+            e_dst[ne] = prev->dst[i];
+            e_src[ne++] = prev->src[i];
+            for (Py_ssize_t d = 0; d < prev->n_direct && !direct_early; d++)
+                if (prev->direct_src[d] == prev->dst[i]) direct_early = 1; /* a direct copy still reads it */
+        } else {
+            l_dst[nl] = prev->dst[i];
+            l_src[nl++] = prev->src[i];
+        }
+    }
+    if (prev->n_direct == 0) direct_early = 0;
+    PyObject *ed = ints(e_dst, ne), *es = ints(e_src, ne), *er = runs_of(e_dst, e_src, ne, 0);
+    PyObject *ld = ints(l_dst, nl), *ls = ints(l_src, nl), *lr = runs_of(l_dst, l_src, nl, 0);
+    PyObject *res = NULL;
+    if (ed && es && er && ld && ls && lr)
+        res = Py_BuildValue("(OOOOOOO)", direct_early ? Py_True : Py_False, ed, es, er, ld, ls, lr);
+    Py_XDECREF(ed); Py_XDECREF(es); Py_XDECREF(er); Py_XDECREF(ld); Py_XDECREF(ls); Py_XDECREF(lr);
+    return res;
+}
+
+static PyObject *rank_tuple(const RankLayer *x, const Transfer *t, Py_ssize_t nt, int64_t r, PyObject *split, int64_t *work)
+{
+    int64_t *a = work, *b = work + nt;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < nt; i++)
+        if (t[i].src == r) { a[m] = t[i].dst; b[m++] = t[i].src_row; }
+    PyObject *sends = pairs_of(a, b, m);
+    m = 0;
+    for (Py_ssize_t i = 0; i < nt; i++)
+        if (t[i].dst == r) { a[m] = t[i].src; b[m++] = t[i].dst_row; }
+    PyObject *recvs = pairs_of(a, b, m);
+    PyObject *items[9] = {
+        sends, recvs,
+        runs_of(x->staged_dst, x->staged_src, x->n_staged, 0),
+        runs_of(x->direct_dst, x->direct_src, x->n_direct, 1),
+        ints(x->direct_src, x->n_direct),
+        ints(x->dst, x->n_commit),
+        ints(x->src, x->n_commit),
+        runs_of(x->dst, x->src, x->n_commit, 0),
+        ints(x->staged_dst, x->n_staged),
+    };
+    PyObject *res = NULL;
+    int ok = 1;
+    for (int i = 0; i < 9; i++) ok &= items[i] != NULL;
+    if (ok)
+        res = Py_BuildValue("(OOOOOOOOOO)", items[0], items[1], items[2], items[3], items[4], items[5], items[6],
+                            items[7], items[8], split);
+    for (int i = 0; i < 9; i++) Py_XDECREF(items[i]);
+    return res;
+}
+
+/* the layer's transfers, every rank's (plan.layer_transfers), sorted by (src, dst, expert).
+ * old_first / new_first: (G, P) tables, all -1 on entry and again on return. */
+static Py_ssize_t layer_transfers(const int64_t *o, const int64_t *nw, Py_ssize_t p, Py_ssize_t g, Py_ssize_t s,
+                                  Transfer *t, int64_t *old_first, int64_t *new_first, int64_t *n_hold,
+                                  int64_t *n_recv, int64_t *hold_at, int64_t *holders)
+{
+    /* first row of each rank holding / needing each expert */
+    for (Py_ssize_t q = 0; q < g; q++)
+        for (Py_ssize_t row = s - 1; row >= 0; row--) {
+            int64_t e = o[q * s + row];
+            if (e >= 0) old_first[q * p + e] = row;
+            e = nw[q * s + row];
+            if (e >= 0) new_first[q * p + e] = row;
+        }
+    for (Py_ssize_t e = 0; e < p; e++) n_hold[e] = n_recv[e] = 0;
+    Py_ssize_t nt = 0;
+    for (Py_ssize_t q = 0; q < g; q++) /* receivers, ascending rank: their position per expert */
+        for (Py_ssize_t row = 0; row < s; row++) {
+            int64_t e = nw[q * s + row];
+            if (e < 0 || new_first[q * p + e] != row || old_first[q * p + e] >= 0) continue;
+            t[nt].dst = q;
+            t[nt].expert = e;
+            t[nt].dst_row = row;
+            t[nt++].key = n_recv[e]++; /* the receiver's index among its expert's */
+        }
+    /* holders of the experts someone receives, ascending rank (a rank counts at its first row) */
+    for (Py_ssize_t i = 0; i < g * s; i++) {
+        int64_t e = o[i];
+        if (e >= 0 && n_recv[e] && old_first[(i / s) * p + e] == i % s) n_hold[e]++;
+    }
+    int64_t at = 0;
+    for (Py_ssize_t e = 0; e < p; e++) { hold_at[e] = at; at += n_hold[e]; n_hold[e] = 0; }
+    for (Py_ssize_t i = 0; i < g * s; i++) {
+        int64_t e = o[i];
+        if (e >= 0 && n_recv[e] && old_first[(i / s) * p + e] == i % s) holders[hold_at[e] + n_hold[e]++] = i / s;
+    }
+    for (Py_ssize_t i = 0; i < nt; i++) {
+        int64_t e = t[i].expert, j = t[i].key, se = n_hold[e], k = n_recv[e] / se;
+        /* receivers below S_e k go in blocks of k; the remainder one per sender */
+        int64_t sender = j < se * k ? j / (k > 1 ? k : 1) : j - se * k;
+        t[i].src = holders[hold_at[e] + sender];
+        t[i].src_row = old_first[t[i].src * p + e];
+        t[i].key = (t[i].src * g + t[i].dst) * p + e;
+    }
+    for (Py_ssize_t i = 0; i < g * s; i++) { /* back to -1 for the next layer */
+        if (o[i] >= 0) old_first[(i / s) * p + o[i]] = -1;
+        if (nw[i] >= 0) new_first[(i / s) * p + nw[i]] = -1;
+    }
+    if (nt > 1) qsort(t, (size_t)nt, sizeof(Transfer), cmp_transfer);
+    return nt;
+}
+
+static PyObject *rank_layers(PyObject *self, PyObject *args)
+{
+    Py_buffer ob, nb;
+    Py_ssize_t layers, p, g;
+    PyObject *ranks;
+    if (!PyArg_ParseTuple(args, "y*y*nnnO!", &ob, &nb, &layers, &p, &g, &PyTuple_Type, &ranks)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t nr = PyTuple_GET_SIZE(ranks), s = g > 0 ? p / g : 0;
+    if (layers < 0 || p < 1 || g < 1 || p % g || nr < 1 || ob.len != layers * p * (Py_ssize_t)sizeof(int64_t)
+        || nb.len != ob.len) {
+        PyErr_SetString(PyExc_ValueError, "rank_layers: buffer sizes do not match (layers, slots, world, ranks)");
+        PyBuffer_Release(&ob);
+        PyBuffer_Release(&nb);
+        return NULL;
+    }
+    int64_t *rank_ids = malloc(sizeof(int64_t) * (size_t)nr);
+    Transfer *t = malloc(sizeof(Transfer) * (size_t)p);
+    int64_t *ints_work = malloc(sizeof(int64_t) * (size_t)(2 * g * p + 4 * p + 8 * s + 8));
+    RankLayer *rl = calloc((size_t)(2 * nr), sizeof(RankLayer)); /* this layer's and the previous one's */
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(2 * nr) * (size_t)(8 * s + 1));
+    char *marks = malloc((size_t)(2 * nr) * (size_t)(s + 1));
+    PyObject *out = PyList_New(0);
+    if (!rank_ids || !t || !ints_work || !rl || !rows || !marks || !out) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        rank_ids[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ranks, i));
+        if (rank_ids[i] < 0 || rank_ids[i] >= g) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "rank_layers: a rank is outside the group");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < 2 * nr; i++) {
+        int64_t *base = rows + i * (8 * s + 1);
+        rl[i] = (RankLayer){s, base, base + s, 0, base + 2 * s, base + 3 * s, 0, base + 4 * s, base + 5 * s, 0,
+                            marks + i * (s + 1)};
+    }
+    int64_t *old_first = ints_work, *new_first = old_first + g * p, *n_hold = new_first + g * p;
+    int64_t *n_recv = n_hold + p, *hold_at = n_recv + p, *holders = hold_at + p, *scratch = holders + p;
+    for (Py_ssize_t i = 0; i < 2 * g * p; i++) old_first[i] = -1; /* new_first follows it */
+    const int64_t *old = ob.buf, *nw = nb.buf;
+    Py_ssize_t prev_nt = 0;
+    Transfer *prev_t = malloc(sizeof(Transfer) * (size_t)p);
+    int64_t *msg_work = malloc(sizeof(int64_t) * (size_t)(4 * p + 8));
+    if (!prev_t || !msg_work) { free(prev_t); free(msg_work); PyErr_NoMemory(); goto done; }
+    /* layer l is emitted once layer l+1 is planned (its split needs it) */
+    for (Py_ssize_t l = 0; l <= layers; l++) {
+        RankLayer *cur = rl + (l % 2) * nr, *prv = rl + ((l + 1) % 2) * nr;
+        Py_ssize_t nt = 0;
+        if (l < layers) {
+            const int64_t *o = old + l * p, *n = nw + l * p;
+            nt = layer_transfers(o, n, p, g, s, t, old_first, new_first, n_hold, n_recv, hold_at, holders);
+            for (Py_ssize_t i = 0; i < nr; i++)
+                plan_rank(o + rank_ids[i] * s, n + rank_ids[i] * s, s, t, nt, rank_ids[i], cur + i, scratch);
+        }
+        if (l > 0) { /* emit layer l - 1 */
+            PyObject *per_rank = PyDict_New(), *item = NULL;
+            int64_t *a = msg_work, *b = msg_work + p;
+            Py_ssize_t m = 0;
+            for (Py_ssize_t i = 0; i < prev_nt; i++)
+                if (i == 0 || prev_t[i].src != prev_t[i - 1].src || prev_t[i].dst != prev_t[i - 1].dst) {
+                    a[m] = prev_t[i].src;
+                    b[m] = prev_t[i].dst;
+                    msg_work[2 * p + m++] = i;
+                }
+            msg_work[2 * p + m] = prev_nt;
+            PyObject *pairs = pairs_of(a, b, m), *bounds = ints(msg_work + 2 * p, prev_nt ? m + 1 : 0);
+            int ok = per_rank && pairs && bounds;
+            for (Py_ssize_t i = 0; ok && i < nr; i++) {
+                PyObject *split = l < layers ? split_of(prv + i, cur + i, msg_work) : (Py_INCREF(Py_None), Py_None);
+                PyObject *rt = split ? rank_tuple(prv + i, prev_t, prev_nt, rank_ids[i], split, msg_work) : NULL;
+                PyObject *key = PyLong_FromLongLong(rank_ids[i]);
+                ok = rt && key && PyDict_SetItem(per_rank, key, rt) == 0;
+                Py_XDECREF(split); Py_XDECREF(rt); Py_XDECREF(key);
+            }
+            if (ok) item = Py_BuildValue("(OOO)", pairs, bounds, per_rank);
+            ok = item && PyList_Append(out, item) == 0;
+            Py_XDECREF(pairs); Py_XDECREF(bounds); Py_XDECREF(per_rank); Py_XDECREF(item);
+            if (!ok) { free(prev_t); free(msg_work); goto done; }
+        }
+        memcpy(prev_t, t, sizeof(Transfer) * (size_t)nt);
+        prev_nt = nt;
+    }
+    free(prev_t);
+    free(msg_work);
+    result = out;
+    out = NULL;
+done:
+    free(rank_ids); free(t); free(ints_work); free(rl); free(rows); free(marks);
+    Py_XDECREF(out);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&nb);
+    return result;
+}
+
+/* schedule._maps_valid: ids in [-1, P) and every needed expert held in its layer */
+static PyObject *maps_valid(PyObject *self, PyObject *args)
+{
+    Py_buffer ob, nb;
+    Py_ssize_t layers, p;
+    if (!PyArg_ParseTuple(args, "y*y*nn", &ob, &nb, &layers, &p)) return NULL;
+    if (layers < 0 || p < 1 || ob.len != layers * p * (Py_ssize_t)sizeof(int64_t) || nb.len != ob.len) {
+        PyBuffer_Release(&ob);
+        PyBuffer_Release(&nb);
+        PyErr_SetString(PyExc_ValueError, "maps_valid: buffer sizes do not match (layers, slots)");
+        return NULL;
+    }
+    const int64_t *old = ob.buf, *nw = nb.buf;
+    int64_t *held_in = malloc(sizeof(int64_t) * (size_t)p); /* layer + 1 where the layer holds the expert */
+    int ok = held_in != NULL;
+    for (Py_ssize_t e = 0; ok && e < p; e++) held_in[e] = 0;
+    for (Py_ssize_t l = 0; ok && l < layers; l++) {
+        for (Py_ssize_t i = 0; ok && i < p; i++) {
+            int64_t e = old[l * p + i];
+            if (e < -1 || e >= p) ok = 0;
+            else if (e >= 0) held_in[e] = l + 1;
+        }
+        for (Py_ssize_t i = 0; ok && i < p; i++) {
+            int64_t e = nw[l * p + i];
+            if (e < -1 || e >= p || (e >= 0 && held_in[e] != l + 1)) ok = 0;
+        }
+    }
+    int no_memory = held_in == NULL;
+    free(held_in);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&nb);
+    if (no_memory) return PyErr_NoMemory();
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"maps_valid", maps_valid, METH_VARARGS, "Whether (L, P) int64 maps pass the schedule's checks."},
+    {"rank_layers", rank_layers, METH_VARARGS, "Every layer's schedule for some local ranks (see the module comment)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cschedule", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_cschedule(void) { return PyModule_Create(&module); }
