@@ -3,11 +3,9 @@
 Pure per-layer planning (:mod:`.plan`), the same for all layers at once
 (:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), the cached
 schedule of a rearrangement (:mod:`.schedule`), migration waves (:mod:`.batching`), how
-messages travel (:mod:`.communicator`), the executor (:mod:`.execute`, with its buffer
-in :mod:`.buffer`, its input checks in :mod:`.inputs` and its message waves in
-:mod:`.messages`) and elastic-EP rank mappings (:mod:`.rank_mapping`). The optional C
-planner (:mod:`.native_schedule`) plans a whole schedule in one call. See
-docs/transfer.md.
+messages travel (:mod:`.communicator`), the executor (:mod:`.execute`, with its input
+checks in :mod:`.inputs` and its message waves in :mod:`.messages`) and elastic-EP
+rank mappings (:mod:`.rank_mapping`). See docs/transfer.md.
 
 The package exports the public API only: the executor and its buffer, the communicators
 and their errors, ``moved_slots`` and the rank-mapping helpers. The planning steps
@@ -15,7 +13,6 @@ and their errors, ``moved_slots`` and the rank-mapping helpers. The planning ste
 imported from their own modules.
 """
 
-from eplb_fsm.transfer.buffer import TransferBuffer, default_buffer
 from eplb_fsm.transfer.communicator import (
     Communicator,
     InProcessCommunicator,
@@ -25,7 +22,9 @@ from eplb_fsm.transfer.communicator import (
 )
 from eplb_fsm.transfer.execute import (
     PendingLayer,
+    TransferBuffer,
     commit_layer_from_buffer,
+    default_buffer,
     rearrange_expert_weights_inplace,
     transfer_layer_to_buffer,
 )

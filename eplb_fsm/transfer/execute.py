@@ -17,10 +17,7 @@ Per layer (docs/design.md §6.3) each rank:
 4. commits: the other local rows straight from their source rows, in an order that
    reads every row before overwriting it, then the staged local, primary and duplicate
    rows from the buffer (a duplicate from its primary's buffer row). Locally moved rows
-   are thus copied once, not twice. Layer k-1's commit runs while layer k's messages
-   fly; with a one-layer buffer the receives into rows it still reads wait for that
-   part of it, with ``TransferBuffer(layers=2)`` consecutive layers use different rows
-   and nothing waits.
+   are thus copied once, not twice.
 
 Steps 1–3 never write the weights, so the old weights stay valid until step 4; the
 one-layer entry points split the two halves for the asynchronous controller
@@ -36,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from eplb_fsm.transfer.buffer import TransferBuffer, default_buffer, default_buffer_lock
 from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
 from eplb_fsm.transfer.communicator import Communicator, TransferError
 from eplb_fsm.transfer.inputs import (
@@ -57,11 +54,57 @@ from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
 __all__ = [
+    "TransferBuffer",
     "PendingLayer",
+    "default_buffer",
     "rearrange_expert_weights_inplace",
     "transfer_layer_to_buffer",
     "commit_layer_from_buffer",
 ]
+
+class TransferBuffer:
+    """One layer's worth of weight rows per local rank, reused across layers and calls.
+
+    ``ensure(rank, layer_weights)`` returns the rank's buffer tensors (contiguous, same
+    shapes/dtypes/devices as the layer's weights), allocating only when the layout
+    changed. ``allocations`` counts allocations (profile mode reserves them up front).
+    ``generation`` advances on every transfer so a stale pending commit is caught.
+    """
+
+    def __init__(self) -> None:
+        self._by_rank: dict[int, list[torch.Tensor]] = {}
+        self.allocations = 0
+        self.generation = 0
+
+    def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        current = self._by_rank.get(rank)
+        if current is not None and layout(current) == layout(layer_weights):
+            return current
+        tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
+        self._by_rank[rank] = tensors
+        self.allocations += 1
+        return tensors
+
+    def tensors(self, rank: int) -> list[torch.Tensor]:
+        return self._by_rank[rank]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._by_rank.values() for t in ts)
+
+    def release(self) -> None:
+        """Drop every tensor (the next use allocates again)."""
+        self._by_rank.clear()
+
+
+_DEFAULT_BUFFER = TransferBuffer()
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_buffer() -> TransferBuffer:
+    """The buffer :func:`rearrange_expert_weights_inplace` uses when none is given."""
+    return _DEFAULT_BUFFER
+
 
 @dataclass
 class PendingLayer:
@@ -123,8 +166,7 @@ def rearrange_expert_weights_inplace(
     ``rank_mapping``: ``{old_rank: new_rank or -1}`` for elastic EP (see rank_mapping).
     ``trace``: an EventTrace (or one per local rank) that brackets every wave.
     ``migration_batching``: coalesce per (src, dst) and run waves where each rank talks
-    to at most one peer. ``buffer``: the reusable buffer (default: a shared one-layer one;
-    ``TransferBuffer(layers=2)`` overlaps each commit fully with the next layer).
+    to at most one peer. ``buffer``: the reusable one-layer buffer (default: a shared one).
 
     Raises ``ValueError`` on bad input before anything moves; :class:`TransferError` if a
     layer's messages fail (``committed_layers`` layers are new, the rest old).
@@ -139,15 +181,15 @@ def rearrange_expert_weights_inplace(
     traces = traces_for(trace, comm)
     if num_layers == 0:
         return
-    buf = buffer if buffer is not None else default_buffer()
-    lock = default_buffer_lock() if buffer is None else contextlib.nullcontext()
+    buf = buffer if buffer is not None else _DEFAULT_BUFFER
+    lock = _DEFAULT_LOCK if buffer is None else contextlib.nullcontext()
     with lock:
-        parts = tuple({r: buf.ensure(r, weights[r][0], i) for r in comm.local_ranks} for i in range(buf.layers))
+        buffers = {r: buf.ensure(r, weights[r][0]) for r in comm.local_ranks}
         if is_profile:
             return
         try:
             with _stream(comm):
-                _rearrange_layers(sched, weights, parts, comm, traces, buf)
+                _rearrange_layers(sched, weights, buffers, comm, traces, buf)
         finally:
             _finish(comm)
 
@@ -155,43 +197,37 @@ def rearrange_expert_weights_inplace(
 def _rearrange_layers(
     sched: Schedule,
     weights: dict[int, list[list[torch.Tensor]]],
-    parts: tuple[dict[int, list[torch.Tensor]], ...],
+    buffers: dict[int, list[torch.Tensor]],
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     buf: TransferBuffer,
 ) -> None:
-    """All layers, pipelined over the buffer's one or two parts (layer k uses ``parts[k % len(parts)]``).
+    """All layers, pipelined over the one buffer.
 
     While layer k's first wave is in flight, this process also finishes layer k-1's
-    commit and (first use of these maps only) plans layer k+1. With one part, the part of
-    layer k-1's commit that reads buffer rows layer k is about to overwrite must run
-    before those receives are posted: with a communicator that pairs messages by tag it
-    runs after layer k's sends and other receives went out (two phases,
-    :class:`HeldReceives`), otherwise before layer k starts. With two parts nothing is
-    held: layer k-1's whole commit runs while all of layer k's messages fly. If layer k
-    fails, layer k-1's commit is completed first, so layers < k are new and layers >= k
-    are old.
+    commit and (first use of these maps only) plans layer k+1. The part of layer k-1's
+    commit that reads buffer rows layer k is about to overwrite must run before those
+    receives are posted: with a communicator that pairs messages by tag it runs after
+    layer k's sends and other receives went out (two phases, :class:`HeldReceives`),
+    otherwise before layer k starts. If layer k fails, layer k-1's commit is completed
+    first, so layers < k are new and layers >= k are old.
     """
     num_layers = sched.old.shape[0]
-    double = len(parts) > 1
     two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
     # new maps: layer 0's messages go out first, and the rest of its plan (this rank's
     # plans, staged copies, commit order) is built while they fly
     cold = not sched.prepared
-    # rows as uint8 views: each buffer part's once, each layer's weights while the layer
+    # rows as uint8 views: the buffer's once, each layer's weights while the layer
     # before it is in flight
-    recv_parts = tuple(row_views(p, True) for p in parts)
+    recv_views = row_views(buffers, True)
     send_views = {0: row_views({r: weights[r][0] for r in comm.local_ranks}, False)}
     for k in range(num_layers):
         prep = sched.messages(0) if k == 0 and cold else sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
-        buffers, prev_buffers = parts[k % len(parts)], parts[(k - 1) % len(parts)]
         late: dict[int, Commit] = {}
         hold: HeldReceives | None = None
-        if prev_w is not None and double:
-            late = {r: c for r, c in sched.layer(k - 1).commit.items() if not c.empty}
-        elif prev_w is not None:
+        if prev_w is not None:
             early, late = sched.split(k - 1)
             if two_phase and prep.waves:
                 # layer k's receives into rows layer k-1's commit still reads wait for it;
@@ -202,21 +238,16 @@ def _rearrange_layers(
                 _apply_runs(early, prev_w, buffers)
         state = {"late_done": not late}
 
-        def meanwhile(
-            k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep,
-            buffers=buffers, prev_buffers=prev_buffers,
-        ) -> None:
+        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep) -> None:
             full = sched.layer(k)
             if full is not posted:  # layer 0 was posted from its messages alone
                 for r, runs in full.local_runs.items():
                     copy_runs(buffers[r], layer_w[r], runs)
             if not state["late_done"]:
-                _apply_runs(late, prev_w, prev_buffers)
+                _apply_runs(late, prev_w, buffers)
                 state["late_done"] = True
             if k + 1 < num_layers:
-                # plans layer k+1 (and, with one part, layer k's commit split); a no-op
-                # once the schedule is complete
-                sched.layer(k + 1) if double else sched.split(k)
+                sched.split(k)  # plans layer k+1 too (a no-op once the schedule is complete)
                 send_views[k + 1] = row_views({r: weights[r][k + 1] for r in comm.local_ranks}, False)
 
         buf.generation += 1
@@ -224,20 +255,17 @@ def _rearrange_layers(
             views = send_views.pop(k, None)
             if views is None:  # no wave before (meanwhile runs in the first wave)
                 views = row_views(layer_w, False)
-            run_layer(
-                prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold,
-                views=(views, recv_parts[k % len(parts)]),
-            )
+            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold, views=(views, recv_views))
         except TransferError as exc:
             if hold is not None:
                 hold.release()  # no held receive was posted before it ran
             if not state["late_done"]:
-                _apply_runs(late, prev_w, prev_buffers)  # layer k-1 ends fully new
+                _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
             exc.committed_layers = k
             raise
         prev_w = layer_w
     if prev_w is not None:
-        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, parts[(num_layers - 1) % len(parts)])
+        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, buffers)
 
 
 def _apply_runs(
