@@ -342,8 +342,8 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
     RankLayer *rl = calloc((size_t)(2 * nr), sizeof(RankLayer)); /* this layer's and the previous one's */
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)(2 * nr) * (size_t)(8 * s + 1));
     char *marks = malloc((size_t)(2 * nr) * (size_t)(s + 1));
-    PyObject *out = PyList_New(0);
-    if (!rank_ids || !t || !ints_work || !rl || !rows || !marks || !out) {
+    PyObject *out = PyList_New(0), **pair_cache = calloc((size_t)(g * g), sizeof(PyObject *));
+    if (!rank_ids || !t || !ints_work || !rl || !rows || !marks || !out || !pair_cache) {
         PyErr_NoMemory();
         goto done;
     }
@@ -388,7 +388,16 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
                     msg_work[2 * p + m++] = i;
                 }
             msg_work[2 * p + m] = prev_nt;
-            PyObject *pairs = pairs_of(a, b, m), *bounds = ints(msg_work + 2 * p, prev_nt ? m + 1 : 0);
+            PyObject *pairs = PyTuple_New(m), *bounds = ints(msg_work + 2 * p, prev_nt ? m + 1 : 0);
+            for (Py_ssize_t i = 0; pairs != NULL && i < m; i++) {
+                /* one (src, dst) tuple per pair for the whole call: DeepSeek-V3 EP32 has ~250
+                 * pairs a layer, and 14k fresh tuples would push the GC toward a full pass */
+                PyObject **cached = pair_cache + a[i] * g + b[i];
+                if (*cached == NULL) *cached = Py_BuildValue("(LL)", (long long)a[i], (long long)b[i]);
+                if (*cached == NULL) { Py_CLEAR(pairs); break; }
+                Py_INCREF(*cached);
+                PyTuple_SET_ITEM(pairs, i, *cached);
+            }
             int ok = per_rank && pairs && bounds;
             for (Py_ssize_t i = 0; ok && i < nr; i++) {
                 PyObject *split = l < layers ? split_of(prv + i, cur + i, msg_work) : (Py_INCREF(Py_None), Py_None);
@@ -410,6 +419,8 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
     result = out;
     out = NULL;
 done:
+    for (Py_ssize_t i = 0; pair_cache != NULL && i < g * g; i++) Py_XDECREF(pair_cache[i]);
+    free(pair_cache);
     free(rank_ids); free(t); free(ints_work); free(rl); free(rows); free(marks);
     Py_XDECREF(out);
     PyBuffer_Release(&ob);
