@@ -15,8 +15,9 @@ setup(
     ext_modules=[
         Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
                   extra_compile_args=FLOAT_AS_NUMPY),
-        Extension("eplb_fsm.transfer.cschedule", ["eplb_fsm/transfer/cschedule.c"], optional=True,
-                  extra_compile_args=["-O2"]),
+        Extension("eplb_fsm.transfer.cschedule",
+                  ["eplb_fsm/transfer/cschedule.c", "eplb_fsm/transfer/cschedule_plan.c"],
+                  depends=["eplb_fsm/transfer/cschedule.h"], optional=True, extra_compile_args=["-O2"]),
         Extension("eplb_fsm.policy.movement.csearch",
                   [f"eplb_fsm/policy/movement/{name}.c" for name in SEARCH_SOURCES],
                   depends=["eplb_fsm/policy/movement/csearch.h"], optional=True,
