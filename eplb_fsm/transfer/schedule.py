@@ -269,13 +269,15 @@ class Schedule:
     def _plan_natively(self) -> bool:
         """At first use: plan every layer and split in C if this schedule can; whether it did."""
         if self._native is None:
-            self._native = not self.batching and bool(self._layers) and native_schedule.available()
-            if self._native:
+            native = not self.batching and bool(self._layers) and native_schedule.available()
+            if native:
                 layers, splits = native_schedule.prepared_layers(
                     self.old, self.new, self.world_size, self.local_ranks, lambda k: _PlansOnDemand(self, k)
                 )
                 self._layers[:] = layers
                 self._splits[:] = splits
+            # set last: a thread that reads it True finds every layer filled in
+            self._native = native
         return self._native
 
     def layer(self, k: int) -> PreparedLayer:
