@@ -151,8 +151,10 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
     RankLayer *rl = calloc((size_t)(2 * nr), sizeof(RankLayer)); /* this layer's and the previous one's */
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)(2 * nr) * (size_t)(8 * s + 1));
     char *marks = malloc((size_t)(2 * nr) * (size_t)(s + 1));
+    Transfer *prev_t = malloc(sizeof(Transfer) * (size_t)p); /* the previous layer's, emitted one layer late */
+    int64_t *msg_work = malloc(sizeof(int64_t) * (size_t)(4 * p + 8));
     PyObject *out = PyList_New(0), **pair_cache = calloc((size_t)(g * g), sizeof(PyObject *));
-    if (!rank_ids || !t || !ints_work || !rl || !rows || !marks || !out || !pair_cache) {
+    if (!rank_ids || !t || !ints_work || !rl || !rows || !marks || !prev_t || !msg_work || !out || !pair_cache) {
         PyErr_NoMemory();
         goto done;
     }
@@ -165,7 +167,7 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < 2 * nr; i++) {
         int64_t *base = rows + i * (8 * s + 1);
-        rl[i] = (RankLayer){s, base, base + s, 0, base + 2 * s, base + 3 * s, 0, base + 4 * s, base + 5 * s, 0,
+        rl[i] = (RankLayer){base, base + s, 0, base + 2 * s, base + 3 * s, 0, base + 4 * s, base + 5 * s, 0,
                             marks + i * (s + 1)};
     }
     int64_t *old_first = ints_work, *new_first = old_first + g * p, *n_hold = new_first + g * p;
@@ -173,9 +175,6 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < 2 * g * p; i++) old_first[i] = -1; /* new_first follows it */
     const int64_t *old = ob.buf, *nw = nb.buf;
     Py_ssize_t prev_nt = 0;
-    Transfer *prev_t = malloc(sizeof(Transfer) * (size_t)p);
-    int64_t *msg_work = malloc(sizeof(int64_t) * (size_t)(4 * p + 8));
-    if (!prev_t || !msg_work) { free(prev_t); free(msg_work); PyErr_NoMemory(); goto done; }
     /* layer l is emitted once layer l+1 is planned (its split needs it) */
     for (Py_ssize_t l = 0; l <= layers; l++) {
         RankLayer *cur = rl + (l % 2) * nr, *prv = rl + ((l + 1) % 2) * nr;
@@ -218,19 +217,17 @@ static PyObject *rank_layers(PyObject *self, PyObject *args)
             if (ok) item = Py_BuildValue("(OOO)", pairs, bounds, per_rank);
             ok = item && PyList_Append(out, item) == 0;
             Py_XDECREF(pairs); Py_XDECREF(bounds); Py_XDECREF(per_rank); Py_XDECREF(item);
-            if (!ok) { free(prev_t); free(msg_work); goto done; }
+            if (!ok) goto done;
         }
         memcpy(prev_t, t, sizeof(Transfer) * (size_t)nt);
         prev_nt = nt;
     }
-    free(prev_t);
-    free(msg_work);
     result = out;
     out = NULL;
 done:
     for (Py_ssize_t i = 0; pair_cache != NULL && i < g * g; i++) Py_XDECREF(pair_cache[i]);
     free(pair_cache);
-    free(rank_ids); free(t); free(ints_work); free(rl); free(rows); free(marks);
+    free(rank_ids); free(t); free(ints_work); free(rl); free(rows); free(marks); free(prev_t); free(msg_work);
     Py_XDECREF(out);
     PyBuffer_Release(&ob);
     PyBuffer_Release(&nb);

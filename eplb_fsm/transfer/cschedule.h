@@ -14,7 +14,6 @@
 typedef struct { int64_t src, dst, expert, src_row, dst_row, key; } Transfer;
 
 typedef struct {
-    Py_ssize_t s;       /* slots per rank */
     int64_t *dst, *src; /* commit entries (buffer -> weights), ascending dst */
     Py_ssize_t n_commit;
     int64_t *direct_dst, *direct_src; /* weights -> weights, in commit order */
