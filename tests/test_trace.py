@@ -1,6 +1,7 @@
 """Tests for eplb_fsm.trace."""
 
 import json
+import time
 
 import pytest
 
@@ -309,18 +310,29 @@ def test_counts_stay_exact_while_another_thread_flushes(tmp_path):
     import threading
 
     trace = _collecting(EventTrace(rank=0, world=1, trace_dir=tmp_path))
-    n = 60_000
+    n, chunk = 60_000, 10_000
+    dummy = set(range(0, n, 3))
     done = threading.Event()
+    flushes = [0]
 
     def flusher():
         while not done.is_set():
             trace.flush()
             trace.alive(0.001, None)
+            flushes[0] += 1
 
     thread = threading.Thread(target=flusher)
     thread.start()
     try:
-        _count(trace, range(n), dummy=set(range(0, n, 3)))
+        for start in range(0, n, chunk):
+            _count(trace, range(start, start + chunk), dummy=dummy)
+            # a busy box may not schedule the flusher while a chunk is counted: wait (bounded)
+            # until it has flushed twice since, so at least one flush saw this chunk's steps
+            seen = flushes[0]
+            deadline = time.monotonic() + 10.0
+            while flushes[0] < seen + 2 and time.monotonic() < deadline and thread.is_alive():
+                time.sleep(0.001)
+            assert flushes[0] >= seen + 2, "the flusher thread did not run"
     finally:
         done.set()
         thread.join(10)
