@@ -64,6 +64,10 @@ class EplbConfig:
     # async mode: post each step's ready-flag all-reduce and read it on the next step, so the
     # engine never waits on it (a layer commits one step later); False: wait within the step
     async_overlap_poll: bool = True
+    # async mode: transfer the next changed layer into a second buffer while the current one
+    # waits for its agreement and commit (one more layer buffer per model; a layer's wait
+    # for its agreement then overlaps the next layer's transfer)
+    async_prefetch: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +78,8 @@ class EplbConfig:
         _check_int(self.num_nodes, "num_nodes", minimum=1)
         _check_int(self.async_worker_nice, "async_worker_nice", minimum=0, maximum=19)
         _check_int(self.async_max_bytes_per_step, "async_max_bytes_per_step", minimum=0)
-        for name in ("use_async", "log_balancedness", "enable_migration_batching", "async_overlap_poll"):
+        for name in ("use_async", "log_balancedness", "enable_migration_batching", "async_overlap_poll",
+                     "async_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:

@@ -158,7 +158,7 @@ def test_world4_sync_and_async_agree_and_stay_exact():
         assert res["history"][0][3] > 0
 
 
-def _first_rearrangement(rank: int, world: int, max_bytes: int, overlap: bool = True) -> dict:
+def _first_rearrangement(rank: int, world: int, max_bytes: int, overlap: bool = True, prefetch: bool = False) -> dict:
     """Async, one forced load shift: run until the first rearrangement ends; its placement, steps and outputs."""
     import torch.distributed as dist
 
@@ -168,7 +168,8 @@ def _first_rearrangement(rank: int, world: int, max_bytes: int, overlap: bool = 
     group = dist.group.WORLD
     model = ToyMoE(num_layers=3, num_experts=8, num_redundant=4, hidden=16, rank=rank, world_size=world)
     config = EplbConfig(window_size=8, step_interval=12, num_redundant_experts=4, use_async=True,
-                        collective_timeout_s=5.0, async_max_bytes_per_step=max_bytes, async_overlap_poll=overlap)
+                        collective_timeout_s=5.0, async_max_bytes_per_step=max_bytes, async_overlap_poll=overlap,
+                        async_prefetch=prefetch)
     ctl = EplbController(config, group=group, keep_trace=True)
     ctl.add_model(model, "main")
     model.set_load_target(_target(3, 8, seed=3))
@@ -186,7 +187,7 @@ def _first_rearrangement(rank: int, world: int, max_bytes: int, overlap: bool = 
         "mismatches": mismatches, "chunk_boundaries": ctl.mover.chunk_boundaries,
         "chunk_timeouts": ctl.mover.chunk_timeouts,
         "row_bytes": sum(t[0].numel() * t.element_size() for t in model.expert_weights[0]),
-        "ready": _ready_all_reduces(ctl.trace.records),
+        "ready": _ready_all_reduces(ctl.trace.records), "handed_over": ctl.rearranger.layer_jobs.handed_over,
     }
     ctl.close()
     return out
@@ -228,6 +229,22 @@ def test_posted_ready_flags_are_read_a_step_later_with_the_same_result():
         # the posted run commits each agreement a step later, never sooner
         assert posted["steps_taken"] >= blocking["steps_taken"]
     assert results[0][0]["ready"] == results[1][0]["ready"]   # both ranks posted and read on the same steps
+
+
+def _prefetch_vs_not(rank: int, world: int) -> list[dict]:
+    whole = _first_rearrangement(rank, world, 0)
+    return [whole, _first_rearrangement(rank, world, 0, prefetch=True),
+            _first_rearrangement(rank, world, 2 * whole["row_bytes"], prefetch=True)]
+
+
+def test_prefetched_layers_on_gloo_end_bit_exact_with_the_same_placement():
+    """World 2, async_prefetch (whole and chunked): next layers are moved ahead, same placement, exact weights and outputs."""
+    results = run_ranks(_prefetch_vs_not, 2, timeout=150)
+    for plain, ahead, chunked in results:
+        _assert_committed_alike(plain, ahead)
+        _assert_committed_alike(plain, chunked)
+        assert plain["handed_over"] == 0 and ahead["handed_over"] >= 1 and chunked["handed_over"] >= 1
+    assert results[0][1]["ready"] == results[1][1]["ready"]   # both ranks polled on the same steps
 
 
 def _chunked_vs_whole(rank: int, world: int) -> list[dict]:

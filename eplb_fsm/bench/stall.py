@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes-per-step", type=int, default=0,
                         help="config async_max_bytes_per_step: bytes the async worker moves per engine step "
                              "(default 0: no limit)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="config async_prefetch: move the next changed layer ahead into a second buffer")
     parser.add_argument("--poll", choices=("posted", "blocking"), default="posted",
                         help="config async_overlap_poll: async mode posts its ready flags and reads them on the "
                              "next step (posted) or waits for them within the step (blocking); default posted")
@@ -141,7 +143,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) 
     config = EplbConfig(window_size=cfg["warm"], step_interval=10**9, num_redundant_experts=cfg["redundant"],
                         use_async=mode != "sync", collective_timeout_s=cfg["collective_timeout_s"],
                         async_worker_nice=cfg["worker_nice"], async_max_bytes_per_step=cfg["max_bytes_per_step"],
-                        async_overlap_poll=cfg["poll"] == "posted")
+                        async_overlap_poll=cfg["poll"] == "posted", async_prefetch=cfg.get("prefetch", False))
     model = HeavyMoE(cfg["layers"], cfg["experts"], cfg["redundant"], cfg["hidden"], rank, world)
     controller = EplbController(config)
     try:
@@ -340,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"layers": args.layers, "experts": args.experts, "redundant": args.redundant, "hidden": hidden,
            "matmul": args.matmul, "warm": args.warm, "tail": args.tail, "max_steps": args.max_steps,
            "repeats": args.repeats, "seed": args.seed, "worker_nice": args.worker_nice, "poll": args.poll,
-           "max_bytes_per_step": args.max_bytes_per_step, "engine": args.engine,
+           "max_bytes_per_step": args.max_bytes_per_step, "engine": args.engine, "prefetch": args.prefetch,
            "switch_interval": args.switch_interval, "collective_timeout_s": max(10.0, args.timeout / 4)}
     load_before = os.getloadavg()
     per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
@@ -360,17 +362,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "stall",
         "backend": "gloo",
-        "world": args.world,
-        "layers": args.layers,
-        "experts": args.experts,
-        "redundant": args.redundant,
+        "world": args.world, "layers": args.layers, "experts": args.experts, "redundant": args.redundant,
         "weight_mb_per_rank": round(runs[0]["weight_bytes"] / 2**20, 2),
         "moved_slots": runs[0]["moves"],
         "moved_mb": round(runs[0]["moved_bytes"] / 2**20, 2),
         "matmul": args.matmul,
         "engine_threads": args.engine_threads,
         "worker_nice": args.worker_nice,
-        "max_bytes_per_step": args.max_bytes_per_step,
+        "max_bytes_per_step": args.max_bytes_per_step, "prefetch": args.prefetch,
         "poll": args.poll,
         "engine": args.engine,
         "switch_interval_s": args.switch_interval or sys.getswitchinterval(),

@@ -234,7 +234,7 @@ class EplbController:
         balancedness of this pass (with ``config.log_balancedness``, at its interval).
         """
         if is_profile:
-            self.trace.emit("profile", buffer_bytes=self.mover.reserve())
+            self.trace.emit("profile", buffer_bytes=self.mover.reserve(spare=self.rearranger.layer_jobs.prefetch))
             return self.machine.state
         counters = self.counters
         step = counters.steps

@@ -36,6 +36,7 @@ class ModelEntry:
     replica_count: torch.Tensor  # (L, N) handed to the model, updated in place
     buffer: Any                  # transfer.TransferBuffer (one layer)
     slot_bytes: list[int]        # bytes of one slot's weights, per layer
+    spare_buffer: Any = None     # the second TransferBuffer (async_prefetch), made on first use
 
     def describe(self) -> dict:
         return {

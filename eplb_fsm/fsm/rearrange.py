@@ -26,6 +26,7 @@ import torch
 from eplb_fsm.fsm.collectives import Collectives, GroupBroken, PostedReduce, flags
 from eplb_fsm.fsm.decide import (ABORT, JOIN, POST, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_poll,
                                  decide_progress)
+from eplb_fsm.fsm.layer_jobs import LayerJobs
 from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
 from eplb_fsm.fsm.planning import Plan, bad_load_reason, local_loads, plan_placements, split_loads
 from eplb_fsm.fsm.reporting import Rearrangement, Reporter
@@ -54,6 +55,7 @@ class Rearranger:
         self.current: Rearrangement | None = None
         # async mode: the ready flags posted on the last step, read on this one (settle)
         self.posted: PostedReduce | None = None
+        self.layer_jobs = LayerJobs(worker, mover, prefetch=bool(config.async_prefetch) and worker is not None)
 
     # ------------------------------------------------------------ begin / end
     def begin(self, step: int, forced: bool) -> torch.Tensor:
@@ -284,9 +286,7 @@ class Rearranger:
         while state == TRANSFERRING:
             layer = self.machine.layer
             if plan.changed[layer]:
-                self.current.job = self.worker.submit(self.mover.transfer, plan.new_phy2log, layer, kind="transfer",
-                                                      layer=layer)
-                self.current.job_step = self.counters.steps
+                self.current.job, self.current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
                 return
             state = self.commit_layer(layer, None).dest
         if state == COMMITTING:
@@ -318,6 +318,9 @@ class Rearranger:
             if current.job is not None and not current.job.done():
                 extra["job_running"] = current.job.kind
             current.job = None
+        ahead = self.layer_jobs.drop()
+        if ahead is not None and not ahead.done():
+            extra["prefetch_running"] = ahead.layer
         if layer is not None:
             extra["failed_layer"] = layer
         dest = FAILED

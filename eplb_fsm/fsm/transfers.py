@@ -26,7 +26,8 @@ from eplb_fsm.fsm.model_entry import ModelEntry
 from eplb_fsm.fsm.worker import StepPacer
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.stats import RemapPlan
-from eplb_fsm.transfer import commit_layer_from_buffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
+from eplb_fsm.transfer import (TransferBuffer, commit_layer_from_buffer, rearrange_expert_weights_inplace,
+                               transfer_layer_to_buffer)
 
 __all__ = ["LayerMover", "PreparedRow", "TransferredLayer", "ready_flags"]
 
@@ -117,13 +118,19 @@ class LayerMover:
                 return entry, layer - entry.layer_offset
         raise IndexError(f"layer {layer} is outside the {sum(e.num_layers for e in self.models)} layers")
 
-    def transfer(self, new_phy2log: Sequence[Any], layer: int) -> Any:
+    def transfer(self, new_phy2log: Sequence[Any], layer: int, spare: bool = False) -> Any:
         """Move one layer's weights into its model's buffer (weights untouched); returns a
         :class:`TransferredLayer` (the pending layer and its prepared maps commit).
 
-        ``new_phy2log``: the plan's per-model (L, P) placements.
+        ``new_phy2log``: the plan's per-model (L, P) placements. ``spare``: into the model's
+        second buffer (``async_prefetch``: the next layer's, while this one awaits its commit).
         """
         entry, local = self.locate(layer)
+        buffer = entry.buffer
+        if spare:
+            if entry.spare_buffer is None:
+                entry.spare_buffer = TransferBuffer()
+            buffer = entry.spare_buffer
         for hook in list(self.hooks):
             hook(layer, entry.name, local)
         old_row = entry.maps.phy2log[local].copy()
@@ -136,7 +143,7 @@ class LayerMover:
         try:
             pending = transfer_layer_to_buffer(
                 old_row, new_phy2log[entry.index][local],
-                comm.wrap(entry.model.expert_weights[local]), entry.buffer, layer=layer,
+                comm.wrap(entry.model.expert_weights[local]), buffer, layer=layer,
                 communicator=comm.communicator, trace=self.trace, migration_batching=self.batching,
                 max_chunk_bytes=self.max_bytes_per_step, between_chunks=pacer.wait if pacer else None,
             )
@@ -167,24 +174,30 @@ class LayerMover:
         else:
             entry.commit_row(local, new_phy2log[entry.index][local])
 
-    def reserve(self) -> int:
-        """Reserve each model's transfer buffer (transfer profile mode); returns the bytes reserved."""
+    def reserve(self, spare: bool = False) -> int:
+        """Reserve each model's transfer buffer, and with ``spare`` its second one (transfer
+        profile mode); returns the bytes reserved."""
         reserved = 0
         comm = self.collectives
         for entry in self.models:
+            if spare and entry.spare_buffer is None:
+                entry.spare_buffer = TransferBuffer()
             current = entry.maps.phy2log
-            rearrange_expert_weights_inplace(
-                current, current, comm.wrap(entry.model.expert_weights), communicator=comm.communicator,
-                is_profile=True, buffer=entry.buffer,
-            )
-            reserved += entry.buffer.nbytes
+            for buffer in (entry.buffer, entry.spare_buffer) if spare else (entry.buffer,):
+                rearrange_expert_weights_inplace(
+                    current, current, comm.wrap(entry.model.expert_weights), communicator=comm.communicator,
+                    is_profile=True, buffer=buffer,
+                )
+                reserved += buffer.nbytes
             entry.window.load_pass.zero_()  # the profile pass's counts are not real load
         return reserved
 
     def invalidate_buffers(self) -> None:
         """After an abort: any stale pending layer can no longer be committed."""
         for entry in self.models:
-            entry.buffer.generation += 1
+            for buffer in (entry.buffer, entry.spare_buffer):
+                if buffer is not None:
+                    buffer.generation += 1
 
 
 def ready_flags(job: Any, timeout_s: float) -> torch.Tensor:

@@ -47,6 +47,7 @@ class Job:
         self.kwargs = kwargs
         self.clock = clock
         self.submitted_at = clock()
+        self.waited_from = self.submitted_at   # what age() counts from (a prefetched job: its hand-over)
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.future: concurrent.futures.Future = concurrent.futures.Future()
@@ -75,8 +76,9 @@ class Job:
         return self.future.result(timeout=timeout)
 
     def age(self, now: float | None = None) -> float:
-        """Seconds since submission (local time: for timeout flags and logs only)."""
-        return (self.clock() if now is None else now) - self.submitted_at
+        """Seconds since the ranks began waiting for it: its submission, or for a job submitted
+        ahead (``async_prefetch``) its hand-over (local time: for timeout flags and logs only)."""
+        return (self.clock() if now is None else now) - self.waited_from
 
     def wait_stream(self) -> None:
         """On GPU, make the current stream wait for the job's stream work (no-op on CPU)."""
