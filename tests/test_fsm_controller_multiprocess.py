@@ -25,7 +25,7 @@ def _target(layers: int, experts: int, seed: int) -> np.ndarray:
 
 
 def _scenario(rank: int, world: int, mode: str, steps: int, inject: dict | None = None,
-              drafter: bool = True, timeout: float = 2.0) -> dict:
+              drafter: bool = True, timeout: float = 2.0, prefetch: bool = False) -> dict:
     import torch.distributed as dist
 
     from eplb_fsm import EplbConfig, EplbController
@@ -34,7 +34,7 @@ def _scenario(rank: int, world: int, mode: str, steps: int, inject: dict | None 
     group = dist.group.WORLD
     interval = 12
     config = EplbConfig(window_size=8, step_interval=interval, num_redundant_experts=4,
-                        use_async=mode == "async", collective_timeout_s=timeout)
+                        use_async=mode == "async", collective_timeout_s=timeout, async_prefetch=prefetch)
     models = {"main": ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=8, rank=rank, world_size=world)}
     if drafter:
         models["drafter"] = ToyMoE(num_layers=1, num_experts=8, num_redundant=4, hidden=8, rank=rank,
@@ -120,20 +120,23 @@ SCENARIOS_2 = [
     {"mode": "async", "steps": 50},
     {"mode": "sync", "steps": 40, "inject": {"rank": 0, "layer": 1}},
     {"mode": "async", "steps": 40, "inject": {"rank": 1, "layer": 2}},
+    # async_prefetch: layer 2 (the drafter's) is queued behind layer 1 (the main model's)
+    {"mode": "async", "steps": 50, "prefetch": True},
+    {"mode": "async", "steps": 40, "inject": {"rank": 1, "layer": 1}, "prefetch": True},
 ]
 
 
 def test_world2_sync_async_drafter_and_injected_faults():
-    """World 2: sync and async with a drafter rearrange several times exactly; injected errors abort consistently."""
-    results = run_ranks(_world_body, 2, args=(SCENARIOS_2,), timeout=150)
-    names = ["sync", "async", "sync+fault", "async+fault"]
-    sync, async_, sync_fault, async_fault = _check_agreement(results, names)
-    for res in (sync, async_):
+    """World 2: sync, async and async with prefetch, with a drafter, rearrange exactly; injected errors abort consistently."""
+    results = run_ranks(_world_body, 2, args=(SCENARIOS_2,), timeout=200)
+    names = ["sync", "async", "sync+fault", "async+fault", "prefetch", "prefetch+fault"]
+    sync, async_, sync_fault, async_fault, prefetch, prefetch_fault = _check_agreement(results, names)
+    for res in (sync, async_, prefetch):
         committed = [h for h in res["history"] if h[2] == "committed"]
         assert len(committed) >= 3 and not res["faults"]
     assert all(h[0] == h[1] for h in sync["history"])                          # sync: all inside one step
     assert any(h[1] > h[0] for h in async_["history"] if h[2] == "committed")  # async: spread over steps
-    for res, layer in ((sync_fault, 1), (async_fault, 2)):
+    for res, layer in ((sync_fault, 1), (async_fault, 2), (prefetch_fault, 1)):
         aborted = [h for h in res["history"] if h[2] == "aborted"]
         assert len(aborted) == 1 and aborted[0][4] == layer       # layers before the failed one committed
         assert res["faults"][0][1:] == (layer, "collecting")
