@@ -143,7 +143,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) 
     config = EplbConfig(window_size=cfg["warm"], step_interval=10**9, num_redundant_experts=cfg["redundant"],
                         use_async=mode != "sync", collective_timeout_s=cfg["collective_timeout_s"],
                         async_worker_nice=cfg["worker_nice"], async_max_bytes_per_step=cfg["max_bytes_per_step"],
-                        async_overlap_poll=cfg["poll"] == "posted", async_prefetch=cfg.get("prefetch", False))
+                        async_overlap_poll=cfg["poll"] == "posted", async_prefetch=cfg["prefetch"])
     model = HeavyMoE(cfg["layers"], cfg["experts"], cfg["redundant"], cfg["hidden"], rank, world)
     controller = EplbController(config)
     try:

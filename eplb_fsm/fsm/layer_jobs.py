@@ -57,9 +57,9 @@ class LayerJobs:
         shared step count now. With prefetch it also submits the next changed layer ahead.
         """
         if self.ahead is not None and self.ahead_layer == layer:
-            job, since = self.ahead, self.ahead_step
+            since = self.ahead_step
+            job = self.drop()
             job.waited_from = job.clock()   # its timeout counts from now, not from behind layer k
-            self.ahead, self.ahead_layer = None, None
             self.handed_over += 1
         else:
             self.drop()

@@ -126,11 +126,7 @@ class LayerMover:
         second buffer (``async_prefetch``: the next layer's, while this one awaits its commit).
         """
         entry, local = self.locate(layer)
-        buffer = entry.buffer
-        if spare:
-            if entry.spare_buffer is None:
-                entry.spare_buffer = TransferBuffer()
-            buffer = entry.spare_buffer
+        buffer = self.buffer(entry, spare)
         for hook in list(self.hooks):
             hook(layer, entry.name, local)
         old_row = entry.maps.phy2log[local].copy()
@@ -174,16 +170,23 @@ class LayerMover:
         else:
             entry.commit_row(local, new_phy2log[entry.index][local])
 
+    @staticmethod
+    def buffer(entry: ModelEntry, spare: bool) -> TransferBuffer:
+        """``entry``'s main buffer, or its second one (``async_prefetch``; made on first use)."""
+        if not spare:
+            return entry.buffer
+        if entry.spare_buffer is None:
+            entry.spare_buffer = TransferBuffer()
+        return entry.spare_buffer
+
     def reserve(self, spare: bool = False) -> int:
         """Reserve each model's transfer buffer, and with ``spare`` its second one (transfer
         profile mode); returns the bytes reserved."""
         reserved = 0
         comm = self.collectives
         for entry in self.models:
-            if spare and entry.spare_buffer is None:
-                entry.spare_buffer = TransferBuffer()
             current = entry.maps.phy2log
-            for buffer in (entry.buffer, entry.spare_buffer) if spare else (entry.buffer,):
+            for buffer in (entry.buffer, self.buffer(entry, True)) if spare else (entry.buffer,):
                 rearrange_expert_weights_inplace(
                     current, current, comm.wrap(entry.model.expert_weights), communicator=comm.communicator,
                     is_profile=True, buffer=buffer,
