@@ -103,3 +103,31 @@ def test_posted_all_reduce_on_gloo_sums_later_and_times_out_on_a_silent_peer():
     silent = run_ranks(_posted_on_gloo, 2, args=(1,), timeout=60)
     assert "error" in silent[0] and "all_reduce of ['ready'] failed" in silent[0]["error"]
     assert silent[0]["events"][-1][0] == "collective_error"
+
+
+def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
+    """Rank 1 is slow building its transfer group: rank 0's new_transfer_group still returns after rank 1's build."""
+    import threading
+
+    from eplb_fsm.testing.threads import ThreadGroup, run_threads
+
+    rank0_back, rank1_built = threading.Event(), threading.Event()
+
+    class SlowToBuild(ThreadGroup):
+        def transfer_communicator(self, timeout_s):
+            if self.rank == 1:
+                rank0_back.wait(0.3)  # an unsynchronised rank 0 is back by now
+                rank1_built.set()
+            return super().transfer_communicator(timeout_s)
+
+    def body(rank, group):
+        group.__class__ = SlowToBuild
+        coll = Collectives(group, rank, 2, EventTrace(keep=True), torch.device("cpu"), 5.0, "ep")
+        coll.new_transfer_group()
+        if rank == 0:
+            seen = rank1_built.is_set()
+            rank0_back.set()
+            return seen
+        return coll.communicator is not None
+
+    assert run_threads(2, body, timeout=30) == [True, True]

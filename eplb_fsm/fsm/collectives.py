@@ -201,11 +201,13 @@ class Collectives:
         base = TRANSFER_GROUP_NAME if self.generation == 0 else f"{TRANSFER_GROUP_NAME}@{self.generation}"
         return base if gen <= 0 else f"{base}.{gen}"
 
-    def new_transfer_group(self) -> None:
+    def new_transfer_group(self, wait_all: bool = True) -> None:
         """(Re)create the process group the weight transfers run on (collective over the EP ranks).
 
         Each new group gets a new trace name, so its collective sequence (``cseq``) starts
-        from 0 on every rank whatever the old group saw.
+        from 0 on every rank whatever the old group saw. ``wait_all``: end with
+        :meth:`wait_all_built`; a joiner of a scale-up passes False, since its build pairs
+        with the serving ranks' in their handover, whose next all-reduce is that wait.
         """
         self.transfer_generation += 1
         if self.group is None:
@@ -214,19 +216,36 @@ class Collectives:
         if self.custom:
             self.communicator = self.group.transfer_communicator(self.timeout_s)
             self.name_communicator()
-            return
-        import torch.distributed as dist
+        else:
+            import torch.distributed as dist
 
-        ranks = dist.get_process_group_ranks(self.group)
-        self.transfer_group = dist.new_group(
-            ranks=ranks,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-            use_local_synchronization=True,
-        )
-        # no stream of its own: in async mode the worker already runs each job on its stream
-        self.communicator = TorchDistCommunicator(
-            self.transfer_group, timeout=self.timeout_s, name=self.transfer_group_name
-        )
+            ranks = dist.get_process_group_ranks(self.group)
+            self.transfer_group = dist.new_group(
+                ranks=ranks,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True,
+            )
+            # no stream of its own: in async mode the worker already runs each job on its stream
+            self.communicator = TorchDistCommunicator(
+                self.transfer_group, timeout=self.timeout_s, name=self.transfer_group_name
+            )
+        if wait_all:
+            self.wait_all_built()
+
+    def wait_all_built(self) -> None:
+        """Return once every rank has built its transfer group: an untraced SUM all-reduce of one zero.
+
+        Building a gloo group returns on a rank as soon as its own connections are up, while
+        a peer may still be reading the rendezvous store, which lives in one rank's process
+        (rank 0's for ``init_process_group``). Without this, a rank 0 that went on and exited
+        right after construction reset that peer inside its build ("Connection reset by
+        peer"). A rank enters this all-reduce only after its build returned, so none leaves
+        before all have. Untraced, like the run-identity agreement: ``cseq`` stays as it was.
+        Raises what the all-reduce raises (its timeout is the collective timeout).
+        """
+        from eplb_fsm.run_identity import group_sum
+
+        group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(torch.zeros(1, dtype=torch.float64))
 
     def name_communicator(self) -> None:
         """Give the communicator the transfer group's trace name (one with a fixed name keeps it)."""

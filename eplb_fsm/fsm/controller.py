@@ -117,7 +117,7 @@ class EplbController:
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks,
                                 config.async_max_bytes_per_step if config.use_async else 0)
-        self.collectives.new_transfer_group()
+        self.collectives.new_transfer_group(wait_all=role != "joiner")
         self.worker = None
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
