@@ -121,7 +121,7 @@ def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
             return super().transfer_communicator(timeout_s)
 
     def body(rank, group):
-        group.__class__ = SlowToBuild
+        group = SlowToBuild(group.w, rank)
         coll = Collectives(group, rank, 2, EventTrace(keep=True), torch.device("cpu"), 5.0, "ep")
         coll.new_transfer_group()
         if rank == 0:

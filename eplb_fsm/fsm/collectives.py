@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from eplb_fsm.run_identity import group_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
 
 __all__ = [
@@ -243,8 +244,6 @@ class Collectives:
         before all have. Untraced, like the run-identity agreement: ``cseq`` stays as it was.
         Raises what the all-reduce raises (its timeout is the collective timeout).
         """
-        from eplb_fsm.run_identity import group_sum
-
         group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(torch.zeros(1, dtype=torch.float64))
 
     def name_communicator(self) -> None:

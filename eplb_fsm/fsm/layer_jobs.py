@@ -83,6 +83,6 @@ class LayerJobs:
         return self.mover.transfer(new_phy2log, layer, spare=spare)
 
     def drop(self) -> Any:
-        """Forget the job submitted ahead (after an abort); returns it (None: there was none)."""
+        """Forget the job submitted ahead (an abort, or :meth:`start` taking it over); returns it (None: none)."""
         job, self.ahead, self.ahead_layer, self.ahead_step = self.ahead, None, None, -1
         return job
