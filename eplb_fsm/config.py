@@ -55,8 +55,8 @@ class EplbConfig:
     movement_balancedness_target: float = 0.99
     # EP layout used by the default (hierarchical) policy
     num_nodes: int = 1
-    # async mode: the nice increment the background worker thread gives itself at start
-    # (0-19; Linux renices that one thread): on a CPU-bound host the engine thread wins the CPU
+    # async mode: the nice increment the background worker thread gives itself at start, and
+    # the threads of the transfer group get (0-19; Linux, per thread): the engine wins the CPU
     async_worker_nice: int = 0
     # async mode: at most this many bytes of expert rows moved per engine step (0: no limit);
     # the worker waits for the next step between chunks, so its CPU per step is bounded

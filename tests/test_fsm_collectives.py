@@ -131,3 +131,36 @@ def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
         return coll.communicator is not None
 
     assert run_threads(2, body, timeout=30) == [True, True]
+
+
+def _transfer_group_threads(rank: int, world: int, nice: int) -> dict:
+    """Build the transfer group with ``transfer_nice=nice``; report the nice of the threads it started."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if not sys.platform.startswith("linux"):
+        return {"skip": True}
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    before = set(os.listdir("/proc/self/task"))
+    coll = Collectives(dist.group.WORLD, rank, world, EventTrace(rank=rank, world=world), torch.device("cpu"),
+                       20.0, "ep", transfer_nice=nice)
+    coll.new_transfer_group()
+    started = sorted(set(os.listdir("/proc/self/task")) - before)
+    total = torch.ones(4)
+    dist.all_reduce(total, group=coll.transfer_group)
+    return {"base": base, "caller": os.getpriority(os.PRIO_PROCESS, 0), "sum": total.tolist(),
+            "started": [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in started]}
+
+
+@pytest.mark.multiprocess
+def test_transfer_nice_reaches_the_threads_gloo_starts_for_the_transfer_group():
+    """gloo, world 2: with transfer_nice=4 every thread the transfer group started runs at base + 4; with 0, at base."""
+    for nice in (4, 0):
+        for res in run_ranks(_transfer_group_threads, 2, args=(nice,), timeout=60):
+            if res.get("skip"):
+                pytest.skip("per-thread nice values are Linux only")
+            assert res["started"], "building a gloo group starts its own threads"
+            assert res["started"] == [min(19, res["base"] + nice)] * len(res["started"])
+            assert res["caller"] == res["base"] and res["sum"] == [2.0] * 4

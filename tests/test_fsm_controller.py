@@ -615,3 +615,11 @@ def test_steps_before_the_first_model_do_not_make_a_rearrangement_due():
     due = [r for r in events(ctl, "transition") if r["trigger"] == "step"]
     assert len(due) == 1 and due[0]["step"] == 100 + first - 1 and due[0]["due"] is True
     ctl.close()
+
+
+def test_async_worker_nice_also_builds_the_transfer_group_niced_in_async_mode_only():
+    """async_worker_nice=3: an async controller builds its transfer group niced by 3 (and niced its worker); a sync one by 0."""
+    with EplbController(cfg(use_async=True, async_worker_nice=3)) as ctl:
+        assert ctl.collectives.transfer_nice == 3 and ctl.worker.nice == 3
+    with EplbController(cfg(use_async=False, async_worker_nice=3)) as ctl:
+        assert ctl.collectives.transfer_nice == 0 and ctl.worker is None

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from eplb_fsm.fsm.worker import BackgroundWorker
+from eplb_fsm.fsm.worker import BackgroundWorker, run_niced
 
 
 def test_jobs_run_in_submission_order_on_the_worker_thread():
@@ -168,3 +168,39 @@ def test_start_yield_out_of_range_is_refused_naming_the_field():
     """start_yield_s must be 0..1 s; the worker does not start otherwise."""
     with pytest.raises(ValueError, match=r"start_yield_s must be in 0..1 s, got -0.1"):
         BackgroundWorker(start_yield_s=-0.1)
+
+
+def test_run_niced_passes_its_nice_to_the_threads_the_call_starts():
+    """run_niced(fn, 3): fn and a thread it starts run at the caller's nice + 3; the caller keeps its own; the value comes back."""
+    import os
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict = {}
+
+    def build():
+        seen["fn"] = os.getpriority(os.PRIO_PROCESS, 0)
+        child = threading.Thread(target=lambda: seen.__setitem__("child", os.getpriority(os.PRIO_PROCESS, 0)))
+        child.start()
+        child.join(10)
+        return "group"
+
+    assert run_niced(build, 3, timeout_s=10) == "group"
+    assert seen == {"fn": min(19, mine + 3), "child": min(19, mine + 3)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+
+
+def test_run_niced_zero_calls_here_and_errors_reach_the_caller():
+    """run_niced(fn, 0) runs fn on the calling thread; an error raised in fn (niced or not) is raised to the caller."""
+    assert run_niced(threading.get_ident, 0, timeout_s=1) == threading.get_ident()
+    assert run_niced(threading.get_ident, 1, timeout_s=10) != threading.get_ident()
+    for nice in (0, 2):
+        with pytest.raises(ZeroDivisionError):
+            run_niced(lambda: 1 / 0, nice, timeout_s=10)
+
+
+def test_run_niced_gives_up_after_its_timeout():
+    """A niced call that does not return within timeout_s raises TimeoutError instead of waiting on."""
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        run_niced(lambda: release.wait(10), 1, timeout_s=0.2)
+    release.set()

@@ -32,8 +32,8 @@ its wall time grows and the other threads' CPU rises. ``--engine-threads`` sets
 the worker's copies alike). Each step is also split into the engine's own work
 (``work_extra``: the same matmul, load and all-reduce, slowed only by contention) and
 the rest (``controller_extra``: the controller's calls). The two config knobs that bound
-the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread renices
-itself) and ``--max-bytes-per-step`` (``async_max_bytes_per_step``: the transfer goes in
+the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread and the
+transfer group's threads are reniced) and ``--max-bytes-per-step`` (``async_max_bytes_per_step``: the transfer goes in
 chunks of at most that many bytes, one per engine step); ``--poll blocking`` turns off
 ``async_overlap_poll``; ``--switch-interval`` sets Python's GIL switch interval.
 ``--engine device`` replaces the matmul by a CPU-idle wait of its median time (a GPU
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="sync + async pairs, alternating order (default 3)")
     parser.add_argument("--engine-threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     parser.add_argument("--worker-nice", type=int, default=0,
-                        help="config async_worker_nice: the async worker thread's nice increment (default 0: none)")
+                        help="config async_worker_nice: nice increment of the async worker and transfer threads (default 0)")
     parser.add_argument("--max-bytes-per-step", type=int, default=0,
                         help="config async_max_bytes_per_step: bytes the async worker moves per engine step "
                              "(default 0: no limit)")

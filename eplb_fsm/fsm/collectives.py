@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from eplb_fsm.fsm.worker import run_niced
 from eplb_fsm.run_identity import group_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
 
@@ -87,7 +88,7 @@ class Collectives:
     """
 
     def __init__(self, group: Any, rank: int, world_size: int, trace: Any, device: torch.device,
-                 timeout_s: float, name: str, generation: int = 0) -> None:
+                 timeout_s: float, name: str, generation: int = 0, transfer_nice: int = 0) -> None:
         self.group = group
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -100,6 +101,9 @@ class Collectives:
         self.transfer_group = None          # torch groups only: the process group transfers run on
         self.communicator: Any = None       # what weight transfers use (``transfer.Communicator``)
         self.transfer_generation = -1       # how many times the transfer group was re-created
+        # async_worker_nice: the torch transfer group is built on a thread niced by this much, so
+        # the backend threads that move the weights yield to the engine as the worker does
+        self.transfer_nice = int(transfer_nice)
         self.comm_device = self._collective_device()
         # elastic EP: caps every all-reduce's timeout by the time left before the scale's
         # deadline (eplb_fsm.elastic.bounds); None outside a scale
@@ -221,11 +225,13 @@ class Collectives:
             import torch.distributed as dist
 
             ranks = dist.get_process_group_ranks(self.group)
-            self.transfer_group = dist.new_group(
-                ranks=ranks,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                use_local_synchronization=True,
-            )
+            # NCCL moves the weights on the GPU and binds its communicator to the calling
+            # thread's device: it is built here, unniced
+            nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
+            self.transfer_group = run_niced(
+                lambda: dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                       use_local_synchronization=True),
+                nice, self.timeout_s + 10.0)
             # no stream of its own: in async mode the worker already runs each job on its stream
             self.communicator = TorchDistCommunicator(
                 self.transfer_group, timeout=self.timeout_s, name=self.transfer_group_name

@@ -93,7 +93,8 @@ class EplbController:
         generation = int(getattr(group, "generation", 0) or 0)  # elastic EP: 0 until a scale
         self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace)
         self.collectives = Collectives(group, rank, world_size, self.trace, self.device,
-                                       config.collective_timeout_s, name, generation)
+                                       config.collective_timeout_s, name, generation,
+                                       transfer_nice=config.async_worker_nice if config.use_async else 0)
         self.last_generation = generation   # the last one a scale request used up
         self.scalings: list[dict] = []
         initial = SCALING if role == "joiner" else COLLECTING

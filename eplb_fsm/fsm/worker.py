@@ -16,8 +16,9 @@ and :class:`StepPacer`'s wait for the next engine step.
 
 Two knobs bound what the worker takes from the engine on a CPU-bound host
 (``EplbConfig.async_worker_nice``, ``async_max_bytes_per_step``; docs/guide.md): the worker
-thread renices itself at start (:func:`renice_this_thread`), and a layer's transfer can go in
-chunks with a wait for the next engine step between them (:class:`StepPacer`).
+thread renices itself at start (:func:`renice_this_thread`), and so do the transfer group's own
+threads, started from a niced thread (:func:`run_niced`); a layer's transfer can go in chunks
+with a wait for the next engine step between them (:class:`StepPacer`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,36 @@ def renice_this_thread(increment: int) -> int | None:
     value = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
     os.setpriority(os.PRIO_PROCESS, tid, value)
     return value
+
+
+def run_niced(fn: Callable[[], Any], increment: int, timeout_s: float) -> Any:
+    """Call ``fn`` on a short-lived thread niced by ``increment``; return its result or raise its error.
+
+    Linux threads start at the nice value of the thread that starts them, so every thread
+    ``fn`` starts keeps it for life: when ``fn`` builds a gloo process group, its tcp loop
+    and work threads, which do a weight transfer's sends, receives and copies, not the
+    Python thread that posts them. ``increment`` 0 calls ``fn`` on the calling thread.
+    Raises ``TimeoutError`` if ``fn`` has not returned within ``timeout_s``.
+    """
+    if not increment:
+        return fn()
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            renice_this_thread(increment)
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=body, name="eplb-niced-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"niced call {getattr(fn, '__name__', fn)!r} did not return within {timeout_s} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class StepPacer:
