@@ -33,8 +33,9 @@ the worker's copies alike). Each step is also split into the engine's own work
 (``work_extra``: the same matmul, load and all-reduce, slowed only by contention) and
 the rest (``controller_extra``: the controller's calls). The two config knobs that bound
 the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread and the
-transfer group's threads are reniced) and ``--max-bytes-per-step`` (``async_max_bytes_per_step``: the transfer goes in
-chunks of at most that many bytes, one per engine step); ``--poll blocking`` turns off
+transfer group's threads are reniced) and ``--max-bytes-per-step``
+(``async_max_bytes_per_step``: the transfer goes in chunks of at most that many bytes, one
+per engine step); ``--poll blocking`` turns off
 ``async_overlap_poll``; ``--switch-interval`` sets Python's GIL switch interval.
 ``--engine device`` replaces the matmul by a CPU-idle wait of its median time (a GPU
 engine as the host sees it; bench/stall_engine.py). Load average before and after.
