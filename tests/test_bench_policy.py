@@ -125,3 +125,43 @@ def test_bench_policy_scaling_draws_a_load_per_run(monkeypatch):
 def test_bench_policy_rejects_zero_repeats():
     """--scaling-repeats 0 stops with a message naming the option."""
     assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--scaling-repeats", "0"]) == 2
+
+
+def test_bench_policy_cold_cache_evicts_before_every_timed_call(capsys, monkeypatch):
+    """--cold-cache runs the evictor ahead of each timed call (both policies, both scaling passes) and says so."""
+    from eplb_fsm.bench import policy as bench_policy
+
+    calls = []
+    monkeypatch.setattr(bench_policy, "cache_evictor", lambda enabled: ((lambda: calls.append(1)), 1 << 26)
+                        if enabled else (None, 0))
+    argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "3", "--reference-repeats", "2"]
+    assert main(argv + ["--no-scaling", "--cold-cache"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(calls) == 3 + 2
+    assert result["cold_cache"] is True and result["eviction_bytes"] == 1 << 26
+    assert main(argv + ["--no-scaling"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(calls) == 5 and result["cold_cache"] is False and result["eviction_bytes"] == 0
+    calls.clear()
+    bench_policy._scaling(2, seed=0, before=lambda: calls.append(1))
+    points = 2 * (len(bench_policy.SCALING_LAYERS) + len(bench_policy.SCALING_EXPERTS))
+    assert len(calls) == 2 * points * 2  # the timed pass and the log2phy pass
+
+
+def test_cache_evictor_covers_twice_the_last_level_cache(tmp_path, monkeypatch):
+    """The eviction buffer is twice the largest sysfs cache size, and never below 64 MiB."""
+    from eplb_fsm.bench import policy as bench_policy
+
+    for index, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "48M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert bench_policy.last_level_cache_bytes(str(tmp_path)) == 48 << 20
+    assert bench_policy.last_level_cache_bytes(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(bench_policy, "last_level_cache_bytes", lambda: 48 << 20)
+    evict, nbytes = bench_policy.cache_evictor(True)
+    assert nbytes == 96 << 20 and callable(evict)
+    evict()
+    monkeypatch.setattr(bench_policy, "last_level_cache_bytes", lambda: None)
+    assert bench_policy.cache_evictor(True)[1] == bench_policy.MIN_EVICTION_BYTES
+    assert bench_policy.cache_evictor(False) == (None, 0)

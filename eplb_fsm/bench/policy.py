@@ -31,6 +31,13 @@ doubling (``ratio ** (1 / log2(size step))``); ``meets_target`` = ratio <= 2.1.
 ``log2phy_ms`` the median of the last step alone (``slots_of_experts`` run again on the
 same placements, in a pass of its own): its (L, N, P - N + 1) int64 output is the one
 that grows past the caches (15.7 MB at 232 layers).
+
+``--cold-cache`` writes through a buffer twice the last-level cache (at least 64 MiB)
+before every timed call, speed-up and scaling alike, outside the timing: every call then
+starts with cold caches, as a rebalance does in an engine that has run for minutes since
+the last one. By default the calls run back to back, so a small point finds its code, its
+output's recycled memory and part of its input still cached, and a large one does not.
+``cold_cache`` and ``eviction_bytes`` say which was measured.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ TARGET_SHAPES = ("dsv3_ep32_hier", "dsv3_ep32_global", "dsv3_ep64_global", "qwen
 SCALING_LAYERS = (1, 2, 4, 8, 16, 32, 64, 128, 232)
 SCALING_EXPERTS = (64, 128, 256, 512)
 MAX_DOUBLING_RATIO = 2.1
+MIN_EVICTION_BYTES = 64 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scaling-repeats", type=int, default=41, metavar="N",
         help="timed runs per scaling point, each on a load of its own (default 41)"
     )
+    parser.add_argument(
+        "--cold-cache", action="store_true",
+        help="evict the CPU caches (write a buffer twice the last-level cache) before every timed call",
+    )
 
 
 def _timed(fn, cpu: list | None = None) -> tuple[float, object]:
@@ -91,16 +103,58 @@ def _timed(fn, cpu: list | None = None) -> tuple[float, object]:
     return wall, result
 
 
-def _alternated(fast, slow, repeats: int, slow_repeats: int) -> tuple[dict, dict, object, object]:
-    """Wall and CPU times of ``fast`` and ``slow`` called in turn (the surplus runs of either at the end)."""
+def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The largest CPU cache's size in bytes (Linux sysfs ``index*/size``), or None where none is shown."""
+    sizes = []
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def cache_evictor(enabled: bool):
+    """``(evict, nbytes)``: ``evict()`` reads and writes every line of a buffer of ``nbytes``
+    (twice the last-level cache, at least ``MIN_EVICTION_BYTES``); ``(None, 0)`` if disabled."""
+    if not enabled:
+        return None, 0
+    import numpy as np
+
+    nbytes = max(2 * (last_level_cache_bytes() or 0), MIN_EVICTION_BYTES)
+    junk = np.zeros(nbytes // 8, dtype=np.int64)
+
+    def evict() -> None:
+        np.add(junk, 1, out=junk)  # read-modify-write: every line passes through the caches
+
+    return evict, nbytes
+
+
+def _alternated(fast, slow, repeats: int, slow_repeats: int, before=None) -> tuple[dict, dict, object, object]:
+    """Wall and CPU times of ``fast`` and ``slow`` called in turn (the surplus runs of either at the end).
+
+    ``before``: called ahead of every timed call, outside its timing (the cache evictor)."""
     fast_times: dict = {"wall": [], "cpu": []}
     slow_times: dict = {"wall": [], "cpu": []}
     fast_out = slow_out = None
     for i in range(max(repeats, slow_repeats)):
         if i < repeats:
+            if before is not None:
+                before()
             t, fast_out = _timed(fast, fast_times["cpu"])
             fast_times["wall"].append(t)
         if i < slow_repeats:
+            if before is not None:
+                before()
             t, slow_out = _timed(slow, slow_times["cpu"])
             slow_times["wall"].append(t)
     return fast_times, slow_times, fast_out, slow_out
@@ -126,8 +180,10 @@ def _cores_busy(fn) -> tuple[object, float]:
     return result, round((after[0] - before[0]) / ticks / wall, 2)
 
 
-def _scaling(repeats: int, seed: int) -> dict:
-    """Default-policy time as layers and experts double (see the module docstring)."""
+def _scaling(repeats: int, seed: int, before=None) -> dict:
+    """Default-policy time as layers and experts double (see the module docstring).
+
+    ``before``: called ahead of every timed call, outside its timing (the cache evictor)."""
     import numpy as np
     import torch
 
@@ -156,6 +212,8 @@ def _scaling(repeats: int, seed: int) -> dict:
         for run in range(repeats):  # alternated over the points, so load drifts hit every point
             for i, (_, point_loads, call) in enumerate(points):
                 w = point_loads[run]
+                if before is not None:
+                    before()
                 times[i].append(_timed(lambda: DefaultEplbPolicy.rebalance_experts(w, *call), cpu[i])[0])
         # then the last step alone, in a pass of its own that places each load again: the
         # timings above are of bare calls, with nothing kept alive between them (holding the
@@ -166,6 +224,8 @@ def _scaling(repeats: int, seed: int) -> dict:
                 phy2log, out, count = DefaultEplbPolicy.rebalance_experts(point_loads[run], *call)
                 width = out.shape[2]
                 del out
+                if before is not None:
+                    before()
                 log2phy[i].append(_timed(lambda: slots_of_experts(phy2log.numpy(), count.numpy(), width))[0])
         rows: list[dict] = []
         for i, (x, _, call) in enumerate(points):
@@ -224,6 +284,7 @@ def run(args: argparse.Namespace) -> dict:
             f"eplb-fsm bench policy: --shapes: unknown shape(s) {unknown}; known: {', '.join(scenarios['shapes'])}"
         )
 
+    evict, eviction_bytes = cache_evictor(args.cold_cache)
     results = {}
     for index, name in enumerate(names):
         shape = scenarios["shapes"][name]
@@ -237,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
             lambda: reference_rebalance_experts(weight, *call),
             args.repeats,
             args.reference_repeats,
+            evict,
         ))
         default_s, reference_s = statistics.median(fast_t["wall"]), statistics.median(ref_t["wall"])
         default_cpu, reference_cpu = statistics.median(fast_t["cpu"]), statistics.median(ref_t["cpu"])
@@ -274,6 +336,8 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "reference_repeats": args.reference_repeats,
         "torch_threads": torch.get_num_threads(),
+        "cold_cache": bool(args.cold_cache),
+        "eviction_bytes": eviction_bytes,
         # which row loops the default ran: the C kernel (policy/cnative.c) or numpy (not built, or EPLB_FSM_NATIVE=0)
         "kernel": "c" if native.available() else "numpy",
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
@@ -284,5 +348,5 @@ def run(args: argparse.Namespace) -> dict:
         "meets_target": all(targeted) if targeted else None,
     }
     if not args.no_scaling:
-        out["scaling"] = _scaling(args.scaling_repeats, args.seed)
+        out["scaling"] = _scaling(args.scaling_repeats, args.seed, evict)
     return out
