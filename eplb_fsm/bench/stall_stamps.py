@@ -114,7 +114,7 @@ class StepStamps:
 def breakdown(times: list[float], parts: list[dict[str, float]], skip: int, trigger: int, end: int) -> dict:
     """Each part's extra time over its baseline median (steps ``skip:trigger``), seconds.
 
-    ``times``: (T,) merged step times; ``parts``: (T,) the slowest rank's parts per step;
+    ``times``: (T,) the job's step times; ``parts``: (T,) the parts of the rank that ended each step;
     the rearrangement is steps ``trigger..end`` inclusive. ``worst``: the mean over the
     :data:`WORST` longest steps of the rearrangement of each part's extra (and of the step's);
     ``total``: each part's extra summed over the rearrangement.
