@@ -13,7 +13,8 @@ A step's time is the job's: a step ends when its last rank ends it, and the job'
 time is the time from one such end to the next (the ranks run on one machine, so their
 monotonic clocks agree). Taking each step's slowest rank instead would count every lag
 twice: the engine all-reduce keeps the ranks in lockstep, so a rank that ends step i late
-makes the other rank's step i+1 (begun earlier) wait for it by as much (:func:`job_steps`).
+makes the other rank's step i+1 (begun earlier) wait for it by as much
+(:func:`eplb_fsm.bench.stall_metrics.job_steps`).
 Per run: ``baseline`` is the median step before the rearrangement; ``longest`` is the
 longest step from the one that asked for it to the one that committed it; ``total_extra``
 is the sum of (step - baseline) over those steps. Reported per mode as medians over
@@ -59,10 +60,19 @@ import sys
 import time
 from typing import Any
 
+from eplb_fsm.bench.stall_metrics import (
+    TARGET_SINGLE_STEP,
+    TARGET_TOTAL,
+    commit_floor,
+    median_of,
+    merge_ranks,
+    noise_corrected,
+    ratio,
+    rounded,
+    run_metrics,
+)
 from eplb_fsm.cli import hidden_alias
 
-TARGET_SINGLE_STEP = 0.05   # async's longest extra step time, as a fraction of sync's
-TARGET_TOTAL = 0.20         # async's total extra step time, as a fraction of sync's
 MODES = ("sync", "async")
 PLAIN = "plain"             # the noise floor: the same steps as the async run, no rearrangement
 
@@ -215,7 +225,8 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) 
         controller.close()
         gc.unfreeze()
     return {
-        "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps, "trigger": trigger, "commit": commit,
+        "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
+        "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
         "phy2log": final, "bit_exact": exact, "weight_bytes": model.weight_bytes,
         "cpu_base": _span(marks["base0"], marks["base1"]), "cpu_rearrange": _span(marks["rea0"], marks["rea1"]),
@@ -244,157 +255,6 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     return runs
 
 
-def job_steps(starts: list[float], ends: list[list[float]]) -> tuple[list[float], list[int], list[float]]:
-    """The job's step times, the rank that ended each step last, and how early that rank began it.
-
-    ``starts``: (W,) when each rank began step 0; ``ends``: (W, T) when each rank ended each
-    step, on one clock. A step of the job ends when its last rank ends it; its time runs
-    from the previous step's end (step 0: from the last rank's start). The rank that ends
-    step i last may have begun it before the job's step i-1 ended (it ended i-1 sooner);
-    that lead is time it spent waiting for the lagging rank, which the job's step i-1
-    already counts. Returns ((T,) seconds, (T,) rank indices, (T,) leads in seconds).
-    """
-    last = [max(range(len(ends)), key=lambda r: ends[r][i]) for i in range(len(ends[0]))]
-    job_ends = [ends[r][i] for i, r in enumerate(last)]
-    previous = [max(starts)] + job_ends[:-1]
-    times = [b - a for a, b in zip(previous, job_ends)]
-    began = [starts[r] if i == 0 else ends[r][i - 1] for i, r in enumerate(last)]
-    leads = [p - b for p, b in zip(previous, began)]
-    return times, last, leads
-
-
-def _merge(per_rank: list[dict]) -> dict:
-    """One run as the ranks saw it together: the job's step times, CPU summed, wall of the slowest."""
-    first = per_rank[0]
-    if any(len(r["times"]) != len(first["times"]) or r["commit"] != first["commit"] for r in per_rank):
-        raise RuntimeError("ranks disagree on the steps of a run (their decisions must be shared)")
-    times, last, leads = job_steps([r["start"] for r in per_rank], [r["ends"] for r in per_rank])
-    # the split of each step into engine work and controller calls, from the rank that ended
-    # it; its lead (waiting for a rank that ended the step before late) is taken off its
-    # engine all-reduce, where a lockstep rank waits, since the job's previous step counts it
-    work = [per_rank[r]["work"][i] - lead for i, (r, lead) in enumerate(zip(last, leads))]
-    parts = []
-    for i, (r, lead) in enumerate(zip(last, leads)):
-        row = dict(per_rank[r]["parts"][i])
-        row["engine_all_reduce"] = row.get("engine_all_reduce", 0.0) - lead
-        parts.append(row)
-    cpu = {}
-    for key in ("cpu_base", "cpu_rearrange"):
-        cpu[key] = {
-            "wall_s": max(r[key]["wall_s"] for r in per_rank),
-            "engine_cpu_s": sum(r[key]["engine_cpu_s"] for r in per_rank),
-            "process_cpu_s": sum(r[key]["process_cpu_s"] for r in per_rank),
-        }
-    return {**first, "times": times, "work": work, "parts": parts, "bit_exact": all(r["bit_exact"] for r in per_rank), **cpu}
-
-
-def _metrics(run: dict) -> dict[str, float]:
-    """Baseline, longest and total extra step time of one merged run (seconds)."""
-    times, trigger, commit = run["times"], run["trigger"], run["commit"]
-    baseline = statistics.median(times[run["skip"]:trigger])
-    during = times[trigger:commit + 1]
-    work = run["work"]
-    work_base = statistics.median(work[run["skip"]:trigger])
-    longest = max(during)
-    total_extra = sum(t - baseline for t in during)
-    work_extra = sum(w - work_base for w in work[trigger:commit + 1])
-    base_steps = trigger - run["skip"]
-    rea_steps = len(during)
-    cb, cr = run["cpu_base"], run["cpu_rearrange"]
-    # a layer's weights and maps flip together between two forwards, on the engine thread in
-    # either mode (host weights): no async schedule moves this time off the engine's steps
-    commits = [p["commit_weights"] + p["commit_maps"] for p in run["parts"][trigger:commit + 1]]
-    return {
-        "baseline_step_s": baseline,
-        # the noise floor: the longest step with no rearrangement (a loaded machine's hiccups)
-        "baseline_longest_step_s": max(times[run["skip"]:trigger]),
-        "longest_step_s": longest,
-        "longest_extra_s": longest - baseline,
-        "total_extra_s": total_extra,
-        # where it went: the engine's own work slowed down (CPU or GIL taken by the worker), or
-        # the rest: the controller's calls in the step (sync: the whole transfer; async: commits,
-        # the ready flags' all-reduce, waiting there for a slower rank)
-        "work_extra_s": work_extra,
-        "controller_extra_s": total_extra - work_extra,
-        "commit_s": sum(commits),
-        "longest_commit_s": max(commits),
-        "steps_to_commit": rea_steps,
-        "rearrangement_wall_s": sum(during),
-        # CPU seconds per step, summed over ranks: the engine threads', and every other thread's
-        "engine_cpu_per_step_base_s": cb["engine_cpu_s"] / base_steps,
-        "engine_cpu_per_step_rearrange_s": cr["engine_cpu_s"] / rea_steps,
-        "other_cpu_per_step_base_s": (cb["process_cpu_s"] - cb["engine_cpu_s"]) / base_steps,
-        "other_cpu_per_step_rearrange_s": (cr["process_cpu_s"] - cr["engine_cpu_s"]) / rea_steps,
-        # CPU the rearrangement cost on top of plain steps (all ranks, all threads): with no idle
-        # core this is engine time lost, whichever thread spends it
-        "extra_cpu_s": cr["process_cpu_s"] - rea_steps * cb["process_cpu_s"] / base_steps,
-        "cores_busy_base": cb["process_cpu_s"] / cb["wall_s"] if cb["wall_s"] > 0 else 0.0,
-        "cores_busy_rearrange": cr["process_cpu_s"] / cr["wall_s"] if cr["wall_s"] > 0 else 0.0,
-    }
-
-
-def _median_of(rows: list[dict]) -> dict:
-    """Key by key, the median over runs."""
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-
-
-def _noise_corrected(sync: dict, asy: dict, plain: dict) -> dict:
-    """Async's extras less a plain run's over the same steps (the box's own hiccups), against sync's.
-
-    Labelled apart from the raw figures: ``meets_target`` is decided on the raw ones.
-    """
-    single = asy["longest_extra_s"] - plain["longest_extra_s"]
-    total = asy["total_extra_s"] - plain["total_extra_s"]
-    r_single, r_total = _ratio(single, sync["longest_extra_s"]), _ratio(total, sync["total_extra_s"])
-    return {
-        "what": "async minus a plain run of the same steps with no rearrangement; raw figures decide meets_target",
-        "plain_longest_extra_ms": round(plain["longest_extra_s"] * 1e3, 3),
-        "plain_total_extra_ms": round(plain["total_extra_s"] * 1e3, 3),
-        "async_longest_extra_ms": round(single * 1e3, 3),
-        "async_total_extra_ms": round(total * 1e3, 3),
-        "longest_extra_over_sync": None if r_single is None else round(r_single, 4),
-        "total_extra_over_sync": None if r_total is None else round(r_total, 4),
-        "within_target": {"single_step": r_single is not None and round(r_single, 4) <= TARGET_SINGLE_STEP,
-                          "total": r_total is not None and round(r_total, 4) <= TARGET_TOTAL},
-    }
-
-
-def _commit_floor(sync: dict, asy: dict) -> dict:
-    """Async's own commits against sync's stall: the least its ratios can be with host weights.
-
-    A layer's rows and maps must flip together between two forwards, so async makes the
-    same commit copies as sync, on the engine thread, a whole layer in one step; no
-    schedule of the transfer itself takes them off the engine's steps (a GPU engine only
-    enqueues them). Where a floor is above its target, no async mode meets it on this host.
-    """
-    single = _ratio(asy["longest_commit_s"], sync["longest_extra_s"])
-    total = _ratio(asy["commit_s"], sync["total_extra_s"])
-    return {
-        "what": "async's commits (weights and maps, engine thread) over sync's stall: the least either ratio can be",
-        "async_longest_commit_ms": round(asy["longest_commit_s"] * 1e3, 3),
-        "async_commit_ms": round(asy["commit_s"] * 1e3, 3),
-        "single_step": None if single is None else round(single, 4),
-        "total": None if total is None else round(total, 4),
-        "target_below_floor": {"single_step": single is not None and TARGET_SINGLE_STEP < round(single, 4),
-                               "total": total is not None and TARGET_TOTAL < round(total, 4)},
-    }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
-
-
-def _rounded(d: dict, ms: bool = True) -> dict:
-    """Seconds (keys ending ``_s``) as milliseconds (``_ms``), every float to 3 decimals."""
-    out = {}
-    for k, v in d.items():
-        if ms and k.endswith("_s"):
-            out[k[:-2] + "_ms"] = round(v * 1e3, 3)
-        else:
-            out[k] = round(v, 3) if isinstance(v, float) else v
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.bench.stall_stamps import breakdown_flat, unflatten
     from eplb_fsm.sim.launcher import run_ranks
@@ -411,14 +271,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
                          torch_threads=args.engine_threads)
     load_after = os.getloadavg()
-    merged = [_merge(list(ranks)) for ranks in zip(*per_rank)]
+    merged = [merge_ranks(list(ranks)) for ranks in zip(*per_rank)]
     runs = [r for r in merged if r["mode"] != PLAIN]
-    metrics = {mode: [_metrics(r) for r in merged if r["mode"] == mode] for mode in (*MODES, PLAIN)}
-    median = {mode: _median_of(ms) for mode, ms in metrics.items()}
+    metrics = {mode: [run_metrics(r) for r in merged if r["mode"] == mode] for mode in (*MODES, PLAIN)}
+    median = {mode: median_of(ms) for mode, ms in metrics.items()}
     sync, asy, plain = median["sync"], median["async"], median[PLAIN]
-    single = _ratio(asy["longest_extra_s"], sync["longest_extra_s"])
-    total = _ratio(asy["total_extra_s"], sync["total_extra_s"])
-    parts = {mode: _median_of([breakdown_flat(r) for r in merged if r["mode"] == mode]) for mode in (*MODES, PLAIN)}
+    single = ratio(asy["longest_extra_s"], sync["longest_extra_s"])
+    total = ratio(asy["total_extra_s"], sync["total_extra_s"])
+    parts = {mode: median_of([breakdown_flat(r) for r in merged if r["mode"] == mode]) for mode in (*MODES, PLAIN)}
     placements = [r["phy2log"] for r in runs]
     import numpy as np
 
@@ -437,13 +297,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": args.engine,
         "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
         "repeats": args.repeats,
-        "sync": _rounded(sync),
-        "async": _rounded(asy),
-        "plain": _rounded(plain),
-        "runs": {mode: [_rounded(m) for m in ms] for mode, ms in metrics.items()},
-        "breakdown": {mode: unflatten(_rounded(p)) for mode, p in parts.items()},
-        "noise_corrected": _noise_corrected(sync, asy, plain),
-        "commit_floor": _commit_floor(sync, asy),
+        "sync": rounded(sync),
+        "async": rounded(asy),
+        "plain": rounded(plain),
+        "runs": {mode: [rounded(m) for m in ms] for mode, ms in metrics.items()},
+        "breakdown": {mode: unflatten(rounded(p)) for mode, p in parts.items()},
+        "noise_corrected": noise_corrected(sync, asy, plain),
+        "commit_floor": commit_floor(sync, asy),
         "async_over_sync": {
             "longest_step": round(asy["longest_step_s"] / sync["longest_step_s"], 4),
             "longest_extra": None if single is None else round(single, 4),

@@ -1,0 +1,78 @@
+"""``bench stall``'s figures: the job's step times on a modelled lockstep timeline, and the ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.bench.stall_metrics import commit_floor, job_steps, merge_ranks, noise_corrected
+
+
+def _lockstep(steps: int, extra: dict[tuple[int, int], float], work: float = 1.0, allreduce: float = 0.1,
+              after: float = 0.2) -> tuple[list[float], list[list[float]], list[list[float]]]:
+    """Two ranks stepping in lockstep: each step's work, an all-reduce both must enter, then the
+    controller (``after`` plus ``extra[(rank, step)]``). Returns starts, per-rank ends and step times."""
+    begin = [0.0, 0.0]
+    starts = list(begin)
+    ends: list[list[float]] = [[], []]
+    times: list[list[float]] = [[], []]
+    for i in range(steps):
+        done = max(b + work for b in begin) + allreduce   # the all-reduce ends when the last rank is in
+        for r in (0, 1):
+            end = done + after + extra.get((r, i), 0.0)
+            ends[r].append(end)
+            times[r].append(end - begin[r])
+            begin[r] = end
+    return starts, ends, times
+
+
+def test_a_lag_on_one_rank_counts_once_in_the_job_step_times():
+    """A rank that ends one step late delays the job by that much once; each step's slowest rank would count it twice."""
+    starts, ends, per_rank = _lockstep(6, {(1, 2): 0.5})
+    times, last, leads = job_steps(starts, ends)
+    base = 1.3
+    assert times == pytest.approx([base, base, base + 0.5, base, base, base])
+    assert last[2] == 1 and leads[2] == pytest.approx(0.0)
+    # rank 0 began step 3 half a second before the job's step 2 ended: that wait is its lead
+    assert leads[3] == pytest.approx(0.5) and per_rank[0][3] == pytest.approx(base + 0.5)
+    assert sum(max(ts) for ts in zip(*per_rank)) - 6 * base == pytest.approx(1.0)   # the double count
+    assert sum(times) - 6 * base == pytest.approx(0.5)
+    assert ends[1][-1] - starts[1] == pytest.approx(sum(times))   # the job's wall, step by step
+
+
+def test_merged_work_and_controller_split_adds_up_to_the_job_step():
+    """Per step, the last rank's engine work less its lead plus its controller time is the job's step time."""
+    starts, ends, per_rank = _lockstep(5, {(1, 1): 0.4, (0, 3): 0.3})
+    cpu = {"wall_s": 1.0, "engine_cpu_s": 0.5, "process_cpu_s": 0.8}
+    runs = []
+    for r in (0, 1):
+        work = [t - 0.2 - (0.4 if (r, i) == (1, 1) else 0.3 if (r, i) == (0, 3) else 0.0)
+                for i, t in enumerate(per_rank[r])]
+        parts = [{"engine_all_reduce": w - 1.0} for w in work]
+        runs.append({"times": per_rank[r], "start": starts[r], "ends": ends[r], "work": work, "parts": parts,
+                     "commit": 3, "bit_exact": True, "cpu_base": cpu, "cpu_rearrange": cpu})
+    merged = merge_ranks(runs)
+    for i, step in enumerate(merged["times"]):
+        controller = step - merged["work"][i]
+        assert controller == pytest.approx(0.2 + (0.4 if i == 1 else 0.3 if i == 3 else 0.0))
+        assert merged["parts"][i]["engine_all_reduce"] == pytest.approx(merged["work"][i] - 1.0)
+
+
+def _mode(longest: float, total: float, commits: float = 0.0, longest_commit: float = 0.0) -> dict:
+    return {"longest_extra_s": longest, "total_extra_s": total, "commit_s": commits, "longest_commit_s": longest_commit}
+
+
+def test_commit_floor_flags_a_target_below_async_own_commits():
+    """The floor is async's commits over sync's stall; a target under it is flagged, one above it is not."""
+    floor = commit_floor(_mode(0.1, 0.1), _mode(0.02, 0.5, commits=0.03, longest_commit=0.004))
+    assert floor["single_step"] == pytest.approx(0.04) and floor["total"] == pytest.approx(0.3)
+    assert floor["target_below_floor"] == {"single_step": False, "total": True}
+    assert commit_floor(_mode(0.0, 0.0), _mode(0.01, 0.01))["total"] is None   # no sync stall, no ratio
+
+
+def test_noise_corrected_subtracts_the_plain_run_and_keeps_raw_verdicts_apart():
+    """noise_corrected is async less plain over sync, with its own within_target, labelled as such."""
+    out = noise_corrected(_mode(0.1, 0.1), _mode(0.012, 0.05), _mode(0.008, 0.04))
+    assert out["longest_extra_over_sync"] == pytest.approx(0.04)
+    assert out["total_extra_over_sync"] == pytest.approx(0.1)
+    assert out["within_target"] == {"single_step": True, "total": True}
+    assert "raw figures decide meets_target" in out["what"]
