@@ -55,7 +55,6 @@ import argparse
 import gc
 import os
 import resource
-import statistics
 import sys
 import time
 from typing import Any
