@@ -12,9 +12,9 @@ duplicate rows from the staging buffer): the least any transfer must do that kee
 layer's old weights intact until its exchange has succeeded (docs/design.md §6.4).
 ``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly,
 two staging buffers, nothing planned, nothing checked): the ceiling for any such transfer.
-These two post each message as the executor does on gloo (straight to the group, no
-``batch_isend_irecv``), so the ceiling keeps no posting overhead the executor avoids; ``raw``
-stays ``batch_isend_irecv``, what a user would otherwise call.
+These two post through the executor's own ``TorchDistCommunicator`` (on gloo, straight to
+the group, no ``batch_isend_irecv``), so the ceiling keeps no posting overhead the executor
+avoids; ``raw`` stays ``batch_isend_irecv``, what a user would otherwise call.
 Both are real transfers: their result is checked bit for bit (``baselines_bit_exact``),
 and their messages are checked to be the executor's (``same_messages``). Each round
 runs every variant once, starting one variant later than the round before; each run
@@ -144,30 +144,28 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
                 data = w[row].reshape(-1).view(torch.uint8).clone()
                 ops.append(dist.P2POp(dist.isend, data, peer))
                 real = w_real[row].reshape(-1).view(torch.uint8)
-                ops1.append((True, real, peer))
-                ops2.append((True, real, peer))
+                ops1.append((True, real, peer, 0))
+                ops2.append((True, real, peer, 0))
         for peer, row in zip(plan.recv_peers.tolist(), plan.recv_rows.tolist()):
             for buf, buf2 in zip(staging[0], staging[k % 2]):
                 view = buf[row].reshape(-1).view(torch.uint8)
                 ops.append(dist.P2POp(dist.irecv, view, peer))
-                ops1.append((False, view, peer))
-                ops2.append((False, buf2[row].reshape(-1).view(torch.uint8), peer))
+                ops1.append((False, view, peer, 0))
+                ops2.append((False, buf2[row].reshape(-1).view(torch.uint8), peer, 0))
                 moved_bytes += view.numel()
         raw_ops.append(ops)
         real_ops.append(ops1)
         overlap_ops.append(ops2)
 
-    group = dist.group.WORLD
-    direct = dist.get_backend() == "gloo" and type(group) is dist.ProcessGroup
+    # the ceilings post through the executor's own communicator (on gloo: each message
+    # straight to the group), not batch_isend_irecv, whose per-message Python costs them
+    # 3-11 % at this shape and would hand the executor that margin
+    ceiling_comm = TorchDistCommunicator(timeout=60.0)
 
-    def post(ops) -> list:
-        # the ceilings post as the executor does on gloo (TorchDistCommunicator.start): each
-        # message straight to the group, without batch_isend_irecv's per-message Python,
-        # which costs them 3-11 % at this shape and would hand the executor that margin
-        if direct:
-            return [group.send([t], peer, 0) if is_send else group.recv([t], peer, 0) for is_send, t, peer in ops]
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer)
-                                       for is_send, t, peer in ops])
+    def post(ops) -> None:
+        if ops:
+            ceiling_comm.add_ops(rank, ops)
+            ceiling_comm.start()
 
     def raw() -> None:
         for ops in raw_ops:
@@ -184,22 +182,20 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
     def raw_commit() -> None:
         for k, ops in enumerate(real_ops):
-            works = post(ops) if ops else []
+            post(ops)
             stage(k, staging[0])
-            for work in works:
-                work.wait()
+            ceiling_comm.wait()
             commit(k, staging[0])
 
     def raw_commit_overlap() -> None:
         # the ideal pipeline: layer k-1's commit runs while layer k's messages fly (two
         # staging buffers, so they never share a row; nothing planned, nothing checked)
         for k, ops in enumerate(overlap_ops):
-            works = post(ops) if ops else []
+            post(ops)
             stage(k, staging[k % 2])
             if k:
                 commit(k - 1, staging[(k - 1) % 2])
-            for work in works:
-                work.wait()
+            ceiling_comm.wait()
         commit(num_layers - 1, staging[(num_layers - 1) % 2])
 
     buffer = TransferBuffer()
