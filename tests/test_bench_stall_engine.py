@@ -85,3 +85,14 @@ def test_device_engine_waits_instead_of_computing_and_records_the_same_load():
     np.testing.assert_array_equal(loads[0], loads[1])
     with pytest.raises(ValueError, match="engine must be one of matmul, device"):
         EngineStep(_model(), np.zeros((2, 6), dtype=np.int64), matmul=16, engine="gpu")
+
+
+def test_device_engine_takes_a_given_wait_so_every_run_steps_alike():
+    """device_s given: the device engine waits exactly that (no new measurement); a negative one is refused."""
+    from eplb_fsm.bench.stall_engine import device_step_s
+
+    assert device_step_s(32) > 0
+    step = EngineStep(_model(), np.zeros((2, 6), dtype=np.int64), matmul=32, engine="device", device_s=0.0015)
+    assert step.device_s == 0.0015
+    with pytest.raises(ValueError, match="device_s must be >= 0"):
+        EngineStep(_model(), np.zeros((2, 6), dtype=np.int64), matmul=32, engine="device", device_s=-1.0)

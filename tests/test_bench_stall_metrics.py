@@ -76,3 +76,37 @@ def test_noise_corrected_subtracts_the_plain_run_and_keeps_raw_verdicts_apart():
     assert out["total_extra_over_sync"] == pytest.approx(0.1)
     assert out["within_target"] == {"single_step": True, "total": True}
     assert "raw figures decide meets_target" in out["what"]
+
+
+def _run(times: list[float], trigger: int, commit: int) -> dict:
+    cpu = {"wall_s": 1.0, "engine_cpu_s": 0.5, "process_cpu_s": 0.8}
+    parts = [{"commit_weights": 0.0, "commit_maps": 0.0} for _ in times]
+    return {"times": times, "work": list(times), "parts": parts, "trigger": trigger, "commit": commit, "skip": 0,
+            "cpu_base": cpu, "cpu_rearrange": cpu}
+
+
+def test_total_extra_of_skewed_steps_with_nothing_moved_is_zero_over_the_mean():
+    """Skewed steps repeated unchanged sum to no extra over their mean; over their median they would sum to more."""
+    from eplb_fsm.bench.stall_metrics import run_metrics
+
+    pattern = [2.0, 2.0, 2.0, 4.0, 2.0, 6.0]   # most steps fast, a tail of slow ones (ms)
+    times = [t / 1e3 for t in pattern * 8]
+    metrics = run_metrics(_run(times, trigger=24, commit=47))
+    assert metrics["baseline_step_s"] == pytest.approx(2e-3)
+    assert metrics["baseline_mean_step_s"] == pytest.approx(3e-3)
+    assert metrics["total_extra_s"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["work_extra_s"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["longest_extra_s"] == pytest.approx(4e-3)            # the longest step against the median
+    assert sum(times[24:]) - 24 * metrics["baseline_step_s"] == pytest.approx(24e-3)   # the median's bias
+
+
+def test_total_extra_counts_a_stall_once_over_the_mean():
+    """One 50 ms stall among steady steps adds exactly 50 ms to the total and to the longest step's extra."""
+    from eplb_fsm.bench.stall_metrics import run_metrics
+
+    times = [2e-3] * 30
+    times[25] += 50e-3
+    metrics = run_metrics(_run(times, trigger=20, commit=29))
+    assert metrics["total_extra_s"] == pytest.approx(50e-3)
+    assert metrics["longest_extra_s"] == pytest.approx(50e-3)
+    assert metrics["steps_to_commit"] == 10

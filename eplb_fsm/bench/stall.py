@@ -2,7 +2,9 @@
 
 W local gloo ranks run the same engine (bench/stall_engine.py: a fixed matmul, the
 routed load of a fixed skewed batch, one small all-reduce per step) on a model whose
-expert rows add up to ``--mb`` MB per rank. After ``--warm`` steps the engine asks for
+expert rows add up to ``--mb`` MB per rank (by default 320 MB over 16 layers: 20 MB a
+layer, the "tens of MB" issue 14 names, so the sync stall stands well above this box's
+step-to-step noise of a few ms). After ``--warm`` steps the engine asks for
 one rearrangement (``EplbController.rearrange()``) and keeps stepping until the
 controller's ``history`` shows it committed; this is done once with ``use_async=False``
 and once with ``use_async=True`` per repeat (the order alternates between repeats), each
@@ -15,9 +17,11 @@ monotonic clocks agree). Taking each step's slowest rank instead would count eve
 twice: the engine all-reduce keeps the ranks in lockstep, so a rank that ends step i late
 makes the other rank's step i+1 (begun earlier) wait for it by as much
 (:func:`eplb_fsm.bench.stall_metrics.job_steps`).
-Per run: ``baseline`` is the median step before the rearrangement; ``longest`` is the
-longest step from the one that asked for it to the one that committed it; ``total_extra``
-is the sum of (step - baseline) over those steps. Reported per mode as medians over
+Per run: ``baseline`` is the median step before the rearrangement and ``baseline_mean``
+their mean; ``longest`` is the longest step from the one that asked for it to the one
+that committed it, its extra over ``baseline``; ``total_extra`` is the sum of (step -
+baseline_mean) over those steps (a sum's baseline is the mean: the steps are skewed,
+:func:`eplb_fsm.bench.stall_metrics.run_metrics`). Reported per mode as medians over
 repeats, with the ratios async / sync of the longest step's extra time and of the total.
 Targets: async adds at most 5% of the sync stall to any single step, 20% in total.
 ``commit_floor`` puts async's own commits (weights and maps, a whole layer in one step, on
@@ -79,12 +83,14 @@ PLAIN = "plain"             # the noise floor: the same steps as the async run, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", dest="world", type=int, default=2, help="gloo ranks to start, 2-4 (default 2)")
     hidden_alias(parser, "--world", dest="world", type=int)
-    parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
-    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
+    parser.add_argument("--mb", type=float, default=320.0,
+                        help="MB of expert weights per rank (default 320: with 16 layers, 20 MB a layer)")
+    parser.add_argument("--layers", type=int, default=16, help="MoE layers (default 16)")
     parser.add_argument("--experts", type=int, default=16, help="logical experts per layer (default 16)")
     parser.add_argument("--redundant", type=int, default=4, help="redundant slots per layer (default 4)")
     parser.add_argument("--matmul", type=int, default=384, help="engine step work: an N x N matmul (default 384)")
-    parser.add_argument("--warm", type=int, default=30, help="steps before the rearrangement (default 30)")
+    parser.add_argument("--warm", type=int, default=100,
+                        help="steps before the rearrangement, the baseline's sample (default 100)")
     parser.add_argument("--tail", type=int, default=5, help="steps run after the commit (default 5)")
     parser.add_argument("--max-steps", type=int, default=5000,
                         help="steps a rearrangement may take before the run fails (default 5000)")
@@ -146,7 +152,8 @@ def _span(start: tuple, end: tuple) -> dict[str, float]:
     return {"wall_s": wall, "engine_cpu_s": engine, "process_cpu_s": process}
 
 
-def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) -> dict:
+def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
+             device_s: float | None = None) -> dict:
     """One rearrangement in ``mode`` on a fresh controller and model: step times and what it did.
 
     ``mode`` "plain": the async mode's controller and engine, no rearrangement; the window
@@ -169,7 +176,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) 
         stamps = StepStamps()
         stamps.instrument(controller)
         load = skewed_load(cfg["seed"], cfg["layers"], cfg["experts"], tokens=4096)
-        engine = EngineStep(model, load, cfg["matmul"], seed=cfg["seed"], engine=cfg["engine"])
+        engine = EngineStep(model, load, cfg["matmul"], seed=cfg["seed"], engine=cfg["engine"], device_s=device_s)
         # a full collection of everything torch and the earlier runs left takes ~100 ms here and
         # lands in whichever step it likes: freeze what exists (as a long-running engine does
         # after start-up) so the measured steps only ever scan what they create
@@ -227,7 +234,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0) 
         "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
         "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
-        "phy2log": final, "bit_exact": exact, "weight_bytes": model.weight_bytes,
+        "phy2log": final, "bit_exact": exact, "weight_bytes": model.weight_bytes, "device_s": engine.device_s,
         "cpu_base": _span(marks["base0"], marks["base1"]), "cpu_rearrange": _span(marks["rea0"], marks["rea1"]),
     }
 
@@ -242,15 +249,27 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> list[dict]:
         # how long a thread may hold the GIL while another waits for it (the engine thread
         # waits behind the worker's Python code for up to this long at every switch)
         sys.setswitchinterval(cfg["switch_interval"])
+    device_s = None
+    if cfg["engine"] == "device":
+        # measured once, by rank 0, for every run and rank: a step length drawn anew per run
+        # (it varies by 2x on a shared box) would compare sync and async on different engines
+        import torch
+
+        from eplb_fsm.bench.stall_engine import device_step_s
+
+        value = torch.tensor([device_step_s(cfg["matmul"], cfg["seed"]) if rank == 0 else 0.0], dtype=torch.float64)
+        dist.broadcast(value, src=0)
+        device_s = float(value[0])
     runs = []
     for repeat in range(cfg["repeats"]):
         for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):
             dist.barrier()
-            runs.append(_one_run(rank, world, cfg, mode))
+            runs.append(_one_run(rank, world, cfg, mode, device_s=device_s))
         # the noise floor: as many steps as this repeat's async run took, with nothing to move
         async_run = next(r for r in runs[-2:] if r["mode"] == "async")
         dist.barrier()
-        runs.append(_one_run(rank, world, cfg, PLAIN, async_run["commit"] - async_run["trigger"] + 1))
+        runs.append(_one_run(rank, world, cfg, PLAIN, async_run["commit"] - async_run["trigger"] + 1,
+                             device_s=device_s))
     return runs
 
 
@@ -294,6 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_bytes_per_step": args.max_bytes_per_step, "prefetch": args.prefetch,
         "poll": args.poll,
         "engine": args.engine,
+        "device_step_ms": round(runs[0]["device_s"] * 1e3, 3) if args.engine == "device" else None,
         "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
         "repeats": args.repeats,
         "sync": rounded(sync),

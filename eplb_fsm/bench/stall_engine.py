@@ -16,8 +16,9 @@ recorded through the router's current maps, and one small all-reduce over the EP
 Two engine models (``engine=``): ``matmul`` computes on the CPU, so on a small box every
 CPU millisecond of the async worker comes out of the engine's; ``device`` models a GPU
 engine whose compute leaves the host CPU idle: the step sleeps for the median time the
-same matmul took at construction (measured once per rank), which is what a serving step
-looks like to the host while the kernels run.
+same matmul takes (:func:`device_step_s`, measured once and given to every run and rank,
+so sync, async and plain runs step alike), which is what a serving step looks like to
+the host while the kernels run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ENGINES", "HeavyMoE", "EngineStep", "expert_value", "skewed_load"]
+__all__ = ["ENGINES", "HeavyMoE", "EngineStep", "device_step_s", "expert_value", "skewed_load"]
 
 ENGINES = ("matmul", "device")
 
@@ -37,6 +38,18 @@ ENGINES = ("matmul", "device")
 def expert_value(layer: int, expert: int, tensor: int) -> float:
     """The value every entry of ``expert``'s ``tensor`` holds in ``layer`` (an integer < 251: exact)."""
     return float((layer * 1009 + expert * 7 + tensor * 3) % 251)
+
+
+def device_step_s(matmul: int, seed: int = 0, samples: int = 9) -> float:
+    """The median seconds an (matmul, matmul) @ (matmul, matmul) float32 product takes here."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(matmul, matmul, generator=gen), torch.randn(matmul, matmul, generator=gen)
+    took = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        a @ b
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
 
 
 def skewed_load(seed: int, num_layers: int, num_experts: int, tokens: int) -> np.ndarray:
@@ -96,10 +109,11 @@ class HeavyMoE:
 
 class EngineStep:
     """One engine step: matmul (n, n) @ (n, n) (``engine="matmul"``) or a CPU-idle wait of its
-    median time (``engine="device"``), then route a fixed load and all-reduce ``combine`` floats."""
+    median time (``engine="device"``), then route a fixed load and all-reduce ``combine`` floats.
+    ``device_s``: the device engine's wait (default: :func:`device_step_s` measured now)."""
 
     def __init__(self, model: HeavyMoE, load: np.ndarray, matmul: int, combine: int = 4096, seed: int = 0,
-                 engine: str = "matmul") -> None:
+                 engine: str = "matmul", device_s: float | None = None) -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         gen = torch.Generator().manual_seed(seed)
@@ -112,13 +126,12 @@ class EngineStep:
         self.device_s = 0.0
         self.out = None
         self.parts: dict[str, float] = {}   # the last step's parts, seconds
+        if device_s is not None and not device_s >= 0:
+            raise ValueError(f"device_s must be >= 0 seconds, got {device_s}")
         if engine == "device":
-            took = []
-            for _ in range(9):
-                t0 = time.perf_counter()
-                self.out = self.a @ self.b
-                took.append(time.perf_counter() - t0)
-            self.device_s = statistics.median(took)   # the kernel time the host waits out
+            self.out = self.a @ self.b
+            # the kernel time the host waits out
+            self.device_s = device_step_s(matmul, seed) if device_s is None else float(device_s)
 
     def _record_load(self) -> None:
         """Spread each expert's tokens evenly over its replicas (the router's maps, read now)."""
