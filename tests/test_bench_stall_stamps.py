@@ -69,3 +69,22 @@ def test_breakdown_takes_each_part_over_its_own_baseline():
     assert out["baseline"]["compute_s"] == pytest.approx(0.001)
     flat = breakdown_flat({"times": times, "parts": parts, "skip": 1, "trigger": 6, "commit": 7})
     assert unflatten(flat) == out
+
+
+def test_breakdown_totals_are_over_the_baseline_mean_and_add_up_to_the_total_extra():
+    """Skewed baseline parts: totals are over their mean (and sum to the step's total), worst steps over the median."""
+    from eplb_fsm.bench.stall_metrics import run_metrics
+
+    slow = [1, 4]                      # two of the six baseline steps wait 3 ms longer in the all-reduce
+    parts = [_row(engine_all_reduce=0.001 + (0.003 if i in slow else 0.0)) for i in range(6)]
+    parts += [_row(commit_weights=0.011), _row()]
+    times = [0.010 + (0.003 if i in slow else 0.0) for i in range(6)] + [0.021, 0.010]
+    out = breakdown(times, parts, skip=0, trigger=6, end=7)
+    assert out["total"]["engine_all_reduce_s"] == pytest.approx(-0.002)     # 2 steps at 1 ms below the 2 ms mean
+    assert out["total"]["step_extra_s"] == pytest.approx(0.031 - 2 * 0.011)
+    assert out["worst_steps"]["commit_weights_s"] == pytest.approx(0.005)
+    assert out["baseline"]["engine_all_reduce_s"] == pytest.approx(0.001)   # the median
+    cpu = {"wall_s": 1.0, "engine_cpu_s": 0.5, "process_cpu_s": 0.8}
+    run = {"times": times, "work": times, "parts": parts, "trigger": 6, "commit": 7, "skip": 0,
+           "cpu_base": cpu, "cpu_rearrange": cpu}
+    assert out["total"]["step_extra_s"] == pytest.approx(run_metrics(run)["total_extra_s"])

@@ -21,7 +21,9 @@ what it returns, which every all-reduce goes through,
 ``mover.write`` / ``mover.transfer``, each entry's ``commit_row``) on the instance, counting
 only calls made on the engine thread (the async worker's transfer runs elsewhere).
 :func:`breakdown` turns a merged run's per-step parts into the extra time of each part over
-its own baseline median: on the worst steps of the rearrangement and in total.
+its own baseline: on the worst steps of the rearrangement (over the baseline median, as the
+longest step's extra) and in total (over the baseline mean, as the total extra, so the
+parts add up to it; eplb_fsm.bench.stall_metrics.run_metrics says why).
 """
 
 from __future__ import annotations
@@ -112,23 +114,27 @@ class StepStamps:
 
 
 def breakdown(times: list[float], parts: list[dict[str, float]], skip: int, trigger: int, end: int) -> dict:
-    """Each part's extra time over its baseline median (steps ``skip:trigger``), seconds.
+    """Each part's extra time over its baseline (steps ``skip:trigger``), seconds.
 
     ``times``: (T,) the job's step times; ``parts``: (T,) the parts of the rank that ended each step;
     the rearrangement is steps ``trigger..end`` inclusive. ``worst``: the mean over the
     :data:`WORST` longest steps of the rearrangement of each part's extra (and of the step's);
-    ``total``: each part's extra summed over the rearrangement.
+    ``total``: each part's extra summed over the rearrangement. Worst steps are taken over
+    each baseline's median (the typical step), totals over its mean (a sum's baseline).
+    ``baseline``: the medians.
     """
     base = {p: statistics.median(row[p] for row in parts[skip:trigger]) for p in PARTS}
     base_step = statistics.median(times[skip:trigger])
+    mean = {p: statistics.fmean(row[p] for row in parts[skip:trigger]) for p in PARTS}
+    mean_step = statistics.fmean(times[skip:trigger])
     during = list(range(trigger, end + 1))
     worst = sorted(during, key=lambda i: times[i], reverse=True)[:WORST]
     out_worst = {f"{p}_s": statistics.fmean(parts[i][p] - base[p] for i in worst) for p in PARTS}
     out_worst["step_extra_s"] = statistics.fmean(times[i] - base_step for i in worst)
     # the step minus every stamped part: the loop's own Python between stamps, and timer noise
     out_worst["unstamped_s"] = out_worst["step_extra_s"] - sum(out_worst[f"{p}_s"] for p in PARTS)
-    out_total = {f"{p}_s": sum(parts[i][p] - base[p] for i in during) for p in PARTS}
-    out_total["step_extra_s"] = sum(times[i] - base_step for i in during)
+    out_total = {f"{p}_s": sum(parts[i][p] - mean[p] for i in during) for p in PARTS}
+    out_total["step_extra_s"] = sum(times[i] - mean_step for i in during)
     out_total["unstamped_s"] = out_total["step_extra_s"] - sum(out_total[f"{p}_s"] for p in PARTS)
     return {"worst_steps": out_worst, "total": out_total, "baseline": {f"{p}_s": base[p] for p in PARTS}}
 
