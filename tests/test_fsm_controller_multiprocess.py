@@ -191,6 +191,10 @@ def _first_rearrangement(rank: int, world: int, max_bytes: int, overlap: bool = 
         "chunk_timeouts": ctl.mover.chunk_timeouts,
         "row_bytes": sum(t[0].numel() * t.element_size() for t in model.expert_weights[0]),
         "ready": _ready_all_reduces(ctl.trace.records), "handed_over": ctl.rearranger.layer_jobs.handed_over,
+        "layers_done": [(r["step"], r.get("chunks"), r.get("ready_step")) for r in ctl.trace.records
+                        if r["event"] == "transition" and r["trigger"] == "layer_done" and r.get("changed")],
+        "plan_step": next((r["step"] for r in ctl.trace.records
+                           if r["event"] == "transition" and r["trigger"] == "plan_ready"), None),
     }
     ctl.close()
     return out
@@ -254,6 +258,29 @@ def _chunked_vs_whole(rank: int, world: int) -> list[dict]:
     whole = _first_rearrangement(rank, world, 0)
     chunked = _first_rearrangement(rank, world, 2 * whole["row_bytes"])   # two expert rows per engine step
     return [whole, chunked]
+
+
+def _one_row_chunks(rank: int, world: int) -> list[dict]:
+    whole = _first_rearrangement(rank, world, 0)
+    return [whole, _first_rearrangement(rank, world, whole["row_bytes"])]
+
+
+def test_a_chunked_layer_is_not_polled_before_its_last_chunk_can_have_started():
+    """One row per step: no ready flags are posted for a layer before job step + chunks - 1; ranks poll alike, exact."""
+    results = run_ranks(_one_row_chunks, 2, timeout=150)
+    for whole, chunked in results:
+        _assert_committed_alike(whole, chunked)
+        assert all(chunks == 1 for _, chunks, _ in whole["layers_done"])
+        assert max(chunks for _, chunks, _ in chunked["layers_done"]) >= 3   # a layer whose early polls are skipped
+        layer_polls = [start for _, start, _, _ in chunked["ready"] if start >= chunked["plan_step"]]
+        assert layer_polls
+        for start in layer_polls:
+            # the layer in flight when a poll starts (after the plan) is the first one done on a later step
+            ready_step = next(ready for done, _, ready in chunked["layers_done"] if done > start)
+            # at the poll of trace step s the shared step count is s + 1
+            assert start + 1 >= ready_step, (start, chunked["layers_done"], chunked["ready"])
+    assert results[0][1]["ready"] == results[1][1]["ready"]
+    assert results[0][1]["layers_done"] == results[1][1]["layers_done"]
 
 
 def test_chunked_async_transfer_ends_bit_exact_with_the_same_placement():

@@ -56,6 +56,15 @@ def test_a_job_handed_over_on_this_step_is_not_asked_about_until_the_next():
     assert decide_poll(TRANSFERRING, True, True, True, fresh=True) == JOIN
 
 
+def test_a_job_that_cannot_be_ready_yet_is_asked_about_only_by_a_step_that_all_reduces_anyway():
+    """early: no flags are posted or waited on; a step with its own all-reduce still carries them."""
+    assert decide_poll(TRANSFERRING, True, True, False, early=True) is None
+    assert decide_poll(TRANSFERRING, True, False, False, early=True) is None     # not even a blocking one
+    assert decide_poll(TRANSFERRING, True, True, True, early=True) == JOIN
+    assert decide_poll(TRANSFERRING, True, True, False, early=False) == POST
+    assert decide_poll(COLLECTING, True, True, True, early=True) is None
+
+
 def test_a_step_logs_only_when_asked():
     """log follows log_now alone: a plain recording step neither logs nor is due."""
     assert decide_step(COLLECTING, 1, 10, True, False) == StepDecision(due=False, log=False)

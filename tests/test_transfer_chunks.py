@@ -90,3 +90,29 @@ def test_a_row_larger_than_the_bound_goes_alone():
     assert all(len(c) == 1 and c[0][3] - c[0][2] == 1 for c in pieces)
     assert len(pieces) == sum(len(i) for w in prep.waves for i in w.transfers)
     assert row_bytes([torch.zeros(4, 3, dtype=torch.float32), torch.zeros(4, dtype=torch.int8)]) == 13
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placements(max_layers=1), st.booleans(), st.integers(1, 5))
+def test_message_and_chunk_counts_match_the_prepared_layer(case, batching, rows_per_chunk):
+    """message_count and chunk_count, from the maps alone, equal the planner's messages and chunk_layer's chunks."""
+    from eplb_fsm.transfer.chunks import chunk_count, message_count
+
+    old, new, g = case
+    prep = _prep(old[0], new[0], g, batching)
+    messages = sum(len(i) for w in prep.waves for i in w.transfers)
+    assert message_count(old[0], new[0], g) == messages
+    size = 64
+    assert chunk_count(messages, size, rows_per_chunk * size) == len(chunk_layer(prep, size, rows_per_chunk * size))
+    assert chunk_count(messages, size, rows_per_chunk * size - 1) == \
+        len(chunk_layer(prep, size, rows_per_chunk * size - 1))
+    assert chunk_count(messages, size, 0) == 1
+
+
+def test_chunk_count_of_rows_larger_than_the_cap_is_one_a_row():
+    """A row over the byte cap goes alone, so a layer of n messages takes n chunks; none moved is one chunk."""
+    from eplb_fsm.transfer.chunks import chunk_count
+
+    assert chunk_count(7, 1000, 10) == 7
+    assert chunk_count(7, 100, 250) == 4
+    assert chunk_count(0, 100, 250) == 1

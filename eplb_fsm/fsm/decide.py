@@ -74,7 +74,8 @@ def decide_step(state: str, since: int, threshold: int, has_models: bool, log_no
     return StepDecision(due=due, log=bool(log_now))
 
 
-def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh: bool = False) -> str | None:
+def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh: bool = False,
+                early: bool = False) -> str | None:
     """How this step asks whether the async job in flight is ready on every rank.
 
     ``in_flight``: async mode with a plan or layer job running (every rank has one or
@@ -84,12 +85,19 @@ def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh:
     next step, so the engine's next forward hides the collective's latency (a layer
     commits one step later). :data:`JOIN`: put them into the step's all-reduce and act
     at once. ``fresh``: the job was handed over on this very step (on every rank), so
-    its flags can only say "not yet": nothing is posted, the next step asks. Read after
-    the flags posted on the step before, so it sees the state they left.
+    its flags can only say "not yet": nothing is posted, the next step asks. ``early``: the
+    job cannot be ready on every rank yet (a layer cut into chunks moves one chunk per
+    engine step, and the ranks count its chunks alike from the shared plan), so only a
+    step that all-reduces anyway carries its flags. Read after the flags posted on the
+    step before, so it sees the state they left.
     """
     if not in_flight or state not in (PLANNING, TRANSFERRING):
         return None
-    if joined or not overlap:
+    if joined:
+        return JOIN
+    if early:
+        return None
+    if not overlap:
         return JOIN
     return None if fresh else POST
 

@@ -164,9 +164,10 @@ class Rearranger:
         """``layer_done`` (every rank has it), then write it (``pending`` None: unchanged layer)."""
         plan = self.current.plan
         entry, local = self.mover.locate(layer)
-        fired = self.fire("layer_done", extra={"model": entry.name, "model_layer": local,
-                                               "moved": plan.moved[layer], "changed": plan.changed[layer]},
-                          layer=layer)
+        extra = {"model": entry.name, "model_layer": local, "moved": plan.moved[layer], "changed": plan.changed[layer]}
+        if pending is not None and self.worker is not None:   # an async layer job: when its flags could say ready
+            extra.update(chunks=self.current.chunks, ready_step=self.current.ready_step)
+        fired = self.fire("layer_done", extra=extra, layer=layer)
         self.mover.write(plan.new_phy2log, layer, pending)
         self.current.layers_committed += 1
         return fired
@@ -217,8 +218,10 @@ class Rearranger:
         """
         self.settle()
         current = self.current
+        steps = self.counters.steps
         poll = decide_poll(self.machine.state, self.worker is not None and current is not None, overlap,
-                           bool(parts), fresh=current is not None and current.job_step == self.counters.steps)
+                           bool(parts), fresh=current is not None and current.job_step == steps,
+                           early=current is not None and steps < current.ready_step)
         if poll == POST:
             self.post_poll()
         elif poll == JOIN:
@@ -286,7 +289,11 @@ class Rearranger:
         while state == TRANSFERRING:
             layer = self.machine.layer
             if plan.changed[layer]:
-                self.current.job, self.current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
+                current = self.current
+                current.job, current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
+                # its last chunk starts no sooner than chunks - 1 engine steps on (StepPacer)
+                current.chunks = self.mover.chunks(plan.new_phy2log, layer)
+                current.ready_step = current.job_step + current.chunks - 1
                 return
             state = self.commit_layer(layer, None).dest
         if state == COMMITTING:

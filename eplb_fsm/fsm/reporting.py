@@ -42,6 +42,8 @@ class Rearrangement:
     plan: Plan | None = None
     job: Any = None                   # async: the worker job in flight (plan or layer)
     job_step: int = -1                # async: the shared step count when that job was handed over
+    chunks: int = 1                   # async: the chunks its layer job is cut into (async_max_bytes_per_step)
+    ready_step: int = -1              # async: the first step count its flags can say "ready" on
     layers_committed: int = 0
 
 

@@ -28,6 +28,7 @@ from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.stats import RemapPlan
 from eplb_fsm.transfer import (TransferBuffer, commit_layer_from_buffer, rearrange_expert_weights_inplace,
                                transfer_layer_to_buffer)
+from eplb_fsm.transfer.chunks import chunk_count, message_count, row_bytes
 
 __all__ = ["LayerMover", "PreparedRow", "TransferredLayer", "ready_flags"]
 
@@ -149,6 +150,16 @@ class LayerMover:
                 self.chunk_boundaries += pacer.calls
                 self.chunk_waits += pacer.waits
                 self.chunk_timeouts += pacer.timeouts
+
+    def chunks(self, new_phy2log: Sequence[Any], layer: int) -> int:
+        """How many chunks :meth:`transfer` will cut ``layer`` into (1 unpaced): from the shared
+        maps, the plan and the row size alone, so every rank counts alike."""
+        if self.max_bytes_per_step <= 0:
+            return 1
+        entry, local = self.locate(layer)
+        world = self.collectives.communicator.world_size    # the group the transfer runs on
+        messages = message_count(entry.maps.phy2log[local], new_phy2log[entry.index][local], world)
+        return chunk_count(messages, row_bytes(entry.model.expert_weights[local]), self.max_bytes_per_step)
 
     def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
         """Write a transferred layer's weights and flip its maps (``pending`` None: unchanged layer, no-op).

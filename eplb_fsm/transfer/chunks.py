@@ -9,6 +9,10 @@ in order, one expert row each), which every rank derives alike from the replicat
 A rank then runs, per chunk, its own sends and receives among those messages (the k-th
 message of a pair is the k-th entry for that peer in its posting order, on both sides).
 
+:func:`message_count` and :func:`chunk_count` give the number of chunks from the maps
+alone, before any plan is built: the controller uses it to skip ready polls that could
+only say "not yet" (``eplb_fsm.fsm.decide.decide_poll``, ``early``).
+
 The chunks only split the messages: the local copies go with the first chunk, the commit
 is the layer's whole commit, and nothing writes the weights, so the buffer ends exactly as
 the unchunked transfer leaves it and rollback is unchanged.
@@ -19,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from eplb_fsm.transfer.batching import Wave
 from eplb_fsm.transfer.schedule import PreparedLayer, WaveOps
 
-__all__ = ["chunk_layer", "row_bytes"]
+__all__ = ["chunk_count", "chunk_layer", "message_count", "row_bytes"]
 
 Piece = tuple[int, tuple[int, int], int, int]   # (wave, (src, dst), first message, end message)
 
@@ -32,6 +37,31 @@ Piece = tuple[int, tuple[int, int], int, int]   # (wave, (src, dst), first messa
 def row_bytes(layer_weights: Sequence[torch.Tensor]) -> int:
     """Bytes one expert row of a layer carries over all its tensors (equal on every rank)."""
     return sum((t[0].numel() if t.shape[0] else 0) * t.element_size() for t in layer_weights)
+
+
+def message_count(old_row: np.ndarray, new_row: np.ndarray, world_size: int) -> int:
+    """Messages a layer's transfer sends over all ranks: one per (rank, expert) the rank needs and lacks.
+
+    ``old_row``, ``new_row``: the layer's (P,) placements, -1 for an empty slot, P = S x G. A
+    rank that needs an expert in several of its slots receives it once (the rest are local
+    copies); one that already holds it receives nothing.
+    """
+    old, new = np.asarray(old_row, dtype=np.int64), np.asarray(new_row, dtype=np.int64)
+    rank = np.arange(old.size, dtype=np.int64) // (old.size // world_size)
+    width = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
+    held = np.unique((rank * width + old)[old >= 0])
+    needed = np.unique((rank * width + new)[new >= 0])
+    return int(np.count_nonzero(~np.isin(needed, held, assume_unique=True)))
+
+
+def chunk_count(messages: int, row_nbytes: int, max_bytes: int) -> int:
+    """How many chunks :func:`chunk_layer` cuts a layer of ``messages`` rows of ``row_nbytes`` into
+    (1 when ``max_bytes`` <= 0 or nothing moves): each chunk holds ``max_bytes // row_nbytes``
+    rows, at least one."""
+    if max_bytes <= 0 or messages <= 0:
+        return 1
+    per = max(1, int(max_bytes) // max(1, int(row_nbytes)))
+    return -(-int(messages) // per)
 
 
 def chunk_pieces(prep: PreparedLayer, row_nbytes: int, max_bytes: int) -> list[list[Piece]]:
