@@ -107,7 +107,8 @@ def test_sigkill_leaves_a_trace_without_end(tmp_path_factory, mode, ranks, spec,
     assert code == 1 and not report["ok"] and report.get("inject_unfired") == []
     # the launcher's report names the victim (a joiner too, with its process id) as died
     died = [e for e in report["ranks"] if e["rank"] == victim and e["status"] == "died"]
-    assert len(died) == 1 and victim in report["failed_ranks"]
+    # the whole list on failure: which status and reason the launcher gave the victim instead
+    assert len(died) == 1 and victim in report["failed_ranks"], report["ranks"]
     assert died[0]["role"] == ("joiner" if victim >= ranks else "initial")
     recs = traces(tmp_path)
     fired = assert_killed(recs[f"rank{victim:05d}.jsonl"], spec)
