@@ -68,6 +68,9 @@ class EplbConfig:
     # waits for its agreement and commit (one more layer buffer per model; a layer's wait
     # for its agreement then overlaps the next layer's transfer)
     async_prefetch: bool = False
+    # reorder each rank's slots in a new placement so an expert that stays on its rank keeps
+    # its row: the same rank sets and balance, and no copy for a row that keeps its expert
+    align_slots: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,7 +82,7 @@ class EplbConfig:
         _check_int(self.async_worker_nice, "async_worker_nice", minimum=0, maximum=19)
         _check_int(self.async_max_bytes_per_step, "async_max_bytes_per_step", minimum=0)
         for name in ("use_async", "log_balancedness", "enable_migration_batching", "async_overlap_poll",
-                     "async_prefetch"):
+                     "async_prefetch", "align_slots"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:

@@ -36,6 +36,7 @@ def test_both_modes_reach_the_same_placement_bit_exact(result):
     assert result["same_placement"] is True
     assert result["bit_exact"] is True
     assert result["moved_slots"] > 0 and result["moved_mb"] > 0
+    assert result["align_slots"] is True and result["changed_slots"] >= result["moved_slots"]
     assert result["world"] == 2 and result["layers"] == 2 and result["repeats"] == 2
 
 
@@ -139,11 +140,12 @@ def test_bad_settings_are_refused_before_any_rank_starts(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_device_engine_with_both_knobs_stays_exact_and_paces_the_async_transfer():
-    """--engine device --worker-nice 5 --max-bytes-per-step (one row): both modes exact, async spread over more steps."""
+def test_device_engine_with_both_knobs_stays_exact_and_paces_the_async_transfer(result):
+    """--engine device --worker-nice 5 --max-bytes-per-step (one row): both modes exact, async spread over more steps;
+    --no-align-slots commits the policy's rows as given: more of them change than in the aligned run."""
     out = io.StringIO()
     argv = [*SMALL[:-6], "--tail", "1", "--repeats", "1", "--timeout", "180", "--engine", "device",
-            "--worker-nice", "5", "--max-bytes-per-step", "2048"]
+            "--worker-nice", "5", "--max-bytes-per-step", "2048", "--no-align-slots"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stdout", out)
         assert main(["bench", "stall", "--json", *argv]) == 0
@@ -152,3 +154,5 @@ def test_device_engine_with_both_knobs_stays_exact_and_paces_the_async_transfer(
     assert res["same_placement"] and res["bit_exact"]
     # 0.5 MB over 2 layers x 4 slots x 2 tensors: 16 KB rows; 2 KB per step still moves a row per step
     assert res["async"]["steps_to_commit"] > res["moved_slots"] // 2
+    assert res["align_slots"] is False and res["moved_slots"] == result["moved_slots"]
+    assert res["changed_slots"] > result["changed_slots"]

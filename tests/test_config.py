@@ -61,6 +61,7 @@ def test_from_dict_and_kwargs_agree():
         ({"async_max_bytes_per_step": -1}, "async_max_bytes_per_step", ">= 0"),
         ({"async_max_bytes_per_step": "4MB"}, "async_max_bytes_per_step", "integer"),
         ({"async_overlap_poll": 1}, "async_overlap_poll", "bool"),
+        ({"align_slots": "no"}, "align_slots", "bool"),
     ],
 )
 def test_bad_values_name_field_and_rule(changes, field, rule):

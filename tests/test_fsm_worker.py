@@ -204,3 +204,47 @@ def test_run_niced_gives_up_after_its_timeout():
     with pytest.raises(TimeoutError, match="within 0.2 s"):
         run_niced(lambda: release.wait(10), 1, timeout_s=0.2)
     release.set()
+
+
+def test_starting_a_worker_imports_numpy_ma_up_front():
+    """A worker's start imports numpy.ma, so the planners' first np.unique does not import it mid-rearrangement."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from eplb_fsm.fsm.worker import BackgroundWorker\n"
+            "before = 'numpy.ma' in sys.modules\n"
+            "w = BackgroundWorker(); w.close()\n"
+            "print(before, 'numpy.ma' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_step_pacer_with_an_event_sleeps_until_the_engine_sets_it():
+    """With ``advanced``, wait() reads the step only when woken (no polling) and returns once the set step moved."""
+    from eplb_fsm.fsm.worker import StepPacer
+
+    box = {"step": 0, "reads": 0}
+
+    def step():
+        box["reads"] += 1
+        return box["step"]
+
+    advanced = threading.Event()
+    idle = StepPacer(step, max_wait_s=0.2, poll_s=0.0001, advanced=advanced)
+    idle.begin()
+    box["reads"] = 0
+    assert idle.wait() is False and idle.timeouts == 1
+    assert box["reads"] <= 5                                  # polling every 0.1 ms would read ~2000 times
+
+    def engine_steps():
+        box["step"] = 1
+        advanced.set()
+
+    pacer = StepPacer(step, max_wait_s=30.0, advanced=advanced)
+    pacer.begin()
+    advanced.set()                                            # a stale set (no new step) must not end the wait
+    timer = threading.Timer(0.05, engine_steps)
+    timer.start()
+    assert pacer.wait() is True and box["step"] == 1 and pacer.waits == 1
+    timer.join()

@@ -116,3 +116,16 @@ def test_chunk_count_of_rows_larger_than_the_cap_is_one_a_row():
     assert chunk_count(7, 1000, 10) == 7
     assert chunk_count(7, 100, 250) == 4
     assert chunk_count(0, 100, 250) == 1
+
+
+def test_message_count_does_not_import_numpy_ma():
+    """Counting a layer's messages (engine thread) never pulls in numpy.ma, whose first import costs a step ~20 ms."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from eplb_fsm.transfer.chunks import message_count\n"
+            "n = message_count(np.array([0, 1, 2, -1]), np.array([2, 1, 0, 0]), 2)\n"
+            "print(n, 'numpy.ma' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["2", "False"]

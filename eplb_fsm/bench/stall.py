@@ -103,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0: no limit)")
     parser.add_argument("--prefetch", action="store_true",
                         help="config async_prefetch: move the next changed layer ahead into a second buffer")
+    parser.add_argument("--no-align-slots", dest="align_slots", action="store_false",
+                        help="config align_slots=False: commit the policy's rows as given (more rows change)")
     parser.add_argument("--poll", choices=("posted", "blocking"), default="posted",
                         help="config async_overlap_poll: async mode posts its ready flags and reads them on the "
                              "next step (posted) or waits for them within the step (blocking); default posted")
@@ -167,12 +169,14 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
     config = EplbConfig(window_size=cfg["warm"], step_interval=10**9, num_redundant_experts=cfg["redundant"],
                         use_async=mode != "sync", collective_timeout_s=cfg["collective_timeout_s"],
                         async_worker_nice=cfg["worker_nice"], async_max_bytes_per_step=cfg["max_bytes_per_step"],
-                        async_overlap_poll=cfg["poll"] == "posted", async_prefetch=cfg["prefetch"])
+                        async_overlap_poll=cfg["poll"] == "posted", async_prefetch=cfg["prefetch"],
+                        align_slots=cfg["align_slots"])
     model = HeavyMoE(cfg["layers"], cfg["experts"], cfg["redundant"], cfg["hidden"], rank, world)
     controller = EplbController(config)
     try:
         controller.add_model(model, "main")
-        model.load_weights(controller.maps("main").phy2log)
+        initial = controller.maps("main").phy2log.copy()
+        model.load_weights(initial)
         stamps = StepStamps()
         stamps.instrument(controller)
         load = skewed_load(cfg["seed"], cfg["layers"], cfg["experts"], tokens=4096)
@@ -234,7 +238,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
         "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
         "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
-        "phy2log": final, "bit_exact": exact, "weight_bytes": model.weight_bytes, "device_s": engine.device_s,
+        "phy2log": final, "changed_slots": int((final != initial).sum()), "bit_exact": exact, "weight_bytes": model.weight_bytes, "device_s": engine.device_s,
         "cpu_base": _span(marks["base0"], marks["base1"]), "cpu_rearrange": _span(marks["rea0"], marks["rea1"]),
     }
 
@@ -284,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "matmul": args.matmul, "warm": args.warm, "tail": args.tail, "max_steps": args.max_steps,
            "repeats": args.repeats, "seed": args.seed, "worker_nice": args.worker_nice, "poll": args.poll,
            "max_bytes_per_step": args.max_bytes_per_step, "engine": args.engine, "prefetch": args.prefetch,
+           "align_slots": args.align_slots,
            "switch_interval": args.switch_interval, "collective_timeout_s": max(10.0, args.timeout / 4)}
     load_before = os.getloadavg()
     per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
@@ -306,11 +311,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "world": args.world, "layers": args.layers, "experts": args.experts, "redundant": args.redundant,
         "weight_mb_per_rank": round(runs[0]["weight_bytes"] / 2**20, 2),
         "moved_slots": runs[0]["moves"],
+        "changed_slots": runs[0]["changed_slots"],   # rows whose expert changes: the commit's copies
         "moved_mb": round(runs[0]["moved_bytes"] / 2**20, 2),
         "matmul": args.matmul,
         "engine_threads": args.engine_threads,
         "worker_nice": args.worker_nice,
-        "max_bytes_per_step": args.max_bytes_per_step, "prefetch": args.prefetch,
+        "max_bytes_per_step": args.max_bytes_per_step, "prefetch": args.prefetch, "align_slots": args.align_slots,
         "poll": args.poll,
         "engine": args.engine,
         "device_step_ms": round(runs[0]["device_s"] * 1e3, 3) if args.engine == "device" else None,

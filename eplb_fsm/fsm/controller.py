@@ -19,16 +19,15 @@ controller owns its collaborators:
   all-reduce per step and the transfer group;
 - ``mover`` (:class:`~eplb_fsm.fsm.transfers.LayerMover`): a layer into the buffer, then into the weights;
 - ``reporter`` (:class:`~eplb_fsm.fsm.reporting.Reporter`): ``history``, ``balancedness_log``;
-- ``rearranger`` (:class:`~eplb_fsm.fsm.rearrange.Rearranger`): the rearrangement in flight
-  (planning, layer transfers and commits, faults);
+- ``rearranger`` (:class:`~eplb_fsm.fsm.rearrange.Rearranger`): the rearrangement in flight;
 - ``worker`` (async mode) and ``watchdog``; ``counters`` (the shared step counters).
 
 Ranks can never disagree: decisions read counters that advance identically everywhere
 and all-reduces every rank issues on the same step (at most one of the controller's own
 per step, plus one agreement per layer in a sync rearrangement). In async mode the
 step's ready flags are by default *posted*: issued without waiting and read on the next
-step (``async_overlap_poll``), so every rank reads the same sum on the same step.
-Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
+step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic
+EP (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
 ``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
 ``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
@@ -251,7 +250,9 @@ class EplbController:
                 entry.window.record_pass(is_dummy)
             trace.count_step(is_dummy)
             return state
-        return self._decided_step(step, state, is_dummy, log_now)
+        state = self._decided_step(step, state, is_dummy, log_now)
+        self.mover.step_advanced.set()  # now, not mid-step: a paced chunk (async) starts as the engine runs on
+        return state
 
     def _decided_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
         """A step that may all-reduce: :func:`decide_step`'s answer, then :meth:`Rearranger.poll`'s."""

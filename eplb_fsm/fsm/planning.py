@@ -21,6 +21,7 @@ import torch
 
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy.bounds import rank_loads
+from eplb_fsm.policy.movement.targets import align_rows
 from eplb_fsm.stats import aggregate_logical, balancedness
 from eplb_fsm.transfer import moved_slots
 
@@ -67,7 +68,8 @@ def bad_load_reason(flat: torch.Tensor) -> str | None:
 
 def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Tensor], *, num_nodes: int,
                     world_size: int, step: int, forced: bool, plan_world_size: int | None = None,
-                    to_group: np.ndarray | None = None, from_group: np.ndarray | None = None) -> Plan:
+                    to_group: np.ndarray | None = None, from_group: np.ndarray | None = None,
+                    align_slots: bool = False) -> Plan:
     """Run the policy for every model on the shared load and price the new placement.
 
     ``models``: the controller's model entries; ``loads``: per model (L, N) float64.
@@ -77,6 +79,12 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
     own slot space: ``from_group`` (P',) maps plan columns to the transfer group's (-1:
     empty) and ``to_group`` (P,) maps back; ``new_phy2log`` is in the transfer group's
     space. Without them the plan is made in place, for ``world_size`` ranks.
+
+    ``align_slots`` (in place only): reorder each rank's slots of the policy's placement so
+    an expert that stays on its rank keeps its old row (:func:`align_rows`). Every rank holds
+    the same experts as the policy said, so the balance and the moved slots are unchanged,
+    and the commit copies only rows whose expert changes (a policy that plans from scratch,
+    as the default does, reorders most rows of a rank otherwise).
     """
     t0 = time.perf_counter()
     scaled = plan_world_size is not None
@@ -101,6 +109,8 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         # validates; a plan in place must fit the router's log2phy width (rows are replaced in it)
         width = p_plan - entry.num_logical + 1 if scaled else entry.maps.max_replicas
         ExpertMaps.from_phy2log(planned, entry.num_logical, max_replicas=width)
+        if align_slots and not scaled:
+            planned = align_rows(old, planned, world_size)
         new = remap_columns(planned, to_group) if scaled else planned
         for layer in range(entry.num_layers):
             changed.append(not np.array_equal(old[layer], new[layer]))

@@ -104,7 +104,8 @@ class Rearranger:
     def make_plan(self, loads: list[torch.Tensor], step: int, forced: bool) -> Plan:
         """Run the policy for every model on the shared load (pure: same input, same plan)."""
         return plan_placements(self.policy, self.models, loads, num_nodes=self.config.num_nodes,
-                               world_size=self.collectives.world_size, step=step, forced=forced)
+                               world_size=self.collectives.world_size, step=step, forced=forced,
+                               align_slots=self.config.align_slots)
 
     def accept(self, plan: Plan) -> str:
         """Fire ``plan_ready`` with :func:`decide_plan`'s ``worth``; returns the destination."""

@@ -16,6 +16,7 @@ gathers over the window: no validation, no map derivation.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -111,6 +112,7 @@ class LayerMover:
         self.chunk_boundaries = 0  # chunk boundaries crossed (all layers): each needs an engine step
         self.chunk_waits = 0     # of those, the ones that waited for the next engine step
         self.chunk_timeouts = 0  # of those, the waits that ended by the pacer's limit instead
+        self.step_advanced = threading.Event()   # set by the engine thread each step: wakes the pacer
 
     def locate(self, layer: int) -> tuple[ModelEntry, int]:
         """The model a global layer index belongs to, and the layer's index within it."""
@@ -135,7 +137,7 @@ class LayerMover:
         comm = self.collectives
         pacer = None
         if self.max_bytes_per_step > 0:
-            pacer = StepPacer(lambda: self.trace.step)
+            pacer = StepPacer(lambda: self.trace.step, advanced=self.step_advanced)
             pacer.begin()
         try:
             pending = transfer_layer_to_buffer(

@@ -151,14 +151,19 @@ class StepPacer:
     ``step()``: the engine's current step (the controller's trace step, stored by every
     ``step()`` call). :meth:`begin` notes the step a chunk starts at; :meth:`wait` returns once
     the step differs from it, or after ``max_wait_s`` (an engine that stopped stepping, e.g. a
-    drain at close, must not hold the transfer forever), polling every ``poll_s``.
-    Returns True when the step advanced.
+    drain at close, must not hold the transfer forever). Returns True when the step advanced.
+
+    ``advanced``: an event the engine thread sets after it moves the step on; the pacer then
+    sleeps on it and wakes once per step. Without one it polls every ``poll_s``, and every
+    poll wakes the worker, which then takes the GIL from the engine thread mid-step.
     """
 
-    def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005) -> None:
+    def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005,
+                 advanced: threading.Event | None = None) -> None:
         self.step = step
         self.max_wait_s = max_wait_s
         self.poll_s = poll_s
+        self.advanced = advanced
         self.started_at: int | None = None
         self.calls = 0           # chunk boundaries (a pure function of the plan and the byte cap)
         self.waits = 0           # chunks that found the step not yet advanced
@@ -175,12 +180,21 @@ class StepPacer:
             return True
         self.waits += 1
         deadline = time.monotonic() + self.max_wait_s
-        while self.step() == start:
-            if time.monotonic() >= deadline:
+        event = self.advanced
+        while True:
+            if event is not None:
+                event.clear()   # before the check: a step moved on after it sets the event again
+            if self.step() != start:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self.timeouts += 1
                 self.begin()
                 return False
-            time.sleep(self.poll_s)
+            if event is not None:
+                event.wait(left)
+            else:
+                time.sleep(self.poll_s)
         self.begin()
         return True
 
@@ -202,6 +216,9 @@ class BackgroundWorker:
         if not 0 <= start_yield_s <= 1:
             raise ValueError(f"start_yield_s must be in 0..1 s, got {start_yield_s}")
         self.start_yield_s = float(start_yield_s)
+        # numpy 2's unique (the planners') imports numpy.ma on first use: ~12-20 ms of Python
+        # under the GIL, which would land in the engine's steps during the first rearrangement
+        import numpy.ma  # noqa: F401
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.name = name
         self.nice = int(nice)

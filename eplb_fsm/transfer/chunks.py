@@ -49,9 +49,13 @@ def message_count(old_row: np.ndarray, new_row: np.ndarray, world_size: int) -> 
     old, new = np.asarray(old_row, dtype=np.int64), np.asarray(new_row, dtype=np.int64)
     rank = np.arange(old.size, dtype=np.int64) // (old.size // world_size)
     width = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
-    held = np.unique((rank * width + old)[old >= 0])
-    needed = np.unique((rank * width + new)[new >= 0])
-    return int(np.count_nonzero(~np.isin(needed, held, assume_unique=True)))
+    # (G, N) presence tables, not np.unique: this runs on the engine thread, and numpy 2's
+    # unique imports numpy.ma on first use (~20 ms, once per process, inside a step)
+    held = np.zeros((world_size, width), dtype=bool)
+    needed = np.zeros((world_size, width), dtype=bool)
+    held[rank[old >= 0], old[old >= 0]] = True
+    needed[rank[new >= 0], new[new >= 0]] = True
+    return int(np.count_nonzero(needed & ~held))
 
 
 def chunk_count(messages: int, row_nbytes: int, max_bytes: int) -> int:
