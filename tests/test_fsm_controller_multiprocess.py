@@ -266,7 +266,7 @@ def _one_row_chunks(rank: int, world: int) -> list[dict]:
 
 
 def test_a_chunked_layer_is_not_polled_before_its_last_chunk_can_have_started():
-    """One row per step: no ready flags are posted for a layer before job step + chunks - 1; ranks poll alike, exact."""
+    """One row per step: no ready flags are posted for a layer before job step + chunks; ranks poll alike, exact."""
     results = run_ranks(_one_row_chunks, 2, timeout=150)
     for whole, chunked in results:
         _assert_committed_alike(whole, chunked)

@@ -292,9 +292,10 @@ class Rearranger:
             if plan.changed[layer]:
                 current = self.current
                 current.job, current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
-                # its last chunk starts no sooner than chunks - 1 engine steps on (StepPacer)
+                # chunk i starts once step job_step + i - 1 has begun (StepPacer; in practice as
+                # it returns), so flags taken before step job_step + chunks can't say ready
                 current.chunks = self.mover.chunks(plan.new_phy2log, layer)
-                current.ready_step = current.job_step + current.chunks - 1
+                current.ready_step = current.job_step + current.chunks
                 return
             state = self.commit_layer(layer, None).dest
         if state == COMMITTING:
