@@ -113,3 +113,26 @@ def test_write_checks_a_prepared_commit_before_touching_the_weights():
     # the pending layer is a placeholder: reaching the weights' copy would fail on it differently
     with pytest.raises(ValueError, match="changed since its commit was prepared"):
         mover.write([np.stack([rows[0]] * L)], 1, TransferredLayer(object(), prepared))
+
+
+def test_chunk_counts_are_each_changed_layers_chunks_counted_ahead():
+    """chunk_counts gives every changed layer the chunks its paced transfer is cut into, 1 for the rest and unpaced."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.fsm.transfers import LayerMover
+    from eplb_fsm.transfer.chunks import chunk_count, message_count
+
+    entry = _entry(4)
+    entry.model.expert_weights = [[torch.zeros(P // 2, 8), torch.zeros(P // 2, 4)] for _ in range(L)]  # 48-byte rows
+    collectives = SimpleNamespace(communicator=SimpleNamespace(world_size=2))
+    new = np.stack(_placements(5, L))
+    new[0] = [5, 4, 3, 2, 1, 0, 4, 1, 2, 3]   # each rank now lacks one expert it needs: two messages
+    changed = [True, False, True]
+    paced = LayerMover([entry], collectives=collectives, trace=None, batching=False, hooks=[], max_bytes_per_step=48)
+    counts = paced.chunk_counts([new], changed)
+    expected = [chunk_count(message_count(entry.maps.phy2log[k], new[k], 2), 48, 48) if changed[k] else 1
+                for k in range(L)]
+    assert counts == expected and max(counts) > 1
+    assert counts == [paced.chunks([new], k) if changed[k] else 1 for k in range(L)]
+    unpaced = LayerMover([entry], collectives=collectives, trace=None, batching=False, hooks=[])
+    assert unpaced.chunk_counts([new], changed) == [1, 1, 1]

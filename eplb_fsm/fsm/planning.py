@@ -47,6 +47,7 @@ class Plan:
     balancedness_before: float
     balancedness_after: float
     policy_s: float
+    chunks: list[int] | None = None    # per global layer: pieces of its paced transfer (async), counted ahead
 
     @property
     def gain(self) -> float:

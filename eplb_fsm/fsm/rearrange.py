@@ -103,9 +103,11 @@ class Rearranger:
 
     def make_plan(self, loads: list[torch.Tensor], step: int, forced: bool) -> Plan:
         """Run the policy for every model on the shared load (pure: same input, same plan)."""
-        return plan_placements(self.policy, self.models, loads, num_nodes=self.config.num_nodes,
+        plan = plan_placements(self.policy, self.models, loads, num_nodes=self.config.num_nodes,
                                world_size=self.collectives.world_size, step=step, forced=forced,
                                align_slots=self.config.align_slots)
+        plan.chunks = self.mover.chunk_counts(plan.new_phy2log, plan.changed)   # here: the worker's thread
+        return plan
 
     def accept(self, plan: Plan) -> str:
         """Fire ``plan_ready`` with :func:`decide_plan`'s ``worth``; returns the destination."""
@@ -294,7 +296,7 @@ class Rearranger:
                 current.job, current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
                 # chunk i starts once step job_step + i - 1 has begun (StepPacer; in practice as
                 # it returns), so flags taken before step job_step + chunks can't say ready
-                current.chunks = self.mover.chunks(plan.new_phy2log, layer)
+                current.chunks = plan.chunks[layer] if plan.chunks else self.mover.chunks(plan.new_phy2log, layer)
                 current.ready_step = current.job_step + current.chunks
                 return
             state = self.commit_layer(layer, None).dest
