@@ -110,6 +110,7 @@ def test_ratios_and_targets_follow_from_the_medians(result):
     assert s["longest_extra_ms"] > 0 and s["total_extra_ms"] > 0  # the sync step holds the whole transfer
     assert ratio["longest_extra"] == pytest.approx(a["longest_extra_ms"] / s["longest_extra_ms"], rel=1e-2, abs=1e-3)
     assert ratio["total_extra"] == pytest.approx(a["total_extra_ms"] / s["total_extra_ms"], rel=1e-2, abs=1e-3)
+    assert ratio["controller_extra"] == pytest.approx(a["controller_extra_ms"] / s["total_extra_ms"], rel=1e-2, abs=1e-3)
     assert result["meets_target"] == {"single_step": ratio["longest_extra"] <= result["target_single_step"],
                                       "total": ratio["total_extra"] <= result["target_total"]}
     load = result["uptime_load_average"]
