@@ -241,7 +241,8 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
         "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
         "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
-        "phy2log": final, "changed_slots": int((final != initial).sum()), "bit_exact": exact, "weight_bytes": model.weight_bytes, "device_s": engine.device_s,
+        "phy2log": final, "changed_slots": int((final != initial).sum()), "bit_exact": exact,
+        "weight_bytes": model.weight_bytes, "device_s": engine.device_s,
         "cpu_base": _span(marks["base0"], marks["base1"]), "cpu_rearrange": _span(marks["rea0"], marks["rea1"]),
     }
 

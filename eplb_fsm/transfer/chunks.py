@@ -49,8 +49,8 @@ def message_count(old_row: np.ndarray, new_row: np.ndarray, world_size: int) -> 
     old, new = np.asarray(old_row, dtype=np.int64), np.asarray(new_row, dtype=np.int64)
     rank = np.arange(old.size, dtype=np.int64) // (old.size // world_size)
     width = int(max(old.max(initial=-1), new.max(initial=-1))) + 1
-    # (G, N) presence tables, not np.unique: this runs on the engine thread, and numpy 2's
-    # unique imports numpy.ma on first use (~20 ms, once per process, inside a step)
+    # (G, N) presence tables, not np.unique: numpy 2's unique imports numpy.ma on first use
+    # (~20 ms, once per process), and this can run on the engine thread inside a step
     held = np.zeros((world_size, width), dtype=bool)
     needed = np.zeros((world_size, width), dtype=bool)
     held[rank[old >= 0], old[old >= 0]] = True
