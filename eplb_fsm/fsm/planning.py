@@ -47,7 +47,7 @@ class Plan:
     balancedness_before: float
     balancedness_after: float
     policy_s: float
-    chunks: list[int] | None = None    # per global layer: pieces of its paced transfer (async), counted ahead
+    chunks: list[int] | None = None    # per global layer: pieces of its paced transfer (set by the Rearranger)
 
     @property
     def gain(self) -> float:

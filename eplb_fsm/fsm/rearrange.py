@@ -149,6 +149,7 @@ class Rearranger:
             plan = make_plan(split_loads(self.models, flat))
         except Exception as exc:
             return self.abort(f"scale policy failed: {type(exc).__name__}: {exc}", recoverable=True)
+        plan.chunks = self.mover.chunk_counts(plan.new_phy2log, plan.changed)
         changed_slots = sum(int((e.maps.phy2log != new).sum()) for e, new in zip(self.models, plan.new_phy2log))
         self.current.plan = plan
         fired = self.fire("plan_ready", extra=dict(fields, moved_slots=plan.moves, moved_bytes=plan.moved_bytes,
@@ -296,7 +297,7 @@ class Rearranger:
                 current.job, current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
                 # chunk i starts once step job_step + i - 1 has begun (StepPacer; in practice as
                 # it returns), so flags taken before step job_step + chunks can't say ready
-                current.chunks = plan.chunks[layer] if plan.chunks else self.mover.chunks(plan.new_phy2log, layer)
+                current.chunks = plan.chunks[layer]
                 current.ready_step = current.job_step + current.chunks
                 return
             state = self.commit_layer(layer, None).dest

@@ -165,8 +165,6 @@ class LayerMover:
 
     def chunk_counts(self, new_phy2log: Sequence[Any], changed: Sequence[bool]) -> list[int]:
         """:meth:`chunks` of every global layer (1 for an unchanged one), from the maps in use now."""
-        if self.max_bytes_per_step <= 0:
-            return [1] * len(changed)
         return [self.chunks(new_phy2log, layer) if moves else 1 for layer, moves in enumerate(changed)]
 
     def write(self, new_phy2log: Sequence[Any], layer: int, pending: Any) -> None:
