@@ -57,6 +57,31 @@ def test_merged_work_and_controller_split_adds_up_to_the_job_step():
         assert merged["parts"][i]["engine_all_reduce"] == pytest.approx(merged["work"][i] - 1.0)
 
 
+def test_controller_cpu_comes_from_the_rank_that_ended_each_step_and_counts_over_its_mean():
+    """merge_ranks takes each step's controller CPU from its last rank; run_metrics sums it over the baseline's mean."""
+    from eplb_fsm.bench.stall_metrics import run_metrics
+
+    starts, ends, per_rank = _lockstep(6, {(1, 4): 0.5})
+    cpu = {"wall_s": 1.0, "engine_cpu_s": 0.5, "process_cpu_s": 0.8}
+    runs = []
+    for r in (0, 1):
+        work = [t - 0.2 for t in per_rank[r]]
+        controller_cpu = [0.01 * (r + 1)] * 6   # rank 0: 10 ms a step, rank 1: 20 ms
+        controller_cpu[4] += 0.1 * (r + 1)      # the stall's step: rank 0 +100 ms, rank 1 +200 ms
+        runs.append({"times": per_rank[r], "start": starts[r], "ends": ends[r], "work": work, "commit": 5,
+                     "parts": [{"engine_all_reduce": 0.0, "commit_weights": 0.0, "commit_maps": 0.0} for _ in work],
+                     "controller_cpu": controller_cpu, "bit_exact": True, "cpu_base": cpu, "cpu_rearrange": cpu})
+    merged = merge_ranks(runs)
+    assert merged["controller_cpu"][4] == pytest.approx(0.22)   # rank 1 ended step 4 last
+    merged.update(trigger=3, skip=0)
+    base = sum(merged["controller_cpu"][:3]) / 3
+    metrics = run_metrics(merged)
+    assert metrics["controller_cpu_extra_s"] == pytest.approx(sum(merged["controller_cpu"][3:6]) - 3 * base)
+    assert metrics["controller_cpu_extra_s"] > 0.1
+    without = dict(merged, controller_cpu=None)
+    assert run_metrics(without)["controller_cpu_extra_s"] == 0.0   # not taken: no CPU claimed
+
+
 def _mode(longest: float, total: float, commits: float = 0.0, longest_commit: float = 0.0) -> dict:
     return {"longest_extra_s": longest, "total_extra_s": total, "commit_s": commits, "longest_commit_s": longest_commit}
 

@@ -26,7 +26,10 @@ repeats, with the ratios async / sync of the longest step's extra time and of th
 Targets: async adds at most 5% of the sync stall to any single step, 20% in total.
 ``async_over_sync.controller_extra`` puts async's ``controller_extra`` (its total less the
 engine's own work, which carries the box's noise and any starvation) over the sync stall:
-what the controller's calls alone cost the engine thread (labelled; not a target).
+what the controller's calls alone cost the engine thread (labelled; not a target);
+``controller_cpu_extra`` is the part of it the engine thread spent on a CPU
+(``time.thread_time``), the rest being time it waited inside those calls: for the GIL
+while the worker held it, for a peer's post, for the scheduler.
 ``commit_floor`` puts async's own commits (weights and maps, a whole layer in one step, on
 the engine thread as in sync mode) over the sync stall: the least either ratio can be on
 a host whose engine reads its weights from host memory.
@@ -195,6 +198,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
         ends: list[float] = []       # when each step ended (perf_counter: one clock for every rank)
         start = 0.0
         work: list[float] = []       # the engine's own part of each step (matmul, load, all-reduce)
+        controller_cpu: list[float] = []   # the engine thread's CPU inside the controller's calls
         marks: dict[str, tuple] = {}
         commit = None
         entry: dict = {}
@@ -211,10 +215,12 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
             t1 = time.perf_counter()
             noop()
             t2 = time.perf_counter()
+            c2 = time.thread_time()
             work.append(t1 - t0)
             if step == trigger and mode != PLAIN:
                 controller.rearrange()
             controller.step()
+            controller_cpu.append(time.thread_time() - c2)
             t3 = time.perf_counter()
             times.append(t3 - t0)
             ends.append(t3)
@@ -239,6 +245,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
         gc.unfreeze()
     return {
         "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
+        "controller_cpu": controller_cpu,
         "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
         "phy2log": final, "changed_slots": int((final != initial).sum()), "bit_exact": exact,
@@ -339,6 +346,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "total_extra": None if total is None else round(total, 4),
             # async's controller calls alone (total less the engine's own work: noise, starvation)
             "controller_extra": round(asy["controller_extra_s"] / sync["total_extra_s"], 4)
+            if sync["total_extra_s"] > 0 else None,
+            # of which the engine thread ran on a CPU (copies, bookkeeping); the rest it waited
+            # (for the GIL, a peer's post, the OS scheduler)
+            "controller_cpu_extra": round(asy["controller_cpu_extra_s"] / sync["total_extra_s"], 4)
             if sync["total_extra_s"] > 0 else None,
         },
         "target_single_step": TARGET_SINGLE_STEP,

@@ -47,6 +47,8 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     # it; its lead (waiting for a rank that ended the step before late) is taken off its
     # engine all-reduce, where a lockstep rank waits, since the job's previous step counts it
     work = [per_rank[r]["work"][i] - lead for i, (r, lead) in enumerate(zip(last, leads))]
+    # the engine thread's CPU inside the controller's calls, from the same rank (absent: none taken)
+    controller_cpu = [per_rank[r].get("controller_cpu", [0.0] * len(times))[i] for i, r in enumerate(last)]
     parts = []
     for i, (r, lead) in enumerate(zip(last, leads)):
         row = dict(per_rank[r]["parts"][i])
@@ -59,7 +61,8 @@ def merge_ranks(per_rank: list[dict]) -> dict:
             "engine_cpu_s": sum(r[key]["engine_cpu_s"] for r in per_rank),
             "process_cpu_s": sum(r[key]["process_cpu_s"] for r in per_rank),
         }
-    return {**first, "times": times, "work": work, "parts": parts, "bit_exact": all(r["bit_exact"] for r in per_rank), **cpu}
+    return {**first, "times": times, "work": work, "controller_cpu": controller_cpu, "parts": parts,
+            "bit_exact": all(r["bit_exact"] for r in per_rank), **cpu}
 
 
 def run_metrics(run: dict) -> dict[str, float]:
@@ -86,6 +89,8 @@ def run_metrics(run: dict) -> dict[str, float]:
     # a layer's weights and maps flip together between two forwards, on the engine thread in
     # either mode (host weights): no async schedule moves this time off the engine's steps
     commits = [p["commit_weights"] + p["commit_maps"] for p in run["parts"][trigger:commit + 1]]
+    controller_cpu = run.get("controller_cpu") or [0.0] * len(times)   # (T,) engine-thread CPU in the calls
+    cpu_base = statistics.fmean(controller_cpu[run["skip"]:trigger])
     return {
         "baseline_step_s": baseline,
         "baseline_mean_step_s": baseline_mean,
@@ -99,6 +104,8 @@ def run_metrics(run: dict) -> dict[str, float]:
         # the ready flags' all-reduce, waiting there for a slower rank)
         "work_extra_s": work_extra,
         "controller_extra_s": total_extra - work_extra,
+        # of the controller's extra, what the engine thread spent on a CPU (the rest it waited)
+        "controller_cpu_extra_s": sum(controller_cpu[trigger:commit + 1]) - len(during) * cpu_base,
         "commit_s": sum(commits),
         "longest_commit_s": max(commits),
         "steps_to_commit": rea_steps,
