@@ -108,44 +108,68 @@ class RemapPlan(NamedTuple):
     """How one layer's per-slot counts move from an old placement to a new one; tensors on one device.
 
     Depends on the two (P,) rows alone, so it can be built ahead (on the async worker) and
-    applied to the window later (:meth:`apply`).
+    applied to the window later (:meth:`apply`). Each pass's count of an expert (the sum
+    over its old slots) is split over its new slots: count // replicas each, the
+    remainder to its first new slot; an empty slot gets 0. :meth:`apply` works with slots
+    along rows (the window's (W, P) transposed), so every gather copies whole rows, and
+    divides only the experts that have more than one new slot (index vectors below).
     """
 
-    old_slots: torch.Tensor     # (V,) the old row's occupied slots
-    old_experts: torch.Tensor   # (V,) their experts
-    safe: torch.Tensor          # (P,) each new slot's expert (0 for an empty slot)
-    divisor: torch.Tensor       # (P,) that expert's new replica count (1 for an empty slot)
-    first: torch.Tensor         # (P,) the slot is its expert's first (it takes the remainder)
-    valid: torch.Tensor         # (P,) the slot is not empty
-    dropped: torch.Tensor       # (D,) experts with no slot in the new row
+    base: torch.Tensor           # (N + 1,) per expert, its first old slot (P: none); last entry P
+    extra_slots: torch.Tensor    # (X,) old slots after their expert's first
+    extra_experts: torch.Tensor  # (X,) their experts
+    gather: torch.Tensor         # (P,) each new slot's expert (N: an empty slot, the zero row)
+    multi_slots: torch.Tensor    # (M,) new slots whose expert has several
+    multi_experts: torch.Tensor  # (M,) their experts
+    multi_divisor: torch.Tensor  # (M, 1) that expert's new replica count
+    multi_first: torch.Tensor    # (M, 1) 1 where the slot is its expert's first (it takes the remainder)
+    dropped: torch.Tensor        # (D,) experts with no slot in the new row
 
     @classmethod
     def of(cls, old_row: Any, new_row: Any, num_logical: int, device: Any = None) -> "RemapPlan":
         """The plan from ``old_row`` to ``new_row`` (P,) int64 placements, -1 for an empty slot."""
         old = np.asarray(old_row, dtype=np.int64)
         new = np.asarray(new_row, dtype=np.int64)
-        old_valid = np.flatnonzero(old >= 0)
+        n, p = int(num_logical), new.size
+        slots = np.arange(old.size)
+        old_valid = old >= 0
+        first_old = np.full(n + 1, old.size, dtype=np.int64)   # row old.size is apply's zero row
+        np.minimum.at(first_old, old[old_valid], slots[old_valid])
+        extra = old_valid & (slots != first_old[np.where(old_valid, old, n)])
         valid = new >= 0
-        counts = np.bincount(new[valid], minlength=num_logical)[:num_logical]
-        safe = np.where(valid, new, 0)
-        slots = np.arange(new.size)
-        first = np.full(num_logical, new.size, dtype=np.int64)
-        np.minimum.at(first, new[valid], slots[valid])
-        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)   # noqa: E731
-        return cls(as_t(old_valid), as_t(old[old_valid]), as_t(safe), as_t(np.maximum(counts[safe], 1)),
-                   as_t(valid & (slots == first[safe])), as_t(valid), as_t(np.flatnonzero(counts == 0)))
+        counts = np.bincount(new[valid], minlength=n)[:n]
+        first_new = np.full(n, p, dtype=np.int64)
+        np.minimum.at(first_new, new[valid], np.arange(p)[valid])
+        multi = valid & (counts[np.where(valid, new, 0)] > 1)
+        multi_experts = new[multi]
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        return cls(as_t(first_old), as_t(slots[extra]), as_t(old[extra]), as_t(np.where(valid, new, n)),
+                   as_t(np.flatnonzero(multi)), as_t(multi_experts), as_t(counts[multi_experts].reshape(-1, 1)),
+                   as_t((np.flatnonzero(multi) == first_new[multi_experts]).reshape(-1, 1)),
+                   as_t(np.flatnonzero(counts == 0)))
 
     def apply(self, counts: torch.Tensor, num_logical: int) -> torch.Tensor:
         """``counts`` (W, P) in the old placement -> (W, P) in the new one; changes nothing.
 
-        Raises ``ValueError`` if the new row leaves out an expert that has counts.
+        Returns a transposed view of a new (P, W) tensor. Raises ``ValueError`` if the new
+        row leaves out an expert that has counts. ``num_logical`` is N, which the plan
+        already holds (``base`` has N + 1 entries); callers pass it as they always have.
         """
-        logical = torch.zeros((counts.shape[0], num_logical), dtype=counts.dtype, device=counts.device)
-        logical.index_add_(1, self.old_experts, counts[:, self.old_slots])     # (W, N)
-        if self.dropped.numel() and bool(logical[:, self.dropped].any()):
+        num_slots, width = counts.shape[1], counts.shape[0]
+        by_slot = torch.empty((num_slots + 1, width), dtype=counts.dtype, device=counts.device)
+        by_slot[:num_slots].copy_(counts.t())
+        by_slot[num_slots].zero_()
+        logical = by_slot.index_select(0, self.base)                           # (N + 1, W), last row 0
+        if self.extra_slots.numel():
+            logical.index_add_(0, self.extra_experts, by_slot.index_select(0, self.extra_slots))
+        if self.dropped.numel() and bool(logical.index_select(0, self.dropped).any()):
             raise ValueError("new_row drops an expert that has recorded load")
-        held = logical[:, self.safe]                       # (W, P) each slot's expert's count
-        return (held // self.divisor + (held % self.divisor) * self.first) * self.valid
+        out = logical.index_select(0, self.gather)                             # (P, W)
+        if self.multi_slots.numel():
+            held = logical.index_select(0, self.multi_experts)
+            share = torch.div(held, self.multi_divisor, rounding_mode="floor")
+            out.index_copy_(0, self.multi_slots, share + (held - share * self.multi_divisor) * self.multi_first)
+        return out.t()
 
 
 def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:

@@ -168,3 +168,54 @@ def test_remap_plan_built_ahead_gives_what_remap_layer_writes_and_changes_nothin
     before = torch.zeros((3, 4), dtype=torch.int64).index_add_(1, torch.as_tensor(old_row), counts)
     after = torch.zeros((3, 4), dtype=torch.int64).index_add_(1, torch.as_tensor(new_row.clip(0)), got)
     assert torch.equal(before, after)
+
+
+def _remap_by_definition(counts: np.ndarray, old: np.ndarray, new: np.ndarray, n: int) -> np.ndarray:
+    """The remap spelled out: each expert's pass count over its old slots, split over its new
+    slots (count // replicas each, the remainder to the first), 0 in an empty slot."""
+    logical = np.zeros((counts.shape[0], n), dtype=np.int64)
+    for slot, expert in enumerate(old):
+        if expert >= 0:
+            logical[:, expert] += counts[:, slot]
+    out = np.zeros_like(counts)
+    for expert in range(n):
+        slots = np.flatnonzero(new == expert)
+        if slots.size == 0:
+            if logical[:, expert].any():
+                raise ValueError("dropped")
+            continue
+        out[:, slots] = (logical[:, expert] // slots.size)[:, None]
+        out[:, slots[0]] += logical[:, expert] % slots.size
+    return out
+
+
+@given(st.integers(1, 6), st.integers(1, 7), st.integers(0, 5), st.integers(0, 2**31 - 1), st.booleans())
+def test_remap_plan_matches_its_definition_bit_for_bit(passes, n, spare, seed, negative):
+    """Over random rows with empty slots, replicas and absent experts, apply gives the definition's counts exactly."""
+    from eplb_fsm.stats import RemapPlan
+
+    rng = np.random.default_rng(seed)
+    p = n + spare
+
+    def row(empty_ok: bool) -> np.ndarray:
+        r = np.concatenate([rng.permutation(n), rng.integers(-1 if empty_ok else 0, n, spare)])
+        if empty_ok and rng.random() < 0.3:
+            r[rng.integers(0, p)] = -1        # may leave an expert with no slot
+        return rng.permutation(r)
+
+    old, new = row(True), row(True)
+    low = -(2**40) if negative else 0
+    window = torch.as_tensor(rng.integers(low, 2**40, size=(passes, 3, p)))
+    counts = window[:, 1, :]                  # a strided layer of a (W, L, P) window, as the controller's
+    before = counts.clone()
+    plan = RemapPlan.of(old, new, n)
+    try:
+        want = _remap_by_definition(counts.numpy().copy(), old, new, n)
+    except ValueError:
+        with pytest.raises(ValueError, match="drops an expert"):
+            plan.apply(counts, n)
+        return
+    got = plan.apply(counts, n)
+    assert got.shape == (passes, p) and got.dtype == torch.int64
+    assert np.array_equal(got.numpy(), want)
+    assert torch.equal(counts, before)
