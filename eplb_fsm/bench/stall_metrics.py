@@ -48,7 +48,8 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     # engine all-reduce, where a lockstep rank waits, since the job's previous step counts it
     work = [per_rank[r]["work"][i] - lead for i, (r, lead) in enumerate(zip(last, leads))]
     # the engine thread's CPU inside the controller's calls, from the same rank (absent: none taken)
-    controller_cpu = [per_rank[r].get("controller_cpu", [0.0] * len(times))[i] for i, r in enumerate(last)]
+    cpu_of = [r.get("controller_cpu") or [0.0] * len(times) for r in per_rank]
+    controller_cpu = [cpu_of[r][i] for i, r in enumerate(last)]
     parts = []
     for i, (r, lead) in enumerate(zip(last, leads)):
         row = dict(per_rank[r]["parts"][i])
