@@ -19,7 +19,7 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
     assert main(["bench", "transfer", "--json", *SMALL]) == 0
     r = json.loads(capsys.readouterr().out)
     variants = ("raw", "raw_commit", "raw_commit_overlap", "transfer", "transfer_batched", "transfer_warm",
-                "transfer_one_phase")
+                "transfer_one_phase", "transfer_two_layers")
     assert set(r["median_s"]) == set(variants) and all(r["median_s"][v] > 0 for v in variants)
     assert r["bit_exact"] is True
     assert r["baselines_bit_exact"] is True  # raw_commit and the ceiling are real transfers too
@@ -31,7 +31,11 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
     assert r["raw_commit_overlap_vs_raw"] == pytest.approx(t["raw"] / t["raw_commit_overlap"], rel=0.05)
     assert r["transfer_vs_ceiling"] == pytest.approx(t["raw_commit_overlap"] / t["transfer"], rel=0.05)
     assert r["two_phase_vs_one_phase"] == pytest.approx(t["transfer_one_phase"] / t["transfer"], rel=0.05)
+    assert r["two_layers_vs_ceiling"] == pytest.approx(t["raw_commit_overlap"] / t["transfer_two_layers"], rel=0.05)
+    assert r["two_layers_vs_one_layer"] == pytest.approx(t["transfer"] / t["transfer_two_layers"], rel=0.05)
+    assert 0 < r["two_layers_vs_ceiling_paired"] < 100
     assert r["target_ratio"] == 0.9 and r["meets_target"] == (r["transfer_vs_ceiling"] >= 0.9)
+    assert r["meets_target_two_layers"] == (r["two_layers_vs_ceiling"] >= 0.9)
     assert r["meets_raw_target"] == (r["ratio_vs_raw"] >= r["raw_target_ratio"])
     for v in variants:  # cores busy beside every figure
         assert r["variants"][v]["cores_busy"] == r["cores_busy"][v] and r["variants"][v]["median_s"] > 0

@@ -124,15 +124,15 @@ def placements(draw, max_ranks=5, max_slots=4, max_layers=3):
 
 
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(placements(), st.booleans())
-def test_random_rearrangements_bit_exact_and_minimal(case, batching):
-    """Thousands of random placements: every slot ends with its expert's exact bytes; no message is extra."""
+@given(placements(), st.booleans(), st.sampled_from([1, 2]))
+def test_random_rearrangements_bit_exact_and_minimal(case, batching, buffer_layers):
+    """Thousands of random placements, one- or two-layer buffer: every slot ends exact; no message is extra."""
     old, new, g = case
     weights, tables = make_world(old, g)
     comm = InProcessCommunicator(g)
     rearrange_expert_weights_inplace(
         torch.from_numpy(old), torch.from_numpy(new), weights, communicator=comm,
-        migration_batching=batching, buffer=TransferBuffer(),
+        migration_batching=batching, buffer=TransferBuffer(buffer_layers),
     )
     check_world(weights, tables, old, new, g)
     assert comm.total_messages == expected_messages(old, new, g, len(SPECS))
@@ -264,17 +264,20 @@ class _FailingComm(InProcessCommunicator):
         super().start()
 
 
-def test_failure_keeps_committed_layers_new_and_the_rest_old():
+@pytest.mark.parametrize("buffer_layers,fail_at", [(1, 1), (2, 1), (2, 2)])
+def test_failure_keeps_committed_layers_new_and_the_rest_old(buffer_layers, fail_at):
     """A failing wave raises TransferError: earlier layers are new, the failing and later ones old."""
     old = np.array([[0, 1, 2, 3]] * 3)
     new = np.array([[2, 3, 0, 1]] * 3)
     weights, tables = make_world(old, 2)
     trace = EventTrace(keep=True)
-    comm = _FailingComm(2, fail_at=1)
+    comm = _FailingComm(2, fail_at=fail_at)
     with pytest.raises(TransferError) as info:
-        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, trace=trace, buffer=TransferBuffer())
-    assert info.value.layer == 1 and info.value.committed_layers == 1
-    mixed = np.concatenate([new[:1], old[1:]])
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, trace=trace,
+                                         buffer=TransferBuffer(buffer_layers))
+    # fail_at counts start() calls: the one that fails is layer fail_at's first
+    assert info.value.layer == fail_at and info.value.committed_layers == fail_at
+    mixed = np.concatenate([new[:fail_at], old[fail_at:]])
     check_world(weights, tables, old, mixed, 2)
     assert [r["event"] for r in trace.records][-1] == "collective_error"
 
@@ -377,13 +380,14 @@ class _OnePhaseComm(InProcessCommunicator):
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(placements(max_layers=4), st.booleans())
-def test_one_phase_path_stays_bit_exact(case, batching):
-    """Without tag support the executor commits before posting, and every slot still ends exact."""
+@given(placements(max_layers=4), st.booleans(), st.sampled_from([1, 2]))
+def test_one_phase_path_stays_bit_exact(case, batching, buffer_layers):
+    """Without tag support the executor commits before posting (one-layer buffer), and every slot still ends exact."""
     old, new, g = case
     weights, tables = make_world(old, g)
     comm = _OnePhaseComm(g)
-    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, migration_batching=batching, buffer=TransferBuffer())
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, migration_batching=batching,
+                                     buffer=TransferBuffer(buffer_layers))
     check_world(weights, tables, old, new, g)
     assert comm.total_messages == expected_messages(old, new, g, len(SPECS))
 
@@ -419,6 +423,60 @@ def test_held_receives_are_posted_after_the_previous_commit():
     assert phase1 == (messages, 0, False)  # layer 1: sends only, layer 0 not yet committed
     assert phase2 == (messages, messages, True)  # its receives once layer 0 is committed
     assert spy.executes == 2 and spy.total_messages == 2 * messages
+
+
+def test_two_layer_buffer_holds_no_receive():
+    """With a two-layer buffer layer 1 goes out in one batch, before layer 0's commit, which runs while it flies."""
+    old = np.array([[0, 1, 2, 3]] * 2)
+    new = np.array([[2, 3, 0, 1]] * 2)
+    weights, tables = make_world(old, 2)
+    expect, _ = make_world(new, 2)
+    spy = _PhaseSpy(2, weights, [expect[r][0] for r in range(2)])
+    buffer = TransferBuffer(layers=2)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=spy, buffer=buffer)
+    check_world(weights, tables, old, new, 2)
+    messages = 2 * 2 * len(SPECS)
+    assert spy.starts == [(messages, messages, False)] * 2
+    assert spy.executes == 2 and buffer.allocations == 4  # two halves for each of the 2 ranks
+
+
+def test_profile_reserves_both_halves_of_a_two_layer_buffer():
+    """Profile mode allocates both layers of a two-layer buffer; the real run reuses them, allocating nothing."""
+    old = np.array([[0, 1, 2, 3], [3, 2, 1, 0], [1, 0, 3, 2]])
+    new = np.array([[3, 2, 1, 0], [0, 1, 2, 3], [2, 3, 0, 1]])
+    weights, tables = make_world(old, 2)
+    comm = InProcessCommunicator(2)
+    buf = TransferBuffer(2)
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, is_profile=True, buffer=buf)
+    one_layer = sum(w.numel() * w.element_size() for rw in weights for w in rw[0])
+    assert buf.nbytes == 2 * one_layer and buf.allocations == 4 and comm.total_messages == 0
+    ptrs = [t.data_ptr() for r in range(2) for i in range(2) for t in buf.tensors(r, i)]
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, buffer=buf)
+    assert buf.allocations == 4
+    assert ptrs == [t.data_ptr() for r in range(2) for i in range(2) for t in buf.tensors(r, i)]
+    check_world(weights, tables, old, new, 2)
+
+
+def test_one_layer_entry_uses_the_first_half_of_a_two_layer_buffer():
+    """transfer_layer_to_buffer with a two-layer buffer fills only its first layer and commits exactly."""
+    old = np.array([0, 1, 2, 3])
+    new = np.array([2, 3, 0, 1])
+    weights, tables = make_world(old[None], 2)
+    lw = [weights[r][0] for r in range(2)]
+    buf = TransferBuffer(2)
+    pending = transfer_layer_to_buffer(old, new, lw, buf, communicator=InProcessCommunicator(2))
+    commit_layer_from_buffer(pending, lw)
+    check_world(weights, tables, old[None], new[None], 2)
+    assert buf.allocations == 2 and buf.nbytes == sum(w.numel() * w.element_size() for ws in lw for w in ws)
+    with pytest.raises(KeyError, match="no buffer layer 1"):
+        buf.tensors(0, 1)
+
+
+@pytest.mark.parametrize("layers", [0, 3, True, 1.0, "2"])
+def test_bad_buffer_layers_are_refused(layers):
+    """TransferBuffer(layers) other than 1 or 2 raises ValueError naming the field and rule."""
+    with pytest.raises(ValueError, match=r"layers: must be 1 or 2"):
+        TransferBuffer(layers)
 
 
 # layouts the executor would move wrongly: refused before anything moves, nothing committed

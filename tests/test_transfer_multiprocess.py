@@ -75,7 +75,8 @@ def _collectives(trace) -> list[tuple]:
     ]
 
 
-def _scenario_random(rank: int, world: int, batching: bool, seed: int) -> tuple[list[str], list[tuple]]:
+def _scenario_random(rank: int, world: int, batching: bool, seed: int,
+                     buffer_layers: int = 1) -> tuple[list[str], list[tuple]]:
     from eplb_fsm.trace import EventTrace
     from eplb_fsm.transfer import TransferBuffer, rearrange_expert_weights_inplace
 
@@ -86,13 +87,15 @@ def _scenario_random(rank: int, world: int, batching: bool, seed: int) -> tuple[
     trace = EventTrace(rank=rank, world=world, keep=True)
     rearrange_expert_weights_inplace(
         torch.from_numpy(old), torch.from_numpy(new), weights, trace=trace,
-        migration_batching=batching, buffer=TransferBuffer(), timeout=30.0,
+        migration_batching=batching, buffer=TransferBuffer(buffer_layers), timeout=30.0,
     )
-    return _problems(f"random(batching={batching})", rank, weights, new, s), _collectives(trace)
+    return _problems(f"random(batching={batching}, buffer_layers={buffer_layers})", rank, weights, new, s), \
+        _collectives(trace)
 
 
 def _scenario_two_phase(rank: int, world: int) -> list[str]:
-    """Every row crosses ranks in every layer: with tags the held receives go out in a second start()."""
+    """Every row crosses ranks in every layer: with tags and a one-layer buffer the held receives go out
+    in a second start(); with a two-layer buffer nothing is held."""
     from eplb_fsm.transfer import TorchDistCommunicator, TransferBuffer, rearrange_expert_weights_inplace
 
     class Spy(TorchDistCommunicator):
@@ -107,15 +110,16 @@ def _scenario_two_phase(rank: int, world: int) -> list[str]:
     old = np.tile(np.arange(p), (num_layers, 1))
     new = np.roll(old, s, axis=1)  # each rank's rows come from the previous rank
     bad = []
-    for tags in (True, False):
+    for tags, layers in ((True, 1), (False, 1), (True, 2)):
         weights = _weights(rank, old, s)
         comm = Spy(timeout=30.0)
         comm.supports_tags = tags
-        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, buffer=TransferBuffer())
-        bad += _problems(f"two-phase(tags={tags})", rank, weights, new, s)
-        want = 1 + 2 * (num_layers - 1) if tags else num_layers  # layers after the first start twice
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm, buffer=TransferBuffer(layers))
+        bad += _problems(f"two-phase(tags={tags}, buffer_layers={layers})", rank, weights, new, s)
+        # with held receives, layers after the first start twice
+        want = 1 + 2 * (num_layers - 1) if tags and layers == 1 else num_layers
         if comm.starts != want:
-            bad.append(f"rank {rank}: tags={tags}: {comm.starts} starts, expected {want}")
+            bad.append(f"rank {rank}: tags={tags}, buffer_layers={layers}: {comm.starts} starts, expected {want}")
     return bad
 
 
@@ -210,6 +214,7 @@ def _world_main(rank: int, world: int) -> dict:
         bad, trace = _scenario_random(rank, world, batching, seed=world * 100 + int(batching))
         out["problems"] += bad
         out["traces"][batching] = trace
+    out["problems"] += _scenario_random(rank, world, False, seed=world * 100 + 7, buffer_layers=2)[0]
     out["problems"] += _scenario_one_layer(rank, world)
     out["problems"] += _scenario_two_phase(rank, world)
     if world == 4:
@@ -234,11 +239,11 @@ def _check(results: list[dict]) -> None:
 
 @pytest.mark.timeout(90)
 def test_world_4_gloo():
-    """4 gloo ranks: random rearrangements with and without batching, one-layer API, two-phase posting, scale 4->2 and 2->4."""
+    """4 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, scale 4->2 and 2->4."""
     _check(run_ranks(_world_main, 4, timeout=80.0))
 
 
 @pytest.mark.timeout(90)
 def test_world_2_gloo():
-    """2 gloo ranks: random rearrangements with and without batching, one-layer API, two-phase posting, a traced timeout."""
+    """2 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, a traced timeout."""
     _check(run_ranks(_world_main, 2, timeout=80.0))

@@ -63,34 +63,46 @@ __all__ = [
 ]
 
 class TransferBuffer:
-    """One layer's worth of weight rows per local rank, reused across layers and calls.
+    """``layers`` layers' worth of weight rows per local rank, reused across layers and calls.
 
-    ``ensure(rank, layer_weights)`` returns the rank's buffer tensors (contiguous, same
-    shapes/dtypes/devices as the layer's weights), allocating only when the layout
-    changed. ``allocations`` counts allocations (profile mode reserves them up front).
-    ``generation`` advances on every transfer so a stale pending commit is caught.
+    ``ensure(rank, layer_weights, index)`` returns the rank's buffer tensors of layer
+    ``index`` < ``layers`` (contiguous, same shapes/dtypes/devices as the layer's weights),
+    allocating only when the layout changed. ``layers=2`` costs one more layer of memory
+    and is used by :func:`rearrange_expert_weights_inplace` only: layer k's messages land in
+    one half while layer k-1's commit reads the other, so no receive waits for that commit
+    (the one-layer entry points use the first half). ``allocations`` counts allocations
+    (profile mode reserves every half up front). ``generation`` advances on every transfer
+    so a stale pending commit is caught.
     """
 
-    def __init__(self) -> None:
-        self._by_rank: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, layers: int = 1) -> None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers not in (1, 2):
+            raise ValueError(f"layers: must be 1 or 2 (layers of rows held per rank), got {layers!r}")
+        self.layers = layers
+        self._by_rank: dict[int, list[list[torch.Tensor] | None]] = {}
         self.allocations = 0
         self.generation = 0
 
-    def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        current = self._by_rank.get(rank)
+    def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor], index: int = 0) -> list[torch.Tensor]:
+        halves = self._by_rank.setdefault(rank, [None] * self.layers)
+        current = halves[index]
         if current is not None and layout(current) == layout(layer_weights):
             return current
         tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
-        self._by_rank[rank] = tensors
+        halves[index] = tensors
         self.allocations += 1
         return tensors
 
-    def tensors(self, rank: int) -> list[torch.Tensor]:
-        return self._by_rank[rank]
+    def tensors(self, rank: int, index: int = 0) -> list[torch.Tensor]:
+        tensors = self._by_rank[rank][index]
+        if tensors is None:
+            raise KeyError(f"rank {rank} has no buffer layer {index}")
+        return tensors
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._by_rank.values() for t in ts)
+        return sum(t.numel() * t.element_size() for halves in self._by_rank.values() for ts in halves if ts
+                   for t in ts)
 
     def release(self) -> None:
         """Drop every tensor (the next use allocates again)."""
@@ -184,7 +196,7 @@ def rearrange_expert_weights_inplace(
     buf = buffer if buffer is not None else _DEFAULT_BUFFER
     lock = _DEFAULT_LOCK if buffer is None else contextlib.nullcontext()
     with lock:
-        buffers = {r: buf.ensure(r, weights[r][0]) for r in comm.local_ranks}
+        buffers = [{r: buf.ensure(r, weights[r][0], i) for r in comm.local_ranks} for i in range(buf.layers)]
         if is_profile:
             return
         try:
@@ -197,22 +209,24 @@ def rearrange_expert_weights_inplace(
 def _rearrange_layers(
     sched: Schedule,
     weights: dict[int, list[list[torch.Tensor]]],
-    buffers: dict[int, list[torch.Tensor]],
+    buffers: list[dict[int, list[torch.Tensor]]],
     comm: Communicator,
     traces: list[tuple[Any, int | None]],
     buf: TransferBuffer,
 ) -> None:
-    """All layers, pipelined over the one buffer.
+    """All layers, pipelined over the buffer's one or two layers of rows.
 
     While layer k's first wave is in flight, this process also finishes layer k-1's
-    commit and (first use of these maps only) plans layer k+1. The part of layer k-1's
-    commit that reads buffer rows layer k is about to overwrite must run before those
-    receives are posted: with a communicator that pairs messages by tag it runs after
-    layer k's sends and other receives went out (two phases, :class:`HeldReceives`),
-    otherwise before layer k starts. If layer k fails, layer k-1's commit is completed
-    first, so layers < k are new and layers >= k are old.
+    commit and (first use of these maps only) plans layer k+1. With two buffer layers,
+    layer k lands in ``buffers[k % 2]`` and the whole of layer k-1's commit runs then.
+    With one, the part of layer k-1's commit that reads buffer rows layer k is about to
+    overwrite must run before those receives are posted: with a communicator that pairs
+    messages by tag it runs after layer k's sends and other receives went out (two
+    phases, :class:`HeldReceives`), otherwise before layer k starts. If layer k fails,
+    layer k-1's commit is completed first, so layers < k are new and layers >= k are old.
     """
     num_layers = sched.old.shape[0]
+    halves = len(buffers)
     two_phase = bool(getattr(comm, "supports_tags", False)) and hasattr(comm, "start") and hasattr(comm, "wait")
     prev_w: dict[int, list[torch.Tensor]] | None = None
     # new maps: layer 0's messages go out first, and the rest of its plan (this rank's
@@ -220,34 +234,43 @@ def _rearrange_layers(
     cold = not sched.prepared
     # rows as uint8 views: the buffer's once, each layer's weights while the layer
     # before it is in flight
-    recv_views = row_views(buffers, True)
+    recv_views = [row_views(half, True) for half in buffers]
     send_views = {0: row_views({r: weights[r][0] for r in comm.local_ranks}, False)}
     for k in range(num_layers):
         prep = sched.messages(0) if k == 0 and cold else sched.layer(k)
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
+        into, prev_buffers = buffers[k % halves], buffers[(k - 1) % halves]
         late: dict[int, Commit] = {}
         hold: HeldReceives | None = None
-        if prev_w is not None:
+        if prev_w is not None and halves == 2:
+            late = sched.layer(k - 1).commit  # reads the other half: nothing waits for it
+        elif prev_w is not None:
             early, late = sched.split(k - 1)
             if two_phase and prep.waves:
                 # layer k's receives into rows layer k-1's commit still reads wait for it;
                 # the commit runs while the rest of layer k's messages fly
                 rows = {r: set(c.src.tolist()) for r, c in early.items() if c.src.size}
-                hold = HeldReceives(rows, lambda early=early, prev_w=prev_w: _apply_runs(early, prev_w, buffers))
+                hold = HeldReceives(rows, lambda early=early, prev_w=prev_w: _apply_runs(early, prev_w, into))
             else:
-                _apply_runs(early, prev_w, buffers)
+                _apply_runs(early, prev_w, into)
         state = {"late_done": not late}
 
-        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep) -> None:
+        def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep,
+                      into=into, prev_buffers=prev_buffers) -> None:
             full = sched.layer(k)
             if full is not posted:  # layer 0 was posted from its messages alone
                 for r, runs in full.local_runs.items():
-                    copy_runs(buffers[r], layer_w[r], runs)
+                    copy_runs(into[r], layer_w[r], runs)
             if not state["late_done"]:
-                _apply_runs(late, prev_w, buffers)
+                _apply_runs(late, prev_w, prev_buffers)
                 state["late_done"] = True
             if k + 1 < num_layers:
-                sched.split(k)  # plans layer k+1 too (a no-op once the schedule is complete)
+                # plans layer k+1 (a no-op once the schedule is complete), and with one
+                # buffer layer the split of layer k's commit against it
+                if halves == 2:
+                    sched.layer(k + 1)
+                else:
+                    sched.split(k)
                 send_views[k + 1] = row_views({r: weights[r][k + 1] for r in comm.local_ranks}, False)
 
         buf.generation += 1
@@ -255,17 +278,18 @@ def _rearrange_layers(
             views = send_views.pop(k, None)
             if views is None:  # no wave before (meanwhile runs in the first wave)
                 views = row_views(layer_w, False)
-            run_layer(prep, layer_w, buffers, comm, traces, meanwhile=meanwhile, hold=hold, views=(views, recv_views))
+            run_layer(prep, layer_w, into, comm, traces, meanwhile=meanwhile, hold=hold,
+                      views=(views, recv_views[k % halves]))
         except TransferError as exc:
             if hold is not None:
                 hold.release()  # no held receive was posted before it ran
             if not state["late_done"]:
-                _apply_runs(late, prev_w, buffers)  # layer k-1 ends fully new
+                _apply_runs(late, prev_w, prev_buffers)  # layer k-1 ends fully new
             exc.committed_layers = k
             raise
         prev_w = layer_w
     if prev_w is not None:
-        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, buffers)
+        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, buffers[(num_layers - 1) % halves])
 
 
 def _apply_runs(
