@@ -113,8 +113,14 @@ def test_ratios_and_targets_follow_from_the_medians(result):
     assert ratio["controller_extra"] == pytest.approx(a["controller_extra_ms"] / s["total_extra_ms"], rel=1e-2, abs=1e-3)
     assert ratio["controller_cpu_extra"] == pytest.approx(a["controller_cpu_extra_ms"] / s["total_extra_ms"],
                                                           rel=1e-2, abs=1e-3)
+    assert ratio["work_extra"] == pytest.approx(a["work_extra_ms"] / s["total_extra_ms"], rel=1e-2, abs=1e-3)
+    no_credit = (a["controller_extra_ms"] + max(a["work_extra_ms"], 0.0)) / s["total_extra_ms"]
+    assert ratio["total_no_engine_credit"] == pytest.approx(no_credit, rel=1e-2, abs=1e-3)
+    assert ratio["total_no_engine_credit"] >= ratio["controller_extra"] - 1e-3  # never credits a faster engine
     assert result["meets_target"] == {"single_step": ratio["longest_extra"] <= result["target_single_step"],
-                                      "total": ratio["total_extra"] <= result["target_total"]}
+                                      "total": ratio["total_extra"] <= result["target_total"],
+                                      "total_no_engine_credit":
+                                          ratio["total_no_engine_credit"] <= result["target_total"]}
     load = result["uptime_load_average"]
     assert len(load["before"]) == 3 and len(load["after"]) == 3 and result["cores"] >= 1
 
