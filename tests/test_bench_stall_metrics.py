@@ -135,3 +135,24 @@ def test_total_extra_counts_a_stall_once_over_the_mean():
     assert metrics["total_extra_s"] == pytest.approx(50e-3)
     assert metrics["longest_extra_s"] == pytest.approx(50e-3)
     assert metrics["steps_to_commit"] == 10
+
+
+@pytest.mark.parametrize("work_change_ms,credited", [(-0.5, True), (0.5, False)])
+def test_total_no_engine_credit_adds_back_only_a_faster_engine(work_change_ms, credited):
+    """An engine faster during the rearrangement lowers the total but not total_no_engine_credit; a slower one counts in both."""
+    from eplb_fsm.bench.stall_metrics import run_metrics
+
+    work = [2e-3] * 30
+    for i in range(20, 30):
+        work[i] += work_change_ms / 1e3          # the engine's own part, 10 steps of the rearrangement
+    controller = [1e-3] * 30
+    controller[25] += 30e-3                      # one commit of 30 ms in the controller's part
+    run = _run([w + c for w, c in zip(work, controller)], trigger=20, commit=29)
+    run["work"] = work
+    metrics = run_metrics(run)
+    engine = 10 * work_change_ms / 1e3
+    assert metrics["work_extra_s"] == pytest.approx(engine)
+    assert metrics["controller_extra_s"] == pytest.approx(30e-3)
+    assert metrics["total_extra_s"] == pytest.approx(30e-3 + engine)
+    want = 30e-3 if credited else 30e-3 + engine
+    assert metrics["total_no_engine_credit_s"] == pytest.approx(want)

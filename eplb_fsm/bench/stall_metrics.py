@@ -105,6 +105,8 @@ def run_metrics(run: dict) -> dict[str, float]:
         # the ready flags' all-reduce, waiting there for a slower rank)
         "work_extra_s": work_extra,
         "controller_extra_s": total_extra - work_extra,
+        # the total without crediting an engine that ran faster than before the rearrangement
+        "total_no_engine_credit_s": total_extra - min(work_extra, 0.0),
         # of the controller's extra, what the engine thread spent on a CPU (the rest it waited)
         "controller_cpu_extra_s": sum(controller_cpu[trigger:commit + 1]) - len(during) * cpu_base,
         "commit_s": sum(commits),
