@@ -160,12 +160,17 @@ def _u8(x):
     return x.contiguous().reshape(-1).view(torch.uint8)
 
 
-def test_stale_pending_layer_is_refused():
-    """A pending layer whose buffer was reused by a later transfer, or already committed, cannot commit."""
+def _swap_layer():
+    """One layer on 2 ranks whose rows all cross ranks: (old, new, weights, tables, per-rank layer weights)."""
     old = np.array([0, 1, 2, 3])
     new = np.array([2, 3, 0, 1])
-    weights, _ = make_world(old[None], 2)
-    lw = [weights[r][0] for r in range(2)]
+    weights, tables = make_world(old[None], 2)
+    return old, new, weights, tables, [weights[r][0] for r in range(2)]
+
+
+def test_stale_pending_layer_is_refused():
+    """A pending layer whose buffer was reused by a later transfer, or already committed, cannot commit."""
+    old, new, _, _, lw = _swap_layer()
     comm = InProcessCommunicator(2)
     buf = TransferBuffer()
     first = transfer_layer_to_buffer(old, new, lw, buf, communicator=comm)
@@ -459,10 +464,7 @@ def test_profile_reserves_both_halves_of_a_two_layer_buffer():
 
 def test_one_layer_entry_uses_the_first_half_of_a_two_layer_buffer():
     """transfer_layer_to_buffer with a two-layer buffer fills only its first layer and commits exactly."""
-    old = np.array([0, 1, 2, 3])
-    new = np.array([2, 3, 0, 1])
-    weights, tables = make_world(old[None], 2)
-    lw = [weights[r][0] for r in range(2)]
+    old, new, weights, tables, lw = _swap_layer()
     buf = TransferBuffer(2)
     pending = transfer_layer_to_buffer(old, new, lw, buf, communicator=InProcessCommunicator(2))
     commit_layer_from_buffer(pending, lw)
