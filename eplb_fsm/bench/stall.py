@@ -318,6 +318,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     single = ratio(asy["longest_extra_s"], sync["longest_extra_s"])
     total = ratio(asy["total_extra_s"], sync["total_extra_s"])
     no_credit = ratio(asy["total_no_engine_credit_s"], sync["total_extra_s"])
+
+    def over_sync_stall(key: str) -> float | None:
+        """Async's ``key`` over the sync stall (total extra), rounded; None without a stall."""
+        r = ratio(asy[key], sync["total_extra_s"])
+        return None if r is None else round(r, 4)
+
     parts = {mode: median_of([breakdown_flat(r) for r in merged if r["mode"] == mode]) for mode in (*MODES, PLAIN)}
     placements = [r["phy2log"] for r in runs]
     import numpy as np
@@ -351,17 +357,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "longest_extra": None if single is None else round(single, 4),
             "total_extra": None if total is None else round(total, 4),
             # async's controller calls alone (total less the engine's own work: noise, starvation)
-            "controller_extra": round(asy["controller_extra_s"] / sync["total_extra_s"], 4)
-            if sync["total_extra_s"] > 0 else None,
+            "controller_extra": over_sync_stall("controller_extra_s"),
             # of which the engine thread ran on a CPU (copies, bookkeeping); the rest it waited
             # (for the GIL, a peer's post, the OS scheduler)
-            "controller_cpu_extra": round(asy["controller_cpu_extra_s"] / sync["total_extra_s"], 4)
-            if sync["total_extra_s"] > 0 else None,
+            "controller_cpu_extra": over_sync_stall("controller_cpu_extra_s"),
             # the engine's own work (the other part of the total): negative when it ran faster
             # during the rearrangement than before it, which is the host's doing
-            "work_extra": round(asy["work_extra_s"] / sync["total_extra_s"], 4) if sync["total_extra_s"] > 0 else None,
+            "work_extra": over_sync_stall("work_extra_s"),
             # the total without that credit (per run: total - min(work_extra, 0); then the median)
-            "total_no_engine_credit": None if no_credit is None else round(no_credit, 4),
+            "total_no_engine_credit": over_sync_stall("total_no_engine_credit_s"),
         },
         "target_single_step": TARGET_SINGLE_STEP,
         "target_total": TARGET_TOTAL,
