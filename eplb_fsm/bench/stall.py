@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "noise_corrected": noise_corrected(sync, asy, plain),
         "commit_floor": commit_floor(sync, asy),
         "async_over_sync": {
-            "longest_step": round(asy["longest_step_s"] / sync["longest_step_s"], 4),
+            "longest_step": over_sync("longest_step_s", "longest_step_s"),
             "longest_extra": single,
             "total_extra": total,
             # async's controller calls alone (total less the engine's own work: noise, starvation)
