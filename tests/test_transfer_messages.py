@@ -10,7 +10,7 @@ from eplb_fsm.transfer.messages import copy_runs, row_views
 def test_row_views_are_byte_views_of_each_row():
     """row_views gives, per rank and tensor, row i as flat uint8 bytes aliasing that row."""
     weights = {3: [torch.zeros(3, 2, dtype=torch.float32), torch.zeros(3, dtype=torch.bfloat16)]}
-    views = row_views(weights, True)
+    views = row_views(weights, for_recv=True)
     assert list(views) == [3] and [len(v) for v in views[3]] == [3, 3]
     row = views[3][0][1]
     assert row.dtype == torch.uint8 and row.numel() == 8
@@ -22,7 +22,7 @@ def test_row_views_are_byte_views_of_each_row():
 def test_row_views_of_a_non_contiguous_tensor_copy_for_sends():
     """A transposed (non-contiguous) tensor's rows are still readable as bytes for sending."""
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # (3, 2), rows interleave in memory
-    views = row_views({0: [t]}, False)
+    views = row_views({0: [t]}, for_recv=False)
     assert torch.equal(views[0][0][2].view(torch.float32), t[2])
 
 

@@ -315,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     metrics = {mode: [run_metrics(r) for r in merged if r["mode"] == mode] for mode in (*MODES, PLAIN)}
     median = {mode: median_of(ms) for mode, ms in metrics.items()}
     sync, asy, plain = median["sync"], median["async"], median[PLAIN]
+
     def over_sync(key: str, stall: str = "total_extra_s") -> float | None:
         """Async's ``key`` over sync's ``stall`` (by default the total extra), rounded as
         reported (the verdicts read the same figure); None without a stall."""
