@@ -37,11 +37,29 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
     assert r["target_ratio"] == 0.9 and r["meets_target"] == (r["transfer_vs_ceiling"] >= 0.9)
     assert r["meets_target_two_layers"] == (r["two_layers_vs_ceiling"] >= 0.9)
     assert r["meets_raw_target"] == (r["ratio_vs_raw"] >= r["raw_target_ratio"])
+    # one round: no interval to draw, so no verdict beyond the point figure's
+    assert r["transfer_vs_ceiling_interval"] is None and r["two_layers_vs_ceiling_interval"] is None
+    assert r["target_verdict"] == r["target_verdict_two_layers"] == "unresolved"
     for v in variants:  # cores busy beside every figure
         assert r["variants"][v]["cores_busy"] == r["cores_busy"][v] and r["variants"][v]["median_s"] > 0
     assert r["moved_mb_total"] > 0
     assert set(r["cpu_s"]) == set(variants) and all(r["cpu_s"][v] > 0 for v in variants)
     assert r["cores_busy"]["raw"] == pytest.approx(r["cpu_s"]["raw"] / r["median_s"]["raw"], rel=0.05)
+
+
+def test_bench_transfer_intervals_hold_the_ratios_and_judge_the_target(capsys):
+    """With several rounds each ratio to the ceiling lies in its interval, and the verdict is the interval's."""
+    argv = [*SMALL[:-4], "--repeats", "5", "--timeout", "120"]
+    assert main(["bench", "transfer", "--json", *argv]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for ratio, interval, verdict in (("transfer_vs_ceiling", "transfer_vs_ceiling_interval", "target_verdict"),
+                                     ("two_layers_vs_ceiling", "two_layers_vs_ceiling_interval",
+                                      "target_verdict_two_layers")):
+        low, high = r[interval]
+        assert low - 2e-3 <= r[ratio] <= high + 2e-3
+        want = "met" if low >= 0.9 else "missed" if high < 0.9 else "unresolved"
+        if min(abs(low - 0.9), abs(high - 0.9)) > 1e-3:  # clear of the rounding at the edge
+            assert r[verdict] == want
 
 
 def test_bench_transfer_rejects_a_world_of_one():

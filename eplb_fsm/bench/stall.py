@@ -35,6 +35,9 @@ while the worker held it, for a peer's post, for the scheduler.
 run, then the median (the engine's own work can come out faster during an async
 rearrangement than before it, which is the host's doing, not the controller's);
 ``meets_target.total_no_engine_credit`` holds it to the same target.
+``async_over_sync_interval`` gives 95 % paired bootstrap intervals of the three targeted
+ratios over the repeats, and ``target_verdict`` judges each target against its interval
+(bench/intervals.py): ``unresolved`` where the repeats cannot tell.
 ``commit_floor`` puts async's own commits (weights and maps, a whole layer in one step, on
 the engine thread as in sync mode) over the sync stall: the least either ratio can be on
 a host whose engine reads its weights from host memory.
@@ -294,6 +297,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from eplb_fsm.bench.intervals import median_ratio_interval, verdict
+    from eplb_fsm.bench.intervals import rounded as rounded_interval
     from eplb_fsm.bench.stall_stamps import breakdown_flat, unflatten
     from eplb_fsm.sim.launcher import run_ranks
 
@@ -325,6 +330,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     single = over_sync("longest_extra_s", "longest_extra_s")
     total = over_sync("total_extra_s")
     no_credit = over_sync("total_no_engine_credit_s")
+    # how far those could move with the repeats drawn again, paired repeat by repeat
+    intervals = {name: median_ratio_interval([m[key] for m in metrics["async"]], [m[stall] for m in metrics["sync"]])
+                 for name, key, stall in (("single_step", "longest_extra_s", "longest_extra_s"),
+                                          ("total", "total_extra_s", "total_extra_s"),
+                                          ("total_no_engine_credit", "total_no_engine_credit_s", "total_extra_s"))}
 
     parts = {mode: median_of([breakdown_flat(r) for r in merged if r["mode"] == mode]) for mode in (*MODES, PLAIN)}
     placements = [r["phy2log"] for r in runs]
@@ -377,6 +387,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # the same target, not crediting an engine that ran faster than its baseline
             "total_no_engine_credit": no_credit is not None and no_credit <= TARGET_TOTAL,
         },
+        # 95 % bootstrap intervals of those three ratios, and each target judged against its
+        # interval: "met" / "missed" only when the whole interval lies on one side of it
+        "async_over_sync_interval": {name: rounded_interval(iv, 4) for name, iv in intervals.items()},
+        "target_verdict": {name: verdict(iv, TARGET_SINGLE_STEP if name == "single_step" else TARGET_TOTAL, at_most=True)
+                           for name, iv in intervals.items()},
         "same_placement": all(np.array_equal(p, placements[0]) for p in placements),
         "bit_exact": all(r["bit_exact"] for r in runs),
         "cores": os.cpu_count(),

@@ -35,7 +35,10 @@ Targets: ``meets_target`` is ``transfer`` (the default one-layer buffer) >= 0.9 
 ``raw_commit_overlap`` in the same run, ``meets_target_two_layers`` the same for
 ``transfer_two_layers``; ``meets_raw_target`` the older >= 0.8 of ``raw``. ``transfer_vs_ceiling_paired``
 is the same ratio taken round by round, then the median (load drifting during a run
-moves both sides of a pair alike). ``cores_busy`` (and every row of
+moves both sides of a pair alike). ``transfer_vs_ceiling_interval`` (and
+``two_layers_vs_ceiling_interval``) is a 95 % paired bootstrap interval of the ratio over
+the rounds, and ``target_verdict`` is ``met`` or ``missed`` only when the whole interval
+lies on one side of 0.9, else ``unresolved`` (one run cannot tell). ``cores_busy`` (and every row of
 ``variants``) says how many cores each variant kept busy, and ``load_average`` how busy
 the machine was.
 """
@@ -304,6 +307,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from eplb_fsm.bench.intervals import median_ratio_interval, verdict
+    from eplb_fsm.bench.intervals import rounded as rounded_interval
     from eplb_fsm.sim.launcher import run_ranks
 
     if args.ranks < 2:
@@ -321,6 +326,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median(c / t for c, t in zip(res["times"]["raw_commit_overlap"], res["times"][name]))
 
     two_vs_ceiling = gbps["transfer_two_layers"] / gbps["raw_commit_overlap"]
+    # how far each ratio of medians could move with the rounds drawn again (bench/intervals.py)
+    ceiling_times = res["times"]["raw_commit_overlap"]
+    interval = median_ratio_interval(ceiling_times, res["times"]["transfer"])
+    two_interval = median_ratio_interval(ceiling_times, res["times"]["transfer_two_layers"])
     return {
         "bench": "transfer",
         "backend": "gloo",
@@ -369,6 +378,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "meets_target_two_layers": round(two_vs_ceiling, 3) >= TARGET_VS_CEILING,
         "raw_target_ratio": TARGET_VS_RAW,
         "meets_raw_target": round(gbps["transfer"] / gbps["raw"], 3) >= TARGET_VS_RAW,
+        # 95 % bootstrap intervals of the two ratios to the ceiling, and where the target
+        # lies against them: "met" / "missed" only when outside the interval
+        "transfer_vs_ceiling_interval": rounded_interval(interval),
+        "two_layers_vs_ceiling_interval": rounded_interval(two_interval),
+        "target_verdict": verdict(interval, TARGET_VS_CEILING),
+        "target_verdict_two_layers": verdict(two_interval, TARGET_VS_CEILING),
         "bit_exact": res["correct"],
         # raw_commit and raw_commit_overlap leave the same weights as the engine
         "baselines_bit_exact": res["baselines_correct"],
