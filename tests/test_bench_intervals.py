@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eplb_fsm.bench.intervals import MET, MISSED, UNRESOLVED, median_ratio_interval, rounded, verdict
+from eplb_fsm.bench.intervals import (MET, MISSED, UNRESOLVED, combined, median_ratio_interval, power, rounded,
+                                      verdict)
 
 
 def test_a_ratio_without_noise_has_a_point_interval():
@@ -98,3 +99,19 @@ def test_rounded_gives_a_json_list():
     assert rounded((0.123456, 0.98765)) == [0.123, 0.988]
     assert rounded((0.123456, 0.98765), 4) == [0.1235, 0.9877]
     assert rounded(None) is None
+
+
+def test_targets_that_must_all_hold_combine_into_one_verdict():
+    """One miss decides the whole; met needs every target met; anything else is unresolved."""
+    assert combined([MET, MET]) == MET
+    assert combined([MET, UNRESOLVED, MISSED]) == MISSED
+    assert combined([MET, UNRESOLVED]) == UNRESOLVED
+    assert combined([]) == UNRESOLVED
+
+
+def test_power_maps_both_bounds_and_refuses_a_non_positive_exponent():
+    """A ratio over a size step normalised to one doubling takes both bounds with it; None stays None."""
+    assert power((4.0, 9.0), 0.5) == (2.0, 3.0)
+    assert power(None, 0.5) is None
+    with pytest.raises(ValueError, match="exponent must be > 0"):
+        power((1.0, 2.0), 0.0)

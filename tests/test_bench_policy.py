@@ -165,3 +165,35 @@ def test_cache_evictor_covers_twice_the_last_level_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_policy, "last_level_cache_bytes", lambda: None)
     assert bench_policy.cache_evictor(True)[1] == bench_policy.MIN_EVICTION_BYTES
     assert bench_policy.cache_evictor(False) == (None, 0)
+
+
+def test_bench_policy_reports_intervals_and_verdicts_that_agree_with_them(capsys):
+    """Each speed-up and each doubling carries a paired interval around its figure and the verdict that interval gives."""
+    from eplb_fsm.bench.intervals import combined, verdict
+
+    argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8,qwen3_ep16", "--repeats", "4",
+            "--reference-repeats", "3", "--scaling-repeats", "3"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    hidden = result["shapes"]["v2lite_ep8"]
+    assert hidden["target_verdict"] is None and hidden["speedup_interval"] is not None  # not a target shape
+    row = result["shapes"]["qwen3_ep16"]
+    low, high = row["speedup_interval"]
+    assert low <= high and row["target_verdict"] == verdict((low, high), 20.0)
+    assert result["target_verdict"] == row["target_verdict"]
+    scaling = result["scaling"]
+    rows = [r for v in scaling.values() if isinstance(v, list) for r in v[1:]]
+    assert len(rows) == 22
+    for r in rows:
+        low, high = r["ratio_interval"]
+        assert low <= high and r["target_verdict"] == verdict((low, high), 2.1, at_most=True)
+    assert scaling["target_verdict"] == combined(r["target_verdict"] for r in rows)
+    assert all("ratio_interval" not in v[0] for v in scaling.values() if isinstance(v, list))
+
+
+def test_bench_policy_speedup_interval_needs_two_shared_runs(capsys):
+    """One run on either side gives nothing to resample: no interval, and a target shape's verdict is unresolved."""
+    argv = ["bench", "policy", "--json", "--shapes", "qwen3_ep16", "--repeats", "3", "--reference-repeats", "1"]
+    assert main(argv + ["--no-scaling"]) == 0
+    row = json.loads(capsys.readouterr().out)["shapes"]["qwen3_ep16"]
+    assert row["speedup_interval"] is None and row["target_verdict"] == "unresolved"

@@ -69,6 +69,23 @@ def verdict(interval: tuple[float, float] | None, target: float, *, at_most: boo
     return MET if low >= target else MISSED if high < target else UNRESOLVED
 
 
+def combined(verdicts) -> str:
+    """One verdict for targets that must all hold: ``missed`` if any is missed, ``met`` if
+    every one is met, else ``unresolved`` (also for none at all)."""
+    verdicts = list(verdicts)
+    if MISSED in verdicts:
+        return MISSED
+    return MET if verdicts and all(v == MET for v in verdicts) else UNRESOLVED
+
+
+def power(interval: tuple[float, float] | None, exponent: float) -> tuple[float, float] | None:
+    """The interval of ``ratio ** exponent`` (exponent > 0), e.g. a ratio over a size step
+    normalised to one doubling; None stays None."""
+    if exponent <= 0:
+        raise ValueError(f"exponent must be > 0, got {exponent}")
+    return None if interval is None else (interval[0] ** exponent, interval[1] ** exponent)
+
+
 def rounded(interval: tuple[float, float] | None, digits: int = 3) -> list[float] | None:
     """The interval as a JSON list, rounded as the benchmark's figures are."""
     return None if interval is None else [round(interval[0], digits), round(interval[1], digits)]
