@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ops spin on a loaded machine, the default policy does not use torch's pool)",
     )
     parser.add_argument(
-        "--scaling-repeats", type=int, default=41, metavar="N",
-        help="timed runs per scaling point, each on a load of its own (default 41)"
+        "--scaling-repeats", type=int, default=201, metavar="N",
+        help="timed runs per scaling point, each on a load of its own (default 201)"
     )
     parser.add_argument(
         "--cold-cache", action="store_true",
