@@ -328,8 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     two_vs_ceiling = gbps["transfer_two_layers"] / gbps["raw_commit_overlap"]
     # how far each ratio of medians could move with the rounds drawn again (bench/intervals.py)
     ceiling_times = res["times"]["raw_commit_overlap"]
-    interval = median_ratio_interval(ceiling_times, res["times"]["transfer"])
-    two_interval = median_ratio_interval(ceiling_times, res["times"]["transfer_two_layers"])
+    # rounded as printed, and judged as printed, so the JSON never contradicts itself at a rounding edge
+    interval = rounded_interval(median_ratio_interval(ceiling_times, res["times"]["transfer"]))
+    two_interval = rounded_interval(median_ratio_interval(ceiling_times, res["times"]["transfer_two_layers"]))
     return {
         "bench": "transfer",
         "backend": "gloo",
@@ -380,10 +381,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "meets_raw_target": round(gbps["transfer"] / gbps["raw"], 3) >= TARGET_VS_RAW,
         # 95 % bootstrap intervals of the two ratios to the ceiling, and where the target
         # lies against them: "met" / "missed" only when outside the interval
-        "transfer_vs_ceiling_interval": rounded_interval(interval),
-        "two_layers_vs_ceiling_interval": rounded_interval(two_interval),
-        "target_verdict": verdict(interval, TARGET_VS_CEILING),
-        "target_verdict_two_layers": verdict(two_interval, TARGET_VS_CEILING),
+        "transfer_vs_ceiling_interval": interval,
+        "two_layers_vs_ceiling_interval": two_interval,
+        "target_verdict": verdict(interval and tuple(interval), TARGET_VS_CEILING),
+        "target_verdict_two_layers": verdict(two_interval and tuple(two_interval), TARGET_VS_CEILING),
         "bit_exact": res["correct"],
         # raw_commit and raw_commit_overlap leave the same weights as the engine
         "baselines_bit_exact": res["baselines_correct"],
