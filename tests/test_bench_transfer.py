@@ -57,9 +57,8 @@ def test_bench_transfer_intervals_hold_the_ratios_and_judge_the_target(capsys):
                                       "target_verdict_two_layers")):
         low, high = r[interval]
         assert low - 2e-3 <= r[ratio] <= high + 2e-3
-        want = "met" if low >= 0.9 else "missed" if high < 0.9 else "unresolved"
-        if min(abs(low - 0.9), abs(high - 0.9)) > 1e-3:  # clear of the rounding at the edge
-            assert r[verdict] == want
+        # judged on the interval as printed, so even a bound that rounds onto 0.9 agrees
+        assert r[verdict] == ("met" if low >= 0.9 else "missed" if high < 0.9 else "unresolved")
 
 
 def test_bench_transfer_rejects_a_world_of_one():
