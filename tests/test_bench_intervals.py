@@ -115,3 +115,10 @@ def test_power_maps_both_bounds_and_refuses_a_non_positive_exponent():
     assert power(None, 0.5) is None
     with pytest.raises(ValueError, match="exponent must be > 0"):
         power((1.0, 2.0), 0.0)
+
+
+def test_a_printed_interval_is_judged_as_it_reads():
+    """rounded()'s list is judged like a tuple, so a bound rounded onto the target counts as on it."""
+    printed = rounded((0.89996, 0.95))
+    assert printed == [0.9, 0.95] and verdict(printed, 0.9) == MET
+    assert verdict((0.89996, 0.95), 0.9) == UNRESOLVED

@@ -54,9 +54,10 @@ def median_ratio_interval(numerator: Sequence[float], denominator: Sequence[floa
     return float(low), float(high)
 
 
-def verdict(interval: tuple[float, float] | None, target: float, *, at_most: bool = False) -> str:
-    """A target judged against an interval: ``met`` or ``missed`` only when the whole
-    interval lies on one side of it, else ``unresolved`` (also when there is no interval).
+def verdict(interval: Sequence[float] | None, target: float, *, at_most: bool = False) -> str:
+    """A target judged against an interval ``(low, high)``, a tuple or :func:`rounded`'s list:
+    ``met`` or ``missed`` only when the whole interval lies on one side of it, else
+    ``unresolved`` (also when there is no interval).
 
     The target is a floor (ratio >= target) by default, a ceiling (ratio <= target) with
     ``at_most``.

@@ -267,7 +267,7 @@ def _scaling(repeats: int, seed: int, before=None) -> dict:
                 interval = rounded(power(median_ratio_interval(times[i], times[i - 1]), 1.0 / step))
                 row["ratio_interval"] = interval
                 # judged as printed, so a printed bound of 2.1 never reads as a miss
-                row["target_verdict"] = verdict(interval and tuple(interval), MAX_DOUBLING_RATIO, at_most=True)
+                row["target_verdict"] = verdict(interval, MAX_DOUBLING_RATIO, at_most=True)
             rows.append(row)
         return rows
 
@@ -349,8 +349,7 @@ def run(args: argparse.Namespace) -> dict:
             "speedup_cpu": round(reference_cpu / default_cpu, 2) if default_cpu > 0 else None,
             "meets_target": (round(speedup, 2) >= args.target_speedup) if name in TARGET_SHAPES else None,
             "speedup_interval": interval,
-            "target_verdict": (verdict(interval and tuple(interval), args.target_speedup)
-                               if name in TARGET_SHAPES else None),
+            "target_verdict": verdict(interval, args.target_speedup) if name in TARGET_SHAPES else None,
             "cores_busy": cores,
             "balancedness": round(placement_balancedness(fast[0], load, shape["ranks"]), 6),
             "bound": round(balancedness_bound(load, shape["replicas"], shape["ranks"]), 6),

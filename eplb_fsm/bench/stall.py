@@ -390,8 +390,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # 95 % bootstrap intervals of those three ratios, and each target judged against its
         # interval: "met" / "missed" only when the whole interval lies on one side of it
         "async_over_sync_interval": intervals,
-        "target_verdict": {name: verdict(intervals[name] and tuple(intervals[name]), target, at_most=True)
-                           for name, _, _, target in targeted},
+        "target_verdict": {name: verdict(intervals[name], target, at_most=True) for name, _, _, target in targeted},
         "same_placement": all(np.array_equal(p, placements[0]) for p in placements),
         "bit_exact": all(r["bit_exact"] for r in runs),
         "cores": os.cpu_count(),

@@ -383,8 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # lies against them: "met" / "missed" only when outside the interval
         "transfer_vs_ceiling_interval": interval,
         "two_layers_vs_ceiling_interval": two_interval,
-        "target_verdict": verdict(interval and tuple(interval), TARGET_VS_CEILING),
-        "target_verdict_two_layers": verdict(two_interval and tuple(two_interval), TARGET_VS_CEILING),
+        "target_verdict": verdict(interval, TARGET_VS_CEILING),
+        "target_verdict_two_layers": verdict(two_interval, TARGET_VS_CEILING),
         "bit_exact": res["correct"],
         # raw_commit and raw_commit_overlap leave the same weights as the engine
         "baselines_bit_exact": res["baselines_correct"],
