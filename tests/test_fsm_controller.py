@@ -623,3 +623,15 @@ def test_async_worker_nice_also_builds_the_transfer_group_niced_in_async_mode_on
         assert ctl.collectives.transfer_nice == 3 and ctl.worker.nice == 3
     with EplbController(cfg(use_async=False, async_worker_nice=3)) as ctl:
         assert ctl.collectives.transfer_nice == 0 and ctl.worker is None
+
+
+def test_add_model_on_a_gloo_group_refuses_weights_off_the_cpu(one_rank_group):
+    """On a real 1-rank gloo group, add_model refuses a model with meta weights and adds nothing; CPU weights are added."""
+    with EplbController(cfg()) as ctl:
+        model = ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=4, top_k=2, seed=0)
+        model.expert_weights = [[t.to("meta") for t in layer] for layer in model.expert_weights]
+        with pytest.raises(ValueError, match=r"expert_weights\[0\]\[0\]: is on meta.*\(gloo\) moves CPU tensors"):
+            ctl.add_model(model, "main")
+        assert ctl.models == [] and ctl.num_layers == 0
+        ctl.add_model(ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=4, top_k=2, seed=0), "main")
+        assert [e.name for e in ctl.models] == ["main"]

@@ -1,6 +1,9 @@
-"""fsm/model_entry.py: what add_model refuses before building an entry (shared weights, a wrong phy2log)."""
+"""fsm/model_entry.py: what add_model refuses before building an entry (shared weights, weights its group cannot
+move, a wrong phy2log)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -84,3 +87,17 @@ def test_a_matching_phy2log_is_taken_as_the_placement():
     phy2log = np.tile(np.array([7, 6, 5, 4, 3, 2, 1, 0, 0, 1, 2, 3]), (2, 1))
     entry = _entry(_toy(world=2), "main", world=2, phy2log=phy2log)
     assert np.array_equal(entry.maps.phy2log, phy2log)
+
+
+def test_weights_off_the_cpu_are_refused_when_the_transfer_group_is_gloo():
+    """With a host-memory-only (gloo) communicator, a layer on another device is refused naming the model and tensor."""
+    model = _toy()
+    model.expert_weights[1] = [t.to("meta") for t in model.expert_weights[1]]
+    gloo = SimpleNamespace(host_memory_only=True, backend="gloo")
+    with pytest.raises(ValueError, match=r"model 'main': expert_weights\[1\]\[0\]: is on meta, and the transfer "
+                                         r"group \(gloo\) moves CPU tensors only"):
+        build_model_entry(model, "main", index=0, layer_offset=0, world_size=1, num_redundant=4, window_size=4,
+                          device=torch.device("cpu"), communicator=gloo)
+    entry = build_model_entry(_toy(), "main", index=0, layer_offset=0, world_size=1, num_redundant=4, window_size=4,
+                              device=torch.device("cpu"), communicator=gloo)
+    assert entry.num_layers == 2

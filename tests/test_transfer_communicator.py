@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eplb_fsm.sim.launcher import find_free_port
 from eplb_fsm.transfer import Communicator, InProcessCommunicator, MessageMismatchError, TorchDistCommunicator
 
 
@@ -63,18 +62,6 @@ def test_in_process_is_a_communicator():
         InProcessCommunicator(0)
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo default group in this process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a default group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_torch_dist_on_one_rank(one_rank_group):
     """On a 1-rank group the communicator is rank 0, executes an empty batch, refuses foreign ranks."""
     comm = TorchDistCommunicator(timeout=5.0)
@@ -90,6 +77,12 @@ def test_torch_dist_on_one_rank(one_rank_group):
         TorchDistCommunicator(timeout=0)
     with pytest.raises(ValueError, match="cannot post as rank 1"):
         comm.add_ops(1, [(True, torch.ones(1), 0, 0)])
+
+
+def test_a_gloo_communicator_moves_host_memory_only(one_rank_group):
+    """On gloo the communicator says it moves CPU tensors only; the in-process one does not."""
+    assert TorchDistCommunicator(timeout=5.0).host_memory_only is True
+    assert getattr(InProcessCommunicator(2), "host_memory_only", False) is False
 
 
 def test_torch_dist_requires_initialized():

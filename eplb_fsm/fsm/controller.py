@@ -115,8 +115,7 @@ class EplbController:
         # before a layer's transfer, in the thread that runs it; raising = a transfer error
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
-                                self.transfer_hooks,
-                                config.async_max_bytes_per_step if config.use_async else 0)
+                                self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
         self.collectives.new_transfer_group(wait_all=role != "joiner")
         self.worker = None
         if config.use_async:
@@ -143,7 +142,8 @@ class EplbController:
         the weights were loaded in). Its layers join the machine's layer sequence after
         the models added before. Only while collecting, before a rearrangement starts.
         Refused (``ValueError``, nothing changed) when its expert weights share memory with
-        a model already added (or itself added twice), or ``phy2log`` is not (L, S × G).
+        a model already added (or itself added twice), sit off the CPU while the transfer
+        group is gloo, or ``phy2log`` is not (L, S × G).
         Steps taken before the first model do not count toward the interval.
         """
         if not isinstance(name, str) or not name:
@@ -157,7 +157,7 @@ class EplbController:
             model, name, index=len(self.models), layer_offset=sum(e.num_layers for e in self.models),
             world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
             window_size=self.config.window_size, device=self.device, phy2log=phy2log, others=self.models,
-        )
+            communicator=self.collectives.communicator)
         self.models.append(entry)
         self.machine.num_layers = entry.layer_offset + entry.num_layers
         model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)

@@ -12,7 +12,7 @@ from eplb_fsm.fsm.model_protocol import bytes_per_slot, validate_model
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.stats import LoadWindow
 from eplb_fsm.transfer import TransferBuffer
-from eplb_fsm.transfer.inputs import check_movable, find_shared_memory
+from eplb_fsm.transfer.inputs import check_devices, check_movable, find_shared_memory
 
 __all__ = ["ModelEntry", "build_model_entry", "check_weights_distinct"]
 
@@ -107,19 +107,23 @@ def check_weights_distinct(model: Any, name: str, others: Sequence[ModelEntry]) 
 
 def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world_size: int, num_redundant: int,
                       window_size: int, device: torch.device, phy2log: Any = None,
-                      others: Sequence[ModelEntry] = ()) -> ModelEntry:
+                      others: Sequence[ModelEntry] = (), communicator: Any = None) -> ModelEntry:
     """Validate ``model`` for ``world_size`` ranks and build its entry (maps, window, router tensors, buffer).
 
     ``phy2log`` (L, P): its current placement (default: the initial contiguous one); it
     needs one column per slot of the group, P = S × G (S: this rank's weight rows). ``others``:
-    the entries already added (their weights must not share memory with this model's). The
-    model is not told about the entry yet (the controller does that once it is added).
+    the entries already added (their weights must not share memory with this model's).
+    ``communicator``: the transfer group's; weights it cannot move (off the CPU on a gloo
+    group) are refused here rather than at the first rearrangement. The model is not told
+    about the entry yet (the controller does that once it is added).
     """
     shape = validate_model(model, world_size, num_redundant)
     L = shape["num_moe_layers"]
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]
     S = shape["num_local_physical_experts"]
+    for layer, tensors in enumerate(model.expert_weights if communicator is not None else ()):
+        check_devices(communicator, f"model {name!r}: expert_weights[{layer}]", list(tensors), layer)
     check_weights_distinct(model, name, others)
     if phy2log is None:
         maps = ExpertMaps.initial(L, N, P)

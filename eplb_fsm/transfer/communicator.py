@@ -70,6 +70,9 @@ class Communicator(Protocol):
     true, ``add_send``/``add_recv`` take a ``tag`` keyword, messages pair by (src, dst,
     tag), and ``start()`` may run several times before ``wait()``; the executor then
     posts a layer's first wave in two phases (see ``execute.HeldReceives``).
+    ``host_memory_only`` (attribute, default False): when true, the communicator moves CPU
+    tensors only (a gloo group), and weights on another device are refused before
+    anything moves.
     """
 
     world_size: int
@@ -129,6 +132,9 @@ class TorchDistCommunicator:
         # ``wait`` (the executor's two-phase posting). gloo pairs messages by (peer, tag);
         # NCCL ignores tags and pairs by order, so it keeps one batch per wave.
         self.supports_tags = self.backend == "gloo"
+        # gloo's send and receive hand the tensor's address to its sockets as host memory,
+        # whatever its device: weights on a GPU must be refused before they are posted
+        self.host_memory_only = self.backend == "gloo"
 
     def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if src != self.rank:

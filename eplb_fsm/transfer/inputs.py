@@ -12,7 +12,9 @@ Weights the executor would move wrongly are refused before anything moves, with
 ``expand`` makes, or overlapping strides), a last dimension of size 1 with a stride other
 than 1 (torch still calls such a tensor contiguous, but its rows cannot be viewed as
 bytes), and two tensors whose rows share memory (a weight listed twice, in two layers or
-for two ranks): moving one would overwrite the other.
+for two ranks): moving one would overwrite the other. So are weights off the CPU when
+the communicator moves host memory only (a gloo group: its send and receive take a
+CPU tensor's memory, and it cannot read a GPU's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, 
 __all__ = [
     "Layout",
     "UnmovableWeightsError",
+    "check_devices",
     "check_movable",
     "find_shared_memory",
     "check_all_weights",
@@ -147,6 +150,23 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
     return None if best is None else (named[best[0]][0], named[best[1]][0])
 
 
+def check_devices(comm: Communicator, name: str, tensors: Sequence[torch.Tensor], layer: int | None = None) -> None:
+    """Refuse tensors ``comm`` cannot move: off the CPU when it moves host memory only.
+
+    ``tensors``: one layer's tensors (S, ...); the executor's layout check makes every
+    layer and rank match them, so one layer speaks for all.
+    """
+    if not getattr(comm, "host_memory_only", False):
+        return
+    for t, w in enumerate(tensors):
+        if w.device.type != "cpu":
+            raise UnmovableWeightsError(
+                f"{name}[{t}]: is on {w.device}, and the transfer group "
+                f"({getattr(comm, 'backend', 'host memory only')}) moves CPU tensors only: gloo's send and "
+                "receive read and write a tensor's memory as host memory. Keep the expert weights on the CPU, "
+                f"or transfer over a group whose backend moves {w.device.type} tensors (NCCL for CUDA)", layer)
+
+
 def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
                         layer: int | None = None) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
@@ -197,6 +217,9 @@ def check_all_weights(
                 ref = layout(checked[-1])
         out[r] = checked
     multi = getattr(comm, "multi_rank", False)
+    first_rank, first = next(iter(out.items()))
+    if first:
+        check_devices(comm, f"expert_weights{f'[{first_rank}]' if multi else ''}[0]", first[0], 0)
     shared = find_shared_memory([
         (f"expert_weights{f'[{r}]' if multi else ''}[{k}][{t}]", w)
         for r, layers in out.items() for k, tensors in enumerate(layers) for t, w in enumerate(tensors)
@@ -217,7 +240,9 @@ def check_layer_weights(
     for r, tensors in by_rank.items():
         name = f"layer_weights[{r}]" if getattr(comm, "multi_rank", False) else "layer_weights"
         out[r] = check_layer_tensors(name, tensors, rows, ref)
-        ref = layout(out[r]) if ref is None else ref
+        if ref is None:
+            ref = layout(out[r])
+            check_devices(comm, name, out[r])
     return out
 
 

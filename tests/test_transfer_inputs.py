@@ -1,0 +1,56 @@
+"""transfer/inputs.py: weights a gloo group cannot move (off the CPU) are refused before anything moves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from eplb_fsm.transfer import TransferBuffer, TransferError, rearrange_expert_weights_inplace, transfer_layer_to_buffer
+from eplb_fsm.transfer.inputs import UnmovableWeightsError, check_devices
+
+GLOO = SimpleNamespace(host_memory_only=True, backend="gloo")
+
+
+def _layer(device: str, rows: int = 4) -> list[torch.Tensor]:
+    return [torch.zeros(rows, 3, device=device), torch.zeros(rows, 2, dtype=torch.bfloat16, device=device)]
+
+
+def test_off_cpu_weights_on_a_host_memory_group_name_the_tensor_device_and_rule():
+    """A host-memory-only communicator refuses a tensor off the CPU, naming it, its device, the backend and the way out."""
+    tensors = [torch.zeros(4, 3), torch.zeros(4, 2, device="meta")]
+    with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[1\]: is on meta, and the transfer group "
+                                                    r"\(gloo\) moves CPU tensors only") as info:
+        check_devices(GLOO, "expert_weights[0]", tensors, 0)
+    assert isinstance(info.value, ValueError) and info.value.committed_layers == 0 and info.value.layer == 0
+    assert "Keep the expert weights on the CPU" in str(info.value)
+
+
+def test_cpu_weights_and_other_communicators_pass():
+    """CPU tensors pass on a host-memory-only communicator; any device passes on one without that rule."""
+    check_devices(GLOO, "expert_weights[0]", _layer("cpu"), 0)
+    check_devices(SimpleNamespace(), "expert_weights[0]", _layer("meta"), 0)
+    check_devices(SimpleNamespace(host_memory_only=False), "expert_weights[0]", _layer("meta"), 0)
+
+
+def test_the_executor_refuses_off_cpu_weights_on_gloo_before_posting(one_rank_group):
+    """On a real gloo group, meta weights raise the device rule (0 committed layers), not a crash inside gloo."""
+    old = np.array([[0, 1, 2, 3], [0, 1, 2, 3]])
+    new = np.array([[3, 2, 1, 0], [1, 0, 3, 2]])
+    weights = [_layer("meta"), _layer("meta")]
+    with pytest.raises(TransferError, match=r"expert_weights\[0\]\[0\]: is on meta.*\(gloo\) moves CPU tensors only") as info:
+        rearrange_expert_weights_inplace(old, new, weights, buffer=TransferBuffer(), timeout=5.0)
+    assert isinstance(info.value, ValueError) and info.value.committed_layers == 0
+    with pytest.raises(ValueError, match=r"layer_weights\[0\]: is on meta"):
+        transfer_layer_to_buffer(old[0], new[0], _layer("meta"), TransferBuffer(), timeout=5.0)
+
+
+def test_cpu_weights_still_move_on_gloo(one_rank_group):
+    """The same rearrangement with CPU weights on the gloo group moves every row to its new slot."""
+    old = np.array([[0, 1, 2, 3]])
+    new = np.array([[3, 2, 1, 0]])
+    w = torch.arange(4.0).repeat_interleave(3).reshape(4, 3)
+    rearrange_expert_weights_inplace(old, new, [[w]], buffer=TransferBuffer(), timeout=5.0)
+    assert w[:, 0].tolist() == [3.0, 2.0, 1.0, 0.0]
