@@ -122,8 +122,9 @@ def build_model_entry(model: Any, name: str, index: int, layer_offset: int, worl
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]
     S = shape["num_local_physical_experts"]
-    for layer, tensors in enumerate(model.expert_weights if communicator is not None else ()):
-        check_devices(communicator, f"model {name!r}: expert_weights[{layer}]", list(tensors), layer)
+    if communicator is not None:
+        for layer, tensors in enumerate(model.expert_weights):
+            check_devices(communicator, f"model {name!r}: expert_weights[{layer}]", list(tensors), layer)
     check_weights_distinct(model, name, others)
     if phy2log is None:
         maps = ExpertMaps.initial(L, N, P)
