@@ -15,13 +15,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+
 import numpy as np
 
 EMPTY = -1
 
 
+def as_count(value, name: str, minimum: int = 1) -> int:
+    """``value`` as an int of at least ``minimum``; ``ValueError`` naming ``name`` otherwise.
+
+    Python and numpy integers pass; floats (even 16.0), bools and strings do not, so that
+    16.5 experts is an error rather than 16.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if count < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {count}")
+    return count
+
+
 def _as_int64_2d(value, name: str) -> np.ndarray:
     if hasattr(value, "detach"):  # torch tensor
+        if value.is_meta:
+            raise ValueError(f"{name} must hold data: a tensor on the 'meta' device has none")
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
     if arr.ndim != 2:
@@ -36,8 +57,9 @@ def initial_phy2log(num_layers: int, num_logical: int, num_physical: int) -> np.
 
     Returns (L, P) int64.
     """
-    if num_layers < 1 or num_logical < 1:
-        raise ValueError(f"num_layers and num_logical must be >= 1, got {num_layers}, {num_logical}")
+    num_layers = as_count(num_layers, "num_layers")
+    num_logical = as_count(num_logical, "num_logical")
+    num_physical = as_count(num_physical, "num_physical")
     if num_physical < num_logical:
         raise ValueError(f"num_physical ({num_physical}) must be >= num_logical ({num_logical})")
     row = np.arange(num_physical, dtype=np.int64) % num_logical
@@ -88,10 +110,11 @@ class ExpertMaps:
                      allow_empty: bool = False) -> "ExpertMaps":
         """Build and validate maps from an (L, P) placement."""
         p2l = _as_int64_2d(phy2log, "phy2log")
+        num_logical = as_count(num_logical, "num_logical")
         if max_replicas is None:
             max_replicas = p2l.shape[1] - num_logical + 1
-        if num_logical < 1:
-            raise ValueError(f"num_logical must be >= 1, got {num_logical}")
+        else:
+            max_replicas = as_count(max_replicas, "max_replicas")
         _check_range(p2l, num_logical, allow_empty)
         _check_every_expert_placed(p2l, num_logical)
         log2phy, counts = derive_log2phy(p2l, num_logical, max(max_replicas, 1))

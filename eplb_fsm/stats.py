@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from eplb_fsm.maps import as_count
+
 __all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "rank_loads_physical"]
 
 ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
@@ -29,13 +31,12 @@ class LoadWindow:
     """The per-pass load and the ring buffer of the last ``window_size`` counted passes."""
 
     def __init__(self, num_layers: int, num_physical: int, window_size: int, device=None) -> None:
-        for name, value in (("num_layers", num_layers), ("num_physical", num_physical),
-                            ("window_size", window_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        self.num_layers = int(num_layers)
-        self.num_physical = int(num_physical)
-        self.window_size = int(window_size)
+        num_layers = as_count(num_layers, "num_layers")
+        num_physical = as_count(num_physical, "num_physical")
+        window_size = as_count(window_size, "window_size")
+        self.num_layers = num_layers
+        self.num_physical = num_physical
+        self.window_size = window_size
         self.load_pass = torch.zeros((num_layers, num_physical), dtype=torch.int64, device=device)
         self.window = torch.zeros((window_size, num_layers, num_physical), dtype=torch.int64, device=device)
         self.next_index = 0  # ring position the next counted pass goes to

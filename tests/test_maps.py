@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb_fsm.maps import ExpertMaps, derive_log2phy, initial_phy2log
+from eplb_fsm.maps import ExpertMaps, as_count, derive_log2phy, initial_phy2log
 
 
 def test_initial_placement_layout():
@@ -51,6 +51,45 @@ def test_bad_maps_rejected(phy2log, num_logical, message):
     """Maps that break an invariant raise ValueError saying which one."""
     with pytest.raises(ValueError, match=message):
         ExpertMaps.from_phy2log(phy2log, num_logical)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2, 16.5, 20), "num_logical must be an integer, got 16.5"),
+        ((2, 16.0, 20), "num_logical must be an integer"),
+        ((True, 4, 4), "num_layers must be an integer"),
+        ((2, 4, "8"), "num_physical must be an integer"),
+        ((0, 4, 4), "num_layers must be >= 1"),
+        ((2, 4, 3), r"num_physical \(3\) must be >= num_logical \(4\)"),
+    ],
+)
+def test_initial_placement_rejects_non_counts(args, message):
+    """A size that is not a whole count >= 1 is refused by name, never truncated (16.5 is not 16)."""
+    with pytest.raises(ValueError, match=message):
+        initial_phy2log(*args)
+
+
+def test_as_count_takes_numpy_integers_only():
+    """numpy integers are counts; numpy bools and floats are not."""
+    assert as_count(np.int32(5), "n") == 5 and type(as_count(np.int64(5), "n")) is int
+    for bad in (np.bool_(True), np.float64(5.0)):
+        with pytest.raises(ValueError, match="n must be an integer"):
+            as_count(bad, "n")
+    with pytest.raises(ValueError, match="n must be >= 0, got -1"):
+        as_count(-1, "n", minimum=0)
+
+
+def test_maps_refuse_a_meta_tensor_and_a_fractional_count():
+    """from_phy2log names the argument when the placement has no data or a count is fractional."""
+    import torch
+
+    with pytest.raises(ValueError, match="phy2log must hold data"):
+        ExpertMaps.from_phy2log(torch.zeros(1, 4, dtype=torch.int64, device="meta"), 2)
+    with pytest.raises(ValueError, match="num_logical must be an integer"):
+        ExpertMaps.from_phy2log([[0, 1, 0, 1]], 2.5)
+    with pytest.raises(ValueError, match="max_replicas must be an integer"):
+        ExpertMaps.from_phy2log([[0, 1, 0, 1]], 2, max_replicas=2.0)
 
 
 def test_validate_catches_tampered_derived_maps():

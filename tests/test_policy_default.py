@@ -194,6 +194,7 @@ GOOD = torch.ones(2, 8)
         ((torch.tensor([[1.0, float("inf")]]), 2, 1, 1, 1), "finite"),
         ((torch.tensor([[1e39, 1.0]], dtype=torch.float64), 2, 1, 1, 1), "float32"),
         ((torch.ones(2, 2, dtype=torch.bool), 2, 1, 1, 1), "real numbers"),
+        ((torch.ones(2, 8, device="meta"), 8, 1, 1, 2), "weight must hold data"),
         ((GOOD, 6, 1, 1, 2), "num_replicas must be >= the number of experts"),
         ((GOOD, 10, 1, 1, 4), "divisible by num_ranks"),
         ((GOOD, 8, 1, 1, 0), "num_ranks must be >= 1"),

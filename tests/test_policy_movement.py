@@ -218,10 +218,11 @@ def _small():
         lambda old: torch.full_like(old, -2),  # below -1
         lambda old: torch.zeros_like(old),  # experts 1..3 missing
         lambda old: old.double(),  # not integers
+        lambda old: old.to("meta"),  # no data to read
     ],
 )
 def test_bad_old_placement_raises(bad):
-    """A bad old_phy2log (shape, range, missing expert, dtype) raises ValueError naming the argument."""
+    """A bad old_phy2log (shape, range, missing expert, dtype, no data) raises ValueError naming the argument."""
     load, call, old = _small()
     with pytest.raises(ValueError, match="old_phy2log"):
         MovementAwarePolicy.rebalance_experts(load, *call, bad(old))

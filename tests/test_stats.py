@@ -124,6 +124,15 @@ def test_bad_shapes_rejected(name):
         LoadWindow(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["num_layers", "num_physical", "window_size"])
+@pytest.mark.parametrize("value", [2.5, 2.0, "2", True])
+def test_non_integer_shapes_rejected(name, value):
+    """A size that is not an integer is refused by name before any tensor is made."""
+    kwargs = {"num_layers": 1, "num_physical": 1, "window_size": 1, name: value}
+    with pytest.raises(ValueError, match=f"{name} must be an integer"):
+        LoadWindow(**kwargs)
+
+
 @given(
     st.integers(1, 5),
     st.lists(st.integers(0, 3), min_size=6, max_size=6),

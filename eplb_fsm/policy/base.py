@@ -76,6 +76,8 @@ def _weight_as_numpy(weight: Any) -> np.ndarray:
     import torch
 
     if isinstance(weight, torch.Tensor):
+        if weight.is_meta:
+            raise ValueError("weight must hold data: a tensor on the 'meta' device has none")
         weight = weight.detach().cpu()
         if weight.dtype == torch.bool:
             raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
@@ -196,6 +198,8 @@ def check_rebalance_args(
 
     if old_phy2log is not None:
         old = old_phy2log if isinstance(old_phy2log, torch.Tensor) else torch.as_tensor(np.asarray(old_phy2log))
+        if old.is_meta:
+            raise ValueError("old_phy2log must hold data: a tensor on the 'meta' device has none")
         if old.dim() != 2 or old.shape[0] != num_layers:
             raise ValueError(
                 f"old_phy2log must be 2-D with {num_layers} rows (layers), got shape {tuple(old.shape)}"
