@@ -39,12 +39,26 @@ def as_count(value, name: str, minimum: int = 1) -> int:
     return count
 
 
-def _as_int64_2d(value, name: str) -> np.ndarray:
+def host_array(value, name: str) -> np.ndarray:
+    """``value`` (a torch tensor on any device, a numpy array, nested lists) as a numpy array.
+
+    A tensor is copied to the host; a dtype numpy lacks (bfloat16, float8) comes back as
+    float32, which holds it exactly. A tensor on the ``meta`` device has no data to read,
+    so it is refused with a ``ValueError`` naming ``name``.
+    """
     if hasattr(value, "detach"):  # torch tensor
         if value.is_meta:
             raise ValueError(f"{name} must hold data: a tensor on the 'meta' device has none")
-        value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+        value = value.detach().cpu()
+        try:
+            return value.numpy()
+        except TypeError:
+            return (value.cfloat() if value.is_complex() else value.float()).numpy()
+    return np.asarray(value)
+
+
+def _as_int64_2d(value, name: str) -> np.ndarray:
+    arr = host_array(value, name)
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -1,11 +1,13 @@
 """Tests for eplb_fsm.maps."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb_fsm.maps import ExpertMaps, as_count, derive_log2phy, initial_phy2log
+from eplb_fsm.maps import ExpertMaps, as_count, derive_log2phy, host_array, initial_phy2log
 
 
 def test_initial_placement_layout():
@@ -78,6 +80,23 @@ def test_as_count_takes_numpy_integers_only():
             as_count(bad, "n")
     with pytest.raises(ValueError, match="n must be >= 0, got -1"):
         as_count(-1, "n", minimum=0)
+
+
+def test_host_array_reads_tensors_of_any_dtype_but_not_meta():
+    """host_array gives numpy for lists and tensors, float32 for dtypes numpy lacks, and refuses meta by name."""
+    import torch
+
+    assert host_array([[1, 2]], "x").tolist() == [[1, 2]]
+    assert host_array(torch.tensor([[3, 4]]), "x").dtype == np.int64
+    exact = torch.tensor([1.5, -2.25, 3.0e38], dtype=torch.float32).to(torch.bfloat16)
+    back = host_array(exact, "x")
+    assert back.dtype == np.float32 and back.tolist() == exact.float().tolist()
+    with warnings.catch_warnings():  # torch calls complex32 experimental when one is made
+        warnings.simplefilter("ignore", UserWarning)
+        half = host_array(torch.tensor([1 + 2j], dtype=torch.complex32), "x")
+    assert half.dtype == np.complex64 and half.tolist() == [1 + 2j]
+    with pytest.raises(ValueError, match="load must hold data"):
+        host_array(torch.zeros(2, device="meta"), "load")
 
 
 def test_maps_refuse_a_meta_tensor_and_a_fractional_count():

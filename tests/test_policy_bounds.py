@@ -36,6 +36,15 @@ def test_balancedness_hand_case():
     assert placement_balancedness(phy2log, weight, 2) == pytest.approx(3 / 4)
 
 
+def test_a_bfloat16_load_scores_as_its_float32_values():
+    """A bfloat16 weight (a dtype numpy lacks) is read exactly, and a meta one is refused by name."""
+    weight = torch.tensor([[3.0, 1.0, 0.5], [1.0, 1.0, 2.0]])
+    phy2log = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+    assert placement_balancedness(phy2log, weight.bfloat16(), 2) == placement_balancedness(phy2log, weight, 2)
+    with pytest.raises(ValueError, match="weight must hold data"):
+        rank_loads(phy2log, weight.to("meta"), 2)
+
+
 def test_zero_load_layers_are_perfect():
     """A layer without load counts as balanced (1.0) and does not divide by zero."""
     weight = np.array([[0.0, 0.0], [4.0, 0.0]])

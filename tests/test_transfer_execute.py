@@ -301,6 +301,7 @@ def _w(rows=2, layers=2, ranks=G, dtype=torch.float32):
 
 BAD = [
     ("old float", dict(old=OLD.astype(np.float32)), "old_phy2log: must be an integer"),
+    ("new on meta", dict(new=torch.from_numpy(NEW).to("meta")), "new_phy2log must hold data"),
     ("new bool", dict(new=NEW.astype(bool)), "new_phy2log: must be an integer"),
     ("old 1-d", dict(old=OLD[0], new=NEW[0]), r"old_phy2log: must have shape \(L, P\)"),
     ("shape mismatch", dict(new=np.concatenate([NEW, NEW], axis=1)), "new_phy2log: shape"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,6 +115,7 @@ def test_moved_slots_counts_new_experts_per_rank():
         (np.array([0, 1]), np.array([0, 2]), 1, r"-1 \(empty\)"),
         (np.array([0, 0]), np.array([0, 1]), 1, "held by no rank"),
         (np.array([[0, 1]]), np.array([[0, 1]]), 1, r"\(P,\)"),
+        (torch.zeros(2, dtype=torch.int64, device="meta"), np.array([0, 1]), 1, "must hold data"),
     ],
 )
 def test_check_layer_maps_rejects(old, new, g, match):

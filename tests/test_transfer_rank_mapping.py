@@ -85,6 +85,8 @@ def test_expand_scale_up_old_map():
         (np.zeros((1, 8), int), np.zeros((1, 3), int), {0: 0, 1: 1, 2: -1, 3: -1}, 4, "must span the 2 new ranks"),
         (np.zeros((2, 4), int), np.zeros((1, 8), int), {0: 0, 1: 1}, 4, "same layers"),
         (np.zeros((1, 4)), np.zeros((1, 8), int), {0: 0, 1: 1}, 4, "old_phy2log: must be an integer"),
+        (torch.zeros(1, 4, dtype=torch.int64, device="meta"), np.zeros((1, 8), int), {0: 0, 1: 1}, 4,
+         "old_phy2log must hold data"),
         (np.full((1, 4), 9), np.zeros((1, 8), int), {0: 0, 1: 1}, 4, r"old_phy2log: expert ids"),
     ],
 )

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -76,17 +78,9 @@ def _weight_as_numpy(weight: Any) -> np.ndarray:
     import torch
 
     if isinstance(weight, torch.Tensor):
-        if weight.is_meta:
-            raise ValueError("weight must hold data: a tensor on the 'meta' device has none")
-        weight = weight.detach().cpu()
-        if weight.dtype == torch.bool:
+        if weight.dtype == torch.bool or weight.is_complex():
             raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
-        if weight.is_complex():
-            raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
-        try:
-            return weight.numpy()
-        except TypeError:  # bfloat16 and other dtypes numpy lacks: float32 holds them exactly
-            return weight.to(torch.float32).numpy()
+        return host_array(weight, "weight")
     try:
         return np.asarray(weight)
     except Exception as exc:  # noqa: BLE001 - any conversion failure is a bad argument

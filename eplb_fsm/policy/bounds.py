@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
+
 __all__ = [
     "balancedness_bound",
     "balancedness_per_layer",
@@ -32,9 +34,7 @@ __all__ = [
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch tensor
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
+    arr = host_array(x, name)
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (layers, ...), got shape {arr.shape}")
     return arr

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
 from eplb_fsm.policy.keyed_packing import finite_non_negative, keyed_packing_applies, pack_per_item_keyed
 
 __all__ = [
@@ -43,9 +44,7 @@ _FULL = np.iinfo(np.int64).max
 
 def float_rows(weight: Any, name: str = "weight") -> np.ndarray:
     """A 2-D float numpy view of ``weight`` (torch or numpy); non-float input becomes float32."""
-    if hasattr(weight, "detach"):  # torch tensor
-        weight = weight.detach().cpu().numpy()
-    arr = np.asarray(weight)
+    arr = host_array(weight, name)
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (rows, items), got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.floating):

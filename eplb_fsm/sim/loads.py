@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
 from eplb_fsm.sim.esft import (
     BUNDLED_ESFT,
     ESFT_TASKS,
@@ -262,9 +263,7 @@ def drift(load: Any, sigma: float, rng: np.random.Generator | int | None = None)
     """Next window's load: ``load`` times independent lognormal(0, sigma) noise per entry (float64)."""
     if not sigma >= 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
-    if hasattr(load, "detach"):
-        load = load.detach().cpu().numpy()
-    load = np.asarray(load, dtype=np.float64)
+    load = np.asarray(host_array(load, "load"), dtype=np.float64)
     rng = np.random.default_rng(rng)
     return load * rng.lognormal(0.0, sigma, size=load.shape)
 

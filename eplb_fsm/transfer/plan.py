@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
+
 __all__ = [
     "LayerTransfers",
     "LayerPlan",
@@ -143,9 +145,7 @@ class LayerPlan:
 
 
 def _as_row(name: str, row: Any) -> np.ndarray:
-    if hasattr(row, "detach"):  # torch tensor, possibly on an accelerator
-        row = row.detach().cpu().numpy()
-    arr = np.asarray(row)
+    arr = host_array(row, name)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -316,12 +316,8 @@ def moved_slots(old: Any, new: Any, world_size: int) -> int:
     ``old``/``new``: one layer (P,) or all layers (L, P); the count is summed over layers.
     Empty new slots (-1) never count.
     """
-    if hasattr(old, "detach"):
-        old = old.detach().cpu().numpy()
-    if hasattr(new, "detach"):
-        new = new.detach().cpu().numpy()
-    old = np.asarray(old)
-    new = np.asarray(new)
+    old = host_array(old, "old_phy2log")
+    new = host_array(new, "new_phy2log")
     if old.shape != new.shape or old.ndim not in (1, 2):
         raise ValueError(f"new_phy2log: shape {new.shape} must equal old_phy2log's {old.shape}, (P,) or (L, P)")
     old2 = old.reshape(-1, old.shape[-1]).astype(np.int64)

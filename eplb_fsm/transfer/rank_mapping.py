@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
+
 __all__ = ["RankMappingInfo", "validate_rank_mapping", "expand_phy2log", "expand_maps"]
 
 
@@ -106,9 +108,7 @@ def validate_rank_mapping(rank_mapping: Mapping[int, int], group_size: int) -> R
 
 
 def _as_maps(name: str, m: Any) -> np.ndarray:
-    if hasattr(m, "detach"):
-        m = m.detach().cpu().numpy()
-    arr = np.asarray(m)
+    arr = host_array(m, name)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
     if arr.ndim not in (1, 2):

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
 from eplb_fsm.transfer import native_schedule
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.local_copies import order_local_copies
@@ -41,9 +42,7 @@ __all__ = [
 
 
 def _as_maps(name: str, m: Any, ndim: int) -> np.ndarray:
-    if hasattr(m, "detach"):
-        m = m.detach().cpu().numpy()
-    arr = np.asarray(m)
+    arr = host_array(m, name)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
     want = "(L, P)" if ndim == 2 else "(P,)"

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from eplb_fsm.maps import host_array
 from eplb_fsm.policy.movement import native
 
 __all__ = [
@@ -174,8 +175,7 @@ def check_old(old_phy2log: Any, num_layers: int, num_slots: int, num_experts: in
 
     ``check_rebalance_args`` has already checked its rank, layer count, dtype and range.
     """
-    old = old_phy2log.detach().cpu().numpy() if hasattr(old_phy2log, "detach") else np.asarray(old_phy2log)
-    old = old.astype(np.int64, copy=True)
+    old = host_array(old_phy2log, "old_phy2log").astype(np.int64, copy=True)
     if old.shape != (num_layers, num_slots):
         raise ValueError(
             f"old_phy2log must have shape (layers, num_replicas) = ({num_layers}, {num_slots}), got {old.shape}"
