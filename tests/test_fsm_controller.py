@@ -96,6 +96,44 @@ def test_header_first_then_model_then_steps(tmp_path):
     assert [r["seq"] for r in records] == list(range(len(records)))
 
 
+def test_a_closed_controller_refuses_every_call_that_acts(tmp_path):
+    """After close() the calls that act raise RuntimeError naming themselves; the trace ends at `end`; queries work."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(), trace_dir=str(tmp_path))
+    ctl.add_model(model, "main")
+    for _ in range(5):
+        ctl.step()
+    ctl.close()
+    ctl.close()  # idempotent
+    calls = {
+        "step": lambda: ctl.step(),
+        "rearrange": lambda: ctl.rearrange(),
+        "add_model": lambda: ctl.add_model(ProtocolModel(), "drafter"),
+        "request_scale": lambda: ctl.request_scale(2),
+        "recover": lambda: ctl.recover(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) on a closed EplbController"):
+            call()
+    assert ctl.steps == 5 and [e.name for e in ctl.models] == ["main"]
+    records, bad = read_trace(ctl.trace.path)
+    assert bad == 0 and records[-1]["event"] == "end" and records[-1]["how"] == "closed"
+    assert ctl.state == "collecting" and ctl.maps("main").num_layers == 3
+    assert set(ctl.state_seconds) == {"collecting", "planning"}
+
+
+def test_state_seconds_count_each_state_visited():
+    """state_seconds holds every state entered so far, the current one included, none negative."""
+    ctl = EplbController(cfg(step_interval=8), keep_trace=True)
+    ctl.add_model(ProtocolModel(), "main")
+    assert set(ctl.state_seconds) == {"collecting"}
+    for _ in range(3):
+        ctl.step()  # the second step is due: planning, then back to collecting (nothing to move at world 1)
+    seconds = ctl.state_seconds
+    assert set(seconds) == {"collecting", "planning"} and min(seconds.values()) >= 0.0
+    ctl.close()
+
+
 def test_first_rearrangement_at_quarter_interval_then_every_interval():
     """Rearrangements are due after step_interval//4 steps, then every step_interval steps."""
     ctl = EplbController(cfg(step_interval=16), keep_trace=True)

@@ -13,14 +13,10 @@ This module is the step loop and the actions it executes; nothing decides here. 
 step does comes from :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters
 and the step's all-reduced values), which transition follows from the machine
 (:mod:`~eplb_fsm.fsm.machine`), whose guards read those decisions as event data. The
-controller owns its collaborators:
-
-- ``collectives`` (:class:`~eplb_fsm.fsm.collectives.Collectives`): the EP group's one
-  all-reduce per step and the transfer group;
-- ``mover`` (:class:`~eplb_fsm.fsm.transfers.LayerMover`): a layer into the buffer, then into the weights;
-- ``reporter`` (:class:`~eplb_fsm.fsm.reporting.Reporter`): ``history``, ``balancedness_log``;
-- ``rearranger`` (:class:`~eplb_fsm.fsm.rearrange.Rearranger`): the rearrangement in flight;
-- ``worker`` (async mode) and ``watchdog``; ``counters`` (the shared step counters).
+controller owns its collaborators: ``collectives`` (the EP group's one all-reduce per step,
+and the transfer group), ``mover`` (a layer into the buffer, then into the weights),
+``reporter`` (``history``, ``balancedness_log``, seconds per state), ``rearranger`` (the
+rearrangement in flight), ``worker`` (async mode), ``watchdog``, ``counters`` (shared).
 
 Ranks can never disagree: decisions read counters that advance identically everywhere
 and all-reduces every rank issues on the same step (at most one of the controller's own
@@ -109,8 +105,6 @@ class EplbController:
         self.counters = Counters(steps=int(start_step), since=0, threshold=config.first_rearrangement_step)
         self.timeout_s = float(config.collective_timeout_s)
         self.reporter = Reporter(self.trace, rank)
-        self._state_seconds: dict[str, float] = {}
-        self._entered = time.perf_counter()
         # fault injection / instrumentation: hook(global_layer, model_name, model_layer) right
         # before a layer's transfer, in the thread that runs it; raising = a transfer error
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
@@ -146,6 +140,7 @@ class EplbController:
         group is gloo, or ``phy2log`` is not (L, S × G).
         Steps taken before the first model do not count toward the interval.
         """
+        self._check_open("add_model")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         if any(entry.name == name for entry in self.models):
@@ -214,10 +209,7 @@ class EplbController:
     @property
     def state_seconds(self) -> dict[str, float]:
         """Local seconds spent in each state so far (for reports; never used for decisions)."""
-        out = dict(self._state_seconds)
-        state = self.machine.state
-        out[state] = out.get(state, 0.0) + time.perf_counter() - self._entered
-        return out
+        return self.reporter.state_seconds(self.machine.state)
 
     @property
     def steps_until_due(self) -> int:
@@ -233,6 +225,8 @@ class EplbController:
         reserve transfer buffers, change no state or counter. ``log_stats``: log the
         balancedness of this pass (with ``config.log_balancedness``, at its interval).
         """
+        if self._closed:
+            self._check_open("step")
         if is_profile:
             self.trace.emit("profile", buffer_bytes=self.mover.reserve(spare=self.rearranger.layer_jobs.prefetch))
             return self.machine.state
@@ -293,6 +287,7 @@ class EplbController:
         (returns the history entry); async mode starts planning and later steps finish
         it (returns None). The interval restarts from here.
         """
+        self._check_open("rearrange")
         if self.machine.state != COLLECTING:
             raise ValueError(f"rearrange() needs state collecting, state is {self.machine.state!r}")
         if not self.models:
@@ -313,6 +308,7 @@ class EplbController:
         ``scalings`` entry (``outcome``: switched, left, aborted or failed)."""
         from eplb_fsm.elastic.scaling import request_scale
 
+        self._check_open("request_scale")
         return request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s, generation=generation)
 
     @classmethod
@@ -329,6 +325,7 @@ class EplbController:
 
     def recover(self) -> None:
         """Leave ``failed`` once the engine has repaired the group (every rank together)."""
+        self._check_open("recover")
         if self.machine.state != FAILED:
             raise ValueError(f"recover() needs state failed, state is {self.machine.state!r}")
         self.fire("recovered")
@@ -337,10 +334,7 @@ class EplbController:
     def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
         """Fire one event and write its ``transition`` record (event data + ``extra`` context)."""
         fired = self.machine.fire(trigger, **data)
-        now = time.perf_counter()
-        if fired.source != fired.dest:
-            self._state_seconds[fired.source] = self._state_seconds.get(fired.source, 0.0) + now - self._entered
-            self._entered = now
+        self.reporter.time_transition(fired.source, fired.dest)
         fields = dict(data)
         layer = fields.pop("layer", fired.layer)
         if extra:
@@ -379,8 +373,13 @@ class EplbController:
         self.reporter.count = int(counters["count"])
         self.trace.set_context(step=self.counters.steps)
 
+    def _check_open(self, call: str) -> None:
+        if self._closed:  # its worker is stopped and its trace closed: nothing more would be traced
+            raise RuntimeError(f"{call}() on a closed EplbController (close() ran); build a new controller")
+
     def close(self) -> None:
-        """Stop the worker and the watchdog and close the trace (idempotent)."""
+        """Stop the worker and the watchdog and close the trace (idempotent); later ``step``,
+        ``rearrange``, ``add_model``, ``request_scale`` and ``recover`` raise ``RuntimeError``."""
         if self._closed:
             return
         self._closed = True

@@ -51,8 +51,8 @@ class Reporter:
     """Rearrangement records and the balancedness log of one rank.
 
     Owns ``history`` (one entry per rearrangement, committed or not), ``balancedness_log``
-    ((step, value) pairs) and ``count`` (rearrangements begun: shared, since every rank
-    begins them on the same step).
+    ((step, value) pairs), ``count`` (rearrangements begun: shared, since every rank
+    begins them on the same step) and the local seconds spent in each machine state.
     """
 
     def __init__(self, trace: Any, rank: int) -> None:
@@ -61,6 +61,21 @@ class Reporter:
         self.history: list[dict] = []
         self.balancedness_log: list[tuple[int, float]] = []
         self.count = 0
+        self._seconds_in: dict[str, float] = {}   # per state, closed stays only
+        self._entered = time.perf_counter()        # when the current state was entered
+
+    def time_transition(self, source: str, dest: str) -> None:
+        """Close the stay in ``source`` when a transition leaves it (a self-transition does not)."""
+        if source != dest:
+            now = time.perf_counter()
+            self._seconds_in[source] = self._seconds_in.get(source, 0.0) + now - self._entered
+            self._entered = now
+
+    def state_seconds(self, state: str) -> dict[str, float]:
+        """Local seconds spent in each state, counting the current stay in ``state`` up to now."""
+        out = dict(self._seconds_in)
+        out[state] = out.get(state, 0.0) + time.perf_counter() - self._entered
+        return out
 
     def begin(self, step: int, forced: bool) -> Rearrangement:
         """Open the record of a rearrangement that starts at engine step ``step``."""
