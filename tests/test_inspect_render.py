@@ -20,11 +20,26 @@ def healthy():
     return records()
 
 
-def test_healthy_report_is_short(healthy):
-    """A healthy report: the verdict line, 'illegal transitions: none' and the traces line."""
-    lines = format_report(diagnose(healthy)).splitlines()
+def test_healthy_report_is_short():
+    """A healthy report of ranks that all wrote `end`: the verdict line, 'illegal transitions: none', the traces line."""
+    job = SyntheticJob(world=4)
+    job.run(40)
+    for rank in job.sessions:
+        rank.trace.end("closed")
+    lines = format_report(diagnose(job.records())).splitlines()
     assert lines[0].startswith("healthy: 4 of 4 ranks agree")
-    assert lines[1:] == ["  illegal transitions: none", "  traces: 4 of world 4, 368 records, last steps 39..39"]
+    assert lines[1:] == ["  illegal transitions: none", "  traces: 4 of world 4, 372 records, last steps 39..39"]
+
+
+def test_healthy_report_names_the_ranks_without_an_end_record():
+    """Healthy traces that stop without `end` (running, or killed together) say so, naming those ranks."""
+    job = SyntheticJob(world=4)
+    job.run(40)
+    lines = format_report(diagnose(job.records())).splitlines()
+    assert lines[0].startswith("healthy") and lines[-1].startswith("  no end record on ranks 0-3: still running")
+    for rank in job.sessions[:3]:  # the others ended: the one without `end` is a culprit, not a note
+        rank.trace.end("closed")
+    assert format_report(diagnose(job.records())).startswith("rank_died: rank 3 died")
 
 
 def test_problem_report_sections():
