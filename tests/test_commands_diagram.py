@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import os
 
 import pytest
 
@@ -93,3 +94,11 @@ def test_bad_paths_exit_2_before_writing(tmp_path, capsys, make, option, rule):
     first = err.splitlines()[0]  # (a page without the markers gets the two lines to add below it)
     assert first.startswith(f"eplb-fsm diagram: error: {option}") and rule in first, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_an_out_folder_the_file_system_refuses_exits_2(capsys):
+    """A folder that passes the checks but cannot be made (/proc takes no new folders) is one error line, exit 2."""
+    assert main(["diagram", "--out", "/proc/eplb-fsm-diagrams"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm diagram: error: --out: cannot create /proc/eplb-fsm-diagrams") and "Traceback" not in err

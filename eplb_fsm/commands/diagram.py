@@ -97,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
         print("diagrams are up to date")
         return 0
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # the checks above cannot foresee every refusal (a read-only or virtual file system)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"eplb-fsm diagram: error: --out: cannot create {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     for path, text in diagrams.expected_files(out, text_formats).items():
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path}")
