@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace", "record_steps", "rotate",
+__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace", "record_steps", "rotate",
            "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
@@ -93,11 +93,18 @@ def record_steps(record: dict) -> range:
     return range(0)
 
 
+#: what a byte that is not UTF-8 is read as; records are written ASCII-only, so a line
+#: holding one is damaged (a bad disk block) even where it would still parse as JSON
+DAMAGED = "\ufffd"
+
+
 def read_rank_text(path: str | os.PathLike) -> str:
     """The text of a rank's trace: its segments (:func:`segment_paths`) joined oldest first.
 
     A rotated segment passed itself is read alone. Each segment's text is ended by a newline
-    so that a line never runs into the next segment's header.
+    so that a line never runs into the next segment's header. A line with bytes that are not
+    UTF-8 comes back as a lone :data:`DAMAGED`, which no reader parses: it is counted as an
+    unreadable line instead of read with a changed value.
     """
     paths = [Path(path)] if is_rotated_segment(path) else segment_paths(path) or [Path(path)]
     parts = []
@@ -105,7 +112,10 @@ def read_rank_text(path: str | os.PathLike) -> str:
         with open(one, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
         parts.append(text if not text or text.endswith("\n") or one == paths[-1] else text + "\n")
-    return "".join(parts)
+    text = "".join(parts)
+    if DAMAGED in text:  # one scan, and none at all for an ASCII text (str keeps its widest char)
+        text = "\n".join(DAMAGED if DAMAGED in line else line for line in text.split("\n"))
+    return text
 
 
 def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dict], int]:
@@ -114,7 +124,8 @@ def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dic
     ``path`` is the live file ``rank<NNNNN>.jsonl``; with ``segments`` its rotated segments
     are read first, oldest first (a rotated segment passed itself is read alone). Records
     are returned as written (``steps`` runs stay runs). A truncated last line (a rank
-    killed mid-write) is counted, not fatal.
+    killed mid-write) or a line of bytes that are not UTF-8 (a damaged disk block) is
+    counted, not fatal.
     """
     paths = segment_paths(path) if segments and not is_rotated_segment(path) else [Path(path)]
     if not paths:
@@ -122,10 +133,13 @@ def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dic
     records: list[dict] = []
     bad = 0
     for one in paths:
-        with open(one, encoding="utf-8") as fh:
+        with open(one, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 line = line.strip()
                 if not line:
+                    continue
+                if DAMAGED in line:
+                    bad += 1
                     continue
                 try:
                     records.append(json.loads(line))

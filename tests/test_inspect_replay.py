@@ -248,6 +248,21 @@ def test_unreadable_middle_line_is_counted_not_truncated(healthy, tmp_path):
     assert any("1 unreadable line" in w for w in report.warnings)
 
 
+def test_a_line_with_bytes_that_are_not_utf8_is_unreadable_even_if_it_parses(healthy, tmp_path):
+    """A damaged byte inside a string value (still valid JSON once decoded) makes its line unreadable, not altered."""
+    write_traces(healthy, tmp_path)
+    path = trace_path(tmp_path, 1)
+    lines = path.read_bytes().split(b"\n")
+    at = next(i for i, line in enumerate(lines) if b'"trigger":"plan_ready"' in line)
+    lines[at] = lines[at].replace(b'"plan_ready"', b'"plan_re\xffdy"')
+    path.write_bytes(b"\n".join(lines))
+    records, bad, truncated = rp.read_records(path)
+    assert (bad, truncated) == (1, False) and len(records) == len(healthy[1]) - 1
+    assert not any("\ufffd" in str(r) for r in records)
+    report = rp.replay_dir(tmp_path)
+    assert any("rank 1" in w and "1 unreadable line" in w for w in report.warnings), report.warnings
+
+
 def test_missing_rank_file(healthy, tmp_path):
     """World 4 with rank00003.jsonl missing: verdict missing_ranks naming rank 3."""
     write_traces(healthy, tmp_path)

@@ -108,6 +108,14 @@ def test_read_trace_skips_truncated_line(tmp_path):
     assert [r["event"] for r in records] == ["a"] and bad == 1
 
 
+def test_read_trace_counts_lines_with_bytes_that_are_not_utf8(tmp_path):
+    """Damaged bytes (not UTF-8) make a line bad, even inside a string that still parses; the rest is read."""
+    path = tmp_path / "rank00000.jsonl"
+    path.write_bytes(b'{"event": "a", "seq": 0}\n\xff\xfe\n{"event": "b\xc3", "seq": 1}\n{"event": "c", "seq": 2}\n')
+    records, bad = read_trace(path)
+    assert [r["event"] for r in records] == ["a", "c"] and bad == 2
+
+
 def test_numpy_and_torch_values_serialise(tmp_path):
     """numpy and torch scalars/arrays in fields are written as plain JSON."""
     import numpy as np
