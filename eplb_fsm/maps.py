@@ -193,9 +193,10 @@ class ExpertMaps:
     # -- updates ---------------------------------------------------------
     def replace_layer(self, layer: int, phy2log_row) -> None:
         """Replace one layer's maps (validated first; nothing changes on error)."""
-        if not 0 <= layer < self.num_layers:
+        layer = as_count(layer, "layer", minimum=0)
+        if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        row = _as_int64_2d(np.asarray(phy2log_row).reshape(1, -1), "phy2log_row")
+        row = _as_int64_2d(host_array(phy2log_row, "phy2log_row").reshape(1, -1), "phy2log_row")
         if row.shape[1] != self.num_physical:
             raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[1]}")
         _check_range(row, self.num_logical, allow_empty=True)
@@ -214,8 +215,11 @@ class ExpertMaps:
 
     def slots_of_rank(self, rank: int, world_size: int) -> slice:
         """The global slot range of ``rank`` (S = P / G consecutive slots)."""
+        world_size = as_count(world_size, "world_size")
         if self.num_physical % world_size:
             raise ValueError(f"num_physical ({self.num_physical}) must be divisible by world_size ({world_size})")
+        if as_count(rank, "rank", minimum=0) >= world_size:
+            raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
         per_rank = self.num_physical // world_size
         return slice(rank * per_rank, (rank + 1) * per_rank)
 

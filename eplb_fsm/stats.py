@@ -82,6 +82,9 @@ class LoadWindow:
         """
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be a number in (0, 1] (config.load_decay's rule), got {decay!r}")
+        subwindows = as_count(subwindows, "subwindows")
         passes = self.passes_oldest_first().to(torch.float64)
         if passes.shape[0] == 0:
             return torch.zeros((self.num_layers, self.num_physical), dtype=torch.float64)

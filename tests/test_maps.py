@@ -99,6 +99,17 @@ def test_host_array_reads_tensors_of_any_dtype_but_not_meta():
         host_array(torch.zeros(2, device="meta"), "load")
 
 
+def test_slots_of_rank_are_the_rank_s_consecutive_slots_and_nothing_outside():
+    """slots_of_rank gives S consecutive slots per rank and refuses a rank outside [0, G) by name."""
+    m = ExpertMaps.initial(1, 4, 6)
+    assert [m.slots_of_rank(r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    for rank, message in ((3, "rank must be < world_size"), (-1, "rank must be >= 0"), (1.0, "rank must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            m.slots_of_rank(rank, 3)
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        m.slots_of_rank(0, 4)
+
+
 def test_maps_refuse_a_meta_tensor_and_a_fractional_count():
     """from_phy2log names the argument when the placement has no data or a count is fractional."""
     import torch
@@ -139,6 +150,9 @@ def test_replace_layer_changes_only_that_layer():
     "layer, row, message",
     [
         (3, [0, 1, 2, 3, 0, 1], "layer must be in"),
+        (-1, [0, 1, 2, 3, 0, 1], "layer must be >= 0"),
+        (1.0, [0, 1, 2, 3, 0, 1], "layer must be an integer"),
+        (True, [0, 1, 2, 3, 0, 1], "layer must be an integer"),
         (0, [0, 1, 2, 3], "must have 6 slots"),
         (0, [0, 0, 0, 0, 0, 0], "without a replica"),
         (0, [0, 1, 2, 9, 0, 1], "outside"),

@@ -64,6 +64,24 @@ def test_estimators():
         w.estimate("median")
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"estimator": "decayed_sum", "decay": 0.0}, "decay must be a number in"),
+        ({"estimator": "decayed_sum", "decay": 1.5}, "decay must be a number in"),
+        ({"estimator": "decayed_sum", "decay": float("nan")}, "decay must be a number in"),
+        ({"estimator": "subwindow_max", "subwindows": 0}, "subwindows must be >= 1"),
+        ({"estimator": "subwindow_max", "subwindows": 2.5}, "subwindows must be an integer"),
+    ],
+)
+def test_estimate_refuses_bad_settings_by_name(kwargs, message):
+    """A decay outside (0, 1] or a subwindow count that is not a count >= 1 is refused before any work."""
+    w = LoadWindow(1, 1, 4)
+    _feed(w, [[[v]] for v in (1, 2)])
+    with pytest.raises(ValueError, match=message):
+        w.estimate(**kwargs)
+
+
 def test_estimate_of_empty_window_is_zero():
     """Before any counted pass the estimate is all zeros, not an error."""
     assert LoadWindow(2, 3, 5).estimate("subwindow_max").sum().item() == 0
