@@ -179,11 +179,18 @@ class RemapPlan(NamedTuple):
 def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
     """Scatter a per-slot load (L, P) to its logical experts: (L, N), same dtype.
 
-    Empty slots (-1) carry no load.
+    Empty slots (-1) carry no load. A ``phy2log`` that is not integer, or names an expert
+    outside [-1, ``num_logical``), is refused (``ValueError``) rather than cast or skipped.
     """
-    phy2log = torch.as_tensor(phy2log, dtype=torch.int64)
+    num_logical = as_count(num_logical, "num_logical")
+    phy2log = torch.as_tensor(phy2log)
+    if phy2log.is_floating_point() or phy2log.is_complex() or phy2log.dtype == torch.bool:
+        raise ValueError(f"phy2log must hold integers, got dtype {phy2log.dtype}")
+    phy2log = phy2log.to(torch.int64)
     if physical.shape != phy2log.shape:
         raise ValueError(f"load shape {tuple(physical.shape)} does not match phy2log shape {tuple(phy2log.shape)}")
+    if phy2log.numel() and (int(phy2log.min()) < -1 or int(phy2log.max()) >= num_logical):
+        raise ValueError(f"phy2log entries must be in [-1, {num_logical}) (-1: an empty slot)")
     valid = phy2log >= 0
     out = torch.zeros((physical.shape[0], num_logical), dtype=physical.dtype, device=physical.device)
     out.scatter_add_(1, phy2log.clamp(min=0), torch.where(valid, physical, torch.zeros_like(physical)))

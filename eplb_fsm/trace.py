@@ -154,7 +154,11 @@ class EventTrace:
         self._bytes = 0
         if trace_dir is not None:
             self.path = trace_path(trace_dir, self.rank)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):  # the name, or one above it, is a file
+                raise ValueError(f"trace_dir: {trace_dir} is not a folder (a file has that name or one "
+                                 "above it)") from None
             # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
             self._open()
             _OPEN_TRACES.add(self)

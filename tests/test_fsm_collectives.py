@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from eplb_fsm.fsm.collectives import Collectives, GroupBroken, flags
+from eplb_fsm.fsm.collectives import Collectives, GroupBroken, flags, resolve_device, resolve_group
 from eplb_fsm.sim.launcher import run_ranks
 from eplb_fsm.trace import EventTrace
 
@@ -62,6 +62,15 @@ def test_a_failed_all_reduce_raises_group_broken_when_read():
         posted.wait()
     with pytest.raises(GroupBroken):
         _collectives(_SummingGroup(None, fail=True), EventTrace()).all_reduce({"x": flags(1.0)}, 5.0)
+
+
+def test_resolve_device_and_group_name_what_they_refuse():
+    """A device torch cannot parse, or a group that is neither a process group nor a collective group, is a ValueError."""
+    assert resolve_device(None) == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device: 'gpu0' is not a torch device"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="group must be a torch.distributed process group .* got object"):
+        resolve_group(object())
 
 
 def test_no_group_returns_the_parts_themselves():

@@ -122,6 +122,23 @@ def test_a_closed_controller_refuses_every_call_that_acts(tmp_path):
     assert set(ctl.state_seconds) == {"collecting", "planning"}
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"start_step": -1}, "start_step must be >= 0"),
+        ({"start_step": 2.5}, "start_step must be an integer"),
+        ({"device": "gpu0"}, "device: 'gpu0' is not a torch device"),
+        ({"group": object()}, "group must be a torch.distributed process group"),
+        ({"role": "observer"}, "role must be 'member' or 'joiner'"),
+    ],
+)
+def test_bad_construction_arguments_are_refused_before_a_trace_exists(tmp_path, kwargs, message):
+    """Each bad constructor argument is a ValueError naming it, raised before the trace file is made."""
+    with pytest.raises(ValueError, match=message):
+        EplbController(cfg(), trace_dir=str(tmp_path / "logs"), **kwargs)
+    assert not (tmp_path / "logs").exists()
+
+
 def test_state_seconds_count_each_state_visited():
     """state_seconds holds every state entered so far, the current one included, none negative."""
     ctl = EplbController(cfg(step_interval=8), keep_trace=True)

@@ -87,6 +87,21 @@ def test_estimate_of_empty_window_is_zero():
     assert LoadWindow(2, 3, 5).estimate("subwindow_max").sum().item() == 0
 
 
+@pytest.mark.parametrize(
+    "phy2log, num_logical, message",
+    [
+        (torch.tensor([[0.0, 1.0, 0.5, 1.0]]), 2, "phy2log must hold integers"),
+        (torch.tensor([[0, 1, 5, 1]]), 2, r"entries must be in \[-1, 2\)"),
+        (torch.tensor([[0, 1, -2, 1]]), 2, r"entries must be in \[-1, 2\)"),
+        (torch.tensor([[0, 1, 0, 1]]), 0, "num_logical must be >= 1"),
+    ],
+)
+def test_aggregate_logical_refuses_maps_it_would_misread(phy2log, num_logical, message):
+    """A float map (cast would truncate), an expert id outside [-1, N) or N < 1 is a ValueError, not a silent sum."""
+    with pytest.raises(ValueError, match=message):
+        aggregate_logical(torch.ones(1, 4), phy2log, num_logical)
+
+
 def test_aggregate_logical_sums_replicas_and_skips_empty_slots():
     """Per-slot loads scatter to their experts; empty slots (-1) add nothing."""
     physical = torch.tensor([[5, 1, 2, 7]])

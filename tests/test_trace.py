@@ -100,6 +100,15 @@ def test_no_trace_dir_writes_nothing_but_counts(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_trace_dir_that_is_a_file_is_refused_by_name(tmp_path):
+    """trace_dir naming a file (or a path under one) is a ValueError naming trace_dir, not an OS error."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for bad in (taken, taken / "below"):
+        with pytest.raises(ValueError, match="trace_dir: .* is not a folder"):
+            EventTrace(0, 1, str(bad))
+
+
 def test_read_trace_skips_truncated_line(tmp_path):
     """A truncated last line (a killed rank) is counted as bad, the rest is read."""
     path = tmp_path / "rank00000.jsonl"

@@ -57,6 +57,16 @@ def is_collective_group(group: Any) -> bool:
     return callable(getattr(group, "all_reduce", None)) and callable(getattr(group, "transfer_communicator", None))
 
 
+def resolve_device(device: Any) -> torch.device:
+    """``device`` (None: the CPU) as a ``torch.device``; ``ValueError`` naming ``device`` otherwise."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+
+
 def resolve_group(group: Any) -> tuple[Any, int, int]:
     """``(group, rank, world)`` for what the engine passed (``None``: default group or a single rank)."""
     if group is not None and is_collective_group(group):
@@ -72,6 +82,10 @@ def resolve_group(group: Any) -> tuple[Any, int, int]:
         group = dist.group.WORLD
     if group is None:
         return None, 0, 1
+    if dist is None or not isinstance(group, dist.ProcessGroup):
+        raise ValueError("group must be a torch.distributed process group or an object with rank, world_size, "
+                         "all_reduce(tensor, timeout_s) and transfer_communicator(timeout_s); "
+                         f"got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")

@@ -37,7 +37,8 @@ import torch
 
 from eplb_fsm import liveness, run_identity
 from eplb_fsm.config import EplbConfig
-from eplb_fsm.fsm.collectives import GROUP_NAME, LOCAL_GROUP_NAME, TRANSFER_GROUP_NAME, Collectives, resolve_group
+from eplb_fsm.fsm.collectives import (GROUP_NAME, LOCAL_GROUP_NAME, TRANSFER_GROUP_NAME, Collectives, resolve_device,
+                                      resolve_group)
 from eplb_fsm.fsm.decide import Counters, decide_step
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING, EplbMachine, Fired
 from eplb_fsm.fsm.model_entry import ModelEntry, build_model_entry
@@ -45,7 +46,7 @@ from eplb_fsm.fsm.planning import Plan
 from eplb_fsm.fsm.rearrange import Rearranger
 from eplb_fsm.fsm.reporting import Reporter, SharedTrace
 from eplb_fsm.fsm.transfers import LayerMover
-from eplb_fsm.maps import ExpertMaps
+from eplb_fsm.maps import ExpertMaps, as_count
 from eplb_fsm.policy import get_policy
 
 __all__ = ["EplbController", "SharedTrace", "Plan", "ModelEntry", "GROUP_NAME", "TRANSFER_GROUP_NAME"]
@@ -76,10 +77,11 @@ class EplbController:
             raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
         if role not in ("member", "joiner"):
             raise ValueError(f"role must be 'member' or 'joiner', got {role!r}")
+        start_step = as_count(start_step, "start_step", minimum=0)
         self.liveness = liveness.Liveness(None, liveness_interval_s)  # issue 12: checked before any change
         self.role = role
         self._config = config
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolve_device(device)
         policy_cls = get_policy(config.policy)
         # a policy with settings in the config (e.g. movement_aware's target) builds itself from it
         self.policy = policy_cls.from_config(config) if hasattr(policy_cls, "from_config") else policy_cls
@@ -93,7 +95,7 @@ class EplbController:
         self.last_generation = generation   # the last one a scale request used up
         self.scalings: list[dict] = []
         initial = SCALING if role == "joiner" else COLLECTING
-        self.trace.set_context(state=initial, step=int(start_step))
+        self.trace.set_context(state=initial, step=start_step)
         run_identity.write_header(  # issue 12: the run id agreed with rank 0, config checked, then the header
             self.trace, self.collectives, config.to_dict(), role, mode="async" if config.use_async else "sync",
             device=str(self.device), group=name, transfer_group=self.collectives.transfer_group_name,
@@ -102,7 +104,7 @@ class EplbController:
         )
         self.machine = EplbMachine(num_layers=1, state=initial, scale_pending=role == "joiner")
         self.models: list[ModelEntry] = []
-        self.counters = Counters(steps=int(start_step), since=0, threshold=config.first_rearrangement_step)
+        self.counters = Counters(steps=start_step, since=0, threshold=config.first_rearrangement_step)
         self.timeout_s = float(config.collective_timeout_s)
         self.reporter = Reporter(self.trace, rank)
         # fault injection / instrumentation: hook(global_layer, model_name, model_layer) right
@@ -171,10 +173,6 @@ class EplbController:
         return self.machine.layer
 
     @property
-    def num_layers(self) -> int:
-        return sum(entry.num_layers for entry in self.models)
-
-    @property
     def config(self) -> EplbConfig:
         return self._config
 
@@ -185,6 +183,7 @@ class EplbController:
         self.rearranger.config = value
 
     # read-only views of the collaborators' state
+    num_layers = property(lambda self: sum(e.num_layers for e in self.models), doc="MoE layers of the models added.")
     steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
     rank = property(lambda self: self.collectives.rank, doc="This rank's number in its EP group.")
     world_size = property(lambda self: self.collectives.world_size, doc="Ranks of the EP group served in.")
