@@ -31,7 +31,8 @@ class EplbConfig:
 
     Counts are in engine steps. ``step_interval`` steps separate rearrangements (the
     first one comes after ``step_interval // 4``); ``window_size`` non-dummy passes
-    make up the load window the policy sees.
+    make up the load window the policy sees. ``extra`` holds the host's own settings
+    (JSON values: the header of every rank's trace carries them, and replay compares them).
     """
 
     window_size: int = 1000
@@ -104,6 +105,10 @@ class EplbConfig:
             )
         if not isinstance(self.extra, Mapping):
             raise ValueError(f"extra must be a mapping, got {type(self.extra).__name__}")
+        try:  # it goes into every rank's trace header, where the ranks' configs are compared
+            json.dumps(dict(self.extra), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"extra must hold JSON values (it is written to every rank's trace header): {exc}") from None
 
     @property
     def first_rearrangement_step(self) -> int:

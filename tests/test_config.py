@@ -53,6 +53,8 @@ def test_from_dict_and_kwargs_agree():
         ({"load_decay": 0.0}, "load_decay", "> 0"),
         ({"num_nodes": 0}, "num_nodes", ">= 1"),
         ({"extra": 3}, "extra", "mapping"),
+        ({"extra": {"hook": object()}}, "extra", "JSON values"),
+        ({"extra": {"ratio": float("nan")}}, "extra", "JSON values"),
         ({"policy": "bogus"}, "policy", "one of default, movement_aware"),
         ({"window_size": 10**12}, "window_size", "<= 100000"),
         ({"async_worker_nice": -1}, "async_worker_nice", ">= 0"),
