@@ -60,10 +60,12 @@ def test_simulate_rejects_bad_arguments(capsys):
         (lambda t: ["--png", str(t / "plot.jpg")], "--png: .* must end in .png"),
         (lambda t: ["--png", str(t / "x.png"), "--no-png"], "--png and --no-png cannot be combined"),
         (lambda t: ["--load", str(t / "nope.npy")], "no such file"),
+        (lambda t: ["--min-gain", "2"], r"--min-gain must be a number in \[0, 1\], got 2.0"),
+        (lambda t: ["--min-gain", "nan"], r"--min-gain must be a number in \[0, 1\], got nan"),
     ],
 )
 def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys, make, rule):
-    """Bad output paths and deadlines: one line naming the option and rule, exit 2, no process, no file."""
+    """Bad output paths and deadlines: one line naming the option and rule, exit 2, no process, no file or folder."""
     import re
 
     (tmp_path / "file").write_text("x")
@@ -75,6 +77,7 @@ def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys, make, rule):
     assert err.startswith("eplb-fsm simulate: error: ") and err.count("\n") == 1, err
     assert re.search(rule, err), err
     assert not list(tmp_path.rglob("*.jsonl")) and not list(tmp_path.rglob("*.png"))
+    assert not (tmp_path / "traces").exists()  # the trace folder is made only once every check passed
 
 
 def test_unknown_policy_lists_the_choices(capsys):

@@ -164,6 +164,8 @@ def build_options(args: argparse.Namespace):
         raise ValueError(f"--dummy-every must be >= 0, got {args.dummy_every}")
     if not (args.drift >= 0 and math.isfinite(args.drift)):
         raise ValueError(f"--drift must be a finite number >= 0, got {args.drift}")
+    if not 0.0 <= args.min_gain <= 1.0:  # config.min_balancedness_gain's rule, named as the option
+        raise ValueError(f"--min-gain must be a number in [0, 1], got {args.min_gain}")
     timeout, watchdog = _timeouts(args)
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"--collective-timeout must be a finite number > 0, got {timeout}")
@@ -188,13 +190,12 @@ def build_options(args: argparse.Namespace):
         if events and any(inj.kind == "wrong-collective" for inj in injections):
             raise ValueError("--inject wrong-collective cannot be combined with --scale (its broadcast needs "
                              "the fixed torch.distributed group)")
-    log_dir = prepare_trace_dir(args.log_dir)
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
         top_k=args.top_k, tokens=args.tokens, steps=args.steps, interval=args.interval, window=args.window,
         mode=args.mode, load=args.load, seed=args.seed, drift=args.drift, dummy_every=args.dummy_every,
         policy=args.policy, min_balancedness_gain=args.min_gain, collective_timeout_s=timeout,
-        watchdog_deadline_s=watchdog, log_dir=str(log_dir), hooks=tuple(_hook_specs(args)),
+        watchdog_deadline_s=watchdog, hooks=tuple(_hook_specs(args)),
     )
     if injections:
         opts.extra["inject"] = [inj.spec for inj in injections]
@@ -210,7 +211,9 @@ def build_options(args: argparse.Namespace):
     get_policy(opts.policy)  # an unknown name fails here, not in four processes
     EplbConfig(window_size=opts.window, step_interval=opts.interval, num_redundant_experts=opts.redundant,
                min_balancedness_gain=opts.min_balancedness_gain, collective_timeout_s=opts.collective_timeout_s)
-    return load_targets(opts)
+    opts = load_targets(opts)
+    opts.log_dir = prepare_trace_dir(args.log_dir)  # last: a refused run leaves no folder behind
+    return opts
 
 
 
