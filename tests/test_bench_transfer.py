@@ -66,3 +66,15 @@ def test_bench_transfer_rejects_a_world_of_one():
     with pytest.raises(SystemExit, match="--ranks must be >= 2"):
         bench_transfer.run(build_parser().parse_args(["bench", "transfer", "--ranks", "1"]))
     assert main(["bench", "transfer", "--world", "1"]) == 2  # the old spelling still parses; exit 2 as a usage error
+
+
+@pytest.mark.parametrize(
+    "option, value, rule",
+    [("--mb", "0", "--mb must be > 0"), ("--mb", "nan", "--mb must be > 0"), ("--layers", "0", "--layers must be >= 1"),
+     ("--slots-per-rank", "0", "--slots-per-rank must be >= 1"), ("--repeats", "0", "--repeats must be >= 1"),
+     ("--timeout", "0", "--timeout must be > 0")],
+)
+def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule):
+    """A size, repeat count or deadline out of range is refused by name before any rank starts (it crashed or ran 1)."""
+    with pytest.raises(SystemExit, match=rule):
+        bench_transfer.run(build_parser().parse_args(["bench", "transfer", option, value]))

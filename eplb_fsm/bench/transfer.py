@@ -311,9 +311,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.bench.intervals import rounded as rounded_interval
     from eplb_fsm.sim.launcher import run_ranks
 
-    if args.ranks < 2:
-        raise SystemExit(f"eplb-fsm bench transfer: --ranks must be >= 2, got {args.ranks}")
-    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": max(1, args.repeats)}
+    for ok, rule in ((args.ranks >= 2, f"--ranks must be >= 2, got {args.ranks}"),
+                     (args.mb > 0, f"--mb must be > 0, got {args.mb}"),
+                     (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
+                     (args.slots_per_rank >= 1, f"--slots-per-rank must be >= 1, got {args.slots_per_rank}"),
+                     (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
+                     (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}")):
+        if not ok:  # before any process starts
+            raise SystemExit(f"eplb-fsm bench transfer: {rule}")
+    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": args.repeats}
     res = run_ranks(_bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
