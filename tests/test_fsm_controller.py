@@ -139,6 +139,22 @@ def test_bad_construction_arguments_are_refused_before_a_trace_exists(tmp_path, 
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_model_whose_set_eplb_state_raises_is_not_added():
+    """add_model hands the model its state before adding it: if that raises, nothing is added or traced."""
+    class Refusing(ProtocolModel):
+        def set_eplb_state(self, load_pass, log2phy, replica_count):
+            raise RuntimeError("router not ready")
+
+    ctl = EplbController(cfg(), keep_trace=True)
+    with pytest.raises(RuntimeError, match="router not ready"):
+        ctl.add_model(Refusing(), "main")
+    assert ctl.models == [] and ctl.num_layers == 0 and not events(ctl, "model_added")
+    model = ProtocolModel()
+    ctl.add_model(model, "main")  # the name is free, and the layers start at 0
+    assert ctl.model("main").layer_offset == 0 and model.calls == 1 and ctl.machine.num_layers == 3
+    ctl.close()
+
+
 def test_state_seconds_count_each_state_visited():
     """state_seconds holds every state entered so far, the current one included, none negative."""
     ctl = EplbController(cfg(step_interval=8), keep_trace=True)

@@ -139,8 +139,8 @@ class EplbController:
         the models added before. Only while collecting, before a rearrangement starts.
         Refused (``ValueError``, nothing changed) when its expert weights share memory with
         a model already added (or itself added twice), sit off the CPU while the transfer
-        group is gloo, or ``phy2log`` is not (L, S × G).
-        Steps taken before the first model do not count toward the interval.
+        group is gloo, or ``phy2log`` is not (L, S × G); an error from the model's own
+        ``set_eplb_state`` propagates with nothing added. Steps before the first model do not count.
         """
         self._check_open("add_model")
         if not isinstance(name, str) or not name:
@@ -155,9 +155,9 @@ class EplbController:
             world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
             window_size=self.config.window_size, device=self.device, phy2log=phy2log, others=self.models,
             communicator=self.collectives.communicator)
+        model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)  # may raise: add nothing
         self.models.append(entry)
         self.machine.num_layers = entry.layer_offset + entry.num_layers
-        model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
         self.trace.emit("model_added", num_layers=self.machine.num_layers, **entry.describe())
         return entry
 
