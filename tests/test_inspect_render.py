@@ -26,9 +26,11 @@ def test_healthy_report_is_short():
     job.run(40)
     for rank in job.sessions:
         rank.trace.end("closed")
-    lines = format_report(diagnose(job.records())).splitlines()
+    report = diagnose(job.records())
+    lines = format_report(report).splitlines()
     assert lines[0].startswith("healthy: 4 of 4 ranks agree")
     assert lines[1:] == ["  illegal transitions: none", "  traces: 4 of world 4, 372 records, last steps 39..39"]
+    assert report.to_dict()["unended_ranks"] == []
 
 
 def test_healthy_report_names_the_ranks_without_an_end_record():
@@ -37,6 +39,7 @@ def test_healthy_report_names_the_ranks_without_an_end_record():
     job.run(40)
     lines = format_report(diagnose(job.records())).splitlines()
     assert lines[0].startswith("healthy") and lines[-1].startswith("  no end record on ranks 0-3: still running")
+    assert diagnose(job.records()).to_dict()["unended_ranks"] == [0, 1, 2, 3]
     for rank in job.sessions[:3]:  # the others ended: the one without `end` is a culprit, not a note
         rank.trace.end("closed")
     assert format_report(diagnose(job.records())).startswith("rank_died: rank 3 died")

@@ -127,6 +127,11 @@ class Report:
         return self.verdict == HEALTHY
 
     @property
+    def unended_ranks(self) -> list[int]:
+        """Ranks with a session whose trace has no ``end`` record (running when read, or killed, or frozen)."""
+        return sorted({r["rank"] for r in self.ranks if not r.get("end")})
+
+    @property
     def exit_code(self) -> int:
         return 0 if self.healthy else 1
 
@@ -148,6 +153,7 @@ class Report:
             "warnings": self.warnings,
             "world": self.world,
             "missing_ranks": self.missing_ranks,
+            "unended_ranks": self.unended_ranks,
             "scales": self.scales,
             "verdict_detail": self.verdict_detail,
             "consequences": self.consequences,

@@ -102,7 +102,7 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         + (f" (missing {ranks_text(report.missing_ranks)})" if report.missing_ranks else "")
         + f", {n_records} records, last steps {min(lasts) if lasts else '-'}..{max(lasts) if lasts else '-'}"
     )
-    unended = {r["rank"] for r in ranks if not r.get("end")}
+    unended = report.unended_ranks
     if report.healthy and unended:
         # the ranks agree up to where their traces stop, which says nothing of why they stop
         lines.append(f"  no end record on {'rank' if len(unended) == 1 else 'ranks'} {ranks_text(unended)}: still "
