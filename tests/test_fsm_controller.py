@@ -9,6 +9,7 @@ test_fsm_controller_multiprocess.py.
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 import pytest
@@ -223,6 +224,24 @@ def test_profile_step_reserves_buffers_and_changes_nothing():
     assert entry.buffer.nbytes > 0
     assert entry.window.filled == 0 and int(entry.window.load_pass.sum()) == 0
     assert events(ctl, "profile")[0]["buffer_bytes"] == entry.buffer.nbytes
+
+
+def test_profile_step_is_refused_while_a_rearrangement_may_use_the_buffers():
+    """is_profile during an async rearrangement raises ValueError and changes nothing; once collecting it runs."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(use_async=True), keep_trace=True)
+    ctl.add_model(model, "main")
+    ctl.rearrange()
+    assert ctl.state == "planning"
+    with pytest.raises(ValueError, match="is_profile needs state collecting"):
+        ctl.step(is_profile=True)
+    assert ctl.state == "planning" and not events(ctl, "profile")
+    for _ in range(2000):  # the worker plans in the background: wait for it, at most ~10 s
+        if ctl.step() == "collecting":
+            break
+        time.sleep(0.005)
+    assert ctl.state == "collecting" and ctl.step(is_profile=True) == "collecting"
+    ctl.close()
 
 
 def test_negative_load_is_rejected_and_nothing_moves():

@@ -220,13 +220,15 @@ class EplbController:
         """Account one engine step (call after the forward pass, on every rank); returns the state.
 
         ``is_dummy``: a padding step without real tokens (counts toward the interval,
-        its load does not enter the window). ``is_profile``: the engine's profile run:
-        reserve transfer buffers, change no state or counter. ``log_stats``: log the
+        its load does not enter the window). ``is_profile``: the engine's profile run, while
+        collecting: reserve transfer buffers, change no state or counter. ``log_stats``: log the
         balancedness of this pass (with ``config.log_balancedness``, at its interval).
         """
         if self._closed:
             self._check_open("step")
         if is_profile:
+            if self.machine.state != COLLECTING or self.rearranger.current is not None:  # its buffers may be in use
+                raise ValueError(f"is_profile needs state collecting and no rearrangement; state is {self.state!r}")
             self.trace.emit("profile", buffer_bytes=self.mover.reserve(spare=self.rearranger.layer_jobs.prefetch))
             return self.machine.state
         counters = self.counters
