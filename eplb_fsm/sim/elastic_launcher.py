@@ -38,6 +38,20 @@ def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, 
     results.put((pid_key, "ok", value))
 
 
+def _settle_after_failure(procs: dict, values: dict, failures: dict, results_q: Any) -> None:
+    """Once a process failed: the others are likely blocked on it, so take what they report
+    within a second, then count every process that died meanwhile (a signal) as failed too,
+    not as a bystander the launcher stopped."""
+    grace = time.monotonic() + 1.0
+    while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
+        with contextlib.suppress(queue_mod.Empty):
+            k2, s2, v2 = results_q.get(timeout=0.1)
+            (values if s2 == "ok" else failures)[k2] = v2
+    for k, p in procs.items():
+        if k not in values and k not in failures and p.exitcode not in (None, 0):
+            failures[k] = f"process exited with code {p.exitcode} without reporting"
+
+
 def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = None) -> list[dict]:
     """Run an elastic simulation; returns every process's result (first ranks, then joiners).
 
@@ -105,19 +119,13 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
                         continue
                     failures[key] = f"process exited with code {p.exitcode} without reporting"
                 if failures:
+                    # the message drained above may be another process's: the dead one is named below
+                    _settle_after_failure(procs, values, failures, results_q)
                     break
                 continue
             (values if status == "ok" else failures)[key] = payload
             if failures:
-                grace = time.monotonic() + 1.0
-                while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
-                    with contextlib.suppress(queue_mod.Empty):
-                        k2, s2, v2 = results_q.get(timeout=0.1)
-                        (values if s2 == "ok" else failures)[k2] = v2
-                # issue 12 wiring: a process that died meanwhile (a signal) failed too, it is no bystander
-                for k, p in procs.items():
-                    if k not in values and k not in failures and p.exitcode not in (None, 0):
-                        failures[k] = f"process exited with code {p.exitcode} without reporting"
+                _settle_after_failure(procs, values, failures, results_q)
                 break
     finally:
         stop_processes(list(procs.values()))
