@@ -13,17 +13,16 @@ can never disagree. All arrays are numpy; ``as_torch`` gives tensors for the rou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import operator
+from dataclasses import dataclass
 
 import numpy as np
 
 EMPTY = -1
 
 
-def as_count(value, name: str, minimum: int = 1) -> int:
-    """``value`` as an int of at least ``minimum``; ``ValueError`` naming ``name`` otherwise.
+def as_count(value, name: str, minimum: int | None = 1) -> int:
+    """``value`` as an int of at least ``minimum`` (None: any); ``ValueError`` naming ``name`` otherwise.
 
     Python and numpy integers pass; floats (even 16.0), bools and strings do not, so that
     16.5 experts is an error rather than 16.
@@ -34,7 +33,7 @@ def as_count(value, name: str, minimum: int = 1) -> int:
         count = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if count < minimum:
+    if minimum is not None and count < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {count}")
     return count
 

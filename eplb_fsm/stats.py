@@ -31,12 +31,9 @@ class LoadWindow:
     """The per-pass load and the ring buffer of the last ``window_size`` counted passes."""
 
     def __init__(self, num_layers: int, num_physical: int, window_size: int, device=None) -> None:
-        num_layers = as_count(num_layers, "num_layers")
-        num_physical = as_count(num_physical, "num_physical")
-        window_size = as_count(window_size, "window_size")
-        self.num_layers = num_layers
-        self.num_physical = num_physical
-        self.window_size = window_size
+        self.num_layers = num_layers = as_count(num_layers, "num_layers")
+        self.num_physical = num_physical = as_count(num_physical, "num_physical")
+        self.window_size = window_size = as_count(window_size, "window_size")
         self.load_pass = torch.zeros((num_layers, num_physical), dtype=torch.int64, device=device)
         self.window = torch.zeros((window_size, num_layers, num_physical), dtype=torch.int64, device=device)
         self.next_index = 0  # ring position the next counted pass goes to

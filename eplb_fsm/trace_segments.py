@@ -19,8 +19,8 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace", "record_steps", "rotate",
-           "segment_paths"]
+__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace",
+           "record_steps", "rotate", "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
 DEFAULT_MAX_SEGMENTS = 4               # files kept per rank, the live one included

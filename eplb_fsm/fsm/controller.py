@@ -224,7 +224,7 @@ class EplbController:
         collecting: reserve transfer buffers, change no state or counter. ``log_stats``: log the
         balancedness of this pass (with ``config.log_balancedness``, at its interval).
         """
-        if self._closed:
+        if self._closed:  # the hot path pays one attribute read, not a call
             self._check_open("step")
         if is_profile:
             if self.machine.state != COLLECTING or self.rearranger.current is not None:  # its buffers may be in use

@@ -21,12 +21,11 @@ move between them. Outputs are CPU tensors.
 from __future__ import annotations
 
 import abc
-import operator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from eplb_fsm.maps import host_array
+from eplb_fsm.maps import as_count, host_array
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -57,15 +56,6 @@ class AbstractEplbPolicy(abc.ABC):
         old_phy2log: "torch.Tensor | None" = None,
     ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
         """Return ``(phy2log (L, P), log2phy (L, N, P-N+1), replica_count (L, N))``, int64, CPU."""
-
-
-def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def is_hierarchical(num_groups: int, num_nodes: int) -> bool:
@@ -144,10 +134,10 @@ def check_rebalance_args(
     """
     import torch
 
-    num_replicas = _as_int(num_replicas, "num_replicas")
-    num_groups = _as_int(num_groups, "num_groups")
-    num_nodes = _as_int(num_nodes, "num_nodes")
-    num_ranks = _as_int(num_ranks, "num_ranks")
+    num_replicas = as_count(num_replicas, "num_replicas", minimum=None)  # its rule (>= N) needs the weight
+    num_groups = as_count(num_groups, "num_groups")
+    num_nodes = as_count(num_nodes, "num_nodes")
+    num_ranks = as_count(num_ranks, "num_ranks")
 
     weight = _weight_as_numpy(weight)
     if weight.ndim != 2:
@@ -161,12 +151,6 @@ def check_rebalance_args(
         raise ValueError(f"weight must hold real numbers, got dtype {weight.dtype}")
     weight32 = torch.from_numpy(checked_float32(weight))
 
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if num_groups < 1:
-        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-    if num_nodes < 1:
-        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     if num_replicas < num_experts:
         raise ValueError(
             f"num_replicas must be >= the number of experts ({num_experts}), got {num_replicas}"
@@ -191,9 +175,7 @@ def check_rebalance_args(
         groups, nodes = 1, 1
 
     if old_phy2log is not None:
-        old = old_phy2log if isinstance(old_phy2log, torch.Tensor) else torch.as_tensor(np.asarray(old_phy2log))
-        if old.is_meta:
-            raise ValueError("old_phy2log must hold data: a tensor on the 'meta' device has none")
+        old = torch.as_tensor(host_array(old_phy2log, "old_phy2log"))
         if old.dim() != 2 or old.shape[0] != num_layers:
             raise ValueError(
                 f"old_phy2log must be 2-D with {num_layers} rows (layers), got shape {tuple(old.shape)}"
