@@ -22,7 +22,7 @@ def test_small_bench_reports_both_verdicts(capsys):
         assert data["healthy"][key] > 0
     assert data["baseline_parse_s"] > 0 and isinstance(data["meets_target"], bool)
     ar = data["allreduce_every_step"]
-    assert ar["verdict"] == "healthy" and ar["records"] == 8 * (600 * 3 + 2) and ar["target_s"] == 4.0
+    assert ar["verdict"] == "healthy" and ar["records"] == 8 * (600 * 3 + 3) and ar["target_s"] == 4.0
     assert data["compact"]["target_s"] == 2.0
     assert data["meets_target"] == (data["compact"]["meets_target"] and ar["meets_target"])
     assert data["long"] is None     # --long-steps 0 skips the long case

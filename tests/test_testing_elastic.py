@@ -14,7 +14,7 @@ def _events(recs: list[dict], step: int) -> list[str]:
 
 
 def test_scale_down_leaving_rank_ends_with_its_switch():
-    """A leaving rank sends its layers in the old group, fires switched, writes group_switch (-1) and scaling."""
+    """A leaving rank sends its layers in the old group, fires switched, writes group_switch (-1), scaling, end."""
     job = SyntheticJob(world=4, num_layers=2, interval=10)
     job.run(12)
     job.scale(2)
@@ -22,10 +22,11 @@ def test_scale_down_leaving_rank_ends_with_its_switch():
     assert _events(recs, 12) == [
         "scale_requested", "collective_start", "groups_ready", "collective_start", "plan_ready",
         "collective_start", "collective_start", "layer_done", "collective_start", "collective_start", "layer_done",
-        "committed", "rearrangement", "switched", "group_switch", "scaling"]
-    switch = recs[-2]
+        "committed", "rearrangement", "switched", "group_switch", "scaling", "end"]
+    switch = recs[-3]
     assert (switch["role"], switch["new_group"], switch["new_rank"], switch["old_world"]) == ("leaving", None, -1, 4)
-    assert recs[-1]["rank"] == -1 and recs[-1]["outcome"] == "left"
+    assert recs[-2]["rank"] == -1 and recs[-2]["outcome"] == "left"
+    assert recs[-1]["how"] == "closed"  # the engine closes a leaving rank's controller
     assert {r["group"] for r in recs if r["event"] == "collective_start" and r["step"] == 12} == {"ep", "ep_transfer"}
     assert sorted(job.ranks) == [0, 1] and job.world == 2
 
@@ -95,3 +96,47 @@ def test_bad_scale_requests_are_rejected():
                           ({"new_world": 2, "die": {0: 1}}, "die")]:
         with pytest.raises(ValueError, match=match):
             job.scale(**kwargs)
+
+
+def test_scale_arguments_that_could_not_take_effect_are_refused_before_any_record():
+    """A bool world, a mapping of -5, a layer the model lacks, absent on a scale-down: ValueError, nothing written."""
+    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job.run(4)
+    before = {r: len(recs) for r, recs in job.records().items()}
+    for kwargs, match in [({"new_world": True}, "new_world must be an integer"),
+                          ({"new_world": 2, "rank_mapping": {0: 0, 1: 1, 2: -5}}, r"rank_mapping\[2\]"),
+                          ({"new_world": 2, "rank_mapping": {0: 0, 1: 1, 2: "x"}}, r"rank_mapping\[2\]"),
+                          ({"new_world": 2, "die": {2: 7}}, "below num_layers=2"),
+                          ({"new_world": 2, "die": {2: -1}}, r"die\[2\] must be >= 0"),
+                          ({"new_world": 2, "absent": True}, "absent=True")]:
+        with pytest.raises(ValueError, match=match):
+            job.scale(**kwargs)
+    assert {r: len(recs) for r, recs in job.records().items()} == before
+    assert job.generation == 0 and job.world == 3
+
+
+def test_a_rank_a_fault_stopped_cannot_take_part_in_a_scale():
+    """scale() after a Stop fault names the stopped rank instead of writing records for a dead process."""
+    from eplb_fsm.testing import Faults, Stop
+
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(12, Faults(stop={3: Stop(5)}))
+    with pytest.raises(ValueError, match=r"ranks \[3\] have stopped"):
+        job.scale(2)
+    assert job.generation == 0 and job.records()[3][-1]["step"] == 4
+
+
+def test_a_closed_elastic_job_replays_healthy_with_every_rank_ended(tmp_path):
+    """4 -> 2 -> 4 then close(): every session ends (leaving ranks at their scale), replay has no unended rank."""
+    from eplb_fsm.inspect import replay_dir
+
+    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path, keep=False)
+    job.run(12)
+    job.scale(2)
+    job.run(12)
+    job.scale(4)
+    job.run(12)
+    job.close()
+    report = replay_dir(tmp_path)
+    assert report.verdict == "healthy"
+    assert report.to_dict()["unended_ranks"] == []

@@ -120,3 +120,57 @@ def test_transfer_error_aborts_on_every_rank_and_resets_the_group():
         resets = [x["group"] for x in rr if x["event"] == "transfer_group_reset"]
         assert resets == ["ep_transfer.1"]
         assert {x["group"] for x in rr if x.get("op") == "batch_isend_irecv" and x["step"] > 4} == {"ep_transfer.1"}
+
+
+def test_close_ends_every_live_rank_and_replay_sees_an_orderly_end(tmp_path):
+    """close() writes end (closed) on ranks still running, none on a stopped one; replay names only the stopped."""
+    from eplb_fsm.inspect import replay_dir
+
+    job = SyntheticJob(world=3, interval=5, trace_dir=tmp_path, keep=False)
+    job.run(10)
+    job.close()
+    job.close()
+    assert [read_trace(trace_path(tmp_path, r))[0][-1]["how"] for r in range(3)] == ["closed"] * 3
+    assert replay_dir(tmp_path).to_dict()["unended_ranks"] == []
+    died = SyntheticJob(world=3, interval=5, trace_dir=tmp_path / "died", keep=False)
+    died.run(10, Faults(stop={1: Stop(7)}))
+    died.close()
+    report = replay_dir(tmp_path / "died")
+    assert report.verdict == "rank_died" and report.culprit_ranks == [1]
+
+
+def test_a_closed_job_refuses_to_run_and_keep_false_refuses_records():
+    """run()/scale() after close() raise RuntimeError; records() without keep=True is a ValueError."""
+    job = SyntheticJob(world=2, interval=5)
+    job.run(3)
+    job.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        job.run(3)
+    with pytest.raises(RuntimeError, match="closed"):
+        job.scale(1)
+    with pytest.raises(ValueError, match="keep=True"):
+        SyntheticJob(world=2, keep=False).records()
+
+
+def test_bad_job_sizes_are_refused_before_any_file_is_opened(tmp_path):
+    """world, num_layers, num_experts, interval, ranks, steps: ValueError naming the field; no trace file made."""
+    for kwargs, match in [({"world": 0}, "world must be >= 1"), ({"world": True}, "world must be an integer"),
+                          ({"num_layers": 0}, "num_layers"), ({"num_experts": 2.0}, "num_experts"),
+                          ({"interval": "5"}, "interval"), ({"ranks": [7]}, "ranks must be distinct"),
+                          ({"ranks": [0, 0]}, "ranks must be distinct"),
+                          ({"config_overrides": {5: {}}}, "config_overrides")]:
+        with pytest.raises(ValueError, match=match):
+            SyntheticJob(trace_dir=tmp_path, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="steps"):
+        SyntheticJob(world=2).run(-3)
+    with pytest.raises(ValueError, match="traces rank"):
+        write_traces({-1: []}, tmp_path)
+
+
+def test_a_world_that_does_not_divide_the_experts_gets_redundant_slots():
+    """10 experts on 4 ranks: 3 slots a rank, 12 physical, 2 redundant in the header's config."""
+    recs = SyntheticJob(world=4, num_experts=10).records()[0]
+    added = recs[1]
+    assert (added["logical"], added["physical"], added["local"]) == (10, 12, 3)
+    assert recs[0]["config"]["num_redundant_experts"] == 2

@@ -71,3 +71,46 @@ def test_injected_all_reduce_failure_and_bad_world_size():
         group.all_reduce(torch.zeros(1), timeout_s=1.0)
     with pytest.raises(ValueError, match="world_size"):
         ThreadWorld(0)
+
+
+def test_the_first_real_error_is_raised_not_the_broken_barrier_it_caused():
+    """Rank 1's ValueError reaches the caller even though rank 0, waiting in the barrier, failed first by index."""
+
+    def body(rank, group):
+        if rank == 1:
+            raise ValueError("the real bug on rank 1")
+        group.all_reduce(torch.zeros(1), timeout_s=30.0)
+
+    with pytest.raises(ValueError, match="the real bug on rank 1"):
+        run_threads(2, body, timeout=30.0)
+
+
+def test_timeout_bounds_the_whole_run_and_frees_the_waiting_ranks():
+    """A rank that never arrives: TimeoutError naming it, and the barrier broken so the waiters return."""
+    import threading
+
+    release = threading.Event()
+    waiters: list = []
+
+    def body(rank, group):
+        if rank == 2:
+            release.wait(30.0)
+            return None
+        try:
+            group.all_reduce(torch.zeros(1), timeout_s=30.0)
+        except threading.BrokenBarrierError:
+            waiters.append(rank)
+
+    with pytest.raises(TimeoutError, match=r"\[0, 1, 2\]|\[2\]"):
+        run_threads(3, body, timeout=0.5)
+    release.set()
+    deadline = threading.Event()
+    for _ in range(100):
+        if sorted(waiters) == [0, 1]:
+            break
+        deadline.wait(0.1)
+    assert sorted(waiters) == [0, 1]
+    with pytest.raises(ValueError, match="timeout"):
+        run_threads(1, body, timeout=-1)
+    with pytest.raises(ValueError, match="world_size"):
+        ThreadWorld(True)

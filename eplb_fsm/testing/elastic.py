@@ -1,4 +1,4 @@
-"""Elastic EP for :class:`~eplb_fsm.testing.job.SyntheticJob`: scale-down and scale-up written the way the controller writes them.
+"""Elastic EP for :class:`~eplb_fsm.testing.job.SyntheticJob`: scale-down and scale-up as the controller writes them.
 
 ``scale(job, new_world)`` runs one scale request between two ``job.run`` calls, on every
 serving rank, record for record as ``eplb_fsm.fsm.scaling`` traces it (sync mode, records
@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from eplb_fsm.fsm.machine import SCALING, EplbMachine
+from eplb_fsm.maps import as_count
 from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
 
 __all__ = ["TIMEOUT_S", "scale"]
@@ -41,15 +42,24 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
 
     ``rank_mapping``: ``{old rank: new rank or -1}`` (default: the highest ranks leave on a
     scale-down, old ranks keep their numbers on a scale-up). ``absent`` and ``die`` are the
-    faults described in the module docstring.
+    faults described in the module docstring. A request that could not happen as asked (a
+    serving rank a fault stopped, a mapping value other than -1 or a new rank, ``die`` at a
+    layer the model lacks, ``absent`` on a scale-down) is a ``ValueError`` before any record.
     """
     old_world = job.world
-    if new_world == old_world or new_world < 1:
-        raise ValueError(f"new_world must differ from {old_world} and be >= 1, got {new_world}")
+    new_world = as_count(new_world, "new_world")
+    if new_world == old_world:
+        raise ValueError(f"new_world must differ from the current world {old_world}, got {new_world}")
+    stopped = sorted(r for r, rank in job.ranks.items() if rank.stopped)
+    if stopped:
+        raise ValueError(f"scale: ranks {stopped} have stopped (a fault); a scale needs every serving rank")
     mapping = dict(rank_mapping) if rank_mapping is not None else {
         r: (r if r < new_world else -1) for r in range(old_world)}
     if sorted(mapping) != sorted(job.ranks):
         raise ValueError(f"rank_mapping must map every serving rank {sorted(job.ranks)}, got {sorted(mapping)}")
+    for r, n in mapping.items():
+        if as_count(n, f"rank_mapping[{r}]", minimum=-1) >= new_world:
+            raise ValueError(f"rank_mapping[{r}] must be -1 (leaves) or a rank below {new_world}, got {n}")
     kept = sorted(n for n in mapping.values() if n >= 0)
     if len(set(kept)) != len(kept) or any(n >= new_world for n in kept):
         raise ValueError(f"rank_mapping must send the kept ranks to distinct ranks below {new_world}")
@@ -60,6 +70,11 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
         raise ValueError(f"a {kind} cannot have {'leaving ranks' if leaving else 'joiners'}")
     if die and (kind != "scale_down" or not set(die) <= set(leaving)):
         raise ValueError("die names leaving ranks of a scale-down")
+    for r, layer in (die or {}).items():
+        if as_count(layer, f"die[{r}]", minimum=0) >= job.num_layers:
+            raise ValueError(f"die[{r}] must be a layer below num_layers={job.num_layers}, got {layer}")
+    if absent and kind != "scale_up":
+        raise ValueError("absent=True names a scale-up's joiners; a scale-down has none")
     job.generation += 1  # used up even if the scale aborts
     gen, step = job.generation, job.step_no
     request = {"kind": kind, "generation": gen, "from_ranks": old_world, "to_ranks": new_world,
@@ -161,11 +176,13 @@ def _scale_down(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int]
     gen = request["generation"]
     broken_at = min(die.values()) if die else None
     survivors: dict[int, SyntheticRank] = {}
+    dead: set[int] = set()
     degraded = bool(die)
     for r, rank in old.items():
         new_rank = mapping[r]
         status = _rearrange(job, rank, request, broken_at, r in die and die[r] == broken_at)
         if status == "dead":
+            dead.add(r)
             continue
         if status == "broken":
             if new_rank < 0:  # a leaving rank has no new group to finish on
@@ -201,8 +218,10 @@ def _scale_down(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int]
                      layers_committed=job.num_layers)
         rank.count = 0
         survivors[new_rank] = rank
-    for rank in old.values():
+    for r, rank in old.items():
         if rank.stopped:
+            if r not in dead:  # a leaving rank that did not die: the engine closes its controller
+                rank.trace.end("closed")
             rank.trace.close()
     job.ranks = dict(sorted(survivors.items()))
     job.world = request["to_ranks"]

@@ -9,10 +9,12 @@ the event data), and ``collective_start``/``collective_end`` pairs from
 with one ``batch_isend_irecv`` per layer and commits (every third plan finds nothing
 worth moving and logs ``plan_skipped``).
 
-Faults are injected per rank, so tests, the docs and ``eplb-fsm bench replay`` get
-realistic broken traces: a rank that stops (before a step, before its collective, or
-inside it), a rank whose interval counter misses a step, a rank that issues a different
-collective, a rank that records an illegal transition, a rank with a different config.
+Faults (:mod:`eplb_fsm.testing.faults`, checked before a ``run`` starts) are injected per
+rank, so tests, the docs and ``eplb-fsm bench replay`` get realistic broken traces: a rank
+that stops (before a step, before its collective, or inside it), a rank whose interval
+counter misses a step, a rank that issues a different collective, a rank that records an
+illegal transition, a rank with a different config. ``close()`` ends every live rank's
+trace with ``end`` as ``EplbController.close()`` does.
 
 ``SyntheticJob.scale(new_world, ...)`` adds elastic EP between two ``run`` calls: a
 scale-down (leaving ranks send their experts away and stop) or a scale-up (joiners append a
@@ -22,62 +24,18 @@ faults are keyed by the ranks' current numbers.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eplb_fsm.maps import as_count
 from eplb_fsm.testing.elastic import scale as _scale_job
+from eplb_fsm.testing.faults import STOP_POINTS, Faults, Stop, check_faults, hang_faults
 from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
 from eplb_fsm.trace import encode_record, trace_path
 
-__all__ = ["STOP_POINTS", "Faults", "Stop", "SyntheticJob", "hang_faults", "write_traces"]
-
-# where a stopped rank stops within its step
-STOP_POINTS = ("before_step", "before_collective", "in_collective")
-
-
-@dataclass(frozen=True)
-class Stop:
-    """A rank's trace ends at ``step``: before the step, before its first collective, or inside it."""
-
-    step: int
-    where: str = "before_step"
-
-    def __post_init__(self) -> None:
-        if self.where not in STOP_POINTS:
-            raise ValueError(f"where must be one of {', '.join(STOP_POINTS)}, got {self.where!r}")
-
-
-@dataclass
-class Faults:
-    """What to break, keyed by rank (every field optional).
-
-    - ``stop``: rank -> Stop (the rank's trace ends there: it died or hangs)
-    - ``skip_count``: rank -> step at which the rank's interval counter misses the step,
-      so it enters planning one step after the others
-    - ``wrong_collective``: rank -> (step, overrides): the first collective of that step is
-      issued with e.g. ``{"op": "all_gather"}`` or ``{"shape": [9, 9]}``
-    - ``illegal``: rank -> step: during that step's transfer the rank records
-      ``committed`` straight from transferring (a transition the machine refuses)
-    - ``transfer_error``: rank -> (step, layer): that rank's transfer of the layer fails
-      before it sends anything; the others' wave times out (``collective_error``), the
-      ready all-reduce tells everyone, every rank fires a recoverable ``fault`` and
-      re-creates the transfer group (``transfer_group_reset``), as the controller does
-    """
-
-    stop: dict[int, Stop] = field(default_factory=dict)
-    skip_count: dict[int, int] = field(default_factory=dict)
-    wrong_collective: dict[int, tuple[int, dict]] = field(default_factory=dict)
-    illegal: dict[int, int] = field(default_factory=dict)
-    transfer_error: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-
-def hang_faults(world: int, culprit: int, step: int) -> Faults:
-    """A classic hang: ``culprit`` never reaches its collective at ``step``; the others wait inside it."""
-    stop = {r: Stop(step, "in_collective") for r in range(world) if r != culprit}
-    stop[culprit] = Stop(step, "before_collective")
-    return Faults(stop=stop)
+__all__ = ["STOP_POINTS", "Faults", "Stop", "SyntheticJob", "hang_faults", "write_traces"]  # faults' re-exported
 
 
 class SyntheticJob:
@@ -105,8 +63,16 @@ class SyntheticJob:
         step_s: float = 0.05,
         compact_steps: bool = False,
     ) -> None:
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+        world = as_count(world, "world")
+        num_layers = as_count(num_layers, "num_layers")
+        num_experts = as_count(num_experts, "num_experts")
+        interval = as_count(interval, "interval")
+        chosen = list(range(world)) if ranks is None else [as_count(r, "ranks", minimum=0) for r in ranks]
+        if len(set(chosen)) != len(chosen) or any(r >= world for r in chosen):
+            raise ValueError(f"ranks must be distinct ranks below world={world}, got {ranks}")
+        for r in config_overrides or {}:
+            if r not in chosen:
+                raise ValueError(f"config_overrides: rank {r!r} is not one of the simulated ranks {chosen}")
         self.world = world
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -116,17 +82,22 @@ class SyntheticJob:
         self.step_no = 0
         self.compact_steps = compact_steps
         self.trace_dir = trace_dir
+        # every rank holds the same number of slots, so a world that does not divide the
+        # experts gets redundant slots (physical >= logical), as a real placement would
+        self.slots_per_rank = math.ceil(num_experts / world)
+        physical = self.slots_per_rank * world
         if config is None:
             from eplb_fsm.config import EplbConfig
 
-            config = EplbConfig(window_size=interval, step_interval=interval).to_dict()
+            config = EplbConfig(window_size=interval, step_interval=interval,
+                                num_redundant_experts=physical - num_experts).to_dict()
         self.config = dict(config)
-        self.slots_per_rank = max(1, num_experts // world)
         self.keep = keep
         self.generation = 0
+        self.closed = False
         self.ranks: dict[int, SyntheticRank] = {}       # the serving ranks, by current rank
         self.sessions: list[SyntheticRank] = []        # every rank ever, in the order they started
-        for r in (range(world) if ranks is None else ranks):
+        for r in chosen:
             clock = SyntheticClock(t0)
             rank = SyntheticRank(r, world, num_layers, trace_dir, clock, keep=keep)
             cfg = dict(config)
@@ -134,15 +105,22 @@ class SyntheticJob:
             # the controller's header and model registration
             rank.trace.header(cfg, mode="sync", device="cpu", group=GROUP, transfer_group=TRANSFER_GROUP)
             rank.trace.emit("model_added", num_layers=num_layers, model="main", layers=num_layers,
-                            layer_offset=0, logical=num_experts, physical=num_experts,
+                            layer_offset=0, logical=num_experts, physical=physical,
                             local=self.slots_per_rank, groups=1, slot_bytes=SLOT_BYTES)
             self.ranks[r] = rank
             self.sessions.append(rank)
 
     # -- driving ---------------------------------------------------------
     def run(self, steps: int, faults: Faults | None = None) -> "SyntheticJob":
-        """Advance every live rank by ``steps`` engine steps."""
-        faults = faults or Faults()
+        """Advance every live rank by ``steps`` engine steps.
+
+        ``faults`` is checked first (:func:`~eplb_fsm.testing.faults.check_faults`): a fault that is
+        malformed, or that could not fire at a step of this run, is a ``ValueError`` before any step.
+        """
+        self._check_open("run")
+        steps = as_count(steps, "steps", minimum=0)
+        faults = Faults() if faults is None else faults
+        check_faults(self, faults, steps)
         for _ in range(steps):
             step = self.step_no
             for rank in self.ranks.values():
@@ -238,8 +216,13 @@ class SyntheticJob:
         rank.trace.emit("transfer_group_reset", group=rank.transfer_group)
 
     def scale(self, new_world: int, **kwargs: Any) -> dict:
-        """Scale the serving ranks to ``new_world`` before the next step (see :func:`eplb_fsm.testing.elastic.scale`)."""
+        """Scale the serving ranks to ``new_world`` before the next step (:func:`eplb_fsm.testing.elastic.scale`)."""
+        self._check_open("scale")
         return _scale_job(self, new_world, **kwargs)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what}: the job is closed; its traces are complete")
 
     # -- output ----------------------------------------------------------
     def records(self) -> dict[int, list[dict]]:
@@ -247,6 +230,9 @@ class SyntheticJob:
 
         Steps still counted are written first (as a flush would), so runs are complete.
         """
+        if not self.keep:
+            raise ValueError("records() needs keep=True; with keep=False read the files with "
+                             "eplb_fsm.inspect.replay_dir(trace_dir)")
         out: dict[int, list[dict]] = {}
         for rank in self.sessions:
             rank.trace.flush()
@@ -255,12 +241,22 @@ class SyntheticJob:
         return dict(sorted(out.items()))
 
     def close(self) -> None:
+        """End the job as an engine closing its controllers would: every rank still running writes
+        ``end`` (``how: closed``); a rank a fault stopped writes nothing more. Idempotent."""
         for rank in self.sessions:
+            if not rank.stopped:
+                rank.trace.end("closed")
             rank.trace.close()
+        self.closed = True
 
 
 def write_traces(traces: dict[int, list[dict]], trace_dir: str | os.PathLike) -> dict[int, Path]:
-    """Write in-memory records as per-rank JSONL files (the layout the controller writes)."""
+    """Write in-memory records as per-rank JSONL files (the layout the controller writes).
+
+    Each file is written anew (an existing one is replaced, unlike a trace, which appends).
+    """
+    for r in traces:
+        as_count(r, "traces rank", minimum=0)
     paths = {}
     for r, records in traces.items():
         path = trace_path(trace_dir, r)

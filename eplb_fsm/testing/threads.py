@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
+
+from eplb_fsm.maps import as_count
 
 __all__ = ["ThreadCommunicator", "ThreadGroup", "ThreadWorld", "run_threads"]
 
@@ -23,8 +26,7 @@ class ThreadWorld:
     """G in-process ranks: a barrier-based all-reduce and queue-based point-to-point messages."""
 
     def __init__(self, world_size: int) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        world_size = as_count(world_size, "world_size")
         self.world_size = world_size
         self.barrier = threading.Barrier(world_size)
         self.slots: list = [None] * world_size          # each rank's all-reduce input
@@ -116,7 +118,14 @@ class ThreadCommunicator:
 
 
 def run_threads(world_size: int, body, timeout: float = 60.0) -> list:
-    """Run body(rank, group) on ``world_size`` threads; return results by rank, re-raise the first error."""
+    """Run body(rank, group) on ``world_size`` threads; return results by rank.
+
+    ``timeout`` bounds the whole run; past it the barrier is broken (so ranks waiting in an
+    all-reduce give up) and ``TimeoutError`` is raised. A rank's error is re-raised: the
+    first that is not a ``BrokenBarrierError``, which only says another rank failed first.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     tw = ThreadWorld(world_size)
     results: list = [None] * world_size
     errors: list = [None] * world_size
@@ -131,11 +140,14 @@ def run_threads(world_size: int, body, timeout: float = 60.0) -> list:
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"a rank thread did not finish within {timeout:g} s")
-    for exc in errors:
-        if exc is not None:
-            raise exc
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [r for r, t in enumerate(threads) if t.is_alive()]
+    if late:
+        tw.barrier.abort()
+        raise TimeoutError(f"rank thread(s) {late} did not finish within {timeout:g} s")
+    failed = [exc for exc in errors if exc is not None]
+    if failed:
+        raise next((exc for exc in failed if not isinstance(exc, threading.BrokenBarrierError)), failed[0])
     return results

@@ -1,0 +1,64 @@
+"""Fault checks for the synthetic job: a fault that could not fire is refused before a run writes anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults
+
+
+def _counts(job: SyntheticJob) -> dict[int, int]:
+    return {r: len(recs) for r, recs in job.records().items()}
+
+
+@pytest.mark.parametrize("faults, match", [
+    (Faults(stop={1: Stop(4, "in_collective")}), "does not rearrange at step 4"),
+    (Faults(wrong_collective={0: (3, {"op": "broadcast"})}), "does not rearrange at step 3"),
+    (Faults(illegal={1: 5}), "does not rearrange at step 5"),
+    (Faults(transfer_error={1: (9, 5)}), "below num_layers=2"),
+    (Faults(transfer_error={1: (29, 0)}), "moves nothing"),
+    (Faults(stop={9: Stop(3)}), "rank 9 is not a serving rank"),
+    (Faults(stop=[Stop(3)]), "must be a dict"),
+    (Faults(stop={1: 5}), r"Stop\(step, where\)"),
+    (Faults(skip_count={1: True}), "skip_count step"),
+    (Faults(wrong_collective={0: [9, {}]}), r"\(step, overrides\)"),
+    ({"stop": {}}, "faults must be a Faults"),
+])
+def test_faults_that_could_not_fire_are_refused_before_any_step(faults, match):
+    """Each malformed or unfireable fault is a ValueError naming the field; the job has not moved."""
+    job = SyntheticJob(world=2, interval=10)
+    before = _counts(job)
+    with pytest.raises(ValueError, match=match):
+        job.run(30, faults)
+    assert job.step_no == 0 and _counts(job) == before
+
+
+def test_due_steps_follow_the_counter_across_runs_and_a_skipped_step():
+    """A fault at the step a rank actually rearranges passes: after an earlier run, and one step late after a skip."""
+    job = SyntheticJob(world=2, interval=5)
+    job.run(7)
+    job.run(10, Faults(wrong_collective={0: (9, {"op": "broadcast"})}))
+    job.run(10, Faults(skip_count={1: 17}, stop={1: Stop(20, "in_collective")}))
+    assert job.ranks[1].stopped and not job.ranks[0].stopped
+    with pytest.raises(ValueError, match="does not rearrange at step 19"):
+        SyntheticJob(world=2, interval=5).run(20, Faults(skip_count={1: 17}, stop={1: Stop(19, "in_collective")}))
+
+
+def test_a_fault_outside_the_run_waits_for_its_run_and_a_stopped_rank_is_named():
+    """The same Faults may span several runs; a fault on a rank that has stopped is refused."""
+    job = SyntheticJob(world=2, interval=5)
+    faults = Faults(stop={1: Stop(14, "in_collective")})
+    job.run(5, faults)
+    job.run(10, faults)
+    assert job.ranks[1].stopped
+    with pytest.raises(ValueError, match="rank 1 has stopped"):
+        job.run(10, Faults(illegal={1: 19}))
+
+
+def test_stop_and_hang_faults_check_their_arguments():
+    """Stop needs an int step >= 0; hang_faults needs a culprit below the world."""
+    with pytest.raises(ValueError, match="Stop.step"):
+        Stop("19")
+    with pytest.raises(ValueError, match="culprit must be a rank below world=4"):
+        hang_faults(4, culprit=9, step=19)
+    assert hang_faults(2, culprit=1, step=3).stop[0] == Stop(3, "in_collective")
