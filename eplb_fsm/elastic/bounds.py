@@ -23,24 +23,35 @@ request. docs/debugging-hangs.md ("Bounds") states the bound per phase.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["GRACE_S", "MIN_WAIT_S", "ScaleDeadline", "scale_bounds"]
+__all__ = ["GRACE_S", "MIN_WAIT_S", "ScaleDeadline", "check_seconds", "scale_bounds"]
 
 GRACE_S = 5.0      # seconds each stage adds for the peers' own bookkeeping between waits
 MIN_WAIT_S = 0.05  # what a wait past the deadline still gets (a zero timeout is no timeout to gloo)
 
 
+def check_seconds(value: Any, name: str) -> float:
+    """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real,
+    finite number > 0. Bools and strings are refused: ``True`` would mean one second, and an
+    infinite timeout overflows the stores' and gloo's timedelta half-way through a scale."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+    return float(value)
+
+
 def scale_bounds(form_timeout_s: float, timeout_s: float) -> tuple[float, float]:
     """``(forward_s, bound_s)`` of a scale: seconds from its request to the end of the forward
     part (forming .. last layer) and to the end of any recovery agreement (see the module doc)."""
-    if not form_timeout_s > 0 or not timeout_s > 0:
-        raise ValueError(f"timeouts must be > 0 seconds, got form_timeout_s={form_timeout_s!r}, "
-                         f"timeout_s={timeout_s!r}")
-    forward = float(form_timeout_s) + 2.0 * float(timeout_s) + GRACE_S
-    return forward, forward + 2.0 * float(timeout_s) + GRACE_S
+    form = check_seconds(form_timeout_s, "form_timeout_s")
+    timeout = check_seconds(timeout_s, "timeout_s")
+    forward = form + 2.0 * timeout + GRACE_S
+    return forward, forward + 2.0 * timeout + GRACE_S
 
 
 @dataclass

@@ -30,6 +30,7 @@ __all__ = [
     "join_handshake",
     "late_timeout",
     "leave",
+    "non_expert_tensors",
     "reduce_on",
     "resize_models",
     "set_space",
@@ -69,10 +70,13 @@ def set_space(ctl: Any, columns: np.ndarray) -> None:
     """Re-express every model's maps and window in a new slot index space (whole ranks move).
 
     ``columns`` (P',): the old slot each new slot takes (-1: empty), see ``slot_columns``.
+    Every model's new maps are computed before any is installed, so a model that does not
+    fit ``columns`` raises with every model still in the old space.
     """
-    for entry in ctl.models:
-        entry.install_placement(remap_columns(entry.maps.phy2log, columns), ctl.device,
-                                resize_window(entry.window, columns))
+    moved = [(entry, remap_columns(entry.maps.phy2log, columns), resize_window(entry.window, columns))
+             for entry in ctl.models]
+    for entry, phy2log, window in moved:
+        entry.install_placement(phy2log, ctl.device, window)
 
 
 def resize_models(ctl: Any, rank: int, world: int) -> None:
@@ -124,37 +128,43 @@ def non_expert_specs(model: Any) -> list[tuple[tuple, str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in (getattr(model, "non_expert_weights", None) or [])]
 
 
-def join_handshake(ctl: Any, sp: ScalePlan) -> str | None:
+def join_handshake(ctl: Any, sp: ScalePlan) -> tuple[str, str] | None:
     """Both roles, in the new group: the go all-reduce, then the non-expert weights to the joiners.
 
-    Returns None when done, else the state the ``fault`` it fired led to.
+    Returns None when done, else ``(state the fault it fired led to, why)``: the reason
+    goes into the caller's scaling record (a handshake runs outside any rearrangement, so
+    no history entry keeps it).
     """
     try:
         go = ctl.collectives.all_reduce({"scale_go": flags(1.0)}, 2 * ctl.timeout_s + 5.0)["scale_go"]
     except Exception as exc:
-        return ctl.rearranger.group_fault(exc)
+        return ctl.rearranger.group_fault(exc), f"scale go: {exc}"
     if int(round(float(go[0]))) != sp.new_world:
-        return ctl.rearranger.abort(f"scale go: {float(go[0])} of {sp.new_world} ranks", recoverable=False)
+        reason = f"scale go: {float(go[0])} of {sp.new_world} ranks"
+        return ctl.rearranger.abort(reason, recoverable=False), reason
     senders = [sp.new_rank(i) for i in range(sp.old_world)]
     try:
         nbytes = _send_non_expert(ctl, sp, senders)
     except Exception as exc:
-        return ctl.rearranger.group_fault(exc)
+        return ctl.rearranger.group_fault(exc), f"non-expert weights: {type(exc).__name__}: {exc}"
     ctl.trace.emit("handover", generation=sp.generation, nbytes=nbytes, senders=senders, joiners=list(sp.joiners))
     return None
 
 
+def non_expert_tensors(model: Any, name: str) -> list[torch.Tensor]:
+    """A model's ``non_expert_weights``; ValueError naming the model and the tensor unless each
+    is a contiguous tensor (they travel as flat byte views: a strided one would be sent in the
+    wrong order, and a joiner would receive into a temporary copy)."""
+    tensors = list(getattr(model, "non_expert_weights", None) or [])
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            what = "not contiguous" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}, not a tensor"
+            raise ValueError(f"model {name!r}: non_expert_weights[{k}] must be a contiguous tensor; it is {what}")
+    return tensors
+
+
 def _handover_tensors(ctl: Any) -> list[torch.Tensor]:
-    out = []
-    for entry in ctl.models:
-        tensors = getattr(entry.model, "non_expert_weights", None)
-        if tensors is None:
-            continue
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or not t.is_contiguous():
-                raise ValueError(f"model {entry.name!r}: non_expert_weights must be contiguous tensors")
-            out.append(t)
-    return out
+    return [t for entry in ctl.models for t in non_expert_tensors(entry.model, entry.name)]
 
 
 def _send_non_expert(ctl: Any, sp: ScalePlan, senders: Sequence[int]) -> int:

@@ -16,14 +16,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from eplb_fsm.elastic.bounds import ScaleDeadline
+from eplb_fsm.elastic.bounds import ScaleDeadline, check_seconds
 from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.elastic.handover import (
     config_for_handover,
     join_handshake,
     non_expert_specs,
+    non_expert_tensors,
     resize_models,
 )
+from eplb_fsm.maps import as_count
 from eplb_fsm.elastic.scale_plan import make_scale_plan, remap_columns, slot_columns
 from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
 
@@ -40,15 +42,25 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
     """Start a joiner's controller: wait for the handover, build the group, take part in the scale.
 
     See ``EplbController.join``. Returns the controller in ``collecting`` (serving in the
-    new group) or raises :class:`ScaleAborted` (its trace says why) / ``ValueError``.
+    new group) or raises :class:`ScaleAborted` (its trace says why) / ``ValueError`` (bad
+    arguments, checked before any wait: ints ``generation`` >= 1, ``world_size`` >= 1,
+    ``0 <= rank < world_size``, ``timeout_s`` a finite number > 0; or a mismatch with the
+    serving ranks' handover).
     """
     from eplb_fsm.transfer.groups import StoreGroup, StoreInfo, connect_store
 
     started = time.perf_counter()
-    timeout = float(config.collective_timeout_s if timeout_s is None else timeout_s)
+    generation = as_count(generation, "generation", 1)
+    world_size = as_count(world_size, "world_size", 1)
+    rank = as_count(rank, "rank", 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    timeout = check_seconds(config.collective_timeout_s if timeout_s is None else timeout_s, "timeout_s")
     named = list(models.items()) if isinstance(models, Mapping) else list(models)
     if not named or any(not (isinstance(p, tuple) and len(p) == 2) for p in named):
         raise ValueError("models must be a dict {name: model} or a list of (name, model) pairs, not empty")
+    for name, model in named:  # a joiner receives into them: a strided one would take a copy's bytes
+        non_expert_tensors(model, name)
     if isinstance(store, StoreInfo):
         namespace = store.namespace
         info, store = store, connect_store(store, timeout)
@@ -82,14 +94,16 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         _take_handover(ctl, sp, named, state)
         step = ctl.steps
         history_len = len(ctl.history)
-        reached = join_handshake(ctl, sp)  # None: handed over; else where its fault led
-        phase = "handover" if reached is not None else "transfer"
+        faulted = join_handshake(ctl, sp)  # None: handed over; else (where its fault led, why)
+        phase = "handover" if faulted else "transfer"
+        reached, reason = faulted or (None, None)
         if reached is None:
             full = np.arange(state["models"][0]["slots_per_rank"] * sp.new_world, dtype=np.int64)
             reached = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
             tag_history(ctl, sp, history_len)
         if reached != SCALING:
-            reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the handshake failed"
+            if reason is None:
+                reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the transfer failed"
             scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason, phase=phase,
                            bounds=deadline.describe())
             raise ScaleAborted(f"scale to generation {generation} aborted in its {phase} phase: {reason}")
@@ -107,6 +121,9 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
 
 def _check_matches(config: Any, named: list, state: dict) -> None:
     """The joiner's config and models must be the serving ranks' (ValueError naming the difference)."""
+    slots = {m["name"]: m["slots_per_rank"] for m in state["models"]}
+    if len(set(slots.values())) > 1:  # one slot layout moves every model (the serving ranks refuse this too)
+        raise ValueError(f"the serving ranks' models differ in slots per rank: {slots}")
     mine = config_for_handover(config)
     if mine != state["config"]:
         diff = sorted(k for k in mine if mine[k] != state["config"].get(k))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from eplb_fsm.fsm.planning import lost_experts, remap_columns
+from eplb_fsm.maps import as_count
 from eplb_fsm.stats import LoadWindow
 from eplb_fsm.transfer.rank_mapping import RankMappingInfo, validate_rank_mapping
 
@@ -70,22 +71,23 @@ def default_rank_mapping(old_world: int, new_world: int) -> dict[int, int]:
     return {i: (i if i < new_world else -1) for i in range(old_world)}
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def make_scale_plan(old_world: int, new_world: int, rank_mapping: Mapping[int, int] | None = None,
                     generation: int = 1) -> ScalePlan:
-    """Validate a request to go from ``old_world`` to ``new_world`` ranks; ValueError naming the rule."""
-    old_world = _positive("old world size", old_world)
-    new_world = _positive("new_world_size", new_world)
+    """Validate a request to go from ``old_world`` to ``new_world`` ranks; ValueError naming the rule.
+
+    ``rank_mapping`` must name every old rank, and only those: its keys are exactly
+    ``0..old_world-1`` (an extra key would pass a scale-up's checks as a rank that does
+    not exist, and a missing one would surface only as a ``KeyError`` half-way through).
+    """
+    old_world = as_count(old_world, "old world size", 1)
+    new_world = as_count(new_world, "new_world_size", 1)
     if new_world == old_world:
         raise ValueError(f"new_world_size must differ from the current world size {old_world}")
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
-        raise ValueError(f"generation must be an int >= 1, got {generation!r}")
-    mapping = default_rank_mapping(old_world, new_world) if rank_mapping is None else dict(rank_mapping)
+    generation = as_count(generation, "generation", 1)
+    mapping = default_rank_mapping(old_world, new_world) if rank_mapping is None else _mapping(rank_mapping)
+    if set(mapping) != set(range(old_world)):
+        raise ValueError(f"rank_mapping must have exactly the old ranks 0..{old_world - 1} as keys, "
+                         f"got {sorted(mapping)}")
     if new_world < old_world:
         info = validate_rank_mapping(mapping, old_world)
         if info.new_world != new_world:
@@ -100,7 +102,16 @@ def make_scale_plan(old_world: int, new_world: int, rank_mapping: Mapping[int, i
     mapping = {int(k): int(v) for k, v in mapping.items()}
     joiners = tuple(j for j, o in enumerate(old_of_new) if o < 0)
     leaving = tuple(i for i in range(old_world) if mapping[i] < 0)
-    return ScalePlan(kind, int(generation), old_world, new_world, mapping, joiners, leaving, old_of_new, info)
+    return ScalePlan(kind, generation, old_world, new_world, mapping, joiners, leaving, old_of_new, info)
+
+
+def _mapping(rank_mapping: Any) -> dict[int, int]:
+    """``rank_mapping`` as ``{int: int}``; a ValueError naming it when it is no mapping of integers."""
+    if not isinstance(rank_mapping, Mapping):
+        raise ValueError(f"rank_mapping must be a dict {{old_rank: new_rank or -1}}, "
+                         f"got {type(rank_mapping).__name__}")
+    return {as_count(k, "rank_mapping key", 0): as_count(v, "rank_mapping value", None)
+            for k, v in rank_mapping.items()}
 
 
 def slot_columns(src_of_dst_rank: Sequence[int], slots_per_rank: int) -> np.ndarray:
@@ -109,7 +120,7 @@ def slot_columns(src_of_dst_rank: Sequence[int], slots_per_rank: int) -> np.ndar
     ``src_of_dst_rank[d]`` is the source rank whose S slots become destination rank d's
     (-1: destination rank d starts empty).
     """
-    s = _positive("slots_per_rank", slots_per_rank)
+    s = as_count(slots_per_rank, "slots_per_rank", 1)
     out = np.full(len(src_of_dst_rank) * s, -1, dtype=np.int64)
     for d, src in enumerate(src_of_dst_rank):
         if src >= 0:

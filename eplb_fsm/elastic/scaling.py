@@ -29,20 +29,11 @@ on the joiners), in sync and async mode alike; async mode first drains a rearran
 that is in flight (its pending layer is committed or rolled back) so that nothing runs in
 the background across the switch. The load-balancing interval restarts after a switch.
 
-Faults (every wait gets the time left before the scale's one deadline,
-:mod:`~eplb_fsm.elastic.bounds`: a stalled rank is detected within
-``timeout_s + 4 * collective_timeout_s + 10`` seconds of the request):
-
-- the new group is not complete in time (a joiner never arrives): every old rank learns
-  it in one all-reduce on the old group and fires ``fault`` (recoverable): back to
-  ``collecting`` with the old group, old size, old maps; nothing moved;
-- a transfer fails while the old group still works: the usual rollback (committed layers
-  new, the rest old) and the old group keeps serving; a scale-up then projects the maps
-  back onto the old ranks;
-- the old group breaks during a scale-down (a leaving rank died before its experts were
-  out): the survivors agree over the new group they already built; if every expert
-  still has a replica on a survivor they finish the switch there, otherwise they stay
-  ``failed`` and the ``scale_aborted`` record names the lost (layer, expert) pairs.
+Faults (a joiner never arrives, a transfer fails, a rank dies mid-scale) end the scale
+``aborted`` (the old group serves on, old maps) or ``switched`` on the survivors with
+every expert kept, else ``failed`` naming the lost experts; every wait gets the time left
+before the scale's one deadline (:mod:`~eplb_fsm.elastic.bounds`). docs/elastic.md
+("Faults") has the cases.
 
 The trace gets ``group_switch`` (a rank's collectives move to another group),
 ``scale_aborted`` and one ``scaling`` summary per request (docs/events.md).
@@ -67,7 +58,7 @@ import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.decide import decide_salvage
-from eplb_fsm.elastic.bounds import ScaleDeadline
+from eplb_fsm.elastic.bounds import ScaleDeadline, check_seconds
 from eplb_fsm.elastic.joiner import ScaleAborted, join
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.elastic.handover import (
@@ -75,6 +66,7 @@ from eplb_fsm.elastic.handover import (
     join_handshake,
     late_timeout,
     leave,
+    non_expert_tensors,
     reduce_on,
     resize_models,
     set_space,
@@ -125,25 +117,35 @@ class _Request:
 
 def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int] | None = None, *,
                   timeout_s: float | None = None, generation: int | None = None) -> dict:
-    """Scale the EP group of a serving controller (every rank of the old group calls it at the same point).
+    """Scale the EP group of a serving controller: every rank of the old group calls it at the same point.
 
-    See ``EplbController.request_scale`` for the contract; returns this rank's scaling entry.
+    The contract (``EplbController.request_scale`` runs this): ``new_world_size`` and
+    ``generation`` (default: the last used + 1) are ints >= 1 (numpy ints too), the
+    generation above every one used; ``rank_mapping`` (see :func:`make_scale_plan`) has
+    exactly the old ranks as keys; ``timeout_s`` (default ``collective_timeout_s``) is a
+    finite number > 0 of seconds that bounds forming the new group. The group must be a
+    ``StoreGroup``, every model must have the same slots per rank, a scale-up needs
+    contiguous ``non_expert_weights``. Any broken rule raises ``ValueError`` before
+    anything changes (maps, state, trace, generation counter).
+
+    Otherwise it returns this rank's ``scalings`` entry, whose ``outcome`` is ``switched``
+    (serving in the new group), ``left`` (this rank left; its controller is closed),
+    ``aborted`` (the old group serves on, old maps; ``phase`` and ``reason`` say where and
+    why) or ``failed`` (the machine is ``failed``; ``lost_experts`` may name what is lost).
+    It returns within the scale's ``bound_s`` (:mod:`~eplb_fsm.elastic.bounds`).
     """
     last = max(ctl.generation, ctl.last_generation)
-    generation = last + 1 if generation is None else generation
-    sp = make_scale_plan(ctl.world_size, new_world_size, rank_mapping, generation)
-    if generation <= last:
+    sp = make_scale_plan(ctl.world_size, new_world_size, rank_mapping, last + 1 if generation is None else generation)
+    if sp.generation <= last:
         raise ValueError(f"generation must be > {last} (the last one used), got {generation}")
+    timeout = check_seconds(ctl.timeout_s if timeout_s is None else timeout_s, "timeout_s")
     _check_request(ctl, sp)
-    timeout = float(ctl.timeout_s if timeout_s is None else timeout_s)
-    if not timeout > 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     started = time.perf_counter()
     step = ctl.steps
     ctl.trace.set_context(step=step)
     if ctl.state != COLLECTING:
         ctl.rearranger.drain()  # async: nothing runs in the background across the switch
-    ctl.last_generation = generation  # used up even if the request aborts: no store prefix is reused
+    ctl.last_generation = sp.generation  # used up even if the request aborts: no store prefix is reused
     deadline = ScaleDeadline(timeout, ctl.timeout_s)
     req = _Request(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank), deadline)
     if ctl.state == FAILED:
@@ -175,6 +177,13 @@ def _check_request(ctl: Any, sp: ScalePlan) -> None:
     nodes = ctl.config.num_nodes
     if sp.new_world % nodes:
         raise ValueError(f"new_world_size ({sp.new_world}) must be divisible by config.num_nodes ({nodes})")
+    slots = {entry.name: entry.num_local for entry in ctl.models}
+    if len(set(slots.values())) > 1:
+        raise ValueError(f"request_scale needs the same slots per rank in every model (a scale moves whole ranks "
+                         f"with one slot layout), got {slots}")
+    if sp.kind == "scale_up":  # found here rather than half-way through the handover
+        for entry in ctl.models:
+            non_expert_tensors(entry.model, entry.name)
     for entry in ctl.models:
         p_new = entry.num_local * sp.new_world
         if p_new < entry.num_logical:
@@ -309,28 +318,35 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
     to_new = slot_columns(list(sp.old_of_new), S)          # new space <- old space
     back = slot_columns([sp.new_rank(i) for i in range(sp.old_world)], S)  # old space <- new space
     use_group(ctl, new_group, new_comm, req.new_rank, sp.new_world, role="member", phase="prepare", sp=sp)
-    set_space(ctl, to_new)
     history_len = len(ctl.history)
-    state = join_handshake(ctl, sp)  # None: handed over; else where its fault led
-    phase = "handover" if state is not None else "transfer"
+    try:
+        set_space(ctl, to_new)
+    except Exception as exc:  # maps still in the old space: back to the old group with them unchanged
+        return _roll_back_up(ctl, req, old, new_group, None, history_len, SCALING, "prepare",
+                             f"{type(exc).__name__}: {exc}")
+    faulted = join_handshake(ctl, sp)  # None: handed over; else (where its fault led, why)
+    phase = "handover" if faulted else "transfer"
+    state, cause = faulted or (None, None)
     if state is None:
         full = np.arange(S * sp.new_world, dtype=np.int64)
         state = rearrange_for_scale(ctl, sp, sp.new_world, full, full)
         tag_history(ctl, sp, history_len)
+        cause = ctl.history[-1].get("reason") if len(ctl.history) > history_len else None
     if state == SCALING:
         resize_models(ctl, req.new_rank, sp.new_world)
         ctl.restart_interval()
         ctl.fire("switched", extra={"generation": sp.generation, "role": "member"})
         return req.record(ctl, "member", "switched")
-    return _roll_back_up(ctl, req, old, new_group, back, history_len, state, phase)
+    return _roll_back_up(ctl, req, old, new_group, back, history_len, state, phase, cause)
 
 
-def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray, history_len: int,
-                  state: str, phase: str) -> dict:
+def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray | None, history_len: int,
+                  state: str, phase: str, cause: str | None) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
-    ``old``: what ``_scale_up`` saved of the collectives before the switch; ``state``: where
-    the handshake's fault or the scale's rearrangement left the machine.
+    ``old``: what ``_scale_up`` saved of the collectives before the switch; ``back``: None
+    when the maps never left the old space; ``state``: where the handshake's fault or the
+    scale's rearrangement left the machine; ``cause``: why, for the record.
     """
     sp = req.sp
     new_group.close()
@@ -340,7 +356,7 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
                    old_group=new_group.trace_name, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
                    old_rank=req.new_rank, new_rank=req.old_rank, old_world=sp.new_world, new_world=old_world)
     committed = float(ctl.history[-1]["layers_committed"]) if len(ctl.history) > history_len else 0.0
-    lost = lost_when_remapped(ctl.models, back)
+    lost = lost_when_remapped(ctl.models, back) if back is not None else []
     _recovering(ctl, req)
     try:
         agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
@@ -353,8 +369,9 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         reason = ("experts would be lost moving back to the old group: " + _describe(lost)) if lost else \
             "old ranks disagree on the committed layers"
         return _give_up(ctl, req, "member", "rollback", reason, lost)
-    set_space(ctl, back)
-    reason = "scale-up aborted in the new group; the old group keeps serving"
+    if back is not None:
+        set_space(ctl, back)
+    reason = "scale-up aborted in the new group; the old group keeps serving" + (f" ({cause})" if cause else "")
     if state == FAILED:
         ctl.fire("recovered", extra={"reason": reason, "scale": sp.generation})
     elif state != COLLECTING:

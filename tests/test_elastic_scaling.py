@@ -1,0 +1,144 @@
+"""elastic/scaling.py: request_scale refuses bad requests before any change, and a scale-up that
+fails after the group switch goes back to the old group, its record saying why.
+
+A serving rank of a 1-rank group scales to 2; the new rank 1 is a stand-in thread that only
+builds its part of the new group (and, in one test, answers the "go" all-reduce with 0).
+The full flows with real joiners and leaving ranks are in tests/test_sim_elastic.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+import eplb_fsm.elastic.scaling as scaling
+from eplb_fsm.config import EplbConfig
+from eplb_fsm.fsm.collectives import flags
+from eplb_fsm.fsm.controller import EplbController
+from eplb_fsm.sim.model import ToyMoE
+from eplb_fsm.transfer.groups import StoreGroup, connect_store, host_store
+
+WAIT_S = 30.0  # every wait of these tests; only a hang reaches it
+CONFIG = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=4, collective_timeout_s=1.0)
+
+
+@pytest.fixture
+def store():
+    """A TCP store on a free port, with a namespace of its own."""
+    master, info = host_store(timeout_s=WAIT_S, namespace=f"t{uuid.uuid4().hex[:8]}")
+    yield info
+    del master
+
+
+def _serving(info, config=CONFIG, models=None):
+    """Rank 0 of a 1-rank group (generation 0) with its models, after one step."""
+    ctl = EplbController(config, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S), keep_trace=True)
+    for name, model in (models or {"main": ToyMoE(2, 4, 4, 4, 2, 0, 1)}).items():
+        ctl.add_model(model, name)
+    ctl.step()
+    return ctl
+
+
+def _snapshot(ctl):
+    """Everything a refused request must leave as it was."""
+    return (len(ctl.trace.records), ctl.state, ctl.generation, ctl.last_generation, ctl.world_size, ctl.group_name,
+            [e.maps.phy2log.tobytes() for e in ctl.models], [e.num_physical for e in ctl.models], len(ctl.scalings))
+
+
+def _stand_in(info, go, errors):
+    """New rank 1 of generation 1: builds its part of the new group; with ``go``, adds it to the go all-reduce."""
+    try:
+        group = StoreGroup(connect_store(info, WAIT_S), 1, 1, 2, WAIT_S, namespace=info.namespace, info=info)
+        comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
+        if go is not None:
+            group.all_reduce(flags(go), WAIT_S)
+    except BaseException as exc:  # reported to the test
+        errors.append(exc)
+
+
+def _with_stand_in(info, go, request):
+    """Run ``request()`` while the stand-in rank 1 builds the new group; the thread is joined with a timeout."""
+    errors: list = []
+    peer = threading.Thread(target=_stand_in, args=(info, go, errors), daemon=True)
+    peer.start()
+    try:
+        return request()
+    finally:
+        peer.join(WAIT_S)
+        assert not peer.is_alive() and not errors, errors
+
+
+@pytest.mark.parametrize("bad", [True, "1.5", float("inf")])
+def test_a_bad_timeout_is_refused_before_anything_changes(store, bad):
+    """timeout_s True (not 1 s), "1.5" or inf: ValueError naming timeout_s; trace, maps, state, counter unchanged."""
+    ctl = _serving(store)
+    before = _snapshot(ctl)
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
+        ctl.request_scale(2, timeout_s=bad)
+    assert _snapshot(ctl) == before
+    ctl.close()
+
+
+def test_models_with_different_slots_per_rank_are_refused_before_anything_changes(store):
+    """Two models with 12 and 8 slots per rank: ValueError naming both and the rule, nothing changed."""
+    config = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=6, collective_timeout_s=1.0)
+    models = {"a": ToyMoE(2, 6, 6, 4, 2, 0, 1), "b": ToyMoE(2, 2, 6, 4, 1, 0, 1, seed=1)}
+    ctl = _serving(store, config, models)
+    before = _snapshot(ctl)
+    with pytest.raises(ValueError, match=r"same slots per rank in every model .*, got \{'a': 12, 'b': 8\}"):
+        ctl.request_scale(2, timeout_s=1.0)
+    assert _snapshot(ctl) == before
+    ctl.close()
+
+
+def test_a_strided_non_expert_tensor_is_refused_before_a_scale_up(store):
+    """A transposed gate fails the request up front naming the model and the tensor, nothing changed."""
+    model = ToyMoE(2, 4, 4, 4, 2, 0, 1)
+    model.gate[1] = model.gate[1].t()
+    ctl = _serving(store, models={"main": model})
+    before = _snapshot(ctl)
+    with pytest.raises(ValueError, match=r"model 'main': non_expert_weights\[1\] must be a contiguous tensor"):
+        ctl.request_scale(2, timeout_s=1.0)
+    assert _snapshot(ctl) == before
+    ctl.close()
+
+
+def test_a_bad_rank_mapping_is_refused_before_anything_changes(store):
+    """A mapping naming an old rank 1 of a 1-rank group is a ValueError, not a scale that waits out its timeout."""
+    ctl = _serving(store)
+    before = _snapshot(ctl)
+    with pytest.raises(ValueError, match="rank_mapping must have exactly the old ranks"):
+        ctl.request_scale(2, {0: 0, 1: 1}, timeout_s=1.0)
+    assert _snapshot(ctl) == before
+    ctl.close()
+
+
+def test_a_handover_fault_keeps_its_reason_in_the_scaling_record(store):
+    """The new rank answers "go" with 0: the scale-up is aborted in its handover phase, the record says why."""
+    ctl = _serving(store)
+    phy2log = ctl.models[0].maps.phy2log.copy()
+    out = _with_stand_in(store, 0.0, lambda: ctl.request_scale(2, timeout_s=WAIT_S))
+    assert (out["outcome"], out["phase"]) == ("aborted", "handover"), out
+    assert "scale go: 1.0 of 2 ranks" in out["reason"]
+    assert (ctl.state, ctl.world_size, ctl.group_name) == ("collecting", 1, "ep")
+    assert (ctl.models[0].maps.phy2log == phy2log).all()
+    ctl.close()
+
+
+def test_an_error_after_the_group_switch_goes_back_to_the_old_group(store, monkeypatch):
+    """set_space raising right after use_group: no exception escapes; old group, old maps, outcome aborted."""
+    def broken(ctl, columns):
+        raise RuntimeError("no room for the new maps")
+
+    monkeypatch.setattr(scaling, "set_space", broken)
+    ctl = _serving(store)
+    phy2log = ctl.models[0].maps.phy2log.copy()
+    out = _with_stand_in(store, None, lambda: ctl.request_scale(2, timeout_s=WAIT_S))
+    assert (out["outcome"], out["phase"]) == ("aborted", "prepare"), out
+    assert "RuntimeError: no room for the new maps" in out["reason"]
+    assert (ctl.state, ctl.world_size, ctl.group_name, ctl.generation) == ("collecting", 1, "ep", 0)
+    assert (ctl.models[0].maps.phy2log == phy2log).all() and ctl.models[0].num_physical == phy2log.shape[1]
+    assert [r["phase"] for r in ctl.trace.records if r["event"] == "group_switch"] == ["prepare", "rollback"]
+    ctl.close()
