@@ -87,3 +87,33 @@ def test_unknown_policy_lists_the_choices(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--policy" in err and "'default', 'movement_aware'" in err and err.count("\n") == 1
+
+
+def test_join_timeout_is_checked_without_scale(tmp_path, capsys):
+    """--join-timeout 0 is refused (exit 2, one line naming the option) even when --scale is not given."""
+    code = main(["simulate", *SMALL, "--no-progress", "--join-timeout", "0", "--trace-dir", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "eplb-fsm simulate: error: --join-timeout must be a finite number > 0, got 0.0\n"
+    assert not (tmp_path / "t").exists()
+
+
+INJECT_RUN = ["--ranks", "2", "--layers", "3", "--experts", "8", "--redundant", "4", "--hidden", "8",
+              "--tokens", "48", "--steps", "24", "--window", "8", "--no-png", "--no-progress",
+              "--collective-timeout", "2", "--timeout", "120", "--json"]
+
+
+@pytest.mark.multiprocess
+def test_a_reused_trace_dir_counts_only_this_runs_injections(tmp_path, capsys):
+    """An injection that fired in an earlier run into the same --trace-dir does not count: unfired, exit 1."""
+    spec = "wrong-collective:rank=0,step=9"
+    trace_dir = str(tmp_path / "stale")
+    assert main(["simulate", *INJECT_RUN, "--interval", "8", "--inject", spec, "--trace-dir", trace_dir]) == 1
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["inject_unfired"] == [] and first["earlier_traces"] is False
+    # --interval 100: no all-reduce at or after step 9, so this run's injection cannot fire
+    code = main(["simulate", *INJECT_RUN, "--interval", "100", "--inject", spec, "--trace-dir", trace_dir])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and report["ok"] is False and report["inject_unfired"] == [spec]
+    assert report["earlier_traces"] is True and report["run_id"] not in (None, first["run_id"])
+    sessions = Path(trace_dir, "rank00000.jsonl").read_text().count('"event":"header"')
+    assert sessions == 2  # appended, not overwritten

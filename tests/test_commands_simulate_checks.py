@@ -23,7 +23,7 @@ def test_load_of_another_shape_is_announced():
 
 
 def test_trace_dir_is_created_or_refused(tmp_path):
-    """A missing trace folder is created (parents too); a file or a folder under a file is refused naming --trace-dir."""
+    """A missing trace folder is created (with parents); a file, or a folder under one, is refused (--trace-dir)."""
     made = prepare_trace_dir(str(tmp_path / "a" / "b"))
     assert (tmp_path / "a" / "b").is_dir() and made == str(tmp_path / "a" / "b")
     assert not list((tmp_path / "a" / "b").iterdir())  # the write check leaves nothing behind
@@ -46,3 +46,23 @@ def test_png_path_rules(tmp_path):
             check_png_path(str(png))
     with pytest.raises(ValueError, match="--no-png"):
         check_png_path(str(tmp_path / "b.png"), no_png=True)
+
+
+def test_a_reused_trace_dir_knows_where_this_run_starts(tmp_path):
+    """A folder holding traces is kept; the TraceDir finds this run's id past the old bytes, even after pickling."""
+    import json
+    import pickle
+
+    old = json.dumps({"event": "header", "rank": 0, "run_id": "0ld0000000000000"}) + "\n"
+    (tmp_path / "rank00000.jsonl").write_text(old + json.dumps({"event": "step", "step": 7}) + "\n")
+    (tmp_path / "rank00001.jsonl").write_text(old)
+    trace_dir = prepare_trace_dir(str(tmp_path))
+    assert trace_dir == str(tmp_path) and trace_dir.start == {
+        "rank00000.jsonl": (tmp_path / "rank00000.jsonl").stat().st_size, "rank00001.jsonl": len(old)}
+    assert trace_dir.run_id is None  # this run has written nothing yet: never an earlier run's id
+    copy = pickle.loads(pickle.dumps(trace_dir))  # what the rank processes get inside SimOptions
+    assert copy == str(tmp_path) and copy.start == trace_dir.start
+    for rank, rid in ((1, "0ther000000000000"), (0, "fe11000000000000")):  # rank 0's file speaks first
+        with open(tmp_path / f"rank0000{rank}.jsonl", "a") as fh:
+            fh.write(json.dumps({"event": "header", "rank": rank, "run_id": rid}) + "\n")
+    assert trace_dir.run_id == "fe11000000000000" and copy.run_id == "fe11000000000000"

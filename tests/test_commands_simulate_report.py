@@ -55,3 +55,62 @@ def test_a_failed_run_without_a_culprit_lists_the_failed_ranks():
     lines = format_report(_failed_report([])).splitlines()
     assert "the run failed: rank(s) 0" in lines
     assert lines[-1] == "replay: hang: rank 1 never joined all_reduce at step 10"
+
+
+def _synthetic_run(world: int, run_id: str, into, steps: int = 12) -> None:
+    """Append the traces of a healthy synthetic run of ``world`` ranks, headers carrying ``run_id``, to ``into``."""
+    import tempfile
+    from pathlib import Path
+
+    from eplb_fsm.testing import SyntheticJob, write_traces
+
+    job = SyntheticJob(world=world)
+    job.run(steps)
+    records = job.records()
+    for recs in records.values():
+        recs[0]["run_id"] = run_id
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in write_traces(records, tmp).values():
+            with open(Path(into) / path.name, "ab") as fh:
+                fh.write(path.read_bytes())
+
+
+def test_replay_verdict_reads_only_this_runs_traces(tmp_path):
+    """A 1-rank run into a folder a 2-rank run left: the replay takes this run's id, not MixedRuns."""
+    from eplb_fsm.commands.simulate_checks import TraceDir, trace_sizes
+    from eplb_fsm.commands.simulate_report import replay_verdict
+
+    _synthetic_run(2, "a" * 16, tmp_path)
+    trace_dir = TraceDir(str(tmp_path), trace_sizes(tmp_path))
+    assert replay_verdict(trace_dir)["verdict"] == "unavailable"  # nothing of this run yet: no old run instead
+    _synthetic_run(1, "b" * 16, tmp_path)
+    verdict = replay_verdict(trace_dir)
+    assert verdict["verdict"] == "healthy" and verdict["summary"].startswith("1 of 1 ranks agree"), verdict
+    assert replay_verdict(str(tmp_path), run_id="a" * 16)["summary"].startswith("2 of 2 ranks agree")
+
+
+def test_a_failed_report_ignores_earlier_runs_records(tmp_path):
+    """A rank that wrote nothing in this run shows no trace, not the last record of an earlier run's session."""
+    import json
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_checks import TraceDir, trace_sizes
+    from eplb_fsm.commands.simulate_report import build_failed_report
+
+    (tmp_path / "rank00000.jsonl").write_text(json.dumps({"event": "header", "step": 0}) + "\n" + json.dumps(
+        {"event": "step", "step": 99, "state": "collecting"}) + "\n")
+    opts = SimpleNamespace(ranks=1, log_dir=TraceDir(str(tmp_path), trace_sizes(tmp_path)), extra={},
+                           config_dict=lambda: {})
+    exc = RuntimeError("rank failed")
+    exc.failures = {0: "process exited with code 43"}
+    rank = build_failed_report(opts, exc, 1.0)["ranks"][0]
+    assert (rank["last_step"], rank["last_event"], rank["trace"]) == (None, None, None)
+
+
+def test_the_traces_line_names_the_run_in_a_reused_folder():
+    """When the folder held earlier traces, the report names this run's id (for eplb-fsm replay --run-id)."""
+    from eplb_fsm.commands.simulate_report import format_report
+
+    report = dict(_failed_report([1]), run_id="c" * 16, earlier_traces=True)
+    assert f"traces: /tmp/t (appended to earlier traces: this run is --run-id {'c' * 16})" in format_report(report)
+    assert "traces: /tmp/t\n" in format_report(dict(report, earlier_traces=False))

@@ -176,7 +176,7 @@ def test_injector_stops_the_rank_after_a_fault():
 
 
 def test_wrong_collective_wraps_the_collectives_object_for_one_all_reduce():
-    """Armed at its step, the rank's next all-reduce becomes a broadcast; every other call reaches the wrapped object."""
+    """Armed at its step, the next all-reduce becomes a broadcast; every other call reaches the wrapped object."""
     from types import SimpleNamespace
 
     import torch
@@ -254,3 +254,35 @@ def test_scale_and_inject_combine_except_wrong_collective(tmp_path):
                                       "wrong-collective:rank=0,step=9", "--log-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="wrong-collective cannot be combined with --scale"):
         build_options(args)
+
+
+def test_a_fault_after_die_or_kill_ended_the_rank_is_refused():
+    """A fault at or after the step a die / kill (no layer) ends its rank is refused naming both; others pass."""
+    for specs, refused, ender in (
+        (["die:rank=0,step=1", "die:rank=0,step=2"], "die:rank=0,step=2", "die:rank=0,step=1"),
+        (["die:rank=0,step=2", "die:rank=0,step=1"], "die:rank=0,step=2", "die:rank=0,step=1"),  # any order
+        (["skip-step:rank=1,step=5", "kill:rank=1,step=3"], "skip-step:rank=1,step=5", "kill:rank=1,step=3"),
+        (["die:rank=0,step=3", "kill:rank=0,step=3"], "kill:rank=0,step=3", "die:rank=0,step=3"),  # same step
+        (["kill:rank=0,step=2", "freeze:rank=0,step=4,seconds=1,layer=1"],
+         "freeze:rank=0,step=4,seconds=1,layer=1", "kill:rank=0,step=2"),
+    ):
+        with pytest.raises(ValueError) as info:
+            parse_specs(specs, ranks=2, steps=24, layers=3)
+        msg = str(info.value)
+        assert msg.startswith(f"--inject {refused!r}: ") and f"--inject {ender!r}" in msg, msg
+        assert "die and kill (without layer) end a rank's process" in msg
+    # earlier faults, other ranks, stall-layer (no step), a layer-kill (fires at a transfer): can still fire
+    for specs in (["skip-step:rank=0,step=2", "die:rank=0,step=5"], ["die:rank=0,step=1", "die:rank=1,step=2"],
+                  ["die:rank=0,step=1", "stall-layer:rank=0,layer=2"],
+                  ["kill:rank=0,step=1,layer=2", "skip-step:rank=0,step=9"]):
+        assert len(parse_specs(specs, ranks=2, steps=24, layers=3)) == 2, specs
+
+
+def test_simulate_refuses_a_second_fault_on_an_ended_rank_with_exit_2(tmp_path, capsys):
+    """`--inject die:...,step=1 --inject die:...,step=2` stops before any process: exit 2, one line, no folder."""
+    code = main(["simulate", *SMALL, "--inject", "die:rank=0,step=1", "--inject", "die:rank=0,step=2",
+                 "--trace-dir", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--inject 'die:rank=0,step=2': rank 0 is ended at the start of step 1 by --inject 'die:rank=0,step=1'" in err
+    assert not (tmp_path / "t").exists()

@@ -56,8 +56,12 @@ fault injection (--inject SPEC, repeatable; R rank, S step, K layer, from 0):
                                   rank R is stopped by a real SIGSTOP for T seconds (a
                                   helper process sends SIGSTOP, then SIGCONT), same points
 
+A die, or a kill without layer, ends rank R at the start of step S: another fault on rank
+R at step S or later could never fire and is refused (exit 2).
+
 Every injection that fires writes a 'fault_injected' trace record; one that never fired
-is reported and makes the run fail (exit 1). With --scale, R is the rank a process
+is reported and makes the run fail (exit 1); only this run's records count, even in a
+--trace-dir that holds earlier runs' traces. With --scale, R is the rank a process
 starts as (a joiner: the rank it joins as). SIGTERM or Ctrl-C stops every rank process
 (each writes an 'end' record), keeps the traces and exits 143 / 130.
 
@@ -87,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--mode", choices=("sync", "async"), default="sync", help="transfer mode, default sync")
     r.add_argument("--load", default="zipf",
                    help="load source: zipf (drifting skew), esft (ESFT routing traces) or a load file; default zipf")
-    r.add_argument("--drift", type=float, default=0.6, help="lognormal drift sigma per interval (zipf/file), default 0.6")
+    r.add_argument("--drift", type=float, default=0.6,
+                   help="lognormal drift sigma per interval (zipf/file), default 0.6")
     r.add_argument("--seed", type=int, default=0, help="seed of weights, batches and load, default 0")
     from eplb_fsm.policy.registry import available_policies  # names only, no torch
 
@@ -116,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = _INJECT_HELP
     o = parser.add_argument_group("output")
     o.add_argument("--trace-dir", dest="log_dir", default=None, metavar="DIR",
-                   help="where traces and the PNG go, created if missing (default: a new temp dir)")
+                   help="where traces and the PNG go, created if missing (default: a new temp dir); in a "
+                        "folder that holds traces already, each rank appends a session to its file and the "
+                        "report, replay and injection check read only this run's (by its run id)")
     o.add_argument("--log-dir", dest="log_dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old name
     o.add_argument("--json", action="store_true", help="print the report as one JSON object")
     o.add_argument("--png", default=None, metavar="PATH",
@@ -174,6 +181,9 @@ def build_options(args: argparse.Namespace):
     run_timeout = getattr(args, "timeout", 300.0)
     if not (run_timeout > 0 and math.isfinite(run_timeout)):
         raise ValueError(f"--timeout must be a finite number of seconds > 0, got {run_timeout}")
+    join_timeout = getattr(args, "join_timeout", None)  # checked with or without --scale
+    if join_timeout is not None and not (join_timeout > 0 and math.isfinite(join_timeout)):
+        raise ValueError(f"--join-timeout must be a finite number > 0, got {join_timeout}")
     check_png_path(getattr(args, "png", None), getattr(args, "no_png", False))  # before any work
     injections = []
     events = []
@@ -201,9 +211,6 @@ def build_options(args: argparse.Namespace):
         opts.extra["inject"] = [inj.spec for inj in injections]
     if events:
         opts.extra["scale"] = [e.spec for e in events]
-        join_timeout = getattr(args, "join_timeout", None)
-        if join_timeout is not None and not (join_timeout > 0 and math.isfinite(join_timeout)):
-            raise ValueError(f"--join-timeout must be a finite number > 0, got {join_timeout}")
         opts.extra["join_timeout_s"] = join_timeout
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.policy import get_policy
@@ -266,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
         return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
     if note:
         report["load_note"] = note
+    # a reused --trace-dir: the report, replay and injection check read this run's sessions only
+    report["run_id"] = getattr(opts.log_dir, "run_id", None)
+    report["earlier_traces"] = bool(getattr(opts.log_dir, "start", None))
     if report.get("png_note"):
         print(f"eplb-fsm simulate: {report['png_note']}", file=sys.stderr)
     if args.json:

@@ -16,21 +16,24 @@ from typing import Any
 __all__ = ["build_report", "build_failed_report", "replay_verdict", "format_report"]
 
 
-def _last_record(path: Path) -> dict | None:
-    """The last readable record of a trace file (a half-written last line is skipped)."""
+def _last_record(path: Path, start: int = 0) -> dict | None:
+    """The last readable record of a trace file past byte ``start`` (where this run began appending; a
+    half-written last line is skipped); None when the run wrote nothing there."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
             size = fh.tell()
-            fh.seek(max(0, size - 65536))
+            fh.seek(max(start, size - 65536))
             lines = fh.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return None
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            rec = json.loads(line)
         except ValueError:
             continue
+        if isinstance(rec, dict):
+            return rec
     return None
 
 
@@ -63,7 +66,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         process = r
         r = r % JOINER_ID if process >= opts.ranks else r
         path = trace_path(opts.log_dir, r)
-        last = _last_record(path) if path.is_file() else None
+        start = getattr(opts.log_dir, "start", {}).get(path.name, 0)  # a reused --trace-dir: this run's part
+        last = _last_record(path, start) if path.is_file() else None
         if process in values:
             status, reason = "finished", None
         elif process in failures:
@@ -80,7 +84,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
                       "last_step": last.get("step") if last else None,
                       "last_state": last.get("state") if last else None,
                       "last_event": last.get("event") if last else None,
-                      "trace": str(path) if path.is_file() else None})
+                      "trace": str(path) if path.is_file() and path.stat().st_size > start else None})
     report = {
         "config": opts.config_dict(),
         "ok": False,
@@ -99,12 +103,21 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     return report
 
 
-def replay_verdict(log_dir: str) -> dict:
-    """Replay the traces of ``log_dir`` (eplb_fsm.inspect.replay): the verdict and where it points."""
+def replay_verdict(log_dir: str, run_id: str | None = None) -> dict:
+    """Replay the traces of run ``run_id`` in ``log_dir`` (eplb_fsm.inspect.replay): the verdict and where it points.
+
+    Default ``run_id``: the run ``log_dir`` names when it knows its own (a ``TraceDir``, see
+    ``simulate_checks``), so that the traces of earlier runs in a reused folder are left out.
+    """
+    if run_id is None and getattr(log_dir, "start", None) is not None:
+        run_id = log_dir.run_id  # type: ignore[attr-defined]
+        if run_id is None:
+            return {"verdict": "unavailable", "summary": f"this run wrote no trace header in {log_dir}",
+                    "culprit_ranks": []}
     try:
         from eplb_fsm.inspect.replay import replay_dir
 
-        rep = replay_dir(log_dir)
+        rep = replay_dir(log_dir, run_id=run_id)
     except Exception as exc:  # the report must come out even if the traces can't be replayed
         return {"verdict": "unavailable", "summary": f"{type(exc).__name__}: {exc}", "culprit_ranks": []}
     return {"verdict": rep.verdict, "summary": rep.summary, "culprit_ranks": rep.culprit_ranks, "step": rep.step,
@@ -205,8 +218,16 @@ def _format_failed(report: dict) -> list[str]:
                  if e["last_event"] else "no trace")
         who = f"rank {e['rank']}" + (f" (joiner, process {e['process']})" if e.get("role") == "joiner" else "")
         lines.append(f"  {who}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
-    lines += ["", f"traces: {report['log_dir']}", f"wall time: {report['wall_s']} s"]
+    lines += ["", _traces_line(report), f"wall time: {report['wall_s']} s"]
     return lines
+
+
+def _traces_line(report: dict) -> str:
+    """``traces: DIR``, naming this run's id when the folder holds earlier runs' traces too."""
+    line = f"traces: {report['log_dir']}"
+    if report.get("earlier_traces") and report.get("run_id"):
+        line += f" (appended to earlier traces: this run is --run-id {report['run_id']})"
+    return line
 
 
 def _format_replay(report: dict) -> list[str]:
@@ -271,7 +292,7 @@ def format_report(report: dict) -> str:
         f"({report['output_checks']} checks); weights bit-exact: {'yes' if report['weights_exact'] else 'NO'}; "
         f"maps agree on every rank: {'yes' if report['maps_agree'] else 'NO'}",
         f"final state: {report['final_state']} (all ranks: {', '.join(report['final_states'])})",
-        f"traces: {report['log_dir']}",
+        _traces_line(report),
     ]
     if report.get("png"):
         lines.append(f"balancedness plot: {report['png']}")

@@ -25,6 +25,9 @@ A spec is ``KIND:key=value,key=value`` with non-negative integer values:
     (``sim.signals``): at the start of step S (any state), or with ``layer=K`` right before
     the first transfer of layer K at a step >= S (a rearrangement's or a scale's).
 
+A ``die``, or a ``kill`` without ``layer``, ends rank R at the start of step S: another
+fault on R at step S or later could never fire, and :func:`parse_specs` refuses it.
+
 Every injection that fires first writes ``fault_injected`` (``kind``, ``target_rank``,
 ``at_step``, ``spec``) to the rank's trace (``sim/inject_report.py`` finds unfired ones).
 
@@ -61,6 +64,8 @@ __all__ = [
     "parse_spec",
     "parse_specs",
     "check_injection",
+    "check_not_after_end",
+    "ends_rank",
     "make_injector",
 ]
 
@@ -75,6 +80,7 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 # kind -> keys its spec may add
 OPTIONAL: dict[str, tuple[str, ...]] = {"kill": ("layer",), "freeze": ("layer",)}
+ENDING_KINDS = ("die", "kill")  # kinds that end the rank's process (kill: at its step only without layer)
 DIE_EXIT_CODE = 43
 ENGINE_GROUP = "engine"   # trace name of the engine's forward all-reduces (same process group as ep)
 
@@ -163,9 +169,33 @@ def check_injection(inj: Injection, ranks: int, steps: int | None = None, layers
                    f"(0..{layers - 1})")
 
 
+def ends_rank(inj: Injection) -> bool:
+    """Whether ``inj`` ends its rank's process at the start of its step: ``die``, or ``kill`` without a layer."""
+    return inj.kind in ENDING_KINDS and inj.layer is None
+
+
+def check_not_after_end(injections: list[Injection]) -> None:
+    """Refuse a fault on a rank at or after the step where a ``die`` or ``kill`` (no layer) ends that rank.
+
+    Such a fault could never fire (the run would fail at the end with "never fired"). Of two
+    that end one rank at the same step, the one given later is refused.
+    """
+    for i, inj in enumerate(injections):
+        if inj.step is None:  # stall-layer: fires at a transfer, whenever that comes
+            continue
+        for j, end in enumerate(injections):
+            if j == i or not ends_rank(end) or end.rank != inj.rank or end.step > inj.step:
+                continue
+            if end.step == inj.step and ends_rank(inj) and j > i:
+                continue
+            raise _bad(inj.spec, f"rank {inj.rank} is ended at the start of step {end.step} by --inject "
+                       f"{end.spec!r}: die and kill (without layer) end a rank's process, so no other fault may "
+                       f"target that rank at that step or later")
+
+
 def parse_specs(specs: Iterable[str], ranks: int, steps: int | None = None,
                 layers: int | None = None) -> list[Injection]:
-    """Parse and check every spec; the same fault twice on one rank is refused."""
+    """Parse and check every spec; the same fault twice on one rank, or one after the rank's end, is refused."""
     out: list[Injection] = []
     for spec in specs:
         inj = parse_spec(spec)
@@ -173,6 +203,7 @@ def parse_specs(specs: Iterable[str], ranks: int, steps: int | None = None,
         if inj in out:
             raise _bad(spec, "given twice")
         out.append(inj)
+    check_not_after_end(out)
     return out
 
 
