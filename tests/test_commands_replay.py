@@ -156,3 +156,82 @@ def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
     assert main(["replay", str(logs), "--rank", "3"]) == 0
     text = capsys.readouterr().out
     assert "header (joiner of generation 2, a new session)" in text and "group_switch ep->None (leaving" in text
+
+
+def deny(monkeypatch, path):
+    """Make opening ``path`` fail as chmod 000 would for a user (root ignores chmod)."""
+    real_open = open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded)
+
+
+def test_rank_timeline_follows_the_rank_the_records_carry(tmp_path, capsys):
+    """Swapped files: --rank 2 shows the file holding rank 2's records (as the report does) and names that file."""
+    logs = make_dir(tmp_path, hang_faults(WORLD, culprit=2, step=19))
+    a, b = trace_path(logs, 1), trace_path(logs, 2)
+    text_a, text_b = a.read_text(), b.read_text()
+    a.write_text(text_b)
+    b.write_text(text_a)
+    assert main(["replay", str(logs), "--rank", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    title = f"rank 2: {len(text_b.splitlines())} records (read from rank00001.jsonl, a file named for rank 1)"
+    assert lines[0] == title
+    assert main(["replay", str(logs), "--rank", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(a)
+
+
+def test_rank_timeline_without_records_exits_2(tmp_path, capsys):
+    """--rank R on an empty file exits 2 as the report does, naming the file; so does a folder of one empty file."""
+    logs = make_dir(tmp_path)
+    trace_path(logs, 2).write_text("")
+    assert main(["replay", str(logs), "--rank", "2"]) == 2
+    assert "rank 2: rank00002.jsonl has no readable record" in capsys.readouterr().err
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    trace_path(lone, 0).write_text("")
+    assert main(["replay", str(lone), "--rank", "0"]) == 2
+    assert "no readable records" in capsys.readouterr().err
+
+
+def test_rank_timeline_applies_run_id(tmp_path, capsys):
+    """--rank R --run-id ID shows only that run's records of R's file; a run id no file holds exits 2."""
+    from eplb_fsm.trace import encode_record
+
+    written = {}
+    for run_id, steps in (("old", 30), ("new", 5)):
+        job = SyntheticJob(world=1)
+        job.run(steps)
+        job.close()
+        written[run_id] = recs = job.records()[0]
+        recs[0]["run_id"] = run_id
+        with open(trace_path(tmp_path, 0), "a") as fh:
+            fh.write("".join(encode_record(rec) + "\n" for rec in recs))
+    assert main(["replay", str(tmp_path), "--rank", "0", "--run-id", "old"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"rank 0: {len(written['old'])} records"
+    assert main(["replay", str(tmp_path), "--rank", "0", "--run-id", "other"]) == 2
+    assert "no trace of run 'other'" in capsys.readouterr().err
+
+
+def test_rank_timeline_rejects_ranks(healthy_dir, capsys):
+    """--ranks N has no meaning for one rank's timeline: --rank R with --ranks N is a usage error (exit 2)."""
+    assert main(["replay", str(healthy_dir), "--rank", "0", "--ranks", "4"]) == 2
+    assert "--ranks N sets the world the report expects" in capsys.readouterr().err
+
+
+def test_unreadable_folder_or_file_exits_2(healthy_dir, monkeypatch, capsys):
+    """A folder that cannot be listed, or --rank R on a file that cannot be read: exit 2 with the OS error."""
+    deny(monkeypatch, trace_path(healthy_dir, 1))
+    assert main(["replay", str(healthy_dir), "--rank", "1"]) == 2
+    assert "rank 1: cannot read" in (err := capsys.readouterr().err) and "Permission denied" in err
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(healthy_dir), "iterdir", refuse)
+    assert main(["replay", str(healthy_dir)]) == 2
+    assert "cannot list the trace files of" in (err := capsys.readouterr().err) and "Permission denied" in err

@@ -305,7 +305,7 @@ def test_world_is_validated(tmp_path, capsys):
         replay_dir(tmp_path, world=0)
     report = replay_dir(tmp_path, world=2)
     mismatch = [f for f in report.findings if f.kind == "world_mismatch"]
-    assert mismatch and "--world 2 was given but the traces were written by a world of 4" in mismatch[0].summary
+    assert mismatch and "--ranks 2 was given but the traces were written by a world of 4" in mismatch[0].summary
 
 
 def test_traces_without_liveness_records_give_no_liveness_finding(tmp_path):
@@ -332,3 +332,31 @@ def test_healthy_verdict_lists_aborted_rearrangements(tmp_path):
     assert "1 aborted rearrangement(s): step 19: ranks 0-3 aborted the rearrangement" in report.summary
     assert "aborted rearrangements (1):" in format_report(report)
 
+
+
+def test_a_hung_job_stopped_from_outside_is_a_hang_not_signalled(tmp_path):
+    """Every rank SIGTERMed while ranks 0-2 wait inside an all-reduce rank 3 never joined: the hang names rank 3."""
+    ranks = [Rank(r).steps(30) for r in range(WORLD)]
+    for rk in ranks[:3]:
+        c = rk.cseq.get("ep", 0)
+        rk.emit("collective_start", op="all_reduce", group="ep", cseq=c, shape=[16], dtype="torch.float64",
+                parts=["loads"])
+        rk.wait(8)
+    ranks[3].wait(8)                  # stuck in its own work, outside any collective
+    for rk in ranks:
+        rk.end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "hang" and report.culprit_ranks == [3], format_report(report)
+    assert "stopped from outside, not its cause" in report.findings[0].details[0]
+    assert sum("while waiting inside all_reduce" in c for c in report.consequences) == 3
+
+
+def test_a_job_stopped_while_every_rank_was_inside_one_collective_stays_signalled(tmp_path):
+    """SIGTERM while all ranks sit in the same all-reduce (a live capture, no rank missing): signalled."""
+    ranks = [Rank(r).steps(30) for r in range(WORLD)]
+    for rk in ranks:
+        rk.emit("collective_start", op="all_reduce", group="ep", cseq=rk.cseq.get("ep", 0), shape=[16],
+                dtype="torch.float64", parts=["loads"])
+        rk.end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "signalled" and report.culprit_ranks == [0, 1, 2, 3], format_report(report)

@@ -511,3 +511,73 @@ def test_a_trace_whose_oldest_segments_were_dropped_still_replays(tmp_path):
     assert all(s.header["continued"] is True and s.first_step > 0 and not s.illegal for s in loaded.summaries.values())
     report = rp.replay_dir(tmp_path)
     assert report.verdict == "healthy", format_report(report)
+
+
+# --------------------------------------------------------------------------- unreadable input, older runs
+
+
+def deny(monkeypatch, *paths):
+    """Make opening these files fail as chmod 000 would for a user (root ignores chmod)."""
+    real_open, names = open, {str(p) for p in paths}
+
+    def guarded(file, *args, **kwargs):
+        if str(file) in names:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded)
+
+
+def test_an_unreadable_file_is_named_in_the_missing_ranks_verdict(healthy, tmp_path, monkeypatch):
+    """A rank file that exists but cannot be read: missing_ranks says 'unreadable file' and why, not 'no trace file'."""
+    write_traces(healthy, tmp_path)
+    deny(monkeypatch, trace_path(tmp_path, 1))
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "missing_ranks" and report.culprit_ranks == [1]
+    assert "rank 1's file is unreadable" in report.summary and "Permission denied" in report.summary
+    (pos,) = report.at_divergence
+    assert pos["rank"] == 1 and pos["note"].startswith("unreadable file: cannot read")
+
+
+def test_when_no_file_is_readable_the_first_cause_is_in_the_message(healthy, tmp_path, monkeypatch):
+    """Every file unreadable: NoTraces names the first file's cause (Permission denied) and how many more failed."""
+    write_traces(healthy, tmp_path)
+    deny(monkeypatch, *(trace_path(tmp_path, r) for r in healthy))
+    with pytest.raises(rp.NoTraces, match=r"no readable records .*rank 0: cannot read .*Permission denied "
+                                          r"\(and 3 more file\(s\) without a readable record\)"):
+        rp.replay_dir(tmp_path)
+
+
+def test_an_unlistable_folder_is_no_traces(tmp_path, monkeypatch):
+    """A folder that cannot be listed (permission) is NoTraces with the OS error, not a PermissionError."""
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "iterdir", refuse)   # chmod 000 does not stop root
+    with pytest.raises(rp.NoTraces, match="cannot list the trace files of .*Permission denied"):
+        rp.replay_dir(tmp_path)
+
+
+def test_run_id_picks_an_older_run_appended_to_the_files(tmp_path):
+    """Rank 0's file holds run old then run new, rank 1's run old only: run_id='old' replays both ranks' old run."""
+    from eplb_fsm.trace import encode_record
+
+    old, new = job_records(steps=30, world=2), job_records(steps=5, world=1)
+    for run_id, records in (("old", old), ("new", new)):
+        for r, recs in records.items():
+            recs[0]["run_id"] = run_id
+            with open(trace_path(tmp_path, r), "a") as fh:
+                fh.write("".join(encode_record(rec) + "\n" for rec in recs))
+    with pytest.raises(rp.MixedRuns, match="run new: rank files 0 .*run old: rank files 1"):
+        rp.replay_dir(tmp_path)
+    report = rp.replay_dir(tmp_path, run_id="old")
+    assert report.verdict == "healthy" and report.run_id == "old", format_report(report)
+    assert [(r["rank"], r["records"]) for r in report.ranks] == [(0, len(old[0])), (1, len(old[1]))]
+
+
+def test_world_mismatch_names_the_ranks_option(healthy):
+    """A world given that the traces disagree with is worded with the option's name, --ranks (not its alias)."""
+    report = rp.diagnose(healthy, world=2)
+    (mismatch,) = [f for f in report.findings if f.kind == "world_mismatch"]
+    assert mismatch.summary.startswith("--ranks 2 was given but the traces were written by a world of 4")
+    assert "lie outside --ranks" in mismatch.summary

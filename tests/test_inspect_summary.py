@@ -258,3 +258,43 @@ def test_interleaved_sessions_are_told_apart_by_seq():
     (first,) = s.previous
     assert (first.records, s.records) == (len(old.trace.records), len(joiner.trace.records))
     assert first.illegal == [] and s.illegal == [] and s.role == "joiner" and first.final_state == "collecting"
+
+
+def test_parse_records_reads_text_as_read_records_reads_the_file(tmp_path):
+    """parse_records over a file's text gives what read_records gives for the file, bad lines counted."""
+    path = tmp_path / "rank00000.jsonl"
+    path.write_text('{"a":1}\n\n[3]\n{"b":2}\n{"c":')
+    assert sm.parse_records(path.read_text()) == sm.read_records(path) == ([{"a": 1}, {"b": 2}], 2, True)
+
+
+def test_load_rank_file_says_why_a_file_gave_no_summary(tmp_path, monkeypatch):
+    """An unreadable file (open denied) or an empty one: no summary, and one warning naming the file and the cause."""
+    denied, empty = tmp_path / "rank00001.jsonl", tmp_path / "rank00002.jsonl"
+    denied.write_text('{"event":"header"}\n')
+    empty.write_text("")
+    real_open = open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == str(denied):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded)   # chmod 000 does not stop root
+    assert sm.load_rank_file(1, denied) == (1, None, [f"rank 1: cannot read {denied}: Permission denied"])
+    assert sm.load_rank_file(2, empty) == (2, None, ["rank 2: rank00002.jsonl has no readable record"])
+
+
+def test_load_rank_file_reads_only_the_run_asked_for(tmp_path):
+    """A file another run appended to: with run_id, the summary is that run's alone (its header, its records)."""
+    path = tmp_path / "rank00000.jsonl"
+    runs = {}
+    for run_id, steps in (("old", 30), ("new", 5)):
+        recs = job_records(steps=steps, world=2)[0]
+        recs[0]["run_id"] = run_id
+        runs[run_id] = recs
+        with open(path, "a") as fh:
+            fh.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs))
+    _, old, _ = sm.load_rank_file(0, path, run_id="old")
+    _, new, _ = sm.load_rank_file(0, path)
+    assert (old.header["run_id"], old.records, old.last_step) == ("old", len(runs["old"]), 29)
+    assert (new.header["run_id"], new.records, new.last_step) == ("new", len(runs["new"]), 4)

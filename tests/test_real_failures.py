@@ -257,6 +257,17 @@ def test_replay_names_a_rank_killed_from_outside():
     assert kind != "healthy" and culprits == [1]
 
 
+def test_a_hung_job_stopped_at_its_deadline_is_replayed_as_the_hang(tmp_path_factory):
+    """Rank 1 stalls its layer-2 transfer; the run's deadline SIGTERMs both ranks: replay names rank 1's hang."""
+    code, report, log_dir = simulate(tmp_path_factory, 2, "sync", 24, "--inject", "stall-layer:rank=1,layer=2",
+                                     "--collective-timeout", "60", "--timeout", "8")
+    assert code == 1 and report["error"] == "timeout"
+    # the real signal reached both ranks before any collective timed out
+    assert all(ending(rs)["how"] == "signal" for rs in traces(log_dir).values())
+    assert (report["replay"]["verdict"], report["replay"]["culprit_ranks"]) == ("hang", [1])
+    assert verdict(log_dir)[:2] == ("hang", [1])
+
+
 # -- the launcher's own truth ----------------------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ object, with the structured verdict under ``verdict_detail``). Exit status: 0 he
 1 a problem was found, 2 a usage error or unusable input (no such folder, no
 ``rank*.jsonl`` file, nothing readable, traces of several runs without ``--run-id``,
 ``--ranks`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
-line per record, with the records the machine refuses marked.
+line per record, with the records the machine refuses marked: rank R is the file the report
+replays as rank R (the rank its records carry; of the run ``--run-id`` picks), named when its
+file name says another rank; no record for R, or ``--ranks`` beside it, exits 2.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from pathlib import Path
 
 from eplb_fsm.cli import hidden_alias
 
@@ -24,8 +28,9 @@ EXIT_CODES = """exit status:
   0  healthy: every rank agrees and ended in order (aborted rearrangements are listed)
   1  a problem was found: the first line names the culprit (the rank that died, froze,
      crashed, lagged or issued the odd collective), then what followed from it
-  2  usage error or unusable input: bad --ranks/--jobs, no folder, no rank*.jsonl file,
-     nothing readable, or traces of several runs (pick one with --run-id)"""
+  2  usage error or unusable input: bad --ranks/--jobs, --ranks with --rank, no folder, no
+     rank*.jsonl file, nothing readable (with --rank R: in R's file), or traces of several
+     runs (pick one with --run-id)"""
 
 
 def _at_least(low: int, what: str):
@@ -68,21 +73,33 @@ def _out(text: str) -> None:
 
 
 def _timeline(args: argparse.Namespace) -> int:
+    """Rank R's timeline: R is found as the report finds it (the rank the records carry, of the run
+    ``--run-id`` picks), so a renamed or swapped file shows the right rank; exit 2 when it has none."""
+    from eplb_fsm.inspect.identity import run_text
     from eplb_fsm.inspect.render import format_timeline, timeline_rows
-    from eplb_fsm.inspect.replay import find_trace_files, read_records, summarize_rank
+    from eplb_fsm.inspect.replay import NoTraces, load_dir, ranks_text, summarize_rank
+    from eplb_fsm.inspect.summary import parse_records
+    from eplb_fsm.trace_segments import read_rank_text
 
+    if args.world is not None:
+        print("eplb-fsm replay: --ranks N sets the world the report expects; with --rank R it has no effect: "
+              "drop one of them", file=sys.stderr)
+        return 2
     try:
-        files = find_trace_files(args.logdir)
-    except OSError as exc:
+        loaded = load_dir(args.logdir, jobs=args.jobs, run_id=args.run_id)
+        path = loaded.files.get(args.rank)
+        if path is None:
+            why = loaded.unreadable.get(args.rank)
+            raise NoTraces(f"rank {args.rank}: {why}" if why else f"no trace for rank {args.rank} in {args.logdir} "
+                           f"(ranks with a trace: {ranks_text(loaded.files) or 'none'})")
+        raw = read_rank_text(path)
+    except (NoTraces, OSError) as exc:
         print(f"eplb-fsm replay: {exc}", file=sys.stderr)
         return 2
-    path = files.get(args.rank)
-    if path is None:
-        have = ", ".join(str(r) for r in files) or "none"
-        print(f"eplb-fsm replay: no trace for rank {args.rank} in {args.logdir} (ranks with a trace: {have})",
-              file=sys.stderr)
+    records, bad, truncated = parse_records(raw if args.run_id is None else run_text(raw, args.run_id))
+    if not records:
+        print(f"eplb-fsm replay: rank {args.rank}: {path} has no readable record", file=sys.stderr)
         return 2
-    records, bad, truncated = read_records(path)
     summary = summarize_rank(records, args.rank, path=str(path), bad_lines=bad, truncated=truncated)
     sessions = list(summary.previous) + [summary]
     illegal = [dict(i, session=n) if len(sessions) > 1 else i for n, s in enumerate(sessions) for i in s.illegal]
@@ -98,9 +115,12 @@ def _timeline(args: argparse.Namespace) -> int:
         return 0
     text = format_timeline(records, args.rank).split("\n")
     out = text[:2]
+    named = re.fullmatch(r"rank(\d+)\.jsonl", Path(path).name)
+    if named and int(named.group(1)) != args.rank:   # a renamed or swapped file: say which one was read
+        out[0] += f" (read from {Path(path).name}, a file named for rank {int(named.group(1))})"
     for rec, at, line in zip(records, where, text[2:]):
-        out.append(("!! " if (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps") else "   ")
-                   + line)
+        marked = (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps")
+        out.append(("!! " if marked else "   ") + line)
     out[1] = "   " + out[1]
     if bad:
         out.append(f"({bad} unreadable line(s) skipped" + ("; the last line is truncated)" if truncated else ")"))

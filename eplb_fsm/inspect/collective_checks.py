@@ -207,7 +207,8 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
         return Finding.of(
             "hang", start_step, culprits,
             f"{who(culprits)} never joined {coll_text(ref)} at step {start_step} in {ref.state}; "
-            f"{who(open_)} wait inside it" + (f", {who(left)} left it" if left else ""),
+            f"{who(open_)} {'waits' if len(set(open_)) == 1 else 'wait'} inside it"
+            + (f", {who(left)} left it" if left else ""),
             ranks=positions(), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
         )
     # with bounded waits a hang ends in collective_error: the members that gave up had waited

@@ -13,14 +13,20 @@ and decides what the replay works on:
 - **duplicate**: two files that claim one rank (``rank2.jsonl`` and ``rank00002.jsonl``)
   are a ``duplicate_rank_file`` finding; the replay keeps the writer's zero-padded name, or
   the one whose records carry that rank.
+- **older runs in a file**: a file that several controllers appended to holds one job per
+  header; ``run_text(text, run_id)`` keeps the job(s) of the chosen run, so ``--run-id``
+  can pick an older run than the file's last.
+- **unreadable files**: ``mark_unreadable(report, unreadable)`` says so where the report
+  would say a rank has no trace file.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eplb_fsm.inspect.findings import Finding, NoTraces, ranks_text
+from eplb_fsm.inspect.findings import Finding, NoTraces, Report, ranks_text
 from eplb_fsm.inspect.model import RankSummary
+from eplb_fsm.inspect.records import parse_line
 
 NO_RUN_ID = "(no run id)"
 
@@ -100,3 +106,48 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
 def _runs_text(runs: dict[str, list[tuple[int, Path, RankSummary]]]) -> str:
     return "; ".join(f"run {rid}: rank files {ranks_text(r for r, _, _ in items)} ({_names([p for _, p, _ in items])})"
                      for rid, items in sorted(runs.items(), key=lambda kv: min(r for r, _, _ in kv[1])))
+
+
+def run_text(text: str, run_id: str) -> str:
+    """The part of a file's text that run ``run_id`` wrote.
+
+    A later header that is neither a joiner's (elastic EP: the same job goes on) nor a rotated
+    segment's (``continued``) starts another job appended to the file. The text of the jobs whose
+    header carries ``run_id`` is returned; the whole text when the file holds one job, or when no
+    job of it has that run id (``assign`` then sets the file aside as another run's).
+    """
+    jobs: list[list] = []   # [offset where the job starts, its run id]
+    at = text.find('"header"')
+    while at != -1:
+        begin = text.rfind("\n", 0, at) + 1
+        end = text.find("\n", at)
+        end = len(text) if end == -1 else end
+        rec = parse_line(text[begin:end])
+        if rec is not None and rec.get("event") == "header":
+            if not jobs or (rec.get("continued") is not True and rec.get("role") != "joiner"
+                            and text[jobs[-1][0]:begin].strip()):
+                jobs.append([0 if not jobs else begin, None])
+            if jobs[-1][1] is None and rec.get("run_id") is not None:
+                jobs[-1][1] = str(rec["run_id"])
+        at = text.find('"header"', end)
+    if len(jobs) < 2:
+        return text
+    ends = [start for start, _ in jobs[1:]] + [len(text)]
+    kept = [text[start:stop] for (start, rid), stop in zip(jobs, ends) if rid == run_id]
+    return "".join(kept) if kept else text
+
+
+def mark_unreadable(report: Report, unreadable: dict[int, str]) -> None:
+    """Where ``report`` says a rank has no trace file but its file exists and could not be read
+    (``unreadable``: rank -> why), say so: the rank's positions, details and ``missing_ranks`` summary."""
+    plain = {f"rank {r}: no trace file": f"rank {r}: unreadable file: {why}" for r, why in unreadable.items()}
+    for f in report.findings:
+        for pos in f.ranks:
+            if pos.get("status") == "no_trace" and pos.get("rank") in unreadable:
+                pos["note"] = f"unreadable file: {unreadable[pos['rank']]}"
+        f.details = [plain.get(d, d) for d in f.details]
+        hit = [r for r in f.culprits if r in unreadable]
+        if f.kind == "missing_ranks" and hit:
+            f.summary += "; " + "; ".join(f"rank {r}'s file is unreadable: {unreadable[r]}" for r in hit)
+    if report.findings and report.findings[0].kind == report.verdict:
+        report.summary = report.findings[0].summary

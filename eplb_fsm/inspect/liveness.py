@@ -327,3 +327,37 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
         entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
         out.append(entry)
     return out
+
+
+def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liveness) -> bool:
+    """A job stopped from outside (SIGTERM, Ctrl-C, a launcher's deadline) while a hang lasted: the hang is the cause.
+
+    An operator usually ends a hung job before its collective timeout fires, so every rank's
+    trace ends with ``signal`` and nothing failed before it. When a signalled rank was still
+    inside the collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not
+    inside it, the signal only ended what the hang had already stopped. Then the signal goes
+    into that finding's details and the waiters' consequences, and True says ``cause`` was
+    folded. A job stopped while every rank was inside the same collective stays ``signalled``.
+    """
+    if cause.kind != "signalled":
+        return False
+    for f in rest:
+        if f.kind not in ("hang", "collective_mismatch") or not f.collective:
+            continue
+        coll = (f.collective.get("group"), f.collective.get("cseq"))
+        inside = [k for k in cause.keys() if k in cast.parts
+                  and coll in {(c.group, c.cseq) for c in cast.parts[k].open_collectives()}]
+        if not inside or set(inside) & set(f.keys()):
+            continue
+        f.details.insert(0, cause.summary.split(" while no rank had failed")[0] + ", while this hang lasted: "
+                         "stopped from outside, not its cause")
+        for k in inside:
+            end = cast.parts[k].end or {}
+            ts = end.get("ts")
+            when = f" at t+{ts - live.t0:.1f} s" if type(ts) in (int, float) and live.t0 is not None else ""
+            live.consequences.append((k, f"{cast.label(k)} was stopped by {end.get('signal') or 'a signal'}{when} "
+                                         f"while waiting inside {f.collective.get('op')} (group {coll[0]}, cseq "
+                                         f"{coll[1]}), which the hang's culprit never joined"))
+            live.consequence_keys.add(k)
+        return True
+    return False

@@ -44,9 +44,8 @@ from eplb_fsm.inspect.elastic import (
 )
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.blocks import TemplateStore
-from eplb_fsm.inspect.identity import MixedRuns, assign
-from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, step_count_mismatch
-from eplb_fsm.trace_segments import read_rank_text
+from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
+from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, signalled_in_hang, step_count_mismatch
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
@@ -54,6 +53,8 @@ from eplb_fsm.inspect.summary import (
     Transition,
     find_all_trace_files,
     find_trace_files,
+    load_rank_file,
+    load_rank_file_in_worker,
     read_records,
     summarize_rank,
     summarize_text,
@@ -80,35 +81,7 @@ class Loaded:
     warnings: list[str]
     files: dict[int, str]
     findings: list[Finding] = field(default_factory=list)   # problems of the files (``identity``)
-
-
-def _load_one(r: int, path: Path, oracle: MachineOracle | None = None,
-              templates: TemplateStore | None = None) -> tuple[int, RankSummary | None, list[str]]:
-    """Read and summarise one rank file: (rank, summary or None, warnings); ``templates``: see ``blocks``."""
-    warnings: list[str] = []
-    try:
-        text = read_rank_text(path)   # rotated segments first, oldest first
-    except OSError as exc:
-        return r, None, [f"rank {r}: cannot read {path}: {exc}"]
-    summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates)
-    bad = summary.bad_lines
-    if not summary.records:
-        return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]
-    if summary.truncated:
-        warnings.append(f"rank {r}: last line of {path.name} is truncated (the rank died mid-write?); skipped it")
-        if bad > 1:
-            warnings.append(f"rank {r}: {bad - 1} more unreadable line(s) in {path.name} skipped")
-    elif bad:
-        warnings.append(f"rank {r}: {bad} unreadable line(s) in {path.name} skipped")
-    return r, summary, warnings
-
-
-_WORKER_TEMPLATES = TemplateStore()   # filled only in a worker process (its own copy), by the files it reads
-
-
-def _load_one_unpacked(item: tuple[int, Path]) -> tuple[int, RankSummary | None, list[str]]:
-    gc.disable()  # a worker only allocates records and frees them: the cycle collector is pure cost
-    return _load_one(*item, templates=_WORKER_TEMPLATES)
+    unreadable: dict[int, str] = field(default_factory=dict)  # rank -> why its file gave no record
 
 
 def default_jobs() -> int:
@@ -122,15 +95,20 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
 
     ``jobs > 1`` spreads the files over that many worker processes (``0``: one per CPU,
     at most 8); each process holds one file's records at a time either way. Files of
-    different runs are refused (``identity.MixedRuns``) unless ``run_id`` picks one; files
-    that claim one rank, or carry another rank's records, become findings (``identity``).
+    different runs are refused (``identity.MixedRuns``) unless ``run_id`` picks one (in a file
+    other runs appended to, too: ``identity.run_text``); files that claim one rank, or carry
+    another rank's records, become findings (``identity``); a file that gives no record is in
+    ``unreadable``, with why. A folder that cannot be listed is ``NoTraces``.
     """
     if type(jobs) is not int or jobs < 0:
         raise ValueError(f"jobs must be an integer >= 1 (or 0: one per CPU), got {jobs!r}")
     logdir = Path(logdir)
-    if not logdir.is_dir():
-        raise NoTraces(f"{logdir} is not a directory")
-    found = find_all_trace_files(logdir)
+    try:
+        if not logdir.is_dir():
+            raise NoTraces(f"{logdir} is not a directory")
+        found = find_all_trace_files(logdir)
+    except OSError as exc:
+        raise NoTraces(f"cannot list the trace files of {logdir}: {exc}") from None
     if not found:
         raise NoTraces(f"no rank*.jsonl trace files in {logdir}")
     files = found
@@ -145,26 +123,29 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_load_one_unpacked, files, chunksize=max(1, len(files) // (4 * jobs))))
+            results = list(pool.map(load_rank_file_in_worker, [(r, p, run_id) for r, p in files],
+                                    chunksize=max(1, len(files) // (4 * jobs))))
     else:
         enabled = gc.isenabled()
         gc.disable()
         try:
             templates = TemplateStore()
-            results = [_load_one(r, path, oracle, templates) for r, path in files]
+            results = [load_rank_file(r, path, oracle, templates, run_id) for r, path in files]
         finally:
             if enabled:
                 gc.enable()
-    readable = []
-    warnings: list[str] = []
+    readable, warnings, unreadable = [], [], {}
     for (r, path), (_, summary, notes) in zip(files, results):
         warnings += notes
         if summary is not None:
             readable.append((r, path, summary))
+        elif notes:
+            unreadable.setdefault(r, notes[0].removeprefix(f"rank {r}: "))
     if not readable:
-        raise NoTraces(f"no readable records in the trace files of {logdir}")
+        more = f" (and {len(files) - 1} more file(s) without a readable record)" if len(files) > 1 else ""
+        raise NoTraces(f"no readable records in the trace files of {logdir}: {warnings[0]}{more}")
     summaries, paths, findings = assign(readable, run_id)
-    return Loaded(summaries, warnings, paths, findings)
+    return Loaded(summaries, warnings, paths, findings, unreadable)
 
 
 def _as_summaries(traces: Any, oracle: MachineOracle) -> dict[int, RankSummary]:
@@ -249,7 +230,7 @@ def diagnose(
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
-    causes = [f for f in live.findings if not _died_waiting(f, rest, cast)]
+    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast) or signalled_in_hang(f, rest, cast, live))]
     findings = config + [_with_collective(f, rest) for f in causes] + rest
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
@@ -329,7 +310,7 @@ def _disorder(cast) -> list[Finding]:
 
 
 def _world_mismatch(cast, world: int | None, summaries: dict[int, RankSummary]) -> list[Finding]:
-    """``--world`` given and different from the world the first ranks' headers were written with."""
+    """``--ranks`` given and different from the world the first ranks' headers were written with."""
     if world is None:
         return []
     by_world: dict[Any, list] = {}
@@ -346,9 +327,9 @@ def _world_mismatch(cast, world: int | None, summaries: dict[int, RankSummary]) 
     outside = sorted(r for r in summaries if r >= world)
     return [Finding.of(
         "world_mismatch", None, by_world[traced],
-        f"--world {world} was given but the traces were written by a world of {traced} "
+        f"--ranks {world} was given but the traces were written by a world of {traced} "
         f"(rank files {ranks_text(summaries)})"
-        + (f"; rank files {ranks_text(outside)} lie outside --world" if outside else ""),
+        + (f"; rank files {ranks_text(outside)} lie outside --ranks" if outside else ""),
     )]
 
 
@@ -393,8 +374,10 @@ def replay_dir(logdir: str | os.PathLike, world: int | None = None, jobs: int = 
     gc.disable()
     try:
         loaded = load_dir(logdir, oracle, jobs=jobs, run_id=run_id)
-        return diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle,
-                        input_findings=loaded.findings)
+        report = diagnose(loaded.summaries, world=world, warnings=loaded.warnings, oracle=oracle,
+                          input_findings=loaded.findings)
+        mark_unreadable(report, loaded.unreadable)
+        return report
     finally:
         if enabled:
             gc.enable()

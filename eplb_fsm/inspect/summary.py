@@ -22,6 +22,7 @@ compact step lines (most of a long trace) checked in bulk.
 
 from __future__ import annotations
 
+import gc
 import json
 import operator
 import os
@@ -33,6 +34,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader, TemplateStore
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
+from eplb_fsm.inspect.identity import run_text
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
@@ -41,6 +43,7 @@ from eplb_fsm.trace_segments import read_rank_text
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
     "summarize_rank", "summarize_text", "find_trace_files", "find_all_trace_files", "read_records",
+    "parse_records", "load_rank_file", "load_rank_file_in_worker",
 ]
 
 MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
@@ -287,6 +290,38 @@ def _ends(text: str) -> tuple[dict | None, bool]:
 # reading files
 
 
+def load_rank_file(r: int, path: Path, oracle: MachineOracle | None = None, templates: TemplateStore | None = None,
+                   run_id: str | None = None) -> tuple[int, RankSummary | None, list[str]]:
+    """Read and summarise one rank file (only run ``run_id``'s part of it when given, ``identity.run_text``):
+    (rank, summary, warnings), or (rank, None, [why there is none]); ``templates``: see ``blocks``."""
+    warnings: list[str] = []
+    try:
+        text = read_rank_text(path)   # rotated segments first, oldest first
+    except OSError as exc:
+        return r, None, [f"rank {r}: cannot read {path}: {exc.strerror or exc}"]
+    text = text if run_id is None else run_text(text, run_id)
+    summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates)
+    bad = summary.bad_lines
+    if not summary.records:
+        return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]
+    if summary.truncated:
+        warnings.append(f"rank {r}: last line of {path.name} is truncated (the rank died mid-write?); skipped it")
+        if bad > 1:
+            warnings.append(f"rank {r}: {bad - 1} more unreadable line(s) in {path.name} skipped")
+    elif bad:
+        warnings.append(f"rank {r}: {bad} unreadable line(s) in {path.name} skipped")
+    return r, summary, warnings
+
+
+_WORKER_TEMPLATES = TemplateStore()   # filled only in a worker process (its own copy), by the files it reads
+
+
+def load_rank_file_in_worker(item: tuple[int, Path, str | None]) -> tuple[int, RankSummary | None, list[str]]:
+    """``load_rank_file`` in a worker process of ``replay.load_dir``: item is (rank, path, run id)."""
+    gc.disable()  # a worker only allocates records and frees them: the cycle collector is pure cost
+    return load_rank_file(item[0], item[1], templates=_WORKER_TEMPLATES, run_id=item[2])
+
+
 def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(rank, path) for every ``rank<N>.jsonl`` in ``logdir``, sorted; two names may claim one rank
     (``rank2.jsonl`` and ``rank00002.jsonl``)."""
@@ -315,7 +350,11 @@ def read_records(path: str | os.PathLike) -> tuple[list[dict], int, bool]:
     (``trace_segments``). The whole text is parsed as one JSON array when it is clean
     (twice as fast as a ``json.loads`` per line); a text with a bad line is read line by line.
     """
-    text = read_rank_text(path)
+    return parse_records(read_rank_text(path))
+
+
+def parse_records(text: str) -> tuple[list[dict], int, bool]:
+    """``read_records`` over a rank file's text already read (``trace_segments.read_rank_text``)."""
     body = text.strip()
     if not body:
         return [], 0, False
