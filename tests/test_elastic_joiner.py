@@ -117,3 +117,17 @@ def test_a_failed_handshake_names_its_reason_in_scale_aborted(store):
     assert not old.is_alive() and not errors, errors
     assert isinstance(exc, ScaleAborted), exc
     assert "handover phase: scale go: 1.0 of 2 ranks" in str(exc)
+
+
+def test_a_raw_store_reaches_the_serving_group_through_its_namespace(store):
+    """EplbController.join(namespace=...) with a raw store finds a handover published under that namespace."""
+    errors: list = []
+    old = threading.Thread(target=_serving_stand_in, args=(store, errors), daemon=True)
+    old.start()
+    try:
+        exc = _bounded(lambda: _join(connect_store(store, WAIT_S), timeout_s=WAIT_S, namespace=store.namespace))
+    finally:
+        old.join(WAIT_S)
+    assert not old.is_alive() and not errors, errors
+    # it got as far as the handshake, so it read the handover under the serving group's namespace
+    assert isinstance(exc, ScaleAborted) and "handover phase: scale go" in str(exc), exc

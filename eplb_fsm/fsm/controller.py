@@ -315,14 +315,14 @@ class EplbController:
     @classmethod
     def join(cls, config: EplbConfig, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
              trace_dir: str | None = None, device: torch.device | str | None = None, timeout_s: float | None = None,
-             keep_trace: bool = False) -> "EplbController":
-        """Start the controller of a process joining a serving group (scale-up); see
-        :func:`eplb_fsm.elastic.joiner.join`. Returns it in ``collecting`` or raises
-        ``eplb_fsm.elastic.ScaleAborted``."""
+             keep_trace: bool = False, namespace: str = "eplb") -> "EplbController":
+        """Start the controller of a process joining a serving group (scale-up; :func:`eplb_fsm.elastic.joiner.join`,
+        ``namespace``: the serving group's store prefix, for a raw store). ``collecting`` or ``ScaleAborted``."""
         from eplb_fsm.elastic.joiner import join
 
         return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
-                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace)
+                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace,
+                    namespace=namespace)
 
     def recover(self) -> None:
         """Leave ``failed`` once the engine has repaired the group (every rank together)."""
