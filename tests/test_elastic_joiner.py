@@ -131,3 +131,31 @@ def test_a_raw_store_reaches_the_serving_group_through_its_namespace(store):
     assert not old.is_alive() and not errors, errors
     # it got as far as the handshake, so it read the handover under the serving group's namespace
     assert isinstance(exc, ScaleAborted) and "handover phase: scale go" in str(exc), exc
+
+
+def _stand_in_without_transfer_group(info, errors):
+    """Old rank 0 that publishes the handover and forms the new group, but never builds its transfer group."""
+    try:
+        ctl = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S))
+        ctl.add_model(ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
+        sp = make_scale_plan(1, 2, generation=1)
+        ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
+        group = ctl.group.successor(1, 0, 2, WAIT_S)
+        threading.Event().wait(4 * CONFIG.collective_timeout_s)   # the joiner gives up on its transfer group first
+        group.close()
+        ctl.close()
+    except BaseException as exc:  # reported to the test
+        errors.append(exc)
+
+
+def test_a_transfer_group_that_never_forms_is_scale_aborted(store):
+    """The joiner's transfer group times out: ScaleAborted naming it (was a bare GroupBuildError)."""
+    errors: list = []
+    old = threading.Thread(target=_stand_in_without_transfer_group, args=(store, errors), daemon=True)
+    old.start()
+    try:
+        exc = _bounded(lambda: _join(store, timeout_s=WAIT_S))
+    finally:
+        old.join(WAIT_S)
+    assert not old.is_alive() and not errors, errors
+    assert isinstance(exc, ScaleAborted) and "transfer group of generation 1 was not complete" in str(exc), exc

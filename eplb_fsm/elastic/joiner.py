@@ -87,8 +87,15 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
                            info=info)
     except Exception as exc:
         raise ScaleAborted(f"the group of generation {generation} was not complete: {exc}") from exc
-    ctl = cls(config, group=group, device=device, trace_dir=trace_dir, keep_trace=keep_trace, role="joiner",
-              start_step=int(state["steps"]))
+    try:
+        ctl = cls(config, group=group, device=device, trace_dir=trace_dir, keep_trace=keep_trace, role="joiner",
+                  start_step=int(state["steps"]))
+    except (ValueError, TypeError):  # the joiner's own arguments (device, trace_dir): not the scale's fault
+        group.close()
+        raise
+    except Exception as exc:  # its transfer group did not form: the scale did not complete here
+        group.close()
+        raise ScaleAborted(f"the transfer group of generation {generation} was not complete: {exc}") from exc
     ctl.collectives.cap = deadline.left
     try:
         _take_handover(ctl, sp, named, state)
