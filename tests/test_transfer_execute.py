@@ -578,3 +578,38 @@ def test_interleaved_views_of_one_storage_are_moved():
         expect = new[0, r * 2 : r * 2 + 2]
         assert fused[r][:, 0, 0].tolist() == [float(e) for e in expect]
         assert fused[r][:, 1, 0].tolist() == [100.0 + e for e in expect]
+
+
+def test_a_pending_layer_cannot_commit_rows_reallocated_or_released():
+    """A profile call that reallocates the buffer, or release(), makes the pending layer's commit a ValueError."""
+    old, new, _, _, lw = _swap_layer()
+    comm = InProcessCommunicator(2)
+    buf = TransferBuffer()
+    pending = transfer_layer_to_buffer(old, new, lw, buf, communicator=comm)
+    other = [[[torch.zeros(2, 8)]] for _ in range(2)]   # another model's row width: the buffer is reallocated
+    rearrange_expert_weights_inplace(old[None], old[None], other, communicator=comm, is_profile=True, buffer=buf)
+    before = [[w.clone() for w in rw] for rw in lw]
+    with pytest.raises(ValueError, match="re-allocated or released"):
+        commit_layer_from_buffer(pending, lw)
+    assert all(torch.equal(a, b) for rw, rb in zip(lw, before) for a, b in zip(rw, rb))
+    pending = transfer_layer_to_buffer(old, new, lw, buf, communicator=comm)
+    buf.release()
+    with pytest.raises(ValueError, match="re-allocated or released"):
+        commit_layer_from_buffer(pending, lw)
+
+
+def test_weights_that_require_grad_move_bit_exact():
+    """nn.Parameter weights (requires_grad=True) move in place exactly as plain tensors do, in both entry points."""
+    old, new, _, _, lw = _swap_layer()
+    plain = [[w.detach().float() for w in rw] for rw in lw]
+    comm = InProcessCommunicator(2)
+    expected = [[w.clone() for w in rw] for rw in plain]
+    rearrange_expert_weights_inplace(old[None], new[None], [[rw] for rw in expected], communicator=comm)
+    params = [[torch.nn.Parameter(w.clone()) for w in rw] for rw in plain]
+    commit_layer_from_buffer(transfer_layer_to_buffer(old, new, params, TransferBuffer(), communicator=comm), params)
+    full = [[torch.nn.Parameter(w.clone()) for w in rw] for rw in plain]
+    rearrange_expert_weights_inplace(old[None], new[None], [[rw] for rw in full], communicator=comm)
+    for moved in (params, full):
+        assert all(p.requires_grad and torch.equal(p.detach(), e) for rp, re in zip(moved, expected)
+                   for p, e in zip(rp, re))
+    assert not all(torch.equal(e, p) for re, rp in zip(expected, plain) for e, p in zip(re, rp))  # rows did move

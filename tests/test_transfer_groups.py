@@ -106,3 +106,19 @@ def test_communicator_rejects_messages_to_itself(store):
         comm.add_send(torch.zeros(1), 0, 0)
     with pytest.raises(ValueError, match="src"):
         comm.add_send(torch.zeros(1), 1, 0)
+
+
+def test_the_store_groups_communicator_refuses_weights_off_the_cpu(store):
+    """PgCommunicator is gloo: meta weights are refused before posting (gloo aborted the process reading them)."""
+    import numpy as np
+
+    from eplb_fsm.transfer import rearrange_expert_weights_inplace
+    from eplb_fsm.transfer.inputs import UnmovableWeightsError
+
+    _, info = store
+    comm = StoreGroup.connect(info, 11, 0, 1, timeout_s=5.0).transfer_communicator(5.0)
+    assert comm.host_memory_only and comm.backend == "gloo"
+    old = np.array([[0, 1]])
+    with pytest.raises(UnmovableWeightsError, match=r"is on meta, and the transfer group \(gloo\)"):
+        rearrange_expert_weights_inplace(old, old[:, ::-1].copy(), [[torch.zeros(2, 3, device="meta")]],
+                                         communicator=comm)

@@ -54,3 +54,15 @@ def test_cpu_weights_still_move_on_gloo(one_rank_group):
     w = torch.arange(4.0).repeat_interleave(3).reshape(4, 3)
     rearrange_expert_weights_inplace(old, new, [[w]], buffer=TransferBuffer(), timeout=5.0)
     assert w[:, 0].tolist() == [3.0, 2.0, 1.0, 0.0]
+
+
+def test_the_one_layer_entry_point_refuses_tensors_that_share_memory():
+    """transfer_layer_to_buffer refuses a tensor listed twice, as the full entry point does (it moved rows twice)."""
+    from eplb_fsm.transfer import InProcessCommunicator
+
+    w = torch.arange(3.0)[:, None].repeat(1, 2)
+    before = w.clone()
+    with pytest.raises(UnmovableWeightsError, match=r"layer_weights\[0\]\[0\] and layer_weights\[0\]\[1\]: share memory"):
+        transfer_layer_to_buffer(np.array([0, 1, 2]), np.array([1, 2, 0]), [[w, w]], TransferBuffer(),
+                                 communicator=InProcessCommunicator(1))
+    assert torch.equal(w, before)

@@ -166,3 +166,18 @@ def test_rank_layers_rejects_mismatched_buffers():
         rank_layers(old, old, 3, 4, 2, (0,))
     with pytest.raises(ValueError, match="outside the group"):
         rank_layers(old, old, 2, 4, 2, (2,))
+
+
+def test_maps_without_slots_plan_in_python_and_move_nothing(monkeypatch):
+    """(L, 0) maps: the C planner is not asked (it needs slots); the transfer is a no-op, not an internal error."""
+    import torch
+
+    from eplb_fsm.transfer import InProcessCommunicator, rearrange_expert_weights_inplace
+
+    monkeypatch.setenv("EPLB_FSM_NATIVE", "1")
+    schedule.clear_schedule_cache()
+    empty = np.zeros((2, 0), np.int64)
+    comm = InProcessCommunicator(2)
+    rearrange_expert_weights_inplace(empty, empty, [[[torch.zeros(0, 3)], [torch.zeros(0, 3)]] for _ in range(2)],
+                                     communicator=comm)
+    assert comm.total_messages == 0

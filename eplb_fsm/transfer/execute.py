@@ -71,8 +71,8 @@ class TransferBuffer:
     and is used by :func:`rearrange_expert_weights_inplace` only: layer k's messages land in
     one half while layer k-1's commit reads the other, so no receive waits for that commit
     (the one-layer entry points use the first half). ``allocations`` counts allocations
-    (profile mode reserves every half up front). ``generation`` advances on every transfer
-    so a stale pending commit is caught.
+    (profile mode reserves every half up front). ``generation`` advances on every transfer,
+    allocation and release, so a pending commit whose rows were since replaced is caught.
     """
 
     def __init__(self, layers: int = 1) -> None:
@@ -91,6 +91,7 @@ class TransferBuffer:
         tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
         halves[index] = tensors
         self.allocations += 1
+        self.generation += 1  # a layer still pending in the old rows can no longer commit
         return tensors
 
     def tensors(self, rank: int, index: int = 0) -> list[torch.Tensor]:
@@ -105,8 +106,9 @@ class TransferBuffer:
                    for t in ts)
 
     def release(self) -> None:
-        """Drop every tensor (the next use allocates again)."""
+        """Drop every tensor (the next use allocates again; a pending layer can no longer commit)."""
         self._by_rank.clear()
+        self.generation += 1
 
 
 _DEFAULT_BUFFER = TransferBuffer()
@@ -152,6 +154,7 @@ def _finish(comm: Communicator) -> None:
 # public entry points
 
 
+@torch.no_grad()  # weights are often Parameters that require grad: copy_ into them in place
 def rearrange_expert_weights_inplace(
     old_phy2log: Any,
     new_phy2log: Any,
@@ -303,6 +306,7 @@ def _apply_runs(
         copy_runs(weights[r], buffers[r], commit.runs)
 
 
+@torch.no_grad()
 def transfer_layer_to_buffer(
     old_phy2log_row: Any,
     new_phy2log_row: Any,
@@ -363,6 +367,7 @@ def transfer_layer_to_buffer(
     )
 
 
+@torch.no_grad()
 def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]) -> None:
     """Write a transferred layer into its weights: local, primary and duplicate rows.
 
@@ -376,8 +381,8 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
         raise ValueError(f"pending: layer {pending.layer} is already committed")
     if pending.buffer.generation != pending.generation:
         raise ValueError(
-            f"pending: the buffer of layer {pending.layer} was reused by a later transfer; commit each layer "
-            "before transferring the next one into the same buffer"
+            f"pending: the buffer of layer {pending.layer} was reused by a later transfer, re-allocated or "
+            "released; commit each layer before the buffer is used again"
         )
     comm = pending.communicator
     rows = next(iter(pending.plans.values())).slots_per_rank

@@ -205,6 +205,9 @@ class PgCommunicator:
         self.local_ranks = (self.rank,)
         self.timeout = _check_timeout(timeout_s)
         self.name = name
+        # gloo reads a tensor's address as host memory: the executor refuses weights off the CPU
+        self.backend = "gloo"
+        self.host_memory_only = True
         self._ops: list[tuple[str, torch.Tensor, int]] = []
         self._works: list = []
 

@@ -243,6 +243,13 @@ def check_layer_weights(
         if ref is None:
             ref = layout(out[r])
             check_devices(comm, name, out[r])
+    multi = getattr(comm, "multi_rank", False)
+    shared = find_shared_memory([(f"layer_weights{f'[{r}]' if multi else ''}[{t}]", w)
+                                 for r, tensors in out.items() for t, w in enumerate(tensors)])
+    if shared is not None:
+        raise UnmovableWeightsError(
+            f"{shared[0]} and {shared[1]}: share memory; every weight row must be moved on its own "
+            "(a tensor listed twice would be overwritten by its other use)")
     return out
 
 

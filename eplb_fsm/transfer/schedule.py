@@ -268,7 +268,9 @@ class Schedule:
     def _plan_natively(self) -> bool:
         """At first use: plan every layer and split in C if this schedule can; whether it did."""
         if self._native is None:
-            native = not self.batching and bool(self._layers) and native_schedule.available()
+            # the C planner needs slots; maps with none (P = 0) move nothing and plan in Python
+            native = (not self.batching and bool(self._layers) and self.old.shape[1] > 0
+                      and native_schedule.available())
             if native:
                 layers, splits = native_schedule.prepared_layers(
                     self.old, self.new, self.world_size, self.local_ranks, lambda k: _PlansOnDemand(self, k)
