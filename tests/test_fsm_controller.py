@@ -512,6 +512,10 @@ def test_async_worker_error_becomes_a_shared_fault():
 
 def test_broken_group_sends_the_machine_to_failed_and_recover_returns():
     """An all-reduce that fails is not recoverable: failed; recover() brings it back to collecting."""
+    import threading
+
+    repaired = threading.Barrier(2)
+
     def body(rank, group):
         model = _toy(rank, 2, layers=2)
         ctl = EplbController(cfg(step_interval=8, collective_timeout_s=0.5), group=group, keep_trace=True)
@@ -520,8 +524,12 @@ def test_broken_group_sends_the_machine_to_failed_and_recover_returns():
         drive(ctl, model, None, 2, skewed_target(2, 8), check=False)  # forward without collectives
         state = ctl.state
         ctl.step()  # steps in failed still count and are traced
+        repaired.wait(30)  # the engine repairs the group once every rank has failed, then recovers all
         group.fail_all_reduce = False
-        ctl.recover()
+        if rank == 0:
+            group.w.barrier.reset()
+        repaired.wait(30)
+        ctl.recover()  # collective: a fresh transfer group
         return state, ctl.state, ctl.history[-1]["outcome"]
 
     for failed_state, after, outcome in run_threads(2, body):
@@ -725,3 +733,29 @@ def test_add_model_on_a_gloo_group_refuses_weights_off_the_cpu(one_rank_group):
         assert ctl.models == [] and ctl.num_layers == 0
         ctl.add_model(ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=4, top_k=2, seed=0), "main")
         assert [e.name for e in ctl.models] == ["main"]
+
+
+def test_a_joiners_watchdog_starts_in_scaling_and_reports_a_stalled_handover():
+    """A joiner's machine starts in scaling; its watchdog knows, so a handover that hangs gets a stuck record."""
+    from eplb_fsm.testing import ThreadWorld
+
+    ctl = EplbController(cfg(watchdog_deadline_s=0.05), group=ThreadWorld(1).group(0), role="joiner",
+                         keep_trace=True)
+    try:
+        ctl.watchdog.stop()
+        assert ctl.state == ctl.watchdog.state == "scaling"
+        stuck = ctl.watchdog.check(now=ctl.watchdog.since + 1.0)
+        assert stuck is not None and stuck["state"] == "scaling"
+    finally:
+        ctl.close()
+
+
+def test_close_says_so_when_the_worker_outlives_it():
+    """A worker thread still running a job past close()'s wait leaves a worker_stuck record before the end."""
+    ctl = EplbController(cfg(use_async=True), keep_trace=True)
+    ctl.add_model(ProtocolModel(), "main")
+    stop = ctl.worker.close
+    ctl.worker.close = lambda timeout: False   # as if a transfer were still waiting for a peer
+    ctl.close()
+    stop(5.0)
+    assert [r["event"] for r in ctl.trace.records][-2:] == ["worker_stuck", "end"]

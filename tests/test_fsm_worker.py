@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -62,21 +63,52 @@ def test_wait_idle_times_out_on_a_stuck_job():
         assert worker.close(timeout=5.0)
 
 
-def test_close_fails_queued_jobs():
-    """Jobs still queued when the worker closes end with an error instead of waiting forever."""
+def test_close_runs_the_jobs_already_submitted_then_refuses_new_ones():
+    """A job still queued at close() runs (its peers' copies run too, so their transfers pair up); no new ones."""
     gate = threading.Event()
     worker = BackgroundWorker()
     running = worker.submit(gate.wait, 5.0)
-    queued = worker.submit(lambda: "never")
+    queued = worker.submit(lambda: "ran")
     time.sleep(0.05)
     closer = threading.Thread(target=worker.close, kwargs={"timeout": 5.0})
     closer.start()
-    gate.set()
-    closer.join(5.0)
-    assert running.done()
-    assert queued.done() and isinstance(queued.error(), RuntimeError)
+    time.sleep(0.05)
     with pytest.raises(RuntimeError):
         worker.submit(lambda: 1)
+    gate.set()
+    closer.join(5.0)
+    assert not closer.is_alive() and running.ok() and queued.result(0) == "ran"
+    assert not worker.alive
+
+
+def test_on_a_gpu_a_job_waits_for_what_the_submitters_stream_enqueued_before(monkeypatch):
+    """On a worker stream, submit records an event on the caller's stream and the job's stream waits on it first."""
+    order: list = []
+
+    class Event:
+        def record(self, stream):
+            order.append(("record", stream))
+
+        def query(self):
+            return True
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            order.append(("wait", self.name, event))
+
+    engine = Stream("engine")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: engine)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    with BackgroundWorker() as worker:
+        worker.stream = Stream("worker")
+        job = worker.submit(lambda: order.append("job"))
+        assert worker.wait_idle(5.0) and job.ok()
+    assert order[0] == ("record", engine)
+    assert order[1] == ("wait", "worker", job.after) and order[2] == "job"
 
 
 async def test_coroutines_run_on_the_worker_loop():

@@ -162,3 +162,13 @@ def test_every_remote_need_received_once_from_a_holder(case):
     sends = sorted((p.rank, int(q), int(e)) for p in plans for q, e in zip(p.send_peers, p.send_experts))
     recvs = sorted((int(q), p.rank, int(e)) for p in plans for q, e in zip(p.recv_peers, p.recv_experts))
     assert sends == recvs
+
+
+def test_moved_slots_refuses_a_bad_world_size_and_bad_ids():
+    """world_size 0 or a bool, float maps and ids outside [-1, P) are ValueErrors naming the field."""
+    row = np.array([0, 1, 2, 3])
+    for args, match in [((row, row, 0), "world_size must be >= 1"), ((row, row, True), "world_size must be"),
+                        ((row, row.astype(float), 2), "new_phy2log: must hold integer"),
+                        ((row, np.array([7, -5, 0, 1]), 2), r"new_phy2log: expert ids must be in \[-1, P=4\)")]:
+        with pytest.raises(ValueError, match=match):
+            moved_slots(*args)

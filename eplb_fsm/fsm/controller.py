@@ -125,7 +125,7 @@ class EplbController:
         if config.watchdog_deadline_s > 0:
             from eplb_fsm.fsm.watchdog import Watchdog
 
-            self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s)
+            self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s, state=self.machine.state)  # a joiner's
             self.machine.listeners.append(self.watchdog.on_fired)
             self.watchdog.start()
         self.liveness.start_on(self.trace)  # issue 12: `alive` records while the trace goes to a file
@@ -325,12 +325,12 @@ class EplbController:
                     namespace=namespace)
 
     def recover(self) -> None:
-        """Leave ``failed`` once the engine has repaired the group (every rank together)."""
+        """Leave ``failed`` once the engine has repaired the group (every rank together): a fresh transfer
+        group first (fsm/recovery.py); ``RuntimeError``, still ``failed``, if the worker or group is not ready."""
         self._check_open("recover")
         if self.machine.state != FAILED:
             raise ValueError(f"recover() needs state failed, state is {self.machine.state!r}")
-        self.fire("recovered")
-        self.restart_interval()
+        self.rearranger.recover()
 
     def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
         """Fire one event and write its ``transition`` record (event data + ``extra`` context)."""
@@ -388,8 +388,8 @@ class EplbController:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.rearranger.settle(act=False)  # a posted all-reduce still open: its end record, no action
-        if self.worker is not None:
-            self.worker.close(timeout=self.timeout_s)
+        if self.worker is not None and not self.worker.close(timeout=self.timeout_s + 5.0):  # its last jobs run
+            self.trace.emit("worker_stuck", pending=self.worker.pending)
         self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first
         self.trace.close()
 

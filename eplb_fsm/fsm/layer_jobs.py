@@ -15,7 +15,7 @@ Why this is safe:
   same message sequence everywhere.
 - A job submitted ahead of one that failed on this rank does not run
   (:class:`TransferSkipped`); peers that did start theirs end by the transfer's timeout,
-  which :meth:`Rearranger.reset_transfers` waits out before the new transfer group.
+  which :func:`eplb_fsm.fsm.recovery.reset_transfers` waits out before the new transfer group.
 - After an abort :meth:`drop` forgets the job ahead, so it is never handed over to a later
   rearrangement, and the buffers' generations make its pending layer uncommittable.
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
+from eplb_fsm.fsm import recovery
 from eplb_fsm.fsm.collectives import Collectives, GroupBroken, PostedReduce, flags
 from eplb_fsm.fsm.decide import (ABORT, JOIN, POST, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_poll,
                                  decide_progress)
@@ -366,34 +367,5 @@ class Rearranger:
         dest = self.abort(reason, recoverable=True, layer=layer)
         return self.reset_transfers() or dest
 
-    def reset_transfers(self) -> str | None:
-        """Drain the worker and re-create the transfer group (a failed p2p leaves gloo pairs closed).
-
-        The ranks first agree, in one all-reduce, that every worker has drained: then they
-        all create the new group together, or all go to ``failed``. Returns the destination
-        when that took another ``fault``, else None.
-        """
-        drained = self.worker is None or self.worker.wait_idle(self.timeout_s + 5.0)
-        if not drained:
-            self.trace.emit("worker_stuck", pending=self.worker.pending)
-        self.mover.invalidate_buffers()
-        if self.collectives.group is None:
-            if drained:
-                return None
-            return self.fire("fault", extra={"reason": "background worker did not finish its job"},
-                             recoverable=False).dest
-        # a peer may still be waiting out its transfer timeout before it gets here
-        reduced = self.all_reduce_or_fail({"reset": flags(0.0 if drained else 1.0)}, 2 * self.timeout_s + 10.0)
-        if reduced is None:
-            return FAILED
-        stuck = int(reduced["reset"][0])
-        if stuck:
-            return self.fire("fault", extra={"reason": f"background worker did not finish its job on {stuck} rank(s)"},
-                             recoverable=False).dest
-        try:
-            self.collectives.new_transfer_group()
-        except Exception as exc:
-            return self.fire("fault", extra={"reason": f"could not re-create the transfer group: {exc}"},
-                             recoverable=False).dest
-        self.trace.emit("transfer_group_reset", group=self.collectives.transfer_group_name)
-        return None
+    reset_transfers = recovery.reset_transfers   # after a transfer fault (fsm/recovery.py)
+    recover = recovery.recover                   # EplbController.recover()

@@ -6,7 +6,9 @@ a time, in submission order. The worker never fires machine events and never dec
 anything: it only reports, through ``Job.done()`` / ``Job.error()``, and the
 controller turns those local facts into a shared decision with an all-reduce.
 
-On a CUDA device the worker runs every job on its own CUDA stream and records an
+On a CUDA device the worker runs every job on its own CUDA stream. The job first waits
+for an event recorded on the submitter's stream at submission (the commit of the layer
+before, which reads the buffer this job overwrites, was enqueued there), and records an
 event after it; ``Job.done()`` is true only once that event has completed, and
 ``Job.wait_stream()`` makes the caller's stream wait for it before the buffer is read.
 Without a GPU that path is never taken.
@@ -53,6 +55,7 @@ class Job:
         self.finished_at: float | None = None
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.cuda_event = None  # set on GPU: completion of the job's stream work
+        self.after = None       # set on GPU: the submitter's stream work the job must wait for
 
     def done(self) -> bool:
         """True once the job has returned or raised (and, on GPU, its stream work finished)."""
@@ -266,17 +269,19 @@ class BackgroundWorker:
 
     def _run(self, job: Job) -> None:
         """Run one job on the loop's thread (a plain callback: no coroutine is left unawaited
-        if the loop closes before it runs)."""
-        if self._closing:
-            job.future.set_exception(RuntimeError(f"background worker {self.name!r} was closed"))
-            self._finish(job)
-            return
+        if the loop closes before it runs). A job submitted before ``close()`` still runs: every
+        rank submitted it at the same step, so dropping it on one rank only would leave its
+        peers' transfer waiting for messages that never come."""
         if self.start_yield_s:
             time.sleep(self.start_yield_s)   # let the submitting thread have the GIL back first
         job.started_at = job.clock()
         try:
-            if self.stream is not None:  # pragma: no cover - GPU only
+            if self.stream is not None:
                 with torch.cuda.stream(self.stream):
+                    if job.after is not None:
+                        # what the submitter's stream enqueued before (a commit reading the buffer
+                        # this job overwrites) runs first: streams do not order each other
+                        self.stream.wait_event(job.after)
                     value = job.fn(*job.args, **job.kwargs)
                     event = torch.cuda.Event()
                     event.record(self.stream)
@@ -319,6 +324,9 @@ class BackgroundWorker:
         if self._closing or not self.alive:
             raise RuntimeError(f"background worker {self.name!r} is not running")
         job = Job(next(self._ids), kind, fn, args, kwargs, layer=layer)
+        if self.stream is not None:
+            job.after = torch.cuda.Event()
+            job.after.record(torch.cuda.current_stream(self.device))
         with self._lock:
             self._pending += 1
             self._unfinished.add(job)
@@ -348,7 +356,8 @@ class BackgroundWorker:
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> bool:
-        """Stop the loop after the running job (queued ones are dropped); True if the thread ended."""
+        """Refuse new jobs, stop the loop once the jobs already submitted have run (they pair with the
+        peers'), and wait at most ``timeout`` seconds; True if the thread ended."""
         self._closing = True
         if self._thread.is_alive() and not self._loop.is_closed():
             try:

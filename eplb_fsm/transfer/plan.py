@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb_fsm.maps import host_array
+from eplb_fsm.maps import as_count, host_array
 
 __all__ = [
     "LayerTransfers",
@@ -316,10 +316,16 @@ def moved_slots(old: Any, new: Any, world_size: int) -> int:
     ``old``/``new``: one layer (P,) or all layers (L, P); the count is summed over layers.
     Empty new slots (-1) never count.
     """
+    world_size = as_count(world_size, "world_size")
     old = host_array(old, "old_phy2log")
     new = host_array(new, "new_phy2log")
     if old.shape != new.shape or old.ndim not in (1, 2):
         raise ValueError(f"new_phy2log: shape {new.shape} must equal old_phy2log's {old.shape}, (P,) or (L, P)")
+    for name, m in (("old_phy2log", old), ("new_phy2log", new)):
+        if not np.issubdtype(m.dtype, np.integer):
+            raise ValueError(f"{name}: must hold integer expert ids, got dtype {m.dtype}")
+        if m.size and (m.min() < -1 or m.max() >= m.shape[-1]):
+            raise ValueError(f"{name}: expert ids must be in [-1, P={m.shape[-1]}), got {m.min()}..{m.max()}")
     old2 = old.reshape(-1, old.shape[-1]).astype(np.int64)
     new2 = new.reshape(-1, new.shape[-1]).astype(np.int64)
     p = old2.shape[1]
