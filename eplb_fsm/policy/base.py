@@ -175,14 +175,17 @@ def check_rebalance_args(
         groups, nodes = 1, 1
 
     if old_phy2log is not None:
-        old = torch.as_tensor(host_array(old_phy2log, "old_phy2log"))
-        if old.dim() != 2 or old.shape[0] != num_layers:
+        try:  # in numpy: torch has no min() for uint16/32/64, and a ragged list fails in numpy's words
+            old = host_array(old_phy2log, "old_phy2log")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"old_phy2log must be a 2-D integer array or tensor: {exc}") from None
+        if old.ndim != 2 or old.shape[0] != num_layers:
             raise ValueError(
                 f"old_phy2log must be 2-D with {num_layers} rows (layers), got shape {tuple(old.shape)}"
             )
-        if old.is_floating_point() or old.is_complex() or old.dtype == torch.bool:
+        if old.dtype.kind not in "iu":
             raise ValueError(f"old_phy2log must hold integers, got dtype {old.dtype}")
-        if old.numel() and (int(old.min()) < -1 or int(old.max()) >= num_experts):
+        if old.size and (int(old.min()) < -1 or int(old.max()) >= num_experts):
             raise ValueError(f"old_phy2log entries must be in [-1, {num_experts}), got out-of-range values")
 
     return weight32, num_replicas, groups, nodes, num_ranks

@@ -56,9 +56,10 @@ def _pack_rows(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarr
     rank_in_pack = np.empty((num_rows, num_items), dtype=np.int64)
     packs = range(num_packs)
     for row in range(num_rows):
-        loads = list(weight[row])  # numpy float32 scalars: the totals stay float32
+        loads = list(weight[row])  # numpy float32 scalars
         visit = np.argsort(-weight[row], kind="stable").tolist()  # ties keep index order
-        totals = [0.0] * num_packs
+        # float32 totals under numpy 1's promotion rules too (there 0.0 + float32 is float64)
+        totals = [np.float32(0.0)] * num_packs
         counts = [0] * num_packs
         row_pack = [0] * num_items
         row_rank = [0] * num_items
