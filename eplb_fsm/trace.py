@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import structlog
 
 from eplb_fsm import trace_segments
+from eplb_fsm.trace_file import TraceFile
+from eplb_fsm.trace_runs import DUMMY, StepRun
 from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
 from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
     END_HOWS, SCHEMA_VERSION, alive_fields, collective_fields, config_hash, end_fields, exception_text,
@@ -48,27 +50,7 @@ COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 # a run of counted steps is written once it holds this many, flusher or not: a rank
 # without a liveness thread loses at most this many steps when killed
 MAX_RUN = 1 << 16
-_DUMMY = 1 << 40   # StepRun.packed: steps in the low 40 bits, dummies above
-
-
-class StepRun:
-    """Steps counted by :meth:`EventTrace.count_step` since the run began: consecutive, one state.
-
-    Written by the engine thread only (``packed`` and ``next``); ``written`` (what is
-    already on disk) changes only under the trace's lock. ``packed`` holds both counts
-    in one int so that a flusher reads them together: ``steps + dummies * 2**40``.
-    """
-
-    __slots__ = ("first", "state", "next", "packed", "written")
-
-    def __init__(self, first: int, state: str | None) -> None:
-        self.first = first          # the step of the run's first count
-        self.state = state
-        self.next = first           # the step the next count must carry to stay in this run
-        self.packed = 0
-        self.written = 0            # packed value already written as `steps` records
-
-
+END_LOCK_WAIT_S = 1.0   # end() from a signal handler: past this the lock is its own thread's; defer
 def trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
     """The file a rank writes: ``<trace_dir>/rank<rank>.jsonl``."""
     return Path(trace_dir) / f"rank{rank:05d}.jsonl"
@@ -147,11 +129,12 @@ class EventTrace:
         self.rotations = 0              # segments this writer has rolled over
         self.path: Path | None = None
         self._lock = threading.Lock()
+        self._end_pending: tuple | None = None   # an end() that could not take the lock (a signal handler's)
+        self._owner: int | None = None           # the thread inside _locked()
         self._run: StepRun | None = None
         self._header: dict = {}         # the header's own fields, repeated at the top of each new segment
-        self._file = None
-        self._sink = None
-        self._bytes = 0
+        self._file = self._disk = None           # TraceFile: while open, and the last one (its error count)
+        self._sink: TraceFile | None = None      # the file while records may go to it (None after `end`)
         if trace_dir is not None:
             self.path = trace_path(trace_dir, self.rank)
             try:
@@ -160,15 +143,27 @@ class EventTrace:
                 raise ValueError(f"trace_dir: {trace_dir} is not a folder (a file has that name or one "
                                  "above it)") from None
             # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
-            self._open()
+            self._disk = self._file = self._sink = TraceFile(self.path, self.max_bytes, self.max_segments)
             _OPEN_TRACES.add(self)
 
-    def _open(self) -> None:
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._bytes = self._file.tell()
-        # structlog's WriteLogger writes and flushes one message per call; the renderer is
-        # called directly rather than through a BoundLogger (cheaper, and records are rare now)
-        self._sink = structlog.WriteLogger(self._file)
+    @property
+    def write_errors(self) -> int:
+        """Writes that failed (disk full, file removed): their records were dropped, the engine went on."""
+        return self._disk.errors if self._disk is not None else 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, then an ``end`` deferred while it was held (written even if the holder is unwinding)."""
+        try:
+            with self._lock:
+                self._owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._owner = None
+        finally:
+            if self._end_pending is not None and not self.ended:
+                self.end(*self._end_pending)
 
     # -- context ---------------------------------------------------------
     def set_context(self, state: str | None = None, step: int | None = None) -> None:
@@ -180,7 +175,7 @@ class EventTrace:
 
     def set_world(self, rank: int, world: int) -> None:
         """Change rank/world after a process-group swap (the file stays the same)."""
-        with self._lock:
+        with self._locked():
             self._write_run()   # the run's steps belong to the old rank/world
             self.rank = int(rank)
             self.world = int(world)
@@ -197,24 +192,24 @@ class EventTrace:
         step = self.step
         if run is not None and run.next == step and run.state == self.state and step - run.first < MAX_RUN:
             # lock-free: only this thread writes `packed`/`next`; a flusher reads `packed` once
-            run.packed += (_DUMMY + 1) if dummy else 1
+            run.packed += (DUMMY + 1) if dummy else 1
             run.next = step + 1
             return
-        with self._lock:
+        with self._locked():
             self._write_run()
             run = StepRun(step, self.state)
-            run.packed = (_DUMMY + 1) if dummy else 1
+            run.packed = (DUMMY + 1) if dummy else 1
             run.next = step + 1
             self._run = run
 
     def flush(self) -> dict | None:
         """Write the steps counted since the last write as one ``steps`` record; returns it (None: nothing pending)."""
-        with self._lock:
+        with self._locked():
             return self._write_run()
 
     def emit(self, event: str, **fields: Any) -> dict:
         """Write one record (after the pending ``steps`` run, if any); returns it. Explicit ``state``/``step`` win."""
-        with self._lock:
+        with self._locked():
             return self._emit_locked(event, fields)
 
     def _record(self, event: str, fields: dict) -> dict:
@@ -242,9 +237,9 @@ class EventTrace:
         delta = packed - run.written
         if not delta:
             return None
-        first = run.first + run.written % _DUMMY
+        first = run.first + run.written % DUMMY
         run.written = packed
-        count, dummy = delta % _DUMMY, delta // _DUMMY
+        count, dummy = delta % DUMMY, delta // DUMMY
         if count == 1:   # a run of one step is the classic `step` record (shorter, and what readers bulk-read)
             return self._record("step", {"state": run.state, "step": first, **({"dummy": True} if dummy else {})})
         return self._record("steps", {"state": run.state, "step": first, "count": count, "dummy": dummy})
@@ -265,16 +260,14 @@ class EventTrace:
         return record
 
     def _write(self, text: str) -> None:
-        self._sink.msg(text)
-        self._bytes += len(text) + 1      # ASCII JSON: characters are bytes
-        if self._bytes > self.max_bytes:
+        # not after `end` (nothing follows it), nor when the segment holds only its header
+        # (a header over max_bytes would roll for ever)
+        if self._sink.write(text) and not self.ended and self._sink.lines > 1:
             self._rotate()
 
     def _rotate(self) -> None:
         """Roll the live file (lock held) and start the new one with the header, ``continued: true``."""
-        self._file.close()
-        trace_segments.rotate(self.path, self.max_segments)
-        self._open()
+        self._sink.roll()
         self.rotations += 1
         self._emit_locked("header", {**self._header, "continued": True, "segment": self.rotations})
 
@@ -351,16 +344,24 @@ class EventTrace:
     def end(self, how: str, error: str | None = None, signal: str | None = None) -> dict | None:
         """Write the ``end`` record (see :func:`end_fields`) once; later calls and records are not written.
 
-        Returns the record, or None when an ``end`` was already written. Steps still
-        pending are written first. Safe from another thread (a signal handler's).
+        Returns the record, or None when an ``end`` was already written (or is deferred).
+        Steps still pending are written first. Safe from another thread and from a signal
+        handler: one that interrupted this thread while it held the lock cannot take it, so
+        the ``end`` is written as soon as the interrupted write lets go of it.
         """
         fields = end_fields(how, error, signal)
-        with self._lock:
+        if self._owner == threading.get_ident() or not self._lock.acquire(timeout=END_LOCK_WAIT_S):
+            self._end_pending = (how, error, signal)
+            return None
+        try:
+            self._end_pending = None
             if self.ended:
                 return None
+            self.ended = True   # before the write: the `end` line never rolls the file
             record = self._emit_locked("end", fields)
-            self.ended = True
             self._sink = None   # the file stays open until close(); no record follows `end`
+        finally:
+            self._lock.release()
         _OPEN_TRACES.discard(self)
         return record
 
@@ -376,12 +377,11 @@ class EventTrace:
     def close(self) -> None:
         """Write the pending ``steps`` run (unless ended) and close the file."""
         _OPEN_TRACES.discard(self)
-        with self._lock:
+        with self._locked():
             self._write_run()
             if self._file is not None:
                 self._file.close()
-                self._file = None
-                self._sink = None
+                self._file = self._sink = None
 
     @property
     def closed(self) -> bool:

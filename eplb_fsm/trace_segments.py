@@ -14,6 +14,7 @@ a record stands for (a ``steps`` run stands for ``count`` of them).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -61,16 +62,22 @@ def rotate(path: Path, max_segments: int) -> None:
 def segment_paths(path: str | os.PathLike) -> list[Path]:
     """Every segment of the rank file ``path`` that exists, oldest first (the live file last).
 
-    Rotated segments count from 1 upwards without holes; a hole (a segment deleted by
-    hand) ends the search, so a stray ``.jsonl.9`` is not read out of order.
+    Rotated segments are ordered by their number, highest (oldest) first. A hole in the
+    numbering does not end the list: a writer killed in the middle of :func:`rotate` leaves
+    one (``.jsonl.2`` and ``.jsonl.3`` moved on, ``.jsonl.1`` not yet there, or no live
+    file), and every segment left is still that rank's history, in that order.
     """
     path = Path(path)
     rotated = []
-    index = 1
-    while rotated_path(path, index).is_file():
-        rotated.append(rotated_path(path, index))
-        index += 1
-    out = list(reversed(rotated))
+    try:
+        siblings = list(path.parent.glob(f"{glob.escape(path.name)}.*"))
+    except OSError:
+        siblings = []
+    for other in siblings:
+        m = _ROTATED.search(other.name)
+        if m and other.name == f"{path.name}.{m.group(1)}" and other.is_file():
+            rotated.append((int(m.group(1)), other))
+    out = [p for _, p in sorted(rotated, reverse=True)]
     if path.is_file():
         out.append(path)
     return out

@@ -759,3 +759,17 @@ def test_close_says_so_when_the_worker_outlives_it():
     ctl.close()
     stop(5.0)
     assert [r["event"] for r in ctl.trace.records][-2:] == ["worker_stuck", "end"]
+
+
+def test_a_forced_rearrangement_is_stamped_with_the_next_engine_step():
+    """rearrange() after 5 steps: its transition and its rearrangement record both carry step 5."""
+    ctl = EplbController(cfg(step_interval=1000), keep_trace=True)
+    model = ProtocolModel()
+    ctl.add_model(model, "main")
+    for _ in range(5):
+        ctl.step()
+    ctl.rearrange()
+    forced = next(r for r in events(ctl, "transition") if r.get("forced"))
+    done = events(ctl, "rearrangement")[-1]
+    assert forced["step"] == done["step"] == ctl.steps == 5
+    ctl.close()

@@ -295,6 +295,7 @@ class EplbController:
             raise ValueError("rearrange() needs at least one model (add_model)")
         self.restart_interval()
         count = len(self.history)
+        self.trace.set_context(step=self.steps)  # as a due step's records: the index of the next engine step
         self.fire("step", extra={"forced": True}, due=True)
         loads = self.rearranger.begin(self.steps, forced=True)
         reduced = self.rearranger.all_reduce_or_fail({"loads": loads}, self.timeout_s)
@@ -325,8 +326,7 @@ class EplbController:
                     namespace=namespace)
 
     def recover(self) -> None:
-        """Leave ``failed`` once the engine has repaired the group (every rank together): a fresh transfer
-        group first (fsm/recovery.py); ``RuntimeError``, still ``failed``, if the worker or group is not ready."""
+        """Leave ``failed`` once the group is repaired, every rank together (fsm/recovery.py: raises, if not)."""
         self._check_open("recover")
         if self.machine.state != FAILED:
             raise ValueError(f"recover() needs state failed, state is {self.machine.state!r}")

@@ -48,6 +48,7 @@ __all__ = [
 
 MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
+_ROTATED_NAME = re.compile(r"^(rank\d+\.jsonl)\.\d+$")
 
 
 def summarize_rank(
@@ -324,12 +325,18 @@ def load_rank_file_in_worker(item: tuple[int, Path, str | None]) -> tuple[int, R
 
 def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(rank, path) for every ``rank<N>.jsonl`` in ``logdir``, sorted; two names may claim one rank
-    (``rank2.jsonl`` and ``rank00002.jsonl``)."""
-    found = []
+    (``rank2.jsonl`` and ``rank00002.jsonl``). A rank whose live file is missing but whose
+    rotated segments are there (a writer killed while it rolled the file) is listed by its
+    live file's path, which reads those segments."""
+    found = set()
     for path in Path(logdir).iterdir():
         m = _TRACE_NAME.match(path.name)
         if m and path.is_file():
-            found.append((int(m.group(1)), path))
+            found.add((int(m.group(1)), path))
+        elif (rotated := _ROTATED_NAME.match(path.name)) and path.is_file():
+            live = path.with_name(rotated.group(1))
+            if not live.exists():
+                found.add((int(_TRACE_NAME.match(live.name).group(1)), live))
     return sorted(found)
 
 
