@@ -154,14 +154,18 @@ def for_controller(group: Any, custom: bool, rank: int, world: int, config: dict
     """The controller's identity at construction: ``(identity, error or None)``.
 
     A member of a group of several ranks agrees (:func:`agree`) and rank 0 publishes the id
-    (:func:`publish`); a joiner looks it up; a lone rank makes its own. ``error`` is the
+    (:func:`publish`); a joiner looks it up; a lone rank makes its own and publishes it too. ``error`` is the
     :class:`ConfigMismatch`, or a ``RuntimeError`` when the agreement's all-reduce failed:
     the controller writes its header and an ``end`` record first, then raises it.
     """
-    if group is None or world <= 1:
+    if group is None:
         return local_identity(), None
     if role == "joiner":
         return lookup(group), None
+    if world <= 1:  # nobody to agree with, but a joiner of a later scale-up looks the id up
+        identity = local_identity()
+        publish(group, identity, rank)
+        return identity, None
     try:
         identity = agree(config, rank, world, group_sum(group, custom, timeout_s, device))
     except ConfigMismatch as exc:

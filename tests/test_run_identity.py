@@ -182,3 +182,11 @@ def test_write_header_keeps_a_role_field_for_the_header(tmp_path):
         identity = write_header(trace, coll, {"a": 1}, "joiner", role="joiner", generation=1)
     header = read_trace(trace_path(tmp_path, 0))[0][0]
     assert header["role"] == "joiner" and header["generation"] == 1 and header["run_id"] == identity.run_id
+
+
+def test_a_lone_rank_of_a_store_backed_group_publishes_its_id_for_later_joiners():
+    """World 1 with a store (an elastic job that starts on one rank): its id is published; a joiner reads it."""
+    group = _StoreBacked(_Store())
+    identity, error = for_controller(group, True, 0, 1, {"a": 1}, 5.0, torch.device("cpu"), "member")
+    joined, _ = for_controller(group, True, 1, 2, {"a": 1}, 5.0, torch.device("cpu"), "joiner")
+    assert error is None and joined.run_id == identity.run_id and joined.agreed

@@ -177,3 +177,14 @@ def test_scale_specs_are_validated():
         with pytest.raises(ValueError, match=match):
             parse_scale_specs(bad, 4, 20, 8, 8)
 
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_starts_on_one_rank_scales_up_as_one_run(tmp_path):
+    """1 -> 2 ranks: the joiner shares the lone rank's run id, so the run replays healthy (it was missing_ranks)."""
+    from eplb_fsm.inspect import replay_dir
+
+    result = _simulate(["--ranks", "1", "--redundant", "0", "--steps", "30", "--scale", "12:2"], tmp_path)
+    assert result["ok"], result
+    runs = {r["run_id"] for recs in _records(tmp_path).values() for r in recs if r["event"] == "header"}
+    assert len(runs) == 1 and replay_dir(tmp_path).verdict == "healthy"
