@@ -55,6 +55,13 @@ def test_simulate_rejects_bad_arguments(capsys):
         (lambda t: ["--trace-dir", str(t / "file" / "sub")], "--trace-dir: cannot create"),
         (lambda t: ["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
         (lambda t: ["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
+        # past ~9e9 s gloo and the store overflow: refused rather than crashing or hanging the run
+        (lambda t: ["--timeout", "1e10"], r"--timeout must be a finite number of seconds > 0 and <= 1e\+06"),
+        (lambda t: ["--collective-timeout", "1e12"], r"--collective-timeout must be .* <= 1e\+06 s"),
+        (lambda t: ["--join-timeout", "1e15"], r"--join-timeout must be .* <= 1e\+06 s"),
+        (lambda t: ["--dummy-every", "1"], r"--dummy-every must be 0 \(none\) or >= 2"),
+        (lambda t: ["--drift", "1000"], r"--drift must be a number in \[0, 100\]"),
+        (lambda t: ["--seed", "-1"], "--seed must be >= 0"),
         (lambda t: ["--png", str(t / "missing" / "x.png")], "--png: directory .*missing does not exist"),
         (lambda t: ["--png", str(t)], "--png: .* is a directory"),
         (lambda t: ["--png", str(t / "plot.jpg")], "--png: .* must end in .png"),
@@ -93,7 +100,8 @@ def test_join_timeout_is_checked_without_scale(tmp_path, capsys):
     """--join-timeout 0 is refused (exit 2, one line naming the option) even when --scale is not given."""
     code = main(["simulate", *SMALL, "--no-progress", "--join-timeout", "0", "--trace-dir", str(tmp_path / "t")])
     err = capsys.readouterr().err
-    assert code == 2 and err == "eplb-fsm simulate: error: --join-timeout must be a finite number > 0, got 0.0\n"
+    assert code == 2 and err == ("eplb-fsm simulate: error: --join-timeout must be a finite number > 0 and <= 1e+06 s, "
+                                 "got 0.0\n")
     assert not (tmp_path / "t").exists()
 
 

@@ -114,3 +114,18 @@ def test_the_traces_line_names_the_run_in_a_reused_folder():
     report = dict(_failed_report([1]), run_id="c" * 16, earlier_traces=True)
     assert f"traces: /tmp/t (appended to earlier traces: this run is --run-id {'c' * 16})" in format_report(report)
     assert "traces: /tmp/t\n" in format_report(dict(report, earlier_traces=False))
+
+
+def test_a_run_stopped_by_its_own_deadline_blames_no_rank():
+    """--timeout's signals (replay: signalled) are the deadline's, not the ranks': the headline says so, no culprit."""
+    from eplb_fsm.commands.simulate_report import format_report
+
+    report = dict(_failed_report([0, 1]), error="timeout", deadline_s=0.3, failed_ranks=[0, 1],
+                  replay={"verdict": "signalled", "summary": "ranks 0-1 were stopped by SIGTERM",
+                          "culprit_ranks": [0, 1]})
+    text = format_report(report)
+    assert ("the run did not finish in time: the --timeout deadline (0.3 s) stopped every rank; no rank had "
+            "failed before it") in text
+    assert "caused by rank" not in text
+    hang = dict(report, replay={"verdict": "hang", "summary": "rank 1 never joined", "culprit_ranks": [1]})
+    assert "the run did not finish in time: caused by rank(s) 1: hang" in format_report(hang)

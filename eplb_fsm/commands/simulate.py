@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import signal
 import sys
 import threading
@@ -73,6 +72,9 @@ trace record when planning, a transferring layer or committing makes no progress
 S seconds.
 """
 
+MAX_SECONDS = 1e6   # a wait longer than 11 days is no wait a run needs
+MAX_DRIFT = 100.0   # lognormal sigma per interval; far past it the drifting loads overflow to NaN
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("shape")
@@ -92,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--load", default="zipf",
                    help="load source: zipf (drifting skew), esft (ESFT routing traces) or a load file; default zipf")
     r.add_argument("--drift", type=float, default=0.6,
-                   help="lognormal drift sigma per interval (zipf/file), default 0.6")
+                   help="lognormal drift sigma per interval (zipf/file), 0..100, default 0.6")
     r.add_argument("--seed", type=int, default=0, help="seed of weights, batches and load, default 0")
     from eplb_fsm.policy.registry import available_policies  # names only, no torch
 
@@ -100,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="placement policy: %(choices)s; default 'default'")
     r.add_argument("--min-gain", type=float, default=0.0,
                    help="skip a rearrangement whose predicted balancedness gain is <= this, default 0")
-    r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none), default 0")
+    r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none, else >= 2), default 0")
     r.add_argument("--collective-timeout", type=float, default=None,
                    help="seconds any wait on other ranks may take before it is a fault, default 20 "
                         "(5 with --inject)")
@@ -117,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--join-timeout", type=float, default=None, metavar="S",
                    help="seconds a scale waits for its new group (joiners arriving), default: the collective "
                         "timeout")
-    r.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole run in seconds, default 300")
+    r.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole run in seconds (every wait here is at most 1e6 s), default 300")
     parser.epilog = _INJECT_HELP
     o = parser.add_argument_group("output")
     o.add_argument("--trace-dir", dest="log_dir", default=None, metavar="DIR",
@@ -167,23 +169,26 @@ def build_options(args: argparse.Namespace):
                          f"--ranks ({args.ranks})")
     if args.top_k > args.experts:
         raise ValueError(f"--top-k ({args.top_k}) must be <= --experts ({args.experts})")
-    if args.dummy_every < 0:
-        raise ValueError(f"--dummy-every must be >= 0, got {args.dummy_every}")
-    if not (args.drift >= 0 and math.isfinite(args.drift)):
-        raise ValueError(f"--drift must be a finite number >= 0, got {args.drift}")
+    if args.dummy_every < 0 or args.dummy_every == 1:  # 1: every step a dummy, nothing left to check
+        raise ValueError(f"--dummy-every must be 0 (none) or >= 2, got {args.dummy_every}")
+    if not (0 <= args.drift <= MAX_DRIFT):  # past it the drifting loads overflow to NaN
+        raise ValueError(f"--drift must be a number in [0, {MAX_DRIFT:g}], got {args.drift}")
+    if getattr(args, "seed", 0) < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if not 0.0 <= args.min_gain <= 1.0:  # config.min_balancedness_gain's rule, named as the option
         raise ValueError(f"--min-gain must be a number in [0, 1], got {args.min_gain}")
+    # gloo and the store overflow past ~9e9 s: "no timeout" is spelled with MAX_SECONDS
     timeout, watchdog = _timeouts(args)
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise ValueError(f"--collective-timeout must be a finite number > 0, got {timeout}")
-    if not (watchdog >= 0 and math.isfinite(watchdog)):
-        raise ValueError(f"--watchdog must be a finite number >= 0 (0: off), got {watchdog}")
+    if not (0 < timeout <= MAX_SECONDS):
+        raise ValueError(f"--collective-timeout must be a finite number > 0 and <= {MAX_SECONDS:g} s, got {timeout}")
+    if not (0 <= watchdog <= MAX_SECONDS):
+        raise ValueError(f"--watchdog must be a finite number >= 0 (0: off) and <= {MAX_SECONDS:g} s, got {watchdog}")
     run_timeout = getattr(args, "timeout", 300.0)
-    if not (run_timeout > 0 and math.isfinite(run_timeout)):
-        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {run_timeout}")
+    if not (0 < run_timeout <= MAX_SECONDS):
+        raise ValueError(f"--timeout must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, got {run_timeout}")
     join_timeout = getattr(args, "join_timeout", None)  # checked with or without --scale
-    if join_timeout is not None and not (join_timeout > 0 and math.isfinite(join_timeout)):
-        raise ValueError(f"--join-timeout must be a finite number > 0, got {join_timeout}")
+    if join_timeout is not None and not (0 < join_timeout <= MAX_SECONDS):
+        raise ValueError(f"--join-timeout must be a finite number > 0 and <= {MAX_SECONDS:g} s, got {join_timeout}")
     check_png_path(getattr(args, "png", None), getattr(args, "no_png", False))  # before any work
     injections = []
     events = []

@@ -74,7 +74,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
             reason = _reason(failures[process])
             status = "died" if reason.startswith("process exited with code") else "failed"
         elif process in pending:
-            status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):.0f} s deadline (killed)"
+            status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):g} s deadline (killed)"
         else:
             status, reason = "stopped", "stopped by the launcher after another rank failed"
         if last and last.get("event") == "rearrangement":  # its `step` is the due step
@@ -90,6 +90,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         "ok": False,
         "failed": True,
         "error": "timeout" if isinstance(exc, RanksTimeoutError) else "ranks_failed",
+        "deadline_s": getattr(exc, "timeout", None) if isinstance(exc, RanksTimeoutError) else None,
         "ranks": ranks,
         "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
         "failed_processes": [e["process"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
@@ -207,7 +208,11 @@ def _format_failed(report: dict) -> list[str]:
     rep = report.get("replay") or {}
     culprits = rep.get("culprit_ranks") or []
     stopped = ', '.join(map(str, report['failed_ranks'])) or '-'
-    if culprits:
+    if report.get("error") == "timeout" and rep.get("verdict") == "signalled":
+        # the launcher's own deadline sent those signals: no rank is to blame
+        lines += ["", f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s) "
+                      "stopped every rank; no rank had failed before it", f"ranks that stopped: {stopped}"]
+    elif culprits:
         # the cause first (what replay blames), then every rank that stopped as a consequence
         lines += ["", f"the run {what}: caused by rank(s) {', '.join(map(str, culprits))}: "
                       f"{rep['verdict']}: {rep['summary']}", f"ranks that stopped: {stopped}"]
