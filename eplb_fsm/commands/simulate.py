@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="placement policy: %(choices)s; default 'default'")
     r.add_argument("--min-gain", type=float, default=0.0,
                    help="skip a rearrangement whose predicted balancedness gain is <= this, default 0")
-    r.add_argument("--dummy-every", type=int, default=0, help="every n-th step is a dummy step (0: none, else >= 2), default 0")
+    r.add_argument("--dummy-every", type=int, default=0,
+                   help="every n-th step is a dummy step (0: none, else >= 2), default 0")
     r.add_argument("--collective-timeout", type=float, default=None,
                    help="seconds any wait on other ranks may take before it is a fault, default 20 "
                         "(5 with --inject)")
@@ -119,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--join-timeout", type=float, default=None, metavar="S",
                    help="seconds a scale waits for its new group (joiners arriving), default: the collective "
                         "timeout")
-    r.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole run in seconds (every wait here is at most 1e6 s), default 300")
+    r.add_argument("--timeout", type=float, default=300.0,
+                   help="deadline of the whole run in seconds (every wait here is at most 1e6 s), default 300")
     parser.epilog = _INJECT_HELP
     o = parser.add_argument_group("output")
     o.add_argument("--trace-dir", dest="log_dir", default=None, metavar="DIR",
