@@ -31,7 +31,14 @@ class Progress:
         from eplb_fsm.sim.run import progress_path
 
         parts, step, committed = [], None, 0
-        for rank in range(self.opts.ranks):
+        # every rank that wrote a file: with --scale, joiners beyond the first world too
+        ranks = set(range(self.opts.ranks))
+        try:
+            ranks |= {int(p.stem[4:]) for p in progress_path(self.opts.log_dir, 0).parent.glob("rank*.json")
+                      if p.stem[4:].isdigit()}
+        except OSError:
+            pass
+        for rank in sorted(ranks):
             try:
                 info = json.loads(progress_path(self.opts.log_dir, rank).read_text())
             except (OSError, ValueError):
@@ -41,7 +48,8 @@ class Progress:
             if state == "transferring":
                 state = f"transferring[{info.get('layer')}]"
             parts.append(f"r{rank}:{state}")
-            step = info.get("step") if step is None else min(step, info.get("step", step))
+            if state != "left":  # a rank that left stopped stepping; the job goes on without it
+                step = info.get("step") if step is None else min(step, info.get("step", step))
             committed = max(committed, info.get("rearrangements", 0))
         shown = "-" if step is None else step
         return f"simulate step {shown}/{self.opts.steps} | {' '.join(parts)} | rearrangements {committed}"
