@@ -188,3 +188,12 @@ def test_a_job_that_starts_on_one_rank_scales_up_as_one_run(tmp_path):
     assert result["ok"], result
     runs = {r["run_id"] for recs in _records(tmp_path).values() for r in recs if r["event"] == "header"}
     assert len(runs) == 1 and replay_dir(tmp_path).verdict == "healthy"
+
+
+@pytest.mark.multiprocess
+def test_a_skipped_scale_reports_the_same_keys_as_one_that_ran(tmp_path):
+    """A scale to the current size is skipped; its entry still has kind, reason and lost_experts (docs/elastic.md)."""
+    result = _simulate(["--ranks", "2", "--redundant", "0", "--steps", "20", "--scale", "10:2"], tmp_path)
+    entry = result["scalings"][0]
+    assert entry["outcome"] == "skipped" and entry["kind"] is None and entry["lost_experts"] == []
+    assert entry["reason"] == "the group already has that many ranks"

@@ -35,9 +35,13 @@ def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
         entries = [s for r in results for s in r["scalings"] if s["generation"] == gen]
         skipped = [c for r in results for c in r["checks"] if c.get("at") == "skipped" and c["generation"] == gen]
         if not entries:
-            scalings.append({"step": event.step, "generation": gen, "requested_ranks": event.ranks,
+            # the same keys as a scale that ran (docs/elastic.md), so a reader needs no special case
+            scalings.append({"step": event.step, "generation": gen, "kind": None, "requested_ranks": event.ranks,
                              "outcome": "skipped" if skipped else "not_reached", "from_ranks": None,
-                             "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0, "agree": True})
+                             "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0,
+                             "reason": ("the group already has that many ranks" if skipped else
+                                        "the run ended before this step"),
+                             "lost_experts": [], "agree": True})
             continue
         outcomes = {s["outcome"] for s in entries} - {"left"}
         ref = entries[0]
