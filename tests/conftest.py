@@ -1,6 +1,7 @@
-"""Shared test settings: hypothesis profile sized for a 2-core CI machine; a 1-rank gloo group."""
+"""Shared test settings: hypothesis profile sized for a 2-core CI machine; a 1-rank gloo group; a TCP store."""
 
 import os
+import uuid
 
 import pytest
 import torch.distributed as dist
@@ -28,3 +29,13 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def store():
+    """A TCP store on a free port with a namespace of its own (its StoreInfo); waits up to 30 s."""
+    from eplb_fsm.transfer.groups import host_store
+
+    master, info = host_store(timeout_s=30.0, namespace=f"t{uuid.uuid4().hex[:8]}")
+    yield info
+    del master

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pickle
 import re
 import threading
-import uuid
 
 import pytest
 
@@ -20,18 +19,10 @@ from eplb_fsm.elastic.handover import handover_state
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.controller import EplbController
 from eplb_fsm.sim.model import ToyMoE
-from eplb_fsm.transfer.groups import StoreGroup, connect_store, host_store
+from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
 WAIT_S = 30.0  # the bound on every wait of these tests; only a hang reaches it
 CONFIG = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=4, collective_timeout_s=1.0)
-
-
-@pytest.fixture
-def store():
-    """A TCP store on a free port, with a namespace of its own."""
-    master, info = host_store(timeout_s=WAIT_S, namespace=f"t{uuid.uuid4().hex[:8]}")
-    yield info
-    del master
 
 
 def _bounded(call):
@@ -90,72 +81,53 @@ def test_a_strided_non_expert_tensor_is_refused_before_waiting_for_the_handover(
     assert type(exc) is ValueError and "non_expert_weights[0] must be a contiguous tensor" in str(exc), exc
 
 
-def _serving_stand_in(info, errors):
-    """Old rank 0 of a 1 -> 2 scale-up that publishes a real handover, forms the new group, then answers "go" with 0."""
+def _serving_stand_in(info, errors, transfer_group):
+    """Old rank 0 of a 1 -> 2 scale-up: publishes a real handover and forms the new group. With
+    ``transfer_group`` it builds its transfer group and answers "go" with 0; without, it never builds one."""
     try:
         ctl = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S))
         ctl.add_model(ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
         sp = make_scale_plan(1, 2, generation=1)
         ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
         group = ctl.group.successor(1, 0, 2, WAIT_S)
-        comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
-        group.all_reduce(flags(0.0), WAIT_S)
+        if transfer_group:
+            comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
+            group.all_reduce(flags(0.0), WAIT_S)
+        else:
+            threading.Event().wait(4 * CONFIG.collective_timeout_s)   # the joiner gives up on its transfer group
+            group.close()
         ctl.close()
     except BaseException as exc:  # reported to the test
         errors.append(exc)
 
 
-def test_a_failed_handshake_names_its_reason_in_scale_aborted(store):
-    """The old rank answers "go" with 0: ScaleAborted names the handover phase and why it failed."""
+def _join_beside_stand_in(info, target, transfer_group=True, **overrides):
+    """What the joiner's ``join`` raised, old rank 0 played by a thread (joined with a timeout, error-free)."""
     errors: list = []
-    old = threading.Thread(target=_serving_stand_in, args=(store, errors), daemon=True)
+    old = threading.Thread(target=_serving_stand_in, args=(info, errors, transfer_group), daemon=True)
     old.start()
     try:
-        exc = _bounded(lambda: _join(store, timeout_s=WAIT_S, keep_trace=True))
+        return _bounded(lambda: _join(target, timeout_s=WAIT_S, **overrides))
     finally:
         old.join(WAIT_S)
-    assert not old.is_alive() and not errors, errors
+        assert not old.is_alive() and not errors, errors
+
+
+def test_a_failed_handshake_names_its_reason_in_scale_aborted(store):
+    """The old rank answers "go" with 0: ScaleAborted names the handover phase and why it failed."""
+    exc = _join_beside_stand_in(store, store, keep_trace=True)
     assert isinstance(exc, ScaleAborted), exc
     assert "handover phase: scale go: 1.0 of 2 ranks" in str(exc)
 
 
 def test_a_raw_store_reaches_the_serving_group_through_its_namespace(store):
     """EplbController.join(namespace=...) with a raw store finds a handover published under that namespace."""
-    errors: list = []
-    old = threading.Thread(target=_serving_stand_in, args=(store, errors), daemon=True)
-    old.start()
-    try:
-        exc = _bounded(lambda: _join(connect_store(store, WAIT_S), timeout_s=WAIT_S, namespace=store.namespace))
-    finally:
-        old.join(WAIT_S)
-    assert not old.is_alive() and not errors, errors
+    exc = _join_beside_stand_in(store, connect_store(store, WAIT_S), namespace=store.namespace)
     # it got as far as the handshake, so it read the handover under the serving group's namespace
     assert isinstance(exc, ScaleAborted) and "handover phase: scale go" in str(exc), exc
 
 
-def _stand_in_without_transfer_group(info, errors):
-    """Old rank 0 that publishes the handover and forms the new group, but never builds its transfer group."""
-    try:
-        ctl = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S))
-        ctl.add_model(ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
-        sp = make_scale_plan(1, 2, generation=1)
-        ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
-        group = ctl.group.successor(1, 0, 2, WAIT_S)
-        threading.Event().wait(4 * CONFIG.collective_timeout_s)   # the joiner gives up on its transfer group first
-        group.close()
-        ctl.close()
-    except BaseException as exc:  # reported to the test
-        errors.append(exc)
-
-
 def test_a_transfer_group_that_never_forms_is_scale_aborted(store):
     """The joiner's transfer group times out: ScaleAborted naming it (was a bare GroupBuildError)."""
-    errors: list = []
-    old = threading.Thread(target=_stand_in_without_transfer_group, args=(store, errors), daemon=True)
-    old.start()
-    try:
-        exc = _bounded(lambda: _join(store, timeout_s=WAIT_S))
-    finally:
-        old.join(WAIT_S)
-    assert not old.is_alive() and not errors, errors
+    exc = _join_beside_stand_in(store, store, transfer_group=False)
     assert isinstance(exc, ScaleAborted) and "transfer group of generation 1 was not complete" in str(exc), exc

@@ -9,7 +9,6 @@ The full flows with real joiners and leaving ranks are in tests/test_sim_elastic
 from __future__ import annotations
 
 import threading
-import uuid
 
 import pytest
 
@@ -18,18 +17,10 @@ from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.controller import EplbController
 from eplb_fsm.sim.model import ToyMoE
-from eplb_fsm.transfer.groups import StoreGroup, connect_store, host_store
+from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
 WAIT_S = 30.0  # every wait of these tests; only a hang reaches it
 CONFIG = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=4, collective_timeout_s=1.0)
-
-
-@pytest.fixture
-def store():
-    """A TCP store on a free port, with a namespace of its own."""
-    master, info = host_store(timeout_s=WAIT_S, namespace=f"t{uuid.uuid4().hex[:8]}")
-    yield info
-    del master
 
 
 def _serving(info, config=CONFIG, models=None):
@@ -45,6 +36,15 @@ def _snapshot(ctl):
     """Everything a refused request must leave as it was."""
     return (len(ctl.trace.records), ctl.state, ctl.generation, ctl.last_generation, ctl.world_size, ctl.group_name,
             [e.maps.phy2log.tobytes() for e in ctl.models], [e.num_physical for e in ctl.models], len(ctl.scalings))
+
+
+def _refused(ctl, match, *args, **kwargs):
+    """``request_scale(*args, **kwargs)`` raises a ValueError matching ``match`` and changes nothing."""
+    before = _snapshot(ctl)
+    with pytest.raises(ValueError, match=match):
+        ctl.request_scale(*args, **kwargs)
+    assert _snapshot(ctl) == before
+    ctl.close()
 
 
 def _stand_in(info, go, errors):
@@ -74,11 +74,7 @@ def _with_stand_in(info, go, request):
 def test_a_bad_timeout_is_refused_before_anything_changes(store, bad):
     """timeout_s True (not 1 s), "1.5" or inf: ValueError naming timeout_s; trace, maps, state, counter unchanged."""
     ctl = _serving(store)
-    before = _snapshot(ctl)
-    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
-        ctl.request_scale(2, timeout_s=bad)
-    assert _snapshot(ctl) == before
-    ctl.close()
+    _refused(ctl, "timeout_s must be a finite number > 0", 2, timeout_s=bad)
 
 
 def test_models_with_different_slots_per_rank_are_refused_before_anything_changes(store):
@@ -86,11 +82,7 @@ def test_models_with_different_slots_per_rank_are_refused_before_anything_change
     config = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=6, collective_timeout_s=1.0)
     models = {"a": ToyMoE(2, 6, 6, 4, 2, 0, 1), "b": ToyMoE(2, 2, 6, 4, 1, 0, 1, seed=1)}
     ctl = _serving(store, config, models)
-    before = _snapshot(ctl)
-    with pytest.raises(ValueError, match=r"same slots per rank in every model .*, got \{'a': 12, 'b': 8\}"):
-        ctl.request_scale(2, timeout_s=1.0)
-    assert _snapshot(ctl) == before
-    ctl.close()
+    _refused(ctl, r"same slots per rank in every model .*, got \{'a': 12, 'b': 8\}", 2, timeout_s=1.0)
 
 
 def test_a_strided_non_expert_tensor_is_refused_before_a_scale_up(store):
@@ -98,21 +90,13 @@ def test_a_strided_non_expert_tensor_is_refused_before_a_scale_up(store):
     model = ToyMoE(2, 4, 4, 4, 2, 0, 1)
     model.gate[1] = model.gate[1].t()
     ctl = _serving(store, models={"main": model})
-    before = _snapshot(ctl)
-    with pytest.raises(ValueError, match=r"model 'main': non_expert_weights\[1\] must be a contiguous tensor"):
-        ctl.request_scale(2, timeout_s=1.0)
-    assert _snapshot(ctl) == before
-    ctl.close()
+    _refused(ctl, r"model 'main': non_expert_weights\[1\] must be a contiguous tensor", 2, timeout_s=1.0)
 
 
 def test_a_bad_rank_mapping_is_refused_before_anything_changes(store):
     """A mapping naming an old rank 1 of a 1-rank group is a ValueError, not a scale that waits out its timeout."""
     ctl = _serving(store)
-    before = _snapshot(ctl)
-    with pytest.raises(ValueError, match="rank_mapping must have exactly the old ranks"):
-        ctl.request_scale(2, {0: 0, 1: 1}, timeout_s=1.0)
-    assert _snapshot(ctl) == before
-    ctl.close()
+    _refused(ctl, "rank_mapping must have exactly the old ranks", 2, {0: 0, 1: 1}, timeout_s=1.0)
 
 
 def test_a_handover_fault_keeps_its_reason_in_the_scaling_record(store):
