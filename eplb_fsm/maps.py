@@ -13,6 +13,8 @@ can never disagree. All arrays are numpy; ``as_torch`` gives tensors for the rou
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -36,6 +38,16 @@ def as_count(value, name: str, minimum: int | None = 1) -> int:
     if minimum is not None and count < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {count}")
     return count
+
+
+def check_seconds(value, name: str) -> float:
+    """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real,
+    finite number > 0. Bools and strings are refused: ``True`` would mean one second, and an
+    infinite timeout overflows the stores' and gloo's timedelta."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+    return float(value)
 
 
 def host_array(value, name: str) -> np.ndarray:

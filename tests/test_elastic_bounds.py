@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from eplb_fsm.elastic.bounds import GRACE_S, MIN_WAIT_S, ScaleDeadline, check_seconds, scale_bounds
+from eplb_fsm.elastic.bounds import GRACE_S, MIN_WAIT_S, ScaleDeadline, scale_bounds
 from eplb_fsm.fsm.collectives import Collectives
 from eplb_fsm.trace import EventTrace
 
@@ -39,14 +39,6 @@ def test_bounds_refuse_bools_strings_and_non_finite_timeouts(bad):
         scale_bounds(4.0, bad)
     with pytest.raises(ValueError, match="form_timeout_s must be a finite number > 0"):
         scale_bounds(bad, 1.0)
-
-
-def test_check_seconds_takes_any_real_finite_positive_number():
-    """ints, floats and numpy numbers pass as floats; the field name is in the error."""
-    assert check_seconds(2, "x") == 2.0 and check_seconds(np.float32(0.5), "x") == 0.5
-    assert check_seconds(np.int64(3), "x") == 3.0
-    with pytest.raises(ValueError, match="^join_timeout must be"):
-        check_seconds(np.bool_(True), "join_timeout")
 
 
 def test_each_wait_gets_the_time_left_before_the_deadline():

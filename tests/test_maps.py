@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb_fsm.maps import ExpertMaps, as_count, derive_log2phy, host_array, initial_phy2log
+from eplb_fsm.maps import ExpertMaps, as_count, check_seconds, derive_log2phy, host_array, initial_phy2log
 
 
 def test_initial_placement_layout():
@@ -223,3 +223,14 @@ def test_derive_with_too_small_width_is_rejected(case):
     if width > 1:
         with pytest.raises(ValueError, match="max_replicas"):
             derive_log2phy(p2l, n, width - 1)
+
+
+def test_check_seconds_takes_any_real_finite_positive_number():
+    """ints, floats and numpy numbers pass as floats; a numpy bool, inf or a string is refused naming the field."""
+    assert check_seconds(2, "x") == 2.0 and check_seconds(np.float32(0.5), "x") == 0.5
+    assert check_seconds(np.int64(3), "x") == 3.0
+    with pytest.raises(ValueError, match="^join_timeout must be"):
+        check_seconds(np.bool_(True), "join_timeout")
+    for bad in (float("inf"), "1", 0):
+        with pytest.raises(ValueError, match="^timeout_s must be a finite number > 0"):
+            check_seconds(bad, "timeout_s")

@@ -23,26 +23,16 @@ request. docs/debugging-hangs.md ("Bounds") states the bound per phase.
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-__all__ = ["GRACE_S", "MIN_WAIT_S", "ScaleDeadline", "check_seconds", "scale_bounds"]
+from eplb_fsm.maps import check_seconds
+
+__all__ = ["GRACE_S", "MIN_WAIT_S", "ScaleDeadline", "scale_bounds"]
 
 GRACE_S = 5.0      # seconds each stage adds for the peers' own bookkeeping between waits
 MIN_WAIT_S = 0.05  # what a wait past the deadline still gets (a zero timeout is no timeout to gloo)
-
-
-def check_seconds(value: Any, name: str) -> float:
-    """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real,
-    finite number > 0. Bools and strings are refused: ``True`` would mean one second, and an
-    infinite timeout overflows the stores' and gloo's timedelta half-way through a scale."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
-    return float(value)
 
 
 def scale_bounds(form_timeout_s: float, timeout_s: float) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from eplb_fsm.elastic.bounds import ScaleDeadline, check_seconds
+from eplb_fsm.elastic.bounds import ScaleDeadline
 from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.elastic.handover import (
     config_for_handover,
@@ -25,7 +25,7 @@ from eplb_fsm.elastic.handover import (
     non_expert_tensors,
     resize_models,
 )
-from eplb_fsm.maps import as_count
+from eplb_fsm.maps import as_count, check_seconds
 from eplb_fsm.elastic.scale_plan import make_scale_plan, remap_columns, slot_columns
 from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
 

@@ -58,7 +58,8 @@ import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.decide import decide_salvage
-from eplb_fsm.elastic.bounds import ScaleDeadline, check_seconds
+from eplb_fsm.elastic.bounds import ScaleDeadline
+from eplb_fsm.maps import check_seconds
 from eplb_fsm.elastic.joiner import ScaleAborted, join
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.elastic.handover import (

@@ -29,10 +29,7 @@ def reset_transfers(r: Any) -> str | None:
     all create the new group together, or all go to ``failed``. Returns the destination
     when that took another ``fault``, else None.
     """
-    drained = r.worker is None or r.worker.wait_idle(r.timeout_s + 5.0)
-    if not drained:
-        r.trace.emit("worker_stuck", pending=r.worker.pending)
-    r.mover.invalidate_buffers()
+    drained = _drain(r)
     if r.collectives.group is None:
         if drained:
             return None
@@ -61,10 +58,8 @@ def recover(r: Any) -> None:
     Raises ``RuntimeError`` and leaves the machine in ``failed`` when the worker is still
     running a job or the transfer group cannot be built (the EP group is not repaired yet).
     """
-    if r.worker is not None and not r.worker.wait_idle(r.timeout_s + 5.0):
-        r.trace.emit("worker_stuck", pending=r.worker.pending)
+    if not _drain(r):
         raise RuntimeError("recover(): the background worker has not finished its job; the machine stays failed")
-    r.mover.invalidate_buffers()
     try:
         r.collectives.new_transfer_group()
     except Exception as exc:
@@ -73,3 +68,13 @@ def recover(r: Any) -> None:
     r.trace.emit("transfer_group_reset", group=r.collectives.transfer_group_name)
     r.fire("recovered")
     r.counters.restart(r.config.step_interval)
+
+
+def _drain(r: Any) -> bool:
+    """Wait (bounded) for the worker's jobs, then drop the buffers' rows; a busy worker is traced
+    (``worker_stuck``). True when it finished."""
+    drained = r.worker is None or r.worker.wait_idle(r.timeout_s + 5.0)
+    if not drained:
+        r.trace.emit("worker_stuck", pending=r.worker.pending)
+    r.mover.invalidate_buffers()
+    return drained

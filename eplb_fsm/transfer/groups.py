@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from eplb_fsm.maps import check_seconds
+
 __all__ = ["StoreInfo", "connect_store", "host_store", "StoreGroup", "PgCommunicator", "GroupBuildError",
            "group_trace_name"]
 
@@ -62,9 +64,7 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 
 def _check_timeout(timeout_s: Any) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a number > 0 (seconds), got {timeout_s!r}")
-    return float(timeout_s)
+    return check_seconds(timeout_s, "timeout_s")  # inf too: it overflows the store's timedelta
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0, namespace: str = "eplb"):

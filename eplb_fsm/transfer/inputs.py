@@ -32,6 +32,7 @@ __all__ = [
     "check_devices",
     "check_movable",
     "find_shared_memory",
+    "refuse_shared_memory",
     "check_all_weights",
     "check_layer_tensors",
     "check_layer_weights",
@@ -188,6 +189,15 @@ def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
     return out
 
 
+def refuse_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """``UnmovableWeightsError`` naming the first two tensors of ``named`` whose rows share memory."""
+    shared = find_shared_memory(named)
+    if shared is not None:
+        raise UnmovableWeightsError(
+            f"{shared[0]} and {shared[1]}: share memory; every weight row must be moved on its own "
+            "(a tensor listed twice would be overwritten by its other use)")
+
+
 def per_rank(comm: Communicator, value: Any, name: str) -> dict[int, Any]:
     ranks = tuple(comm.local_ranks)
     if getattr(comm, "multi_rank", False):
@@ -220,14 +230,10 @@ def check_all_weights(
     first_rank, first = next(iter(out.items()))
     if first:
         check_devices(comm, f"expert_weights{f'[{first_rank}]' if multi else ''}[0]", first[0], 0)
-    shared = find_shared_memory([
+    refuse_shared_memory([
         (f"expert_weights{f'[{r}]' if multi else ''}[{k}][{t}]", w)
         for r, layers in out.items() for k, tensors in enumerate(layers) for t, w in enumerate(tensors)
     ])
-    if shared is not None:
-        raise UnmovableWeightsError(
-            f"{shared[0]} and {shared[1]}: share memory; every weight row must be moved on its own "
-            "(a tensor listed twice would be overwritten by its other use)")
     return out
 
 
@@ -244,12 +250,8 @@ def check_layer_weights(
             ref = layout(out[r])
             check_devices(comm, name, out[r])
     multi = getattr(comm, "multi_rank", False)
-    shared = find_shared_memory([(f"layer_weights{f'[{r}]' if multi else ''}[{t}]", w)
-                                 for r, tensors in out.items() for t, w in enumerate(tensors)])
-    if shared is not None:
-        raise UnmovableWeightsError(
-            f"{shared[0]} and {shared[1]}: share memory; every weight row must be moved on its own "
-            "(a tensor listed twice would be overwritten by its other use)")
+    refuse_shared_memory([(f"layer_weights{f'[{r}]' if multi else ''}[{t}]", w)
+                          for r, tensors in out.items() for t, w in enumerate(tensors)])
     return out
 
 
