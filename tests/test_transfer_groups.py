@@ -122,3 +122,10 @@ def test_the_store_groups_communicator_refuses_weights_off_the_cpu(store):
     with pytest.raises(UnmovableWeightsError, match=r"is on meta, and the transfer group \(gloo\)"):
         rearrange_expert_weights_inplace(old, old[:, ::-1].copy(), [[torch.zeros(2, 3, device="meta")]],
                                          communicator=comm)
+
+
+def test_an_infinite_or_bool_timeout_is_refused_before_a_store_starts():
+    """host_store(timeout_s=inf or True) is a ValueError naming timeout_s, not an overflow inside torch."""
+    for bad in (float("inf"), True):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
+            host_store(timeout_s=bad)
