@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -23,6 +24,9 @@ LOAD_ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 #: largest ``window_size``: the window is a (window_size, layers, slots) int64 tensor per
 #: model, so 100k passes of a 58-layer, 288-slot model already take 13 GB
 MAX_WINDOW_SIZE = 100_000
+#: largest timeout or deadline in seconds (about 11.6 days): beyond it a value would overflow
+#: the timedelta of gloo and the stores, or ``threading``'s ``TIMEOUT_MAX`` (about 9.2e9 s)
+MAX_SECONDS = 1e6
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,13 @@ class EplbConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_int(self.window_size, "window_size", minimum=1, maximum=MAX_WINDOW_SIZE)
-        _check_int(self.step_interval, "step_interval", minimum=1)
-        _check_int(self.num_redundant_experts, "num_redundant_experts", minimum=0)
-        _check_int(self.log_balancedness_interval, "log_balancedness_interval", minimum=1)
-        _check_int(self.num_nodes, "num_nodes", minimum=1)
-        _check_int(self.async_worker_nice, "async_worker_nice", minimum=0, maximum=19)
-        _check_int(self.async_max_bytes_per_step, "async_max_bytes_per_step", minimum=0)
+        _check_int(self, "window_size", minimum=1, maximum=MAX_WINDOW_SIZE)
+        _check_int(self, "step_interval", minimum=1)
+        _check_int(self, "num_redundant_experts", minimum=0)
+        _check_int(self, "log_balancedness_interval", minimum=1)
+        _check_int(self, "num_nodes", minimum=1)
+        _check_int(self, "async_worker_nice", minimum=0, maximum=19)
+        _check_int(self, "async_max_bytes_per_step", minimum=0)
         for name in ("use_async", "log_balancedness", "enable_migration_batching", "async_overlap_poll",
                      "async_prefetch", "align_slots"):
             if not isinstance(getattr(self, name), bool):
@@ -92,12 +96,12 @@ class EplbConfig:
 
         if self.policy not in available_policies():
             raise ValueError(f"policy must be one of {', '.join(available_policies())}, got {self.policy!r}")
-        _check_float(self.min_balancedness_gain, "min_balancedness_gain", lo=0.0, hi=1.0)
-        _check_float(self.collective_timeout_s, "collective_timeout_s", lo=0.0, lo_open=True)
-        _check_float(self.watchdog_deadline_s, "watchdog_deadline_s", lo=0.0)
-        _check_float(self.load_decay, "load_decay", lo=0.0, hi=1.0, lo_open=True)
+        _check_float(self, "min_balancedness_gain", lo=0.0, hi=1.0)
+        _check_float(self, "collective_timeout_s", lo=0.0, hi=MAX_SECONDS, lo_open=True)
+        _check_float(self, "watchdog_deadline_s", lo=0.0, hi=MAX_SECONDS)
+        _check_float(self, "load_decay", lo=0.0, hi=1.0, lo_open=True)
         _check_float(
-            self.movement_balancedness_target, "movement_balancedness_target", lo=0.0, hi=1.0, lo_open=True
+            self, "movement_balancedness_target", lo=0.0, hi=1.0, lo_open=True
         )
         if self.load_estimator not in LOAD_ESTIMATORS:
             raise ValueError(
@@ -106,9 +110,28 @@ class EplbConfig:
         if not isinstance(self.extra, Mapping):
             raise ValueError(f"extra must be a mapping, got {type(self.extra).__name__}")
         try:  # it goes into every rank's trace header, where the ranks' configs are compared
-            json.dumps(dict(self.extra), allow_nan=False)
+            text = json.dumps(dict(self.extra), allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"extra must hold JSON values (it is written to every rank's trace header): {exc}") from None
+            raise ValueError(f"extra must hold JSON values (it is written to every rank's trace header): {exc}") \
+                from None
+        # held as its JSON form, a copy: a later change to the caller's dict can't reach the header unchecked
+        object.__setattr__(self, "extra", json.loads(text))
+
+    def check_replacement(self, new: Any) -> "EplbConfig":
+        """``new`` if it may replace this config on a running controller, else ``ValueError``.
+
+        Only ``num_redundant_experts`` may differ (elastic EP sets it after a resize): the other
+        fields were read into the controller's parts when it was built, so a new value would
+        not take effect.
+        """
+        if not isinstance(new, EplbConfig):
+            raise ValueError(f"config must be an EplbConfig, got {type(new).__name__}")
+        changed = [f.name for f in fields(self) if f.name != "num_redundant_experts"
+                   and getattr(self, f.name) != getattr(new, f.name)]
+        if changed:
+            raise ValueError(f"a running controller's config may change only num_redundant_experts, not "
+                             f"{', '.join(changed)}; build a new controller for those")
+        return new
 
     @property
     def first_rearrangement_step(self) -> int:
@@ -122,7 +145,7 @@ class EplbConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"config must be a mapping of field names to values, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted((repr(key) if not isinstance(key, str) else key) for key in data if key not in known)
         if unknown:
             raise ValueError(f"unknown config field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**dict(data))
@@ -182,9 +205,13 @@ def _reject_unknown_fields(init):
 EplbConfig.__init__ = _reject_unknown_fields(EplbConfig.__init__)  # type: ignore[method-assign]
 
 
-def _check_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(config: EplbConfig, name: str, minimum: int, maximum: int | None = None) -> None:
+    value = getattr(config, name)
+    # numpy's integers count (a value read from an array); bools do not
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    object.__setattr__(config, name, value)  # a plain int, so to_json and the trace header can hold it
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -192,10 +219,14 @@ def _check_int(value: Any, name: str, minimum: int, maximum: int | None = None) 
 
 
 def _check_float(
-    value: Any, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    config: EplbConfig, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not isinstance(value, (int, float)):  # numpy's float32 and ints: a plain float for the header
+        value = float(value)
+        object.__setattr__(config, name, value)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:

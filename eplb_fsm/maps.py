@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb_fsm.config import MAX_SECONDS
+
 EMPTY = -1
 
 
@@ -41,12 +43,12 @@ def as_count(value, name: str, minimum: int | None = 1) -> int:
 
 
 def check_seconds(value, name: str) -> float:
-    """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real,
-    finite number > 0. Bools and strings are refused: ``True`` would mean one second, and an
-    infinite timeout overflows the stores' and gloo's timedelta."""
+    """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real
+    number in (0, ``config.MAX_SECONDS``]. Bools and strings are refused: ``True`` would mean
+    one second, and a huge or infinite timeout overflows the stores' and gloo's timedelta."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+            or not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a finite number > 0 and <= {MAX_SECONDS:g} (seconds), got {value!r}")
     return float(value)
 
 
@@ -207,7 +209,10 @@ class ExpertMaps:
         layer = as_count(layer, "layer", minimum=0)
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        row = _as_int64_2d(host_array(phy2log_row, "phy2log_row").reshape(1, -1), "phy2log_row")
+        values = host_array(phy2log_row, "phy2log_row")
+        if values.ndim != 1:  # a (2, 2) or (1, 1, P) array is some other shape, not a row to flatten
+            raise ValueError(f"phy2log_row must be one row (P,), got shape {values.shape}")
+        row = _as_int64_2d(values.reshape(1, -1), "phy2log_row")
         if row.shape[1] != self.num_physical:
             raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[1]}")
         _check_range(row, self.num_logical, allow_empty=True)

@@ -38,6 +38,10 @@ class LoadWindow:
         self.window = torch.zeros((window_size, num_layers, num_physical), dtype=torch.int64, device=device)
         self.next_index = 0  # ring position the next counted pass goes to
         self.filled = 0      # counted passes held, <= window_size
+        # True from a rearrangement started outside a step (``rearrange()``, after a forward)
+        # until the pass is recorded: ``load_pass`` may then hold counts in the placement a
+        # commit replaces, so each commit carries them over too (:meth:`remap_layer`)
+        self.pass_open = False
 
     def record_pass(self, is_dummy: bool = False) -> None:
         """Move this pass's load into the window (unless dummy) and zero ``load_pass``.
@@ -51,6 +55,7 @@ class LoadWindow:
             if self.filled < self.window_size:
                 self.filled += 1
         self.load_pass.zero_()
+        self.pass_open = False
 
     def reset(self) -> None:
         """Forget every recorded pass."""
@@ -58,6 +63,7 @@ class LoadWindow:
         self.load_pass.zero_()
         self.next_index = 0
         self.filled = 0
+        self.pass_open = False
 
     def passes_oldest_first(self) -> torch.Tensor:
         """The held passes in arrival order: (filled, L, P)."""
@@ -74,8 +80,9 @@ class LoadWindow:
 
         ``window_sum`` sums the window; ``decayed_sum`` weighs a pass of age a (0 =
         newest) by decay**a; ``subwindow_max`` splits the window into ``subwindows``
-        consecutive parts and takes, per slot, the largest part sum times the number of
-        parts (so its scale matches the plain sum); it plans for the worst recent burst.
+        consecutive parts and takes, per slot, the largest part's mean per pass times the
+        passes held (so its scale matches the plain sum, also when the parts' lengths
+        differ by one); it plans for the worst recent burst.
         """
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
@@ -84,15 +91,16 @@ class LoadWindow:
         subwindows = as_count(subwindows, "subwindows")
         passes = self.passes_oldest_first().to(torch.float64)
         if passes.shape[0] == 0:
-            return torch.zeros((self.num_layers, self.num_physical), dtype=torch.float64)
+            return torch.zeros((self.num_layers, self.num_physical), dtype=torch.float64, device=self.window.device)
         if estimator == "window_sum":
             return passes.sum(0)
         if estimator == "decayed_sum":
-            ages = torch.arange(passes.shape[0] - 1, -1, -1, dtype=torch.float64)
+            ages = torch.arange(passes.shape[0] - 1, -1, -1, dtype=torch.float64, device=passes.device)
             return torch.einsum("w,wlp->lp", decay ** ages, passes)
         parts = torch.tensor_split(passes, min(subwindows, passes.shape[0]), dim=0)
-        sums = torch.stack([part.sum(0) for part in parts])
-        return sums.max(0).values * len(parts)
+        held = passes.shape[0]
+        # per-pass means scaled to the window: a short part's burst counts as much as a long one's
+        return torch.stack([part.sum(0) * (held / part.shape[0]) for part in parts]).max(0).values
 
     def remap_layer(self, layer: int, old_row: np.ndarray, new_row: np.ndarray, num_logical: int) -> None:
         """Re-express one layer's held passes in a new placement, keeping each expert's total.
@@ -102,7 +110,17 @@ class LoadWindow:
         remainder goes to its first slot), so logical sums are unchanged exactly.
         """
         plan = RemapPlan.of(old_row, new_row, num_logical, self.window.device)
+        pass_row = self.remapped_pass(layer, plan, num_logical)  # checked first: nothing changes if it raises
         self.window[:, layer, :] = plan.apply(self.window[:, layer, :], num_logical)
+        if pass_row is not None:
+            self.load_pass[layer] = pass_row
+
+    def remapped_pass(self, layer: int, plan: "RemapPlan", num_logical: int) -> torch.Tensor | None:
+        """``load_pass[layer]`` (P,) in ``plan``'s new placement while :attr:`pass_open`, else None
+        (the pass was recorded and zeroed); changes nothing."""
+        if not self.pass_open:
+            return None
+        return plan.apply(self.load_pass[layer].unsqueeze(0), num_logical)[0]
 
 
 class RemapPlan(NamedTuple):

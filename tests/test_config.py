@@ -2,9 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from eplb_fsm.config import EplbConfig
+from eplb_fsm.config import MAX_SECONDS, EplbConfig
 
 
 def test_defaults_match_documented_values():
@@ -64,6 +65,9 @@ def test_from_dict_and_kwargs_agree():
         ({"async_max_bytes_per_step": "4MB"}, "async_max_bytes_per_step", "integer"),
         ({"async_overlap_poll": 1}, "async_overlap_poll", "bool"),
         ({"align_slots": "no"}, "align_slots", "bool"),
+        ({"collective_timeout_s": 1e10}, "collective_timeout_s", "<= 1000000"),
+        ({"watchdog_deadline_s": 2e6}, "watchdog_deadline_s", "<= 1000000"),
+        ({"window_size": np.bool_(True)}, "window_size", "integer"),
     ],
 )
 def test_bad_values_name_field_and_rule(changes, field, rule):
@@ -135,3 +139,38 @@ def test_async_knobs_default_off_and_round_trip():
     assert EplbConfig().async_overlap_poll is True      # posted ready flags are the default
     off = EplbConfig(use_async=True, async_overlap_poll=False)
     assert EplbConfig.from_dict(off.to_dict()) == off
+
+
+def test_numpy_numbers_are_taken_and_held_as_plain_python_numbers():
+    """Counts and seconds read from numpy arrays pass, and are stored as int / float, so to_json holds them."""
+    c = EplbConfig(window_size=np.int64(8), num_nodes=np.int32(2), collective_timeout_s=np.float32(2.5))
+    assert type(c.window_size) is int and type(c.num_nodes) is int and type(c.collective_timeout_s) is float
+    assert json.loads(c.to_json())["window_size"] == 8 and c == EplbConfig(window_size=8, num_nodes=2,
+                                                                          collective_timeout_s=2.5)
+    assert EplbConfig(collective_timeout_s=MAX_SECONDS).collective_timeout_s == MAX_SECONDS
+
+
+def test_extra_is_a_copy_the_callers_dict_cannot_change():
+    """A change to the dict passed as extra after construction does not reach the config (or the trace header)."""
+    settings = {"engine": "toy", "ranks": [0, 1]}
+    c = EplbConfig(extra=settings)
+    settings["engine"] = float("nan")
+    settings["ranks"].append(object())
+    assert c.extra == {"engine": "toy", "ranks": [0, 1]}
+    assert json.loads(c.to_json())["extra"] == {"engine": "toy", "ranks": [0, 1]}
+
+
+def test_from_dict_names_unknown_keys_that_are_not_strings():
+    """A non-string key is an unknown field listed by its repr, not a TypeError from sorting mixed keys."""
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) 3, windw_size; known"):
+        EplbConfig.from_dict({"windw_size": 5, 3: 1})
+
+
+def test_check_replacement_allows_only_num_redundant_experts_to_change():
+    """A running controller's config may be replaced by one differing in num_redundant_experts alone."""
+    c = EplbConfig(num_redundant_experts=4)
+    assert c.check_replacement(c.replace(num_redundant_experts=8)).num_redundant_experts == 8
+    with pytest.raises(ValueError, match="may change only num_redundant_experts, not window_size, step_interval"):
+        c.check_replacement(c.replace(window_size=4, step_interval=8))
+    with pytest.raises(ValueError, match="config must be an EplbConfig, got dict"):
+        c.check_replacement(c.to_dict())

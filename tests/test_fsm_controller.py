@@ -336,6 +336,64 @@ def test_add_model_rejects_a_model_breaking_the_protocol():
     assert ctl.models == []
 
 
+def test_an_estimator_error_leaves_the_machine_collecting(monkeypatch):
+    """A due step whose load estimate raises changes no state: still collecting, no rearrangement open, and the
+    next step retries."""
+    from eplb_fsm.stats import LoadWindow
+
+    ctl = EplbController(cfg(step_interval=8, load_estimator="decayed_sum"), keep_trace=True)
+    ctl.add_model(ProtocolModel(), "main")
+    ctl.step()
+    estimate = LoadWindow.estimate
+    monkeypatch.setattr(LoadWindow, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("off device")))
+    with pytest.raises(RuntimeError, match="off device"):
+        ctl.step()
+    assert ctl.state == "collecting" and ctl.rearranger.current is None and ctl.history == []
+    assert not transitions(ctl)
+    with pytest.raises(RuntimeError, match="off device"):
+        ctl.rearrange()
+    assert ctl.state == "collecting" and ctl.rearranger.current is None
+    monkeypatch.setattr(LoadWindow, "estimate", estimate)
+    ctl.step()
+    assert [h["outcome"] for h in ctl.history] == ["skipped"]
+    ctl.close()
+
+
+def test_config_setter_takes_only_a_config_that_changes_num_redundant_experts():
+    """Replacing a running controller's config with a dict or with other fields changed is refused, naming them."""
+    ctl = EplbController(cfg())
+    with pytest.raises(ValueError, match="config must be an EplbConfig"):
+        ctl.config = ctl.config.to_dict()
+    with pytest.raises(ValueError, match="not collective_timeout_s"):
+        ctl.config = ctl.config.replace(collective_timeout_s=9.0)
+    ctl.config = ctl.config.replace(num_redundant_experts=8)
+    assert ctl.config.num_redundant_experts == 8 and ctl.rearranger.config is ctl.config
+    ctl.close()
+
+
+def test_add_model_refuses_num_nodes_that_cannot_split_the_ranks():
+    """With num_nodes dividing the model's expert groups but not the world size, add_model refuses up front."""
+    ctl = EplbController(cfg(num_nodes=2), keep_trace=True)
+    model = ProtocolModel()
+    model.num_expert_groups = 2
+    with pytest.raises(ValueError, match=r"config.num_nodes \(2\) must divide the EP world size \(1\)"):
+        ctl.add_model(model, "main")
+    assert ctl.models == [] and not events(ctl, "model_added")
+    model.num_expert_groups = 1  # not divisible by num_nodes: the policy packs globally, any world size works
+    ctl.add_model(model, "main")
+    ctl.close()
+
+
+@pytest.mark.parametrize("device, message", [("meta", "'meta' holds no data"), ("cuda", "needs CUDA")])
+def test_a_device_without_data_or_hardware_is_refused_before_a_trace_exists(tmp_path, device, message):
+    """device='meta', or 'cuda' where torch has no CUDA, is a ValueError naming the device, before any trace."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match=f"device: .*{message}"):
+        EplbController(cfg(), device=device, trace_dir=str(tmp_path / "logs"))
+    assert not (tmp_path / "logs").exists()
+
+
 def test_rearrange_needs_collecting_and_a_model():
     """rearrange() refuses without a model or outside collecting."""
     ctl = EplbController(cfg())
@@ -385,6 +443,32 @@ def test_sync_rearrangement_end_to_end_in_one_step():
         assert len(starts) == len(ends) and {r["op"] for r in starts} >= {"all_reduce", "batch_isend_irecv"}
     key = lambda c: [(r["group"], r["cseq"], r["op"]) for r in events(c, "collective_start")]  # noqa: E731
     assert key(c0) == key(c1)
+
+
+def test_rearrange_after_a_forward_carries_that_pass_into_the_new_placement():
+    """rearrange() between a forward and step(): that pass's tokens count for the experts they went to."""
+    def body(rank, group):
+        ctl = EplbController(cfg(step_interval=10_000, window_size=50, num_redundant_experts=0), group=group,
+                             keep_trace=True)
+        model = ToyMoE(num_layers=1, num_experts=4, num_redundant=0, hidden=4, rank=rank, world_size=2)
+        ctl.add_model(model, "main")
+        for _ in range(5):  # experts 0 and 1, both on rank 0, hot: the plan splits them
+            if rank == 0:
+                model.load_pass[0] = torch.tensor([100, 100, 1, 1])
+            ctl.step()
+        if rank == 0:
+            model.load_pass[0] = torch.tensor([0, 7, 0, 0])  # this forward: 7 tokens for expert 1 in slot 1
+        old = ctl.maps("main").phy2log.copy()
+        entry = ctl.rearrange()
+        new = ctl.maps("main").phy2log.copy()
+        ctl.step()  # records the forward's pass
+        logical = aggregate_logical(ctl.model("main").window.physical_load(), torch.from_numpy(new), 4)
+        ctl.close()
+        return entry["outcome"], not np.array_equal(old, new), logical.tolist()
+
+    (outcome0, moved0, logical0), (outcome1, moved1, logical1) = run_threads(2, body)
+    assert outcome0 == outcome1 == "committed" and moved0 and moved1
+    assert logical0 == [[500, 507, 5, 5]] and logical1 == [[0, 0, 0, 0]]
 
 
 def test_window_keeps_expert_totals_after_commit():

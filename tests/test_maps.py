@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from eplb_fsm.config import MAX_SECONDS
 from eplb_fsm.maps import ExpertMaps, as_count, check_seconds, derive_log2phy, host_array, initial_phy2log
 
 
@@ -226,11 +227,22 @@ def test_derive_with_too_small_width_is_rejected(case):
 
 
 def test_check_seconds_takes_any_real_finite_positive_number():
-    """ints, floats and numpy numbers pass as floats; a numpy bool, inf or a string is refused naming the field."""
+    """Python and numpy numbers pass as floats; a bool, inf, over MAX_SECONDS or a string is refused by name."""
     assert check_seconds(2, "x") == 2.0 and check_seconds(np.float32(0.5), "x") == 0.5
     assert check_seconds(np.int64(3), "x") == 3.0
     with pytest.raises(ValueError, match="^join_timeout must be"):
         check_seconds(np.bool_(True), "join_timeout")
-    for bad in (float("inf"), "1", 0):
-        with pytest.raises(ValueError, match="^timeout_s must be a finite number > 0"):
+    assert check_seconds(MAX_SECONDS, "x") == MAX_SECONDS
+    for bad in (float("inf"), "1", 0, MAX_SECONDS * 1.01, 1e14):  # 1e14 s overflowed gloo's timedelta
+        with pytest.raises(ValueError, match="^timeout_s must be a finite number > 0 and <= 1e"):
             check_seconds(bad, "timeout_s")
+
+
+@pytest.mark.parametrize("row", [[[0, 1], [2, 3]], [[[0, 1, 2, 3]]]])
+def test_replace_layer_refuses_anything_but_one_row(row):
+    """A (2, 2) array or a (1, 1, P) nesting is not a row: refused naming phy2log_row, the maps unchanged."""
+    maps = ExpertMaps.initial(2, 4, 4)
+    before = maps.phy2log.copy()
+    with pytest.raises(ValueError, match=r"phy2log_row must be one row \(P,\)"):
+        maps.replace_layer(1, row)
+    assert np.array_equal(maps.phy2log, before)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from eplb_fsm.stats import (
     LoadWindow,
+    RemapPlan,
     aggregate_logical,
     balancedness,
     rank_loads_physical,
@@ -80,6 +81,45 @@ def test_estimate_refuses_bad_settings_by_name(kwargs, message):
     _feed(w, [[[v]] for v in (1, 2)])
     with pytest.raises(ValueError, match=message):
         w.estimate(**kwargs)
+
+
+def test_subwindow_max_scales_parts_of_unequal_length_to_the_window():
+    """With parts of 3, 3, 2 and 2 passes, a steady slot estimates its plain sum and a burst its part's mean."""
+    steady = LoadWindow(1, 1, 10)
+    _feed(steady, [[[1]]] * 10)
+    assert steady.estimate("subwindow_max").item() == pytest.approx(10.0)
+    scores = []
+    for start in (0, 8):  # a 2-pass burst in the oldest (3-pass) part, then as the newest (2-pass) part
+        w = LoadWindow(1, 1, 10)
+        _feed(w, [[[6 if start <= i < start + 2 else 0]] for i in range(10)])
+        scores.append(w.estimate("subwindow_max").item())
+    assert scores[0] == pytest.approx(12 * 10 / 3) and scores[1] == pytest.approx(12 * 10 / 2)
+
+
+def test_estimates_stay_on_the_windows_device():
+    """Every estimator answers on the window's own device (here meta), also for an empty or one-pass window."""
+    w = LoadWindow(2, 3, 4, device="meta")
+    for filled in (0, 1, 4):
+        w.filled = filled  # a meta tensor holds no passes to record; only the shapes and devices are checked
+        for name in ("window_sum", "decayed_sum", "subwindow_max"):
+            out = w.estimate(name)
+            assert out.device.type == "meta" and tuple(out.shape) == (2, 3)
+
+
+def test_remap_layer_carries_an_open_pass_and_leaves_a_recorded_one():
+    """While pass_open, load_pass's counts of the layer move to the new placement (expert totals kept); after
+    record_pass the (zeroed) pass is left alone."""
+    old, new = np.array([0, 1, 2, 3, 1, 1]), np.array([0, 2, 1, 3, 3, 2])
+    w = LoadWindow(2, 6, 3)
+    w.load_pass.copy_(torch.tensor([[5, 4, 3, 2, 6, 1], [1, 1, 1, 1, 1, 1]]))
+    w.pass_open = True
+    w.remap_layer(0, old, new, 4)
+    layer0 = aggregate_logical(w.load_pass[:1], torch.as_tensor(new[None]), 4)
+    assert layer0.tolist() == [[5, 11, 3, 2]] and w.load_pass[1].tolist() == [1] * 6
+    w.record_pass()
+    assert not w.pass_open
+    plan = RemapPlan.of(new, old, 4)
+    assert w.remapped_pass(0, plan, 4) is None
 
 
 def test_estimate_of_empty_window_is_zero():

@@ -62,9 +62,15 @@ def resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    # refused here, before the trace header names it, rather than by the first tensor made on it
+    if resolved.type == "meta":
+        raise ValueError("device: 'meta' holds no data, and the load counters and maps need a real device")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs CUDA, and torch.cuda.is_available() is False here")
+    return resolved
 
 
 def resolve_group(group: Any) -> tuple[Any, int, int]:

@@ -10,13 +10,12 @@ The engine calls ``step()`` once per engine step, on every rank, with the same f
         controller.step(is_dummy=..., log_stats=...)
 
 This module is the step loop and the actions it executes; nothing decides here. What a
-step does comes from :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters
-and the step's all-reduced values), which transition follows from the machine
-(:mod:`~eplb_fsm.fsm.machine`), whose guards read those decisions as event data. The
-controller owns its collaborators: ``collectives`` (the EP group's one all-reduce per step,
-and the transfer group), ``mover`` (a layer into the buffer, then into the weights),
-``reporter`` (``history``, ``balancedness_log``, seconds per state), ``rearranger`` (the
-rearrangement in flight), ``worker`` (async mode), ``watchdog``, ``counters`` (shared).
+step does comes from :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters and
+the step's all-reduced values), the transition from :mod:`~eplb_fsm.fsm.machine`, whose
+guards read those decisions as event data. Collaborators: ``collectives`` (the EP group's
+all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the weights),
+``reporter`` (``history``, seconds per state), ``rearranger`` (the rearrangement in
+flight), ``worker`` (async), ``watchdog``, ``counters`` (shared).
 
 Ranks can never disagree: decisions read counters that advance identically everywhere
 and all-reduces every rank issues on the same step (at most one of the controller's own
@@ -154,7 +153,7 @@ class EplbController:
             model, name, index=len(self.models), layer_offset=sum(e.num_layers for e in self.models),
             world_size=self.world_size, num_redundant=self.config.num_redundant_experts,
             window_size=self.config.window_size, device=self.device, phy2log=phy2log, others=self.models,
-            communicator=self.collectives.communicator)
+            communicator=self.collectives.communicator, num_nodes=self.config.num_nodes)
         model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)  # may raise: add nothing
         self.models.append(entry)
         self.machine.num_layers = entry.layer_offset + entry.num_layers
@@ -178,13 +177,14 @@ class EplbController:
 
     @config.setter
     def config(self, value: EplbConfig) -> None:
-        """Elastic EP replaces it after a resize (``num_redundant_experts`` follows G'); the rearranger follows."""
-        self._config = value
-        self.rearranger.config = value
+        """Elastic EP sets ``num_redundant_experts`` after a resize (the only field that may change)."""
+        self._config = self.rearranger.config = self._config.check_replacement(value)
 
     # read-only views of the collaborators' state
     num_layers = property(lambda self: sum(e.num_layers for e in self.models), doc="MoE layers of the models added.")
     steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
+    steps_until_due = property(lambda self: self.counters.until_due,
+                               doc="Steps left before the next rearrangement is due (0: at the next collecting step).")
     rank = property(lambda self: self.collectives.rank, doc="This rank's number in its EP group.")
     world_size = property(lambda self: self.collectives.world_size, doc="Ranks of the EP group served in.")
     group = property(lambda self: self.collectives.group, doc="The EP group (see Collectives).")
@@ -209,11 +209,6 @@ class EplbController:
     def state_seconds(self) -> dict[str, float]:
         """Local seconds spent in each state so far (for reports; never used for decisions)."""
         return self.reporter.state_seconds(self.machine.state)
-
-    @property
-    def steps_until_due(self) -> int:
-        """Steps left before the next rearrangement is due (0: due at the next collecting step)."""
-        return self.counters.until_due
 
     # ------------------------------------------------------------------ steps
     def step(self, is_dummy: bool = False, is_profile: bool = False, log_stats: bool = False) -> str:
@@ -261,9 +256,10 @@ class EplbController:
         for entry in self.models:
             entry.window.record_pass(is_dummy)
         if decision.due:
+            parts["loads"] = rearranger.local_loads()  # first: an error here leaves the machine collecting
             self.restart_interval()
             self.fire("step", extra={"dummy": True} if is_dummy else None, due=True)
-            parts["loads"] = rearranger.begin(step, forced=False)
+            rearranger.begin(step, forced=False)
         else:
             self.trace.count_step(is_dummy)
         # after this step's pass is in the window, so a commit re-expresses it in the new placement
@@ -286,18 +282,21 @@ class EplbController:
 
         Only from ``collecting``. Sync mode plans and moves everything before returning
         (returns the history entry); async mode starts planning and later steps finish
-        it (returns None). The interval restarts from here.
+        it (returns None). The interval restarts from here. A pass counted before the call
+        (after a forward, before ``step()``) is carried into each layer's new placement.
         """
         self._check_open("rearrange")
         if self.machine.state != COLLECTING:
             raise ValueError(f"rearrange() needs state collecting, state is {self.machine.state!r}")
         if not self.models:
             raise ValueError("rearrange() needs at least one model (add_model)")
+        loads = self.rearranger.local_loads()  # first: an error here leaves the machine collecting
+        self.rearranger.open_passes()
         self.restart_interval()
         count = len(self.history)
         self.trace.set_context(step=self.steps)  # as a due step's records: the index of the next engine step
         self.fire("step", extra={"forced": True}, due=True)
-        loads = self.rearranger.begin(self.steps, forced=True)
+        self.rearranger.begin(self.steps, forced=True)
         reduced = self.rearranger.all_reduce_or_fail({"loads": loads}, self.timeout_s)
         if reduced is not None:
             self.rearranger.plan(reduced["loads"])
@@ -368,9 +367,8 @@ class EplbController:
 
     def restore_counters(self, counters: dict) -> None:
         """Take the counters another rank exported (a joiner, before it adds its models)."""
-        self.counters.steps = int(counters["steps"])
-        self.counters.since = int(counters["since"])
-        self.counters.threshold = int(counters["threshold"])
+        c = self.counters
+        c.steps, c.since, c.threshold = (int(counters[key]) for key in ("steps", "since", "threshold"))
         self.reporter.count = int(counters["count"])
         self.trace.set_context(step=self.counters.steps)
 

@@ -10,6 +10,7 @@ import torch
 
 from eplb_fsm.fsm.model_protocol import bytes_per_slot, validate_model
 from eplb_fsm.maps import ExpertMaps
+from eplb_fsm.policy.base import is_hierarchical
 from eplb_fsm.stats import LoadWindow
 from eplb_fsm.transfer import TransferBuffer
 from eplb_fsm.transfer.inputs import check_devices, check_movable, find_shared_memory
@@ -107,7 +108,7 @@ def check_weights_distinct(model: Any, name: str, others: Sequence[ModelEntry]) 
 
 def build_model_entry(model: Any, name: str, index: int, layer_offset: int, world_size: int, num_redundant: int,
                       window_size: int, device: torch.device, phy2log: Any = None,
-                      others: Sequence[ModelEntry] = (), communicator: Any = None) -> ModelEntry:
+                      others: Sequence[ModelEntry] = (), communicator: Any = None, num_nodes: int = 1) -> ModelEntry:
     """Validate ``model`` for ``world_size`` ranks and build its entry (maps, window, router tensors, buffer).
 
     ``phy2log`` (L, P): its current placement (default: the initial contiguous one); it
@@ -115,9 +116,15 @@ def build_model_entry(model: Any, name: str, index: int, layer_offset: int, worl
     the entries already added (their weights must not share memory with this model's).
     ``communicator``: the transfer group's; weights it cannot move (off the CPU on a gloo
     group) are refused here rather than at the first rearrangement. The model is not told
-    about the entry yet (the controller does that once it is added).
+    about the entry yet (the controller does that once it is added). ``num_nodes``: the
+    config's; where it divides the model's expert groups the built-in policies pack groups
+    per node, which needs it to divide ``world_size`` too (refused here, not at every plan).
     """
     shape = validate_model(model, world_size, num_redundant)
+    groups = shape["num_expert_groups"]
+    if is_hierarchical(groups, num_nodes) and world_size % num_nodes:
+        raise ValueError(f"config.num_nodes ({num_nodes}) must divide the EP world size ({world_size}) for model "
+                         f"{name!r}: it divides num_expert_groups ({groups}), so the policy packs groups per node")
     L = shape["num_moe_layers"]
     N = shape["num_logical_experts"]
     P = shape["num_physical_experts"]

@@ -32,6 +32,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from eplb_fsm.maps import as_count
+
 REQUIRED_INTS = (
     "num_moe_layers",
     "num_logical_experts",
@@ -62,15 +64,7 @@ class MoEModel(Protocol):
 def _int_attr(model: Any, name: str) -> int:
     if not hasattr(model, name):
         raise ValueError(f"model has no attribute {name!r} (required by the MoE protocol)")
-    value = getattr(model, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import operator
-
-            value = operator.index(value)
-        except TypeError:
-            raise ValueError(f"model.{name} must be an integer, got {value!r}") from None
-    return int(value)
+    return as_count(getattr(model, name), f"model.{name}", minimum=None)  # bools refused: True is not a count
 
 
 def validate_model(model: Any, world_size: int, config_redundant: int | None = None) -> dict[str, int]:

@@ -59,10 +59,21 @@ class Rearranger:
         self.layer_jobs = LayerJobs(worker, mover, prefetch=bool(config.async_prefetch) and worker is not None)
 
     # ------------------------------------------------------------ begin / end
-    def begin(self, step: int, forced: bool) -> torch.Tensor:
-        """Open the record of a rearrangement starting at ``step``; returns this rank's planning load."""
-        self.current = self.reporter.begin(step, forced)
+    def local_loads(self) -> torch.Tensor:
+        """This rank's planning load (sum_m L_m * N_m,) float64. Taken before the machine moves,
+        so an error here (an estimator that fails on the window) leaves it in ``collecting``."""
         return local_loads(self.models, self.config)
+
+    def open_passes(self) -> None:
+        """A rearrangement starts outside a step (``rearrange()``): each model's ``load_pass`` may
+        hold counts in the placement in use, so until the pass is recorded every commit carries
+        them into the layer's new placement too (``LoadWindow.pass_open``)."""
+        for entry in self.models:
+            entry.window.pass_open = True
+
+    def begin(self, step: int, forced: bool) -> None:
+        """Open the record of a rearrangement starting at ``step``."""
+        self.current = self.reporter.begin(step, forced)
 
     def finish(self, outcome: str, reason: str | None = None) -> None:
         """Close the rearrangement in flight (a ``history`` entry and a ``rearrangement`` record)."""
@@ -137,7 +148,8 @@ class Rearranger:
         (per-model (L, N) loads -> Plan), fires ``plan_ready`` with ``moves`` = every slot
         whose content changes; with none the machine goes straight on to ``scaling``.
         """
-        loads = self.begin(self.counters.steps, forced=True)
+        loads = self.local_loads()
+        self.begin(self.counters.steps, forced=True)
         reduced = self.all_reduce_or_fail({"loads": loads}, self.timeout_s)
         if reduced is None:
             return FAILED

@@ -60,23 +60,30 @@ class PreparedRow:
         """Flip ``entry``'s maps row ``layer`` and remap its window (nothing changes on error)."""
         self.install(entry, layer, self.remapped_window(entry, layer))
 
-    def remapped_window(self, entry: Any, layer: int) -> torch.Tensor:
-        """The (W, P) window passes of ``layer`` in the new placement; checks, changes nothing.
+    def remapped_window(self, entry: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (W, P) window passes of ``layer`` in the new placement, and its (P,) pass counted so
+        far while the window's ``pass_open`` (else None); checks, changes nothing.
 
         Raises ``ValueError`` if the layer's maps are no longer the old row, or if the new
-        row leaves out an expert that has load in the window.
+        row leaves out an expert that has load in the window or the pass.
         """
         if not np.array_equal(entry.maps.phy2log[layer], self.old_row):
             raise ValueError(f"layer {layer}'s maps changed since its commit was prepared")
-        return self.remap.apply(entry.window.window[:, layer, :], entry.num_logical)
+        window = entry.window
+        return (self.remap.apply(window.window[:, layer, :], entry.num_logical),
+                window.remapped_pass(layer, self.remap, entry.num_logical))
 
-    def install(self, entry: Any, layer: int, window_rows: torch.Tensor) -> None:
-        """Write the new maps row and ``window_rows`` (:meth:`remapped_window`), hand the router its maps."""
+    def install(self, entry: Any, layer: int, rows: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Write the new maps row and the window and pass ``rows`` (:meth:`remapped_window`),
+        hand the router its maps."""
+        window_rows, pass_row = rows
         maps = entry.maps
         maps.phy2log[layer] = self.new_row
         maps.log2phy[layer] = self.log2phy
         maps.replica_count[layer] = self.counts
         entry.window.window[:, layer, :].copy_(window_rows)
+        if pass_row is not None:
+            entry.window.load_pass[layer].copy_(pass_row)
         entry.log2phy[layer].copy_(torch.from_numpy(self.log2phy))
         entry.replica_count[layer].copy_(torch.from_numpy(self.counts))
         entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
@@ -176,14 +183,14 @@ class LayerMover:
         if pending is None:
             return
         entry, local = self.locate(layer)
-        prepared = window_rows = None
+        prepared = rows = None
         if isinstance(pending, TransferredLayer):
             pending, prepared = pending
             # its checks before the weights change: a refused commit leaves the layer whole
-            window_rows = prepared.remapped_window(entry, local)
+            rows = prepared.remapped_window(entry, local)
         commit_layer_from_buffer(pending, self.collectives.wrap(entry.model.expert_weights[local]))
         if prepared is not None:
-            prepared.install(entry, local, window_rows)
+            prepared.install(entry, local, rows)
         else:
             entry.commit_row(local, new_phy2log[entry.index][local])
 
