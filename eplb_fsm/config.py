@@ -20,13 +20,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from eplb_fsm.maps import MAX_SECONDS
+
 LOAD_ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 #: largest ``window_size``: the window is a (window_size, layers, slots) int64 tensor per
 #: model, so 100k passes of a 58-layer, 288-slot model already take 13 GB
 MAX_WINDOW_SIZE = 100_000
-#: largest timeout or deadline in seconds (about 11.6 days): beyond it a value would overflow
-#: the timedelta of gloo and the stores, or ``threading``'s ``TIMEOUT_MAX`` (about 9.2e9 s)
-MAX_SECONDS = 1e6
 
 
 @dataclass(frozen=True)

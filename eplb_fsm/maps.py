@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb_fsm.config import MAX_SECONDS
-
 EMPTY = -1
+#: largest timeout or deadline in seconds (about 11.6 days): beyond it a value would overflow
+#: the timedelta of gloo and the stores, or ``threading``'s ``TIMEOUT_MAX`` (about 9.2e9 s)
+MAX_SECONDS = 1e6
 
 
 def as_count(value, name: str, minimum: int | None = 1) -> int:
@@ -44,7 +45,7 @@ def as_count(value, name: str, minimum: int | None = 1) -> int:
 
 def check_seconds(value, name: str) -> float:
     """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real
-    number in (0, ``config.MAX_SECONDS``]. Bools and strings are refused: ``True`` would mean
+    number in (0, ``MAX_SECONDS``]. Bools and strings are refused: ``True`` would mean
     one second, and a huge or infinite timeout overflows the stores' and gloo's timedelta."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or not math.isfinite(value) or not 0 < value <= MAX_SECONDS:

@@ -122,3 +122,14 @@ def test_a_printed_interval_is_judged_as_it_reads():
     printed = rounded((0.89996, 0.95))
     assert printed == [0.9, 0.95] and verdict(printed, 0.9) == MET
     assert verdict((0.89996, 0.95), 0.9) == UNRESOLVED
+
+
+@pytest.mark.parametrize("denominator", [
+    [-1.0, -3.0, -2.0],                # every median below is negative
+    [1.0, 2.0, -5.0],                  # a positive median, but some resamples' are negative
+])
+def test_a_non_positive_denominator_median_gives_no_interval_and_no_verdict(denominator):
+    """A resampled denominator median <= 0 gives None (as stall_metrics.ratio does), so the verdict is unresolved."""
+    interval = median_ratio_interval([4.0, 6.0, 5.0], denominator)
+    assert interval is None
+    assert verdict(interval, 2.1, at_most=True) == UNRESOLVED

@@ -78,6 +78,10 @@ def test_traces_and_estimators(monkeypatch):
         (("--sigmas", "-1"), "--sigmas"),
         (("--repeats", "0"), "--repeats"),
         (("--target", "1.5"), "--target"),
+        (("--seed", "-1"), "--seed must be >= 0"),  # was numpy's ValueError traceback
+        (("--history", "-4", "--shapes", "v2lite_ep8", "--sigmas", "0.1", "--repeats", "1"),
+         "--history must be >= 1"),  # silently became 1
+        (("--history", "0", "--shapes", "v2lite_ep8", "--sigmas", "0.1", "--repeats", "1"), "--history must be >= 1"),
     ],
 )
 def test_bad_arguments(argv, message):

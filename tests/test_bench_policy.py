@@ -46,19 +46,85 @@ def test_bench_policy_names_the_numpy_kernel_when_the_c_one_is_off(capsys, monke
     assert result["kernel"] == "numpy" and result["all_identical"] is True
 
 
-def test_bench_policy_torch_threads(capsys):
-    """--torch-threads sets torch's thread count for the run and is reported; 0 is refused."""
+def _record_baseline_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """Patch the baseline to log (torch threads, inside a timed call) for every call the bench makes."""
+    import torch
+
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy import reference
+
+    calls: list[tuple[int, bool]] = []
+    timing = [False]
+    real_timed, real_reference = bench_policy._timed, reference.reference_rebalance_experts
+
+    def timed(fn, cpu=None):
+        timing[0] = True
+        try:
+            return real_timed(fn, cpu)
+        finally:
+            timing[0] = False
+
+    def recording(*a):
+        calls.append((torch.get_num_threads(), timing[0]))
+        return real_reference(*a)
+
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+    monkeypatch.setattr(reference, "reference_rebalance_experts", recording)
+    return calls
+
+
+def test_bench_policy_torch_threads(capsys, monkeypatch):
+    """--torch-threads N runs the baseline on N threads, reports it, and leaves torch's count as it found it."""
     import torch
 
     before = torch.get_num_threads()
+    calls = _record_baseline_calls(monkeypatch)
     try:
+        torch.set_num_threads(1)
         argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
-        assert main(argv + ["--no-scaling", "--torch-threads", "1"]) == 0
-        assert json.loads(capsys.readouterr().out)["torch_threads"] == 1
+        assert main(argv + ["--no-scaling", "--torch-threads", "2"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["torch_threads"] == result["reference_threads"] == 2 and {n for n, _ in calls} == {2}
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--torch-threads", "0"]) == 2
-    assert "--torch-threads must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_policy_times_the_baseline_on_one_thread_and_restores_the_count(capsys, monkeypatch):
+    """By default the baseline runs on one torch thread (its fastest), the JSON says so, and the count is restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    calls = _record_baseline_calls(monkeypatch)
+    try:
+        torch.set_num_threads(2)
+        argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "2"]
+        assert main(argv + ["--no-scaling"]) == 0
+        assert json.loads(capsys.readouterr().out)["reference_threads"] == 1
+        assert calls and all(threads == 1 for threads, _ in calls)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bench_policy_warms_the_baseline_up_before_timing_it(capsys, monkeypatch):
+    """The baseline gets one untimed warm-up call per shape, so --reference-repeats 1 does not time a cold call."""
+    calls = _record_baseline_calls(monkeypatch)
+    argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8,qwen3_ep16", "--repeats", "1"]
+    assert main(argv + ["--reference-repeats", "2", "--no-scaling"]) == 0
+    assert [was_timed for _, was_timed in calls] == [False, True, True] * 2
+
+
+@pytest.mark.parametrize("option, value, rule", [
+    ("--seed", "-1", "--seed must be >= 0"),  # was numpy's ValueError traceback
+    ("--torch-threads", "0", "--torch-threads must be >= 1"),
+    ("--scaling-repeats", "0", "--scaling-repeats must be >= 1"),
+])
+def test_bench_policy_refuses_bad_values_by_name(option, value, rule, capsys):
+    """A negative seed, no threads or no scaling runs is one usage-error line (exit 2) naming the option."""
+    assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--no-scaling", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm bench policy: error: ") and rule in err and err.count("\n") == 1
 
 
 def test_bench_policy_custom_scenarios(capsys, tmp_path):
@@ -122,11 +188,6 @@ def test_bench_policy_scaling_draws_a_load_per_run(monkeypatch):
     assert all(len(loads) == 3 + 1 for loads in seen.values())
 
 
-def test_bench_policy_rejects_zero_repeats():
-    """--scaling-repeats 0 stops with a message naming the option."""
-    assert main(["bench", "policy", "--shapes", "v2lite_ep8", "--scaling-repeats", "0"]) == 2
-
-
 def test_bench_policy_cold_cache_evicts_before_every_timed_call(capsys, monkeypatch):
     """--cold-cache runs the evictor ahead of each timed call (both policies, both scaling passes) and says so."""
     from eplb_fsm.bench import policy as bench_policy
@@ -168,7 +229,7 @@ def test_cache_evictor_covers_twice_the_last_level_cache(tmp_path, monkeypatch):
 
 
 def test_bench_policy_reports_intervals_and_verdicts_that_agree_with_them(capsys):
-    """Each speed-up and each doubling carries a paired interval around its figure and the verdict that interval gives."""
+    """Each speed-up and doubling carries a paired interval around its figure and the verdict that interval gives."""
     from eplb_fsm.bench.intervals import combined, verdict
 
     argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8,qwen3_ep16", "--repeats", "4",
@@ -197,3 +258,62 @@ def test_bench_policy_speedup_interval_needs_two_shared_runs(capsys):
     assert main(argv + ["--no-scaling"]) == 0
     row = json.loads(capsys.readouterr().out)["shapes"]["qwen3_ep16"]
     assert row["speedup_interval"] is None and row["target_verdict"] == "unresolved"
+
+
+def test_bench_policy_scaling_times_each_point_right_after_an_untimed_call_of_its_size(monkeypatch):
+    """Every timed scaling call follows an untimed call of the same size, never the previous point's (or series')."""
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    calls: list[tuple[tuple, bool]] = []
+    timing = [False]
+    real_timed, real = bench_policy._timed, DefaultEplbPolicy.rebalance_experts
+
+    def timed(fn, cpu=None):
+        timing[0] = True
+        try:
+            return real_timed(fn, cpu)
+        finally:
+            timing[0] = False
+
+    def recording(weight, *call):
+        calls.append(((tuple(weight.shape), call), timing[0]))
+        return real(weight, *call)
+
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
+    bench_policy._scaling(2, seed=0)
+    timed_at = [k for k, (_, was_timed) in enumerate(calls) if was_timed]
+    assert len(timed_at) == 2 * 2 * (len(bench_policy.SCALING_LAYERS) + len(bench_policy.SCALING_EXPERTS))
+    assert all(not calls[k - 1][1] and calls[k - 1][0] == calls[k][0] for k in timed_at)
+
+
+def test_bench_policy_scaling_ratios_come_from_unrounded_times(monkeypatch):
+    """A point's ratio divides unrounded medians, so it lies in its own interval even when rounding moves the times."""
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    shapes: list[tuple] = []
+    real = DefaultEplbPolicy.rebalance_experts
+
+    def recording(weight, *call):
+        shapes.append(tuple(weight.shape))
+        return real(weight, *call)
+
+    def timed(fn, cpu=None):  # time proportional to the load's size: every ratio per doubling is exactly 2
+        result = fn()
+        layers, experts = shapes[-1]
+        seconds = layers * experts * 5.46875e-9  # 1 layer: 0.0014 ms, printed 0.001; 2 layers 0.0028, printed 0.003
+        if cpu is not None:
+            cpu.append(seconds)
+        return seconds, result
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+    scaling = bench_policy._scaling(2, seed=0)
+    rows = [r for v in scaling.values() if isinstance(v, list) for r in v[1:]]
+    assert scaling["layers_global"][0]["ms"] == 0.001 and scaling["layers_global"][1]["ms"] == 0.003
+    for r in rows:
+        assert r["ratio_per_doubling"] == r["cpu_ratio_per_doubling"] == 2.0
+        low, high = r["ratio_interval"]
+        assert low <= r["ratio_per_doubling"] <= high

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eplb_fsm.cli import main
 
 
@@ -51,3 +53,20 @@ def test_bad_sizes_are_refused(capsys):
     assert main(["bench", "replay", "--ranks", "4", "--steps", "200", "--interval", "50", "--long-steps", "100",
                  "--long-interval", "100"]) == 2
     assert "--long-steps 0 or >= 2 * --long-interval" in capsys.readouterr().err
+
+
+SMALL = ["--ranks", "4", "--steps", "200", "--interval", "50", "--layers", "2", "--repeats", "1", "--long-steps", "0"]
+
+
+@pytest.mark.parametrize("option, value, rule", [
+    ("--interval", "0", "--interval must be >= 1"),      # was a ZeroDivisionError
+    ("--interval", "-5", "--interval must be >= 1"),     # was a ValueError traceback
+    ("--layers", "0", "--layers must be >= 1"),          # was a ValueError traceback
+    ("--repeats", "0", "--repeats must be >= 1"),        # silently ran once
+    ("--repeats", "-3", "--repeats must be >= 1"),
+])
+def test_bad_values_are_refused_by_name_before_any_trace_is_written(option, value, rule, capsys):
+    """An interval, layer count or repeat count below 1 is a usage error (exit 2) naming the option and its rule."""
+    assert main(["bench", "replay", *SMALL, option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm bench replay: error: ") and rule in err and err.count("\n") == 1

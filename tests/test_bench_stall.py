@@ -162,6 +162,9 @@ def test_commit_floor_is_async_commits_over_the_sync_stall(result):
     (["--warm", "2"], "--warm must be >= 4"),
     (["--worker-nice", "25"], "--worker-nice must be in 0..19"),
     (["--max-bytes-per-step", "-1"], "--max-bytes-per-step must be >= 0"),
+    (["--timeout", "inf"], "--timeout must be in (0, 1e+06] seconds"),  # was an OverflowError on every rank
+    (["--timeout", "nan"], "--timeout must be in (0, 1e+06] seconds"),
+    (["--timeout", "2e6"], "--timeout must be in (0, 1e+06] seconds"),
 ])
 def test_bad_settings_are_refused_before_any_rank_starts(argv, message, capsys):
     """A bad option is named with its rule (usage error, exit 2), and nothing is launched."""

@@ -72,7 +72,9 @@ def test_bench_transfer_rejects_a_world_of_one():
     "option, value, rule",
     [("--mb", "0", "--mb must be > 0"), ("--mb", "nan", "--mb must be > 0"), ("--layers", "0", "--layers must be >= 1"),
      ("--slots-per-rank", "0", "--slots-per-rank must be >= 1"), ("--repeats", "0", "--repeats must be >= 1"),
-     ("--timeout", "0", "--timeout must be > 0")],
+     ("--timeout", "0", r"--timeout must be in \(0, 1e\+06\] seconds, got 0"),
+     ("--timeout", "inf", r"--timeout must be in \(0, 1e\+06\] seconds, got inf"),  # was an OverflowError on every rank
+     ("--timeout", "2e6", r"--timeout must be in \(0, 1e\+06\] seconds, got 2")],
 )
 def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule):
     """A size, repeat count or deadline out of range is refused by name before any rank starts (it crashed or ran 1)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import shlex
 
 import pytest
 
@@ -101,4 +102,23 @@ def test_an_out_folder_the_file_system_refuses_exits_2(capsys):
     """A folder that passes the checks but cannot be made (/proc takes no new folders) is one error line, exit 2."""
     assert main(["diagram", "--out", "/proc/eplb-fsm-diagrams"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("eplb-fsm diagram: error: --out: cannot create /proc/eplb-fsm-diagrams") and "Traceback" not in err
+    assert err.startswith("eplb-fsm diagram: error: --out: cannot create /proc/eplb-fsm-diagrams")
+    assert "Traceback" not in err
+
+
+def test_check_with_nothing_to_compare_is_a_usage_error(tmp_path, capsys):
+    """--check with no mermaid/dot format and no --doc exits 2 naming --check, instead of reporting up to date."""
+    out = tmp_path / "empty"
+    assert main(["diagram", "--out", str(out), "--check", "--format", "svg"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("eplb-fsm diagram: error: --check") and "mermaid or dot" in captured.err
+    assert "up to date" not in captured.out and not out.exists()
+
+
+def test_check_hint_regenerates_the_folder_checked(tmp_path, capsys):
+    """The 'regenerate with' hint of a stale --check names the --out given, so running it fixes that folder."""
+    out = tmp_path / "my diagrams"
+    assert main(["diagram", "--out", str(out), "--check"]) == 1
+    assert f"regenerate with: eplb-fsm diagram --out {shlex.quote(str(out))}\n" in capsys.readouterr().out
+    assert main(["diagram", "--out", str(out)]) == 0
+    assert main(["diagram", "--out", str(out), "--check"]) == 0

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eplb_fsm.config import MAX_SECONDS
-from eplb_fsm.maps import ExpertMaps, as_count, check_seconds, derive_log2phy, host_array, initial_phy2log
+
+from eplb_fsm.maps import MAX_SECONDS, ExpertMaps, as_count, check_seconds, derive_log2phy, host_array, initial_phy2log
 
 
 def test_initial_placement_layout():

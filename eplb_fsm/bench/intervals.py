@@ -32,7 +32,9 @@ def median_ratio_interval(numerator: Sequence[float], denominator: Sequence[floa
 
     numerator, denominator: (n,) samples, element i of both from round i (resampled
     together). Returns (low, high) at ``level``, or None when there is nothing to
-    resample (n < 2, a missing sample) or a resampled denominator median is 0.
+    resample (n < 2, a missing sample) or a resampled denominator median is <= 0: a
+    ratio over it has no meaning (stall_metrics.ratio gives None there too), and an
+    interval of negative ratios would read as a ceiling ``met``.
     Raises ValueError when the two lengths differ or ``level`` is not in (0, 1).
     """
     if not 0.0 < level < 1.0:
@@ -46,7 +48,7 @@ def median_ratio_interval(numerator: Sequence[float], denominator: Sequence[floa
     bottom = np.asarray(denominator, dtype=np.float64)
     rounds = np.random.default_rng(seed).integers(0, top.size, size=(resamples, top.size))
     bottom_medians = np.median(bottom[rounds], axis=1)
-    if np.any(bottom_medians == 0.0):
+    if np.any(bottom_medians <= 0.0):
         return None
     ratios = np.median(top[rounds], axis=1) / bottom_medians
     tail = (1.0 - level) / 2.0

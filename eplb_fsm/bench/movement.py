@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sigmas", default=None, metavar="S,T", help="comma-separated drift sigmas (default: scenarios.json drift sigmas)"
     )
     parser.add_argument("--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads and drifts (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads and drifts, >= 0 (default 0)")
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per policy and case (default 5)")
     parser.add_argument(
         "--target", type=float, default=0.99, help="movement-aware target fraction of the default's balancedness (default 0.99)"
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sequences", type=int, default=2, metavar="N", help="sequences per trace window (default 2)")
     parser.add_argument(
-        "--history", type=int, default=8, metavar="W", help="windows the load estimators look back over (default 8)"
+        "--history", type=int, default=8, metavar="W",
+        help="windows the load estimators look back over, >= 1 (default 8)",
     )
 
 
@@ -118,7 +119,7 @@ def estimate_logical(history: np.ndarray, estimator: str, decay: float = 0.9, su
     Same semantics as :meth:`eplb_fsm.stats.LoadWindow.estimate`, applied to logical
     loads: ``window_sum`` sums; ``decayed_sum`` weighs a window of age a (0 = newest) by
     ``decay ** a``; ``subwindow_max`` splits the history into ``subwindows`` consecutive
-    parts and takes, per expert, the largest part sum times the number of parts.
+    parts and takes, per expert, the largest part's mean per window times the windows held.
     """
     history = np.asarray(history, dtype=np.float64)
     if history.ndim != 3 or history.shape[0] == 0:
@@ -130,7 +131,8 @@ def estimate_logical(history: np.ndarray, estimator: str, decay: float = 0.9, su
         return np.einsum("w,wln->ln", decay**ages, history)
     if estimator == "subwindow_max":
         parts = np.array_split(history, min(subwindows, history.shape[0]), axis=0)
-        return np.max([part.sum(0) for part in parts], axis=0) * len(parts)
+        # per-window means scaled to the history, as LoadWindow does: parts may differ in length by one
+        return np.max([part.sum(0) * (history.shape[0] / part.shape[0]) for part in parts], axis=0)
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
@@ -284,7 +286,7 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path | str) ->
         "decayed_sum(0.5)": ("decayed_sum", {"decay": 0.5}),
         "subwindow_max(4)": ("subwindow_max", {"subwindows": 4}),
     }
-    history = max(args.history, 1)
+    history = args.history
     switch = np.concatenate([intent3[-history:], law])
     cases = {"intent": (intent, history), "intent->law": (switch, history), "intent->law first 4": (switch[: history + 4], history)}
     estimators: dict[str, Any] = {"history_windows": history, "policy": "default", "cases": {}}
@@ -321,6 +323,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("eplb-fsm bench movement: --target must be in (0, 1]")
     if args.sequences < 1:
         raise SystemExit("eplb-fsm bench movement: --sequences must be >= 1")
+    if args.history < 1:
+        raise SystemExit(f"eplb-fsm bench movement: --history must be >= 1 (windows), got {args.history}")
+    if args.seed < 0:  # numpy's generators take no negative seed
+        raise SystemExit(f"eplb-fsm bench movement: --seed must be >= 0, got {args.seed}")
     try:
         scenarios = load_scenarios(args.scenarios)
     except ValueError as exc:

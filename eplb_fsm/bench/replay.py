@@ -170,8 +170,13 @@ def run(args: argparse.Namespace) -> dict:
     from eplb_fsm.trace import read_trace, trace_path
 
     world, steps = args.ranks, args.steps
-    if world < 2 or steps < 2 * args.interval:
-        raise SystemExit("eplb-fsm bench replay: need --ranks >= 2 and --steps >= 2 * --interval")
+    for ok, rule in ((world >= 2, f"need --ranks >= 2, got {world}"),
+                     (args.interval >= 1, f"--interval must be >= 1 (steps), got {args.interval}"),
+                     (steps >= 2 * args.interval, f"need --steps >= 2 * --interval, got {steps} and {args.interval}"),
+                     (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
+                     (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}")):
+        if not ok:  # before any trace is written
+            raise SystemExit(f"eplb-fsm bench replay: {rule}")
     if args.long_steps and (args.long_interval < 1 or args.long_steps < 2 * args.long_interval
                             or args.long_alive_every < 0):
         raise SystemExit("eplb-fsm bench replay: need --long-steps 0 or >= 2 * --long-interval (>= 1), "

@@ -89,6 +89,7 @@ from eplb_fsm.bench.stall_metrics import (
     run_metrics,
 )
 from eplb_fsm.cli import hidden_alias
+from eplb_fsm.config import MAX_SECONDS  # --timeout's cap: inf overflowed gloo's timedelta on every rank
 
 MODES = ("sync", "async")
 PLAIN = "plain"             # the noise floor: the same steps as the async run, no rearrangement
@@ -150,7 +151,7 @@ def _check(args: argparse.Namespace) -> None:
         (0 <= args.switch_interval <= 1, f"--switch-interval must be in 0..1 s, got {args.switch_interval}"),
         (0 <= args.worker_nice <= 19, f"--worker-nice must be in 0..19, got {args.worker_nice}"),
         (args.max_bytes_per_step >= 0, f"--max-bytes-per-step must be >= 0, got {args.max_bytes_per_step}"),
-        (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}"),
+        (0 < args.timeout <= MAX_SECONDS, f"--timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.timeout}"),
     ]
     for ok, message in rules:
         if not ok:

@@ -307,8 +307,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from eplb_fsm.bench.intervals import median_ratio_interval, verdict
-    from eplb_fsm.bench.intervals import rounded as rounded_interval
+    from eplb_fsm.bench.intervals import median_ratio_interval, rounded as rounded_interval, verdict
+    from eplb_fsm.config import MAX_SECONDS
     from eplb_fsm.sim.launcher import run_ranks
 
     for ok, rule in ((args.ranks >= 2, f"--ranks must be >= 2, got {args.ranks}"),
@@ -316,7 +316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
                      (args.slots_per_rank >= 1, f"--slots-per-rank must be >= 1, got {args.slots_per_rank}"),
                      (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
-                     (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}")):
+                     (0 < args.timeout <= MAX_SECONDS,  # inf overflowed gloo's timedelta on every rank
+                      f"--timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.timeout}")):
         if not ok:  # before any process starts
             raise SystemExit(f"eplb-fsm bench transfer: {rule}")
     cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": args.repeats}

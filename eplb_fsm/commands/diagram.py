@@ -9,13 +9,15 @@ exits 1 when a file (or the embedded block) is stale.
 
 ``--out`` (a folder, created if missing) and ``--doc`` (an existing markdown file with
 the generated block) are checked before anything is written: a bad one prints one
-``eplb-fsm diagram: error: ...`` line and exits 2.
+``eplb-fsm diagram: error: ...`` line and exits 2. So does ``--check`` with nothing to
+compare: no mermaid or dot in ``--format`` and no ``--doc`` (images are not compared).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -75,7 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from eplb_fsm.inspect import diagrams
 
     out = Path(args.out)
-    problem = _check_paths(out, args.doc, args.check)
+    text_formats = [f for f in args.formats if f in ("mermaid", "dot")]
+    image_formats = [f for f in args.formats if f in ("svg", "png")]
+    if args.check and not text_formats and not args.doc:  # else it would report "up to date" having compared nothing
+        problem = (f"--check compares only mermaid and dot files (and the --doc block); --format "
+                   f"{','.join(args.formats)} selects neither: add mermaid or dot, or give --doc")
+    else:
+        problem = _check_paths(out, args.doc, args.check)
     if problem is None and args.doc:
         try:  # the block must be there before any file is written
             diagrams.embed_in_markdown(Path(args.doc).read_text(encoding="utf-8"))
@@ -84,15 +92,17 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"eplb-fsm diagram: error: {problem}", file=sys.stderr)
         return 2
-    text_formats = [f for f in args.formats if f in ("mermaid", "dot")]
-    image_formats = [f for f in args.formats if f in ("svg", "png")]
 
     if args.check:
         stale = diagrams.stale_files(out, args.doc, text_formats)
         for item in stale:
             print(f"stale: {item}")
         if stale:
-            print("regenerate with: eplb-fsm diagram" + (f" --doc {args.doc}" if args.doc else ""))
+            hint = ["eplb-fsm", "diagram", "--out", args.out]  # the folder checked, so the hint rewrites it
+            if text_formats and text_formats != ["mermaid", "dot"]:
+                hint += ["--format", ",".join(text_formats)]
+            hint += ["--doc", args.doc] if args.doc else []
+            print("regenerate with: " + shlex.join(hint))
             return 1
         print("diagrams are up to date")
         return 0
