@@ -310,3 +310,53 @@ def test_small_scenario_meets_issue_targets(sigma_index, sigma):
     moved_mine = moved_mask(old.numpy(), mine.numpy(), ranks).sum()
     moved_default = moved_mask(old.numpy(), default.numpy(), ranks).sum()
     assert moved_mine <= 0.10 * moved_default
+
+
+# --------------------------------------------------------------------------- move limit and diagnostics
+
+
+def test_move_limit_fills_an_empty_slot_with_an_expert_of_its_rank():
+    """Under max_moves=0 an empty slot takes an expert its rank already holds, so nothing moves."""
+    load = np.arange(1, 9, dtype=np.float64)[None]
+    old = np.array([[3, 2, -1, 7, 5, 4, 7, 5, 1, 6, 6, 0]])
+    phy2log = MovementAwarePolicy(max_moves=0).rebalance_experts(load, 12, 1, 1, 4, old_phy2log=old)[0].numpy()
+    assert phy2log.min() >= 0 and set(phy2log[0, :3].tolist()) <= {2, 3}
+    assert moved_mask(old, phy2log, 4).sum() == 0
+
+
+@settings(max_examples=40)
+@given(cases(), st.integers(0, 2))
+def test_move_limit_holds_with_empty_slots(case, limit):
+    """With empty slots on ranks that keep other experts, every layer still moves at most max_moves slots."""
+    load, call, old = case
+    holey = old.numpy().copy()
+    slots_per_rank = call[0] // call[3]
+    for layer in range(holey.shape[0]):  # empty duplicate replicas, never a rank's last expert
+        for slot in range(holey.shape[1]):
+            rank_slots = holey[layer, slot - slot % slots_per_rank:][:slots_per_rank]
+            if (holey[layer] == holey[layer, slot]).sum() > 1 and (rank_slots >= 0).sum() > 1:
+                holey[layer, slot] = -1
+    out = MovementAwarePolicy(max_moves=limit).rebalance_experts(load, *call, holey)
+    _check_valid(*out, call, load.shape[1])
+    assert (moved_mask(holey, out[0].numpy(), call[3]).sum(1) <= limit).all()
+
+
+def test_forced_layer_moves_past_the_limit_to_stay_valid():
+    """A hierarchical layer whose old placement spreads a group over nodes is re-planned even under max_moves=0."""
+    load = np.random.default_rng(0).random((1, 8)) * 10
+    old = np.array([[0, 1, 2, 4, 3, 5, 6, 7]])  # groups {0..3} and {4..7} both on both nodes
+    phy2log = MovementAwarePolicy(max_moves=0).rebalance_experts(load, 8, 2, 2, 2, old_phy2log=old)[0].numpy()
+    assert _groups_on_one_node(phy2log, 8, 2, 2)
+    assert moved_mask(old, phy2log, 2).sum() > 0
+
+
+def test_moved_without_diagnostics_is_unknown_not_the_defaults():
+    """With diagnostics=False, moved is -1 or the plan's true moves, never the default's (no shared array)."""
+    rng = np.random.default_rng(3)
+    base = rng.random((6, 64)) * 100
+    old = DefaultEplbPolicy.rebalance_experts(base, 72, 1, 1, 8)[0].numpy()
+    load = base * np.exp(rng.normal(0, 0.6, base.shape))
+    plan = plan_movement(load, 72, 1, 1, 8, old, target=1.0, diagnostics=False)
+    true_moves = moved_mask(old, plan.phy2log, 8).sum(1)
+    assert ((plan.moved == -1) | (plan.moved == true_moves)).all()
+    assert (plan.default_moved >= 0).any() and not np.shares_memory(plan.moved, plan.default_moved)

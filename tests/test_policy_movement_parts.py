@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from eplb_fsm.policy.default import DefaultEplbPolicy
 from eplb_fsm.policy.movement.targets import lagrange_levels, water_level
-from eplb_fsm.policy.movement.placement import expert_counts, membership, moved_mask, moves_per_layer, rank_counts, slot_loads
+from eplb_fsm.policy.movement.placement import (
+    expert_counts, fill_empty_slots, membership, moved_mask, moves_per_layer, rank_counts, slot_loads,
+)
 from eplb_fsm.policy.movement.targets import _first_come_rows, _greedy_assignment, align_rows, renumbered_default
 from eplb_fsm.policy.movement.search import SearchState
 from eplb_fsm.sim.loads import drift
@@ -59,6 +61,17 @@ def test_slot_loads_split_an_expert_evenly():
     w = np.array([[6.0, 3.0]])
     phy = np.array([[0, 0, 1, -1]])
     assert slot_loads(w, phy, expert_counts(phy, 2)).tolist() == [[3.0, 3.0, 3.0, 0.0]]
+
+
+def test_fill_empty_slots_prefers_the_rank_under_a_move_limit():
+    """With num_ranks an empty slot takes its rank's most loaded expert per replica; an empty rank takes any."""
+    w = np.array([[1.0, 2.0, 9.0, 4.0]] * 2)
+    old = np.array([[0, -1, 1, 3, 2, 2], [0, 1, 2, 3, -1, -1]])
+    free, limited = old.copy(), old.copy()
+    fill_empty_slots(free, w, np.arange(2))
+    fill_empty_slots(limited, w, np.arange(2), num_ranks=3)
+    assert free.tolist() == [[0, 2, 1, 3, 2, 2], [0, 1, 2, 3, 2, 2]]
+    assert limited.tolist() == [[0, 0, 1, 3, 2, 2], [0, 1, 2, 3, 2, 2]]
 
 
 # --------------------------------------------------------------------------- renumbering

@@ -225,3 +225,18 @@ def test_descending_keys_both_layouts_give_the_stable_descending_order(rows, ite
 def test_finite_non_negative(weight, expected):
     """finite_non_negative is True exactly for arrays without NaN, infinities or negative entries."""
     assert finite_non_negative(weight) is expected
+
+
+@pytest.mark.parametrize("loop", ["rounds", "keyed"])
+def test_first_items_shortcut_with_negative_zero_matches_the_reference(loop):
+    """A -0.0 among the first m visited items makes a +0.0 total in both key loops, so they pack like the reference."""
+    w = np.array([[2.0, 1.0] + [-0.0] * 7, [1.0] * 4 + [-0.0] * 5], dtype=np.float32)
+    visited = _visited(w)
+    if loop == "rounds":
+        chosen, arrival = pack_in_rounds(visited, 3)
+    else:
+        chosen, arrival = (a.T for a in pack_per_item_keyed(np.ascontiguousarray(visited.T), 3))
+    ref_pack, ref_rank = _reference_rows(w, 3)
+    order = descending_order(w)
+    assert np.array_equal(chosen, np.take_along_axis(ref_pack, order, axis=1))
+    assert np.array_equal(arrival, np.take_along_axis(ref_rank, order, axis=1))

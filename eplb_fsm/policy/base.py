@@ -102,6 +102,11 @@ def checked_float32(weight: np.ndarray) -> np.ndarray:
         # the limit also rules out an infinite load (before or after the float32 cast).
         if not (weight.min() >= 0 and weight32.sum(axis=-1, dtype=np.float64).max() < FLOAT32_TOTAL_LIMIT):
             _raise_bad_float_weight(weight, weight32)
+        # -0.0 passes ">= 0" but keeps its sign bit, and the packing keys are read from the
+        # float32 bits of the loads: one int32 min finds it, and only then is the array
+        # copied (weight32 may be the caller's own buffer, not ours to rewrite).
+        if weight32.view(np.int32).min() < 0:
+            weight32 = weight32 + np.float32(0.0)  # -0.0 + 0.0 == +0.0
     if not weight32.flags.writeable:
         weight32 = weight32.copy()  # torch.from_numpy wants a writable buffer
     return weight32

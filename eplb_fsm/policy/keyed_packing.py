@@ -86,7 +86,8 @@ def pack_per_item_keyed(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarra
         first = num_packs
         record[:first] = keys
         keys += 1
-        keys.view(np.float32)[:, 1::2] = sorted_w[:first]
+        # + 0.0 turns a -0.0 load into a +0.0 total: a set sign bit would order below every key
+        np.add(sorted_w[:first], np.float32(0.0), out=keys.view(np.float32)[:, 1::2])
     # full_at[count an item meets] is _FULL where that item fills its pack.
     # The loop's ufuncs take array operands and write into preallocated buffers: a Python
     # scalar operand or a take(out=...) costs more than the work on a few hundred rows.

@@ -6,13 +6,14 @@ descending weight (stable: equal weights go lowest index first) and each goes to
 pack with the smallest running total (lowest pack index on ties). This is the rule of
 docs/design.md §5 and of :func:`eplb_fsm.policy.reference.reference_balanced_packing`.
 
-Two exact implementations give the same answer:
+Exact implementations that give the same answer:
 
 - the *rounds* path (float32, finite, non-negative weights: what the policy passes) gives
   each row several items per numpy step (see :func:`pack_in_rounds`), so the number of
   Python iterations is about n / m instead of n;
-- the *per-item* path (any other float input) visits one item position per iteration,
-  over all rows at once.
+- the *per-item* paths (:func:`~eplb_fsm.policy.keyed_packing.pack_per_item_keyed` for
+  the same inputs, :func:`~eplb_fsm.policy.plain_packing.pack_per_item` for any float
+  input) visit one item position per iteration, over all rows at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from eplb_fsm.maps import host_array
 from eplb_fsm.policy.keyed_packing import finite_non_negative, keyed_packing_applies, pack_per_item_keyed
+from eplb_fsm.policy.plain_packing import pack_per_item
 
 __all__ = [
     "balanced_packing",
@@ -296,7 +298,8 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
         # finds packs 0..k-1 heavier than the empty pack k, so the first m go to packs 0..m-1.
         record[:, :num_packs] = keys[:, :num_packs]
         keys[:, :num_packs] += 1
-        keys[:, :num_packs].view(np.float32)[:, 1::2] = sorted_w[:, :num_packs]
+        # + 0.0 turns a -0.0 load into a +0.0 total: a set sign bit would order below every key
+        np.add(sorted_w[:, :num_packs], np.float32(0.0), out=keys[:, :num_packs].view(np.float32)[:, 1::2])
         first_step = 1
     # fill[low half] is _FULL where the count reaches capacity: np.maximum then marks the pack full.
     fill = np.zeros(num_packs << count_bits, dtype=np.int64)
@@ -342,51 +345,3 @@ def pack_in_rounds(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
 
     low = record[:, :num_items] & 0xFFFFFFFF
     return low >> count_bits, low & count_mask
-
-
-def pack_per_item(sorted_w: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy packing one item position at a time over all rows (any float dtype, no NaN).
-
-    Args:
-        sorted_w: (n, R) — transposed: row k holds every row's k-th visited item.
-        num_packs: m dividing n, capacity n / m >= 2.
-
-    Returns:
-        ``chosen`` (n, R) int64: pack of the k-th visited item of each row; ``arrival``
-        (n, R): its position in that pack.
-    """
-    num_items, num_rows = sorted_w.shape
-    capacity = num_items // num_packs
-    dtype = sorted_w.dtype
-    # Running totals of every pack (R, m), also seen flat (R * m). Adding +inf to a pack's
-    # total as its last item arrives takes a full pack out of argmin's reach; argmin
-    # returns the first minimum, i.e. the lowest pack index among the lightest.
-    totals = np.zeros((num_rows, num_packs), dtype=dtype)
-    flat_totals = totals.reshape(-1)
-    counts = np.zeros(num_rows * num_packs, dtype=np.int64)
-    row_base = np.arange(num_rows, dtype=np.int64) * num_packs
-    full_penalty = np.zeros(capacity, dtype=dtype)  # indexed by the count before adding
-    full_penalty[-1] = np.inf
-    next_count = np.arange(1, capacity + 1, dtype=np.int64)
-    chosen = np.empty((num_items, num_rows), dtype=np.int64)
-    arrival = np.empty((num_items, num_rows), dtype=np.int64)
-    first = 0
-    if num_packs > 1 and (sorted_w[num_packs - 2] > 0).all():
-        # Shortcut, exact: while the first m - 1 visited items are all > 0, the k-th of them
-        # (k < m) finds packs 0..k-1 non-empty with positive totals and pack k empty at 0, so
-        # it goes to pack k. Capacity >= 2 here, so no pack is full yet.
-        first = num_packs
-        chosen[:first] = np.arange(num_packs, dtype=np.int64)[:, None]
-        arrival[:first] = 0
-        totals[:] = sorted_w[:first].T
-        counts[:] = 1
-    argmin = totals.argmin
-    for k in range(first, num_items):
-        pack = argmin(axis=1, out=chosen[k])
-        flat = row_base + pack
-        count = counts[flat]
-        arrival[k] = count
-        counts[flat] = next_count[count]
-        # x + 0 == x exactly, so live totals are plain running sums in the weights' dtype.
-        flat_totals[flat] = flat_totals[flat] + (sorted_w[k] + full_penalty[count])
-    return chosen, arrival

@@ -24,7 +24,8 @@ Inputs (settings, the old placement, and where a search may start):
 - :func:`group_spans_nodes`: layers whose old placement breaks the hierarchical rule
   (a group on more than one node); the search cannot start from those.
 - :func:`fill_empty_slots`: an empty slot (-1, elastic scale-up) gets the expert with
-  the largest load per replica, so the search starts from a full placement.
+  the largest load per replica (under a move limit: among those already on its rank),
+  so the search starts from a full placement.
 - :class:`ClassOrInstanceMethod`: how ``rebalance_experts`` finds its settings (the
   class defaults, or an instance's).
 
@@ -202,15 +203,28 @@ def group_spans_nodes(old: np.ndarray, num_experts: int, num_groups: int, num_no
     return ((seen[:, :num_groups] > 0).sum(-1) > 1).any(-1)
 
 
-def fill_empty_slots(cur: np.ndarray, w: np.ndarray, rows: np.ndarray) -> None:
-    """Give every empty slot (-1) of ``rows`` to the expert with the largest load per replica."""
+def fill_empty_slots(cur: np.ndarray, w: np.ndarray, rows: np.ndarray, num_ranks: int | None = None) -> None:
+    """Give every empty slot (-1) of ``rows`` to the expert with the largest load per replica.
+
+    With ``num_ranks`` the choice is limited to the experts the slot's rank already holds
+    in ``cur`` as passed in (a copy there moves nothing), and is free only for a rank that
+    holds none: what a move limit needs, at some cost in balance.
+    """
     num_experts = w.shape[1]
+    on_rank = None
+    if num_ranks is not None:
+        on_rank = membership(cur[rows], num_experts, num_ranks)  # (len(rows), N, G), before any fill
+        slots_per_rank = cur.shape[1] // num_ranks
     while True:
-        todo = rows[(cur[rows] < 0).any(1)]
-        if todo.size == 0:
+        pending = np.flatnonzero((cur[rows] < 0).any(1))
+        if pending.size == 0:
             return
+        todo = rows[pending]
         slot = (cur[todo] < 0).argmax(1)
         per = w[todo] / np.maximum(expert_counts(cur[todo], num_experts), 1)
+        if on_rank is not None:
+            local = on_rank[pending, :, slot // slots_per_rank]  # (len(todo), N)
+            per = np.where(local | ~local.any(1, keepdims=True), per, -np.inf)
         cur[todo, slot] = per.argmax(1)
 
 

@@ -126,7 +126,8 @@ def plan_movement(
 
     Arguments are those of ``rebalance_experts`` plus ``target`` (fraction of the default's
     balancedness to reach, in (0, 1]), ``max_moves`` (moved slots allowed per layer, None
-    for no limit; when the limit and the target disagree, the limit wins) and
+    for no limit; when the limit and the target disagree, the limit wins; two kinds of
+    layer must move past it, see :class:`MovementAwarePolicy`) and
     ``diagnostics`` (compute ``moved`` / ``default_moved`` for every layer; when False,
     layers that did not need them hold -1). With ``old_phy2log=None`` the plan is the
     default's. Raises ``ValueError`` naming the argument for bad input.
@@ -164,7 +165,8 @@ def plan_movement(
     forced = (group_spans_nodes(old, num_experts, groups, nodes) | has_empty) if nodes > 1 else none.copy()
     cur, cur_count = old.copy(), old_count
     if has_empty.any():
-        fill_empty_slots(cur, w, rows[has_empty & ~forced])
+        # under a move limit, an empty slot takes an expert its rank already holds (no move)
+        fill_empty_slots(cur, w, rows[has_empty & ~forced], None if max_moves is None else num_ranks)
         cur_count = expert_counts(cur, num_experts)
     cur_slot_loads = slot_loads(w, cur, cur_count)  # (L, P)
     cur_loads = cur_slot_loads.reshape(shape).sum(-1)  # (L, G)
@@ -173,7 +175,9 @@ def plan_movement(
     if keep and not diagnostics:
         return MovementPlan(old, np.zeros(num_layers, np.int64), d_phy, d_count, unknown, ~none, none.copy(), none.copy(), 0)
     held = membership(old, num_experts, num_ranks)  # (L, N, G): a move is an expert new to its rank
-    d_moved = moves_per_layer(held, d_phy) if diagnostics else unknown
+    # a copy: layers that need the default's moves get them filled in below, and ``moved``
+    # must stay -1 (not computed) rather than report them
+    d_moved = moves_per_layer(held, d_phy) if diagnostics else unknown.copy()
     if keep:
         return MovementPlan(old, np.zeros(num_layers, np.int64), d_phy, d_count, d_moved, ~none, none.copy(), none.copy(), 0)
 
@@ -225,7 +229,9 @@ def plan_movement(
     if fb.size:
         renumbered, fb_moved = renumbered_default(old[fb], held[fb], d_phy[fb], num_ranks, nodes)
         if max_moves is not None:
-            # a fallback that breaks the move limit is not taken (unless the layer must change)
+            # a fallback that breaks the move limit is not taken, unless the layer is forced: its old
+            # placement spreads a group over nodes or has empty slots, and the (renumbered)
+            # default is the only node-valid placement this policy has for it
             over = (fb_moved > max_moves) & ~forced[fb]
             fallback[fb[over]] = False
             renumbered, fb = renumbered[~over], fb[~over]
@@ -294,7 +300,12 @@ class MovementAwarePolicy(AbstractEplbPolicy):
             (``EplbConfig.movement_balancedness_target``).
         max_moves: at most this many moved slots per layer (None: no limit). A layer that
             cannot reach its goal within it keeps its best repair, and the target may then
-            be missed: the limit wins.
+            be missed: the limit wins. Two exceptions, where validity needs the moves: in
+            hierarchical mode (``num_groups % num_nodes == 0``, more than one node) a layer
+            whose old placement puts a group on more than one node, or has empty slots,
+            takes the renumbered default whatever it moves; and an empty slot on a rank
+            that held no expert (a new rank) gets an expert new to it. Other empty slots
+            take an expert already on their rank.
 
     ``MovementAwarePolicy.rebalance_experts(...)`` (on the class) uses the defaults;
     ``MovementAwarePolicy(target=0.95).rebalance_experts(...)`` uses its own settings.
