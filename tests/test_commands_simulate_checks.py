@@ -22,6 +22,19 @@ def test_load_of_another_shape_is_announced():
     assert load_note(SimpleNamespace(load="zipf", layers=4, experts=32)) is None
 
 
+def test_a_load_file_that_cannot_be_read_is_an_error_naming_load(tmp_path):
+    """A missing or malformed --load file is refused with a message that starts with --load: and names the file."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_checks import load_note
+
+    with pytest.raises(ValueError, match=r"^--load: .*nosuch\.npy: no such file"):
+        load_note(SimpleNamespace(load=str(tmp_path / "nosuch.npy"), layers=4, experts=32))
+    (tmp_path / "bad.npy").write_text("not an array")
+    with pytest.raises(ValueError, match=r"^--load: "):
+        load_note(SimpleNamespace(load=str(tmp_path / "bad.npy"), layers=4, experts=32))
+
+
 def test_trace_dir_is_created_or_refused(tmp_path):
     """A missing trace folder is created (with parents); a file, or a folder under one, is refused (--trace-dir)."""
     made = prepare_trace_dir(str(tmp_path / "a" / "b"))

@@ -136,7 +136,10 @@ def load_note(opts) -> str | None:
     else:
         from eplb_fsm.sim.loads import load_matrix
 
-        (layers, experts), what = load_matrix(opts.load).shape, f"{opts.load} has"
+        try:
+            (layers, experts), what = load_matrix(opts.load).shape, f"{opts.load} has"
+        except ValueError as exc:  # a missing or malformed file: a usage error naming the option
+            raise ValueError(f"--load: {exc}") from None
     if (layers, experts) == (opts.layers, opts.experts):
         return None
     how = []
