@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import structlog
 
@@ -39,8 +39,8 @@ from eplb_fsm.trace_file import TraceFile
 from eplb_fsm.trace_runs import DUMMY, StepRun
 from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
 from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
-    END_HOWS, SCHEMA_VERSION, alive_fields, collective_fields, config_hash, end_fields, exception_text,
-    header_fields, json_default,
+    END_HOWS, SCHEMA_VERSION, OpenCollective, alive_fields, collective_fields, config_hash, continued_fields,
+    end_fields, exception_text, header_fields, json_default, machine_after,
 )
 
 
@@ -76,15 +76,6 @@ def _dumps(record: dict, **_: Any) -> str:
 
 
 _RENDER = structlog.processors.JSONRenderer(serializer=_dumps)
-
-
-class OpenCollective(NamedTuple):
-    """A collective whose start is written and whose end is not (:meth:`EventTrace.open_collective`)."""
-
-    start: dict          # the collective_start record
-    info: dict           # the fields its end or error record repeats
-    key: tuple           # (thread id, group): its entry in ``open_collectives``
-    t0: float            # perf_counter at the start
 
 
 class EventTrace:
@@ -133,6 +124,8 @@ class EventTrace:
         self._owner: int | None = None           # the thread inside _locked()
         self._run: StepRun | None = None
         self._header: dict = {}         # the header's own fields, repeated at the top of each new segment
+        # the machine's layer and scale_pending after the last transition written (machine_after)
+        self._machine: dict = {"layer": 0, "scale_pending": False}
         self._file = self._disk = None           # TraceFile: while open, and the last one (its error count)
         self._sink: TraceFile | None = None      # the file while records may go to it (None after `end`)
         if trace_dir is not None:
@@ -269,7 +262,8 @@ class EventTrace:
         """Roll the live file (lock held) and start the new one with the header, ``continued: true``."""
         self._sink.roll()
         self.rotations += 1
-        self._emit_locked("header", {**self._header, "continued": True, "segment": self.rotations})
+        machine = {**self._machine, "state": self.state}
+        self._emit_locked("header", continued_fields(self._header, self.rotations, machine, self.cseq))
 
     def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
         """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
@@ -277,12 +271,17 @@ class EventTrace:
         ``config_hash`` (:func:`config_hash` of ``config``). Repeated at the top of each rotated segment."""
         fields = header_fields(config, run_id=run_id, config_hash=config_hash(config or {}), **extra)
         self._header = dict(fields)
+        if isinstance(extra.get("machine"), dict):   # a joiner's starting point
+            self._machine.update(extra["machine"])
         return self.emit("header", **fields)
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
-        self.state = dest
-        return self.emit("transition", trigger=trigger, source=source, dest=dest, state=dest, **fields)
+        with self._locked():   # the state a continued header repeats changes with the record, never apart
+            self.state = dest
+            self._machine = machine_after(self._machine, trigger, dest, fields)
+            return self._emit_locked("transition", dict(trigger=trigger, source=source, dest=dest, state=dest,
+                                                         **fields))
 
     @contextlib.contextmanager
     def collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,

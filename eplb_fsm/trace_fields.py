@@ -8,10 +8,50 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 SCHEMA_VERSION = 1
 END_HOWS = ("closed", "exception", "signal")
+# the machine events whose `before` hook sets / clears scale_pending (eplb_fsm.fsm.machine.TRANSITIONS; a test
+# keeps them equal): the trace tracks the flag from its own transition records, without importing the machine
+PENDING_SET = frozenset({"scale_requested", "groups_ready", "salvaged"})
+PENDING_CLEARED = frozenset({"switched", "fault"})
+
+
+class OpenCollective(NamedTuple):
+    """A collective whose start is written and whose end is not (``EventTrace.open_collective``)."""
+
+    start: dict          # the collective_start record
+    info: dict           # the fields its end or error record repeats
+    key: tuple           # (thread id, group): its entry in ``open_collectives``
+    t0: float            # perf_counter at the start
+
+
+def machine_after(machine: dict, trigger: Any, dest: Any, fields: dict) -> dict:
+    """The writer's view of the machine (``state``, ``layer``, ``scale_pending``) after a ``transition`` record.
+
+    A ``continued`` header repeats it: a replay whose history starts at that header (the older
+    segments deleted) needs the layer in flight and the flag, which no base field carries.
+    """
+    layer = fields.get("layer_after")
+    if type(layer) is not int:   # records without layer_after: what the replay itself resynchronises on
+        layer = fields.get("layer")
+        if trigger == "layer_done" and type(layer) is int:
+            layer += 1
+        elif type(layer) is not int:
+            layer = machine.get("layer", 0)
+    pending = machine.get("scale_pending", False)
+    if trigger in PENDING_SET:
+        pending = True
+    elif trigger in PENDING_CLEARED:
+        pending = False
+    return {"state": dest, "layer": layer, "scale_pending": pending}
+
+
+def continued_fields(header: dict, segment: int, machine: dict, cseq: dict) -> dict:
+    """The fields of the header copy atop a rotated segment: the header's, ``continued``, ``segment``, where the
+    machine is (``machine``) and each group's next collective number (``next_cseq``)."""
+    return {**header, "continued": True, "segment": segment, "machine": dict(machine), "next_cseq": dict(cseq)}
 
 
 def json_default(value: Any) -> Any:

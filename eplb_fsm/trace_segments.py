@@ -14,14 +14,15 @@ a record stands for (a ``steps`` run stands for ``count`` of them).
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
 import re
 from pathlib import Path
 
-__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_text", "read_trace",
-           "record_steps", "rotate", "segment_paths"]
+__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_segments",
+           "read_rank_text", "read_trace", "record_steps", "rotate", "segment_line", "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
 DEFAULT_MAX_SEGMENTS = 4               # files kept per rank, the live one included
@@ -113,16 +114,32 @@ def read_rank_text(path: str | os.PathLike) -> str:
     UTF-8 comes back as a lone :data:`DAMAGED`, which no reader parses: it is counted as an
     unreadable line instead of read with a changed value.
     """
+    return read_rank_segments(path)[0]
+
+
+def read_rank_segments(path: str | os.PathLike) -> tuple[str, list[tuple[str, int]]]:
+    """:func:`read_rank_text`, with where each segment begins: ``(file name, lines of the text before it)``
+    per segment, oldest first (:func:`segment_line` turns a line of the text into its file and line)."""
     paths = [Path(path)] if is_rotated_segment(path) else segment_paths(path) or [Path(path)]
-    parts = []
+    parts, starts, before = [], [], 0
     for one in paths:
         with open(one, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
         parts.append(text if not text or text.endswith("\n") or one == paths[-1] else text + "\n")
+        starts.append((one.name, before))
+        before += parts[-1].count("\n")
     text = "".join(parts)
     if DAMAGED in text:  # one scan, and none at all for an ASCII text (str keeps its widest char)
         text = "\n".join(DAMAGED if DAMAGED in line else line for line in text.split("\n"))
-    return text
+    return text, starts
+
+
+def segment_line(starts: list[tuple[str, int]], line: int) -> tuple[str, int]:
+    """The segment file and its own line (1-based) of ``line`` (1-based) of the joined text; ``starts``:
+    :func:`read_rank_segments`'s."""
+    i = bisect.bisect_right([before for _, before in starts], line - 1) - 1
+    name, before = starts[max(i, 0)]
+    return name, line - before
 
 
 def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dict], int]:

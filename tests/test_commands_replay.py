@@ -60,9 +60,9 @@ def test_json_report_fields(hang_dir, capsys):
 
 
 def test_unusable_input_exits_2(tmp_path, capsys):
-    """No folder, an empty folder, or unreadable files: exit 2 with a message on stderr."""
+    """No folder, an empty folder, or unreadable files: exit 2 with an `eplb-fsm replay: error:` line on stderr."""
     assert main(["replay", str(tmp_path / "absent")]) == 2
-    assert "not a directory" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"eplb-fsm replay: error: {tmp_path / 'absent'} is not a directory")
     assert main(["replay", str(tmp_path)]) == 2
     assert "no rank*.jsonl" in capsys.readouterr().err
     (tmp_path / "rank00000.jsonl").write_text("garbage\n")
@@ -215,6 +215,24 @@ def test_rank_timeline_applies_run_id(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"rank 0: {len(written['old'])} records"
     assert main(["replay", str(tmp_path), "--rank", "0", "--run-id", "other"]) == 2
     assert "no trace of run 'other'" in capsys.readouterr().err
+
+
+def test_an_unknown_run_id_lists_every_run_the_folder_holds(tmp_path, capsys):
+    """A --run-id no file holds exits 2 naming every run id found, an older job appended before a newer one too."""
+    from eplb_fsm.trace import encode_record
+
+    for run_id in ("older", "newer"):
+        job = SyntheticJob(world=2)
+        job.run(5)
+        job.close()
+        for rank, recs in job.records().items():
+            recs[0]["run_id"] = run_id
+            with open(trace_path(tmp_path, rank), "a") as fh:
+                fh.write("".join(encode_record(rec) + "\n" for rec in recs))
+    assert main(["replay", str(tmp_path), "--run-id", "other"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm replay: error: no trace of run 'other'; the folder holds runs newer, older: ")
+    assert main(["replay", str(tmp_path), "--run-id", "older"]) == 0
 
 
 def test_rank_timeline_rejects_ranks(healthy_dir, capsys):

@@ -115,3 +115,28 @@ def test_swapped_units_inside_a_stretch_are_out_of_order(tmp_path):
     report = replay_dir(tmp_path)
     found = [f for f in report.findings if f.kind == "out_of_order"]
     assert found and found[0].culprits == [2] and "rank00002.jsonl:70" in found[0].summary
+
+
+def test_a_freeze_inside_a_stretch_is_kept_with_its_own_time_and_step(tmp_path):
+    """A 10 s stop between two units of a stretch: the bulk read keeps that silence exactly as record by record does."""
+    from eplb_fsm.trace import EventTrace
+
+    now = [T0]
+    trace = EventTrace(0, 1, tmp_path, clock=lambda: now[0], keep=True)
+    trace.set_context(state="collecting", step=0)
+    trace.header({"num_layers": 4}, run_id="r", mode="sync")
+    for step in range(1000):
+        now[0] += 10.0 if step == 700 else 0.05    # SIGSTOPped before step 700's records
+        trace.set_context(step=step)
+        trace.count_step()
+        with trace.collective("all_reduce", "ep", [32], "torch.float64", parts=["balancedness"]):
+            pass
+    trace.end("closed")
+    trace.close()
+    text = trace.path.read_text()
+    assert bulk.periodic_stretches(text, text.count("\n") + 1), "the bulk path must be taken"
+    fast = sm.summarize_text(text, 0)
+    slow = sm.summarize_rank(trace.records, 0)
+    assert fast.silences == slow.silences and len(fast.silences) == 1
+    a, b, step, state = fast.silences[0]
+    assert (round(b - a, 6), step, state) == (10.0, 699, "collecting")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,146 @@ def test_a_job_stopped_while_every_rank_was_inside_one_collective_stays_signalle
         rk.end("signal", signal="SIGTERM")
     report = replay_dir(write(tmp_path, ranks))
     assert report.verdict == "signalled" and report.culprit_ranks == [0, 1, 2, 3], format_report(report)
+
+
+# --------------------------------------------------------------------------- the real writer on a fake clock
+
+
+class Clocked:
+    """Ranks written by the real EventTrace, each with its Liveness beating, on one fake clock (ticks of 10 ms).
+
+    Every ``step_ticks`` a rank counts a step; every ``coll_every`` steps it all-reduces on ``ep`` in
+    lockstep (it waits until every rank not dead has started that cseq). A rank can be frozen (writes
+    nothing, like SIGSTOP), stalled (no steps, the liveness thread still beats) or dead (nothing ever again).
+    """
+
+    def __init__(self, tmp_path: Path, world: int, interval: float = 1.0, step_ticks: int = 10,
+                 coll_every: int = 0) -> None:
+        from eplb_fsm.liveness import Liveness
+        from eplb_fsm.trace import EventTrace
+
+        self.tick, self.step_ticks, self.coll_every, self.interval = 0, step_ticks, coll_every, interval
+        self.traces = [EventTrace(r, world, tmp_path, clock=self.now) for r in range(world)]
+        for trace in self.traces:
+            trace.set_context(state="collecting", step=0)
+            trace.header({"num_layers": 2}, run_id="run-c", mode="async", group="ep", transfer_group="ep_transfer")
+        self.lives = [Liveness(t, interval, clock=self.now) for t in self.traces]
+        self.next_beat = [0] * world
+        self.frozen_until = [0] * world
+        self.stalled, self.dead = set(), set()
+        self.opened: dict[int, dict] = {}       # cseq -> rank -> OpenCollective
+        self.waiting: set[int] = set()
+
+    def now(self) -> float:
+        return T0 + self.tick * 0.01
+
+    def run(self, seconds: float) -> "Clocked":
+        end = self.tick + round(seconds * 100)
+        while self.tick < end:
+            self.tick += 1
+            for r, trace in enumerate(self.traces):
+                if r in self.dead or self.tick < self.frozen_until[r] or trace.ended:
+                    continue
+                if self.tick % self.step_ticks == 0 and r not in self.stalled and r not in self.waiting:
+                    self._step(r, trace)
+                if self.tick >= self.next_beat[r]:
+                    self.lives[r].beat()
+                    self.next_beat[r] = self.tick + round(self.lives[r].period() * 100)
+        return self
+
+    def _step(self, r: int, trace) -> None:
+        trace.set_context(step=trace.step + 1)
+        trace.count_step()
+        if self.coll_every and trace.step % self.coll_every == 0:
+            opened = trace.open_collective("all_reduce", "ep", [16], "torch.float64", parts=["loads"])
+            joined = self.opened.setdefault(opened.start["cseq"], {})
+            joined[r] = opened
+            if len(joined) < len(self.traces):   # a dead rank never joins: the others wait for ever
+                self.waiting.add(r)
+                return
+            for other, o in sorted(joined.items()):
+                self.traces[other].close_collective(o)
+                self.waiting.discard(other)
+
+    def freeze(self, rank: int, seconds: float) -> "Clocked":
+        self.frozen_until[rank] = self.tick + round(seconds * 100)
+        return self
+
+    def end(self, how: str = "closed", **fields) -> None:
+        for r, trace in enumerate(self.traces):
+            if r not in self.dead:   # a killed process flushes nothing: its counted steps are lost
+                trace.end(how, **fields)
+                trace.close()
+
+
+def test_a_crash_while_a_posted_all_reduce_is_open_is_crashed_with_its_error(tmp_path):
+    """Async rank 1 raises ValueError with its posted ready all-reduce still open (peers read it): crashed, not hang."""
+    from eplb_fsm.trace import EventTrace
+
+    now = [T0]
+    traces = [EventTrace(r, 2, tmp_path, clock=lambda: now[0]) for r in range(2)]
+    for trace in traces:
+        trace.set_context(state="collecting", step=0)
+        trace.header({"num_layers": 2}, run_id="run-p", mode="async", group="ep", transfer_group="ep_transfer")
+        trace.alive(1.0, None)
+    posted = []
+    for trace in traces:
+        trace.set_context(step=30)
+        posted.append(trace.open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"]))
+    now[0] += 0.1
+    traces[1].set_context(step=31)
+    traces[1].end("exception", error="ValueError: bad plan")   # before it reads its posted flags
+    traces[0].set_context(step=31)
+    traces[0].close_collective(posted[0])
+    waiting = traces[0].open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"])
+    for _ in range(10):
+        now[0] += 1.0
+        traces[0].alive(1.0, 31)
+    traces[0].close_collective(waiting, RuntimeError("Operation timed out!"))
+    traces[0].end("exception", error="RuntimeError: Operation timed out!")
+    for trace in traces:
+        trace.close()
+    report = replay_dir(tmp_path)
+    assert report.verdict == "crashed" and report.culprit_ranks == [1], format_report(report)
+    assert "ValueError: bad plan" in report.summary
+    assert any("rank 0 gave up waiting" in c for c in report.consequences)
+
+
+def test_a_freeze_late_in_a_long_run_at_interval_2_is_found(tmp_path):
+    """Liveness every 2 s: 3 s gaps between runs are normal; a 12 s SIGSTOP after 400 s is still a freeze."""
+    job = Clocked(tmp_path, 2, interval=2.0).run(400)
+    job.freeze(1, 12)
+    job.stalled.add(0)                  # rank 0 waits on rank 1 meanwhile (its alive records go on)
+    job.run(12)
+    job.stalled.clear()
+    job.run(10).end()
+    frozen = [f for f in replay_dir(tmp_path).findings if f.kind == "frozen"]
+    assert frozen and frozen[0].culprits == [1]
+    assert 12 <= float(re.search(r"froze for ([0-9.]+) s", frozen[0].summary).group(1)) < 14
+
+
+def test_a_freeze_after_a_run_of_steps_is_at_the_run_s_last_step(tmp_path):
+    """100 steps/s, runs written every 1.5 s: a freeze after a `steps` run is placed at its last step, not its first."""
+    job = Clocked(tmp_path, 3, interval=1.0, step_ticks=1, coll_every=400).run(16.9)   # the others wait at step 2000
+    job.freeze(1, 8).run(12).end()
+    runs = [json.loads(line) for line in trace_lines(tmp_path, 1) if '"event":"steps"' in line]
+    before = max((r for r in runs if r["ts"] <= T0 + 16.9), key=lambda r: r["ts"])
+    report = replay_dir(tmp_path)
+    assert report.verdict == "frozen" and report.culprit_ranks == [1], format_report(report)
+    assert report.step == before["step"] + before["count"] - 1 and before["count"] > 1
+
+
+def trace_lines(tmp_path: Path, rank: int) -> list[str]:
+    return (tmp_path / f"rank{rank:05d}.jsonl").read_text().splitlines()
+
+
+def test_a_killed_rank_whose_last_steps_were_unwritten_is_the_hang_s_culprit(tmp_path):
+    """Rank 1 killed at step 790 (its last run written at ~step 750); the others hang at step 800: one hang verdict."""
+    job = Clocked(tmp_path, 3, interval=1.0, step_ticks=1, coll_every=200).run(7.9)
+    job.dead.add(1)
+    job.run(22).end("signal", signal="SIGTERM")
+    last = json.loads(trace_lines(tmp_path, 1)[-1])
+    assert last["event"] == "steps" and last["step"] + last["count"] - 1 < 798
+    report = replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks, report.step) == ("hang", [1], 800), format_report(report)
+    assert report.findings[0].details[0].startswith("rank 1 died (SIGKILL?)")

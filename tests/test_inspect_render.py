@@ -21,7 +21,7 @@ def healthy():
 
 
 def test_healthy_report_is_short():
-    """A healthy report of ranks that all wrote `end`: the verdict line, 'illegal transitions: none', the traces line."""
+    """A healthy report of ranks that all wrote `end`: the verdict, 'illegal transitions: none', the traces line."""
     job = SyntheticJob(world=4)
     job.run(40)
     for rank in job.sessions:
@@ -115,3 +115,14 @@ def test_timeline_names_step_runs_and_continued_headers():
     ])
     assert rows[0]["what"] == "header (continued: segment 2 of a rotated file)"
     assert rows[1]["what"] == "steps 40..64 (25, 3 dummy)" and rows[1]["t"] == 1.0
+
+
+def test_a_duration_of_the_wrong_type_is_shown_not_a_crash():
+    """A collective_end whose duration_s is a string (a damaged line) prints as it is; numbers keep 6 decimals."""
+    job = SyntheticJob(world=1)
+    job.run(10)
+    recs = job.records()[0]
+    ends = [r for r in recs if r["event"] == "collective_end"]
+    ends[0]["duration_s"] = "slow"
+    text = format_timeline(recs, 0)
+    assert "'slow'" in text and f"{ends[1]['duration_s']:.6f}" in text

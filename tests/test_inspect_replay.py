@@ -513,6 +513,64 @@ def test_a_trace_whose_oldest_segments_were_dropped_still_replays(tmp_path):
     assert report.verdict == "healthy", format_report(report)
 
 
+def _rolled_job(tmp_path, monkeypatch, max_bytes, steps: int, world: int = 2, faults: Faults | None = None,
+                **job_kwargs) -> None:
+    """A SyntheticJob whose ranks roll their files at ``max_bytes(rank)`` bytes, keeping two segments each."""
+    import eplb_fsm.testing.ranks as ranks_mod
+    from eplb_fsm.trace import EventTrace
+
+    monkeypatch.setattr(ranks_mod, "EventTrace", lambda rank, **kw: EventTrace(
+        rank=rank, max_bytes=max_bytes(rank), max_segments=2, **kw))
+    job = SyntheticJob(world=world, trace_dir=tmp_path, keep=False, **job_kwargs)
+    job.run(steps, faults)
+    job.close()
+
+
+def _oldest_header(tmp_path, rank: int) -> dict:
+    from eplb_fsm.trace_segments import segment_paths
+
+    return json.loads(segment_paths(trace_path(tmp_path, rank))[0].read_text().splitlines()[0])
+
+
+def test_a_history_that_starts_mid_transfer_replays_from_the_layer_in_flight(tmp_path, monkeypatch):
+    """The oldest kept segment starts in transferring at layer 1 (older ones deleted): no illegal layer_done."""
+    _rolled_job(tmp_path, monkeypatch, lambda r: 6000, 300, num_layers=3)
+    first = _oldest_header(tmp_path, 0)
+    assert first["continued"] is True and first["state"] == "transferring" and first["machine"]["layer"] >= 1
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy" and report.illegal_transitions == [], format_report(report)
+
+
+def test_an_older_continued_header_without_machine_takes_the_layer_from_the_first_transition(tmp_path, monkeypatch):
+    """Headers of writers before `machine` existed: the layer in flight is the first transition's, not layer 0."""
+    _rolled_job(tmp_path, monkeypatch, lambda r: 6000, 300, num_layers=3)
+    for path in tmp_path.iterdir():
+        lines = path.read_text().splitlines()
+        old = {k: v for k, v in json.loads(lines[0]).items() if k not in ("machine", "next_cseq")}
+        path.write_text("\n".join([json.dumps(old, separators=(",", ":"))] + lines[1:]) + "\n")
+    assert _oldest_header(tmp_path, 0)["state"] == "transferring"
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy" and report.illegal_transitions == [], format_report(report)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["per-step", "compact"])
+def test_ranks_whose_kept_histories_start_at_different_steps_agree(tmp_path, monkeypatch, compact):
+    """Ranks rolled at different sizes: compared from the latest cut on, no false divergence or mismatch."""
+    _rolled_job(tmp_path, monkeypatch, lambda r: 9000 + 1700 * r, 1500, world=3, compact_steps=compact)
+    starts = {_oldest_header(tmp_path, r)["step"] for r in range(3)}
+    assert len(starts) > 1, "the ranks' histories must start at different steps"
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy", format_report(report)
+    assert not [w for w in report.warnings if "without a start" in w]
+
+
+def test_a_divergence_after_the_cut_is_still_found(tmp_path, monkeypatch):
+    """Histories cut at different steps: rank 2's skipped step late in the run is still named, at its step."""
+    _rolled_job(tmp_path, monkeypatch, lambda r: 9000 + 1700 * r, 1500, world=3, faults=Faults(skip_count={2: 1474}))
+    report = rp.replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks, report.step) == ("step_divergence", [2], 1479), format_report(report)
+
+
 # --------------------------------------------------------------------------- unreadable input, older runs
 
 

@@ -298,3 +298,26 @@ def test_load_rank_file_reads_only_the_run_asked_for(tmp_path):
     _, new, _ = sm.load_rank_file(0, path)
     assert (old.header["run_id"], old.records, old.last_step) == ("old", len(runs["old"]), 29)
     assert (new.header["run_id"], new.records, new.last_step) == ("new", len(runs["new"]), 4)
+
+
+def test_a_warning_names_the_rotated_segment_and_its_own_line(tmp_path):
+    """A bad field in an older segment is reported as <segment file>:<its line>, not the live file's name."""
+    from eplb_fsm.trace import EventTrace
+    from eplb_fsm.trace_segments import segment_paths
+
+    trace = EventTrace(0, 1, tmp_path, clock=lambda: 1_700_000_000.0, max_bytes=2048, max_segments=10)
+    trace.set_context(state="collecting", step=0)
+    trace.header({"num_layers": 2}, run_id="r")
+    for i in range(80):
+        with trace.collective("all_reduce", "ep", [3]):
+            pass
+    trace.close()
+    paths = segment_paths(trace.path)
+    assert len(paths) >= 3
+    lines = paths[1].read_text().splitlines()
+    rec = json.loads(lines[4])
+    rec["cseq"] = "x"
+    lines[4] = json.dumps(rec, separators=(",", ":"))
+    paths[1].write_text("\n".join(lines) + "\n")
+    _, summary, _ = sm.load_rank_file(0, trace.path)
+    assert [w.split(": field")[0] for w in summary.warnings if "'cseq'" in w] == [f"{paths[1].name}:5"]

@@ -384,6 +384,37 @@ def test_rotation_keeps_at_most_max_segments_each_starting_with_a_continued_head
     assert records[-1]["value"] == 199 / 200
 
 
+def test_a_continued_header_says_where_the_machine_is(tmp_path):
+    """A roll mid-transfer repeats the layer in flight, the scale flag and each group's next cseq on the new header."""
+    trace = _collecting(EventTrace(rank=0, world=2, trace_dir=tmp_path, max_bytes=2048, max_segments=2))
+    trace.header({"num_layers": 3}, run_id="r1")
+    trace.transition("step", "collecting", "planning", layer=0, layer_after=0, due=True)
+    with trace.collective("all_reduce", "ep", [16]):
+        pass
+    trace.transition("plan_ready", "planning", "transferring", layer=0, layer_after=0)
+    trace.transition("layer_done", "transferring", "transferring", layer=0, layer_after=1)
+    while trace.rotations == 0:
+        trace.emit("balancedness", value=0.5)
+    trace.close()
+    first = json.loads(trace_path(tmp_path, 0).read_text().splitlines()[0])
+    assert first["continued"] is True and first["state"] == "transferring"
+    assert first["machine"] == {"state": "transferring", "layer": 1, "scale_pending": False}
+    assert first["next_cseq"] == {"ep": 1}
+
+
+def test_the_writer_tracks_scale_pending_as_the_machine_does():
+    """scale_requested, groups_ready, salvaged set the flag, switched and fault clear it, as the machine's table."""
+    from eplb_fsm.fsm.machine import TRANSITIONS
+    from eplb_fsm.trace_fields import PENDING_CLEARED, PENDING_SET, machine_after
+
+    marks = {row["trigger"] for row in TRANSITIONS if row.get("before") == "mark_scale_pending"}
+    clears = {row["trigger"] for row in TRANSITIONS if row.get("before") == "clear_scale_pending"}
+    assert (PENDING_SET, PENDING_CLEARED) == (marks, clears)
+    after = machine_after({"layer": 0, "scale_pending": False}, "scale_requested", "scaling", {"layer": 0})
+    assert after == {"state": "scaling", "layer": 0, "scale_pending": True}
+    assert machine_after(after, "switched", "collecting", {"layer_after": 0})["scale_pending"] is False
+
+
 def test_rotation_settings_are_checked_before_anything_is_written(tmp_path):
     """A bad max_bytes / max_segments names the field and creates no file."""
     with pytest.raises(ValueError, match="max_bytes must be an int >= 1024"):

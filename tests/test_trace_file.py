@@ -90,14 +90,24 @@ def test_a_session_appended_after_a_torn_line_starts_on_its_own_line(tmp_path):
 
 def test_end_is_the_last_record_even_when_it_fills_the_segment(tmp_path):
     """The end record that passes max_bytes does not roll the file: nothing follows it."""
-    trace = EventTrace(0, 1, tmp_path, max_bytes=1024)
+    trace = EventTrace(0, 1, tmp_path, clock=lambda: 1.5, max_bytes=1024)
     trace.header({"a": 1}, run_id="x")
-    while trace.path.stat().st_size < 1024 - 40:
+
+    def size() -> int:
+        return trace.path.stat().st_size
+
+    while size() < 1024 - 300:   # records of ~100 bytes: no roll yet
         trace.emit("balancedness", value=0.5)
+    before = size()
+    trace.emit("note", pad="")
+    bare = size() - before
+    # fill the segment to 20 bytes under the cap (whatever the header's size), so that `end` passes it
+    trace.emit("note", pad="x" * (1024 - 20 - size() - bare))
+    assert 1024 - 25 <= size() <= 1024 and trace.rotations == 0
     trace.end("closed")
     trace.close()
     records, _ = read_trace(trace_path(tmp_path, 0))
-    assert records[-1]["event"] == "end"
+    assert size() > 1024 and trace.rotations == 0 and records[-1]["event"] == "end"
 
 
 def test_a_header_larger_than_max_bytes_does_not_roll_for_ever(tmp_path):

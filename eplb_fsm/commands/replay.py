@@ -94,11 +94,11 @@ def _timeline(args: argparse.Namespace) -> int:
                            f"(ranks with a trace: {ranks_text(loaded.files) or 'none'})")
         raw = read_rank_text(path)
     except (NoTraces, OSError) as exc:
-        print(f"eplb-fsm replay: {exc}", file=sys.stderr)
+        print(f"eplb-fsm replay: error: {exc}", file=sys.stderr)
         return 2
     records, bad, truncated = parse_records(raw if args.run_id is None else run_text(raw, args.run_id))
     if not records:
-        print(f"eplb-fsm replay: rank {args.rank}: {path} has no readable record", file=sys.stderr)
+        print(f"eplb-fsm replay: error: rank {args.rank}: {path} has no readable record", file=sys.stderr)
         return 2
     summary = summarize_rank(records, args.rank, path=str(path), bad_lines=bad, truncated=truncated)
     sessions = list(summary.previous) + [summary]
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     except NoTraces as exc:
         if args.json:
             print(json.dumps({"verdict": "unusable_input", "error": str(exc)}))
-        print(f"eplb-fsm replay: {exc}", file=sys.stderr)
+        print(f"eplb-fsm replay: error: {exc}", file=sys.stderr)
         return 2
     _out(json.dumps(report.to_dict(), default=str) if args.json else format_report(report))
     return report.exit_code

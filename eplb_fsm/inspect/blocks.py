@@ -54,7 +54,8 @@ _BLOCK_EVENTS = frozenset({"transition", "collective_start", "collective_end", "
 def _context(w) -> tuple | None:
     """What the replay of a block depends on besides the block; None: no template applies here."""
     seqs = w.seqs
-    if w.state is None or w.world is None or w.first is None or seqs.prev is None or seqs.jump is not None:
+    if w.state is None or w.world is None or w.first is None or seqs.prev is None or seqs.jump is not None \
+            or not w.layer_known:
         return None
     return (w.state, w.layer, w.pending, w.num_layers)
 

@@ -15,8 +15,10 @@ bulk:
   the exact text of each collective (op, group, shape, dtype, parts, layer, wave) occurs
   once per unit, ``seq`` runs on from the walker's next one to the last line, the step
   and each group's ``cseq`` advance by one per unit from the template's (checked on the
-  first and last unit). Then the walker counts the steps and records, and each group gets
-  one ``CollRun`` for the stretch. A stretch that fails a check is read line by line.
+  first and last unit), and no two of its lines are further apart in time than
+  ``records.SILENCE_S`` (a freeze inside is read line by line, with its step). Then the
+  walker counts the steps and records, and each group gets one ``CollRun`` for the stretch.
+  A stretch that fails a check is read line by line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 from collections import Counter
 
 from eplb_fsm.inspect.model import CollRun, CollectiveIndex
+from eplb_fsm.inspect.stepruns import calm_lines
 
 MIN_LINES = 2000          # smaller files are read line by line: nothing to gain
 MIN_UNITS = 4             # a stretch shorter than this is read line by line
@@ -126,6 +129,8 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     region = "\n".join(lines[start:end])
     if any(region.count(frag) != n * units for frag, n in need.items()):
         return False
+    if not calm_lines(lines, start, end):
+        return False   # a silence inside (a freeze): read line by line, which keeps it with its step
     first_seq, last_seq = _num(_SEQ, lines[start]), _num(_SEQ, lines[end - 1])
     due = w.next_seq()
     if first_seq is None or last_seq != first_seq + (end - start) - 1 or (due is not None and first_seq != due):
@@ -146,7 +151,6 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     for r in recs:
         if r["event"] != "step":
             s.events[r["event"]] += units
-    w.saw_line(lines[start])
-    w.saw_line(lines[end - 1])
+    w.saw_run(lines[start], lines[end - 1])
     w.took_bulk(end - start, units, last_seq, lines[end - 1])
     return True

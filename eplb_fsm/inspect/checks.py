@@ -15,7 +15,7 @@ from typing import Any
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key, build_cast, config_payloads
 from eplb_fsm.inspect.findings import Finding, canon, last_seen, majority
-from eplb_fsm.inspect.model import WORLD_GROUP, RankSummary
+from eplb_fsm.inspect.model import WORLD_GROUP, RankSummary, Transition
 
 # ranks are not stopped in lockstep: a trace ending one step before the others is not a death
 DIED_SLACK_STEPS = 1
@@ -99,17 +99,40 @@ def check_illegal(cast: Cast) -> list[Finding]:
     return found
 
 
-def align_transitions(cast: Cast, offsets: dict[Key, int]) -> list[Finding]:
+def kept_transitions(cast: Cast) -> dict[Key, list[Transition]]:
+    """Each participant's state changes that every kept history covers.
+
+    A rank whose oldest segments were deleted holds its history from a ``continued`` header on,
+    and ranks roll at different byte counts: numbering each one's state changes from 0 would
+    compare different events. They are compared from the latest header step of those cuts,
+    exclusive (records of that very step may lie on either side of a roll).
+    """
+    top = latest_cut(cast)
+    if top is None:
+        return {k: s.transitions for k, s in cast.parts.items()}
+    return {k: [t for t in s.transitions if type(t.step) is not int or t.step > top] for k, s in cast.parts.items()}
+
+
+def latest_cut(cast: Cast) -> int | None:
+    """The latest step a participant's kept history starts at (a ``continued`` header), or None."""
+    cuts = [s.cut["step"] for s in cast.parts.values() if s.cut is not None and type(s.cut.get("step")) is int]
+    return max(cuts, default=None)
+
+
+def align_transitions(cast: Cast, offsets: dict[Key, int],
+                      transitions: dict[Key, list[Transition]] | None = None) -> list[Finding]:
     """The n-th state change must be the same event at the same step on every participant.
 
     ``offsets`` places each participant's first transition in the job's sequence (0 for the
     first ranks; a joiner's at the others' ``groups_ready`` of its generation); one that
-    ended (a rank that left) simply has no entry past its end.
+    ended (a rank that left) simply has no entry past its end. ``transitions``: each one's
+    state changes to compare (``kept_transitions``; default all).
     """
     keys = sorted(k for k in offsets if k in cast.parts)
     if len(keys) < 2:
         return []
-    compare = {k: [(t.key(), t.step) for t in cast.parts[k].transitions] for k in keys}
+    trans = transitions if transitions is not None else {k: cast.parts[k].transitions for k in keys}
+    compare = {k: [(t.key(), t.step) for t in trans[k]] for k in keys}
     longest = max(offsets[k] + len(compare[k]) for k in keys)
     plain = all(offsets[k] == 0 for k in keys)
     for i in range(longest):
@@ -119,11 +142,13 @@ def align_transitions(cast: Cast, offsets: dict[Key, int]) -> list[Finding]:
             at_i = [compare[k][i - offsets[k]] for k in keys if 0 <= i - offsets[k] < len(compare[k])]
         if len(at_i) < 2 or len(set(at_i)) == 1:
             continue
-        at = {k: cast.parts[k].transitions[i - offsets[k]] for k in keys
-              if 0 <= i - offsets[k] < len(compare[k])}
+        at = {k: trans[k][i - offsets[k]] for k in keys if 0 <= i - offsets[k] < len(compare[k])}
         ended = [k for k in keys if i - offsets[k] >= len(compare[k]) and not cast.parts[k].ended_on_purpose]
         finding = _transition_divergence(cast, i, at, ended)
         if finding is not None:
+            if transitions is not None and latest_cut(cast) is not None:
+                finding.details.append(f"state changes counted after step {latest_cut(cast)}, where every rank's "
+                                       "kept history begins (older trace segments were deleted)")
             return [finding]
     return []
 

@@ -56,17 +56,20 @@ def check_collectives(cast: Cast) -> list[Finding]:
         streams = [parts[k].collectives.get(g, {}) if k in parts else {} for k in members]
         limits = [parts[k].max_cseq(g) if k in parts and cast.away(k, g) else math.inf for k in members]
         everyone = min(limits, default=math.inf)
-        c = -1
+        # a rank whose oldest segments were deleted holds no cseq below its first kept one: not "never issued"
+        floors = [parts[k].kept_from(g) if k in parts else 0 for k in members]
+        whole = max(floors, default=0)
+        c = min(floors, default=0) - 1
         while c < top:
             c += 1
-            skip = _runs_agree(streams, limits, c)
+            skip = _runs_agree(streams, limits, floors, c)
             if skip is not None:   # every member read these cseqs in bulk, with one signature
                 c = skip
                 continue
-            if c <= everyone:
+            if whole <= c <= everyone:
                 active, active_streams = members, streams
             else:
-                idx = [i for i, lim in enumerate(limits) if c <= lim]
+                idx = [i for i, (low, lim) in enumerate(zip(floors, limits)) if low <= c <= lim]
                 active, active_streams = [members[i] for i in idx], [streams[i] for i in idx]
             # fast path: every member ended the same collective at this cseq
             first = active_streams[0].get(c) if active_streams else None
@@ -82,13 +85,13 @@ def check_collectives(cast: Cast) -> list[Finding]:
     return found
 
 
-def _runs_agree(streams: list, limits: list, c: int) -> int | None:
+def _runs_agree(streams: list, limits: list, floors: list, c: int) -> int | None:
     """The last cseq from ``c`` on that every active member holds in a bulk run with the same
     signature (all ended), or None."""
     end, sig = math.inf, None
     active = 0
-    for st, lim in zip(streams, limits):
-        if c > lim:
+    for st, lim, low in zip(streams, limits, floors):
+        if c > lim or c < low:
             continue
         run = st.run_at(c) if isinstance(st, CollectiveIndex) else None
         if run is None:
@@ -100,6 +103,7 @@ def _runs_agree(streams: list, limits: list, c: int) -> int | None:
             return None
         end = min(end, run.last, lim)
         active += 1
+    end = min([end] + [low - 1 for low in floors if low > c])   # a member whose kept history starts later joins there
     return int(end) if active and end != math.inf else None
 
 

@@ -227,26 +227,28 @@ def _label(key: Key, s: RankSummary, sessions: int) -> str:
     return f"rank {r} ({', '.join(tags)})" if tags else f"rank {r}"
 
 
-def transition_offsets(cast: Cast, warnings: list[str]) -> dict[Key, int]:
+def transition_offsets(cast: Cast, warnings: list[str], transitions: dict | None = None) -> dict[Key, int]:
     """Where each participant's transitions start in the job's sequence of state changes.
 
     First ranks start at 0. A joiner of generation g starts at the ordinal of the others'
     ``groups_ready`` of generation g (its first transition is that same one), taken from
     the participants already placed, by majority. A joiner nobody can place is left out of
-    the transition alignment (with a warning).
+    the transition alignment (with a warning). ``transitions``: the state changes compared
+    (``checks.kept_transitions``; default each participant's all).
     """
+    trans = transitions if transitions is not None else {k: s.transitions for k, s in cast.parts.items()}
     offsets: dict[Key, int] = {k: 0 for k, s in cast.parts.items() if s.role != "joiner"}
     joiners = sorted((k for k, s in cast.parts.items() if s.role == "joiner"),
                      key=lambda k: (cast.parts[k].generation, k))
     for key in joiners:
         s = cast.parts[key]
         # its own groups_ready, whatever generation it names (a wrong one is then a divergence)
-        own = next((i for i, t in enumerate(s.transitions) if t.trigger == "groups_ready"), None)
+        own = next((i for i, t in enumerate(trans[key]) if t.trigger == "groups_ready"), None)
         if own is None:
             continue  # no transition to align (it never got that far): nothing to compare
         votes: Counter = Counter()
         for other, at in offsets.items():
-            ts = cast.parts[other].transitions
+            ts = trans[other]
             j = next((i for i, t in enumerate(ts) if t.trigger == "groups_ready" and t.generation == s.generation),
                      None)
             if j is not None:

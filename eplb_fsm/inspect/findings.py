@@ -194,7 +194,10 @@ def last_seen(s: RankSummary) -> str:
         what = f"{last.get('trigger')} {last.get('source')}->{last.get('dest')}"
     elif str(what).startswith("collective"):
         what = f"{what} {last.get('op')} {last.get('group')}#{last.get('cseq')}"
-    text = f"last record at step {last.get('step')} in {last.get('state')} ({what})"
+    at = f"step {last.get('step')}"
+    if what == "steps" and type(s.last_step) is int and s.last_step != last.get("step"):
+        at = f"steps {last.get('step')}-{s.last_step}"   # a run: where the rank had got to when it was written
+    text = f"last record at {at} in {last.get('state')} ({what})"
     if s.stuck and not s.progress_after_stuck:
         st = s.stuck[-1]
         text += f"; watchdog: stuck {st.get('seconds')} s in {st.get('state')}"

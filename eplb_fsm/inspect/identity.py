@@ -61,7 +61,8 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
         runs.setdefault(run_id_of(item[2]) or NO_RUN_ID, []).append(item)
     if run_id is not None:
         if run_id not in runs:
-            raise NoTraces(f"no trace of run {run_id!r}; the folder holds " + _runs_text(runs))
+            raise NoTraces(f"no trace of run {run_id!r}; the folder holds runs {', '.join(_every_run_id(loaded))}: "
+                           + _runs_text(runs))
         loaded = runs[run_id]
     elif len(runs) > 1:
         raise MixedRuns("the folder holds the traces of " + str(len(runs)) + " runs, replay one at a time "
@@ -103,6 +104,19 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
     return summaries, files, findings
 
 
+def _every_run_id(loaded: list[tuple[int, Path, RankSummary]]) -> list[str]:
+    """Each run id the files' jobs carry, sorted: an earlier job appended over is in no summary, so the
+    files' headers are read again (only on this error path)."""
+    found = set()
+    for _, path, _ in loaded:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        found.update(rid for _, rid in _jobs(text) if rid is not None)
+    return sorted(found) or [NO_RUN_ID]
+
+
 def _runs_text(runs: dict[str, list[tuple[int, Path, RankSummary]]]) -> str:
     return "; ".join(f"run {rid}: rank files {ranks_text(r for r, _, _ in items)} ({_names([p for _, p, _ in items])})"
                      for rid, items in sorted(runs.items(), key=lambda kv: min(r for r, _, _ in kv[1])))
@@ -116,7 +130,17 @@ def run_text(text: str, run_id: str) -> str:
     header carries ``run_id`` is returned; the whole text when the file holds one job, or when no
     job of it has that run id (``assign`` then sets the file aside as another run's).
     """
-    jobs: list[list] = []   # [offset where the job starts, its run id]
+    jobs = _jobs(text)
+    if len(jobs) < 2:
+        return text
+    ends = [start for start, _ in jobs[1:]] + [len(text)]
+    kept = [text[start:stop] for (start, rid), stop in zip(jobs, ends) if rid == run_id]
+    return "".join(kept) if kept else text
+
+
+def _jobs(text: str) -> list[list]:
+    """[offset where the job starts, its run id or None] of each job appended to a file's text."""
+    jobs: list[list] = []
     at = text.find('"header"')
     while at != -1:
         begin = text.rfind("\n", 0, at) + 1
@@ -130,11 +154,7 @@ def run_text(text: str, run_id: str) -> str:
             if jobs[-1][1] is None and rec.get("run_id") is not None:
                 jobs[-1][1] = str(rec["run_id"])
         at = text.find('"header"', end)
-    if len(jobs) < 2:
-        return text
-    ends = [start for start, _ in jobs[1:]] + [len(text)]
-    kept = [text[start:stop] for (start, rid), stop in zip(jobs, ends) if rid == run_id]
-    return "".join(kept) if kept else text
+    return jobs
 
 
 def mark_unreadable(report: Report, unreadable: dict[int, str]) -> None:

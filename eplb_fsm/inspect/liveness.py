@@ -109,6 +109,27 @@ def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | No
     return out
 
 
+def _waits_on_peer(cast: Cast, key: Key) -> bool:
+    """Whether the participant sat in a collective some other member had not finished (its error ended a wait).
+
+    A collective every other member finished is no wait: an async rank's posted all-reduce stays
+    open from one step to the next, so a rank that raises in its own code in between (a crash)
+    leaves one open that its peers had long read.
+    """
+    s = cast.parts[key]
+    opened = [(c.group, c.cseq) for c in s.open_collectives()]
+    waiting = s.alive[-1][3] if s.alive else None
+    if waiting:
+        opened.append((waiting.get("group"), waiting.get("cseq")))
+    for g, c in opened:
+        for m in cast.members(g) if isinstance(g, str) else []:
+            peer = cast.parts.get(m)
+            entry = peer.collectives.get(g, {}).get(c) if peer is not None else None
+            if m != key and (entry is None or entry.status != "ended"):
+                return True
+    return False
+
+
 def check_liveness(cast: Cast) -> Liveness:
     """Cause findings from ``end`` and ``alive`` records, earliest first; see the module docstring."""
     parts = cast.parts
@@ -168,8 +189,7 @@ def check_liveness(cast: Cast) -> Liveness:
         end = s.end or {}
         ts = end.get("ts") if type(end.get("ts")) in (int, float) else lasts.get(k)
         if end.get("how") == "exception" and ts is not None:
-            waited = bool(s.open_collectives()) or (s.alive and s.alive[-1][3]) or \
-                _WAIT_ERROR.search(str(end.get("error") or ""))
+            waited = _WAIT_ERROR.search(str(end.get("error") or "")) or _waits_on_peer(cast, k)
             if waited:
                 late_exceptions.append((ts, k))
             else:

@@ -11,6 +11,7 @@ entries.
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -200,6 +201,9 @@ class CollectiveIndex:
     def max_cseq(self) -> int:
         return max(max(self.one, default=-1), self.runs[-1].last if self.runs else -1)
 
+    def min_cseq(self) -> float:
+        return min(min(self.one, default=math.inf), self.runs[0].first if self.runs else math.inf)
+
 
 @dataclass(frozen=True)
 class Transition:
@@ -276,6 +280,23 @@ class RankSummary:
     # earlier sessions of the same file that belong to the same job (a rank that left, then
     # a joiner that took its number); filled on the file's last session only
     previous: list["RankSummary"] = field(default_factory=list)
+    # the history starts at a `continued` header (oldest segments deleted): {"step": its step, "next_cseq": its
+    # {group: next cseq}, None from writers that did not say}; the ranks are compared from the latest such step
+    cut: dict | None = None
+
+    def kept_from(self, group: str) -> float:
+        """The first cseq of ``group`` the kept history can hold: 0 for a whole history; after a cut the
+        header's next one (or the first kept, if lower: a start written after the roll), inf if unknown."""
+        if self.cut is None:
+            return 0
+        entries = self.collectives.get(group)
+        first = (entries.min_cseq() if isinstance(entries, CollectiveIndex) else min(entries)) if entries \
+            else math.inf
+        nxt = self.cut.get("next_cseq")
+        if isinstance(nxt, dict):
+            given = nxt.get(group, 0)
+            return min(given, first) if type(given) is int else first
+        return first
 
     def open_collectives(self) -> list[Collective]:
         # runs read in bulk only hold ended collectives

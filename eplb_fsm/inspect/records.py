@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 # silences longer than this between two records of a rank are kept (liveness judges them)
 SILENCE_S = 2.0
+# once a rank's alive records announce its interval, only silences over this many intervals are kept: a live
+# rank is silent up to 1.5 intervals (eplb_fsm.liveness), a freeze is judged past 2.5 (inspect.liveness)
+SILENCE_INTERVALS = 2.0
+MAX_SILENCES = 100        # kept per session: the longest (a long run's normal gaps must not crowd out a freeze)
 # ts, state and step of a line as the trace writer lays it out (read without parsing the line)
 LINE_HEAD = re.compile(r'\{"ts":(-?[0-9.eE+-]+),"rank":-?\d+,"world":\d+,"event":"[^"]*","state":"([^"]*)",'
                        r'"step":(-?\d+),')
@@ -64,14 +68,33 @@ def start_from_header(w: "Walker", header: dict) -> None:
         w.s.role = "joiner"
         gen = header.get("generation")
         w.s.generation = gen if type(gen) is int else 0
-    if header.get("continued") is True:   # atop a rotated segment: the stamped state is where it is now
-        return
     machine = header.get("machine")
+    if header.get("continued") is True:
+        # the session's history starts atop a rotated segment (the older ones deleted): the stamped state is where
+        # the machine is; the layer in flight and the scale flag come from `machine` (older writers: from the
+        # first transition, ``Walker.layer_known``), and the ranks are compared from here on only
+        step = header.get("step")
+        nxt = header.get("next_cseq")
+        w.s.cut = {"step": step if type(step) is int else None, "next_cseq": nxt if isinstance(nxt, dict) else None}
+        w.layer_known = isinstance(machine, dict) and type(machine.get("layer")) is int
     if isinstance(machine, dict) and isinstance(machine.get("state"), str):
         w.state = machine["state"]
         w.pending = bool(machine.get("scale_pending", False))
         if type(machine.get("layer")) is int:
             w.layer = machine["layer"]
+
+
+def keep_silence(s: RankSummary, silence: tuple) -> None:
+    """Keep ``(from ts, to ts, step, state)`` if it is a long one: past ``MAX_SILENCES`` the shortest goes."""
+    if s.alive_interval is not None and silence[1] - silence[0] <= SILENCE_INTERVALS * s.alive_interval:
+        return
+    if len(s.silences) < MAX_SILENCES:
+        s.silences.append(silence)
+        return
+    shortest = min(range(len(s.silences)), key=lambda i: s.silences[i][1] - s.silences[i][0])
+    if silence[1] - silence[0] > s.silences[shortest][1] - s.silences[shortest][0]:
+        del s.silences[shortest]
+        s.silences.append(silence)
 
 
 def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:

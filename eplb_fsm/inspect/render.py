@@ -168,7 +168,9 @@ def format_timeline(records: Iterable[dict], rank: int | None = None) -> str:
     for r in rows:
         t = f"{r['t']:.4f}" if r["t"] is not None else "-"
         layer = "-" if r["layer"] is None else str(r["layer"])
-        dur = "" if r["duration_s"] is None else f"{r['duration_s']:.6f}"
+        d = r["duration_s"]
+        # a field of the wrong type (a damaged or hand-edited line) is shown as it is, never a crash
+        dur = f"{d:.6f}" if type(d) in (int, float) else "" if d is None else repr(d)
         lines.append(f"{str(r['seq']):>7} {t:>10} {str(r['step']):>7}  {str(r['state']):<13} {str(r['what']):<52} "
                      f"{layer:>5}  {r['collective'] or '':<32} {dur}".rstrip())
     return "\n".join(lines)

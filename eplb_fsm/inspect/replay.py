@@ -31,6 +31,7 @@ from eplb_fsm.inspect.checks import (
     check_headers,
     check_illegal,
     check_stuck,
+    kept_transitions,
     world_groups,
 )
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
@@ -201,7 +202,8 @@ def diagnose(
     findings: list[Finding] = []
     findings += check_headers(cast, warnings)
     findings += check_illegal(cast)
-    findings += align_transitions(cast, transition_offsets(cast, warnings))
+    kept = kept_transitions(cast)   # from where every kept history starts (rotated segments deleted)
+    findings += align_transitions(cast, transition_offsets(cast, warnings, kept), kept)
     coll = check_collectives(cast)
     handled = [f for f in coll if handled_by_fault(f, cast)]
     coll = [f for f in coll if f not in handled]
@@ -231,7 +233,7 @@ def diagnose(
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
     causes = [f for f in live.findings if not (_died_waiting(f, rest, cast) or signalled_in_hang(f, rest, cast, live))]
-    findings = config + [_with_collective(f, rest) for f in causes] + rest
+    findings = config + [_with_collective(f, rest, cast) for f in causes] + rest
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):
@@ -276,7 +278,7 @@ def _died_waiting(cause: Finding, rest: list[Finding], cast) -> bool:
     return False
 
 
-def _with_collective(cause: Finding, rest: list[Finding]) -> Finding:
+def _with_collective(cause: Finding, rest: list[Finding], cast) -> Finding:
     """A death the collectives show too (the rank never joined one the others waited in) is told
     by that collective finding, richer (op, group, cseq, who waited), with the death as its first
     detail; the collective finding leaves ``rest``. Any other cause stays as it is."""
@@ -284,11 +286,25 @@ def _with_collective(cause: Finding, rest: list[Finding]) -> Finding:
         return cause
     for f in rest:
         if f.kind in ("hang", "collective_mismatch") and f.culprits == cause.culprits and type(f.step) is int \
-                and cause.step - 2 <= f.step <= cause.step + 2:
+                and (cause.step - 2 <= f.step <= cause.step + 2 or _died_before(cause, f, cast)):
             rest.remove(f)
             f.details.insert(0, cause.summary)
             return f
     return cause
+
+
+def _died_before(cause: Finding, f: Finding, cast) -> bool:
+    """The dead rank's trace stops at or before the collective's step, and before any waiter started it.
+
+    A killed rank loses the steps it counted and had not yet written (up to a flush interval, many
+    steps at a fast engine), so its last step can lie well before the collective it never joined.
+    """
+    coll = f.collective or {}
+    g, c = coll.get("group"), coll.get("cseq")
+    last = [cast.parts[k].last_ts for k in cause.keys() if k in cast.parts]
+    starts = [e.ts for k, s in cast.parts.items() if k not in cause.keys()
+              and (e := s.collectives.get(g, {}).get(c)) is not None and type(e.ts) in (int, float)]
+    return cause.step <= f.step and bool(starts) and None not in last and bool(last) and max(last) <= min(starts)
 
 
 def _disorder(cast) -> list[Finding]:

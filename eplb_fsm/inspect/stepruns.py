@@ -31,9 +31,9 @@ from typing import Callable
 
 import numpy as np
 
-from eplb_fsm.inspect.records import LINE_HEAD, SILENCE_S
+from eplb_fsm.inspect.records import SILENCE_S
 
-__all__ = ["StepLines", "feed_run", "seqs_follow", "step_run"]
+__all__ = ["StepLines", "calm", "calm_lines", "feed_run", "seqs_follow", "step_run"]
 
 # A compact step record exactly as EventTrace writes it (keys in emit order, nothing but
 # an optional dummy flag after seq). A run of such lines in the replayed state is checked
@@ -168,10 +168,39 @@ class StepLines:
 _TS = re.compile(r'^\{"ts":([^,]*),', re.M)
 
 
-def _calm(run: str) -> bool:
+def calm_lines(lines: list[str], start: int, end: int) -> bool:
+    """``calm`` for lines[start:end], a long stretch, reading few of its times: a rank's times only go forward,
+    so a part whose first and last lines are at most SILENCE_S apart holds no longer gap; a part further
+    apart is halved until its halves are that close, or a gap between two neighbouring lines is found."""
+    def ts(i: int) -> float:
+        line = lines[i]
+        if not line.startswith('{"ts":'):
+            raise ValueError(line[:20])
+        return float(line[6:line.index(",", 6)])
+
+    try:
+        parts = [(start, end - 1, ts(start), ts(end - 1))]
+        while parts:
+            a, b, ta, tb = parts.pop()
+            if tb - ta <= SILENCE_S:
+                continue
+            if b - a <= 1:
+                return False
+            m = (a + b) // 2
+            tm = ts(m)
+            parts += [(a, m, ta, tm), (m, b, tm, tb)]
+    except ValueError:   # a line laid out otherwise: the exact paths read it
+        return False
+    return True
+
+
+def calm(run: str) -> bool:
     """No two consecutive lines of ``run`` further apart in time than SILENCE_S (a silence inside a run
     is kept by the line-by-line path, with the records either side)."""
-    ts = list(map(float, _TS.findall(run)))
+    try:
+        ts = list(map(float, _TS.findall(run)))
+    except ValueError:   # a time that is no number: the exact paths warn about it
+        return False
     return not ts or max(map(operator.sub, ts[1:], ts[:-1]), default=0.0) <= SILENCE_S
 
 
@@ -207,7 +236,7 @@ def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], d
     if w.state is not None:
         if (known is not None and known.follow(start, end, w.state, w.next_seq())) or (
                 step_run(w.state).fullmatch(run := "\n".join(lines[start:end]) + "\n") is not None
-                and seqs_follow(w, run, end - start, start + 1) and _calm(run)):
+                and seqs_follow(w, run, end - start, start + 1) and calm(run)):
             if w.plain_steps(end - start):
                 w.saw_run(lines[start], lines[end - 1])
                 if w.first is None:

@@ -38,7 +38,7 @@ from eplb_fsm.inspect.identity import run_text
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
-from eplb_fsm.trace_segments import read_rank_text
+from eplb_fsm.trace_segments import read_rank_segments, read_rank_text
 
 __all__ = [
     "PER_RANK_SHAPE", "WORLD_GROUP", "Collective", "MachineOracle", "RankSummary", "Transition",
@@ -118,6 +118,7 @@ class _Interleaved:
     def feed(self, rec: dict) -> None:
         if rec.get("event") == "header" and rec.get("continued") is not True:
             w = Walker(self.rank, self.oracle, self.path)
+            w.segments = self.walkers[-1].segments if self.walkers else None
             if rec.get("role") != "joiner":  # a new job appended to the file: the earlier runs are stale
                 w.s.warnings.append(f"the file holds several runs (a header at seq {rec.get('seq')}, step "
                                     f"{rec.get('step')}); replaying the last one")
@@ -142,7 +143,8 @@ class _Interleaved:
 
 
 def summarize_text(text: str, rank: int | None = None, *, path: str | None = None,
-                   oracle: MachineOracle | None = None, templates: TemplateStore | None = None) -> RankSummary:
+                   oracle: MachineOracle | None = None, templates: TemplateStore | None = None,
+                   segments: list[tuple[str, int]] | None = None) -> RankSummary:
     """``summarize_rank`` over a JSONL file's text, with runs of compact step lines checked in bulk.
 
     Gives the same summary as parsing every line and calling ``summarize_rank``
@@ -154,6 +156,8 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     line by line. Stretches where one unit of records repeats every step (a step and an
     all-reduce's start and end) are checked in bulk without parsing them (``bulk``).
     ``templates``: rearrangement blocks learned from the other files of the same replay (``blocks``).
+    ``segments``: where each segment of a rotated file begins (``read_rank_segments``), so that a
+    warning names the segment file and its own line.
     """
     lines = text.split("\n")
     stretches = periodic_stretches(text, len(lines))
@@ -185,6 +189,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         parsed[k] = rec
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path)
+    w.segments = segments
     blocks = BlockReader(lines, parse_line, templates)
     # the shapes of a file's lines pay off when most lines are step lines in long runs (the compact form);
     # a file that all-reduces every step has short runs, read by its periodic stretches
@@ -297,11 +302,13 @@ def load_rank_file(r: int, path: Path, oracle: MachineOracle | None = None, temp
     (rank, summary, warnings), or (rank, None, [why there is none]); ``templates``: see ``blocks``."""
     warnings: list[str] = []
     try:
-        text = read_rank_text(path)   # rotated segments first, oldest first
+        whole, segments = read_rank_segments(path)   # rotated segments first, oldest first
     except OSError as exc:
         return r, None, [f"rank {r}: cannot read {path}: {exc.strerror or exc}"]
-    text = text if run_id is None else run_text(text, run_id)
-    summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates)
+    text = whole if run_id is None else run_text(whole, run_id)
+    # lines name their own segment file; not where another run's lines were cut out (the numbers moved)
+    segments = segments if len(segments) > 1 and text is whole else None
+    summary = summarize_text(text, r, path=str(path), oracle=oracle, templates=templates, segments=segments)
     bad = summary.bad_lines
     if not summary.records:
         return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]

@@ -31,8 +31,9 @@ def replay_transition(w: "Walker", rec: dict) -> None:
     allowed = EVENT_DATA.get(trig)
     data_src = rec.get("data") if isinstance(rec.get("data"), dict) else rec
     data = {} if allowed is None else {k: data_src[k] for k in allowed if k in data_src}
-    if w.state is None:  # the trace starts here: trust the first source
-        w.state = src
+    if w.state is None or not w.layer_known:  # the trace starts here: trust the first source (and its layer)
+        w.state = w.state or src
+        w.layer_known = True
         if src == TRANSFERRING and isinstance(rec_layer, int):
             w.layer = rec_layer
     reasons = []

@@ -38,12 +38,14 @@ from eplb_fsm.inspect.records import (
     TYPES_OK,
     TYPE_NAMES,
     keep_record,
+    keep_silence,
     parse_line,
     start_from_header,
     wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.transition_replay import replay_transition
+from eplb_fsm.trace_segments import segment_line
 
 class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
@@ -60,12 +62,16 @@ class Walker:
         self.last: dict | None = None
         self.last_line: str | None = None
         self.line: int | None = None       # the file line of the record being fed (the driver sets it)
+        # (file name, lines before it) per segment of a rotated file (trace_segments.read_rank_segments): where names
+        # the segment a line lies in; None: the lines are the file's own
+        self.segments: list[tuple[str, int]] | None = None
         self._begin()
 
     def _begin(self) -> None:
         """Start (or restart, at a later controller's header) the replay of a session."""
         self.state: str | None = None
         self.layer = 0
+        self.layer_known = True            # False: a continued header without `machine` began the history
         self.pending = False
         self.num_layers: int | None = None
         self.world = None
@@ -153,13 +159,13 @@ class Walker:
         return True
 
     def saw(self, ts, step, state) -> None:
-        """A record written at ``ts``: a silence longer than ``SILENCE_S`` before it is kept (a frozen
-        process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
+        """A record written at ``ts``: a silence longer than ``SILENCE_S`` before it is kept (``keep_silence``: a
+        frozen process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
         if type(ts) is not float and type(ts) is not int:
             return
         before = self.seen_at
-        if before is not None and ts - before[0] > SILENCE_S and len(self.s.silences) < 100:
-            self.s.silences.append((before[0], ts, before[1], before[2]))
+        if before is not None and ts - before[0] > SILENCE_S:
+            keep_silence(self.s, (before[0], ts, before[1], before[2]))
         self.seen_at = (ts, step, state)
 
     def saw_line(self, line: str) -> None:
@@ -212,6 +218,8 @@ class Walker:
 
     def where(self) -> str:
         name = self.s.path.rsplit("/", 1)[-1] if self.s.path else f"rank {self.s.rank}"
+        if self.line is not None and self.segments:
+            return "%s:%d" % segment_line(self.segments, self.line)
         return f"{name}:{self.line}" if self.line is not None else name
 
     def record(self, rec: dict) -> None:
@@ -223,13 +231,14 @@ class Walker:
                 f"field {k!r} is {type(rec[k]).__name__} {rec[k]!r}, expected {TYPE_NAMES[k]}" for k in wrong)
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
-        ts = rec.get("ts")
+        ts, step, ev = rec.get("ts"), rec.get("step"), rec.get("event")
+        if ev == "steps" and type(step) is int and type(rec.get("count")) is int:
+            step += max(0, rec["count"] - 1)   # a run reached its last step: a silence after it starts there
         seen = self.seen_at
         if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
-            self.seen_at = (ts, rec.get("step"), rec.get("state"))   # the common case, inline
+            self.seen_at = (ts, step, rec.get("state"))   # the common case, inline
         else:
-            self.saw(ts, rec.get("step"), rec.get("state"))
-        ev = rec.get("event")
+            self.saw(ts, step, rec.get("state"))
         if ev == "step":
             self.last = rec
             self.step_record(rec)
@@ -285,9 +294,11 @@ class Walker:
                                        rec.get("parts"), rec.get("ts"))
         elif ev == "collective_end" or ev == "collective_error":
             group = str(rec.get("group", WORLD_GROUP))
-            entry = s.collectives.get(group, {}).get(rec.get("cseq"))
+            entries = s.collectives.get(group)
+            entry = entries.get(rec.get("cseq")) if entries else None
             if entry is None:
-                s.warnings.append(f"{ev} for {group}#{rec.get('cseq')} without a start (seq {rec.get('seq')})")
+                if s.cut is None or (entries and rec.get("cseq") > entries.min_cseq()):  # else: started before the cut
+                    s.warnings.append(f"{ev} for {group}#{rec.get('cseq')} without a start (seq {rec.get('seq')})")
             else:
                 if ev == "collective_end":
                     entry.status = "ended"
