@@ -71,3 +71,20 @@ def test_aligned_plans_hold_the_same_rank_sets_and_copy_no_more_rows(seed, ranks
             for expert in set(old_rows.tolist()) & set(new_rows.tolist()):
                 kept = min((old_rows == expert).sum(), (new_rows == expert).sum())
                 assert ((old_rows == expert) & (new_rows == expert)).sum() == kept
+
+
+
+class DoubleOnRankZero:
+    """A policy that gives rank 0 two slots of expert 5, which it did not hold, in every layer."""
+
+    @classmethod
+    def rebalance_experts(cls, load, num_physical, num_groups, num_nodes, num_ranks, old_phy2log=None):
+        return torch.tensor([[5, 5, 2, 3, 4, 0, 1, 0]] * load.shape[0]), None, None
+
+
+def test_moved_bytes_counts_one_row_per_expert_a_rank_gains_however_many_slots():
+    """Rank 0 gaining expert 5 in two slots receives one row: moves count 2 a layer, moved_bytes 1 row a layer."""
+    entry = _entry(2, 6, 2, 2)   # 8 slots on 2 ranks: rank 0 holds experts 0-3, rank 1 holds 4, 5, 0, 1
+    plan = _plan(DoubleOnRankZero, entry, torch.ones(2, 6, dtype=torch.float64), 2, align=False)
+    assert plan.moves == 2 * 2
+    assert plan.moved_bytes == 2 * entry.slot_bytes[0]

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from eplb_fsm.transfer import InProcessCommunicator
 from eplb_fsm.transfer.chunks import chunk_layer, chunk_pieces, row_bytes
-from eplb_fsm.transfer.execute import TransferBuffer, commit_layer_from_buffer, transfer_layer_to_buffer
+from eplb_fsm.transfer.buffers import TransferBuffer
+from eplb_fsm.transfer.execute import commit_layer_from_buffer, transfer_layer_to_buffer
 from eplb_fsm.transfer.schedule import prepare_maps
 from test_transfer_execute import check_world, make_world, placements
 

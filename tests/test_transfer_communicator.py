@@ -79,6 +79,13 @@ def test_torch_dist_on_one_rank(one_rank_group):
         comm.add_ops(1, [(True, torch.ones(1), 0, 0)])
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 1e300, True, "5"])
+def test_torch_dist_refuses_a_timeout_that_would_fail_only_in_wait(one_rank_group, timeout):
+    """An infinite, NaN, huge, bool or string timeout is refused by name at construction, not at the first wait."""
+    with pytest.raises(ValueError, match="^timeout must be a finite number > 0"):
+        TorchDistCommunicator(timeout=timeout)
+
+
 def test_a_gloo_communicator_moves_host_memory_only(one_rank_group):
     """On gloo the communicator says it moves CPU tensors only; the in-process one does not."""
     assert TorchDistCommunicator(timeout=5.0).host_memory_only is True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -287,6 +289,56 @@ def test_failure_keeps_committed_layers_new_and_the_rest_old(buffer_layers, fail
     assert [r["event"] for r in trace.records][-1] == "collective_error"
 
 
+class _FailingTrace:
+    """A trace whose n-th collective bracket raises OSError (a full disk), not a TransferError."""
+
+    def __init__(self, fail_at):
+        self.fail_at, self.calls = fail_at, 0
+
+    def collective(self, op, **fields):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError(28, "No space left on device")
+        return contextlib.nullcontext({})
+
+
+@pytest.mark.parametrize("comm_cls", [InProcessCommunicator, "one_phase"])
+def test_any_error_leaves_earlier_layers_new_and_the_rest_old(comm_cls):
+    """A non-TransferError (the trace's disk full at layer 1) still ends layer 0 new, layer 1 old: committed 1."""
+    comm_cls = _OnePhaseComm if comm_cls == "one_phase" else comm_cls
+    old = np.array([[0, 1, 2, 3, 4, 5, 6, 7]] * 2)
+    new = np.array([[4, 5, 2, 3, 0, 1, 6, 7], [4, 1, 2, 3, 0, 5, 6, 7]])
+    weights, tables = make_world(old, 2)
+    with pytest.raises(OSError, match="No space left") as info:
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm_cls(2), trace=_FailingTrace(2),
+                                         buffer=TransferBuffer())
+    assert info.value.committed_layers == 1
+    check_world(weights, tables, old, np.concatenate([new[:1], old[1:]]), 2)
+
+
+class _FinishCounting(_FailingComm):
+    """Counts finish() calls: where a CUDA communicator makes the caller's stream wait for the transfer stream."""
+
+    finishes = 0
+
+    def finish(self):
+        self.finishes += 1
+
+
+@pytest.mark.parametrize("fail_at", [None, 0])
+def test_one_layer_transfer_hands_its_stream_back_even_when_it_fails(fail_at):
+    """transfer_layer_to_buffer ends with finish() (the caller's stream waits for its buffer writes), also on error."""
+    comm = _FinishCounting(2, fail_at=-1 if fail_at is None else fail_at)
+    lw = [[torch.arange(6.0).reshape(2, 3) + 10 * r] for r in range(2)]
+    old, new = np.array([0, 1, 2, 3]), np.array([2, 3, 0, 1])  # every row crosses ranks
+    if fail_at is None:
+        transfer_layer_to_buffer(old, new, lw, TransferBuffer(), communicator=comm)
+    else:
+        with pytest.raises(TransferError):
+            transfer_layer_to_buffer(old, new, lw, TransferBuffer(), communicator=comm)
+    assert comm.finishes == 1
+
+
 # ---------------------------------------------------------------------------------------
 # bad input: ValueError naming the field and rule, nothing sent, nothing written
 
@@ -321,6 +373,11 @@ BAD = [
     ("mapping keys", dict(rank_mapping={0: 0, 2: 1}), "rank_mapping: keys"),
     ("group and comm", dict(group=object()), "group: give a process group or a communicator"),
     ("trace list", dict(trace=[EventTrace()]), "trace: a list of traces"),
+    ("trace a path", dict(trace="events.jsonl"), "trace: must be an EventTrace"),
+    ("buffer not a TransferBuffer", dict(buffer="x"), "buffer: must be a TransferBuffer or None"),
+    ("timeout beside comm", dict(timeout=-1), "timeout: give it to the communicator"),
+    ("new uint64 wraps", dict(new=np.array([[1, 0, 3, 2], [0, 0, 1, 2**64 - 1]], dtype=np.uint64)),
+     r"new_phy2log: entries must be in \[-1, P\)"),
 ]
 
 
@@ -331,7 +388,7 @@ def test_bad_input_raises_before_anything_moves(name, override, match):
     snapshot = _clone_tree(weights)
     comm = InProcessCommunicator(override.get("comm", G))
     kwargs = dict(communicator=comm, buffer=TransferBuffer())
-    for key in ("rank_mapping", "group", "trace"):
+    for key in ("rank_mapping", "group", "trace", "buffer", "timeout"):
         if key in override:
             kwargs[key] = override[key]
     with pytest.raises(ValueError, match=match):
@@ -370,6 +427,9 @@ def test_bad_one_layer_input():
         transfer_layer_to_buffer(OLD, NEW, lw, TransferBuffer(), communicator=comm)
     with pytest.raises(ValueError, match="buffer: must be a TransferBuffer"):
         transfer_layer_to_buffer(OLD[0], NEW[0], lw, None, communicator=comm)  # type: ignore[arg-type]
+    for bad in ("8", 1.5, True, -1):
+        with pytest.raises(ValueError, match="max_chunk_bytes must be"):
+            transfer_layer_to_buffer(OLD[0], NEW[0], lw, TransferBuffer(), communicator=comm, max_chunk_bytes=bad)
     with pytest.raises(ValueError, match="pending: must be the PendingLayer"):
         commit_layer_from_buffer(None, lw)  # type: ignore[arg-type]
     assert comm.executes == 0

@@ -164,6 +164,16 @@ def test_every_remote_need_received_once_from_a_holder(case):
     assert sends == recvs
 
 
+def test_received_rows_counts_an_expert_once_per_rank_however_many_slots_gain_it():
+    """A rank gaining two slots of one expert receives one row: received_rows 3 where moved_slots counts 4."""
+    from eplb_fsm.transfer.plan import received_rows
+
+    assert moved_slots([0, 1, 2, 3], [2, 2, 0, 1], 2) == 4 and received_rows([0, 1, 2, 3], [2, 2, 0, 1], 2) == 3
+    old, new = np.array([[0, 1, 2, 3]] * 2), np.array([[2, 3, 0, 1], [1, 0, 3, 2]])
+    assert received_rows(old, new, 2) == moved_slots(old, new, 2) == 4
+    assert received_rows([0, 1, 2, 3], [-1, 1, 2, 2], 2) == 0  # empties and local duplicates cross no rank
+
+
 def test_moved_slots_refuses_a_bad_world_size_and_bad_ids():
     """world_size 0 or a bool, float maps and ids outside [-1, P) are ValueErrors naming the field."""
     row = np.array([0, 1, 2, 3])

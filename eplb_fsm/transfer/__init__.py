@@ -4,7 +4,8 @@ Pure per-layer planning (:mod:`.plan`), the same for all layers at once
 (:mod:`.plan_all`), the order of in-rank copies (:mod:`.local_copies`), the cached
 schedule of a rearrangement (:mod:`.schedule`), migration waves (:mod:`.batching`), how
 messages travel (:mod:`.communicator`), the executor (:mod:`.execute`, with its input
-checks in :mod:`.inputs` and its message waves in :mod:`.messages`) and elastic-EP
+checks in :mod:`.inputs`, its message waves in :mod:`.messages` and its buffers in
+:mod:`.buffers`) and elastic-EP
 rank mappings (:mod:`.rank_mapping`). See docs/transfer.md.
 
 The package exports the public API only: the executor and its buffer, the communicators
@@ -20,9 +21,8 @@ from eplb_fsm.transfer.communicator import (
     TorchDistCommunicator,
     TransferError,
 )
+from eplb_fsm.transfer.buffers import PendingLayer, TransferBuffer
 from eplb_fsm.transfer.execute import (
-    PendingLayer,
-    TransferBuffer,
     commit_layer_from_buffer,
     default_buffer,
     rearrange_expert_weights_inplace,

@@ -24,6 +24,8 @@ from typing import ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from eplb_fsm.maps import check_seconds
+
 __all__ = [
     "Communicator",
     "TorchDistCommunicator",
@@ -112,8 +114,8 @@ class TorchDistCommunicator:
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout: must be > 0 seconds or None, got {timeout!r}")
+        if timeout is not None:  # inf or nan would fail only in wait(), after messages are out
+            timeout = check_seconds(timeout, "timeout")
         self._dist = dist
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)

@@ -34,15 +34,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from eplb_fsm.maps import as_count
+from eplb_fsm.transfer.buffers import PendingLayer, TransferBuffer
 from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
-from eplb_fsm.transfer.communicator import Communicator, TransferError
+from eplb_fsm.transfer.communicator import Communicator
 from eplb_fsm.transfer.inputs import (
-    Layout,
     check_all_weights,
     check_layer_weights,
     layout,
@@ -50,66 +50,14 @@ from eplb_fsm.transfer.inputs import (
     traces_for,
 )
 from eplb_fsm.transfer.messages import HeldReceives, copy_runs, row_views, run_layer
-from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
 __all__ = [
-    "TransferBuffer",
-    "PendingLayer",
     "default_buffer",
     "rearrange_expert_weights_inplace",
     "transfer_layer_to_buffer",
     "commit_layer_from_buffer",
 ]
-
-class TransferBuffer:
-    """``layers`` layers' worth of weight rows per local rank, reused across layers and calls.
-
-    ``ensure(rank, layer_weights, index)`` returns the rank's buffer tensors of layer
-    ``index`` < ``layers`` (contiguous, same shapes/dtypes/devices as the layer's weights),
-    allocating only when the layout changed. ``layers=2`` costs one more layer of memory
-    and is used by :func:`rearrange_expert_weights_inplace` only: layer k's messages land in
-    one half while layer k-1's commit reads the other, so no receive waits for that commit
-    (the one-layer entry points use the first half). ``allocations`` counts allocations
-    (profile mode reserves every half up front). ``generation`` advances on every transfer,
-    allocation and release, so a pending commit whose rows were since replaced is caught.
-    """
-
-    def __init__(self, layers: int = 1) -> None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers not in (1, 2):
-            raise ValueError(f"layers: must be 1 or 2 (layers of rows held per rank), got {layers!r}")
-        self.layers = layers
-        self._by_rank: dict[int, list[list[torch.Tensor] | None]] = {}
-        self.allocations = 0
-        self.generation = 0
-
-    def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor], index: int = 0) -> list[torch.Tensor]:
-        halves = self._by_rank.setdefault(rank, [None] * self.layers)
-        current = halves[index]
-        if current is not None and layout(current) == layout(layer_weights):
-            return current
-        tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
-        halves[index] = tensors
-        self.allocations += 1
-        self.generation += 1  # a layer still pending in the old rows can no longer commit
-        return tensors
-
-    def tensors(self, rank: int, index: int = 0) -> list[torch.Tensor]:
-        tensors = self._by_rank[rank][index]
-        if tensors is None:
-            raise KeyError(f"rank {rank} has no buffer layer {index}")
-        return tensors
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for halves in self._by_rank.values() for ts in halves if ts
-                   for t in ts)
-
-    def release(self) -> None:
-        """Drop every tensor (the next use allocates again; a pending layer can no longer commit)."""
-        self._by_rank.clear()
-        self.generation += 1
-
 
 _DEFAULT_BUFFER = TransferBuffer()
 _DEFAULT_LOCK = threading.Lock()
@@ -120,23 +68,6 @@ def default_buffer() -> TransferBuffer:
     return _DEFAULT_BUFFER
 
 
-@dataclass
-class PendingLayer:
-    """A layer whose messages have landed in the buffer and wait for their commit."""
-
-    layer: int
-    plans: dict[int, LayerPlan]
-    buffer: TransferBuffer
-    generation: int
-    layouts: dict[int, Layout]
-    communicator: Any = field(repr=False, default=None)
-    committed: bool = False
-    commits: dict[int, "Commit"] | None = field(repr=False, default=None)
-
-    @property
-    def moved_rows(self) -> int:
-        """Rows this process will write at commit (local + primary + duplicate)."""
-        return sum(p.local_rows.size + p.primary_rows.size + p.duplicate_rows.size for p in self.plans.values())
 
 
 def _stream(comm: Communicator) -> contextlib.AbstractContextManager:
@@ -186,6 +117,8 @@ def rearrange_expert_weights_inplace(
     Raises ``ValueError`` on bad input before anything moves; :class:`TransferError` if a
     layer's messages fail (``committed_layers`` layers are new, the rest old).
     """
+    if buffer is not None and not isinstance(buffer, TransferBuffer):
+        raise ValueError(f"buffer: must be a TransferBuffer or None, got {type(buffer).__name__}")
     comm = resolve_communicator(group, communicator, timeout)
     old, new, sched = prepare_maps(
         old_phy2log, new_phy2log, comm.world_size, rank_mapping, 2, tuple(comm.local_ranks), migration_batching
@@ -283,12 +216,16 @@ def _rearrange_layers(
                 views = row_views(layer_w, False)
             run_layer(prep, layer_w, into, comm, traces, meanwhile=meanwhile, hold=hold,
                       views=(views, recv_views[k % halves]))
-        except TransferError as exc:
+        except BaseException as exc:  # any error, not only a TransferError: no layer may end half new
             if hold is not None:
                 hold.release()  # no held receive was posted before it ran
             if not state["late_done"]:
+                state["late_done"] = True  # once: its direct copies chain rows and would not run twice alike
                 _apply_runs(late, prev_w, prev_buffers)  # layer k-1 ends fully new
-            exc.committed_layers = k
+            try:
+                exc.committed_layers = k  # layers before k are new, k and the rest old
+            except AttributeError:  # an exception type without attributes of its own
+                pass
             raise
         prev_w = layer_w
     if prev_w is not None:
@@ -336,6 +273,7 @@ def transfer_layer_to_buffer(
     """
     if not isinstance(buffer, TransferBuffer):
         raise ValueError(f"buffer: must be a TransferBuffer, got {type(buffer).__name__}")
+    max_chunk_bytes = as_count(max_chunk_bytes, "max_chunk_bytes", minimum=0)  # bools and floats refused
     comm = resolve_communicator(group, communicator, timeout)
     old, new, sched = prepare_maps(
         old_phy2log_row, new_phy2log_row, comm.world_size, rank_mapping, 1, tuple(comm.local_ranks), migration_batching
@@ -348,14 +286,19 @@ def transfer_layer_to_buffer(
     prep = sched.layer(0)
     if prep.layer != layer:
         prep = dataclasses.replace(prep, layer=layer)
-    with _stream(comm):
-        if max_chunk_bytes > 0:
-            for i, part in enumerate(chunk_layer(prep, row_bytes(next(iter(weights.values()))), max_chunk_bytes)):
-                if i and between_chunks is not None:
-                    between_chunks()
-                run_layer(part, weights, buffers, comm, traces)
-        else:
-            run_layer(prep, weights, buffers, comm, traces)
+    try:
+        with _stream(comm):
+            if max_chunk_bytes > 0:
+                for i, part in enumerate(chunk_layer(prep, row_bytes(next(iter(weights.values()))), max_chunk_bytes)):
+                    if i and between_chunks is not None:
+                        between_chunks()
+                    run_layer(part, weights, buffers, comm, traces)
+            else:
+                run_layer(prep, weights, buffers, comm, traces)
+    finally:
+        # the buffer was allocated on the caller's stream and written on the transfer stream: the
+        # caller's waits for those writes, so a dropped layer's released buffer is not reused early
+        _finish(comm)
     return PendingLayer(
         layer=layer,
         plans=prep.plans,

@@ -53,6 +53,8 @@ def resolve_communicator(group: Any, communicator: Communicator | None, timeout:
     if communicator is not None:
         if group is not None:
             raise ValueError("group: give a process group or a communicator, not both")
+        if timeout is not None:  # it would be silently ignored: a communicator carries its own
+            raise ValueError("timeout: give it to the communicator you pass (it carries its own), not beside it")
         for attr in ("world_size", "local_ranks", "add_send", "add_recv", "execute"):
             if not hasattr(communicator, attr):
                 raise ValueError(f"communicator: missing {attr!r} (see eplb_fsm.transfer.Communicator)")
@@ -259,10 +261,15 @@ def traces_for(trace: Any, comm: Communicator) -> list[tuple[Any, int | None]]:
     """(trace, rank or None) pairs: one trace per local rank, or one for the whole process."""
     if trace is None:
         return []
+    ranks = tuple(comm.local_ranks)
     if isinstance(trace, Sequence) and not isinstance(trace, (str, bytes)):
-        ranks = tuple(comm.local_ranks)
         if len(trace) != len(ranks):
             raise ValueError(f"trace: a list of traces must have one per local rank ({len(ranks)}), got {len(trace)}")
-        return [(t, r) for t, r in zip(trace, ranks) if t is not None]
-    ranks = tuple(comm.local_ranks)
-    return [(trace, ranks[0] if len(ranks) == 1 else None)]
+        pairs = [(t, r) for t, r in zip(trace, ranks) if t is not None]
+    else:
+        pairs = [(trace, ranks[0] if len(ranks) == 1 else None)]
+    for t, _ in pairs:  # refused here, before anything moves, not as an AttributeError half-way through a layer
+        if not callable(getattr(t, "collective", None)):
+            raise ValueError(f"trace: must be an EventTrace (an object with a collective() method), got "
+                             f"{type(t).__name__}")
+    return pairs

@@ -150,6 +150,14 @@ def _as_row(name: str, row: Any) -> np.ndarray:
         raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name}: must be one layer's phy2log row of shape (P,), got shape {arr.shape}")
+    return as_int64(name, arr)
+
+
+def as_int64(name: str, arr: np.ndarray) -> np.ndarray:
+    """An integer map as int64; ``ValueError`` naming ``name`` for an unsigned value int64 cannot hold,
+    which the cast would wrap to a negative id (2**64 - 1 would read as -1, an empty slot)."""
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: entries must be in [-1, P), got {int(arr.max())}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -311,11 +319,33 @@ def plan_layer_all_ranks(old: Any, new: Any, world_size: int) -> list[LayerPlan]
 
 
 def moved_slots(old: Any, new: Any, world_size: int) -> int:
-    """Slots whose new expert was not on that slot's rank before (one network copy each).
+    """Slots whose new expert was not on that slot's rank before.
 
     ``old``/``new``: one layer (P,) or all layers (L, P); the count is summed over layers.
-    Empty new slots (-1) never count.
+    Empty new slots (-1) never count. A rank that gains two slots of one expert counts two
+    here but receives one row (the second is a local copy): :func:`received_rows` counts those.
     """
+    o, n = _rank_blocks(old, new, world_size)
+    return int(((n >= 0) & ~_present(o, n)).sum())
+
+
+def received_rows(old: Any, new: Any, world_size: int) -> int:
+    """Rows that cross ranks: per layer and rank, each expert the rank holds after but not
+    before, once however many of its slots hold it (what the executor sends). Same inputs
+    and checks as :func:`moved_slots`."""
+    o, n = _rank_blocks(old, new, world_size)
+    wanted = np.sort(np.where((n >= 0) & ~_present(o, n), n, -1), axis=1)   # (L*G, S), -1 first
+    firsts = (wanted[:, 1:] != wanted[:, :-1]) & (wanted[:, 1:] >= 0)
+    return int((wanted[:, :1] >= 0).sum() + firsts.sum())
+
+
+def _present(o: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """(L*G, S): whether each new slot's expert was anywhere in its rank's old slots."""
+    return (n[:, :, None] == o[:, None, :]).any(axis=2)
+
+
+def _rank_blocks(old: Any, new: Any, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The validated maps as (L*G, S) int64 blocks, one row per (layer, rank)."""
     world_size = as_count(world_size, "world_size")
     old = host_array(old, "old_phy2log")
     new = host_array(new, "new_phy2log")
@@ -333,7 +363,4 @@ def moved_slots(old: Any, new: Any, world_size: int) -> int:
         raise ValueError(f"phy2log: P={p} slots must divide by world_size={world_size} (P % G == 0)")
     s = p // world_size
     lg = old2.shape[0] * world_size
-    o = old2.reshape(lg, s)
-    n = new2.reshape(lg, s)
-    present = (n[:, :, None] == o[:, None, :]).any(axis=2)  # (L*G, S)
-    return int(((n >= 0) & ~present).sum())
+    return old2.reshape(lg, s), new2.reshape(lg, s)

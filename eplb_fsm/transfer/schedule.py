@@ -24,7 +24,7 @@ from eplb_fsm.maps import host_array
 from eplb_fsm.transfer import native_schedule
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.local_copies import order_local_copies
-from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, check_layer_maps
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, as_int64, check_layer_maps
 from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
 from eplb_fsm.transfer.rank_mapping import expand_maps
 from eplb_fsm.transfer.schedule_types import Commit, PreparedLayer, Run, WaveOps, row_runs
@@ -48,7 +48,7 @@ def _as_maps(name: str, m: Any, ndim: int) -> np.ndarray:
     want = "(L, P)" if ndim == 2 else "(P,)"
     if arr.ndim != ndim:
         raise ValueError(f"{name}: must have shape {want}, got {arr.shape}")
-    return arr.astype(np.int64, copy=False)
+    return as_int64(name, arr)
 
 
 def prepare_maps(
