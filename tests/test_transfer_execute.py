@@ -640,6 +640,22 @@ def test_interleaved_views_of_one_storage_are_moved():
         assert fused[r][:, 1, 0].tolist() == [100.0 + e for e in expect]
 
 
+def test_views_interleaved_element_by_element_are_moved_and_overlapping_ones_refused():
+    """f[:, 0::2] and f[:, 1::2] (alternate elements of a fused row) move bit-exact; overlapping views are refused."""
+    old, new = np.array([[0, 1, 2, 3]]), np.array([[3, 2, 1, 0]])
+    fused = [torch.arange(16.0).reshape(2, 8) + 100 * r for r in range(2)]
+    before = {int(old[0, r * 2 + i]): fused[r][i].clone() for r in range(2) for i in range(2)}
+    ws = [[[f[:, 0::2], f[:, 1::2]]] for f in fused]
+    rearrange_expert_weights_inplace(old, new, ws, communicator=InProcessCommunicator(2), buffer=TransferBuffer())
+    for r in range(2):
+        for i in range(2):
+            assert torch.equal(fused[r][i], before[int(new[0, r * 2 + i])])
+    f = torch.zeros(2, 10)
+    with pytest.raises(ValueError, match="share memory"):
+        rearrange_expert_weights_inplace(np.array([[0, 1]]), np.array([[1, 0]]), [[[f[:, 0:8:2], f[:, 2:10:2]]]],
+                                         communicator=InProcessCommunicator(1), buffer=TransferBuffer())
+
+
 def test_a_pending_layer_cannot_commit_rows_reallocated_or_released():
     """A profile call that reallocates the buffer, or release(), makes the pending layer's commit a ValueError."""
     old, new, _, _, lw = _swap_layer()

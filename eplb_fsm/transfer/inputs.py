@@ -19,6 +19,7 @@ CPU tensor's memory, and it cannot read a GPU's).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -113,6 +114,24 @@ def _row_ranges(t: torch.Tensor) -> tuple[tuple, np.ndarray, np.ndarray]:
     return device, starts, starts + row_extent
 
 
+def _lattice_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when no element of ``a`` can share an address with one of ``b``: every element of
+    either lies at its base plus a multiple of g, the gcd of both tensors' strides (elements,
+    dims of size > 1), and the bases differ by no multiple of g. Views interleaved along a
+    dimension (a fused gate/up projection as ``f[:, 0::2]`` and ``f[:, 1::2]``) pass; their
+    byte ranges meet but their elements do not."""
+    size = a.element_size()
+    gap = b.data_ptr() - a.data_ptr()
+    if b.element_size() != size or gap % size:
+        return False
+    g = 0
+    for t in (a, b):
+        for extent, stride in zip(t.shape, t.stride()):
+            if extent > 1:
+                g = math.gcd(g, stride)
+    return g > 1 and (gap // size) % g != 0
+
+
 def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
     """The names of the first two tensors (in the order of ``named``) whose rows share memory, or None.
 
@@ -147,7 +166,7 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
             _, starts_j, ends_j = _row_ranges(named[j][1])
             lo = np.maximum(starts_i[:, None], starts_j[None, :])
             hi = np.minimum(ends_i[:, None], ends_j[None, :])
-            if (lo < hi).any():
+            if (lo < hi).any() and not _lattice_disjoint(named[i][1], named[j][1]):
                 pair = (min(i, j), max(i, j))
                 best = pair if best is None else min(best, pair)
     return None if best is None else (named[best[0]][0], named[best[1]][0])
