@@ -90,6 +90,7 @@ def _serving_stand_in(info, errors, transfer_group):
         sp = make_scale_plan(1, 2, generation=1)
         ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
         group = ctl.group.successor(1, 0, 2, WAIT_S)
+        comm = None
         if transfer_group:
             comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
             group.all_reduce(flags(0.0), WAIT_S)
@@ -97,6 +98,7 @@ def _serving_stand_in(info, errors, transfer_group):
             threading.Event().wait(4 * CONFIG.collective_timeout_s)   # the joiner gives up on its transfer group
             group.close()
         ctl.close()
+        del comm  # only now: the joiner is done with it
     except BaseException as exc:  # reported to the test
         errors.append(exc)
 
@@ -131,3 +133,37 @@ def test_a_transfer_group_that_never_forms_is_scale_aborted(store):
     """The joiner's transfer group times out: ScaleAborted naming it (was a bare GroupBuildError)."""
     exc = _join_beside_stand_in(store, store, transfer_group=False)
     assert isinstance(exc, ScaleAborted) and "transfer group of generation 1 was not complete" in str(exc), exc
+
+
+def test_a_joiner_whose_transfer_group_never_forms_ends_its_trace(store, tmp_path):
+    """The header is written before the transfer group fails: the trace ends with `end` how=exception, closed."""
+    from eplb_fsm.trace import read_trace, trace_path
+
+    exc = _join_beside_stand_in(store, store, transfer_group=False, trace_dir=str(tmp_path))
+    assert isinstance(exc, ScaleAborted), exc
+    records = read_trace(trace_path(tmp_path, 1))[0]
+    assert [r["event"] for r in records][0] == "header" and records[0]["role"] == "joiner"
+    end = records[-1]
+    assert (end["event"], end.get("how")) == ("end", "exception"), end
+    assert end["error"].startswith("GroupBuildError: ") and "was not complete" in end["error"]
+
+
+def test_the_wait_for_the_transfer_group_is_covered_by_liveness(tmp_path, monkeypatch):
+    """The liveness thread runs while the constructor builds the transfer group (no silence a replay calls frozen)."""
+    from eplb_fsm.fsm.collectives import Collectives
+    from eplb_fsm.trace import read_trace, trace_path
+
+    seen = []
+    before = set(threading.enumerate())  # another test's controller may still be beating
+
+    def build(self, *args, **kwargs):
+        seen.append(any(t.name == "eplb-liveness" and t not in before for t in threading.enumerate()))
+        raise RuntimeError("injected: the transfer group did not form")
+
+    monkeypatch.setattr(Collectives, "new_transfer_group", build)
+    with pytest.raises(RuntimeError, match="injected"):
+        EplbController(CONFIG, trace_dir=str(tmp_path), role="joiner")
+    assert seen == [True]
+    end = read_trace(trace_path(tmp_path, 0))[0][-1]
+    assert (end["event"], end.get("how"), end.get("error")) == (
+        "end", "exception", "RuntimeError: injected: the transfer group did not form")

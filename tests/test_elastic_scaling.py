@@ -54,6 +54,7 @@ def _stand_in(info, go, errors):
         comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
         if go is not None:
             group.all_reduce(flags(go), WAIT_S)
+        del comm  # only now: the serving rank is done with it
     except BaseException as exc:  # reported to the test
         errors.append(exc)
 

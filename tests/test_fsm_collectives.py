@@ -114,6 +114,45 @@ def test_posted_all_reduce_on_gloo_sums_later_and_times_out_on_a_silent_peer():
     assert silent[0]["events"][-1][0] == "collective_error"
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _frozen_past_the_timeout(rank: int, world: int) -> dict:
+    """Rank 1 stops (SIGSTOP) before posting; rank 0's posted all-reduce times out, then it resumes rank 1."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    coll = Collectives(dist.group.WORLD, rank, world, EventTrace(keep=True), torch.device("cpu"), 5.0, "ep")
+    peer = int(coll.all_reduce({"pid": flags(os.getpid() if rank == 1 else 0)}, 10.0)["pid"][0])
+    out: dict = {}
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)   # rank 0 sends SIGCONT once its read has timed out
+    else:
+        deadline = time.monotonic() + 10.0
+        while not _stopped(peer):
+            assert time.monotonic() < deadline, "rank 1 never stopped"
+            time.sleep(0.01)
+    try:
+        out["sum"] = coll.post({"ready": flags(1.0, 0.0, 0.0)}, 1.0).wait()["ready"].tolist()
+    except GroupBroken as exc:
+        out["error"] = str(exc)
+    if rank == 0:
+        os.kill(peer, signal.SIGCONT)
+        time.sleep(3.0)   # alive while rank 1 reads: its result must not come from a closed connection
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_rank_frozen_past_the_timeout_fails_the_all_reduce_its_peer_gave_up_on():
+    """gloo: rank 0's read times out while rank 1 is stopped; resumed, rank 1 fails the same all-reduce too."""
+    results = run_ranks(_frozen_past_the_timeout, 2, timeout=60)
+    assert ["error" in r for r in results] == [True, True], results
+
+
 def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
     """Rank 1 is slow building its transfer group: rank 0's new_transfer_group still returns after rank 1's build."""
     import threading
@@ -140,6 +179,39 @@ def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
         return coll.communicator is not None
 
     assert run_threads(2, body, timeout=30) == [True, True]
+
+
+def test_a_transfer_group_a_rank_failed_to_build_counts_on_no_rank():
+    """Rank 1's build raises, rank 0's wait for it times out: neither counts it; the retry has its name on both."""
+    import threading
+
+    from eplb_fsm.testing.threads import ThreadGroup, run_threads
+
+    repaired = threading.Barrier(2)
+
+    class FailsOnce(ThreadGroup):
+        failed = False
+
+        def transfer_communicator(self, timeout_s):
+            if self.rank == 1 and not self.failed:
+                self.failed = True
+                raise TimeoutError("injected: rank 1 could not reach the rendezvous")
+            return super().transfer_communicator(timeout_s)
+
+    def body(rank, group):
+        group = FailsOnce(group.w, rank)
+        coll = Collectives(group, rank, 2, EventTrace(keep=True), torch.device("cpu"), 0.5, "ep")
+        with pytest.raises((TimeoutError, threading.BrokenBarrierError)):
+            coll.new_transfer_group()
+        before = coll.transfer_generation
+        repaired.wait(10)
+        if rank == 0:
+            group.w.barrier.reset()   # rank 0's wait broke the barrier: the engine repairs the group
+        repaired.wait(10)
+        coll.new_transfer_group()
+        return before, coll.transfer_group_name
+
+    assert run_threads(2, body, timeout=60) == [(-1, "ep_transfer")] * 2
 
 
 def _transfer_group_threads(rank: int, world: int, nice: int) -> dict:

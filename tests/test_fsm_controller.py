@@ -526,6 +526,87 @@ def test_async_commits_one_layer_per_step_and_outputs_never_change():
     assert [r for r in events(c0, "collective_start") if r.get("parts") == ["ready"]]
 
 
+def test_close_mid_paced_layer_finishes_the_queued_transfers_without_waiting_for_steps():
+    """async_max_bytes_per_step: close() during a layer of many chunks ends the worker, none left pending."""
+    experts = 64   # one-row chunks: a layer needs more paced waits than close() waits for
+
+    def body(rank, group):
+        model = _toy(rank, 2, experts=experts, redundant=experts // 2)
+        ctl = EplbController(cfg(num_redundant_experts=experts // 2, collective_timeout_s=1.0, use_async=True,
+                                 async_max_bytes_per_step=1, async_prefetch=True), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        model.set_load_target(skewed_target(3, experts))
+        s = 0
+        while not (ctl.state == "transferring" and max(ctl.rearranger.current.plan.chunks) > 8):
+            model.forward(model.make_batch(s, 32), group)
+            ctl.step()
+            s += 1
+            assert s < 200
+        ctl.close()   # both ranks, same step: their queued jobs still pair
+        return ctl.worker.alive, ctl.worker.pending, [r for r in ctl.trace.records if r["event"] == "worker_stuck"]
+
+    assert run_threads(2, body, timeout=120) == [(False, 0, [])] * 2
+
+
+def test_a_paced_layer_is_not_late_on_the_balancedness_steps_before_its_last_chunk():
+    """Balancedness logged every step joins the flags of a layer paced over more steps than the timeout: it commits."""
+    experts = 32
+
+    def body(rank, group):
+        model = _toy(rank, 2, experts=experts, redundant=experts // 2)
+        ctl = EplbController(cfg(num_redundant_experts=experts // 2, collective_timeout_s=0.5, use_async=True,
+                                 async_max_bytes_per_step=1, log_balancedness=True, log_balancedness_interval=1),
+                             group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        model.set_load_target(skewed_target(3, experts))
+        done = []
+        for s in range(150):
+            model.forward(model.make_batch(s, 32), group)
+            ctl.step(log_stats=True)
+            done = [(r["trigger"], r.get("chunks", 0) > 4) for r in events(ctl, "transition")
+                    if r["trigger"] in ("layer_done", "fault")]
+            if done:
+                break
+            time.sleep(0.15)   # a healthy engine: a one-row chunk per step, the layer's steps past the timeout
+        ctl.close()
+        return done[:1]
+
+    assert run_threads(2, body, timeout=120) == [[("layer_done", True)]] * 2
+
+
+def test_a_paced_layer_still_in_flight_at_its_ready_step_counts_its_timeout_from_there():
+    """A paced layer that starts 0.5 s late ends a few steps after its ready step, within the timeout: it commits."""
+    experts = 64
+
+    def body(rank, group):
+        model = _toy(rank, 2, experts=experts, redundant=experts // 2)
+        ctl = EplbController(cfg(num_redundant_experts=experts // 2, collective_timeout_s=1.0, use_async=True,
+                                 async_max_bytes_per_step=1), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        model.set_load_target(skewed_target(3, experts))
+        late_start: list = []
+
+        def hook(layer, name, local):
+            if not late_start:
+                late_start.append(layer)
+                time.sleep(0.5)   # a worker slow to start: the layer's chunks run behind the engine's steps
+
+        ctl.transfer_hooks.append(hook)
+        done = []
+        for s in range(150):
+            model.forward(model.make_batch(s, 32), group)
+            ctl.step()
+            done = [(r["trigger"], r.get("chunks", 0) > 10) for r in events(ctl, "transition")
+                    if r["trigger"] in ("layer_done", "fault")]
+            if done:
+                break
+            time.sleep(0.15)   # the layer's chunks alone span more than the timeout
+        ctl.close()
+        return done[:1]
+
+    assert run_threads(2, body, timeout=120) == [[("layer_done", True)]] * 2
+
+
 def test_injected_transfer_error_on_one_rank_aborts_consistently():
     """A transfer error on one rank at layer 1: layer 0 stays new, layers 1.. keep old maps and weights."""
     L = 3

@@ -86,6 +86,13 @@ def test_progress_reads_the_summed_ready_failed_late_flags(summed, state, action
     assert (verdict.ready, verdict.failed, verdict.late) == tuple(summed)
 
 
+def test_progress_before_the_ready_step_aborts_on_a_failure_but_not_on_lateness():
+    """early (a paced layer's flags joined before its ready step): late ranks wait, a failed rank still aborts."""
+    assert decide_progress([0.0, 0.0, 2.0], 2, TRANSFERRING, early=True).action == WAIT
+    assert decide_progress([1.0, 1.0, 1.0], 2, TRANSFERRING, early=True).action == ABORT
+    assert decide_progress([0.0, 0.0, 2.0], 2, TRANSFERRING).action == ABORT
+
+
 def test_a_sync_layer_commits_unless_a_rank_failed():
     """The per-layer agreement aborts on any failure and commits otherwise."""
     assert decide_layer([2.0, 0.0, 0.0]).action == COMMIT_LAYER

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from eplb_fsm import EplbController
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.sim.loads import zipf_load
 from eplb_fsm.sim.model import ToyMoE
-from eplb_fsm.testing.threads import run_threads
+from eplb_fsm.testing.threads import ThreadGroup, run_threads
+from eplb_fsm.transfer.groups import StoreGroup, connect_store, host_store
 
 LAYERS = 3
 
@@ -100,12 +102,141 @@ def test_recover_refuses_while_the_worker_still_runs_a_job():
         repaired.wait(30)
         assert ctl.worker.wait_idle(30)
         idle, ctl.worker.wait_idle = ctl.worker.wait_idle, lambda timeout: False   # a job that never ends
-        with pytest.raises(RuntimeError, match="has not finished its job; the machine stays failed"):
+        with pytest.raises(RuntimeError, match=r"has not finished its job on 2 rank\(s\); the machine stays failed"):
             ctl.recover()
-        assert ctl.state == "failed" and ctl.trace.records[-1]["event"] == "worker_stuck"
+        assert ctl.state == "failed" and any(r["event"] == "worker_stuck" for r in ctl.trace.records)
         ctl.worker.wait_idle = idle
         repaired.wait(30)
         ctl.recover()
         return ctl.state
 
     assert run_threads(2, body, timeout=120) == ["collecting", "collecting"]
+
+
+def test_recover_refuses_maps_that_do_not_fit_the_group():
+    """Maps of 16 slots on a 1-rank group of 8: RuntimeError naming them, still failed; fitting maps recover."""
+    from eplb_fsm.elastic.scale_plan import remap_columns, resize_window, slot_columns
+
+    ctl = EplbController(EplbConfig(window_size=4, step_interval=100, num_redundant_experts=4), keep_trace=True)
+    entry = ctl.add_model(ToyMoE(num_layers=2, num_experts=4, num_redundant=4, hidden=4, top_k=2), "main")
+    fitting = entry.maps.phy2log.copy()
+    wider = slot_columns([0, -1], entry.num_local)   # the slot space of a 2-rank group, rank 1 empty
+    entry.install_placement(remap_columns(fitting, wider), ctl.device, resize_window(entry.window, wider))
+    ctl.fire("fault", extra={"reason": "a scale left maps of another group"}, recoverable=False)
+    with pytest.raises(RuntimeError, match=r"'main' has 16 slots, the group 8 x 1 = 8\); the machine stays failed"):
+        ctl.recover()
+    assert ctl.state == "failed" and not any(r.get("trigger") == "recovered" for r in ctl.trace.records)
+    back = np.arange(entry.num_local)
+    entry.install_placement(remap_columns(entry.maps.phy2log, back), ctl.device, resize_window(entry.window, back))
+    ctl.recover()
+    assert ctl.state == "collecting" and (entry.maps.phy2log == fitting).all()
+    ctl.close()
+
+
+def test_recover_builds_no_transfer_group_until_every_rank_drained():
+    """Rank 0's worker is stuck: both ranks refuse and build nothing; once it drains, both pair and rearrange."""
+    master, info = host_store(timeout_s=30.0)
+    release, together = threading.Event(), threading.Barrier(2)
+
+    def body(rank, _):
+        group = StoreGroup(connect_store(info, 10), 0, rank, 2, 10.0, namespace=info.namespace, info=info)
+        config = EplbConfig(window_size=8, step_interval=8, num_redundant_experts=4, collective_timeout_s=0.5,
+                            use_async=True)
+        model = ToyMoE(num_layers=LAYERS, num_experts=8, num_redundant=4, hidden=8, top_k=2, rank=rank, world_size=2)
+        ctl = EplbController(config, group=group, keep_trace=True, liveness_interval_s=None)
+        ctl.add_model(model, "main")
+        model.set_load_target(_target(3))
+        stalled: list = []
+
+        def hook(layer, name, local):
+            if rank == 0 and not stalled:
+                stalled.append(layer)
+                release.wait(60)   # rank 0's first transfer job outlives the drain, here and in recover()
+
+        ctl.transfer_hooks.append(hook)
+        s = 0
+        while ctl.state != "failed":
+            model.forward(model.make_batch(s, 32), None)
+            ctl.step()
+            s += 1
+            assert s < 2000
+            time.sleep(0.005)
+        together.wait(60)
+        with pytest.raises(RuntimeError, match=r"has not finished its job on 1 rank\(s\)"):
+            ctl.recover()
+        together.wait(60)
+        release.set()
+        ctl.recover()
+        model.set_load_target(_target(11))
+        ctl.rearrange()
+        for i in range(200):
+            model.forward(model.make_batch(s + i, 32), None)
+            ctl.step()
+            if ctl.state == "collecting":
+                break
+        outcome = (ctl.state, ctl.transfer_group_name, [h["outcome"] for h in ctl.history][-1],
+                   model.check_weights(ctl.maps("main").phy2log))
+        ctl.close()
+        return outcome
+
+    try:
+        assert run_threads(2, body, timeout=120) == [("collecting", "ep_transfer.1", "committed", [])] * 2
+    finally:
+        del master
+
+
+class _QueuedGroup(ThreadGroup):
+    """A ThreadGroup whose all-reduce that times out leaves its contribution queued, as NCCL's does (and
+    gloo's without a backend timeout): a peer that comes late completes it alone and acts on the sum."""
+
+    def __init__(self, group: ThreadGroup, mailbox: SimpleNamespace) -> None:
+        super().__init__(group.w, group.rank)
+        self.mailbox, self.calls = mailbox, 0
+
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        box = self.mailbox
+        with box.cond:
+            call, self.calls = self.calls, self.calls + 1
+            box.slots.setdefault(call, {})[self.rank] = tensor.detach().clone()
+            box.cond.notify_all()
+            if not box.cond.wait_for(lambda: len(box.slots[call]) == self.world_size, timeout_s):
+                raise TimeoutError(f"all-reduce {call} timed out; its contribution stays queued")
+            total = torch.zeros_like(tensor)
+            for part in box.slots[call].values():
+                total += part
+        tensor.copy_(total)
+
+
+def test_recover_refuses_on_every_rank_when_a_late_rank_committed_a_layer_its_peer_did_not():
+    """Rank 1 frozen past the timeout completes the ready all-reduce rank 0 gave up on: both refuse to recover."""
+    mailbox = SimpleNamespace(cond=threading.Condition(), slots={})
+    repaired = threading.Barrier(2)
+
+    def body(rank, group):
+        group = _QueuedGroup(group, mailbox)
+        ctl, model = _controller(rank, group)
+        r, s, frozen = ctl.rearranger, 0, False
+        while ctl.state != "failed":
+            model.forward(model.make_batch(s, 64), None)   # an engine with no collectives of its own
+            ctl.step()
+            s += 1
+            assert s < 400
+            if not frozen and ctl.state == "transferring" and r.current.job_step == ctl.steps:
+                r.current.job.future.exception(timeout=10)   # the layer is here: the next flags say ready
+                frozen = True
+                if rank == 1:
+                    time.sleep(2.5)   # frozen past collective_timeout_s before it posts them
+        repaired.wait(30)
+        with mailbox.cond:   # the engine repairs the group: nothing of the old one is queued any more
+            mailbox.slots.clear()
+            group.calls = 0
+        repaired.wait(30)
+        maps = ctl.maps("main").phy2log.copy()
+        with pytest.raises(RuntimeError, match="the ranks disagree on the committed maps of model 'main'"):
+            ctl.recover()
+        return ctl.state, maps
+
+    (state0, maps0), (state1, maps1) = run_threads(2, body, timeout=120)
+    assert not np.array_equal(maps0, maps1)   # the late rank did commit one more layer
+    assert state0 == state1 == "failed"
+

@@ -212,3 +212,19 @@ def test_group_names_map_to_generations(healthy_down_up):
     assert cast.members("ep@1") == [(0, 0), (1, 0)]
     assert cast.members("ep_transfer@2") == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert cast.away((2, 0), "ep") and cast.away((0, 0), "ep") and not cast.away((0, 0), "ep@2")
+
+
+def test_old_ranks_that_never_switched_are_not_labelled_joiners():
+    """A scale-up aborted in prepare after its joiner started: untraced slots 0-1 of g1 are old ranks, not joiners."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(12)
+    assert job.scale(3, absent=True)["outcome"] == "aborted"
+    job.run(5)
+    records = job.records()
+    served = SyntheticJob(world=2, num_layers=2, interval=10)
+    served.run(12)
+    served.scale(3)
+    records[2] = served.records()[2][:1]  # the joiner of g1 wrote its header, then stopped
+    cast = build_cast({r: rp.summarize_rank(recs, r) for r, recs in records.items()}, None, [])
+    assert sorted(cast.missing.values()) == ["rank 0 of g1 (not switched)", "rank 1 of g1 (not switched)"]
+    assert cast.label((2, 0)) == "rank 2 (joiner g1)"

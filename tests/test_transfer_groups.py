@@ -89,6 +89,28 @@ def test_a_missing_member_fails_the_build_within_the_timeout(store):
     assert time.monotonic() - t0 < 5.0
 
 
+def test_a_transfer_group_one_member_failed_to_build_alone_pairs_on_the_retry(store):
+    """A lone failed transfer build neither advances its number nor leaves its address: the retry pairs."""
+    _, info = store
+    groups = _in_threads([lambda r=r: StoreGroup.connect(info, 11, r, 2, timeout_s=10.0) for r in range(2)])
+    with pytest.raises(GroupBuildError, match="transfer0"):
+        groups[0].transfer_communicator(0.5)   # rank 1 is busy elsewhere: rank 0 builds alone
+
+    def build(rank):
+        if rank == 0:
+            time.sleep(0.3)   # rank 1 reads the rendezvous first: a stale address of rank 0 would be there
+        comm = groups[rank].transfer_communicator(5.0)
+        t = torch.full((2,), float(rank))
+        if rank == 0:
+            comm.add_send(t, 0, 1)
+        else:
+            comm.add_recv(t, 0, 1)
+        comm.execute()
+        return comm.name, t.tolist()
+
+    assert _in_threads([lambda r=r: build(r) for r in range(2)]) == [("ep@11/transfer0", [0.0, 0.0])] * 2
+
+
 def test_successor_generation_must_grow(store):
     """A successor may not reuse or go back to an earlier generation's store prefix."""
     _, info = store

@@ -2,7 +2,7 @@
 
 A scale runs several waits in sequence (the new group forming, the ``scale_ready``
 agreement, the joiners' ``scale_go`` and handover, the scale's planning all-reduce, each
-layer's transfer and agreement, then a salvage or rollback agreement after a fault).
+layer's transfer and agreement, then a salvage, partial-switch or rollback agreement after a fault).
 Each has its own timeout, and a stalled rank used to make every one of them run out in
 turn (T_f + 2T + 4T + 5 s, then the caller's own deadline). Here every wait of one scale
 gets the time left before one deadline instead (pure arithmetic; the clock is injected):

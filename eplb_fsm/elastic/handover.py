@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from eplb_fsm.fsm.collectives import flags
-from eplb_fsm.elastic.scale_plan import ScalePlan, remap_columns, resize_window
+from eplb_fsm.elastic.scale_plan import ScalePlan, place_lost, remap_columns, resize_window
 
 __all__ = [
     "handover_state",
@@ -31,6 +31,7 @@ __all__ = [
     "late_timeout",
     "leave",
     "non_expert_tensors",
+    "project_back",
     "reduce_on",
     "resize_models",
     "set_space",
@@ -77,6 +78,30 @@ def set_space(ctl: Any, columns: np.ndarray) -> None:
              for entry in ctl.models]
     for entry, phy2log, window in moved:
         entry.install_placement(phy2log, ctl.device, window)
+
+
+def project_back(ctl: Any, columns: np.ndarray) -> list[dict]:
+    """:func:`set_space` onto the old ranks of a scale-up going back; returns what that loses.
+
+    A committed layer may hold an expert only on a joiner. Rather than keep maps of the
+    new slot space on the old group, such an expert gets a spare slot of its layer
+    (:func:`~eplb_fsm.elastic.scale_plan.place_lost`) with zero load: the maps stay valid and
+    sized for the old group. Returns one ``lost_experts`` entry per such expert, with that
+    ``slot``, whose weights are another expert's until the engine reloads them.
+    """
+    lost: list[dict] = []
+    moved = []
+    for entry in ctl.models:
+        phy2log = remap_columns(entry.maps.phy2log, columns)
+        window = resize_window(entry.window, columns)
+        for layer, expert, slot in place_lost(phy2log, entry.num_logical):
+            window.window[:, layer, slot] = 0
+            window.load_pass[layer, slot] = 0
+            lost.append({"model": entry.name, "layer": layer, "expert": expert, "slot": slot})
+        moved.append((entry, phy2log, window))
+    for entry, phy2log, window in moved:
+        entry.install_placement(phy2log, ctl.device, window)
+    return lost
 
 
 def resize_models(ctl: Any, rank: int, world: int) -> None:

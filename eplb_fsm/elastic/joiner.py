@@ -4,7 +4,8 @@ A joiner is a new process. It waits for the handover that rank 0 of the serving 
 publishes (:func:`~eplb_fsm.elastic.handover.handover_state`), checks that its config
 and models match the serving ranks', joins the new group, builds its controller in
 ``scaling`` with the shared counters and the maps projected onto the new ranks, then
-takes the same transitions as the serving ranks from ``groups_ready`` on.
+takes the same transitions as the serving ranks from ``groups_ready`` on, a switch with
+the rearrangement cut short (:mod:`~eplb_fsm.elastic.partial`) included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from eplb_fsm.elastic.handover import (
     resize_models,
 )
 from eplb_fsm.maps import as_count, check_seconds
+from eplb_fsm.elastic.partial import partial_switch_agreed, switch_partial
 from eplb_fsm.elastic.scale_plan import make_scale_plan, remap_columns, slot_columns
 from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
 
@@ -111,6 +113,11 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
         if reached != SCALING:
             if reason is None:
                 reason = ctl.history[-1]["reason"] if len(ctl.history) > history_len else "the transfer failed"
+            if partial_switch_agreed(ctl, sp, deadline, reached, phase, history_len):
+                reason = switch_partial(ctl, sp, "joiner", rank, reason)
+                scaling_record(ctl, sp, "joiner", "switched", started, step, -1, reason=reason, phase=phase,
+                               partial=True, bounds=deadline.describe())
+                return ctl
             scaling_record(ctl, sp, "joiner", "aborted", started, step, -1, reason=reason, phase=phase,
                            bounds=deadline.describe())
             raise ScaleAborted(f"scale to generation {generation} aborted in its {phase} phase: {reason}")

@@ -48,11 +48,12 @@ def tag_history(ctl: Any, sp: ScalePlan, count_before: int) -> None:
 
 def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: float, step: int, old_rank: int,
                    reason: str | None = None, lost: list | None = None, degraded: bool = False,
-                   phase: str | None = None, bounds: dict | None = None) -> dict:
+                   phase: str | None = None, bounds: dict | None = None, partial: bool = False) -> dict:
     """This rank's entry for one scale request: appended to ``ctl.scalings`` and traced as ``scaling``.
 
     ``phase``: where a scale that did not simply switch ended (prepare, handover, transfer,
-    salvage, rollback); ``bounds``: its deadlines (``deadline_s``, ``bound_s``, see elastic.bounds).
+    salvage, rollback); ``bounds``: its deadlines (``deadline_s``, ``bound_s``, see elastic.bounds);
+    ``partial``: a scale-up that switched although its rearrangement stopped part-way (elastic.partial).
     """
     plan_entry = None
     if ctl.history and ctl.history[-1].get("scale") == sp.generation:
@@ -76,6 +77,7 @@ def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: fl
         "reason": reason,
         "lost_experts": lost or [],
         "degraded": degraded,
+        "partial": partial,
         "phase": phase,
         **(bounds or {}),
         "state": ctl.state,

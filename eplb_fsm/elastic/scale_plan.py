@@ -29,6 +29,7 @@ __all__ = [
     "resize_window",
     "lost_experts",
     "lost_when_remapped",
+    "place_lost",
 ]
 
 
@@ -158,3 +159,24 @@ def lost_when_remapped(models: Sequence[Any], columns: np.ndarray) -> list[dict]
         lost += [{"model": entry.name, "layer": layer, "expert": expert}
                  for layer, expert in lost_experts(projected, entry.num_logical)]
     return lost
+
+
+def place_lost(phy2log: np.ndarray, num_logical: int) -> list[tuple[int, int, int]]:
+    """Give every expert that ``phy2log`` (L, P) lacks a slot, in place; returns ``(layer, expert, slot)`` each.
+
+    The slot is an empty one, else the last whose expert has another replica in the layer
+    (one exists while P >= N). The maps are then valid, but each returned slot's weights
+    are not its expert's: they must be reloaded before the slot serves.
+    """
+    placed = []
+    for layer, expert in lost_experts(phy2log, num_logical):
+        row = phy2log[layer]
+        counts = np.bincount(row[row >= 0], minlength=num_logical)
+        spare = [c for c in range(row.size) if row[c] < 0] or [c for c in range(row.size) if counts[row[c]] > 1]
+        if not spare:
+            raise ValueError(f"layer {layer} has no slot to spare for expert {expert} ({row.size} slots, "
+                             f"{num_logical} experts)")
+        slot = spare[0] if row[spare[0]] < 0 else spare[-1]
+        row[slot] = expert
+        placed.append((layer, expert, int(slot)))
+    return placed

@@ -31,14 +31,16 @@ the background across the switch. The load-balancing interval restarts after a s
 
 Faults (a joiner never arrives, a transfer fails, a rank dies mid-scale) end the scale
 ``aborted`` (the old group serves on, old maps) or ``switched`` on the survivors with
-every expert kept, else ``failed`` naming the lost experts; every wait gets the time left
-before the scale's one deadline (:mod:`~eplb_fsm.elastic.bounds`). docs/elastic.md
-("Faults") has the cases.
+every expert kept (a scale-up whose new group is intact switches with its rearrangement
+cut short: ``partial``, :mod:`~eplb_fsm.elastic.partial`), else ``failed`` naming the lost
+experts; every wait gets the time left before the scale's one deadline
+(:mod:`~eplb_fsm.elastic.bounds`). docs/elastic.md ("Faults") has the cases.
 
 The trace gets ``group_switch`` (a rank's collectives move to another group),
 ``scale_aborted`` and one ``scaling`` summary per request (docs/events.md).
 
 This module is the serving ranks' flow (:func:`request_scale`). The pieces, below it:
+:mod:`~eplb_fsm.elastic.request` (the request, its checks, a broken scale's end),
 :mod:`~eplb_fsm.elastic.scale_plan` (pure: rank mapping, slot columns, resized maps and
 windows), :mod:`~eplb_fsm.elastic.handover` (group swap, handover to joiners),
 :mod:`~eplb_fsm.elastic.records` (the scale's rearrangement and records) and
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import pickle
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -67,12 +68,14 @@ from eplb_fsm.elastic.handover import (
     join_handshake,
     late_timeout,
     leave,
-    non_expert_tensors,
+    project_back,
     reduce_on,
     resize_models,
     set_space,
     use_group,
 )
+from eplb_fsm.elastic.partial import partial_switch_agreed, switch_partial
+from eplb_fsm.elastic.request import ScaleRequest, check_request, describe_lost, give_up, recovering
 from eplb_fsm.elastic.scale_plan import (
     ScalePlan,
     default_rank_mapping,
@@ -83,7 +86,7 @@ from eplb_fsm.elastic.scale_plan import (
     resize_window,
     slot_columns,
 )
-from eplb_fsm.elastic.records import rearrange_for_scale, scaling_record, tag_history
+from eplb_fsm.elastic.records import rearrange_for_scale, tag_history
 
 __all__ = [
     "ScalePlan",
@@ -97,23 +100,6 @@ __all__ = [
     "request_scale",
     "join",
 ]
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One scale request on this rank: its plan and what its ``scaling`` record needs."""
-
-    sp: ScalePlan
-    timeout: float      # bounds forming the new group (joiners arriving)
-    started: float      # perf_counter() when the request came
-    step: int           # the engine step it came at
-    old_rank: int
-    new_rank: int       # -1: this rank leaves
-    deadline: ScaleDeadline  # every wait of the scale gets the time left before it
-
-    def record(self, ctl: Any, role: str, outcome: str, **fields: Any) -> dict:
-        return scaling_record(ctl, self.sp, role, outcome, self.started, self.step, self.old_rank,
-                              bounds=self.deadline.describe(), **fields)
 
 
 def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int] | None = None, *,
@@ -130,9 +116,10 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
     anything changes (maps, state, trace, generation counter).
 
     Otherwise it returns this rank's ``scalings`` entry, whose ``outcome`` is ``switched``
-    (serving in the new group), ``left`` (this rank left; its controller is closed),
-    ``aborted`` (the old group serves on, old maps; ``phase`` and ``reason`` say where and
-    why) or ``failed`` (the machine is ``failed``; ``lost_experts`` may name what is lost).
+    (serving in the new group; ``partial``: its rearrangement stopped part-way), ``left``
+    (this rank left; its controller is closed), ``aborted`` (the old group serves on, old
+    maps; ``phase`` and ``reason`` say where and why) or ``failed`` (the machine is
+    ``failed``; ``lost_experts`` may name what is lost).
     It returns within the scale's ``bound_s`` (:mod:`~eplb_fsm.elastic.bounds`).
     """
     last = max(ctl.generation, ctl.last_generation)
@@ -140,7 +127,7 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
     if sp.generation <= last:
         raise ValueError(f"generation must be > {last} (the last one used), got {generation}")
     timeout = check_seconds(ctl.timeout_s if timeout_s is None else timeout_s, "timeout_s")
-    _check_request(ctl, sp)
+    check_request(ctl, sp)
     started = time.perf_counter()
     step = ctl.steps
     ctl.trace.set_context(step=step)
@@ -148,7 +135,7 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
         ctl.rearranger.drain()  # async: nothing runs in the background across the switch
     ctl.last_generation = sp.generation  # used up even if the request aborts: no store prefix is reused
     deadline = ScaleDeadline(timeout, ctl.timeout_s)
-    req = _Request(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank), deadline)
+    req = ScaleRequest(sp, timeout, started, step, ctl.rank, sp.new_rank(ctl.rank), deadline)
     if ctl.state == FAILED:
         return req.record(ctl, "member", "failed", reason="failed before the scale began", phase="request")
     ctl.fire("scale_requested", extra={**sp.describe(), "timeout_s": timeout, **deadline.describe()})
@@ -161,39 +148,7 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
         ctl.collectives.cap = None
 
 
-def _recovering(ctl: Any, req: _Request) -> None:
-    """From here on the scale's waits are its salvage / rollback: they get the recovery deadline."""
-    ctl.collectives.cap = lambda own: req.deadline.left(own, recovery=True)
-
-
-def _check_request(ctl: Any, sp: ScalePlan) -> None:
-    """Everything that can be checked before anything changes."""
-    if ctl.group is None or not callable(getattr(ctl.group, "successor", None)):
-        raise ValueError("request_scale needs an EP group built with eplb_fsm.transfer.groups.StoreGroup "
-                         "(a group that can build its successor from a shared store)")
-    if not ctl.models:
-        raise ValueError("request_scale needs at least one model (add_model)")
-    if ctl.state == FAILED:
-        raise ValueError("request_scale: the machine is failed; recover() first")
-    nodes = ctl.config.num_nodes
-    if sp.new_world % nodes:
-        raise ValueError(f"new_world_size ({sp.new_world}) must be divisible by config.num_nodes ({nodes})")
-    slots = {entry.name: entry.num_local for entry in ctl.models}
-    if len(set(slots.values())) > 1:
-        raise ValueError(f"request_scale needs the same slots per rank in every model (a scale moves whole ranks "
-                         f"with one slot layout), got {slots}")
-    if sp.kind == "scale_up":  # found here rather than half-way through the handover
-        for entry in ctl.models:
-            non_expert_tensors(entry.model, entry.name)
-    for entry in ctl.models:
-        p_new = entry.num_local * sp.new_world
-        if p_new < entry.num_logical:
-            raise ValueError(
-                f"new_world_size {sp.new_world} gives model {entry.name!r} {p_new} slots "
-                f"({entry.num_local} per rank) for {entry.num_logical} experts: every expert needs a slot")
-
-
-def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]:
+def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | None]:
     """In the old group: build this rank's part of the new group, then all old ranks agree on it.
 
     On a scale-up rank 0 first publishes the handover the joiners start from; a leaving
@@ -233,7 +188,7 @@ def _prepare(ctl: Any, req: _Request, role: str) -> tuple[Any, Any, dict | None]
 # scale-down: transfer in the old group, then the survivors switch
 
 
-def _scale_down(ctl: Any, req: _Request) -> dict:
+def _scale_down(ctl: Any, req: ScaleRequest) -> dict:
     sp = req.sp
     leaving = req.new_rank < 0
     role = "leaving" if leaving else "survivor"
@@ -272,7 +227,7 @@ def _scale_down(ctl: Any, req: _Request) -> dict:
     return _salvage_down(ctl, req, new_group, new_comm, from_group)
 
 
-def _switch_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_group: np.ndarray) -> None:
+def _switch_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, from_group: np.ndarray) -> None:
     """A survivor moves its maps to the new slot space and its collectives to the new group."""
     set_space(ctl, from_group)
     use_group(ctl, new_group, new_comm, req.new_rank, req.sp.new_world, role="survivor", phase="switch", sp=req.sp)
@@ -280,12 +235,12 @@ def _switch_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_gr
     ctl.restart_interval()
 
 
-def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_group: np.ndarray) -> dict:
+def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, from_group: np.ndarray) -> dict:
     """The old group broke mid scale-down: finish on the survivors' group if nothing was lost."""
     sp = req.sp
     committed = float(ctl.history[-1]["layers_committed"]) if ctl.history else 0.0
     lost = lost_when_remapped(ctl.models, from_group)
-    _recovering(ctl, req)
+    recovering(ctl, req.deadline)
     try:
         agreed = reduce_on(ctl, new_group, {"salvage": flags(committed, 1.0 if lost else 0.0, 1.0)},
                            late_timeout(ctl))["salvage"]
@@ -295,9 +250,9 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
         return req.record(ctl, "survivor", "failed", reason=reason, lost=lost, phase="salvage")
     ranks = int(round(float(agreed[2])))
     if not decide_salvage(agreed, committed, ranks):
-        reason = ("experts lost with the leaving rank(s): " + _describe(lost)) if lost else \
+        reason = ("experts lost with the leaving rank(s): " + describe_lost(lost)) if lost else \
             "survivors disagree on the committed layers"
-        return _give_up(ctl, req, "survivor", "salvage", reason, lost)
+        return give_up(ctl, req, "survivor", "salvage", reason, lost)
     reason = "a leaving rank died before the scale-down finished; every expert still has a replica on a survivor"
     ctl.fire("salvaged", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
     _switch_down(ctl, req, new_group, new_comm, from_group)
@@ -309,7 +264,7 @@ def _salvage_down(ctl: Any, req: _Request, new_group: Any, new_comm: Any, from_g
 # scale-up: switch to the new group first, transfer there (joiners included)
 
 
-def _scale_up(ctl: Any, req: _Request) -> dict:
+def _scale_up(ctl: Any, req: ScaleRequest) -> dict:
     sp = req.sp
     old = ctl.collectives.save()
     new_group, new_comm, ended = _prepare(ctl, req, "member")
@@ -338,16 +293,22 @@ def _scale_up(ctl: Any, req: _Request) -> dict:
         ctl.restart_interval()
         ctl.fire("switched", extra={"generation": sp.generation, "role": "member"})
         return req.record(ctl, "member", "switched")
+    if partial_switch_agreed(ctl, sp, req.deadline, state, phase, history_len):
+        reason = switch_partial(ctl, sp, "member", req.new_rank, cause)
+        return req.record(ctl, "member", "switched", reason=reason, phase=phase, partial=True)
     return _roll_back_up(ctl, req, old, new_group, back, history_len, state, phase, cause)
 
 
-def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.ndarray | None, history_len: int,
+def _roll_back_up(ctl: Any, req: ScaleRequest, old: tuple, new_group: Any, back: np.ndarray | None, history_len: int,
                   state: str, phase: str, cause: str | None) -> dict:
     """The scale-up failed in the new group: back onto the old group, maps projected onto the old ranks.
 
     ``old``: what ``_scale_up`` saved of the collectives before the switch; ``back``: None
     when the maps never left the old space; ``state``: where the handshake's fault or the
-    scale's rearrangement left the machine; ``cause``: why, for the record.
+    scale's rearrangement left the machine; ``cause``: why, for the record. The maps go back
+    to the old slot space before the agreement, whatever it says: maps of the new space
+    on the old group would crash the next forward (and a recover()). An expert only a
+    joiner held then has a slot whose weights must be reloaded (``handover.project_back``).
     """
     sp = req.sp
     new_group.close()
@@ -357,8 +318,8 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
                    old_group=new_group.trace_name, new_group=ctl.group_name, transfer_group=ctl.transfer_group_name,
                    old_rank=req.new_rank, new_rank=req.old_rank, old_world=sp.new_world, new_world=old_world)
     committed = float(ctl.history[-1]["layers_committed"]) if len(ctl.history) > history_len else 0.0
-    lost = lost_when_remapped(ctl.models, back) if back is not None else []
-    _recovering(ctl, req)
+    lost = project_back(ctl, back) if back is not None else []
+    recovering(ctl, req.deadline)
     try:
         agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
                                             late_timeout(ctl))["rollback"]
@@ -367,11 +328,10 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         return req.record(ctl, "member", "failed", reason=f"rollback agreement failed after the {phase} phase: {exc}",
                           lost=lost, phase="rollback")
     if not decide_salvage(agreed, committed, old_world):
-        reason = ("experts would be lost moving back to the old group: " + _describe(lost)) if lost else \
+        reason = ("experts lost moving back to the old group: " + describe_lost(lost) + "; the maps give each "
+                  "a slot whose weights must be reloaded before recover()") if lost else \
             "old ranks disagree on the committed layers"
-        return _give_up(ctl, req, "member", "rollback", reason, lost)
-    if back is not None:
-        set_space(ctl, back)
+        return give_up(ctl, req, "member", "rollback", reason, lost)
     reason = "scale-up aborted in the new group; the old group keeps serving" + (f" ({cause})" if cause else "")
     if state == FAILED:
         ctl.fire("recovered", extra={"reason": reason, "scale": sp.generation})
@@ -379,20 +339,3 @@ def _roll_back_up(ctl: Any, req: _Request, old: tuple, new_group: Any, back: np.
         ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase=phase, reason=reason, lost_experts=[])
     return req.record(ctl, "member", "aborted", reason=reason, phase=phase)
-
-
-# ---------------------------------------------------------------------------------------
-# when a broken scale must decide between finishing, going back, or failed
-
-
-def _describe(lost: list[dict]) -> str:
-    return ", ".join(f"{d['model']} layer {d['layer']} expert {d['expert']}" for d in lost)
-
-
-def _give_up(ctl: Any, req: _Request, role: str, phase: str, reason: str, lost: list[dict]) -> dict:
-    """Neither finishing nor going back is safe: ``scale_aborted``, then ``failed``."""
-    ctl.trace.emit("scale_aborted", generation=req.sp.generation, phase=phase, reason=reason, lost_experts=lost)
-    if ctl.state != FAILED:
-        ctl.fire("fault", extra={"reason": reason, "scale": req.sp.generation, "lost_experts": lost},
-                  recoverable=False)
-    return req.record(ctl, role, "failed", reason=reason, lost=lost, phase=phase)

@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 
 from eplb_fsm.fsm.worker import run_niced
-from eplb_fsm.run_identity import group_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
 
 __all__ = [
@@ -36,11 +35,15 @@ __all__ = [
     "flags",
     "is_collective_group",
     "resolve_group",
+    "start_sum",
 ]
 
 GROUP_NAME = "ep"                 # trace name of the EP group (the engine's)
 TRANSFER_GROUP_NAME = "ep_transfer"  # trace name of the controller's own transfer group
 LOCAL_GROUP_NAME = "local"        # trace name when there is no process group (world 1)
+# a wait on an all-reduce the backend bounds itself gives the backend this long to say how it ended:
+# a wait that gave up first, while the backend completed it, would leave this rank alone in its verdict
+BACKEND_GRACE_S = 1.0
 
 
 class GroupBroken(RuntimeError):
@@ -55,6 +58,26 @@ def flags(*values: float) -> torch.Tensor:
 def is_collective_group(group: Any) -> bool:
     """True for a group object that brings its own all-reduce and transfer communicator."""
     return callable(getattr(group, "all_reduce", None)) and callable(getattr(group, "transfer_communicator", None))
+
+
+def start_sum(group: Any, buf: torch.Tensor, timeout_s: float) -> Any:
+    """Issue a SUM all-reduce of ``buf`` on the torch process group ``group``; returns its work.
+
+    A CPU buffer (gloo) carries ``timeout_s`` into the backend: gloo aborts the operation
+    itself when it runs past it, on every rank. A wait that only gives up on the work would
+    leave the operation queued in gloo, where a peer frozen past the timeout later completes
+    it and acts on a sum this rank never read, each side then on another layer. An NCCL
+    buffer keeps the group's own timeout: an operation timeout there makes NCCL's watchdog
+    tear the process down (recover() catches ranks that still diverged).
+    """
+    import torch.distributed as dist
+
+    if buf.device.type != "cpu":
+        return dist.all_reduce(buf, group=group, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return group.allreduce([buf], opts)
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -178,9 +201,8 @@ class Collectives:
             if self.custom:
                 self.group.all_reduce(buf, timeout_s)
             elif native:
-                import torch.distributed as dist
-
-                posted.work = dist.all_reduce(buf, group=self.group, async_op=True)
+                posted.work = start_sum(self.group, buf, timeout_s)
+                posted.grace = BACKEND_GRACE_S if buf.device.type == "cpu" else 0.0
             if blocking:
                 posted.finish()
         except Exception as exc:
@@ -233,31 +255,52 @@ class Collectives:
         from 0 on every rank whatever the old group saw. ``wait_all``: end with
         :meth:`wait_all_built`; a joiner of a scale-up passes False, since its build pairs
         with the serving ranks' in their handover, whose next all-reduce is that wait.
+        Nothing changes when it raises: the generation counts groups every rank built, so a
+        rank whose build failed names its retry as its peers name theirs.
         """
-        self.transfer_generation += 1
-        if self.group is None:
-            self.communicator = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
-            return
-        if self.custom:
-            self.communicator = self.group.transfer_communicator(self.timeout_s)
-            self.name_communicator()
-        else:
-            import torch.distributed as dist
+        old = self.transfer_generation
+        self.transfer_generation = old + 1     # the name the new group is built under
+        transfer_group = None
+        try:
+            if self.group is None:
+                communicator: Any = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
+            elif self.custom:
+                communicator = self.group.transfer_communicator(self.timeout_s)
+                try:
+                    communicator.name = self.transfer_group_name
+                except AttributeError:   # one with a fixed name keeps it
+                    pass
+            else:
+                transfer_group = self._new_torch_group()
+                # no stream of its own: in async mode the worker already runs each job on its stream
+                communicator = TorchDistCommunicator(transfer_group, timeout=self.timeout_s,
+                                                     name=self.transfer_group_name)
+            if wait_all and self.group is not None:
+                self.wait_all_built()
+        except BaseException:
+            self.transfer_generation = old
+            if transfer_group is not None:
+                # torch names a locally synchronized group after how many groups exist: one a peer
+                # could not build would shift every later name on this rank only
+                import torch.distributed as dist
 
-            ranks = dist.get_process_group_ranks(self.group)
-            # NCCL moves the weights on the GPU and binds its communicator to the calling
-            # thread's device: it is built here, unniced
-            nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
-            self.transfer_group = run_niced(
-                lambda: dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                       use_local_synchronization=True),
-                nice, self.timeout_s + 10.0)
-            # no stream of its own: in async mode the worker already runs each job on its stream
-            self.communicator = TorchDistCommunicator(
-                self.transfer_group, timeout=self.timeout_s, name=self.transfer_group_name
-            )
-        if wait_all:
-            self.wait_all_built()
+                dist.destroy_process_group(transfer_group)
+            raise
+        if transfer_group is not None:
+            self.transfer_group = transfer_group
+        self.communicator = communicator
+
+    def _new_torch_group(self) -> Any:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.group)
+        # NCCL moves the weights on the GPU and binds its communicator to the calling
+        # thread's device: it is built here, unniced
+        nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
+        return run_niced(
+            lambda: dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                   use_local_synchronization=True),
+            nice, self.timeout_s + 10.0)
 
     def wait_all_built(self) -> None:
         """Return once every rank has built its transfer group: an untraced SUM all-reduce of one zero.
@@ -268,9 +311,15 @@ class Collectives:
         right after construction reset that peer inside its build ("Connection reset by
         peer"). A rank enters this all-reduce only after its build returned, so none leaves
         before all have. Untraced, like the run-identity agreement: ``cseq`` stays as it was.
-        Raises what the all-reduce raises (its timeout is the collective timeout).
+        Raises what the all-reduce raises (its timeout is the collective timeout, bounded in
+        the backend as :func:`start_sum` says: a peer whose build failed never joins it).
         """
-        group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(torch.zeros(1, dtype=torch.float64))
+        buf = torch.zeros(1, dtype=torch.float64, device=self.comm_device)
+        if self.custom:
+            self.group.all_reduce(buf, self.timeout_s)
+        else:
+            grace = BACKEND_GRACE_S if buf.device.type == "cpu" else 0.0
+            start_sum(self.group, buf, self.timeout_s).wait(timeout=datetime.timedelta(seconds=self.timeout_s + grace))
 
     def name_communicator(self) -> None:
         """Give the communicator the transfer group's trace name (one with a fixed name keeps it)."""
@@ -297,6 +346,7 @@ class PostedReduce:
         self.collectives, self.names, self.shapes, self.sizes = collectives, names, shapes, sizes
         self.buf, self.timeout_s = buf, float(timeout_s)
         self.work: Any = None
+        self.grace = 0.0      # added to the wait when the backend bounds the operation itself (start_sum)
         self.opened: Any = None
         self.error: GroupBroken | None = None
 
@@ -309,7 +359,7 @@ class PostedReduce:
         """Wait for the backend (bounded by the timeout), then write the end record."""
         work, self.work = self.work, None
         if work is not None:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s + self.grace))
         self.collectives.trace.close_collective(self.opened)
         self.opened = None
 

@@ -111,11 +111,16 @@ class EplbController:
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
-        self.collectives.new_transfer_group(wait_all=role != "joiner")
+        self.liveness.start_on(self.trace)  # issue 12: `alive` records, from before the wait for the transfer group
+        try:
+            self.collectives.new_transfer_group(wait_all=role != "joiner")
+        except BaseException as exc:  # the header is out: without an `end` a replay takes this for a death
+            self.trace.end("exception", f"{type(exc).__name__}: {exc}")  # which also ends the liveness thread
+            self.trace.close()
+            raise
         self.worker = None
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
-
             self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}", nice=config.async_worker_nice)
         self.rearranger = Rearranger(machine=self.machine, fire=self.fire, config=config, policy=self.policy,
                                      models=self.models, counters=self.counters, collectives=self.collectives,
@@ -127,7 +132,6 @@ class EplbController:
             self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s, state=self.machine.state)  # a joiner's
             self.machine.listeners.append(self.watchdog.on_fired)
             self.watchdog.start()
-        self.liveness.start_on(self.trace)  # issue 12: `alive` records while the trace goes to a file
         self._closed = False
 
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> ModelEntry:
@@ -308,7 +312,6 @@ class EplbController:
         :func:`eplb_fsm.elastic.scaling.request_scale` and docs/elastic.md. Returns this rank's
         ``scalings`` entry (``outcome``: switched, left, aborted or failed)."""
         from eplb_fsm.elastic.scaling import request_scale
-
         self._check_open("request_scale")
         return request_scale(self, new_world_size, rank_mapping, timeout_s=timeout_s, generation=generation)
 
@@ -319,7 +322,6 @@ class EplbController:
         """Start the controller of a process joining a serving group (scale-up; :func:`eplb_fsm.elastic.joiner.join`,
         ``namespace``: the serving group's store prefix, for a raw store). ``collecting`` or ``ScaleAborted``."""
         from eplb_fsm.elastic.joiner import join
-
         return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
                     trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace,
                     namespace=namespace)

@@ -112,14 +112,17 @@ class Progress:
     late: int
 
 
-def decide_progress(summed: Sequence[float], world_size: int, state: str) -> Progress:
+def decide_progress(summed: Sequence[float], world_size: int, state: str, early: bool = False) -> Progress:
     """From the summed ``[ready, failed, late]`` flags of the job in flight (async mode).
 
     Any failure or lateness aborts; all ``world_size`` ranks ready takes the result (the
-    plan in ``planning``, the layer in ``transferring``); otherwise wait.
+    plan in ``planning``, the layer in ``transferring``); otherwise wait. ``early``: the
+    step count has not reached the job's ready step (see :func:`decide_poll`), as on a
+    balancedness-logging step that joins the flags: a layer paced over that many engine
+    steps is not late for taking them, so only a failure aborts it then.
     """
     ready, failed, late = (int(round(float(v))) for v in summed)
-    if failed or late:
+    if failed or (late and not early):
         action = ABORT
     elif ready < world_size:
         action = WAIT

@@ -57,6 +57,9 @@ class Rearranger:
         # async mode: the ready flags posted on the last step, read on this one (settle)
         self.posted: PostedReduce | None = None
         self.layer_jobs = LayerJobs(worker, mover, prefetch=bool(config.async_prefetch) and worker is not None)
+        if worker is not None:
+            # close() waits for the jobs queued, which pair with the peers': unpaced, they end in time
+            worker.on_close(mover.stop_pacing)
 
     # ------------------------------------------------------------ begin / end
     def local_loads(self) -> torch.Tensor:
@@ -236,6 +239,9 @@ class Rearranger:
         self.settle()
         current = self.current
         steps = self.counters.steps
+        if current is not None and current.job is not None and current.chunks > 1 and steps == current.ready_step:
+            # a paced layer's last chunk can only have started now: its timeout counts from here
+            current.job.waited_from = current.job.clock()
         poll = decide_poll(self.machine.state, self.worker is not None and current is not None, overlap,
                            bool(parts), fresh=current is not None and current.job_step == steps,
                            early=current is not None and steps < current.ready_step)
@@ -269,10 +275,16 @@ class Rearranger:
         if act:
             self.progress(summed)
 
-    def progress(self, summed: torch.Tensor) -> None:
-        """Async mode: act on the all-reduced ready flags (:func:`decide_progress`)."""
+    def progress(self, summed: torch.Tensor, early: bool | None = None) -> None:
+        """Async mode: act on the all-reduced ready flags (:func:`decide_progress`).
+
+        ``early`` (None: from the shared step count, as :meth:`poll` has it): the job's flags
+        were taken before its ready step.
+        """
         current, state = self.current, self.machine.state
-        verdict = decide_progress(summed, self.collectives.world_size, state)
+        if early is None:
+            early = current is not None and self.counters.steps < current.ready_step
+        verdict = decide_progress(summed, self.collectives.world_size, state, early)
         if verdict.action == WAIT:
             return
         if verdict.action == ABORT:  # the job stays noted in current: abort records one still running
@@ -331,7 +343,7 @@ class Rearranger:
             if reduced is None:
                 return
             self.trace.emit("scale_drain", state=self.machine.state, layer=self.machine.layer)
-            self.progress(reduced["ready"])
+            self.progress(reduced["ready"], early=False)   # no engine step paces it now: late is late
 
     # ---------------------------------------------------------------- faults
     def abort(self, reason: str, recoverable: bool, layer: int | None = None, kind: str = "aborted") -> str:

@@ -120,6 +120,12 @@ class LayerMover:
         self.chunk_waits = 0     # of those, the ones that waited for the next engine step
         self.chunk_timeouts = 0  # of those, the waits that ended by the pacer's limit instead
         self.step_advanced = threading.Event()   # set by the engine thread each step: wakes the pacer
+        self.closing = threading.Event()         # set by stop_pacing(): chunks go without waiting
+
+    def stop_pacing(self) -> None:
+        """From now on a paced transfer waits for no engine step (the worker is closing)."""
+        self.closing.set()
+        self.step_advanced.set()   # a chunk waiting for the next step now
 
     def locate(self, layer: int) -> tuple[ModelEntry, int]:
         """The model a global layer index belongs to, and the layer's index within it."""
@@ -144,7 +150,7 @@ class LayerMover:
         comm = self.collectives
         pacer = None
         if self.max_bytes_per_step > 0:
-            pacer = StepPacer(lambda: self.trace.step, advanced=self.step_advanced)
+            pacer = StepPacer(lambda: self.trace.step, advanced=self.step_advanced, stop=self.closing)
             pacer.begin()
         try:
             pending = transfer_layer_to_buffer(

@@ -159,14 +159,18 @@ class StepPacer:
     ``advanced``: an event the engine thread sets after it moves the step on; the pacer then
     sleeps on it and wakes once per step. Without one it polls every ``poll_s``, and every
     poll wakes the worker, which then takes the GIL from the engine thread mid-step.
+    ``stop``: once set (the controller closing), no wait at all: the steps that paced the
+    chunks no longer come, and ``close()`` waits for the jobs already queued. Whoever sets it
+    sets ``advanced`` too, to wake a wait in progress.
     """
 
     def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005,
-                 advanced: threading.Event | None = None) -> None:
+                 advanced: threading.Event | None = None, stop: threading.Event | None = None) -> None:
         self.step = step
         self.max_wait_s = max_wait_s
         self.poll_s = poll_s
         self.advanced = advanced
+        self.stop = stop
         self.started_at: int | None = None
         self.calls = 0           # chunk boundaries (a pure function of the plan and the byte cap)
         self.waits = 0           # chunks that found the step not yet advanced
@@ -178,7 +182,8 @@ class StepPacer:
     def wait(self) -> bool:
         self.calls += 1
         start = self.started_at
-        if start is None or self.step() != start:
+        stop = self.stop
+        if start is None or self.step() != start or (stop is not None and stop.is_set()):
             self.begin()
             return True
         self.waits += 1
@@ -187,7 +192,7 @@ class StepPacer:
         while True:
             if event is not None:
                 event.clear()   # before the check: a step moved on after it sets the event again
-            if self.step() != start:
+            if self.step() != start or (stop is not None and stop.is_set()):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -233,6 +238,7 @@ class BackgroundWorker:
         self._pending = 0
         self._unfinished: set[Job] = set()
         self._closing = False
+        self._on_close: list[Callable[[], None]] = []
         self._idle = threading.Event()
         self._idle.set()
         self._loop = asyncio.new_event_loop()
@@ -355,10 +361,16 @@ class BackgroundWorker:
         """Wait at most ``timeout`` seconds for every submitted job to finish; True if they did."""
         return self._idle.wait(timeout)
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when :meth:`close` begins, before it waits (e.g. to stop a job's pacing)."""
+        self._on_close.append(fn)
+
     def close(self, timeout: float = 5.0) -> bool:
         """Refuse new jobs, stop the loop once the jobs already submitted have run (they pair with the
         peers'), and wait at most ``timeout`` seconds; True if the thread ended."""
         self._closing = True
+        for fn in self._on_close:
+            fn()
         if self._thread.is_alive() and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._loop.stop)

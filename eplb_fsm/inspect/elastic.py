@@ -11,7 +11,8 @@ the group the first ranks start in (``ep``, ``ep_transfer`` and its re-creations
 the world. Generation g > 0 (``ep@g``, ``ep_transfer@g``, ``ep_transfer@g.<n>``) has the
 members that switched to it (``group_switch`` with ``new_group`` named ``ep@g``, keyed by
 ``new_rank``) and the joiners whose header names it; its size is the ``new_world`` the
-switches announce, and a rank of it that nobody traced is a missing participant. A
+switches announce, and a rank of it that nobody traced is a missing participant (labelled a
+joiner only where the generation's ``scale_requested`` records list it as one). A
 participant that switched away from a generation for good (or left) is no member of that
 generation's collectives past the last one it issued. Collectives are matched by group
 name and ``cseq`` among the members, so a rank mapping that renumbers ranks changes
@@ -192,11 +193,19 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
                 cast.gen_members.setdefault(gen, {})[new_rank] = key
             if _int(sw.get("new_world")) is not None:
                 cast.gen_world.setdefault(gen, sw["new_world"])
+    # a slot nobody traced is a joiner's only if the request named it one: an old rank that
+    # never switched (a scale aborted before the switch) is no joiner
+    listed: dict[int, set] = {}
+    for s in parts.values():
+        for req in s.scale_requests:
+            if _int(req.get("generation")) is not None and isinstance(req.get("joiners"), list):
+                listed.setdefault(req["generation"], set()).update(j for j in req["joiners"] if _int(j) is not None)
     for gen in sorted(g for g in cast.gen_members if g > 0):
         slots = cast.gen_members[gen]
         for j in range(cast.gen_world.get(gen, 0)):
             if j not in slots:
-                add_missing(gen, j, f"rank {j} (joiner g{gen})")
+                add_missing(gen, j, f"rank {j} (joiner g{gen})" if j in listed.get(gen, ()) else
+                            f"rank {j} of g{gen} (not switched)")
     # where each participant ended up
     for key, s in parts.items():
         cur: int | None = s.generation if s.role == "joiner" else 0

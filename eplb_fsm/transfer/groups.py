@@ -107,6 +107,16 @@ def _gloo(store: Any, prefix: str, rank: int, world_size: int, timeout_s: float)
         ) from exc
 
 
+def _forget_address(store: Any, prefix: str, rank: int) -> None:
+    """Delete this rank's address from a failed build's rendezvous (gloo's key ``<device>/<rank>``, one
+    device). The retry builds under the same prefix; a peer that read the stale address there would
+    connect to a closed socket and fail that build too. Best effort: a key not there is no error."""
+    try:
+        store.delete_key(f"{prefix}/0/{rank}")
+    except Exception:  # the store itself is gone: the retry fails on that, not on this
+        pass
+
+
 class StoreGroup:
     """This rank's member of one generation's EP group, a gloo group over a TCP store.
 
@@ -173,12 +183,19 @@ class StoreGroup:
 
         ``timeout_s`` bounds each message; ``build_timeout_s`` (default: the same) bounds
         connecting. Each call builds a fresh one (``transfer0``, ``transfer1``, ...): after
-        a failed transfer the old one's pairs may be closed.
+        a failed transfer the old one's pairs may be closed. The number counts only groups
+        built: a rank whose build failed (a peer never came) must not pair its next try,
+        ``transfer<n>``, with its peers' ``transfer<n+1>``.
         """
         n = self._transfers
-        self._transfers += 1
         build = _check_timeout(timeout_s if build_timeout_s is None else build_timeout_s)
-        pg = _gloo(self.store, f"{self.prefix}/transfer{n}", self.rank, self.world_size, build)
+        prefix = f"{self.prefix}/transfer{n}"
+        try:
+            pg = _gloo(self.store, prefix, self.rank, self.world_size, build)
+        except GroupBuildError:
+            _forget_address(self.store, prefix, self.rank)
+            raise
+        self._transfers = n + 1
         return PgCommunicator(pg, self.rank, self.world_size, timeout_s, name=f"{self.trace_name}/transfer{n}")
 
     def close(self) -> None:
