@@ -46,16 +46,12 @@ def test_bench_policy_names_the_numpy_kernel_when_the_c_one_is_off(capsys, monke
     assert result["kernel"] == "numpy" and result["all_identical"] is True
 
 
-def _record_baseline_calls(monkeypatch) -> list[tuple[int, bool]]:
-    """Patch the baseline to log (torch threads, inside a timed call) for every call the bench makes."""
-    import torch
-
+def _flag_timed_calls(monkeypatch) -> list[bool]:
+    """Patch the bench's timer so the returned one-item list says whether a call runs inside a timed call."""
     from eplb_fsm.bench import policy as bench_policy
-    from eplb_fsm.policy import reference
 
-    calls: list[tuple[int, bool]] = []
     timing = [False]
-    real_timed, real_reference = bench_policy._timed, reference.reference_rebalance_experts
+    real_timed = bench_policy._timed
 
     def timed(fn, cpu=None):
         timing[0] = True
@@ -64,45 +60,44 @@ def _record_baseline_calls(monkeypatch) -> list[tuple[int, bool]]:
         finally:
             timing[0] = False
 
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+    return timing
+
+
+def _record_baseline_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """Patch the baseline to log (torch threads, inside a timed call) for every call the bench makes."""
+    import torch
+
+    from eplb_fsm.policy import reference
+
+    calls: list[tuple[int, bool]] = []
+    timing = _flag_timed_calls(monkeypatch)
+    real_reference = reference.reference_rebalance_experts
+
     def recording(*a):
         calls.append((torch.get_num_threads(), timing[0]))
         return real_reference(*a)
 
-    monkeypatch.setattr(bench_policy, "_timed", timed)
     monkeypatch.setattr(reference, "reference_rebalance_experts", recording)
     return calls
 
 
-def test_bench_policy_torch_threads(capsys, monkeypatch):
-    """--torch-threads N runs the baseline on N threads, reports it, and leaves torch's count as it found it."""
+@pytest.mark.parametrize("found, args, expected", [(2, [], 1), (1, ["--torch-threads", "2"], 2)])
+def test_bench_policy_times_the_baseline_on_its_thread_count_and_restores_the_count(capsys, monkeypatch, found,
+                                                                                    args, expected):
+    """The baseline runs on one torch thread by default (--torch-threads N: N), the JSON says so, the count restored."""
     import torch
 
     before = torch.get_num_threads()
     calls = _record_baseline_calls(monkeypatch)
     try:
-        torch.set_num_threads(1)
-        argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
-        assert main(argv + ["--no-scaling", "--torch-threads", "2"]) == 0
-        result = json.loads(capsys.readouterr().out)
-        assert result["torch_threads"] == result["reference_threads"] == 2 and {n for n, _ in calls} == {2}
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_bench_policy_times_the_baseline_on_one_thread_and_restores_the_count(capsys, monkeypatch):
-    """By default the baseline runs on one torch thread (its fastest), the JSON says so, and the count is restored."""
-    import torch
-
-    before = torch.get_num_threads()
-    calls = _record_baseline_calls(monkeypatch)
-    try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(found)
         argv = ["bench", "policy", "--json", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "2"]
-        assert main(argv + ["--no-scaling"]) == 0
-        assert json.loads(capsys.readouterr().out)["reference_threads"] == 1
-        assert calls and all(threads == 1 for threads, _ in calls)
-        assert torch.get_num_threads() == 2
+        assert main(argv + ["--no-scaling", *args]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["torch_threads"] == result["reference_threads"] == expected
+        assert calls and {threads for threads, _ in calls} == {expected}
+        assert torch.get_num_threads() == found
     finally:
         torch.set_num_threads(before)
 
@@ -266,21 +261,13 @@ def test_bench_policy_scaling_times_each_point_right_after_an_untimed_call_of_it
     from eplb_fsm.policy.default import DefaultEplbPolicy
 
     calls: list[tuple[tuple, bool]] = []
-    timing = [False]
-    real_timed, real = bench_policy._timed, DefaultEplbPolicy.rebalance_experts
-
-    def timed(fn, cpu=None):
-        timing[0] = True
-        try:
-            return real_timed(fn, cpu)
-        finally:
-            timing[0] = False
+    timing = _flag_timed_calls(monkeypatch)
+    real = DefaultEplbPolicy.rebalance_experts
 
     def recording(weight, *call):
         calls.append(((tuple(weight.shape), call), timing[0]))
         return real(weight, *call)
 
-    monkeypatch.setattr(bench_policy, "_timed", timed)
     monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
     bench_policy._scaling(2, seed=0)
     timed_at = [k for k, (_, was_timed) in enumerate(calls) if was_timed]
