@@ -115,14 +115,38 @@ def group_sum(group: Any, custom: bool, timeout_s: float, device: Any = "cpu") -
         if custom:
             group.all_reduce(tensor, timeout_s)
             return
-        import torch.distributed as dist
-
         buf = tensor.to(device)
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        start_sum(group, buf, timeout_s).wait(timeout=datetime.timedelta(seconds=timeout_s + backend_grace(buf)))
         tensor.copy_(buf.cpu())
 
     return reduce
+
+
+def start_sum(group: Any, buf: torch.Tensor, timeout_s: float) -> Any:
+    """Issue a SUM all-reduce of ``buf`` on the torch process group ``group``; returns its work.
+
+    A CPU buffer (gloo) carries ``timeout_s`` into the backend: gloo aborts the operation
+    itself when it runs past it, on every rank. A wait that only gives up on the work would
+    leave the operation queued in gloo, where a peer frozen past the timeout later completes
+    it and acts on a sum this rank never read, each side then on another layer. An NCCL
+    buffer keeps the group's own timeout: an operation timeout there makes NCCL's watchdog
+    tear the process down (recover() catches ranks that still diverged).
+    """
+    import torch.distributed as dist
+
+    if buf.device.type != "cpu":
+        return dist.all_reduce(buf, group=group, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return group.allreduce([buf], opts)
+
+
+def backend_grace(buf: torch.Tensor) -> float:
+    """Seconds a wait on :func:`start_sum`'s work adds to the timeout: where the backend bounds the
+    operation itself (gloo), it gets this long to say how it ended, since a wait that gave up
+    first while the backend completed it would leave this rank alone in its verdict."""
+    return 1.0 if buf.device.type == "cpu" else 0.0
 
 
 def _run_id_key(group: Any) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from eplb_fsm.fsm.worker import run_niced
+from eplb_fsm.run_identity import backend_grace, group_sum, start_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
 
 __all__ = [
@@ -35,15 +36,11 @@ __all__ = [
     "flags",
     "is_collective_group",
     "resolve_group",
-    "start_sum",
 ]
 
 GROUP_NAME = "ep"                 # trace name of the EP group (the engine's)
 TRANSFER_GROUP_NAME = "ep_transfer"  # trace name of the controller's own transfer group
 LOCAL_GROUP_NAME = "local"        # trace name when there is no process group (world 1)
-# a wait on an all-reduce the backend bounds itself gives the backend this long to say how it ended:
-# a wait that gave up first, while the backend completed it, would leave this rank alone in its verdict
-BACKEND_GRACE_S = 1.0
 
 
 class GroupBroken(RuntimeError):
@@ -58,26 +55,6 @@ def flags(*values: float) -> torch.Tensor:
 def is_collective_group(group: Any) -> bool:
     """True for a group object that brings its own all-reduce and transfer communicator."""
     return callable(getattr(group, "all_reduce", None)) and callable(getattr(group, "transfer_communicator", None))
-
-
-def start_sum(group: Any, buf: torch.Tensor, timeout_s: float) -> Any:
-    """Issue a SUM all-reduce of ``buf`` on the torch process group ``group``; returns its work.
-
-    A CPU buffer (gloo) carries ``timeout_s`` into the backend: gloo aborts the operation
-    itself when it runs past it, on every rank. A wait that only gives up on the work would
-    leave the operation queued in gloo, where a peer frozen past the timeout later completes
-    it and acts on a sum this rank never read, each side then on another layer. An NCCL
-    buffer keeps the group's own timeout: an operation timeout there makes NCCL's watchdog
-    tear the process down (recover() catches ranks that still diverged).
-    """
-    import torch.distributed as dist
-
-    if buf.device.type != "cpu":
-        return dist.all_reduce(buf, group=group, async_op=True)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    opts.timeout = datetime.timedelta(seconds=timeout_s)
-    return group.allreduce([buf], opts)
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -202,7 +179,7 @@ class Collectives:
                 self.group.all_reduce(buf, timeout_s)
             elif native:
                 posted.work = start_sum(self.group, buf, timeout_s)
-                posted.grace = BACKEND_GRACE_S if buf.device.type == "cpu" else 0.0
+                posted.grace = backend_grace(buf)
             if blocking:
                 posted.finish()
         except Exception as exc:
@@ -266,10 +243,7 @@ class Collectives:
                 communicator: Any = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
             elif self.custom:
                 communicator = self.group.transfer_communicator(self.timeout_s)
-                try:
-                    communicator.name = self.transfer_group_name
-                except AttributeError:   # one with a fixed name keeps it
-                    pass
+                self.name_communicator(communicator)
             else:
                 transfer_group = self._new_torch_group()
                 # no stream of its own: in async mode the worker already runs each job on its stream
@@ -312,19 +286,15 @@ class Collectives:
         peer"). A rank enters this all-reduce only after its build returned, so none leaves
         before all have. Untraced, like the run-identity agreement: ``cseq`` stays as it was.
         Raises what the all-reduce raises (its timeout is the collective timeout, bounded in
-        the backend as :func:`start_sum` says: a peer whose build failed never joins it).
+        the backend as :func:`eplb_fsm.run_identity.start_sum` says: a peer whose build failed never joins it).
         """
-        buf = torch.zeros(1, dtype=torch.float64, device=self.comm_device)
-        if self.custom:
-            self.group.all_reduce(buf, self.timeout_s)
-        else:
-            grace = BACKEND_GRACE_S if buf.device.type == "cpu" else 0.0
-            start_sum(self.group, buf, self.timeout_s).wait(timeout=datetime.timedelta(seconds=self.timeout_s + grace))
+        group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(torch.zeros(1, dtype=torch.float64))
 
-    def name_communicator(self) -> None:
-        """Give the communicator the transfer group's trace name (one with a fixed name keeps it)."""
+    def name_communicator(self, communicator: Any = None) -> None:
+        """Give ``communicator`` (default: the current one) the transfer group's trace name (one with a
+        fixed name keeps it)."""
         try:
-            self.communicator.name = self.transfer_group_name
+            (communicator if communicator is not None else self.communicator).name = self.transfer_group_name
         except AttributeError:
             pass
 
