@@ -23,8 +23,7 @@ from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy.bounds import rank_loads
 from eplb_fsm.policy.movement.targets import align_rows
 from eplb_fsm.stats import aggregate_logical, balancedness
-from eplb_fsm.transfer import moved_slots
-from eplb_fsm.transfer.plan import received_rows
+from eplb_fsm.transfer.plan import slot_moves
 
 __all__ = ["Plan", "bad_load_reason", "plan_placements", "local_loads", "split_loads",
            "remap_columns", "lost_experts"]
@@ -116,9 +115,10 @@ def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Te
         new = remap_columns(planned, to_group) if scaled else planned
         for layer in range(entry.num_layers):
             changed.append(not np.array_equal(old[layer], new[layer]))
-            moved.append(moved_slots(old[layer], new[layer], world_size))
+            slots, rows = slot_moves(old[layer], new[layer], world_size)
+            moved.append(slots)
             # bytes that cross ranks: a rank gaining two slots of one expert receives one row
-            moved_bytes += received_rows(old[layer], new[layer], world_size) * entry.slot_bytes[layer]
+            moved_bytes += rows * entry.slot_bytes[layer]
         before.append(rank_loads(old, load, world_size))
         after.append(rank_loads(planned, load, plan_world_size))
         new_rows.append(new)

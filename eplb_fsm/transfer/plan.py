@@ -325,18 +325,23 @@ def moved_slots(old: Any, new: Any, world_size: int) -> int:
     Empty new slots (-1) never count. A rank that gains two slots of one expert counts two
     here but receives one row (the second is a local copy): :func:`received_rows` counts those.
     """
-    o, n = _rank_blocks(old, new, world_size)
-    return int(((n >= 0) & ~_present(o, n)).sum())
+    return slot_moves(old, new, world_size)[0]
 
 
 def received_rows(old: Any, new: Any, world_size: int) -> int:
     """Rows that cross ranks: per layer and rank, each expert the rank holds after but not
     before, once however many of its slots hold it (what the executor sends). Same inputs
     and checks as :func:`moved_slots`."""
+    return slot_moves(old, new, world_size)[1]
+
+
+def slot_moves(old: Any, new: Any, world_size: int) -> tuple[int, int]:
+    """(:func:`moved_slots`, :func:`received_rows`) from one pass over the maps."""
     o, n = _rank_blocks(old, new, world_size)
-    wanted = np.sort(np.where((n >= 0) & ~_present(o, n), n, -1), axis=1)   # (L*G, S), -1 first
+    arriving = (n >= 0) & ~_present(o, n)
+    wanted = np.sort(np.where(arriving, n, -1), axis=1)   # (L*G, S), -1 first
     firsts = (wanted[:, 1:] != wanted[:, :-1]) & (wanted[:, 1:] >= 0)
-    return int((wanted[:, :1] >= 0).sum() + firsts.sum())
+    return int(arriving.sum()), int((wanted[:, :1] >= 0).sum() + firsts.sum())
 
 
 def _present(o: np.ndarray, n: np.ndarray) -> np.ndarray:
