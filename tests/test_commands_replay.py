@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from eplb_fsm.cli import main
+from eplb_fsm.inspect.findings import KINDS
 from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
 from eplb_fsm.trace import trace_path
 
@@ -253,3 +255,52 @@ def test_unreadable_folder_or_file_exits_2(healthy_dir, monkeypatch, capsys):
     monkeypatch.setattr(type(healthy_dir), "iterdir", refuse)
     assert main(["replay", str(healthy_dir)]) == 2
     assert "cannot list the trace files of" in (err := capsys.readouterr().err) and "Permission denied" in err
+
+
+@pytest.fixture(scope="module")
+def two_rank_dir(tmp_path_factory):
+    job = SyntheticJob(world=2, trace_dir=(d := tmp_path_factory.mktemp("two") / "logs"), keep=False)
+    job.run(25)
+    job.close()
+    return d
+
+
+@pytest.mark.parametrize("event, where, key, value, said", [
+    ("transition", {"trigger": "plan_ready"}, "moves", None, "event data of the wrong type"),
+    ("transition", {"trigger": "layer_done"}, "layer", [0], "event data of the wrong type"),
+    ("transition", {"trigger": "plan_ready"}, "source", ["planning"], "recorded source ['planning']"),
+    ("transition", {"trigger": "committed"}, "dest", ["collecting"], "field 'dest' is list"),
+    ("collective_start", {"step": 19}, "op", ["all_reduce"], "issued ['all_reduce']"),
+    ("collective_start", {"op": "batch_isend_irecv"}, "layer", [0], "layer [0]"),
+    ("collective_start", {"op": "batch_isend_irecv"}, "wave", [0], "collective_mismatch"),
+    ("collective_start", {"step": 19}, "event", ["collective_start"], "field 'event' is list"),
+    ("header", {}, "world", 10**20, "world 100000000000000000000 is not a plausible job size"),
+    ("header", {}, "rank", 10**20, "outside the world of 2"),
+])
+def test_a_wrong_typed_field_is_reported_never_a_traceback(two_rank_dir, tmp_path, capsys, event, where, key, value,
+                                                          said):
+    """One field of one record set to a list, null or a huge number: a verdict and what was wrong, no exception."""
+    logs = tmp_path / "logs"
+    shutil.copytree(two_rank_dir, logs)
+    path = logs / "rank00001.jsonl"
+    lines = path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if (rec := json.loads(line))["event"] == event
+             and all(rec.get(k) == v for k, v in where.items()))
+    lines[i] = json.dumps(dict(json.loads(lines[i]), **{key: value}), separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(logs)]) in (0, 1)
+    out = capsys.readouterr().out
+    assert out.split(":")[0] in ("healthy", *KINDS) and said in out, out
+
+
+def test_help_says_healthy_is_agreement_up_to_where_the_traces_stop(tmp_path, capsys):
+    """--help words exit 0 as the verdict table does: ranks without an `end` record can be healthy too."""
+    job = SyntheticJob(world=2, trace_dir=tmp_path / "logs", keep=False)
+    job.run(12)                        # no close(): no rank wrote `end`
+    assert main(["replay", str(tmp_path / "logs")]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "0 healthy: every rank agrees, up to where its trace stops" in help_text
+    assert "ended in order" not in help_text

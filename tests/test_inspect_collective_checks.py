@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eplb_fsm.inspect.replay import diagnose
-from eplb_fsm.testing import SyntheticJob, hang_faults
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 
 
 def test_one_waiting_rank_waits_several_wait():
@@ -14,3 +14,45 @@ def test_one_waiting_rank_waits_several_wait():
         report = diagnose(job.records())
         assert report.verdict == "hang" and report.summary.endswith(who), report.summary
 
+
+
+def test_a_far_cseq_is_reached_without_walking_every_number_up_to_it(monkeypatch):
+    """An extra collective at cseq 10**9 gives the verdict it gives at the next cseq, checking only the cseqs held."""
+    from eplb_fsm.inspect import collective_checks
+
+    job = SyntheticJob(world=3)
+    job.run(12)
+    one = collective_checks._check_one_collective   # counted: a walk would call it once per number
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2])
+        assert len(calls) < 1000, "walked the cseqs one by one"
+        return one(*args)
+
+    monkeypatch.setattr(collective_checks, "_check_one_collective", counted)
+    verdicts = []
+    for cseq in (None, 10**9):
+        records = job.records()
+        recs = records[1]
+        start, end = [dict(r) for r in recs if r["event"].startswith("collective_") and r["group"] == "ep"][-2:]
+        cseq = start["cseq"] + 1 if cseq is None else cseq
+        for rec in (start, end):   # one more all-reduce on rank 1 alone, after its last step
+            rec.update(cseq=cseq, seq=recs[-1]["seq"] + 1, step=recs[-1]["step"])
+            recs.append(rec)
+        report = diagnose(records)
+        verdicts.append((report.verdict, report.culprit_ranks, report.summary.replace(str(10**9), "N")))
+    assert verdicts[1][:2] == verdicts[0][:2] == ("collective_mismatch", [1]), verdicts
+    assert "rank 1 issued an extra all_reduce (group ep, cseq N," in verdicts[1][2]
+
+
+def test_a_tie_is_broken_past_a_list_as_op_elsewhere_in_the_group():
+    """One rank against one at step 19's all-reduce, and a later op damaged into a list: the odd op is still named."""
+    job = SyntheticJob(world=2)
+    job.run(30, Faults(wrong_collective={1: (19, {"op": "all_gather"})}))
+    records = job.records()
+    late = [r for r in records[0] if r["event"] == "collective_start" and r["group"] == "ep" and r["step"] == 29]
+    late[0]["op"] = ["all_reduce"]
+    report = diagnose(records)
+    assert report.verdict == "collective_mismatch" and report.culprit_ranks == [1], report.summary
+    assert report.step == 19 and "all_gather appears nowhere else" in " ".join(report.findings[0].details)

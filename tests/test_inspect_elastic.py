@@ -228,3 +228,49 @@ def test_old_ranks_that_never_switched_are_not_labelled_joiners():
     cast = build_cast({r: rp.summarize_rank(recs, r) for r, recs in records.items()}, None, [])
     assert sorted(cast.missing.values()) == ["rank 0 of g1 (not switched)", "rank 1 of g1 (not switched)"]
     assert cast.label((2, 0)) == "rank 2 (joiner g1)"
+
+
+def test_a_scale_up_that_switched_part_way_says_so():
+    """`scaling` records with partial true: the scale note keeps partial, phase and layers; the text says why."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(15)
+    job.scale(4)
+    job.run(10)
+    records = job.records()
+    reason = "rearrangement cut short at layer 1 (TransferError: peer gone)"
+    for recs in records.values():   # what elastic/records.py scaling_record writes for a partial switch
+        for rec in recs:
+            if rec["event"] == "scaling":
+                rec.update(partial=True, phase="transfer", layers_committed=1, reason=reason)
+    report = rp.diagnose(records)
+    assert report.verdict == "healthy", report.summary
+    (scale,) = report.to_dict()["scales"]
+    assert (scale["outcome"], scale["partial"], scale["phase"], scale["layers_committed"]) == (
+        "switched", True, "transfer", 1)
+    assert f"scale_up 2 -> 4 ranks, switched (partial: {reason})" in format_report(report)
+    assert f"(partial: {reason})" in report.summary
+
+
+def test_a_clean_switch_is_not_partial(healthy_down_up):
+    """A scale that switched whole says partial false and no phase."""
+    assert [(s["partial"], s["phase"]) for s in rp.diagnose(healthy_down_up).scales] == [(False, None)] * 2
+
+
+def test_an_implausible_world_is_ignored_with_a_warning(healthy_down_up):
+    """--ranks or a header world of 10**20 is warned about and ignored; the replay lists the traced world."""
+    records = {r: [dict(rec) for rec in recs] for r, recs in healthy_down_up.items()}
+    records[1][0]["world"] = 10**20
+    report = rp.diagnose(records, world=10**20)
+    assert report.world == 4
+    assert any("a world of 100000000000000000000 ranks is not a plausible job" in w for w in report.warnings)
+    assert any("rank 1: world 100000000000000000000 is not a plausible job size" in w for w in report.warnings)
+
+
+@pytest.mark.parametrize("generation", ["x", [1]])
+def test_a_wrong_typed_scale_generation_is_an_unknown_one(healthy_down_up, generation):
+    """A `scaling` record whose generation is a string or a list is listed under an unknown generation, no crash."""
+    records = {r: [dict(rec) for rec in recs] for r, recs in healthy_down_up.items()}
+    next(rec for rec in records[0] if rec["event"] == "scaling")["generation"] = generation
+    report = rp.diagnose(records)
+    assert [s["generation"] for s in report.scales] == [1, 2, None]
+    assert "generation None" in format_report(report)

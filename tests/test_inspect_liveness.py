@@ -504,3 +504,67 @@ def test_a_killed_rank_whose_last_steps_were_unwritten_is_the_hang_s_culprit(tmp
     report = replay_dir(tmp_path)
     assert (report.verdict, report.culprit_ranks, report.step) == ("hang", [1], 800), format_report(report)
     assert report.findings[0].details[0].startswith("rank 1 died (SIGKILL?)")
+
+
+def test_a_scale_abort_is_no_aborted_rearrangement():
+    """A scale-up whose joiner never arrives ends in a fault from scaling: listed with the scales, not as a rollback."""
+    from eplb_fsm.inspect.replay import diagnose
+    from eplb_fsm.testing import SyntheticJob
+
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(12)
+    assert job.scale(3, absent=True)["outcome"] == "aborted"
+    job.run(15)
+    report = diagnose(job.records())
+    assert report.verdict == "healthy" and report.scales[0]["outcome"] == "aborted", report.summary
+    assert report.aborted == [] and "aborted rearrangement" not in report.summary
+
+
+def test_an_aborted_rearrangement_names_the_rank_that_never_joined_when_it_never_rolled_back():
+    """Rank 1 stops before layer 1's transfer the others time out in: the rollback names rank 1, as the hang does."""
+    from eplb_fsm.inspect.replay import diagnose
+    from eplb_fsm.testing import Faults, SyntheticJob
+
+    job = SyntheticJob(world=WORLD)
+    job.run(30, Faults(transfer_error={1: (19, 1)}))
+    records = job.records()
+    cut = next(i for i, rec in enumerate(records[1]) if rec.get("step") == 19 and rec.get("trigger") == "layer_done")
+    records[1] = records[1][:cut + 1]
+    report = diagnose(records)
+    assert report.verdict == "hang" and report.culprit_ranks == [1], format_report(report)
+    (aborted,) = report.aborted
+    assert aborted["step"] == 19 and aborted["late_ranks"] == [1]
+    assert aborted["text"].endswith("rank 1 never joined batch_isend_irecv (group ep_transfer, cseq 3)")
+
+
+def test_json_consequences_are_the_text_s(tmp_path, capsys):
+    """An input problem about the culprit (records out of order) is a later finding, never a consequence."""
+    ranks = killed_job()
+    recs = ranks[2].records
+    recs[10]["seq"], recs[11]["seq"] = recs[11]["seq"], recs[10]["seq"]
+    write(tmp_path, ranks)
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["culprit_ranks"] == [2] and [f["kind"] for f in report["findings"]] == ["rank_died", "out_of_order"]
+    consequences = report["verdict_detail"]["consequences"]
+    assert len(consequences) == 3 and all("SIGTERM" in c for c in consequences)
+    assert main(["replay", str(tmp_path)]) == 1
+    text = capsys.readouterr().out.splitlines()
+    at = text.index("  consequences (not culprits) (3):")
+    assert [line.strip() for line in text[at + 1:at + 4]] == consequences
+
+
+def test_each_aborted_rearrangement_names_its_own_late_rank():
+    """Rollbacks at steps 19 (handled) and 39 (rank 2 never rolled back): step 39 names rank 2, not step 19's rank."""
+    from eplb_fsm.inspect.replay import diagnose
+    from eplb_fsm.testing import Faults, SyntheticJob
+
+    job = SyntheticJob(world=WORLD)
+    job.run(45, Faults(transfer_error={1: (19, 1), 2: (39, 1)}))
+    records = job.records()
+    cut = next(i for i, rec in enumerate(records[2]) if rec.get("step") == 39 and rec.get("trigger") == "layer_done")
+    records[2] = records[2][:cut + 1]
+    report = diagnose(records)
+    assert report.verdict == "hang" and report.culprit_ranks == [2], format_report(report)
+    assert [(a["step"], a["late_ranks"]) for a in report.aborted] == [(19, [1]), (39, [2])]
+    assert report.aborted[1]["collective"] == report.collective

@@ -126,3 +126,14 @@ def test_a_duration_of_the_wrong_type_is_shown_not_a_crash():
     ends[0]["duration_s"] = "slow"
     text = format_timeline(recs, 0)
     assert "'slow'" in text and f"{ends[1]['duration_s']:.6f}" in text
+
+
+def test_traces_line_counts_files_against_the_largest_world():
+    """2 -> 4: four rank files are 'traces: 4 of world 4', not 'of world 2' (the first generation's)."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(15)
+    job.scale(4)
+    job.run(10)
+    report = diagnose(job.records())
+    assert report.verdict == "healthy", report.summary
+    assert "  traces: 4 of world 4, " in format_report(report)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -639,3 +640,10 @@ def test_world_mismatch_names_the_ranks_option(healthy):
     (mismatch,) = [f for f in report.findings if f.kind == "world_mismatch"]
     assert mismatch.summary.startswith("--ranks 2 was given but the traces were written by a world of 4")
     assert "lie outside --ranks" in mismatch.summary
+
+
+def test_docs_give_the_json_findings_cap():
+    """docs/debugging-hangs.md says JSON `findings` keeps the first MAX_FINDINGS and `more_findings` the rest."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "debugging-hangs.md").read_text().split())
+    assert f"`findings` (the first {rp.MAX_FINDINGS} in order" in text and "`more_findings` counts" in text
+    assert "`findings` (all of them" not in text

@@ -321,3 +321,15 @@ def test_a_warning_names_the_rotated_segment_and_its_own_line(tmp_path):
     paths[1].write_text("\n".join(lines) + "\n")
     _, summary, _ = sm.load_rank_file(0, trace.path)
     assert [w.split(": field")[0] for w in summary.warnings if "'cseq'" in w] == [f"{paths[1].name}:5"]
+
+
+@pytest.mark.parametrize("field, value", [("step", "x"), ("seq", "7"), ("ts", "t"), ("rank", [1]), ("count", "x")])
+def test_in_memory_walk_checks_field_types_of_step_records_as_the_file_walk_does(healthy, field, value):
+    """A wrongly typed field on a step record amid steps: summarize_rank warns and ignores it as summarize_text does."""
+    records = [dict(r) for r in healthy[1]]
+    i = next(i for i in range(2, len(records)) if records[i - 1]["event"] == records[i]["event"] == "step")
+    records[i][field] = value
+    text = "\n".join(json.dumps(r, separators=(",", ":")) for r in records) + "\n"
+    in_memory = sm.summarize_rank(records, 1)
+    assert any(f"field {field!r}" in w for w in in_memory.warnings)
+    assert _comparable(in_memory) == _comparable(sm.summarize_text(text, 1))

@@ -25,7 +25,8 @@ from eplb_fsm.cli import hidden_alias
 
 
 EXIT_CODES = """exit status:
-  0  healthy: every rank agrees and ended in order (aborted rearrangements are listed)
+  0  healthy: every rank agrees, up to where its trace stops (aborted rearrangements are
+     listed; a last line says when no rank wrote an end record)
   1  a problem was found: the first line names the culprit (the rank that died, froze,
      crashed, lagged or issued the odd collective), then what followed from it
   2  usage error or unusable input: bad --ranks/--jobs, --ranks with --rank, no folder, no

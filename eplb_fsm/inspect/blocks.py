@@ -54,7 +54,8 @@ _BLOCK_EVENTS = frozenset({"transition", "collective_start", "collective_end", "
 def _context(w) -> tuple | None:
     """What the replay of a block depends on besides the block; None: no template applies here."""
     seqs = w.seqs
-    if w.state is None or w.world is None or w.first is None or seqs.prev is None or seqs.jump is not None \
+    # a state resynchronised on a damaged record (a list as a transition's dest) names no template
+    if type(w.state) is not str or w.world is None or w.first is None or seqs.prev is None or seqs.jump is not None \
             or not w.layer_known:
         return None
     return (w.state, w.layer, w.pending, w.num_layers)
@@ -108,7 +109,8 @@ class BlockReader:
                         raise ValueError("a line is not a JSON object")
                 except ValueError:
                     return [self.parse(line) for line in lines]
-                if not all(r.get("event") in _BLOCK_EVENTS for r in recs):
+                # the event's type first: a list there is no block event, and the walker warns about it
+                if not all(type(ev := r.get("event")) is str and ev in _BLOCK_EVENTS for r in recs):
                     return recs
                 warned = w.warned_layers
                 recipe = self._learn(w, recs, lines, start, ctx, fields)

@@ -10,13 +10,14 @@ rolled back from with a ``fault`` (the machine doing its job) from a real diverg
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any
 
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
-from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary
+from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary, freeze
 
 
 def handled_by_fault(f: Finding, cast: Cast) -> bool:
@@ -60,6 +61,7 @@ def check_collectives(cast: Cast) -> list[Finding]:
         floors = [parts[k].kept_from(g) if k in parts else 0 for k in members]
         whole = max(floors, default=0)
         c = min(floors, default=0) - 1
+        held: list[int] | None = None
         while c < top:
             c += 1
             skip = _runs_agree(streams, limits, floors, c)
@@ -78,11 +80,32 @@ def check_collectives(cast: Cast) -> list[Finding]:
                 if all((e := st.get(c)) is not None and e.status != "open" and e.signature() == sig
                        for st in active_streams):
                     continue
+            if first is None and not any(c in st for st in active_streams):
+                # no member issued this cseq: go on at the next one any member holds (a far cseq, e.g.
+                # a damaged one, must not be walked up to one by one)
+                held = _held_cseqs(streams) if held is None else held
+                i = bisect.bisect_right(held, c)
+                if i == len(held):
+                    break
+                c = held[i] - 1
+                continue
             finding = _check_one_collective(cast, g, c, active)
             if finding is not None:
                 found.append(finding)
                 break
     return found
+
+
+def _held_cseqs(streams: list) -> list[int]:
+    """Every cseq some stream holds by itself, and the first of each bulk run, sorted."""
+    held: set[int] = set()
+    for st in streams:
+        if isinstance(st, CollectiveIndex):
+            held.update(st.one)
+            held.update(r.first for r in st.runs)
+        else:
+            held.update(st)
+    return sorted(c for c in held if type(c) is int)
 
 
 def _runs_agree(streams: list, limits: list, floors: list, c: int) -> int | None:
@@ -120,7 +143,8 @@ def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]], defau
     for s in cast.parts.values():
         for cseq, e in s.collectives.get(g, {}).items():
             if cseq != c:
-                seen[e.op] = seen.get(e.op, 0) + 1
+                op = freeze(e.op)   # the signature's form of it (a damaged op may be a list)
+                seen[op] = seen.get(op, 0) + 1
     familiar = [k for k in tied if seen.get(k[0], 0) > 0]
     if len(familiar) != 1:
         return default, None
@@ -272,7 +296,7 @@ def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective]
     # where the sequences part: the first cseq the odd rank issued at another step than the others
     odd, other = cast.parts[sorted(entries)[0]], cast.parts[sorted(absent)[0]]
     mine_g, theirs_g = odd.collectives.get(g), other.collectives.get(g)
-    for x in range(c):
+    for x in sorted(x for x in mine_g if x < c):   # the cseqs it holds (not every number below a far one)
         a, b = mine_g.get(x), theirs_g.get(x)
         if a is not None and b is not None and a.step != b.step:
             return (text + f"; the sequences part at cseq {x}: {cast.label(sorted(entries)[0])} issued it at step "

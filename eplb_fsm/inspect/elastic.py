@@ -32,6 +32,9 @@ Key = tuple  # (file rank, session): one participant
 
 # config fields a scale changes on purpose (slots per rank stay fixed: P - N follows the world)
 SCALED_CONFIG = frozenset({"num_redundant_experts"})
+# a world size or rank number at or past this is a damaged field, not a job: the replay lists every rank
+# of a world, so it is ignored (with a warning) rather than believed
+MAX_WORLD = 1 << 16
 
 
 def group_base(name: str) -> str:
@@ -42,6 +45,11 @@ def group_base(name: str) -> str:
 
 def _int(value: Any, default: int | None = None) -> int | None:
     return value if type(value) is int else default
+
+
+def _size(value: Any) -> int | None:
+    """A world size or rank number the replay can list ranks up to, or None."""
+    return value if type(value) is int and 0 <= value < MAX_WORLD else None
 
 
 @dataclass
@@ -108,9 +116,10 @@ class Cast:
             keys = users
         else:
             slots = self.gen_members.get(gen, {})
-            size = max([self.gen_world.get(gen, 0)] + [j + 1 for j in slots])
+            size = self.gen_world.get(gen, 0)
             keys = [slots.get(j) or self.missing_slots.get((gen, j)) for j in range(size)]
-            keys = [k for k in keys if k is not None]
+            # a traced rank past the world (a stray file) by its number, not by listing every number up to it
+            keys = [k for k in keys if k is not None] + [slots[j] for j in sorted(slots) if j >= size]
             keys += [k for k in users if k not in keys]  # used it without a switch record (salvage)
         self._members[group] = keys
         return keys
@@ -138,12 +147,17 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
             parts[(r, i)] = sess
     sessions = Counter(k[0] for k in parts)
     firsts = {k: s for k, s in parts.items() if s.role != "joiner"}
-    worlds = {s.world for s in firsts.values() if isinstance(s.world, int)}
+    worlds = {s.world for s in firsts.values() if isinstance(s.world, int) and s.world < MAX_WORLD}
+    warnings += [f"rank {k[0]}: world {s.world} is not a plausible job size (at most {MAX_WORLD} ranks); ignored"
+                 for k, s in firsts.items() if isinstance(s.world, int) and s.world >= MAX_WORLD]
     if len(worlds) > 1:
         warnings.append(f"ranks disagree on the world size: {sorted(worlds)}")
-    ranks_seen = [k[0] for k in (firsts or parts)]
+    ranks_seen = [k[0] for k in (firsts or parts) if _size(k[0]) is not None]
+    if world is not None and _size(world) is None:
+        warnings.append(f"a world of {world} ranks is not a plausible job (at most {MAX_WORLD}); the traces' is used")
+        world = None
     if world is None:
-        world = max(worlds | {max(ranks_seen) + 1})
+        world = max(worlds | {max(ranks_seen, default=0) + 1})
     world_ranks = list(range(world))
     extra = sorted({k[0] for k in firsts} - set(world_ranks))
     if extra:
@@ -178,8 +192,11 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
             if isinstance(name, str):
                 cast.group_gen.setdefault(name, gen_here)
         if s.role == "joiner":
-            cast.gen_members.setdefault(gen_here, {})[_int(header.get("rank"), key[0])] = key
-            if isinstance(s.world, int):
+            slot = _size(header.get("rank"))
+            slot = slot if slot is not None else _size(key[0])
+            if slot is not None:
+                cast.gen_members.setdefault(gen_here, {})[slot] = key
+            if _size(s.world) is not None:
                 cast.gen_world.setdefault(gen_here, s.world)
         for sw in s.switches:
             gen = _int(sw.get("generation"))
@@ -188,10 +205,10 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
             for name in (sw.get("new_group"), sw.get("transfer_group")):
                 if isinstance(name, str):
                     cast.group_gen.setdefault(name, gen)
-            new_rank = _int(sw.get("new_rank"))
-            if new_rank is not None and new_rank >= 0:
+            new_rank = _size(sw.get("new_rank"))
+            if new_rank is not None:
                 cast.gen_members.setdefault(gen, {})[new_rank] = key
-            if _int(sw.get("new_world")) is not None:
+            if _size(sw.get("new_world")) is not None:
                 cast.gen_world.setdefault(gen, sw["new_world"])
     # a slot nobody traced is a joiner's only if the request named it one: an old rank that
     # never switched (a scale aborted before the switch) is no joiner
@@ -274,8 +291,8 @@ def scale_notes(cast: Cast) -> list[dict]:
     """One entry per scale request (generation), merged over the participants' ``scaling`` records."""
     by_gen: dict[Any, list[dict]] = {}
     for s in cast.parts.values():
-        for sc in s.scalings:
-            by_gen.setdefault(sc.get("generation"), []).append(sc)
+        for sc in s.scalings:   # a generation of another type (a damaged record) is an unknown one
+            by_gen.setdefault(_int(sc.get("generation")), []).append(sc)
     notes = []
     for gen, entries in sorted(by_gen.items(), key=lambda kv: (kv[0] is None, kv[0] if kv[0] is not None else 0)):
         # the scale's outcome is what the ranks that stay report (a leaving rank may fail alone)
@@ -290,11 +307,16 @@ def scale_notes(cast: Cast) -> list[dict]:
         first = entries[0]
         reason = next((e.get("reason") for e in entries if e.get("reason")), None)
         lost = next((e.get("lost_experts") for e in entries if e.get("lost_experts")), [])
+        # a scale-up that switched although its rearrangement stopped part-way (elastic/partial.py)
+        partial = any(e.get("partial") is True for e in staying)
+        committed = [e["layers_committed"] for e in staying if type(e.get("layers_committed")) is int]
         notes.append({
             "generation": gen, "step": first.get("step"), "kind": first.get("kind"),
             "from_ranks": first.get("from_ranks"), "to_ranks": first.get("requested_ranks", first.get("to_ranks")),
             "outcome": outcome, "degraded": any(bool(e.get("degraded")) for e in entries),
-            "reason": reason, "lost_experts": lost or [],
+            "reason": reason, "lost_experts": lost or [], "partial": partial,
+            "phase": next((e.get("phase") for e in staying if e.get("phase")), None),
+            "layers_committed": min(committed) if partial and committed else None,
         })
     return notes
 
@@ -305,7 +327,9 @@ def scale_text(note: dict) -> str:
             f"{note['to_ranks']} ranks, {note['outcome']}")
     if note.get("degraded"):
         text += " (degraded: a leaving rank died)"
-    if note["outcome"] != "switched" and note.get("reason"):
+    if note.get("partial"):
+        text += f" (partial: {note.get('reason') or 'its rearrangement stopped part-way'})"
+    elif note["outcome"] != "switched" and note.get("reason"):
         text += f" ({note['reason']})"
     return text
 
@@ -333,7 +357,7 @@ def scale_context(cast: Cast, key: Key, step: Any, notes: list[dict]) -> str | N
             continue
         if req.get("rank") in (req.get("leaving") or []):
             gen = req.get("generation")
-            note = outcome.get(gen)
+            note = outcome.get(gen) if type(gen) is int else None
             return (f"{cast.label(key)} was leaving in the scale to generation {gen} (requested at step "
                     f"{req.get('step')}) and stopped before its experts were out"
                     + (f"; the scale: {scale_text(note)}" if note else ""))

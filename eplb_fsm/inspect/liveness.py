@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 
@@ -305,24 +307,33 @@ def step_count_mismatch(cast: Cast) -> list[Finding]:
     )]
 
 
-def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Finding]) -> list[dict]:
+def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Finding],
+                           hangs: Sequence[Finding] = ()) -> list[dict]:
     """Every rearrangement the ranks rolled back (a ``fault`` transition), with the rank that was late.
 
     The late rank is the member of the collective problem the rollback handled that never
     joined it, or else the one that started it last (late by the spread of the start ``ts``);
-    a freeze found by the liveness records around that step is named too.
+    a freeze found by the liveness records around that step is named too. The problem is the
+    latest since the previous rollback: a handled one, or else one of the unhandled ``hangs``
+    (the culprit never rolled back: it died or hangs). A fault in ``scaling`` is a scale abort,
+    listed with the scales, not here.
     """
     parts = cast.parts
     by_step: dict[int, list[Key]] = {}
     for k, s in parts.items():
         for t in s.transitions:
-            if t.trigger == "fault" and type(t.step) is int and k not in by_step.get(t.step, []):
+            if t.trigger == "fault" and t.source != SCALING and type(t.step) is int \
+                    and k not in by_step.get(t.step, []):
                 by_step.setdefault(t.step, []).append(k)
     out = []
+    before = None   # the previous rollback's step: a hang at or before it is that one's
     for step, keys in sorted(by_step.items()):
         entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
                        "collective": None, "text": ""}
-        f = max((h for h in handled if type(h.step) is int and h.step <= step), key=lambda h: h.step, default=None)
+        since = [h for h in [*handled, *hangs] if h.collective and type(h.step) is int and h.step <= step
+                 and (before is None or h.step > before)]
+        f = max(since, key=lambda h: h.step, default=None)   # a handled one first at equal steps
+        before = step
         late_text = "no rank was late by the records"
         if f is not None and f.collective:
             g, c = f.collective.get("group"), f.collective.get("cseq")

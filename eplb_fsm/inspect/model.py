@@ -64,6 +64,8 @@ class MachineOracle:
             out = str(exc)
         except ValueError as exc:  # unknown event, unexpected data, bad state
             out = str(exc)
+        except TypeError as exc:  # a datum of the wrong type (``moves: null``, ``layer: [0]``) fails a guard's int()
+            out = f"event data of the wrong type ({exc})"
         if key is not None:
             self._memo[key] = out
         return out
@@ -95,22 +97,30 @@ class Collective:
 
     def signature(self) -> tuple:
         """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""
-        per_rank = _PER_RANK_OPS.get(self.op)
+        op, layer, wave = self.op, self.layer, self.wave
+        # a list or object where a name or number belongs (a damaged record) still compares, by value
+        if type(op) is not str and op is not None:
+            op = freeze(op)
+        if type(layer) is list or type(layer) is dict:
+            layer = freeze(layer)
+        if type(wave) is list or type(wave) is dict:
+            wave = freeze(wave)
+        per_rank = _PER_RANK_OPS.get(op)
         if per_rank is None:
-            per_rank = _PER_RANK_OPS[self.op] = bool(self.op and PER_RANK_SHAPE.search(str(self.op)))
+            per_rank = _PER_RANK_OPS[op] = bool(op and PER_RANK_SHAPE.search(str(op)))
         shape = self.shape
         if per_rank:
             shape = None
         elif type(shape) is list:
-            shape = tuple(shape) if all(type(d) is int for d in shape) else _freeze(shape)
+            shape = tuple(shape) if all(type(d) is int for d in shape) else freeze(shape)
         elif shape is not None:
-            shape = _freeze(shape)
+            shape = freeze(shape)
         parts = self.parts
         if type(parts) is list:
-            parts = tuple(parts) if all(type(p) is str for p in parts) else _freeze(parts)
+            parts = tuple(parts) if all(type(p) is str for p in parts) else freeze(parts)
         elif parts is not None:
-            parts = _freeze(parts)
-        return (self.op, shape, self.layer, self.wave, parts)
+            parts = freeze(parts)
+        return (op, shape, layer, wave, parts)
 
     def describe(self) -> dict:
         return {"op": self.op, "group": self.group, "cseq": self.cseq, "shape": self.shape, "dtype": self.dtype}
@@ -223,7 +233,12 @@ class Transition:
         return self.layer if TRANSFERRING in (self.source, self.dest) else None
 
     def key(self) -> tuple:
-        return (self.trigger, self.source, self.dest, self.layer_k, self.generation)
+        key = (self.trigger, self.source, self.dest, self.layer_k, self.generation)
+        try:
+            hash(key)
+        except TypeError:  # a list as source, dest, layer or generation (a damaged record) compares by value
+            return tuple(freeze(v) for v in key)
+        return key
 
     def text(self) -> str:
         lay = f" layer {self.layer}" if self.layer_k is not None else ""
@@ -369,10 +384,11 @@ def compact_record(rec: dict) -> dict:
     return {k: rec[k] for k in _LAST_KEYS if k in rec}
 
 
-def _freeze(value: Any) -> Any:
+def freeze(value: Any) -> Any:
+    """A JSON value made hashable (lists and objects as tuples), to compare or count it."""
     if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
+        return tuple(freeze(v) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
     return value
 

@@ -32,7 +32,7 @@ LINE_HEAD = re.compile(r'\{"ts":(-?[0-9.eE+-]+),"rank":-?\d+,"world":\d+,"event"
 _SWITCH_KEYS = ("step", "seq", "generation", "phase", "role", "kind", "old_group", "new_group", "transfer_group",
                 "old_rank", "new_rank", "old_world", "new_world")
 _SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "requested_ranks", "role", "outcome",
-                 "reason", "degraded", "lost_experts")
+                 "reason", "degraded", "lost_experts", "partial", "phase", "layers_committed")
 _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
 COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
 _END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
@@ -40,11 +40,14 @@ _INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seco
 # records stamped with their own view of the state: a header, a watchdog report, the liveness
 # thread (which can read the state while a transition is being written)
 OWN_STATE = frozenset({"header", "stuck", "alive", "end", "fault_injected"})
-# the types the replay relies on; a record with another type in one of these is warned about
+# the types the replay relies on; a record with another type in one of these is warned about (a transition's
+# dest becomes the replayed state, which keys the step-run and block templates; a source of another type is
+# reported as it is, by the illegal transition it makes)
 _NUM = (int, float)
 _FIELD_TYPES = (("ts", _NUM), ("rank", (int,)), ("world", (int,)), ("event", (str,)), ("state", (str,)),
                 ("step", (int,)), ("seq", (int,)), ("cseq", (int,)), ("group", (str,)), ("trigger", (str,)),
-                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)), ("count", (int,)))
+                ("num_layers", (int,)), ("interval_s", _NUM), ("how", (str,)), ("count", (int,)),
+                ("dest", (str,)))
 TYPED_KEYS = tuple(k for k, _ in _FIELD_TYPES)
 TYPES_OK: set[tuple] = set()   # combinations of field types already found fine (most records share a few)
 

@@ -54,10 +54,9 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         first = report.findings[0] if report.findings else None
         for d in (first.details if first else []):
             lines.append(f"  - {d}")
-        followed = [c for c in report.consequences if not any(c.endswith(f.summary) for f in report.findings[1:])]
-        if followed:
-            lines.append(f"  consequences (not culprits) ({len(followed)}):")
-            lines += [f"    {c}" for c in followed[:max_rank_lines]]
+        if report.consequences:
+            lines.append(f"  consequences (not culprits) ({len(report.consequences)}):")
+            lines += [f"    {c}" for c in report.consequences[:max_rank_lines]]
         rest = report.findings[1:]
         if rest:
             lines.append(f"  later findings ({len(rest) + report.more_findings}):")
@@ -96,8 +95,10 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
     n_records = sum(r["records"] for r in ranks)
     lasts = [r["last_step"] for r in ranks if isinstance(r["last_step"], int)]
     files = len({r["rank"] for r in ranks})
+    # an elastic job's files are counted against the largest world it switched to, not its first one
+    worlds = [report.world] + [n.get("to_ranks") for n in report.scales if n.get("outcome") == "switched"]
     lines.append(
-        f"  traces: {files} of world {report.world}"
+        f"  traces: {files} of world {max((w for w in worlds if type(w) is int), default=report.world)}"
         + (f" ({len(ranks)} sessions)" if len(ranks) != files else "")
         + (f" (missing {ranks_text(report.missing_ranks)})" if report.missing_ranks else "")
         + f", {n_records} records, last steps {min(lasts) if lasts else '-'}..{max(lasts) if lasts else '-'}"

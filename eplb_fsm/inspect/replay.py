@@ -246,16 +246,15 @@ def diagnose(
     illegal = [dict(i, session=k[1]) if k[1] else i for k, s in cast.parts.items() for i in s.illegal]
     ranks = [s.to_dict() for s in cast.parts.values()]
     missing_ranks = sorted({k[0] for k in missing})
-    aborted = aborted_rearrangements(cast, handled, live.findings)
+    aborted = aborted_rearrangements(cast, handled, live.findings, [g for g in coll if g.kind == "hang"])
     injected = [dict(i, rank=k[0]) for k, s in cast.parts.items() for i in s.injected]
     run_ids = sorted({str(s.header.get("run_id")) for s in cast.parts.values() if s.header and s.header.get("run_id")})
     extra = dict(aborted=aborted, injected=injected, run_id=run_ids[0] if len(run_ids) == 1 else None)
     if findings:
         f = findings[0]
-        # what happened to the other ranks afterwards; the verdict's culprits are not their own consequence
-        consequences = [text for k, text in live.consequences if k[0] not in f.culprits] + [
-            f"{g.kind}: {g.summary}" for g in findings[1:]
-                                            if g.kind not in ("missing_ranks",)]
+        # what happened to the other ranks afterwards, as the text report lists it: the verdict's culprits are not
+        # their own consequence, and the later findings (input problems among them) stay under ``findings``
+        consequences = [text for k, text in live.consequences if k[0] not in f.culprits]
         return Report(f.kind, f.summary, f.culprits, f.step, f.state, f.layer, f.collective, f.ranks,
                       findings, illegal, ranks, warnings, world, missing_ranks, more, handled, scales,
                       consequences=consequences, **extra)
@@ -364,9 +363,10 @@ def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict]
         sessions = f" ({len(cast.parts)} sessions)" if len(cast.parts) != len(summaries) else ""
         summary = (f"{len(summaries)} rank files{sessions} agree across {len(scales)} scale(s), "
                    f"world {' -> '.join(worlds)}: {tail}")
-        aborted = [n for n in scales if n["outcome"] != "switched"]
-        if aborted:
-            summary += "; " + "; ".join("scale " + scale_text(n) for n in aborted)
+        # a scale that did not switch, or switched part-way, is worth its line even when healthy
+        noted = [n for n in scales if n["outcome"] != "switched" or n.get("partial")]
+        if noted:
+            summary += "; " + "; ".join("scale " + scale_text(n) for n in noted)
     if handled:
         summary += f" ({len(handled)} collective failure(s) handled by a fault on every rank)"
     if rollbacks:

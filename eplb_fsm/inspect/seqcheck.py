@@ -5,6 +5,13 @@ record the walker reads one by one, with the number of step records counted so f
 (runs of step lines are counted, not read): a jump forward is lost lines, a jump forward
 and straight back is one record that carried a foreign ``seq`` (an inserted line), any
 other step back is disorder, kept with the file line for an ``out_of_order`` finding.
+
+A jump forward followed by a record back at the ``seq`` that was due is either an inserted
+line (the jumped record) or two records swapped (the jumped one and this one); only the
+record after tells them apart, so the decision waits for it: going on from the jumped
+record's ``seq`` is a swap, reported as disorder at the record that went back. The first
+step record after a jump is read for its ``seq`` (``step``) so that a step swapped with
+the record before it is told apart the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ class SeqCheck:
         self.steps_at_prev = 0                 # step records counted when it was read
         self.lost = 0
         self.lost_between: tuple[int, int] | None = None
-        self.jump: tuple[int, int, int] | None = None   # (seq due after a jump, steps then, size)
+        # after a jump forward: (seq due after it if it was mislabelled, steps then, size, its seq,
+        # lost_between before it); kept while ``back`` waits, so readers that test it see an open question
+        self.jump: tuple | None = None
+        # a record back at the seq due before the jump: (jumped seq, steps counted after it, disorder entry)
+        self.back: tuple | None = None
         self.odd = 0
         self.disorder: list[dict] = []
 
@@ -36,17 +47,27 @@ class SeqCheck:
         if type(seq) is not int:
             return False
         jump, self.jump = self.jump, None     # an inserted or mislabelled record is one jump and back
+        if self.back is not None:
+            if self._settle_back(jump, seq == self.back[0] + 1 + n_steps - self.back[1]):
+                self.prev, self.steps_at_prev = seq, n_steps
+                return True
+            jump = None                       # the jump was the inserted line: settled
         if self.prev is not None:
             expected = self.prev + 1 + n_steps - self.steps_at_prev
             if seq > expected:
+                self.jump = (expected + 1, n_steps, seq - expected, seq, self.lost_between)
                 self.lost += seq - expected
-                self.jump = (expected + 1, n_steps, seq - expected)
                 if self.lost_between is None:
                     self.lost_between = (self.prev, seq)
-            elif seq < expected and jump is not None and seq - (n_steps - jump[1]) in (jump[0], jump[0] - 1):
+            elif seq < expected and jump is not None and seq - (n_steps - jump[1]) == jump[0]:
                 # the sequence goes on from before the previous record: that one record carried an odd seq
-                self.lost -= jump[2]
-                self.odd += 1
+                self._foreign(jump)
+            elif seq < expected and jump is not None and seq - (n_steps - jump[1]) == jump[0] - 1:
+                # back at the seq due before the jump: an inserted line or a swap, the next record says which
+                where, line = locate()
+                self.back = (jump[3], n_steps, {"where": where, "line": line, "seq": seq, "expected": expected,
+                                                "event": event})
+                self.jump = jump
             elif seq < expected and len(self.disorder) < MAX_DISORDER:
                 # written out of order (or a copied line): the order of the file is not the rank's
                 where, line = locate()
@@ -55,11 +76,55 @@ class SeqCheck:
         self.prev, self.steps_at_prev = seq, n_steps
         return True
 
+    def step(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]]) -> None:
+        """A step record read one by one while a jump is open (``n_steps``: steps counted before it).
+
+        The walker counts steps without reading their ``seq``; the first step after a jump is
+        read because, carrying the ``seq`` due before the jump, it went back like ``check``'s
+        record back (a step swapped with the record before it, or that record inserted).
+        """
+        jump = self.jump
+        if jump is None or self.back is not None or n_steps != jump[1] or type(seq) is not int \
+                or seq != jump[0] - 1:
+            return
+        where, line = locate()
+        self.back = (jump[3], n_steps + 1, {"where": where, "line": line, "seq": seq, "expected": jump[3] + 1,
+                                            "event": "step"})
+        self.prev, self.steps_at_prev = seq, n_steps + 1
+
+    def _settle_back(self, jump: tuple, swapped: bool) -> bool:
+        """Decide the record back held in ``back``: a swap (disorder there) or the jumped record inserted."""
+        entry = self.back[2]
+        self.back = None
+        if not swapped:
+            self._foreign(jump)
+            return False
+        self.lost -= 1                  # the record back filled the slot the jump skipped (others stay lost)
+        if jump[2] == 1:
+            self.lost_between = jump[4]
+        if len(self.disorder) < MAX_DISORDER:
+            self.disorder.append(entry)
+        return True
+
+    def _foreign(self, jump: tuple) -> None:
+        """The jumped record carried a seq outside the sequence: no line was lost there."""
+        self.lost -= jump[2]
+        self.lost_between = jump[4]
+        self.odd += 1
+
     def skip_to(self, last_seq: int, n_steps: int) -> None:
         """A stretch read in bulk ended with ``last_seq``, ``n_steps`` step records counted by then."""
+        if self.back is not None:   # the stretch went on from the record back: the jumped one was inserted
+            self._settle_back(self.jump, False)
+        self.jump = None            # (a jump before the stretch is lost lines: it ran on from the jumped seq)
         self.prev, self.steps_at_prev = last_seq, n_steps
 
     def warnings(self) -> list[str]:
+        if self.back is not None:
+            # nothing came after the record back: the last two records swapped, unless the jumped one skipped more
+            # than one seq (an inserted line carrying exactly the next seq would be a coincidence)
+            self._settle_back(self.jump, self.jump[2] == 1)
+            self.jump = None
         out = []
         if self.odd:
             out.append(f"{self.odd} record(s) carry a seq outside the rank's sequence (foreign lines?)")

@@ -49,6 +49,7 @@ __all__ = [
 MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
 _TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
 _ROTATED_NAME = re.compile(r"^(rank\d+\.jsonl)\.\d+$")
+_STEP_KEYS = frozenset(("ts", "rank", "world", "event", "state", "step", "seq", "dummy", "due"))  # of a step record
 
 
 def summarize_rank(
@@ -76,8 +77,11 @@ def summarize_rank(
         if mux is not None:
             mux.feed(rec)
             continue
-        # hot path: the compact record of a step that kept the state
-        if w.plain_ok and rec.get("event") == "step" and rec.get("state") == w.state and not rec.get("due"):
+        # hot path: the compact record of a step that kept the state, with the fields of one and their types (else
+        # Walker.record warns about a wrong type and ignores the field, as the text path does)
+        if w.plain_ok and rec.get("event") == "step" and rec.get("state") == w.state and not rec.get("due") \
+                and rec.keys() <= _STEP_KEYS and type(rec.get("step")) is int and type(rec.get("seq")) is int \
+                and type(rec.get("ts")) is float and type(rec.get("rank")) is int and type(rec.get("world")) is int:
             w.n_steps += 1
             w.records += 1
             w.last = rec

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from eplb_fsm.fsm.machine import COMMITTING, EVENT_DATA, TRANSFERRING
 from eplb_fsm.inspect.model import SCALE_TRIGGERS, Transition, compact_record
 from eplb_fsm.inspect.records import REQUEST_KEYS
+from eplb_fsm.trace_fields import PENDING_CLEARED, PENDING_SET
 
 if TYPE_CHECKING:
     from eplb_fsm.inspect.walker import Walker
@@ -63,6 +64,11 @@ def replay_transition(w: "Walker", rec: dict) -> None:
         reasons.append(f"the machine is at layer {out[1]} after it, the trace says {layer_after}")
     if reasons:
         w.illegal(rec, "; ".join(reasons), replayed)
+    if not reasons or (len(reasons) == 1 and src != replayed):
+        # legal, or legal from the recorded source (records lost before it left the replay behind): the machine's
+        # answer is the state to go on from, scale flag included (a fault clears it, groups_ready sets it)
+        w.state, w.layer, w.pending = out
+    else:
         # resynchronise on what the trace claims
         w.state = dst
         if dst == TRANSFERRING:
@@ -74,12 +80,10 @@ def replay_transition(w: "Walker", rec: dict) -> None:
                 w.layer = rec_layer
             else:
                 w.layer = 0
-        if trig == "scale_requested":
+        if trig in PENDING_SET:   # the machine's own before-hooks set and clear the flag on these
             w.pending = True
-        elif trig == "switched":
+        elif trig in PENDING_CLEARED:
             w.pending = False
-    else:
-        w.state, w.layer, w.pending = out
     if not (trig == "step" and src == dst):
         s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
                                         rec.get("generation") if trig in SCALE_TRIGGERS else None))

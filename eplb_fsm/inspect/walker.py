@@ -47,6 +47,14 @@ from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.transition_replay import replay_transition
 from eplb_fsm.trace_segments import segment_line
 
+def last_step(rec: dict | None) -> int | None:
+    """The step ``rec`` reached (a ``steps`` run: its last one); None without an integer step."""
+    step, count = (rec.get("step"), rec.get("count")) if rec is not None else (None, None)
+    if type(step) is not int or rec.get("event") != "steps" or type(count) is not int:
+        return step if type(step) is int else None
+    return step + max(0, count - 1)
+
+
 class Walker:
     """The replay of one rank file, session by session, fed record by record (or by runs of validated step lines)."""
 
@@ -89,6 +97,8 @@ class Walker:
         self.seqs = SeqCheck()
         self.s.disorder = self.seqs.disorder
         self.seen_at: tuple | None = None    # (ts, step, state) of the last record whose time was seen
+        self.early_ends: dict[tuple, tuple[dict, bool]] = {}   # (group, cseq) -> (end read first, warn if unmet)
+        self.step_before: int | None = None  # the last integer step before a record whose step is unusable
 
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
@@ -207,6 +217,8 @@ class Walker:
             self.illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
         self.plain_ok = ok and not due
+        if self.seqs.jump is not None:   # a jump is open: this step's seq may be the one that went back (a swap)
+            self.seqs.step(rec.get("seq"), self.n_steps, self._locate)
         self.n_steps += 1
 
     def _check_seq(self, rec: dict, ev: Any) -> bool:
@@ -234,6 +246,9 @@ class Walker:
         ts, step, ev = rec.get("ts"), rec.get("step"), rec.get("event")
         if ev == "steps" and type(step) is int and type(rec.get("count")) is int:
             step += max(0, rec["count"] - 1)   # a run reached its last step: a silence after it starts there
+        elif type(step) is not int:   # damaged or missing: if this is the last record, the one before says how far
+            before = last_step(self.last_record())
+            self.step_before = self.step_before if before is None else before
         seen = self.seen_at
         if seen is not None and type(ts) is float and ts - seen[0] <= SILENCE_S:
             self.seen_at = (ts, step, rec.get("state"))   # the common case, inline
@@ -264,7 +279,7 @@ class Walker:
         if self.world is None and "world" in rec:
             self.world = rec.get("world")
         if ev == "transition":
-            self._transition(rec)
+            replay_transition(self, rec)
             return
         if ev == "steps":
             self._steps_run(rec)
@@ -289,25 +304,22 @@ class Walker:
                 entries = s.collectives[group] = CollectiveIndex()
             if cseq in entries:
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
-            entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
-                                       rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"),
-                                       rec.get("parts"), rec.get("ts"))
+            entry = entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
+                                               rec.get("step"), st, rec.get("layer"), rec.get("seq"),
+                                               rec.get("wave"), rec.get("parts"), rec.get("ts"))
+            if self.early_ends and (early := self.early_ends.pop((group, cseq), None)) is not None:
+                self._close(entry, early[0])
         elif ev == "collective_end" or ev == "collective_error":
             group = str(rec.get("group", WORLD_GROUP))
             entries = s.collectives.get(group)
             entry = entries.get(rec.get("cseq")) if entries else None
             if entry is None:
-                if s.cut is None or (entries and rec.get("cseq") > entries.min_cseq()):  # else: started before the cut
-                    s.warnings.append(f"{ev} for {group}#{rec.get('cseq')} without a start (seq {rec.get('seq')})")
+                # its start may follow (two lines swapped: out of order by seq): it ends that collective then;
+                # warned about at the end of the session if none came (not one started before the cut)
+                self.early_ends[(group, rec.get("cseq"))] = (
+                    rec, s.cut is None or bool(entries and rec.get("cseq") > entries.min_cseq()))
             else:
-                if ev == "collective_end":
-                    entry.status = "ended"
-                    entry.duration_s = rec.get("duration_s")
-                else:
-                    entry.status = "error"
-                    entry.error = rec.get("error")
-                if rec.get("op") != entry.op:
-                    s.warnings.append(f"{group}#{entry.cseq}: started as {entry.op!r}, ended as {rec.get('op')!r}")
+                self._close(entry, rec)
         elif ev == "header":
             if s.header is None:
                 s.header = rec
@@ -324,6 +336,15 @@ class Walker:
             self.num_layers = rec["num_layers"]
         else:
             keep_record(s, ev, rec, st)
+
+    def _close(self, entry: Collective, rec: dict) -> None:
+        """A collective_end or collective_error record ends the collective ``entry``."""
+        if rec.get("event") == "collective_end":
+            entry.status, entry.duration_s = "ended", rec.get("duration_s")
+        else:
+            entry.status, entry.error = "error", rec.get("error")
+        if rec.get("op") != entry.op:
+            self.s.warnings.append(f"{entry.group}#{entry.cseq}: started as {entry.op!r}, ended as {rec.get('op')!r}")
 
     def _steps_run(self, rec: dict) -> None:
         """A ``steps`` record: ``count`` quiet steps of its state, each the internal ``step`` (due false)."""
@@ -342,9 +363,6 @@ class Walker:
         if not self.plain_ok:
             self.illegal(rec, f"a steps record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
-
-    def _transition(self, rec: dict) -> None:
-        replay_transition(self, rec)
 
     def result(self, last: dict | None) -> RankSummary:
         """The file's last session, with the earlier sessions of the same job in ``previous``."""
@@ -365,12 +383,12 @@ class Walker:
         s.first_step = first.get("step") if first is not None else None
         if last is not None:
             s.last = compact_record(last)
-            step = last.get("step")
-            s.last_step = step if type(step) is int else None
-            if s.last_step is not None and last.get("event") == "steps" and type(last.get("count")) is int:
-                s.last_step += max(0, last["count"] - 1)   # a run ends at its last step
+            # a last record whose step is unusable (the field is ignored) has not undone the steps before it
+            s.last_step = self.step_before if (step := last_step(last)) is None else step
         s.final_state = self.state
         s.final_layer = self.layer if self.state == TRANSFERRING else None
+        s.warnings += [f"{rec.get('event')} for {g}#{c} without a start (seq {rec.get('seq')})"
+                       for (g, c), (rec, warn) in self.early_ends.items() if warn]
         s.warnings += self.seqs.warnings()
         if self.mismatches:
             seq, ev, st, rep = self._mismatch_example

@@ -1,0 +1,97 @@
+"""A rank's seq counter (``SeqCheck``): lost lines, foreign lines, records out of order, swaps."""
+
+from __future__ import annotations
+
+import json
+
+from eplb_fsm.inspect.replay import replay_dir
+from eplb_fsm.inspect.seqcheck import SeqCheck
+from eplb_fsm.testing import SyntheticJob
+
+
+def feed(seqs: list, steps_after: dict[int, int] | None = None) -> SeqCheck:
+    """A SeqCheck told ``seqs`` as records read one by one; ``steps_after[i]``: steps counted after the i-th."""
+    check, n_steps = SeqCheck(), 0
+    for i, seq in enumerate(seqs):
+        check.check(seq, n_steps, lambda i=i: (f"rank00000.jsonl:{i + 1}", i + 1), "alive")
+        n_steps += (steps_after or {}).get(i, 0)
+    return check
+
+
+def test_lost_lines_are_counted_from_where_they_went_missing():
+    """A jump forward that the next records go on from is lost lines, counted with the seqs either side."""
+    check = feed([18, 19, 23, 24, 25])
+    assert (check.lost, check.odd, check.disorder) == (3, 0, [])
+    assert check.warnings() == ["3 record(s) missing by seq (lost lines), the first between seq 19 and seq 23"]
+
+
+def test_one_record_with_a_foreign_seq_is_a_warning_not_disorder():
+    """An inserted line (the next record goes on from before it) and a mislabelled one are foreign lines."""
+    inserted = feed([18, 19, 57, 20, 21, 22])
+    mislabelled = feed([18, 19, 57, 21, 22])
+    for check in (inserted, mislabelled):
+        assert (check.lost, check.odd, check.disorder) == (0, 1, [])
+        assert check.warnings() == ["1 record(s) carry a seq outside the rank's sequence (foreign lines?)"]
+
+
+def test_two_swapped_records_are_disorder_at_the_one_that_went_back():
+    """Seqs 19, 21, 20, 22: one swap, reported where seq 20 stands, not a lost line and a foreign one."""
+    check = feed([18, 19, 21, 20, 22, 23])
+    assert (check.lost, check.odd) == (0, 0) and check.warnings() == []
+    assert [(d["seq"], d["expected"], d["line"]) for d in check.disorder] == [(20, 22, 4)]
+
+
+def test_a_swap_next_to_lost_lines_keeps_the_loss():
+    """Seqs 19, 23, 20, 24: seq 20 came late (disorder there) and 21-22 are lost."""
+    check = feed([18, 19, 23, 20, 24])
+    assert [d["seq"] for d in check.disorder] == [20] and (check.lost, check.odd) == (2, 0)
+    assert check.warnings() == ["2 record(s) missing by seq (lost lines), the first between seq 19 and seq 23"]
+
+
+def test_the_last_two_records_swapped_are_disorder():
+    """Nothing follows the record that went back: one seq ahead then back is the last two lines swapped."""
+    check = feed([18, 19, 21, 20])
+    assert check.warnings() == [] and [d["seq"] for d in check.disorder] == [20]
+
+
+def test_a_step_swapped_with_the_record_before_it_is_disorder():
+    """A step record (counted, seq unread) that went back after a jump is read for its seq: disorder at the step."""
+    check = SeqCheck()
+    locate = lambda: ("rank00000.jsonl:3", 3)   # noqa: E731
+    check.check(1, 0, locate, "model_added")
+    check.check(3, 0, locate, "collective_start")   # seq 2 was due: the step with seq 2 comes after it
+    check.step(2, 0, locate)
+    check.check(4, 1, locate, "collective_end")
+    assert (check.lost, check.odd) == (0, 0)
+    assert [(d["seq"], d["expected"], d["event"]) for d in check.disorder] == [(2, 4, "step")]
+
+
+def test_a_step_after_an_inserted_line_stays_a_foreign_line():
+    """A step carrying the seq due before a jump, then records going on from it: the jumped record was foreign."""
+    check = SeqCheck()
+    locate = lambda: ("rank00000.jsonl:3", 3)   # noqa: E731
+    check.check(1, 0, locate, "model_added")
+    check.check(40, 0, locate, "alive")
+    check.step(2, 0, locate)
+    check.check(3, 1, locate, "alive")
+    assert (check.lost, check.odd, check.disorder) == (0, 1, [])
+
+
+def test_every_adjacent_swap_of_a_real_trace_is_out_of_order(tmp_path):
+    """Swapping any two adjacent records of a healthy trace never reads healthy or as a hang: out_of_order is found."""
+    job = SyntheticJob(world=2, trace_dir=str(tmp_path / "src"), keep=False, interval=4)
+    job.run(10)
+    job.close()
+    lines = (tmp_path / "src" / "rank00001.jsonl").read_text().splitlines()
+    other = (tmp_path / "src" / "rank00000.jsonl").read_text()
+    wrong = []
+    for i in range(1, len(lines) - 1):
+        swapped = lines[:i] + [lines[i + 1], lines[i]] + lines[i + 2:]
+        work = tmp_path / f"swap{i}"
+        work.mkdir()
+        (work / "rank00000.jsonl").write_text(other)
+        (work / "rank00001.jsonl").write_text("\n".join(swapped) + "\n")
+        report = replay_dir(work)
+        if report.verdict in ("healthy", "hang") or "out_of_order" not in [f.kind for f in report.findings]:
+            wrong.append((i + 1, json.loads(lines[i])["event"], json.loads(lines[i + 1])["event"], report.verdict))
+    assert wrong == []
