@@ -66,7 +66,13 @@ def test_simulate_rejects_bad_arguments(capsys):
         (lambda t: ["--png", str(t)], "--png: .* is a directory"),
         (lambda t: ["--png", str(t / "plot.jpg")], "--png: .* must end in .png"),
         (lambda t: ["--png", str(t / "x.png"), "--no-png"], "--png and --no-png cannot be combined"),
-        (lambda t: ["--load", str(t / "nope.npy")], "no such file"),
+        (lambda t: ["--load", str(t / "nope.npy")], r"--load: .*nope\.npy: no such file or directory; --load takes"),
+        (lambda t: ["--window", "100000000"], r"--window must be <= 100000, got 100000000"),
+        # with --scale a fault on a rank that does not run at its step could never fire
+        (lambda t: ["--redundant", "8", "--scale", "10:1", "--inject", "die:rank=1,step=11"],
+         r"--inject 'die:rank=1,step=11': with --scale, rank 1 .* may run steps 0-10 only"),
+        (lambda t: ["--scale", "20:3", "--inject", "skip-step:rank=2,step=10"],
+         r"--inject 'skip-step:rank=2,step=10': with --scale, rank 2 .* may run steps 20-39 only"),
         (lambda t: ["--min-gain", "2"], r"--min-gain must be a number in \[0, 1\], got 2.0"),
         (lambda t: ["--min-gain", "nan"], r"--min-gain must be a number in \[0, 1\], got nan"),
     ],
@@ -85,6 +91,17 @@ def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys, make, rule):
     assert re.search(rule, err), err
     assert not list(tmp_path.rglob("*.jsonl")) and not list(tmp_path.rglob("*.png"))
     assert not (tmp_path / "traces").exists()  # the trace folder is made only once every check passed
+
+
+def test_a_load_file_whose_layer_sum_overflows_is_refused(tmp_path, capsys):
+    """Finite loads that sum past the largest float are a usage error naming --load, not a uniform load."""
+    big = tmp_path / "big.json"
+    big.write_text("[[1e308, 1e308, 1, 1], [1, 2, 3, 4]]")
+    assert main(["simulate", *SMALL, "--no-progress", "--load", str(big), "--trace-dir", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb-fsm simulate: error: --load: {big}: the loads of layer 0 sum past the largest "
+                          "float") and err.count("\n") == 1, err
+    assert not (tmp_path / "t").exists()
 
 
 def test_unknown_policy_lists_the_choices(capsys):

@@ -79,3 +79,75 @@ def test_a_reused_trace_dir_knows_where_this_run_starts(tmp_path):
         with open(tmp_path / f"rank0000{rank}.jsonl", "a") as fh:
             fh.write(json.dumps({"event": "header", "rank": rank, "run_id": rid}) + "\n")
     assert trace_dir.run_id == "fe11000000000000" and copy.run_id == "fe11000000000000"
+
+
+def test_a_reused_trace_dir_loses_only_the_earlier_runs_progress_files(tmp_path):
+    """The live line reads every progress/rank*.json: an earlier run's are removed, its traces and logs kept."""
+    from eplb_fsm.commands.simulate_progress import Progress
+    from eplb_fsm.sim.run import progress_path
+
+    for rank in (0, 1, 5):  # rank 5: a joiner of the earlier run
+        path = progress_path(tmp_path, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text('{"state": "collecting", "step": 400, "rearrangements": 4}')
+    (tmp_path / "rank00000.jsonl").write_text("{}\n")
+    (tmp_path / "rank00000.log").write_text("old stacks\n")
+    trace_dir = prepare_trace_dir(str(tmp_path))
+    assert not list(progress_path(tmp_path, 0).parent.glob("rank*.json"))
+    assert (tmp_path / "rank00000.jsonl").read_text() == "{}\n" and (tmp_path / "rank00000.log").is_file()
+    import io
+    from types import SimpleNamespace
+
+    line = Progress(SimpleNamespace(ranks=2, steps=10, log_dir=trace_dir), io.StringIO()).line()
+    assert line == "simulate step -/10 | r0:starting r1:starting | rearrangements 0"
+
+
+def _events(*specs):
+    from eplb_fsm.sim.elastic import parse_scale_specs
+
+    return parse_scale_specs(list(specs), 2, 40, 8, 8)
+
+
+def test_serving_spans_follow_the_scales():
+    """Leaving ranks end at their scale's step, joiners start at theirs, an absent scale-up stops the run there."""
+    from eplb_fsm.commands.simulate_checks import serving_spans
+
+    assert serving_spans(2, 40, _events("10:1", "20:3")) == ({0: [(0, 39)], 1: [(0, 10), (20, 39)], 2: [(20, 39)]},
+                                                             None)
+    assert serving_spans(2, 40, _events("10:2", "15:3:absent", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
+
+
+@pytest.mark.parametrize("scale, spec, rule", [
+    (["20:3"], "skip-step:rank=2,step=19", "rank 2 .* may run steps 20-39 only, so the fault at step 19 cannot fire"),
+    (["10:1"], "die:rank=1,step=11", "rank 1 .* may run steps 0-10 only"),
+    (["10:1"], "kill:rank=1,step=11,layer=0", "with layer= the fault fires at a transfer at step 11 or later"),
+    (["10:1", "20:2"], "freeze:rank=1,step=15,seconds=1", "may run steps 0-10 and 20-39 only"),
+    (["10:3:absent"], "skip-step:rank=0,step=11", "the run stops at the end of step 10: its :absent scale-up"),
+    (["10:3:absent"], "stall-layer:rank=2,layer=0", "rank 2 .* never runs"),
+])
+def test_a_fault_on_a_rank_that_does_not_run_then_is_refused(scale, spec, rule):
+    """With --scale, a fault at a step its rank provably does not run is a ValueError naming --inject and why."""
+    from eplb_fsm.commands.simulate_checks import check_injections_serve
+    from eplb_fsm.sim.inject import parse_specs
+
+    import re
+
+    with pytest.raises(ValueError, match=f"^--inject {re.escape(repr(spec))}: with --scale, .*{rule}"):
+        check_injections_serve(parse_specs([spec], 4, 40, 2), 2, 40, _events(*scale))
+
+
+@pytest.mark.parametrize("scale, spec", [
+    (["20:3"], "skip-step:rank=2,step=20"),             # a joiner runs its scale's step
+    (["20:3"], "kill:rank=2,step=5,layer=1"),           # fires at a transfer after it joined
+    (["10:1"], "die:rank=1,step=10"),                   # serves step 10 if the scale-down aborts
+    (["10:1"], "kill:rank=1,step=10,layer=0"),          # the scale-down's own transfer
+    (["10:1", "20:2"], "skip-step:rank=1,step=25"),     # the rank came back as a joiner
+    (["10:3:absent"], "skip-step:rank=1,step=10"),      # before the run stops
+    (["10:1"], "stall-layer:rank=1,layer=1"),
+])
+def test_a_fault_that_may_fire_under_scale_is_accepted(scale, spec):
+    """Only what provably cannot fire is refused: layer-bound faults wait for a later transfer."""
+    from eplb_fsm.commands.simulate_checks import check_injections_serve
+    from eplb_fsm.sim.inject import parse_specs
+
+    check_injections_serve(parse_specs([spec], 4, 40, 2), 2, 40, _events(*scale))

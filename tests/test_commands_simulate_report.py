@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def test_scale_lines_name_what_happened():
     """A same-size scale says the group already had that size; a switched one prints from -> to (no 'None')."""
-    from eplb_fsm.commands.simulate_report import _format_scalings
+    from eplb_fsm.commands.simulate_report import format_scalings
 
     report = {"config": {"ranks": 4}, "scalings": [
         {"step": 50, "requested_ranks": 4, "outcome": "skipped", "from_ranks": None, "to_ranks": None},
@@ -14,7 +14,7 @@ def test_scale_lines_name_what_happened():
         {"step": 150, "requested_ranks": 2, "outcome": "skipped", "from_ranks": None, "to_ranks": None},
         {"step": 390, "requested_ranks": 4, "outcome": "not_reached", "from_ranks": None, "to_ranks": None},
     ]}
-    lines = _format_scalings(report)
+    lines = format_scalings(report)
     assert lines[0] == "scale at step 50 to 4 ranks: skipped (the group already has 4 ranks)"
     assert lines[1].startswith("scale at step 100: 4 -> 2 ranks: switched")
     assert lines[2] == "scale at step 150 to 2 ranks: skipped (the group already has 2 ranks)"

@@ -88,6 +88,7 @@ SCENARIOS = [
 @pytest.mark.parametrize("mode, spec, extra, verdicts, culprit, steps, layer, collective", SCENARIOS)
 def test_injected_fault_ends_the_run_and_replay_names_it(tmp_path, capsys, mode, spec, extra, verdicts, culprit,
                                                          steps, layer, collective):
+    """Each injected fault ends the run with exit 1, and the replay of its traces names the culprit and where."""
     log_dir = tmp_path / "logs"
     code, report, wall = simulate(log_dir, mode, "--inject", spec, *extra, capsys=capsys)
     rank = int(spec.split("rank=")[1].split(",")[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
-from eplb_fsm.sim.elastic_launcher import _settle_after_failure
+from eplb_fsm.sim.elastic_launcher import settle_after_failure
 
 
 def test_a_process_killed_while_another_reported_is_named_as_died():
@@ -13,7 +13,7 @@ def test_a_process_killed_while_another_reported_is_named_as_died():
     procs = {0: SimpleNamespace(exitcode=None), 1: SimpleNamespace(exitcode=0), 1002: SimpleNamespace(exitcode=-9)}
     values: dict = {}
     failures = {1: "RuntimeError: Connection closed by peer"}
-    _settle_after_failure(procs, values, failures, queue.Queue())
+    settle_after_failure(procs, values, failures, queue.Queue())
     assert failures == {1: "RuntimeError: Connection closed by peer",
                         1002: "process exited with code -9 without reporting"}
     assert values == {}
@@ -27,5 +27,5 @@ def test_reports_that_arrive_within_the_grace_are_taken_first():
     results.put((2, "ok", {"rank": 2}))
     values: dict = {}
     failures = {1: "RuntimeError: x"}
-    _settle_after_failure(procs, values, failures, results)
+    settle_after_failure(procs, values, failures, results)
     assert failures == {1: "RuntimeError: x", 0: "ValueError: bad"} and values == {2: {"rank": 2}}

@@ -19,12 +19,14 @@ SMALL = ["--ranks", "2", "--layers", "3", "--experts", "8", "--redundant", "4", 
     (" die : step=5 , rank=1 ", Injection("die", 1, step=5)),  # spaces and key order do not matter
 ])
 def test_good_specs_parse(spec, expected):
+    """A good spec parses to its Injection, and its canonical form parses back to the same one."""
     inj = parse_spec(spec)
     assert inj == expected
     assert parse_spec(inj.spec) == inj  # the canonical form parses back to the same injection
 
 
 def test_every_kind_has_a_canonical_spec():
+    """Every kind's spec with all its keys is its own canonical form."""
     for kind, keys in KINDS.items():
         spec = f"{kind}:" + ",".join(f"{k}=1" for k in keys)
         assert parse_spec(spec).spec == spec
@@ -44,6 +46,7 @@ def test_every_kind_has_a_canonical_spec():
     ("", ["must look like KIND:key=value"]),
 ])
 def test_bad_specs_name_the_spec_and_the_rule(spec, words):
+    """A bad spec is a ValueError that starts with --inject and the spec, then says the rule it breaks."""
     with pytest.raises(ValueError) as err:
         parse_spec(spec)
     text = str(err.value)
@@ -53,6 +56,7 @@ def test_bad_specs_name_the_spec_and_the_rule(spec, words):
 
 
 def test_range_checks_against_the_run():
+    """Rank, step and layer must lie in the run's shape; the same injection twice is refused."""
     with pytest.raises(ValueError, match=r"rank 2 is out of range: the run has 2 rank\(s\) \(0\.\.1\)"):
         parse_specs(["die:rank=2,step=1"], ranks=2)
     with pytest.raises(ValueError, match=r"step 24 is out of range: the run has 24 step\(s\)"):
@@ -80,6 +84,7 @@ def test_simulate_refuses_bad_specs_with_exit_2(spec, word, capsys):
 
 
 def test_simulate_help_documents_inject_and_watchdog():
+    """simulate --help lists every --inject kind and the watchdog."""
     text = build_parser()._subparsers._group_actions[0].choices["simulate"].format_help()
     flat = " ".join(text.split())
     for word in ("--inject SPEC", "skip-step:rank=R,step=S", "stall-layer:rank=R,layer=K",

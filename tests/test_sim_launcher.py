@@ -122,13 +122,28 @@ def test_a_rank_that_dies_is_reported():
     [
         (dict(fn=None, world_size=2), "fn: must be callable"),
         (dict(fn=_sum_ranks, world_size=0), "world_size: must be a positive int"),
-        (dict(fn=_sum_ranks, world_size=2, timeout=0), "timeout: must be > 0"),
+        (dict(fn=_sum_ranks, world_size=2, timeout=0), "timeout: must be a finite number of seconds > 0"),
+        # NaN passed `> 0` checks written the other way round, inf failed only once the ranks were up
+        (dict(fn=_sum_ranks, world_size=2, timeout=float("nan")), "timeout: must be a finite number .* got nan"),
+        (dict(fn=_sum_ranks, world_size=2, timeout=float("inf")), "timeout: must be a finite number .* got inf"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     """Bad launcher arguments raise ValueError before anything starts."""
     with pytest.raises(ValueError, match=match):
         run_ranks(**kwargs)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0])
+def test_elastic_launcher_refuses_a_timeout_before_any_process(timeout):
+    """run_elastic checks its deadline like run_ranks: a ValueError naming timeout, before the store or a process."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.sim.elastic_launcher import run_elastic
+
+    opts = SimpleNamespace(extra={}, ranks=2, steps=10, experts=4, redundant=4)  # no store could be built from it
+    with pytest.raises(ValueError, match="^timeout: must be a finite number of seconds > 0"):
+        run_elastic(opts, timeout=timeout)
 
 
 def test_free_port_is_bindable():
@@ -290,11 +305,38 @@ def test_log_to_sends_stdout_to_the_file_and_starts_the_watch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout == "", out.stderr
-    assert path.read_text() == "hello from the rank\n"
+    first, rest = path.read_text().split("\n", 1)
+    assert first.startswith("===== eplb-fsm rank process ") and rest == "hello from the rank\n"
     assert "eplb-interpreter-watch" in out.stderr
 
 
-def _sleep_writing_pid(rank: int, world: int, pid_dir: str) -> int:
+def test_log_to_appends_so_a_reused_folder_keeps_the_earlier_runs_log(tmp_path):
+    """Two processes log to one rank<r>.log: both outputs stay, in order, each under a line naming its pid."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "rank00003.log"
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from eplb_fsm.sim import signals\n"
+        f"signals.log_to(Path({str(path)!r}))\n"
+        "print('output of run', sys.argv[1], flush=True)\n"
+        "sys.stderr.write(str(os.getpid()))\n"
+    )
+    pids = []
+    for run in ("first", "second"):
+        out = subprocess.run([sys.executable, "-c", script, run], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        pids.append(out.stderr.strip())
+    lines = path.read_text().splitlines()
+    heads = [line for line in lines if line.startswith("===== eplb-fsm rank process ")]
+    assert [h.split()[4] for h in heads] == pids
+    assert lines.index(heads[0]) < lines.index("output of run first") < lines.index(heads[1])
+    assert lines.index(heads[1]) < lines.index("output of run second")
+
+
+def sleep_writing_pid(rank: int, world: int, pid_dir: str) -> int:
     """Both ranks write their pid and sleep: only a signal ends them."""
     _write_pid(pid_dir, rank)
     time.sleep(120)
@@ -311,10 +353,10 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     script = (
         "import sys\n"
         f"sys.path.insert(0, {tests_dir!r})\n"
-        "from test_sim_launcher import _sleep_writing_pid\n"
+        "from test_sim_launcher import sleep_writing_pid\n"
         "from eplb_fsm.sim.launcher import run_ranks\n"
         "if __name__ == '__main__':\n"
-        f"    run_ranks(_sleep_writing_pid, 2, args=({str(tmp_path)!r},), timeout=300)\n"
+        f"    run_ranks(sleep_writing_pid, 2, args=({str(tmp_path)!r},), timeout=300)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", script])
     pids: list[int] = []

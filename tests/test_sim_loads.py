@@ -164,6 +164,8 @@ def test_bundled_layer_selection_checked():
         ("e.npy", lambda p: np.save(p, np.ones((0, 3))), "empty"),
         ("nan.npy", lambda p: np.save(p, np.array([[1.0, np.nan]])), "NaN"),
         ("inf.npy", lambda p: np.save(p, np.array([[1.0, np.inf]])), "infinite"),
+        # finite loads whose layer sum overflows: they used to become a uniform load
+        ("big.json", lambda p: p.write_text("[[1e308, 1e308, 1, 1], [1, 2, 3, 4]]"), "layer 0 sum past the largest"),
         ("neg.json", lambda p: p.write_text("[[1, -2]]"), "negative"),
         ("ragged.json", lambda p: p.write_text("[[1, 2], [3]]"), "rectangular"),
         ("str.json", lambda p: p.write_text('[["a", "b"]]'), "real numbers"),
@@ -294,3 +296,14 @@ def test_scenario_load_unknown_shape():
     """Asking for a shape that is not in the file lists the known ones."""
     with pytest.raises(ValueError, match="unknown shape 'nope'.*v2lite_ep8"):
         scenario_load("nope")
+
+
+def test_a_load_whose_repeated_experts_overflow_is_refused(tmp_path):
+    """A file with fewer experts than the run repeats them; a layer sum that then overflows is a ValueError."""
+    from eplb_fsm.sim.run import SimOptions, load_targets
+
+    path = tmp_path / "near_max.json"
+    path.write_text("[[1e308, 5e307], [1, 2]]")  # each layer's sum is finite: the file itself is accepted
+    assert load_matrix(path).shape == (2, 2)
+    with pytest.raises(ValueError, match="repeated to 8 experts, a layer's loads sum past the largest float"):
+        load_targets(SimOptions(ranks=2, layers=2, experts=8, redundant=0, steps=10, interval=5, load=str(path)))

@@ -62,3 +62,31 @@ def test_stop_and_hang_faults_check_their_arguments():
     with pytest.raises(ValueError, match="culprit must be a rank below world=4"):
         hang_faults(4, culprit=9, step=19)
     assert hang_faults(2, culprit=1, step=3).stop[0] == Stop(3, "in_collective")
+
+
+@pytest.mark.parametrize("faults, match", [
+    # the reviewer's case: rank 1 is gone from step 2, so nothing of it runs at 3 or 9
+    (Faults(stop={1: Stop(2)}, wrong_collective={1: (9, {"op": "broadcast"})}, skip_count={1: 3}),
+     r"Faults\.(wrong_collective|skip_count): rank 1 stops at step 2 \(before_step, Faults\.stop\) in this run"),
+    (Faults(stop={1: Stop(9)}, skip_count={1: 9}), "its fault at step 9 could not fire"),  # before_step: not even this
+    (Faults(stop={1: Stop(9, "before_collective")}, wrong_collective={1: (9, {"op": "broadcast"})}),
+     r"Faults\.wrong_collective: rank 1 stops at step 9 \(before_collective"),
+    (Faults(stop={1: Stop(9, "in_collective")}, illegal={1: 9}), r"Faults\.illegal: rank 1 stops at step 9"),
+    (Faults(stop={0: Stop(4, "in_collective")}, transfer_error={0: (14, 1)}), r"Faults\.transfer_error: rank 0 stops"),
+])
+def test_a_fault_after_its_ranks_stop_in_the_same_run_is_refused(faults, match):
+    """A fault on a rank at a step at or after that rank's stop (where the stop comes first) is a ValueError."""
+    job = SyntheticJob(world=2, num_layers=2, num_experts=4, interval=5)
+    before = _counts(job)
+    with pytest.raises(ValueError, match=match):
+        job.run(20, faults)
+    assert job.step_no == 0 and _counts(job) == before
+
+
+def test_a_fault_before_its_ranks_stop_point_still_fires():
+    """The wrong collective a rank stops inside is issued; a fault before a later stop passes too."""
+    job = SyntheticJob(world=2, num_layers=2, num_experts=4, interval=5)
+    job.run(12, Faults(stop={1: Stop(9, "in_collective")}, wrong_collective={1: (9, {"op": "broadcast"})},
+                       illegal={1: 4}))
+    assert job.ranks[1].stopped
+    assert any(r.get("op") == "broadcast" and r.get("step") == 9 for r in job.records()[1])

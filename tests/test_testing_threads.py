@@ -114,3 +114,12 @@ def test_timeout_bounds_the_whole_run_and_frees_the_waiting_ranks():
         run_threads(1, body, timeout=-1)
     with pytest.raises(ValueError, match="world_size"):
         ThreadWorld(True)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 1e12, 0, True])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_before_any_thread(timeout):
+    """run_threads checks timeout up front (inf used to fail in join, after the bodies had run)."""
+    ran = []
+    with pytest.raises(ValueError, match="^timeout must be a finite number of seconds > 0"):
+        run_threads(2, lambda rank, group: ran.append(rank), timeout=timeout)
+    assert ran == []

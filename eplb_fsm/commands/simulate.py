@@ -31,7 +31,9 @@ import signal
 import sys
 import threading
 
-from eplb_fsm.commands.simulate_checks import check_png_path, load_note, prepare_trace_dir
+from eplb_fsm.commands.simulate_checks import (
+    check_injections_serve, check_png_path, load_error, load_note, prepare_trace_dir,
+)
 from eplb_fsm.commands.simulate_report import build_failed_report, build_report, format_report, replay_verdict
 from eplb_fsm.commands.simulate_run import run_simulation
 
@@ -61,8 +63,10 @@ R at step S or later could never fire and is refused (exit 2).
 Every injection that fires writes a 'fault_injected' trace record; one that never fired
 is reported and makes the run fail (exit 1); only this run's records count, even in a
 --trace-dir that holds earlier runs' traces. With --scale, R is the rank a process
-starts as (a joiner: the rank it joins as). SIGTERM or Ctrl-C stops every rank process
-(each writes an 'end' record), keeps the traces and exits 143 / 130.
+starts as (a joiner: the rank it joins as), and a fault on R at a step R does not run
+(a joiner before its scale, a leaving rank after its scale; every rank after an :absent
+scale-up, which aborts and so stops the run) is refused (exit 2). SIGTERM or Ctrl-C stops
+every rank process (each writes an 'end' record), keeps the traces and exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
@@ -74,6 +78,9 @@ S seconds.
 
 MAX_SECONDS = 1e6   # a wait longer than 11 days is no wait a run needs
 MAX_DRIFT = 100.0   # lognormal sigma per interval; far past it the drifting loads overflow to NaN
+# EplbConfig's fields that an option sets: its errors name the field, a usage error the option
+CONFIG_OPTIONS = {"window_size": "--window", "step_interval": "--interval", "num_redundant_experts": "--redundant",
+                  "min_balancedness_gain": "--min-gain", "collective_timeout_s": "--collective-timeout"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +214,8 @@ def build_options(args: argparse.Namespace):
         if events and any(inj.kind == "wrong-collective" for inj in injections):
             raise ValueError("--inject wrong-collective cannot be combined with --scale (its broadcast needs "
                              "the fixed torch.distributed group)")
+        if events:  # a joiner before it joins, a rank after it left: the fault would never fire
+            check_injections_serve(injections, args.ranks, args.steps, events)
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
         top_k=args.top_k, tokens=args.tokens, steps=args.steps, interval=args.interval, window=args.window,
@@ -223,9 +232,16 @@ def build_options(args: argparse.Namespace):
     from eplb_fsm.policy import get_policy
 
     get_policy(opts.policy)  # an unknown name fails here, not in four processes
-    EplbConfig(window_size=opts.window, step_interval=opts.interval, num_redundant_experts=opts.redundant,
-               min_balancedness_gain=opts.min_balancedness_gain, collective_timeout_s=opts.collective_timeout_s)
-    opts = load_targets(opts)
+    try:
+        EplbConfig(window_size=opts.window, step_interval=opts.interval, num_redundant_experts=opts.redundant,
+                   min_balancedness_gain=opts.min_balancedness_gain, collective_timeout_s=opts.collective_timeout_s)
+    except ValueError as exc:  # "window_size must be <= 100000": said as the option that set it
+        field, _, rule = str(exc).partition(" ")
+        raise ValueError(f"{CONFIG_OPTIONS[field]} {rule}" if field in CONFIG_OPTIONS else str(exc)) from None
+    try:
+        opts = load_targets(opts)
+    except ValueError as exc:  # a missing or malformed --load file: a usage error naming the option
+        raise load_error(opts.load, exc) from None
     opts.log_dir = prepare_trace_dir(args.log_dir)  # last: a refused run leaves no folder behind
     return opts
 

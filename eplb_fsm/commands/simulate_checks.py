@@ -8,7 +8,12 @@ Nothing here imports torch.
 A ``--trace-dir`` that already holds traces is appended to, as a restarted engine appends a
 session to its rank file: :func:`prepare_trace_dir` returns a :class:`TraceDir`, which
 remembers how long each trace file was before this run and so finds this run's id, and the
-report, the replay and the injection check read only this run's sessions.
+report, the replay and the injection check read only this run's sessions. Its ``progress/``
+files are the one thing cleared: the live line reads every rank file there, so an earlier
+run's would show as ranks of this one.
+
+With ``--scale``, :func:`check_injections_serve` refuses an ``--inject`` fault on a rank
+that provably does not run at its step (a joiner before it joins, a rank after it left).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import json
 import tempfile
 from pathlib import Path
 
-__all__ = ["TraceDir", "check_png_path", "load_note", "prepare_trace_dir", "run_id_after", "trace_sizes"]
+__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "load_error", "load_note", "prepare_trace_dir",
+           "run_id_after", "serving_spans", "trace_sizes"]
 
 RANK0_FILE = "rank00000.jsonl"  # eplb_fsm.trace.trace_path(dir, 0).name, without importing torch
+PROGRESS_DIR = "progress"       # eplb_fsm.sim.run.progress_path's folder, without importing torch
 
 
 def trace_sizes(directory: str | Path) -> dict[str, int]:
@@ -102,7 +109,25 @@ def prepare_trace_dir(path: str | None) -> TraceDir:
     why = _writable(p)
     if why:
         raise ValueError(f"--trace-dir: cannot write in {p}: {why}")
+    clear_progress(p)
     return TraceDir(str(p), trace_sizes(p))
+
+
+def clear_progress(directory: Path) -> None:
+    """Remove an earlier run's progress files (``progress/rank*.json``); ValueError naming ``--trace-dir``.
+
+    Traces are appended to, but the live line shows every rank file in ``progress/`` (with
+    ``--scale`` joiners add theirs during the run), so a stale one would pass for a rank of
+    this run, with the earlier run's step and state.
+    """
+    for path in (directory / PROGRESS_DIR).glob("rank*.json"):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ValueError(f"--trace-dir: cannot remove the earlier run's progress file {path}: "
+                             f"{exc.strerror or exc}") from None
 
 
 def check_png_path(png: str | None, no_png: bool = False) -> None:
@@ -139,7 +164,7 @@ def load_note(opts) -> str | None:
         try:
             (layers, experts), what = load_matrix(opts.load).shape, f"{opts.load} has"
         except ValueError as exc:  # a missing or malformed file: a usage error naming the option
-            raise ValueError(f"--load: {exc}") from None
+            raise load_error(opts.load, exc) from None
     if (layers, experts) == (opts.layers, opts.experts):
         return None
     how = []
@@ -151,3 +176,70 @@ def load_note(opts) -> str | None:
                    f"expert e takes the load of expert e mod {experts}")
     return (f"--load: {what} {layers} layers x {experts} experts, the simulation {opts.layers} x {opts.experts}: "
             f"fitted ({'; '.join(how)})")
+
+
+def load_error(load: str, exc: Exception) -> ValueError:
+    """The usage error for a ``--load`` that cannot be read: ``--load: <why>``, and what it takes if no such path."""
+    text = str(exc)
+    if text.startswith("--load"):  # already names the option (--load esft: ...)
+        return ValueError(text)
+    if load not in ("zipf", "esft") and not Path(load).exists():  # a typo of zipf or esft reads as a file
+        text += ("; --load takes zipf, esft, example, esft:<task> or a load file (.npy, .npz, .pt, .json, "
+                 "a trace folder)")
+    return ValueError(f"--load: {text}")
+
+
+def serving_spans(ranks: int, steps: int, events) -> tuple[dict[int, list[tuple[int, int]]], int | None]:
+    """Under ``--scale`` with ``--inject``: rank -> [(first, last) step a process of that rank may run], and
+    the step of an ``:absent`` scale-up at whose end the run stops (None: it runs to ``steps - 1``).
+
+    A process keeps the rank it starts or joins as: a scale-down's leaving ranks are the highest,
+    a scale-up's joiners take the new ones. A leaving rank's last step is its scale's: it
+    transfers then, and serves that step too if the scale aborts. An ``:absent`` scale-up
+    aborts (its joiners never start) and, while injecting, every rank stops at the end of
+    that step, its first fault. ``events``: ``ScaleEvent``s (``step``, ``ranks``, ``absent``).
+    """
+    spans: dict[int, list[list[int]]] = {r: [[0, steps - 1]] for r in range(ranks)}
+    size, stop = ranks, None
+    for event in events:
+        if event.ranks > size and event.absent:
+            stop = event.step
+            break
+        for r in range(event.ranks, size):  # scale-down: the highest ranks leave
+            spans[r][-1][1] = event.step
+        for r in range(size, event.ranks):  # scale-up: joiners serve from the scale's step on
+            spans.setdefault(r, []).append([event.step, steps - 1])
+        size = event.ranks
+    if stop is not None:
+        for runs in spans.values():
+            for run in runs:
+                run[1] = min(run[1], stop)
+    return {r: [(a, b) for a, b in runs if a <= b] for r, runs in spans.items()}, stop
+
+
+def check_injections_serve(injections, ranks: int, steps: int, events) -> None:
+    """Refuse an ``--inject`` fault that cannot fire because its rank does not run then (see :func:`serving_spans`).
+
+    A fault with a step but no layer acts at that very step, so the rank must run it. A
+    ``kill``/``freeze`` with a layer fires at the first transfer of it at a step >= S: the
+    rank must run at S or later (a joiner's transfers all come at or after its join). A
+    ``stall-layer`` needs only a process of that rank. ValueError naming ``--inject`` and
+    the rule; ``injections``: ``sim.inject.Injection``s.
+    """
+    spans, stop = serving_spans(ranks, steps, events)
+    ended = (f"; the run stops at the end of step {stop}: its :absent scale-up aborts, and with --inject every "
+             "rank stops at its first fault") if stop is not None else ""
+    for inj in injections:
+        runs = spans.get(inj.rank, [])
+        shown = " and ".join(f"{a}-{b}" for a, b in runs)
+        where = (f"with --scale, rank {inj.rank} (the rank a process starts or joins as, kept until it leaves) "
+                 + (f"may run steps {shown} only" if runs else "never runs") + ended)
+        if inj.step is None:
+            if not runs:
+                raise ValueError(f"--inject {inj.spec!r}: {where}, so the fault cannot fire")
+        elif inj.layer is not None:
+            if not any(inj.step <= b for _, b in runs):
+                raise ValueError(f"--inject {inj.spec!r}: {where}; with layer= the fault fires at a transfer at "
+                                 f"step {inj.step} or later while the rank runs, so it cannot fire")
+        elif not any(a <= inj.step <= b for a, b in runs):
+            raise ValueError(f"--inject {inj.spec!r}: {where}, so the fault at step {inj.step} cannot fire")

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_report", "build_failed_report", "replay_verdict", "format_report"]
+__all__ = ["build_report", "build_failed_report", "replay_verdict", "format_report", "format_scalings"]
 
 
 def _last_record(path: Path, start: int = 0) -> dict | None:
@@ -245,7 +245,7 @@ def _format_replay(report: dict) -> list[str]:
     return lines
 
 
-def _format_scalings(report: dict) -> list[str]:
+def format_scalings(report: dict) -> list[str]:
     """One line per --scale; a scale that did not run says why instead of printing empty rank counts."""
     lines, current = [], report["config"]["ranks"]
     for sc in report.get("scalings", ()):
@@ -281,8 +281,7 @@ def format_report(report: dict) -> str:
                    if r["balancedness_before"] is not None else "-")
         measured = (f"{r['measured_before']:.3f}->{r['measured_after']:.3f}"
                     if r["measured_before"] is not None and r["measured_after"] is not None else "-")
-        outcome = r["outcome"] if not r["reason"] or r["outcome"] == "committed" else f"{r['outcome']}"
-        lines.append(f"  {r['index']:>2} {r['step']:>5} {outcome:<10} {planned:>15} {measured:>15} "
+        lines.append(f"  {r['index']:>2} {r['step']:>5} {str(r['outcome']):<10} {planned:>15} {measured:>15} "
                      f"{r['moved_slots']:>6} {r['moved_bytes']:>9}  {r['layers_committed']}"
                      + (f"  ({r['reason']})" if r["reason"] else ""))
     if not report["rearrangements"]:
@@ -303,7 +302,7 @@ def format_report(report: dict) -> str:
         lines.append(f"balancedness plot: {report['png']}")
     elif report.get("png_note"):
         lines.append(f"no plot: {report['png_note']}")
-    lines += _format_scalings(report)
+    lines += format_scalings(report)
     lines.append(f"wall time: {report['wall_s']} s")
     if report.get("inject"):
         lines.append("injected: " + " ".join(report["inject"]))

@@ -214,7 +214,8 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                 bad_weight_steps.append(step)
             weight_checks += 1
             if progress is not None and (step % opts.progress_every == 0 or state != before):
-                write_step_progress(progress, controller, controller.rank, step, opts, state, world=controller.world_size)
+                write_step_progress(progress, controller, controller.rank, step, opts, state,
+                                    world=controller.world_size)
             if ctx.stop:
                 break
         wall = time.perf_counter() - t0

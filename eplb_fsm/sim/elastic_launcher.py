@@ -18,7 +18,7 @@ from typing import Any
 
 from eplb_fsm.sim.elastic import JOINER_ID, run_elastic_rank, scale_events, spawn_key
 
-__all__ = ["run_elastic"]
+__all__ = ["run_elastic", "settle_after_failure"]
 
 
 def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
@@ -38,7 +38,7 @@ def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, 
     results.put((pid_key, "ok", value))
 
 
-def _settle_after_failure(procs: dict, values: dict, failures: dict, results_q: Any) -> None:
+def settle_after_failure(procs: dict, values: dict, failures: dict, results_q: Any) -> None:
     """Once a process failed: the others are likely blocked on it, so take what they report
     within a second, then count every process that died meanwhile (a signal) as failed too,
     not as a bystander the launcher stopped."""
@@ -58,12 +58,11 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
     Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
     ``RanksTimeoutError`` at the deadline; no child outlives the call.
     """
-    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, process_context, stop_processes
+    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, check_timeout, process_context, stop_processes
     from eplb_fsm.transfer.groups import host_store
 
     events = scale_events(opts)
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    timeout = check_timeout(timeout)  # NaN or inf: a ValueError before the store and any process start
     ctx = process_context(start_method)
     store, info = host_store(timeout_s=max(60.0, opts.collective_timeout_s + 30.0), namespace="eplb")
     results_q = ctx.Queue()
@@ -120,12 +119,12 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
                     failures[key] = f"process exited with code {p.exitcode} without reporting"
                 if failures:
                     # the message drained above may be another process's: the dead one is named below
-                    _settle_after_failure(procs, values, failures, results_q)
+                    settle_after_failure(procs, values, failures, results_q)
                     break
                 continue
             (values if status == "ok" else failures)[key] = payload
             if failures:
-                _settle_after_failure(procs, values, failures, results_q)
+                settle_after_failure(procs, values, failures, results_q)
                 break
     finally:
         stop_processes(list(procs.values()))

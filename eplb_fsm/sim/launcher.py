@@ -16,7 +16,9 @@ costs a fork rather than a fresh interpreter; ``start_method="spawn"`` is the fa
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
+import numbers
 import os
 import queue as queue_mod
 import socket
@@ -25,7 +27,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["run_ranks", "find_free_port", "process_context", "stop_processes", "RankFailedError", "RanksTimeoutError"]
+__all__ = ["run_ranks", "check_timeout", "find_free_port", "process_context", "stop_processes", "RankFailedError",
+           "RanksTimeoutError"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -229,6 +232,18 @@ def _launch_once(
     return [values[r] for r in range(world_size)], {}, False, values
 
 
+def check_timeout(timeout: Any) -> float:
+    """``timeout`` as float seconds if it is a finite number > 0, else ``ValueError`` naming ``timeout``.
+
+    Checked before any process starts: NaN passes a plain ``> 0`` test the wrong way round,
+    and infinity only fails once the ranks are up (a process-group timeout, a deadline).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
 def _record(rank: int, status: str, payload: Any, values: dict, failures: dict) -> None:
     if status == "ok":
         values[rank] = payload
@@ -265,8 +280,7 @@ def run_ranks(
         raise ValueError(f"fn: must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: must be a positive int, got {world_size!r}")
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    timeout = check_timeout(timeout)
     ctx = process_context(start_method)
     for attempt in range(retries + 1):
         values, failures, port_taken, partial = _launch_once(

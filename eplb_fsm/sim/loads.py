@@ -78,7 +78,7 @@ _SHAPE_KEYS = ("layers", "experts", "replicas", "ranks", "nodes", "groups")
 
 
 def _checked(matrix: Any, source: str) -> np.ndarray:
-    """Validate a load matrix read from ``source``: 2-D, non-empty, finite, non-negative."""
+    """Validate a load matrix read from ``source``: 2-D, non-empty, finite, non-negative, finite row sums."""
     try:
         arr = np.asarray(matrix)
     except Exception as exc:  # noqa: BLE001 - ragged lists and the like
@@ -98,6 +98,12 @@ def _checked(matrix: Any, source: str) -> np.ndarray:
         raise ValueError(f"{source}: load contains infinite values")
     if (arr < 0).any():
         raise ValueError(f"{source}: load contains negative values")
+    with np.errstate(over="ignore"):  # an overflow is reported below, as the file's problem
+        sums = arr.sum(axis=1)
+    if not np.isfinite(sums).all():  # finite loads that overflow: a layer's shares would be 0/inf, not its load
+        layer = int(np.flatnonzero(~np.isfinite(sums))[0])
+        raise ValueError(f"{source}: the loads of layer {layer} sum past the largest float ({sums[layer]}); "
+                         "each layer's loads must have a finite sum (scale the file down)")
     return arr
 
 
@@ -207,7 +213,7 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     bundled traces of one ESFT task summed the same way.
 
     Raises ``ValueError`` naming the file when it cannot be read, is not 2-D, is empty,
-    or holds NaN, infinite or negative loads.
+    or holds NaN, infinite or negative loads, or a layer whose loads sum past the largest float.
     """
     if str(path) == "example":
         path = EXAMPLE_LOAD

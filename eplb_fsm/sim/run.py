@@ -173,6 +173,10 @@ def _fit(matrix: np.ndarray, layers: int, experts: int) -> np.ndarray:
             out[:, e % experts] += m[:, e]
     else:
         out = m[:, np.arange(experts) % n]
+        with np.errstate(over="ignore"):  # repeated loads can overflow where the file's own sums did not
+            if not np.isfinite(out.sum(axis=1)).all():
+                raise ValueError(f"repeated to {experts} experts, a layer's loads sum past the largest float; "
+                                 "scale them down")
     return out
 
 

@@ -11,7 +11,8 @@ A rank process calls :func:`install` first thing, before any other thread exists
   them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
   to every trace of the process still open (``trace.end_open_traces``: the controller's),
   writes the stack of every thread to the process's stdout (:func:`dump_stacks`; a
-  simulated rank's stdout is its ``rank<r>.log``), stops any freeze helper and exits the
+  simulated rank's stdout is its ``rank<r>.log``, appended to below a line naming the
+  process, :func:`log_to`), stops any freeze helper and exits the
   process with ``128 + signum``. It works while the main thread is blocked inside a gloo
   wait, where a Python signal handler would not run until the wait returned. The stacks
   say where each thread was when the launcher stopped the rank: the one question a trace
@@ -96,15 +97,23 @@ def watch_interpreter(timeout_s: float, period_s: float = 1.0) -> threading.Thre
 
 
 def log_to(path: Path) -> None:
-    """Send this rank process's stdout (structlog's default sink) to ``path``, and watch its threads there.
+    """Append this rank process's stdout (structlog's default sink) to ``path``, and watch its threads there.
+
+    Appended, never truncated: a reused ``--trace-dir`` keeps the earlier runs' logs (their
+    stack dumps) as it keeps their traces. Each process first writes
+    ``===== eplb-fsm rank process <pid> started <UTC time> =====``; the ``pid`` is the one
+    in the header of the trace this process writes, so a log part is matched to its run
+    (``eplb-fsm replay --run-id``) by it.
 
     A rank whose Python threads all stop for :data:`INTERPRETER_WATCH_S` (a C call holding
     the GIL, a real freeze) leaves their stacks in that file (:func:`watch_interpreter`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.close(fd)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    os.write(1, f"===== eplb-fsm rank process {os.getpid()} started {started} =====\n".encode())
     watch_interpreter(INTERPRETER_WATCH_S)
 
 
@@ -219,7 +228,8 @@ def _signal_group(pid: int, sig: int) -> bool:
         return False
 
 
-def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool], join: Callable[[int, float], None]) -> None:
+def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool],
+                join: Callable[[int, float], None]) -> None:
     """Stop rank processes and whatever they started: SIGTERM (+SIGCONT, so a frozen one can act on it),
     ``grace`` seconds for their ``end`` records, then SIGKILL to each group.
 

@@ -1,9 +1,9 @@
 """What a :class:`~eplb_fsm.testing.job.SyntheticJob` breaks, and the check that a fault can fire.
 
-A fault that names a rank the job does not serve, a layer the model lacks, or a step where
-the rank does nothing the fault could break would leave the trace healthy, and a test of
-that fault would pass for the wrong reason. :func:`check_faults` refuses those before a
-``run`` writes anything.
+A fault that names a rank the job does not serve, a layer the model lacks, a step where
+the rank does nothing the fault could break, or a step after the rank's own ``stop``
+would leave the trace healthy, and a test of that fault would pass for the wrong reason.
+:func:`check_faults` refuses those before a ``run`` writes anything.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ __all__ = ["STOP_POINTS", "Faults", "Stop", "check_faults", "hang_faults"]
 
 # where a stopped rank stops within its step
 STOP_POINTS = ("before_step", "before_collective", "in_collective")
+# where within its step each stop point and fault acts (SyntheticJob's order): a fault at a rank's
+# stop step is refused unless it acts before the stop (wrong_collective is the collective it stops in)
+_ORDER = {"before_step": 0, "skip_count": 1, "before_collective": 2, "wrong_collective": 3, "in_collective": 4,
+          "illegal": 5, "transfer_error": 5}
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ def check_faults(job: Any, faults: Any, steps: int) -> None:
                 continue
             if job.ranks[rank].stopped:
                 raise ValueError(f"Faults.{name}: rank {rank} has stopped; nothing of it runs at step {step}")
+            stop = faults.stop.get(rank) if name != "stop" else None
+            if stop is not None and start <= stop.step < end and (
+                    step > stop.step or (step == stop.step and _ORDER[name] > _ORDER[stop.where])):
+                raise ValueError(f"Faults.{name}: rank {rank} stops at step {stop.step} ({stop.where}, Faults.stop) "
+                                 f"in this run, so its fault at step {step} could not fire: nothing of a rank runs "
+                                 "after its stop")
             if name == "skip_count" or (name == "stop" and faults.stop[rank].where == "before_step"):
                 continue
             due, index = _rearranges(job, rank, step, at["skip_count"].get(rank, (None, None))[0])

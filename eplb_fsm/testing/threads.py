@@ -11,6 +11,8 @@ rank and re-raises the first error. Every wait has a timeout.
 
 from __future__ import annotations
 
+import math
+import numbers
 import queue
 import threading
 import time
@@ -124,8 +126,11 @@ def run_threads(world_size: int, body, timeout: float = 60.0) -> list:
     all-reduce give up) and ``TimeoutError`` is raised. A rank's error is re-raised: the
     first that is not a ``BrokenBarrierError``, which only says another rank failed first.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    # inf (or past TIMEOUT_MAX) would pass a plain > 0 test and fail only in join, once the threads run
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
+            math.isfinite(timeout) and 0 < timeout <= threading.TIMEOUT_MAX):
+        raise ValueError(f"timeout must be a finite number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
+                         f"got {timeout!r}")
     tw = ThreadWorld(world_size)
     results: list = [None] * world_size
     errors: list = [None] * world_size
