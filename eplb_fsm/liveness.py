@@ -86,7 +86,7 @@ class Liveness:
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
 
     def period(self) -> float | None:
-        """Seconds until the next beat: ``interval_s`` while the rank waits, ``FLUSH_FACTOR`` times it while it moves."""
+        """Seconds to the next beat: ``interval_s`` while the rank waits, ``FLUSH_FACTOR`` times it while it moves."""
         if self.interval_s is None:
             return None
         return self.interval_s * FLUSH_FACTOR if self.moving else self.interval_s

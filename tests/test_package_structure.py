@@ -16,6 +16,7 @@ import eplb_fsm
 
 PACKAGE_DIR = Path(eplb_fsm.__file__).resolve().parent
 MAX_LINES = 400
+MAX_LINE_LENGTH = 120
 
 # Allow-lists of known violations: empty. A new violation must be fixed, not listed; the
 # lists (and test_allow_lists_name_only_live_violations) stay for a migration in flight.
@@ -174,6 +175,17 @@ def line_counts(files: dict[str, Path]) -> dict[str, int]:
     return {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in files.items()}
 
 
+def long_lines(files: dict[str, Path]) -> dict[str, list[int]]:
+    """module -> numbers of its lines over MAX_LINE_LENGTH characters (modules without one left out)."""
+    out = {}
+    for m, p in files.items():
+        lines = p.read_text(encoding="utf-8").splitlines()
+        over = [i for i, line in enumerate(lines, 1) if len(line) > MAX_LINE_LENGTH]
+        if over:
+            out[m] = over
+    return out
+
+
 # --------------------------------------------------------------------------- the package
 
 
@@ -203,6 +215,11 @@ def test_no_module_over_the_line_limit():
     assert {m: n for m, n in counts.items() if n > MAX_LINES and m not in ALLOWED_LONG_MODULES} == {}
 
 
+def test_no_line_over_the_length_limit():
+    """No line of any package module is longer than 120 characters."""
+    assert long_lines(FILES) == {}
+
+
 def test_allow_lists_name_only_live_violations():
     """Every allow-list entry still exists and still violates, so a fixed one must leave the list."""
     private = {(m, name) for m in FILES for name in scan_module(m, FILES)[1]}
@@ -222,10 +239,12 @@ def planted(tmp_path: Path) -> dict[str, Path]:
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from pkg.b import _hidden, shown\n\ndef f():\n    from pkg import c\n")
+    (pkg / "a.py").write_text("from pkg.b import _hidden, shown\n\ndef f():\n    from pkg import c\n"
+                              "# " + "x" * (MAX_LINE_LENGTH - 1) + "\n")
     (pkg / "b.py").write_text(
         "from typing import TYPE_CHECKING\nimport pkg.a as alias\n"
         "if TYPE_CHECKING:\n    from pkg.sub import d\n_hidden = shown = 1\nX = alias._secret\n"
+        "# " + "y" * (MAX_LINE_LENGTH - 2) + "\n"
     )
     (pkg / "c.py").write_text("from . import a\nfrom .b import shown\n\ndef g(obj):\n    return obj._inner, self_ok()\n"
                               "\ndef self_ok():\n    return 0\n" + "\n" * 400)
@@ -259,3 +278,8 @@ def test_cycles_include_lazy_and_relative_imports_but_not_type_checking(planted)
 def test_line_counts_find_the_long_module(planted):
     """The planted module padded past 400 lines is the only one over the limit."""
     assert [m for m, n in line_counts(planted).items() if n > MAX_LINES] == ["pkg.c"]
+
+
+def test_long_lines_find_the_long_line(planted):
+    """The planted 121-character line is flagged by its line number; b's 120-character line is not."""
+    assert long_lines(planted) == {"pkg.a": [5]}

@@ -49,13 +49,23 @@ _SHAPE_FOR_TRACES = "v2lite_ep8"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=None, metavar="A,B", help="comma-separated shape names (default: all)")
     parser.add_argument(
-        "--sigmas", default=None, metavar="S,T", help="comma-separated drift sigmas (default: scenarios.json drift sigmas)"
+        "--sigmas",
+        default=None,
+        metavar="S,T",
+        help="comma-separated drift sigmas (default: scenarios.json drift sigmas)",
     )
-    parser.add_argument("--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads and drifts, >= 0 (default 0)")
-    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs per policy and case (default 5)")
     parser.add_argument(
-        "--target", type=float, default=0.99, help="movement-aware target fraction of the default's balancedness (default 0.99)"
+        "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads and drifts, >= 0 (default 0)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, metavar="N", help="timed runs per policy and case (default 5)"
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=0.99,
+        help="movement-aware target fraction of the default's balancedness (default 0.99)",
     )
     parser.add_argument(
         "--esft-dir",
@@ -270,7 +280,9 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path | str) ->
     intent3 = esft_load_windows(_task(directory, "intent"), per, layers=[1, 13, 26]).astype(np.float64)
     law = esft_load_windows(_task(directory, "law"), per, layers=[1, 13, 26]).astype(np.float64)
     if intent.shape[2] != shape["experts"]:
-        raise SystemExit(f"eplb-fsm bench movement: traces have {intent.shape[2]} experts, shape has {shape['experts']}")
+        raise SystemExit(
+            f"eplb-fsm bench movement: traces have {intent.shape[2]} experts, shape has {shape['experts']}"
+        )
     before_switch = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(intent3.sum(0)), *call)[0].numpy()
     esft = {
         "shape": _SHAPE_FOR_TRACES,
@@ -288,7 +300,11 @@ def _traces(args: argparse.Namespace, scenarios: dict, directory: Path | str) ->
     }
     history = args.history
     switch = np.concatenate([intent3[-history:], law])
-    cases = {"intent": (intent, history), "intent->law": (switch, history), "intent->law first 4": (switch[: history + 4], history)}
+    cases = {
+        "intent": (intent, history),
+        "intent->law": (switch, history),
+        "intent->law first 4": (switch[: history + 4], history),
+    }
     estimators: dict[str, Any] = {"history_windows": history, "policy": "default", "cases": {}}
     from eplb_fsm.policy.bounds import placement_balancedness
 
@@ -337,7 +353,9 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"eplb-fsm bench movement: --shapes: unknown shape(s) {unknown}; known: {', '.join(scenarios['shapes'])}"
         )
-    sigmas = _parse_list(args.sigmas, float, "--sigmas") or [float(s) for s in scenarios.get("drift", {}).get("sigmas", [0.1])]
+    sigmas = _parse_list(args.sigmas, float, "--sigmas") or [
+        float(s) for s in scenarios.get("drift", {}).get("sigmas", [0.1])
+    ]
     if any(not (s >= 0) for s in sigmas):
         raise SystemExit("eplb-fsm bench movement: --sigmas must be >= 0")
 

@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="sync + async pairs, alternating order (default 3)")
     parser.add_argument("--engine-threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     parser.add_argument("--worker-nice", type=int, default=0,
-                        help="config async_worker_nice: nice increment of the async worker and transfer threads (default 0)")
+                        help="config async_worker_nice: nice increment of the async worker and transfer threads "
+                             "(default 0)")
     parser.add_argument("--max-bytes-per-step", type=int, default=0,
                         help="config async_max_bytes_per_step: bytes the async worker moves per engine step "
                              "(default 0: no limit)")
@@ -254,8 +255,7 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
         gc.unfreeze()
     return {
         "mode": mode, "times": times, "start": start, "ends": ends, "work": work, "parts": stamps.steps,
-        "controller_cpu": controller_cpu,
-        "trigger": trigger, "commit": commit,
+        "controller_cpu": controller_cpu, "trigger": trigger, "commit": commit,
         "skip": skip, "moves": int(entry.get("moves", 0)), "moved_bytes": int(entry.get("moved_bytes", 0)),
         "phy2log": final, "changed_slots": int((final != initial).sum()), "bit_exact": exact,
         "weight_bytes": model.weight_bytes, "device_s": engine.device_s,

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hidden_alias(parser, "--slots", dest="slots_per_rank", type=int)
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per variant (default 15)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement (default 0)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed (default 300)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds before the ranks are killed (default 300)")
 
 
 def _maps(seed: int, num_layers: int, p: int, n: int):
@@ -114,23 +115,22 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     row_bytes = max(8, int(cfg["mb"] * 2**20 / (num_layers * s)))
     h32 = max(1, (row_bytes * 2 // 3) // 4)
     h16 = max(1, (row_bytes - h32 * 4) // 2)
-    pristine = [[torch.empty(s, h32, dtype=torch.float32), torch.empty(s, h16, dtype=torch.bfloat16)] for _ in range(num_layers)]
+    pristine = [[torch.empty(s, h32, dtype=torch.float32), torch.empty(s, h16, dtype=torch.bfloat16)]
+                for _ in range(num_layers)]
     _fill(pristine, old, rank, s)
     weights = [[w.clone() for w in layer] for layer in pristine]
 
-    # the raw baselines: the same messages, per layer, in the executor's order; receives
-    # land in a one-layer staging buffer. "raw_commit" also writes every changed row into
-    # the weights once after each layer (the copy any implementation that keeps a layer's
-    # old weights intact until its exchange succeeded must make).
+    # the raw baselines: the same messages, per layer, in the executor's order; receives land in a one-layer staging
+    # buffer. "raw_commit" also writes every changed row into the weights once after each layer (the copy any
+    # implementation that keeps a layer's old weights intact until its exchange succeeded must make).
     # two staging buffers: raw and raw_commit use the first; raw_commit_overlap alternates
     staging = [[torch.zeros_like(w) for w in pristine[0]] for _ in range(2)]
     raw_ops: list[list] = []
     real_ops: list[list] = []  # raw_commit: the same messages, sent from the weights themselves
     overlap_ops: list[list] = []
-    # each layer's commit exactly as the executor makes it, planned here outside the timed
-    # runs: local rows straight from their old rows (one staged row per in-rank cycle),
-    # received and duplicate rows from the staging buffer. So the baselines are real
-    # transfers (checked bit for bit below) that copy what the engine copies.
+    # each layer's commit exactly as the executor makes it, planned here outside the timed runs: local rows straight
+    # from their old rows (one staged row per in-rank cycle), received and duplicate rows from the staging buffer. So
+    # the baselines are real transfers (checked bit for bit below) that copy what the engine copies.
     _, _, sched = prepare_maps(old, new, world, None, 2, (rank,), False)
     commits = [sched.layer(k).commit[rank] for k in range(num_layers)]
     staged = [sched.layer(k).local_runs[rank] for k in range(num_layers)]
@@ -263,8 +263,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         dist.all_reduce(cpu_t)
         return float(elapsed), float(cpu_t)
 
-    variants = {"raw": raw, "raw_commit": raw_commit, "raw_commit_overlap": raw_commit_overlap, "transfer": transfer(False),
-                "transfer_batched": transfer(True), "transfer_warm": transfer(False),
+    variants = {"raw": raw, "raw_commit": raw_commit, "raw_commit_overlap": raw_commit_overlap,
+                "transfer": transfer(False), "transfer_batched": transfer(True), "transfer_warm": transfer(False),
                 "transfer_one_phase": transfer(False, communicator=one_phase),
                 "transfer_two_layers": transfer(False, buffer=two_layers)}
     cold = [variants[name] for name in ("transfer", "transfer_batched", "transfer_one_phase", "transfer_two_layers")]
@@ -320,7 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"--timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.timeout}")):
         if not ok:  # before any process starts
             raise SystemExit(f"eplb-fsm bench transfer: {rule}")
-    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed, "repeats": args.repeats}
+    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed,
+           "repeats": args.repeats}
     res = run_ranks(_bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
@@ -351,9 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "median_s": {k: round(v, 5) for k, v in med.items()},
         "gb_per_s": {k: round(v, 3) for k, v in gbps.items()},
-        # CPU seconds of all ranks per run, and how many cores that keeps busy: on a
-        # machine with few cores the exchange itself is CPU-bound, so every copy added
-        # to it shows up in the wall time
+        # CPU seconds of all ranks per run, and how many cores that keeps busy: on a machine with few cores the exchange
+        # itself is CPU-bound, so every copy added to it shows up in the wall time
         "cpu_s": {k: round(v, 5) for k, v in cpu.items()},
         "cores_busy": cores_busy,
         "cores": os.cpu_count(),

@@ -319,7 +319,10 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
     ``ValueError`` if the buffer has since been reused or the pending layer was committed.
     """
     if not isinstance(pending, PendingLayer):
-        raise ValueError(f"pending: must be the PendingLayer returned by transfer_layer_to_buffer, got {type(pending).__name__}")
+        raise ValueError(
+            "pending: must be the PendingLayer returned by transfer_layer_to_buffer, "
+            f"got {type(pending).__name__}"
+        )
     if pending.committed:
         raise ValueError(f"pending: layer {pending.layer} is already committed")
     if pending.buffer.generation != pending.generation:

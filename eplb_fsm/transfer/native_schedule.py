@@ -81,7 +81,9 @@ def prepared_layers(
         if pairs:
             index = np.arange(bounds[-1])
             waves = [Wave(pairs, tuple(index[a:b] for a, b in zip(bounds, bounds[1:])))]
-            ops: tuple[WaveOps, ...] = (WaveOps({r: v[0] for r, v in per_rank.items()}, {r: v[1] for r, v in per_rank.items()}),)
+            ops: tuple[WaveOps, ...] = (
+                WaveOps({r: v[0] for r, v in per_rank.items()}, {r: v[1] for r, v in per_rank.items()}),
+            )
         else:
             waves, ops = [], ()
         local_runs, commits, staged = {}, {}, {}

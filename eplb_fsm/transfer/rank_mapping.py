@@ -61,7 +61,9 @@ def validate_rank_mapping(rank_mapping: Mapping[int, int], group_size: int) -> R
     Raises ``ValueError`` naming ``rank_mapping`` and the broken rule.
     """
     if not isinstance(rank_mapping, Mapping):
-        raise ValueError(f"rank_mapping: must be a dict {{old_rank: new_rank or -1}}, got {type(rank_mapping).__name__}")
+        raise ValueError(
+            f"rank_mapping: must be a dict {{old_rank: new_rank or -1}}, got {type(rank_mapping).__name__}"
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
         raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
     group_size = int(group_size)
@@ -116,7 +118,9 @@ def _as_maps(name: str, m: Any) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     p = arr.shape[-1]
     if arr.size and (arr.min() < -1 or arr.max() >= p):
-        raise ValueError(f"{name}: expert ids must be -1 (empty) or in [0, P={p}), found {int(arr[(arr < -1) | (arr >= p)][0])}")
+        raise ValueError(
+            f"{name}: expert ids must be -1 (empty) or in [0, P={p}), found {int(arr[(arr < -1) | (arr >= p)][0])}"
+        )
     return arr
 
 

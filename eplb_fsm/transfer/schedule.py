@@ -124,7 +124,11 @@ def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
     by_dst = np.argsort(dst, kind="stable")
     dst, src = dst[by_dst], src[by_dst]
     commit = Commit(
-        row_runs(order.direct_rows, order.direct_src_rows, same_tensor=True), order.direct_src_rows, dst, src, row_runs(dst, src)
+        row_runs(order.direct_rows, order.direct_src_rows, same_tensor=True),
+        order.direct_src_rows,
+        dst,
+        src,
+        row_runs(dst, src),
     )
     return commit, row_runs(order.staged_rows, order.staged_src_rows), order.staged_rows
 

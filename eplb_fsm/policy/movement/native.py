@@ -38,11 +38,12 @@ try:
         widened_choice as _widened_choice,
     )
 except ImportError:  # not built (no compiler at install): the numpy path is used
-    _lagrange_levels = _pair_swaps = _rank_counts = _rebalance_counts = _renumber_default = _repoints = _run = _widened_choice = None
+    _lagrange_levels = _pair_swaps = _rank_counts = _rebalance_counts = None
+    _renumber_default = _repoints = _run = _widened_choice = None
 
 __all__ = [
-    "built", "enabled", "lagrange_levels", "pair_swaps", "rank_counts", "rebalance_counts", "renumbered_default", "repoints", "run", "usable",
-    "widened_choice",
+    "built", "enabled", "lagrange_levels", "pair_swaps", "rank_counts", "rebalance_counts", "renumbered_default",
+    "repoints", "run", "usable", "widened_choice",
 ]
 
 # (attribute, dtype) of the state tuple csearch.c reads, in its order

@@ -173,13 +173,17 @@ def plan_movement(
     cur_max = cur_loads.max(1)
     keep = not forced.any() and not has_empty.any() and cur_max.sum() <= budget
     if keep and not diagnostics:
-        return MovementPlan(old, np.zeros(num_layers, np.int64), d_phy, d_count, unknown, ~none, none.copy(), none.copy(), 0)
+        return MovementPlan(
+            old, np.zeros(num_layers, np.int64), d_phy, d_count, unknown, ~none, none.copy(), none.copy(), 0
+        )
     held = membership(old, num_experts, num_ranks)  # (L, N, G): a move is an expert new to its rank
     # a copy: layers that need the default's moves get them filled in below, and ``moved``
     # must stay -1 (not computed) rather than report them
     d_moved = moves_per_layer(held, d_phy) if diagnostics else unknown.copy()
     if keep:
-        return MovementPlan(old, np.zeros(num_layers, np.int64), d_phy, d_count, d_moved, ~none, none.copy(), none.copy(), 0)
+        return MovementPlan(
+            old, np.zeros(num_layers, np.int64), d_phy, d_count, d_moved, ~none, none.copy(), none.copy(), 0
+        )
 
     goal = layer_goals(cur_loads, d_max, forced, budget, nodes)
     active = ~forced & (cur_max > goal)
@@ -288,7 +292,11 @@ def _rebalance_experts(
         log2phy = slots_of_experts(plan.phy2log, replica_count, max_replicas)
     else:
         log2phy, replica_count = build_log2phy(plan.phy2log, num_experts, max_replicas)
-    return torch.from_numpy(np.ascontiguousarray(plan.phy2log)), torch.from_numpy(log2phy), torch.from_numpy(replica_count)
+    return (
+        torch.from_numpy(np.ascontiguousarray(plan.phy2log)),
+        torch.from_numpy(log2phy),
+        torch.from_numpy(replica_count),
+    )
 
 
 class MovementAwarePolicy(AbstractEplbPolicy):

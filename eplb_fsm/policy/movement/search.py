@@ -94,7 +94,9 @@ class SearchState:
         # node of every expert (fixed: repairs never move an expert to another node)
         node_of_expert = np.zeros(self.L * self.N, dtype=np.int64)
         if num_nodes > 1:
-            node_of_expert[(self.cur + self.expert_base).ravel()] = np.tile(self.node_of_rank[self.rank_of_slot], self.L)
+            node_of_expert[(self.cur + self.expert_base).ravel()] = np.tile(
+                self.node_of_rank[self.rank_of_slot], self.L
+            )
         self.node_of_expert = node_of_expert.reshape(self.L, self.N)
         self.rounds = 0
 
