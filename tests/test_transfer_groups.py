@@ -151,3 +151,56 @@ def test_an_infinite_or_bool_timeout_is_refused_before_a_store_starts():
     for bad in (float("inf"), True):
         with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
             host_store(timeout_s=bad)
+
+
+def test_a_transfer_build_that_returned_on_some_ranks_only_is_retried_by_all_under_one_number(store, monkeypatch):
+    """World 3: rank 2's build of the controller's second transfer group raises after the mesh formed (its
+    peers' builds return). Every rank fails that build together (no one waits out a timeout, the EP group's
+    all-reduces stay in step) and the retry pairs: the store numbering is not skewed."""
+    from eplb_fsm.fsm import collectives as coll
+    from eplb_fsm.transfer import groups as groups_mod
+    from eplb_fsm.trace import EventTrace
+
+    _, info = store
+    real = groups_mod._gloo
+    armed = {"on": True}
+
+    def flaky(store_, prefix, rank, world, timeout):
+        pg = real(store_, prefix, rank, world, timeout)
+        if rank == 2 and prefix.endswith("/transfer1") and armed["on"]:
+            armed["on"] = False
+            raise GroupBuildError(f"group {prefix!r}: raised here after the mesh formed")
+        return pg
+
+    monkeypatch.setattr(groups_mod, "_gloo", flaky)
+    groups = _in_threads([lambda r=r: StoreGroup.connect(info, 13, r, 3, timeout_s=10.0) for r in range(3)])
+    cols = [coll.Collectives(g, g.rank, 3, EventTrace(g.rank, 3), torch.device("cpu"), 2.0, g.trace_name, 13)
+            for g in groups]
+    _in_threads([c.new_transfer_group for c in cols])   # the controller's first one: transfer0
+
+    def second(c):
+        t0 = time.monotonic()
+        try:
+            c.new_transfer_group()
+            return "built", 0.0
+        except Exception:
+            return "failed", time.monotonic() - t0
+
+    outcomes = _in_threads([lambda c=c: second(c) for c in cols])
+    assert [o for o, _ in outcomes] == ["failed"] * 3
+    assert max(s for _, s in outcomes) < 1.5    # told in the agreement, not after the 2 s collective timeout
+    assert [g._transfers for g in groups] == [1, 1, 1]
+    _in_threads([c.new_transfer_group for c in cols])   # the retry: transfer1 on every rank
+    assert [c.transfer_group_name for c in cols] == ["ep_transfer@13.1"] * 3
+
+    def exchange(c):
+        t = torch.full((2,), float(c.rank))
+        peer = (c.rank + 1) % 3
+        src = (c.rank - 1) % 3
+        got = torch.zeros(2)
+        c.communicator.add_send(t, c.rank, peer)
+        c.communicator.add_recv(got, src, c.rank)
+        c.communicator.execute()
+        return got.tolist()
+
+    assert _in_threads([lambda c=c: exchange(c) for c in cols]) == [[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]

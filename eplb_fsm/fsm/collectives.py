@@ -238,19 +238,33 @@ class Collectives:
         old = self.transfer_generation
         self.transfer_generation = old + 1     # the name the new group is built under
         transfer_group = None
+        communicator: Any = None
         try:
-            if self.group is None:
-                communicator: Any = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
-            elif self.custom:
-                communicator = self.group.transfer_communicator(self.timeout_s)
-                self.name_communicator(communicator)
-            else:
-                transfer_group = self._new_torch_group()
-                # no stream of its own: in async mode the worker already runs each job on its stream
-                communicator = TorchDistCommunicator(transfer_group, timeout=self.timeout_s,
-                                                     name=self.transfer_group_name)
+            error: Exception | None = None
+            try:
+                if self.group is None:
+                    communicator = InProcessCommunicator(1, name=LOCAL_GROUP_NAME)
+                elif self.custom:
+                    communicator = self.group.transfer_communicator(self.timeout_s)
+                    self.name_communicator(communicator)
+                else:
+                    transfer_group = self._new_torch_group()
+                    # no stream of its own: in async mode the worker already runs each job on its stream
+                    communicator = TorchDistCommunicator(transfer_group, timeout=self.timeout_s,
+                                                         name=self.transfer_group_name)
+            except Exception as exc:
+                if not (wait_all and self.group is not None):
+                    raise
+                error = exc   # still joins the agreement below: its peers must learn it, not time out
             if wait_all and self.group is not None:
-                self.wait_all_built()
+                failed = self.wait_all_built(error is not None)
+                if error is not None:
+                    raise error
+                if failed:   # built here, not on a peer (gloo can return on some ranks only): nobody keeps it
+                    from eplb_fsm.transfer.groups import GroupBuildError
+
+                    raise GroupBuildError(f"transfer group {self.transfer_group_name} was not built on {failed} "
+                                          "other rank(s)")
         except BaseException:
             self.transfer_generation = old
             if transfer_group is not None:
@@ -259,6 +273,12 @@ class Collectives:
                 import torch.distributed as dist
 
                 dist.destroy_process_group(transfer_group)
+            if self.custom and communicator is not None:
+                # the group numbered a build that its peers did not all make: give the number back, so
+                # the retry pairs with theirs (a StoreGroup's prefix counts groups built)
+                abandon = getattr(self.group, "abandon_transfer", None)
+                if callable(abandon):
+                    abandon()
             raise
         if transfer_group is not None:
             self.transfer_group = transfer_group
@@ -276,8 +296,11 @@ class Collectives:
                                    use_local_synchronization=True),
             nice, self.timeout_s + 10.0)
 
-    def wait_all_built(self) -> None:
-        """Return once every rank has built its transfer group: an untraced SUM all-reduce of one zero.
+    def wait_all_built(self, failed: bool = False) -> int:
+        """Return once every rank has built its transfer group (or failed to): an untraced SUM all-reduce of one
+        flag, 1 where the build failed; returns how many ranks failed. Every rank joins it, built or not, so
+        a build that returned on some ranks only is everyone's failure, and the EP group's all-reduces stay
+        in step (a rank that skipped it would pair its next all-reduce with its peers' wait here).
 
         Building a gloo group returns on a rank as soon as its own connections are up, while
         a peer may still be reading the rendezvous store, which lives in one rank's process
@@ -288,7 +311,9 @@ class Collectives:
         Raises what the all-reduce raises (its timeout is the collective timeout, bounded in
         the backend as :func:`eplb_fsm.run_identity.start_sum` says: a peer whose build failed never joins it).
         """
-        group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(torch.zeros(1, dtype=torch.float64))
+        flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float64)
+        group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(flag)
+        return int(round(float(flag[0])))
 
     def name_communicator(self, communicator: Any = None) -> None:
         """Give ``communicator`` (default: the current one) the transfer group's trace name (one with a

@@ -198,6 +198,15 @@ class StoreGroup:
         self._transfers = n + 1
         return PgCommunicator(pg, self.rank, self.world_size, timeout_s, name=f"{self.trace_name}/transfer{n}")
 
+    def abandon_transfer(self) -> None:
+        """Give back the number of the last transfer group built here, which a peer failed to build (the
+        caller learnt it in an agreement): the retry builds under the same number as every peer, and this
+        rank's address leaves that rendezvous first (a peer must not read it there and connect to a group
+        that is gone). Callers agree before every retry, so the address is gone before any peer retries."""
+        if self._transfers > 0:
+            self._transfers -= 1
+            _forget_address(self.store, f"{self.prefix}/transfer{self._transfers}", self.rank)
+
     def close(self) -> None:
         """Drop the gloo group (this rank stops using it; the others are not told)."""
         self.pg = None
