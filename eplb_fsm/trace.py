@@ -51,9 +51,9 @@ COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 # without a liveness thread loses at most this many steps when killed
 MAX_RUN = 1 << 16
 END_LOCK_WAIT_S = 1.0   # end() from a signal handler: past this the lock is its own thread's; defer
-def trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
-    """The file a rank writes: ``<trace_dir>/rank<rank>.jsonl``."""
-    return Path(trace_dir) / f"rank{rank:05d}.jsonl"
+def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> Path:
+    """``rank<rank>.jsonl``; a joiner of generation g writes its own ``rank<rank>.g<g>.jsonl`` (docs/elastic.md)."""
+    return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
 
 
 # traces of this process with a file open and no `end` yet: what a signal handler ends
@@ -103,6 +103,7 @@ class EventTrace:
         keep: bool = False,
         max_bytes: int = trace_segments.DEFAULT_MAX_BYTES,
         max_segments: int = trace_segments.DEFAULT_MAX_SEGMENTS,
+        generation: int = 0,
     ) -> None:
         self.max_bytes, self.max_segments = trace_segments.check_rotation(max_bytes, max_segments)
         self.rank = int(rank)
@@ -129,7 +130,7 @@ class EventTrace:
         self._file = self._disk = None           # TraceFile: while open, and the last one (its error count)
         self._sink: TraceFile | None = None      # the file while records may go to it (None after `end`)
         if trace_dir is not None:
-            self.path = trace_path(trace_dir, self.rank)
+            self.path = trace_path(trace_dir, self.rank, generation)
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except (FileExistsError, NotADirectoryError):  # the name, or one above it, is a file

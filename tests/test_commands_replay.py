@@ -298,6 +298,8 @@ def test_help_says_healthy_is_agreement_up_to_where_the_traces_stop(tmp_path, ca
     job = SyntheticJob(world=2, trace_dir=tmp_path / "logs", keep=False)
     job.run(12)                        # no close(): no rank wrote `end`
     assert main(["replay", str(tmp_path / "logs")]) == 0
+    for session in job.sessions:       # closed without `end`: no open trace outlives the test
+        session.trace.close()
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["replay", "--help"])

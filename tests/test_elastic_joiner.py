@@ -141,7 +141,7 @@ def test_a_joiner_whose_transfer_group_never_forms_ends_its_trace(store, tmp_pat
 
     exc = _join_beside_stand_in(store, store, transfer_group=False, trace_dir=str(tmp_path))
     assert isinstance(exc, ScaleAborted), exc
-    records = read_trace(trace_path(tmp_path, 1))[0]
+    records = read_trace(trace_path(tmp_path, 1, generation=1))[0]   # a joiner's own file
     assert [r["event"] for r in records][0] == "header" and records[0]["role"] == "joiner"
     end = records[-1]
     assert (end["event"], end.get("how")) == ("end", "exception"), end

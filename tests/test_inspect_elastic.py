@@ -214,8 +214,9 @@ def test_group_names_map_to_generations(healthy_down_up):
     assert cast.away((2, 0), "ep") and cast.away((0, 0), "ep") and not cast.away((0, 0), "ep@2")
 
 
-def test_old_ranks_that_never_switched_are_not_labelled_joiners():
-    """A scale-up aborted in prepare after its joiner started: untraced slots 0-1 of g1 are old ranks, not joiners."""
+def test_a_scale_up_aborted_in_prepare_after_its_joiner_wrote_its_header_misses_nobody():
+    """A scale-up aborted in prepare after its joiner started: no old rank moved to g1, so g1 never formed and
+    slots 0-1 of it are nobody's (every old rank's trace says it aborted there); the joiner is there alone."""
     job = SyntheticJob(world=2, num_layers=2, interval=10)
     job.run(12)
     assert job.scale(3, absent=True)["outcome"] == "aborted"
@@ -224,10 +225,18 @@ def test_old_ranks_that_never_switched_are_not_labelled_joiners():
     served = SyntheticJob(world=2, num_layers=2, interval=10)
     served.run(12)
     served.scale(3)
-    records[2] = served.records()[2][:1]  # the joiner of g1 wrote its header, then stopped
+    header = served.records()[2][0]   # the joiner of g1 wrote its header; its transfer group never formed:
+    end = {k: header[k] for k in ("ts", "rank", "world", "state", "step")}
+    records[2] = [header, {**end, "event": "end", "seq": 1, "how": "exception",   # it ends its trace (joiner.py)
+                           "error": "GroupBuildError: group 'eplb/g1/transfer0' (rank 2 of 3) was not complete "
+                                    "within 3 s: DistStoreError: wait timeout after 3000ms"}]
     cast = build_cast({r: rp.summarize_rank(recs, r) for r, recs in records.items()}, None, [])
-    assert sorted(cast.missing.values()) == ["rank 0 of g1 (not switched)", "rank 1 of g1 (not switched)"]
+    assert cast.missing == {}
     assert cast.label((2, 0)) == "rank 2 (joiner g1)"
+    report = rp.diagnose(records)
+    assert report.verdict == "healthy", report.summary
+    assert [s["outcome"] for s in report.scales] == ["aborted"]
+
 
 
 def test_a_scale_up_that_switched_part_way_says_so():
@@ -274,3 +283,20 @@ def test_a_wrong_typed_scale_generation_is_an_unknown_one(healthy_down_up, gener
     report = rp.diagnose(records)
     assert [s["generation"] for s in report.scales] == [1, 2, None]
     assert "generation None" in format_report(report)
+
+
+def test_a_joiner_in_a_file_of_its_own_is_a_later_session_of_its_rank(tmp_path):
+    """2 -> 3 with mapping {0: 0, 1: 2}: old rank 1 goes on (as rank 2) writing rank00001.jsonl while the joiner
+    that takes rank 1 writes rank00001.g1.jsonl; the replay reads both as sessions of rank 1, healthy."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(3, rank_mapping={0: 0, 1: 2})
+    job.run(8)
+    first0, first1, joiner = job.sessions
+    for trace, name in ((first0.trace, "rank00000.jsonl"), (first1.trace, "rank00001.jsonl"),
+                        (joiner.trace, "rank00001.g1.jsonl")):
+        trace.flush()
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in trace.records))
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy", report.summary
+    assert report.findings == [] and "(3 sessions)" in report.summary

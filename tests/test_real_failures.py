@@ -118,12 +118,13 @@ def test_sigkill_leaves_a_trace_without_end(tmp_path_factory, mode, ranks, spec,
                   for e in report["ranks"])
     assert died[0]["role"] == ("joiner" if victim >= ranks else "initial")
     recs = traces(tmp_path)
-    fired = assert_killed(recs[f"rank{victim:05d}.jsonl"], spec)
+    victim_file = f"rank{victim:05d}.g1.jsonl" if victim >= ranks else f"rank{victim:05d}.jsonl"  # a joiner's own file
+    fired = assert_killed(recs[victim_file], spec)
     assert fired["state_at"] in state and fired["at_step"] >= int(spec.split("step=")[1].split(",")[0])
     heads = [r for rs in recs.values() for r in rs if r["event"] == "header"]
     assert len({h["run_id"] for h in heads}) == 1  # one run, one id in every header
     for name, rs in recs.items():
-        if name != f"rank{victim:05d}.jsonl":
+        if name != victim_file:
             # an orderly ending of its own (closed after a failed scale, an exception, the launcher's SIGTERM)
             assert ending(rs) is not None, name
 

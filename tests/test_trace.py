@@ -234,8 +234,11 @@ def test_header_carries_run_id_and_config_hash(tmp_path):
 
 def test_end_open_traces_ends_every_open_file_once(tmp_path):
     """A signal handler's ending: every open trace gets `end how=signal`; closed or ended ones are skipped."""
+    import gc
+
     from eplb_fsm.trace import end_open_traces
 
+    gc.collect()   # traces of earlier tests that are garbage but not yet collected are not open ones
     a, b, c = (EventTrace(rank=r, world=3, trace_dir=tmp_path) for r in range(3))
     b.end("closed")
     c.close()
@@ -473,3 +476,14 @@ def test_trace_closed_is_true_only_after_close(tmp_path):
     assert not trace.closed and not EventTrace().closed
     trace.close()
     assert trace.closed
+
+
+def test_a_joiner_writes_a_file_of_its_own(tmp_path):
+    """A joiner of generation g writes rank<N>.g<g>.jsonl: never the file of the process that had rank N first,
+    which may still be writing it under another number (a scale-up whose rank mapping renumbers old ranks)."""
+    assert trace_path(tmp_path, 1).name == "rank00001.jsonl"
+    assert trace_path(tmp_path, 1, generation=2).name == "rank00001.g2.jsonl"
+    first, joiner = EventTrace(1, 2, tmp_path), EventTrace(1, 3, tmp_path, generation=2)
+    first.emit("alive"), joiner.emit("alive")
+    first.close(), joiner.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00001.g2.jsonl", "rank00001.jsonl"]

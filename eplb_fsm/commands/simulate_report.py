@@ -65,7 +65,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     for r in list(range(opts.ranks)) + joiners:
         process = r
         r = r % JOINER_ID if process >= opts.ranks else r
-        path = trace_path(opts.log_dir, r)
+        # a joiner of the i-th --scale (process JOINER_ID * (i + 1) + rank) writes its own file, generation i + 1
+        path = trace_path(opts.log_dir, r, process // JOINER_ID if process >= opts.ranks else 0)
         start = getattr(opts.log_dir, "start", {}).get(path.name, 0)  # a reused --trace-dir: this run's part
         last = _last_record(path, start) if path.is_file() else None
         if process in values:

@@ -17,14 +17,13 @@ all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the we
 ``reporter`` (``history``, seconds per state), ``rearranger`` (the rearrangement in
 flight), ``worker`` (async), ``watchdog``, ``counters`` (shared).
 
-Ranks can never disagree: decisions read counters that advance identically everywhere
-and all-reduces every rank issues on the same step (at most one of the controller's own
-per step, plus one agreement per layer in a sync rearrangement). In async mode the
-step's ready flags are by default *posted*: issued without waiting and read on the next
-step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic
-EP (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``,
-``rearranger``, ``switch_group``, ``restore_group``, ``export_counters`` /
-``restore_counters``; see :mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
+Ranks can never disagree: decisions read counters that advance identically everywhere and all-reduces every rank
+issues on the same step (at most one of the controller's own per step, plus one agreement per layer in a sync
+rearrangement). In async mode the step's ready flags are by default *posted*: issued without waiting and read on
+the next step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic EP
+(:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``, ``rearranger``,
+``switch_group``, ``restore_group``, ``export_counters`` / ``restore_counters``; see
+:mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
 """
 
 from __future__ import annotations
@@ -87,7 +86,8 @@ class EplbController:
         group, rank, world_size = resolve_group(group)
         name = getattr(group, "trace_name", GROUP_NAME) if group is not None else LOCAL_GROUP_NAME
         generation = int(getattr(group, "generation", 0) or 0)  # elastic EP: 0 until a scale
-        self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace)
+        self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace,
+                                 generation=generation if role == "joiner" else 0)   # a joiner: a file of its own
         self.collectives = Collectives(group, rank, world_size, self.trace, self.device,
                                        config.collective_timeout_s, name, generation,
                                        transfer_nice=config.async_worker_nice if config.use_async else 0)

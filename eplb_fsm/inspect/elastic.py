@@ -185,6 +185,7 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
             add_missing(0, r, f"rank {r}")
     cast.group_gen[WORLD_GROUP] = 0
     # later generations: switches into them, joiners that started in them
+    formed: set[int] = set()   # generations a serving rank moved to: the new group formed there
     for key, s in parts.items():
         header = s.header or {}
         gen_here = s.generation if s.role == "joiner" else 0
@@ -208,6 +209,8 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
             new_rank = _size(sw.get("new_rank"))
             if new_rank is not None:
                 cast.gen_members.setdefault(gen, {})[new_rank] = key
+                if sw.get("role") != "joiner":
+                    formed.add(gen)
             if _size(sw.get("new_world")) is not None:
                 cast.gen_world.setdefault(gen, sw["new_world"])
     # a slot nobody traced is a joiner's only if the request named it one: an old rank that
@@ -217,7 +220,9 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
         for req in s.scale_requests:
             if _int(req.get("generation")) is not None and isinstance(req.get("joiners"), list):
                 listed.setdefault(req["generation"], set()).update(j for j in req["joiners"] if _int(j) is not None)
-    for gen in sorted(g for g in cast.gen_members if g > 0):
+    # a generation no serving rank moved to never formed (the scale ended in its prepare phase, every old
+    # rank's trace says so): a joiner that got as far as its header is there alone, and nobody is missing
+    for gen in sorted(g for g in cast.gen_members if g > 0 and g in formed):
         slots = cast.gen_members[gen]
         for j in range(cast.gen_world.get(gen, 0)):
             if j not in slots:

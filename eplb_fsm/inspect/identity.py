@@ -22,6 +22,7 @@ and decides what the replay works on:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from eplb_fsm.inspect.findings import Finding, NoTraces, Report, ranks_text
@@ -29,6 +30,13 @@ from eplb_fsm.inspect.model import RankSummary
 from eplb_fsm.inspect.records import parse_line
 
 NO_RUN_ID = "(no run id)"
+_JOINER_FILE = re.compile(r"^rank\d+\.g(\d+)\.jsonl$")
+
+
+def joiner_generation(path: Path | str) -> int | None:
+    """The generation in a joiner's file name (``rank<N>.g<generation>.jsonl``), None for a first rank's file."""
+    m = _JOINER_FILE.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 class MixedRuns(NoTraces):
@@ -68,6 +76,10 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
         raise MixedRuns("the folder holds the traces of " + str(len(runs)) + " runs, replay one at a time "
                         "(--run-id ID): " + _runs_text(runs))
     findings: list[Finding] = []
+    # a joiner writes its own file (rank<N>.g<generation>.jsonl): its sessions follow rank N's, in generation order
+    joiners = sorted((item for item in loaded if joiner_generation(item[1]) is not None),
+                     key=lambda it: (it[0], joiner_generation(it[1])))
+    loaded = [item for item in loaded if joiner_generation(item[1]) is None]
     claimed = [_header_rank(s) for _, _, s in loaded]
     swapped = [(r, p, h) for (r, p, _), h in zip(loaded, claimed) if h is not None and h != r]
     by_records = len(swapped) > 0 and len({h if h is not None else r for (r, _, _), h in zip(loaded, claimed)}) \
@@ -101,7 +113,15 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
             part.rank = r
         summaries[r] = s
         files[r] = str(keep[0])
-    return summaries, files, findings
+    for r, path, s in joiners:
+        before = summaries.get(r)
+        parts = ([*before.previous, before] if before is not None else []) + [*s.previous, s]
+        for i, part in enumerate(parts):
+            part.rank, part.session, part.previous = r, i, []
+        s.previous = parts[:-1]
+        summaries[r] = s
+        files.setdefault(r, str(path))
+    return dict(sorted(summaries.items())), files, findings
 
 
 def _every_run_id(loaded: list[tuple[int, Path, RankSummary]]) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader, TemplateStore
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
-from eplb_fsm.inspect.identity import run_text
+from eplb_fsm.inspect.identity import joiner_generation, run_text
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
@@ -47,8 +47,8 @@ __all__ = [
 ]
 
 MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
-_TRACE_NAME = re.compile(r"^rank(\d+)\.jsonl$")
-_ROTATED_NAME = re.compile(r"^(rank\d+\.jsonl)\.\d+$")
+_TRACE_NAME = re.compile(r"^rank(\d+)(?:\.g\d+)?\.jsonl$")   # a joiner's own file: rank<N>.g<generation>.jsonl
+_ROTATED_NAME = re.compile(r"^(rank\d+(?:\.g\d+)?\.jsonl)\.\d+$")
 _STEP_KEYS = frozenset(("ts", "rank", "world", "event", "state", "step", "seq", "dummy", "due"))  # of a step record
 
 
@@ -352,11 +352,11 @@ def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def find_trace_files(logdir: str | os.PathLike) -> dict[int, Path]:
-    """rank -> path for every ``rank<N>.jsonl`` in ``logdir`` (of two names for one rank, the
-    writer's zero-padded one)."""
+    """rank -> path for every ``rank<N>.jsonl`` in ``logdir`` (of two names for one rank, the writer's
+    zero-padded one; a joiner's ``rank<N>.g<g>.jsonl`` is a later session of rank N, ``identity.assign``'s)."""
     found: dict[int, Path] = {}
     for r, path in find_all_trace_files(logdir):
-        if r not in found or path.name == f"rank{r:05d}.jsonl":
+        if joiner_generation(path) is None and (r not in found or path.name == f"rank{r:05d}.jsonl"):
             found[r] = path
     return dict(sorted(found.items()))
 
