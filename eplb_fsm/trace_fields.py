@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 END_HOWS = ("closed", "exception", "signal")
 # the machine events whose `before` hook sets / clears scale_pending (eplb_fsm.fsm.machine.TRANSITIONS; a test
 # keeps them equal): the trace tracks the flag from its own transition records, without importing the machine
-PENDING_SET = frozenset({"scale_requested", "groups_ready", "salvaged"})
+PENDING_SET = frozenset({"scale_requested", "groups_ready", "salvaged", "resumed"})
 PENDING_CLEARED = frozenset({"switched", "fault"})
 
 

@@ -160,6 +160,46 @@ def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
     assert "header (joiner of generation 2, a new session)" in text and "group_switch ep->None (leaving" in text
 
 
+def test_rank_timeline_follows_a_joiner_file_as_the_next_session(tmp_path, capsys):
+    """--rank 3 reads rank00003.jsonl, then the joiner's rank00003.g2.jsonl, as one timeline of two sessions."""
+    job = SyntheticJob(world=WORLD, num_layers=2, interval=10)
+    job.run(12)
+    job.scale(2)
+    job.run(6)
+    job.scale(4)
+    job.run(5)
+    job.close()
+    first, joiner = [s for s in job.sessions if s.trace.records[0]["rank"] == 3]
+    files, shared = tmp_path / "files", tmp_path / "shared"
+    for d, parts in ((files, [("rank00003.jsonl", first), ("rank00003.g2.jsonl", joiner)]),
+                     (shared, [("rank00003.jsonl", first), ("rank00003.jsonl", joiner)])):
+        d.mkdir()
+        for name, session in parts:   # the shared folder: the joiner appended to the first file, as before
+            with open(d / name, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in session.trace.records))
+    lines = (files / "rank00003.g2.jsonl").read_text().splitlines()
+    ready = next(i for i, line in enumerate(lines) if '"trigger": "groups_ready"' in line)
+    lines[ready] = json.dumps({**json.loads(lines[ready]), "source": "collecting"})  # illegal, in session 1
+    (files / "rank00003.g2.jsonl").write_text("\n".join(lines) + "\n")
+    (shared / "rank00003.jsonl").write_text("".join(line + "\n" for line in
+                                                     (files / "rank00003.jsonl").read_text().splitlines() + lines))
+    views = {}
+    for d in (files, shared):
+        assert main(["replay", str(d), "--rank", "3", "--json"]) == 0
+        views[d] = json.loads(capsys.readouterr().out)
+    got, want = views[files], views[shared]
+    assert (got["sessions"], got["timeline"], got["illegal_transitions"]) == \
+        (want["sessions"], want["timeline"], want["illegal_transitions"])
+    assert got["sessions"] == 2 and [i["session"] for i in got["illegal_transitions"]] == [1]
+    assert got["paths"] == [str(files / "rank00003.jsonl"), str(files / "rank00003.g2.jsonl")]
+    assert len(got["timeline"]) == len(first.trace.records) + len(joiner.trace.records)
+    assert main(["replay", str(files), "--rank", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].endswith("(files rank00003.jsonl, then rank00003.g2.jsonl)")
+    assert text.index("group_switch ep->None (leaving") < text.index("header (joiner of generation 2, a new session)")
+    assert "!! session 1 seq" in text
+
+
 def deny(monkeypatch, path):
     """Make opening ``path`` fail as chmod 000 would for a user (root ignores chmod)."""
     real_open = open

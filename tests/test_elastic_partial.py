@@ -173,7 +173,7 @@ def test_a_transient_transfer_error_still_switches_every_rank_with_the_placement
 
 @pytest.mark.multiprocess
 def test_a_transient_transfer_error_replays_healthy_with_the_resumed_switch(drills):
-    """The traces replay healthy; each rank fires scale_requested again (partial) and then switched."""
+    """The traces replay healthy; each rank fires resumed, then switched, and no scale_requested but the real one."""
     from eplb_fsm.inspect import replay as rp
     from eplb_fsm.trace import read_trace, trace_path
 
@@ -183,9 +183,12 @@ def test_a_transient_transfer_error_replays_healthy_with_the_resumed_switch(dril
     for rank in range(3):
         recs = read_trace(trace_path(log_dirs["transient"], rank, generation=1 if rank == 2 else 0))[0]
         moves = [r for r in recs if r["event"] == "transition" and r["trigger"] != "step"]
-        at = next(i for i, r in enumerate(moves) if r.get("partial"))
-        assert [r["trigger"] for r in moves[at - 1:at + 2]] == ["fault", "scale_requested", "switched"], moves
+        triggers = [r["trigger"] for r in moves]
+        at = triggers.index("resumed")
+        assert triggers[at - 1:at + 2] == ["fault", "resumed", "switched"], moves
         assert moves[at]["generation"] == 1 and moves[at + 1]["partial"] is True
+        # the request happened once, on the old ranks; a joiner never saw it
+        assert triggers.count("scale_requested") == (0 if rank == 2 else 1), triggers
 
 
 @pytest.mark.multiprocess

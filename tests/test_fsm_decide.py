@@ -107,11 +107,23 @@ def test_a_plan_is_worth_moving_only_above_the_gain_threshold_unless_a_scale_for
     assert decide_plan(0, -1.0, 0.5, forced_scale=True)
 
 
+def _salvage_sums(counts, losing=0):
+    """What the salvage all-reduce sums over ranks with these committed counts: [sum c, losing, sum c^2, ranks]."""
+    return [float(sum(counts)), float(losing), float(sum(c * c for c in counts)), float(len(counts))]
+
+
 def test_salvage_is_safe_only_when_every_rank_committed_alike_and_none_loses_an_expert():
-    """[committed sum, losing ranks, ranks]: equal committed layers everywhere and no loss."""
-    assert decide_salvage([6.0, 0.0, 2.0], 3.0, 2)
-    assert not decide_salvage([5.0, 0.0, 2.0], 3.0, 2)
-    assert not decide_salvage([6.0, 1.0, 2.0], 3.0, 2)
+    """[committed sum, losing ranks, squares sum, ranks]: equal committed layers everywhere and no loss."""
+    assert decide_salvage(_salvage_sums([3, 3]), 2)
+    assert not decide_salvage(_salvage_sums([3, 2]), 2)
+    assert not decide_salvage(_salvage_sums([3, 3], losing=1), 2)
+    assert decide_salvage(_salvage_sums([0, 0, 0]), 3)
+
+
+def test_salvage_refuses_counts_whose_mean_is_one_ranks_count():
+    """Counts 1, 2, 3 average to 2: the sums alone decide, so no rank (the one with 2 included) says safe."""
+    assert not decide_salvage(_salvage_sums([1, 2, 3]), 3)
+    assert not decide_salvage(_salvage_sums([2, 2, 0, 4]), 4)
 
 
 def test_counters_restart_the_interval():

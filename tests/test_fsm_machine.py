@@ -42,6 +42,7 @@ DATA_VARIANTS: dict[str, list[dict]] = {
     "fault": [{"recoverable": True}, {"recoverable": False}, {}],
     "recovered": [{}],
     "salvaged": [{}],
+    "resumed": [{}],
 }
 
 # machine context: (layer, scale_pending)
@@ -263,6 +264,22 @@ def test_survivors_salvage_a_broken_scale_down_from_failed():
     assert m.fire("switched").dest == COLLECTING
     with pytest.raises(IllegalTransition):
         m.fire("salvaged")
+
+
+def test_a_scale_up_cut_short_resumes_its_switch_from_collecting():
+    """A scale-up's recoverable fault ends in collecting; resumed leads to scaling, then switched to collecting."""
+    m = EplbMachine(2)
+    m.fire("scale_requested")
+    m.fire("groups_ready")
+    m.fire("plan_ready", moves=2, worth=True)
+    m.fire("fault", recoverable=True)
+    assert (m.state, m.scale_pending) == (COLLECTING, False)
+    fired = m.fire("resumed")
+    assert (fired.source, fired.dest, m.scale_pending) == (COLLECTING, SCALING, True)
+    assert m.fire("switched").dest == COLLECTING
+    m.fire("fault", recoverable=False)
+    with pytest.raises(IllegalTransition):
+        m.fire("resumed")
 
 
 @pytest.mark.parametrize("recoverable, dest", [(True, COLLECTING), (False, FAILED)])

@@ -1,4 +1,5 @@
-"""Diagrams of the machine: generated from the live definition, committed files not stale."""
+"""Diagrams of the machine: generated from the live definition, committed files not stale; the docs' tables
+and event lists name what the machine has."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eplb_fsm.fsm.machine import STATES, TRANSITIONS, EplbMachine
+from eplb_fsm.fsm.machine import EVENT_DATA, STATES, TRANSITIONS, EplbMachine
 from eplb_fsm.inspect import diagrams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,48 @@ def test_docs_machine_md_embeds_the_current_mermaid():
     assert diagrams.embedded_mermaid(doc) == diagrams.render_mermaid(), (
         "docs/machine.md diagram block is stale: run `eplb-fsm diagram --doc docs/machine.md`")
     assert diagrams.stale_files(ROOT / "diagrams", ROOT / "docs" / "machine.md") == []
+
+
+def _between(text: str, start: str, end: str) -> str:
+    assert start in text, f"no {start!r}"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text(encoding="utf-8")
+
+
+def test_machine_md_events_table_is_event_data():
+    """docs/machine.md's events table names every event with its data, as EVENT_DATA does, in order."""
+    rows = re.findall(r"^\| `(\w+)` \|([^|]*)\|", _between(_doc("machine.md"), "## Events and their data",
+                                                              "## Every transition"), re.M)
+    assert [(event, tuple(re.findall(r"`(\w+)`", data))) for event, data in rows] == list(EVENT_DATA.items())
+
+
+def test_machine_md_transition_table_is_the_machine_table():
+    """docs/machine.md's transition table has TRANSITIONS' rows in order: event, sources, dest, guards, update."""
+    doc = []
+    for line in _between(_doc("machine.md"), "## Every transition", "## Diagram").splitlines():
+        if not re.match(r"\|\s*\d+\s*\|", line):
+            continue
+        _, event, sources, dest, guards = [c.strip() for c in line.strip().strip("|").split("|")][:5]
+        names = [n.strip() for code in re.findall(r"`([^`]*)`", guards) for n in code.split("&&")]
+        doc.append((event.strip("`"), set(STATES) if sources == "any" else {s.strip() for s in sources.split(",")},
+                    None if dest == "(internal)" else dest, [n for n in names if n.startswith(("is_", "has_"))],
+                    [n for n in names if not n.startswith(("is_", "has_"))]))
+    code = [(row["trigger"], set(_as_list(row["source"])), row["dest"], _as_list(row.get("conditions")),
+             _as_list(row.get("before"))) for row in TRANSITIONS]
+    assert doc == code
+
+
+def test_events_md_and_design_md_list_every_machine_event():
+    """events.md's `transition` trigger list and design.md's §4.2 event list name exactly the machine's events."""
+    trigger_row = next(line for line in _between(_doc("events.md"), "### `transition`", "### `").splitlines()
+                       if line.startswith("| `trigger`"))
+    assert set(re.findall(r"`(\w+)`", trigger_row)) - {"trigger"} == set(EVENT_DATA)
+    listed = _between(_doc("design.md"), "### §4.2", "(machine.md lists")
+    data = {d for fields in EVENT_DATA.values() for d in fields}
+    assert set(re.findall(r"`(\w+)`", listed)) - data == set(EVENT_DATA)
 
 
 def test_every_table_row_and_source_is_an_edge_with_its_guards():

@@ -97,8 +97,12 @@ def test_leaving_rank_that_dies_before_its_experts_are_out_is_named():
     assert report.step == 12 and report.layer == 1 and report.collective["group"] == "ep"
     assert any("rank 3 was leaving in the scale to generation 1" in d for d in report.findings[0].details)
     # the other leaving rank ended failed with the broken group on purpose; the survivors salvaged
-    assert {f.kind for f in report.findings} == {"hang"}
+    assert {f.kind for f in report.findings} == {"hang"} and report.illegal_transitions == []
     assert report.scales[0]["outcome"] == "switched" and report.scales[0]["degraded"]
+    for r in (0, 1):  # the survivors' salvage replays as the controller fires it: failed --salvaged--> scaling
+        moves = [(t.trigger, t.source, t.dest) for t in rp.summarize_rank(job.records()[r], r).transitions]
+        assert moves[moves.index(("fault", "transferring", "failed")) + 1:][:2] == [
+            ("salvaged", "failed", "scaling"), ("switched", "scaling", "collecting")], moves
 
 
 def test_hang_inside_the_new_group_after_a_scale_up_names_the_joiner():

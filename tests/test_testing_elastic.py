@@ -76,15 +76,17 @@ def test_absent_joiners_abort_the_scale_up():
 
 
 def test_dying_leaving_rank_breaks_the_old_group_and_survivors_salvage():
-    """die={2: 0}: rank 2 stops before layer 0; the others fail, then survivors recover and switch (degraded)."""
+    """die={2: 0}: rank 2 stops before layer 0; the others fail, then survivors fire salvaged and switch (degraded)."""
     job = SyntheticJob(world=3, num_layers=2, interval=10)
     job.run(12)
     assert job.scale(2, die={2: 0})["degraded"]
     records = job.records()
     assert records[2][-1]["trigger"] == "plan_ready"
     moves = [r["trigger"] for r in records[0] if r["event"] == "transition" and r["step"] == 12]
-    assert moves == ["scale_requested", "groups_ready", "plan_ready", "fault", "recovered", "scale_requested",
-                     "switched"]
+    assert moves == ["scale_requested", "groups_ready", "plan_ready", "fault", "salvaged", "switched"]
+    salvaged, switched = (r for r in records[0] if r["event"] == "transition" and r["trigger"] in moves[-2:])
+    assert [salvaged[k] for k in ("source", "dest", "scale", "generation")] == ["failed", "scaling", 1, 1]
+    assert switched["salvage"] is True and "salvage" not in salvaged
     assert any(r["event"] == "collective_start" and r["group"] == "ep@1" for r in records[0])
 
 

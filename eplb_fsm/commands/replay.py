@@ -9,7 +9,9 @@ object, with the structured verdict under ``verdict_detail``). Exit status: 0 he
 ``--ranks`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
 line per record, with the records the machine refuses marked: rank R is the file the report
 replays as rank R (the rank its records carry; of the run ``--run-id`` picks), named when its
-file name says another rank; no record for R, or ``--ranks`` beside it, exits 2.
+file name says another rank, followed by the files of the joiners that took number R later
+(``rank<R>.g<g>.jsonl``, in generation order) as the later sessions of one timeline; no
+record for R, or ``--ranks`` beside it, exits 2.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from eplb_fsm.cli import hidden_alias
 
@@ -52,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logdir", help="folder holding rank<N>.jsonl traces (one per rank)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
-                        help="print rank R's timeline (one line per record) instead of the report")
+                        help="print rank R's timeline (one line per record, joiners that took number R "
+                             "included) instead of the report")
     parser.add_argument("--ranks", dest="world", type=_at_least(1, "--ranks"), default=None, metavar="N",
                         help="expected number of ranks, >= 1 (default: read from the traces; a mismatch is reported)")
     hidden_alias(parser, "--world", dest="world", type=_at_least(1, "--world"))
@@ -93,13 +97,24 @@ def _timeline(args: argparse.Namespace) -> int:
             why = loaded.unreadable.get(args.rank)
             raise NoTraces(f"rank {args.rank}: {why}" if why else f"no trace for rank {args.rank} in {args.logdir} "
                            f"(ranks with a trace: {ranks_text(loaded.files) or 'none'})")
-        raw = read_rank_text(path)
+        paths = _session_files(loaded.summaries.get(args.rank), path)
+        raws = [read_rank_text(p) for p in paths]
     except (NoTraces, OSError) as exc:
         print(f"eplb-fsm replay: error: {exc}", file=sys.stderr)
         return 2
-    records, bad, truncated = parse_records(raw if args.run_id is None else run_text(raw, args.run_id))
+    # one timeline, file after file: a joiner's file starts with its header, which opens the next session
+    # just as it did when the joiner appended to the first rank's file
+    records, bad, cut = [], 0, []
+    for p, raw in zip(paths, raws):
+        recs, lost, torn = parse_records(raw if args.run_id is None else run_text(raw, args.run_id))
+        records += recs
+        bad += lost
+        if torn:
+            cut.append(Path(p).name)
+    truncated = bool(cut)
     if not records:
-        print(f"eplb-fsm replay: error: rank {args.rank}: {path} has no readable record", file=sys.stderr)
+        print(f"eplb-fsm replay: error: rank {args.rank}: {', '.join(map(str, paths))} has no readable record",
+              file=sys.stderr)
         return 2
     summary = summarize_rank(records, args.rank, path=str(path), bad_lines=bad, truncated=truncated)
     sessions = list(summary.previous) + [summary]
@@ -111,26 +126,40 @@ def _timeline(args: argparse.Namespace) -> int:
         for row, at in zip(rows, where):
             if at is not None and (at, row["seq"]) in refused:
                 row["illegal"] = refused[(at, row["seq"])]
-        _out(json.dumps({"rank": args.rank, "path": str(path), "bad_lines": bad, "truncated": truncated,
-                         "sessions": len(sessions), "illegal_transitions": illegal, "timeline": rows}))
+        _out(json.dumps({"rank": args.rank, "path": str(path), "paths": [str(p) for p in paths], "bad_lines": bad,
+                         "truncated": truncated, "sessions": len(sessions), "illegal_transitions": illegal,
+                         "timeline": rows}))
         return 0
     text = format_timeline(records, args.rank).split("\n")
     out = text[:2]
     named = re.fullmatch(r"rank(\d+)\.jsonl", Path(path).name)
     if named and int(named.group(1)) != args.rank:   # a renamed or swapped file: say which one was read
         out[0] += f" (read from {Path(path).name}, a file named for rank {int(named.group(1))})"
+    if len(paths) > 1:
+        out[0] += " (files " + ", then ".join(Path(p).name for p in paths) + ")"
     for rec, at, line in zip(records, where, text[2:]):
         marked = (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps")
         out.append(("!! " if marked else "   ") + line)
     out[1] = "   " + out[1]
     if bad:
-        out.append(f"({bad} unreadable line(s) skipped" + ("; the last line is truncated)" if truncated else ")"))
+        last = "the last line" if len(paths) == 1 else f"the last line of {', '.join(cut)}"
+        out.append(f"({bad} unreadable line(s) skipped" + (f"; {last} is truncated)" if truncated else ")"))
     for i in illegal:
         session = f"session {i['session']} " if "session" in i else ""
         out.append(f"!! {session}seq {i['seq']} step {i['step']}: {i['trigger']} {i['source']}->{i['dest']}: "
                    f"{i['reason']}")
     _out("\n".join(out))
     return 0
+
+
+def _session_files(summary: Any, first: str) -> list[str]:
+    """The files rank R's sessions were read from, in session order: its first file, then each joiner's
+    ``rank<R>.g<g>.jsonl`` in generation order (``identity.assign`` chains the summaries so)."""
+    paths: list[str] = []
+    for part in [*summary.previous, summary] if summary is not None else []:
+        if part.path and part.path not in paths:
+            paths.append(part.path)
+    return paths or [first]
 
 
 def _sessions_of(records: list[dict]) -> list[int | None]:

@@ -8,8 +8,8 @@ project the committed layers onto the old ranks, dropping any expert that only a
 holds there, while switching loses nothing: every expert has a slot in the placement as
 it stands, and the weights match it. So every rank of the new group (joiners too) agrees
 in one all-reduce, and when all are in ``collecting`` with the same layers committed and
-every expert placed, they switch with that placement: ``scale_requested`` (``partial:
-true``; collecting -> scaling) then ``switched``; later rearrangements balance the rest.
+every expert placed, they switch with that placement: ``resumed`` (collecting -> scaling)
+then ``switched`` (``partial: true``); later rearrangements balance the rest.
 Anything else (a broken group, a failed handshake, a rank that disagrees) goes back.
 """
 
@@ -43,22 +43,23 @@ def partial_switch_agreed(ctl: Any, sp: ScalePlan, deadline: ScaleDeadline, stat
     lost = any(lost_experts(entry.maps.phy2log, entry.num_logical) for entry in ctl.models)
     recovering(ctl, deadline)  # after a fault: a peer may still be waiting out a transfer
     try:
-        agreed = ctl.collectives.all_reduce({"partial": flags(committed, 1.0 if lost else 0.0, 1.0)},
-                                            late_timeout(ctl))["partial"]
+        # with the squares every rank can tell whether all counts are equal (decide_salvage)
+        mine = flags(committed, 1.0 if lost else 0.0, committed * committed, 1.0)
+        agreed = ctl.collectives.all_reduce({"partial": mine}, late_timeout(ctl))["partial"]
     except Exception:  # the new group broke after all: the caller goes back to the old one
         return False
-    return decide_salvage(agreed, committed, sp.new_world) and int(round(float(agreed[2]))) == sp.new_world
+    return decide_salvage(agreed, sp.new_world) and int(round(float(agreed[3]))) == sp.new_world
 
 
 def switch_partial(ctl: Any, sp: ScalePlan, role: str, rank: int, cause: str | None) -> str:
     """Finish the switch the rearrangement did not reach (collecting -> scaling -> collecting); returns why.
 
-    The machine left ``scaling`` at the fault, and only ``scale_requested`` leads back to
-    it: fired again with ``partial: true``, every rank of the new group takes it together.
+    The machine left ``scaling`` at the fault; ``resumed`` says what happened since (every
+    rank of the new group agreed to switch as things stand), and they all take it together.
     """
     reason = ("scale-up switched with its rearrangement cut short: the layers it did not commit keep the old "
               "ranks' placement until a later rearrangement" + (f" ({cause})" if cause else ""))
-    ctl.fire("scale_requested", extra={**sp.describe(), "partial": True, "reason": reason})
+    ctl.fire("resumed", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
     resize_models(ctl, rank, sp.new_world)
     ctl.restart_interval()
     ctl.fire("switched", extra={"generation": sp.generation, "role": role, "partial": True})

@@ -242,14 +242,15 @@ def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, fr
     lost = lost_when_remapped(ctl.models, from_group)
     recovering(ctl, req.deadline)
     try:
-        agreed = reduce_on(ctl, new_group, {"salvage": flags(committed, 1.0 if lost else 0.0, 1.0)},
-                           late_timeout(ctl))["salvage"]
+        # with the squares every rank can tell whether all counts are equal (decide_salvage)
+        mine = flags(committed, 1.0 if lost else 0.0, committed * committed, 1.0)
+        agreed = reduce_on(ctl, new_group, {"salvage": mine}, late_timeout(ctl))["salvage"]
     except Exception as exc:
         reason = f"survivors could not agree on the new group: {exc}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="salvage", reason=reason, lost_experts=lost)
         return req.record(ctl, "survivor", "failed", reason=reason, lost=lost, phase="salvage")
-    ranks = int(round(float(agreed[2])))
-    if not decide_salvage(agreed, committed, ranks):
+    ranks = int(round(float(agreed[3])))
+    if not decide_salvage(agreed, ranks):
         reason = ("experts lost with the leaving rank(s): " + describe_lost(lost)) if lost else \
             "survivors disagree on the committed layers"
         return give_up(ctl, req, "survivor", "salvage", reason, lost)
@@ -321,13 +322,14 @@ def _roll_back_up(ctl: Any, req: ScaleRequest, old: tuple, new_group: Any, back:
     lost = project_back(ctl, back) if back is not None else []
     recovering(ctl, req.deadline)
     try:
-        agreed = ctl.collectives.all_reduce({"rollback": flags(committed, 1.0 if lost else 0.0)},
-                                            late_timeout(ctl))["rollback"]
+        # with the squares every rank can tell whether all counts are equal (decide_salvage)
+        mine = flags(committed, 1.0 if lost else 0.0, committed * committed)
+        agreed = ctl.collectives.all_reduce({"rollback": mine}, late_timeout(ctl))["rollback"]
     except Exception as exc:
         ctl.rearranger.group_fault(exc)
         return req.record(ctl, "member", "failed", reason=f"rollback agreement failed after the {phase} phase: {exc}",
                           lost=lost, phase="rollback")
-    if not decide_salvage(agreed, committed, old_world):
+    if not decide_salvage(agreed, old_world):
         reason = ("experts lost moving back to the old group: " + describe_lost(lost) + "; the maps give each "
                   "a slot whose weights must be reloaded before recover()") if lost else \
             "old ranks disagree on the committed layers"

@@ -148,10 +148,17 @@ def decide_plan(moves: int, gain: float, min_gain: float, forced_scale: bool = F
     return moves > 0 and gain > min_gain
 
 
-def decide_salvage(summed: Sequence[float], committed: float, ranks: int) -> bool:
-    """The summed ``[layers committed, ranks losing experts, ...]``: safe when every rank
-    committed the same number of layers and none would lose an expert."""
-    return not int(round(float(summed[1]))) and float(summed[0]) == committed * ranks
+def decide_salvage(summed: Sequence[float], ranks: int) -> bool:
+    """The summed ``[layers committed, ranks losing experts, layers committed squared, ...]`` of
+    ``ranks`` ranks: safe when every rank committed the same number of layers and none would lose
+    an expert.
+
+    The counts are equal iff G * sum(c^2) == (sum c)^2 (Cauchy-Schwarz, as ``recovery``'s
+    agreement): the sums alone decide, so every rank gets the same answer. (Comparing the sum
+    with a rank's own count times G would only say that rank's count is the mean.)
+    """
+    total, lost, squares = (float(v) for v in summed[:3])
+    return not int(round(lost)) and ranks * squares == total * total
 
 
 @dataclass

@@ -43,6 +43,7 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "fault": ("recoverable",),
     "recovered": (),
     "salvaged": (),
+    "resumed": (),
 }
 
 # The transition table (docs/machine.md explains every row). ``internal`` rows keep the state without exit/enter.
@@ -78,6 +79,9 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     # the old group broke mid scale-down, but the survivors agreed on their new group that
     # every expert still has a replica among them: they go on to the switch from failed
     {"trigger": "salvaged", "source": FAILED, "dest": SCALING, "before": "mark_scale_pending"},
+    # a scale-up's rearrangement stopped part-way (a recoverable fault: collecting) with the new group
+    # intact, and every rank of it agreed to switch with the placement as it stands: on to the switch
+    {"trigger": "resumed", "source": COLLECTING, "dest": SCALING, "before": "mark_scale_pending"},
 )
 
 

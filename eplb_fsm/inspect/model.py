@@ -24,7 +24,7 @@ PER_RANK_SHAPE = re.compile(r"send|recv|p2p|all_?to_?all", re.I)
 # a group every rank of the world is a member of (others are named by the headers)
 WORLD_GROUP = "world"
 # transitions that belong to a scale: their records carry the generation
-SCALE_TRIGGERS = frozenset({"scale_requested", "groups_ready", "switched"})
+SCALE_TRIGGERS = frozenset({"scale_requested", "groups_ready", "switched", "salvaged", "resumed"})
 
 _PER_RANK_OPS: dict[Any, bool] = {}
 
@@ -225,7 +225,7 @@ class Transition:
     dest: str
     layer: Any
     seq: int | None
-    generation: int | None = None     # scale_requested / groups_ready / switched: the scale's
+    generation: int | None = None     # a transition of a scale (SCALE_TRIGGERS): the scale's
 
     @property
     def layer_k(self) -> Any:

@@ -1,7 +1,7 @@
 """Elastic EP for :class:`~eplb_fsm.testing.job.SyntheticJob`: scale-down and scale-up as the controller writes them.
 
 ``scale(job, new_world)`` runs one scale request between two ``job.run`` calls, on every
-serving rank, record for record as ``eplb_fsm.fsm.scaling`` traces it (sync mode, records
+serving rank, record for record as ``eplb_fsm.elastic.scaling`` traces it (sync mode, records
 stamped with the step that follows the request, docs/events.md "Elastic EP"):
 
 - scale-down: ``scale_requested``, the ``scale_ready`` agreement on the old group,
@@ -19,8 +19,10 @@ Faults: ``absent=True`` (scale-up: the joiners never arrive; every old rank abor
 ``scale_aborted`` of phase prepare and a recoverable ``fault``), ``die={rank: layer}``
 (scale-down: that leaving rank stops before its transfer of ``layer``; the old group
 breaks, the others fail, and the survivors salvage on the new group as the controller does
-when every expert still has a replica). A hang after the swap is an ordinary ``Faults``
-passed to ``job.run``, keyed by the new ranks.
+when every expert still has a replica: ``fault`` -> failed, the ``salvage`` agreement on
+``ep@g``, ``salvaged`` (failed -> scaling), ``group_switch``, then ``switched`` with
+``salvage: true``). A hang after the swap is an ordinary ``Faults`` passed to ``job.run``,
+keyed by the new ranks.
 """
 
 from __future__ import annotations
@@ -188,19 +190,20 @@ def _scale_down(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int]
             if new_rank < 0:  # a leaving rank has no new group to finish on
                 rank.trace.emit("scale_aborted", generation=gen, phase="transfer",
                                 reason="the old group broke during the scale-down", lost_experts=None)
-                _scaling(rank, request, "leaving", "failed", r, reason="the old group broke")
+                _scaling(rank, request, "leaving", "failed", r, reason="the old group broke during the scale-down",
+                         phase="transfer")
                 rank.stopped = True
                 continue
             # survivors agree over the group they built and finish the switch there
-            rank.collective("all_reduce", group=f"{GROUP}@{gen}", shape=[3], dtype="torch.float64",
-                            parts=["salvage"], sizes=[3])
+            # [layers committed, losing experts, its square, 1]: elastic.scaling's salvage agreement
+            rank.collective("all_reduce", group=f"{GROUP}@{gen}", shape=[4], dtype="torch.float64",
+                            parts=["salvage"], sizes=[4])
             reason = ("a leaving rank died before the scale-down finished; every expert still has a replica "
                       "on a survivor")
-            rank.fire("recovered", extra={"reason": reason, "scale": gen})
-            rank.fire("scale_requested", extra={**request, "salvage": True})
+            rank.fire("salvaged", extra={"reason": reason, "scale": gen, "generation": gen})
             _switch(rank, request, new_rank, role="survivor", phase="switch")
             rank.fire("switched", extra={"generation": gen, "role": "survivor", "salvage": True})
-            _scaling(rank, request, "survivor", "switched", r, reason=reason, degraded=True)
+            _scaling(rank, request, "survivor", "switched", r, reason=reason, degraded=True, phase="salvage")
         elif new_rank < 0:
             rank.fire("switched", extra={"generation": gen, "role": "leaving"})
             rank.trace.emit("group_switch", generation=gen, phase="switch", role="leaving", kind="scale_down",
