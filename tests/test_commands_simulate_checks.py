@@ -115,6 +115,17 @@ def test_serving_spans_follow_the_scales():
     assert serving_spans(2, 40, _events("10:1", "20:3")) == ({0: [(0, 39)], 1: [(0, 10), (20, 39)], 2: [(20, 39)]},
                                                              None)
     assert serving_spans(2, 40, _events("10:2", "15:3:absent", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
+    assert serving_spans(2, 40, _events("15:3:late", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
+
+
+def test_a_late_scale_parses_and_prints_back():
+    """STEP:RANKS:late is a scale whose joiners start after the abort; any other suffix is refused."""
+    from eplb_fsm.sim.elastic import ScaleEvent
+
+    (late,) = _events("15:3:late")
+    assert late == ScaleEvent(15, 3, absent=False, late=True) and late.spec == "15:3:late"
+    with pytest.raises(ValueError, match="STEP:RANKS:late"):
+        _events("15:3:soon")
 
 
 @pytest.mark.parametrize("scale, spec, rule", [
@@ -124,6 +135,8 @@ def test_serving_spans_follow_the_scales():
     (["10:1", "20:2"], "freeze:rank=1,step=15,seconds=1", "may run steps 0-10 and 20-39 only"),
     (["10:3:absent"], "skip-step:rank=0,step=11", "the run stops at the end of step 10: its :absent scale-up"),
     (["10:3:absent"], "stall-layer:rank=2,layer=0", "rank 2 .* never runs"),
+    (["10:3:late"], "skip-step:rank=0,step=11", "the run stops at the end of step 10: its :late scale-up"),
+    (["10:3:late"], "kill:rank=2,step=10,layer=0", "rank 2 .* never runs"),  # a late joiner never serves
 ])
 def test_a_fault_on_a_rank_that_does_not_run_then_is_refused(scale, spec, rule):
     """With --scale, a fault at a step its rank provably does not run is a ValueError naming --inject and why."""

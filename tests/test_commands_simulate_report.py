@@ -129,3 +129,29 @@ def test_a_run_stopped_by_its_own_deadline_blames_no_rank():
     assert "caused by rank" not in text
     hang = dict(report, replay={"verdict": "hang", "summary": "rank 1 never joined", "culprit_ranks": [1]})
     assert "the run did not finish in time: caused by rank(s) 1: hang" in format_report(hang)
+
+
+def test_a_joiner_whose_scale_aborted_is_not_joined_not_failed():
+    """A not_joined joiner's result is listed as such in a failed run's report (not failed), and in the text."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_report import build_failed_report, format_report
+
+    opts = SimpleNamespace(ranks=2, log_dir="/nonexistent-eplb-dir", extra={}, config_dict=lambda: {})
+    exc = RuntimeError("rank failed")
+    exc.failures = {1: "RuntimeError: Connection reset by peer"}
+    exc.values = {0: {"rank": 0}, 1002: {"status": "not_joined", "reason": "ScaleAborted: no handover"}}
+    report = build_failed_report(opts, exc, 1.0)
+    status = {e["process"]: (e["status"], e["reason"]) for e in report["ranks"]}
+    assert status == {0: ("finished", None), 1: ("failed", "RuntimeError: Connection reset by peer"),
+                      1002: ("not_joined", "ScaleAborted: no handover")}
+    assert report["failed_processes"] == [1]
+    ok = {"config": {"ranks": 2, "layers": 2, "experts": 8, "redundant": 0, "steps": 12, "interval": 4,
+                     "window": 4, "mode": "sync", "load": "zipf"}, "rearrangements": [], "moved_slots_total": 0,
+          "moved_bytes_total": 0, "time_in_state_s": {}, "balancedness_first_window": 0.9,
+          "balancedness_last_window": 0.9, "outputs_unchanged": True, "output_checks": 24, "weights_exact": True,
+          "maps_agree": True, "final_state": "collecting", "final_states": ["collecting"] * 2, "log_dir": "/tmp/t",
+          "wall_s": 1.0, "processes": [{"process": 1002, "rank": 2, "start_step": 6, "status": "not_joined",
+                                        "reason": "ScaleAborted: no handover"}]}
+    assert ("joiner process 1002 (rank 2, scale at step 6): not joined, its scale aborted (ScaleAborted: no "
+            "handover)") in format_report(ok)

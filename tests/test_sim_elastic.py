@@ -197,3 +197,69 @@ def test_a_skipped_scale_reports_the_same_keys_as_one_that_ran(tmp_path):
     entry = result["scalings"][0]
     assert entry["outcome"] == "skipped" and entry["kind"] is None and entry["lost_experts"] == []
     assert entry["reason"] == "the group already has that many ranks"
+
+
+@pytest.mark.multiprocess
+def test_a_joiner_that_comes_after_the_abort_is_not_joined_not_failed(tmp_path, capsys):
+    """A :late joiner starts once the old ranks aborted: it ends not_joined, and the run is ok (exit 0)."""
+    log_dir = tmp_path / "logs"
+    code = main(["simulate", *SHAPE[:-2], "--join-timeout", "0.5", "--ranks", "2", "--redundant", "0",
+                 "--steps", "12", "--scale", "6:3:late", "--json", "--no-png", "--no-progress",
+                 "--log-dir", str(log_dir), "--timeout", "120"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["ok"] and not report.get("failed"), report
+    (scale,) = report["scalings"]
+    assert (scale["from_ranks"], scale["to_ranks"], scale["outcome"]) == (2, 2, "aborted")
+    joiner = next(p for p in report["processes"] if p["process"] == JOINER_ID + 2)
+    assert joiner["status"] == "not_joined" and joiner["reason"].startswith("ScaleAborted"), joiner
+    assert [p["status"] for p in report["processes"] if p["role"] == "initial"] == ["finished", "finished"]
+    assert report["final_ranks"] == 2 and report["steps"] == 12 and report["outputs_unchanged"]
+    assert report["replay"]["verdict"] == "healthy"
+
+
+def test_only_a_scale_abort_makes_a_joiner_not_joined(tmp_path, monkeypatch):
+    """join's ScaleAborted (here: no handover within the timeout) is a not_joined result; any other error raises."""
+    from eplb_fsm.cli import build_parser
+    from eplb_fsm.commands.simulate import build_options
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.sim.elastic import NOT_JOINED, run_elastic_rank
+    from eplb_fsm.transfer.groups import host_store
+
+    ns = build_parser().parse_args(["simulate", *SHAPE[:-2], "--join-timeout", "0.3", "--ranks", "2",
+                                    "--redundant", "0", "--steps", "12", "--scale", "6:3",
+                                    "--log-dir", str(tmp_path), "--no-png"])
+    opts = build_options(ns)
+    opts.redirect_output = False  # this test's own process: keep its stdout
+    store, info = host_store(timeout_s=10.0, namespace="eplb")  # nobody publishes a handover there
+    join = {"index": 0, "generation": 1, "step": 6}
+    result = run_elastic_rank("joiner", 2, 3, opts, info, join)
+    assert (result["status"], result["process"], result["start_step"]) == (NOT_JOINED, JOINER_ID + 2, 6)
+    assert result["reason"].startswith("ScaleAborted: no handover for generation 1"), result
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("not a scale abort")
+
+    monkeypatch.setattr(EplbController, "join", broken)
+    with pytest.raises(RuntimeError, match="not a scale abort"):
+        run_elastic_rank("joiner", 2, 3, opts, info, join)
+    del store
+
+
+@pytest.mark.multiprocess
+def test_survivors_that_salvaged_a_killed_leaving_rank_are_not_failed(tmp_path, capsys):
+    """4 -> 2, leaving rank 3 SIGKILLed mid-transfer: survivors salvage and serve on (no RankFault); the run fails."""
+    log_dir = tmp_path / "logs"
+    code = main(["simulate", "--layers", "3", "--experts", "4", "--redundant", "12", "--hidden", "8", "--tokens", "48",
+                 "--interval", "8", "--window", "8", "--collective-timeout", "2", "--ranks", "4", "--steps", "14",
+                 "--inject", "kill:rank=3,step=12,layer=1", "--scale", "12:2", "--json", "--no-png", "--no-progress",
+                 "--log-dir", str(log_dir), "--timeout", "120"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and report["error"] == "ranks_failed"  # a process was killed: the run still fails
+    status = {e["process"]: e["status"] for e in report["ranks"]}
+    assert status[3] == "died" and 0 not in report["failed_processes"] and 1 not in report["failed_processes"]
+    assert status[0] in ("finished", "stopped") and status[1] in ("finished", "stopped"), report["ranks"]
+    for rank in (0, 1):
+        records = read_trace(log_dir / f"rank{rank:05d}.jsonl")[0]
+        triggers = [r["trigger"] for r in records if r["event"] == "transition" and r["trigger"] != "step"]
+        assert triggers[triggers.index("fault"):][:3] == ["fault", "salvaged", "switched"], triggers
+        assert not any("RankFault" in str(r.get("error")) for r in records if r["event"] == "end"), records[-1]

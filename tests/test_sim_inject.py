@@ -291,3 +291,51 @@ def test_simulate_refuses_a_second_fault_on_an_ended_rank_with_exit_2(tmp_path, 
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "--inject 'die:rank=0,step=2': rank 0 is ended at the start of step 1 by --inject 'die:rank=0,step=1'" in err
     assert not (tmp_path / "t").exists()
+
+
+def _fire(ctx, trigger: str, source: str, dest: str, **data) -> None:
+    from eplb_fsm.fsm.machine import Fired
+
+    for listener in ctx.controller.machine.listeners:
+        listener(Fired(trigger, source, dest, 0, data))
+
+
+def test_a_fault_its_scale_salvaged_or_switched_does_not_stop_the_rank():
+    """fault -> salvaged -> switched within one scale is handled (no RankFault); a later fault still stops it."""
+    from eplb_fsm.sim.inject import RankFault
+
+    ctx = _Ctx(0)
+    inj = Injector([], collective_timeout_s=2.0)
+    inj.on_start(ctx)
+    ctx.controller.steps = 13
+    _fire(ctx, "scale_requested", "collecting", "scaling")
+    _fire(ctx, "fault", "transferring", "failed", recoverable=False)
+    _fire(ctx, "salvaged", "failed", "scaling")
+    _fire(ctx, "switched", "scaling", "collecting")
+    inj.after_step(ctx, 12)  # served on in the new group
+    assert [f["handled"] for f in ctx.extra["inject"]["faults"]] == ["salvaged"]
+    _fire(ctx, "fault", "transferring", "collecting", recoverable=True)  # a later rearrangement's
+    with pytest.raises(RankFault, match="rank 0 stopped at step 13: its controller fired fault at step 12 "
+                                        r"\(transferring -> collecting"):
+        inj.after_step(ctx, 13)
+
+
+def test_a_scale_that_aborted_after_its_fault_still_stops_the_rank():
+    """A scale's fault with no salvaged/switched after it (an abort) is a fault: the rank stops (as :absent does)."""
+    from eplb_fsm.sim.inject import RankFault
+
+    ctx = _Ctx(1)
+    inj = Injector([], collective_timeout_s=2.0)
+    inj.on_start(ctx)
+    _fire(ctx, "fault", "collecting", "failed", recoverable=False)  # before the scale: not the scale's
+    _fire(ctx, "scale_requested", "collecting", "scaling")
+    _fire(ctx, "switched", "scaling", "collecting")
+    with pytest.raises(RankFault):
+        inj.after_step(ctx, 5)
+    ctx2 = _Ctx(0)
+    inj2 = Injector([], collective_timeout_s=2.0)
+    inj2.on_start(ctx2)
+    _fire(ctx2, "scale_requested", "collecting", "scaling")
+    _fire(ctx2, "fault", "scaling", "collecting", recoverable=True)
+    with pytest.raises(RankFault, match="scaling -> collecting"):
+        inj2.after_step(ctx2, 8)

@@ -65,13 +65,15 @@ is reported and makes the run fail (exit 1); only this run's records count, even
 --trace-dir that holds earlier runs' traces. With --scale, R is the rank a process
 starts as (a joiner: the rank it joins as), and a fault on R at a step R does not run
 (a joiner before its scale, a leaving rank after its scale; every rank after an :absent
-scale-up, which aborts and so stops the run) is refused (exit 2). SIGTERM or Ctrl-C stops
-every rank process (each writes an 'end' record), keeps the traces and exits 143 / 130.
+or :late scale-up, which aborts and so stops the run) is refused (exit 2). SIGTERM or
+Ctrl-C stops every rank process (each writes an 'end' record), keeps the traces and
+exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
-first fault and exits non-zero, and the report ends with the replay verdict of the
-traces left in --trace-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
+first fault and exits non-zero (not at one its scale then handled: survivors that
+salvaged a dead leaving rank serve on), and the report ends with the replay verdict of
+the traces left in --trace-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
 trace record when planning, a transferring layer or committing makes no progress for
 S seconds.
 """
@@ -123,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--scale", action="append", default=None, metavar="STEP:RANKS",
                    help="elastic EP (repeatable): at step STEP the serving ranks scale the EP group to RANKS "
                         "(leaving ranks exit, joiners start as new processes; slots per rank stay fixed). "
-                        "STEP:RANKS:absent never starts the joiners (the scale must abort). See docs/elastic.md")
+                        "STEP:RANKS:absent never starts the joiners (the scale must abort); STEP:RANKS:late "
+                        "starts them after the abort (they end not joined, no failure). See docs/elastic.md")
     r.add_argument("--join-timeout", type=float, default=None, metavar="S",
                    help="seconds a scale waits for its new group (joiners arriving), default: the collective "
                         "timeout")

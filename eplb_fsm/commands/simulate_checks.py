@@ -191,18 +191,19 @@ def load_error(load: str, exc: Exception) -> ValueError:
 
 def serving_spans(ranks: int, steps: int, events) -> tuple[dict[int, list[tuple[int, int]]], int | None]:
     """Under ``--scale`` with ``--inject``: rank -> [(first, last) step a process of that rank may run], and
-    the step of an ``:absent`` scale-up at whose end the run stops (None: it runs to ``steps - 1``).
+    the step of an ``:absent`` or ``:late`` scale-up at whose end the run stops (None: it runs to ``steps - 1``).
 
     A process keeps the rank it starts or joins as: a scale-down's leaving ranks are the highest,
     a scale-up's joiners take the new ones. A leaving rank's last step is its scale's: it
     transfers then, and serves that step too if the scale aborts. An ``:absent`` scale-up
-    aborts (its joiners never start) and, while injecting, every rank stops at the end of
-    that step, its first fault. ``events``: ``ScaleEvent``s (``step``, ``ranks``, ``absent``).
+    aborts (its joiners never start; ``:late`` ones start after the abort and never serve) and,
+    while injecting, every rank stops at the end of that step, its first fault. ``events``:
+    ``ScaleEvent``s (``step``, ``ranks``, ``absent``, ``late``).
     """
     spans: dict[int, list[list[int]]] = {r: [[0, steps - 1]] for r in range(ranks)}
     size, stop = ranks, None
     for event in events:
-        if event.ranks > size and event.absent:
+        if event.ranks > size and (event.absent or getattr(event, "late", False)):
             stop = event.step
             break
         for r in range(event.ranks, size):  # scale-down: the highest ranks leave
@@ -227,7 +228,8 @@ def check_injections_serve(injections, ranks: int, steps: int, events) -> None:
     the rule; ``injections``: ``sim.inject.Injection``s.
     """
     spans, stop = serving_spans(ranks, steps, events)
-    ended = (f"; the run stops at the end of step {stop}: its :absent scale-up aborts, and with --inject every "
+    drill = "late" if any(getattr(e, "late", False) and e.step == stop for e in events) else "absent"
+    ended = (f"; the run stops at the end of step {stop}: its :{drill} scale-up aborts, and with --inject every "
              "rank stops at its first fault") if stop is not None else ""
     for inj in injections:
         runs = spans.get(inj.rank, [])

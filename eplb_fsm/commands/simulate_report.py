@@ -51,7 +51,7 @@ def _reason(text: str) -> str:
 
 def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
-    from eplb_fsm.sim.elastic import JOINER_ID
+    from eplb_fsm.sim.elastic import JOINER_ID, NOT_JOINED
     from eplb_fsm.sim.launcher import RanksTimeoutError
     from eplb_fsm.trace import trace_path
 
@@ -69,7 +69,9 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         path = trace_path(opts.log_dir, r, process // JOINER_ID if process >= opts.ranks else 0)
         start = getattr(opts.log_dir, "start", {}).get(path.name, 0)  # a reused --trace-dir: this run's part
         last = _last_record(path, start) if path.is_file() else None
-        if process in values:
+        if process in values and values[process].get("status") == NOT_JOINED:  # its scale aborted: no failure
+            status, reason = NOT_JOINED, values[process].get("reason")
+        elif process in values:
             status, reason = "finished", None
         elif process in failures:
             reason = _reason(failures[process])
@@ -304,6 +306,10 @@ def format_report(report: dict) -> str:
     elif report.get("png_note"):
         lines.append(f"no plot: {report['png_note']}")
     lines += format_scalings(report)
+    for p in report.get("processes", ()):
+        if p.get("status") == "not_joined":  # an expected end of an aborted scale, not a failure
+            lines.append(f"joiner process {p['process']} (rank {p['rank']}, scale at step {p['start_step']}): "
+                         f"not joined, its scale aborted ({p['reason']})")
     lines.append(f"wall time: {report['wall_s']} s")
     if report.get("inject"):
         lines.append("injected: " + " ".join(report["inject"]))

@@ -14,14 +14,22 @@ holds the specs and what one process runs (:func:`run_elastic_rank`);
   the store (at the scale step); they call ``EplbController.join`` and then serve from
   that step on. The serving ranks wait for them at most ``join_timeout_s``;
 - ``STEP:RANKS:absent`` is a drill for the fault path: the joiners are never started, so
-  the scale must abort within the timeout and the old group go on serving.
+  the scale must abort within the timeout and the old group go on serving;
+  ``STEP:RANKS:late`` starts them only once old rank 0 has the scale's outcome (in the
+  store, :func:`outcome_key`): they come after the abort, as a joiner slower than
+  ``join_timeout_s`` does, and end ``not_joined``.
+
+A joiner whose scale aborted (``ScaleAborted`` from ``EplbController.join``) is the
+expected end of an aborted scale, not a failure: its process reports a short result with
+``status`` ``"not_joined"`` (:data:`NOT_JOINED`) and the ``reason``.
 
 Every wait is bounded: each rank's collectives by the controller's timeouts, joiners by
 ``join_timeout_s``, the whole run by the launcher's deadline (then every process is
 killed). Each process reports one result dict (the keys of ``sim.run.run_rank``'s, plus
 ``role``, ``process``, ``start_step``, ``left``, ``scalings``, ``checks`` (after each scale),
-``weight_checks`` / ``bad_weight_steps`` (every row checked after every step)); a process that
-raises or dies makes the run raise ``RankFailedError`` after stopping the others.
+``weight_checks`` / ``bad_weight_steps`` (every row checked after every step)), or a
+not-joined joiner's; a process that raises or dies makes the run raise ``RankFailedError``
+after stopping the others.
 """
 
 from __future__ import annotations
@@ -35,23 +43,26 @@ from typing import Any, Sequence
 
 from eplb_fsm.sim import signals
 
-__all__ = ["ScaleEvent", "parse_scale_specs", "scale_events", "spawn_key", "run_elastic_rank", "JOINER_ID"]
+__all__ = ["ScaleEvent", "parse_scale_specs", "scale_events", "spawn_key", "outcome_key", "run_elastic_rank",
+           "JOINER_ID", "NOT_JOINED"]
 
 # process ids of joiners: JOINER_ID * (scale index + 1) + new rank (first ranks: their rank)
 JOINER_ID = 1000
+NOT_JOINED = "not_joined"  # the status of a joiner whose scale aborted (it never served)
 
 
 @dataclass(frozen=True)
 class ScaleEvent:
-    """One ``--scale``: at ``step`` the serving ranks go to ``ranks``; ``absent``: joiners never start."""
+    """One ``--scale``: at ``step`` the serving ranks go to ``ranks``; joiners never start (``absent``) or late."""
 
     step: int
     ranks: int
     absent: bool = False
+    late: bool = False
 
     @property
     def spec(self) -> str:
-        return f"{self.step}:{self.ranks}" + (":absent" if self.absent else "")
+        return f"{self.step}:{self.ranks}" + (":absent" if self.absent else ":late" if self.late else "")
 
 
 def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int, redundant: int) -> list[ScaleEvent]:
@@ -69,10 +80,10 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
             event = spec
         else:
             parts = str(spec).split(":")
-            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "absent"):
-                raise ValueError(f"--scale {spec!r}: expected STEP:RANKS (or STEP:RANKS:absent)")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("absent", "late")):
+                raise ValueError(f"--scale {spec!r}: expected STEP:RANKS (or STEP:RANKS:absent, STEP:RANKS:late)")
             try:
-                event = ScaleEvent(int(parts[0]), int(parts[1]), len(parts) == 3)
+                event = ScaleEvent(int(parts[0]), int(parts[1]), parts[2:] == ["absent"], parts[2:] == ["late"])
             except ValueError:
                 raise ValueError(f"--scale {spec!r}: STEP and RANKS must be integers") from None
         if not 1 <= event.step < steps:
@@ -98,6 +109,11 @@ def spawn_key(index: int) -> str:
     return f"sim/spawn/{index}"
 
 
+def outcome_key(index: int) -> str:
+    """The store key where old rank 0 puts the ``index``-th scale-up's outcome (``late`` joiners wait for it)."""
+    return f"sim/outcome/{index}"
+
+
 def _crc(array: Any) -> int:
     import numpy as np
 
@@ -113,6 +129,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     import torch
 
     from eplb_fsm.config import EplbConfig
+    from eplb_fsm.elastic import ScaleAborted
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
     from eplb_fsm.sim.run import (
@@ -150,9 +167,12 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                     t.zero_()
             for t in model.non_expert_weights:
                 t.zero_()
-        controller = EplbController.join(config, {"main": model}, store=store_info,
-                                         generation=join["generation"], rank=rank, world_size=world,
-                                         trace_dir=opts.log_dir, timeout_s=join_timeout)
+        try:
+            controller = EplbController.join(config, {"main": model}, store=store_info,
+                                             generation=join["generation"], rank=rank, world_size=world,
+                                             trace_dir=opts.log_dir, timeout_s=join_timeout)
+        except ScaleAborted as exc:  # it came after the old ranks gave up: they serve on, nothing failed
+            return not_joined_result(rank, world, opts, join, exc)
         first_event = join["index"] + 1
     start = controller.steps
     hooks = build_hooks(opts.hooks)
@@ -191,11 +211,14 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
                     checks.append({"at": "skipped", "step": step, "generation": index + 1,
                                    "reason": f"already {event.ranks} ranks"})
                     continue
-                if event.ranks > controller.world_size and controller.rank == 0:
+                announce = event.ranks > controller.world_size and controller.rank == 0
+                if announce:
                     store.set(spawn_key(index), pickle.dumps({
                         "index": index, "generation": index + 1, "from": controller.world_size, "to": event.ranks,
                         "joiners": list(range(controller.world_size, event.ranks)), "step": step}))
                 result = controller.request_scale(event.ranks, timeout_s=join_timeout, generation=index + 1)
+                if announce:  # what a `late` scale's joiners start after
+                    store.set(outcome_key(index), str(result["outcome"]))
                 if result["outcome"] == "left":
                     left = True
                     break
@@ -248,6 +271,19 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         raise
     finally:
         controller.close()
+
+
+def not_joined_result(rank: int, world: int, opts: Any, join: dict, exc: BaseException) -> dict:
+    """The result of a joiner whose scale aborted before it joined (status :data:`NOT_JOINED`, not a failure)."""
+    from eplb_fsm.trace import trace_path
+
+    path = trace_path(opts.log_dir, rank, join["generation"]) if opts.log_dir else None
+    start = getattr(opts.log_dir, "start", None) or {}  # a reused --trace-dir: only this run's part counts
+    wrote = path is not None and path.is_file() and path.stat().st_size > start.get(path.name, 0)
+    return {"status": NOT_JOINED, "reason": f"{type(exc).__name__}: {exc}", "rank": rank, "world": world,
+            "role": "joiner", "process": JOINER_ID * (join["index"] + 1) + rank, "generation": join["generation"],
+            "start_step": join["step"], "steps": join["step"], "left": False, "stop_reason": None,
+            "final_state": None, "trace": str(path) if wrote else None}
 
 
 def _fresh_gates(opts: Any, world: int) -> list:

@@ -2,8 +2,10 @@
 
 It hosts the TCP store every EP group is built from, starts the first ranks, starts a
 scale-up's joiners when old rank 0 announces the scale in the store (never for
-``STEP:RANKS:absent``), collects one result per process and stops them all at the end,
-at the first failure or at the deadline. What each process runs is
+``STEP:RANKS:absent``; for ``STEP:RANKS:late`` once old rank 0 has put the scale's
+outcome there too), collects one result per process and stops them all at the end,
+at the first failure or at the deadline. A joiner whose scale aborted reports a result
+(status ``not_joined``), not a failure. What each process runs is
 ``eplb_fsm.sim.elastic.run_elastic_rank``.
 """
 
@@ -16,7 +18,7 @@ import time
 import traceback
 from typing import Any
 
-from eplb_fsm.sim.elastic import JOINER_ID, run_elastic_rank, scale_events, spawn_key
+from eplb_fsm.sim.elastic import JOINER_ID, outcome_key, run_elastic_rank, scale_events, spawn_key
 
 __all__ = ["run_elastic", "settle_after_failure"]
 
@@ -83,6 +85,8 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
         for index, event in enumerate(events):
             if index in spawned or not store.check([spawn_key(index)]):
                 continue
+            if event.late and not store.check([outcome_key(index)]):
+                continue  # a late joiner starts once the serving ranks are done with the scale
             spawned.add(index)
             announce = pickle.loads(store.get(spawn_key(index)))
             if event.absent:

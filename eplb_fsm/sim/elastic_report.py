@@ -2,21 +2,22 @@
 
 :func:`elastic_report` adds the elastic fields to the plain report of the processes
 serving at the end (:func:`final_members`): one entry per scale, the weight and map checks
-after each scale, and the outputs of leaving processes too.
+after each scale, and the outputs of leaving processes too. A joiner that never joined (its
+scale aborted: status ``not_joined``) is listed among the processes, not checked as a member.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from eplb_fsm.sim.elastic import scale_events
+from eplb_fsm.sim.elastic import NOT_JOINED, scale_events
 
 __all__ = ["final_members", "elastic_report"]
 
 
 def final_members(results: Sequence[dict]) -> list[dict]:
-    """The processes serving at the end (not left, not stopped), by final rank."""
-    finals = [r for r in results if not r["left"]]
+    """The processes serving at the end (not left, not stopped, joined), by final rank."""
+    finals = [r for r in results if not r["left"] and r.get("status") != NOT_JOINED]
     return sorted(finals, key=lambda r: r["rank"])
 
 
@@ -26,9 +27,12 @@ def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
     ``scalings``: one entry per ``--scale`` (``step``, ``from_ranks``, ``to_ranks``,
     ``moved_slots``, ``moved_bytes``, ``seconds`` (slowest rank), ``outcome``, ``generation``,
     ``kind``, ``agree``); ``outputs_unchanged`` and ``weights_exact`` cover every process,
-    leaving ones included, and the checks after every scale; ``processes`` lists them.
+    leaving ones included, and the checks after every scale; ``processes`` lists them, each with
+    ``status`` (``finished``, ``left``, or ``not_joined`` with its ``reason``: a joiner of a scale that
+    aborted, ok only when its scale's outcome is ``aborted``).
     """
     events = scale_events(opts)
+    everyone, results = results, [r for r in results if r.get("status") != NOT_JOINED]
     scalings = []
     for index, event in enumerate(events):
         gen = index + 1
@@ -80,11 +84,23 @@ def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
     base["maps_agree"] = bool(base["maps_agree"]) and maps_each_scale
     base["scalings"] = scalings
     base["final_ranks"] = len(finals)
-    base["processes"] = [{"process": r["process"], "role": r["role"], "start_step": r["start_step"],
-                          "end_step": r["steps"], "left": r["left"], "final_rank": None if r["left"] else r["rank"],
-                          "final_state": r["final_state"], "stop_reason": r["stop_reason"]} for r in results]
-    base["traces"] = sorted({r["trace"] for r in results if r["trace"]})
+    base["processes"] = [_process_entry(r) for r in everyone]
+    base["traces"] = sorted({r["trace"] for r in everyone if r["trace"]})
+    # a joiner may miss only a scale that aborted: one that switched (or failed) without it is no clean abort
+    outcome = {s["generation"]: s["outcome"] for s in scalings}
+    joiners_ok = all(outcome.get(r["generation"]) == "aborted" for r in everyone if r.get("status") == NOT_JOINED)
     base["ok"] = bool(base["outputs_unchanged"] and base["weights_exact"] and base["maps_agree"]
-                      and base["histories_agree"] and len(set(base["final_states"])) == 1
+                      and base["histories_agree"] and len(set(base["final_states"])) == 1 and joiners_ok
                       and all(s["agree"] for s in scalings) and not any(r["stop_reason"] for r in results))
     return base
+
+
+def _process_entry(r: dict) -> dict:
+    """One process of ``report["processes"]``: who it was, when it served, how it ended."""
+    if r.get("status") == NOT_JOINED:
+        return {"process": r["process"], "role": r["role"], "start_step": r["start_step"], "end_step": r["steps"],
+                "left": False, "final_rank": None, "final_state": None, "stop_reason": None,
+                "status": NOT_JOINED, "reason": r["reason"], "generation": r["generation"], "rank": r["rank"]}
+    return {"process": r["process"], "role": r["role"], "start_step": r["start_step"], "end_step": r["steps"],
+            "left": r["left"], "final_rank": None if r["left"] else r["rank"], "final_state": r["final_state"],
+            "stop_reason": r["stop_reason"], "status": "left" if r["left"] else "finished", "reason": None}

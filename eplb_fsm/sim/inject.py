@@ -42,7 +42,9 @@ injecting, every rank also:
   ``engine_timeout_s``;
 - stops at the end of the first step in which its controller fired ``fault`` (or went to
   ``failed``) by raising :class:`RankFault`, so the rank exits non-zero and the launcher
-  stops the rest instead of letting them wait on a broken group.
+  stops the rest instead of letting them wait on a broken group. Not for a fault its scale then
+  handled (``fault`` -> ``salvaged``/``switched``: the survivors of a dead leaving rank serve on in
+  the new group); such a fault stays listed with ``handled``, the trigger that handled it.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ class Injector:
         self.mine: list[Injection] = []
         self.done: list[dict] = []          # what this rank injected, when
         self.faults: list[dict] = []        # fault transitions its controller fired
+        self._scale_faults = 0              # faults fired before the scale in progress began
         self._release = threading.Event()   # ends a stalled transfer early (at the end of the run)
         self._step = 0
         self._ctx: Any = None
@@ -278,10 +281,11 @@ class Injector:
         return overrides or None
 
     def after_step(self, ctx: Any, step: int) -> None:
-        if self.faults and self.faults[0]["reason"] is None:
-            self.faults[0]["reason"] = self._fault_reason(ctx.controller)
-        if self.stop_on_fault and self.faults:
-            first = self.faults[0]
+        for fault in (f for f in self.faults if f["reason"] is None):
+            fault["reason"] = self._fault_reason(ctx.controller)
+        pending = [f for f in self.faults if not f.get("handled")]
+        if self.stop_on_fault and pending:
+            first = pending[0]
             self._release.set()
             raise RankFault(f"rank {ctx.rank} stopped at step {step}: its controller fired fault at step "
                             f"{first['step']} ({first['source']} -> {first['dest']}: {first['reason']})")
@@ -296,6 +300,12 @@ class Injector:
             ctl = self._ctx.controller
             self.faults.append({"step": max(ctl.steps - 1, 0), "source": fired.source, "dest": fired.dest,
                                 "recoverable": bool(fired.data.get("recoverable")), "reason": None})
+        elif fired.trigger == "scale_requested":
+            self._scale_faults = len(self.faults)  # a new scale (a partial switch goes on with `resumed`)
+        elif fired.trigger in ("salvaged", "switched"):
+            # the scale in progress handled its faults: the rank serves on (in the new group), no stop
+            for fault in self.faults[self._scale_faults:]:
+                fault.setdefault("handled", fired.trigger)
 
     def _fault_reason(self, controller: Any) -> str:
         for entry in reversed(controller.history):
