@@ -34,6 +34,7 @@ from typing import Any, Callable
 import structlog
 
 from eplb_fsm.periodic import PeriodicThread
+from eplb_fsm.safe_log import log_safely, retry_due
 
 __all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
 
@@ -83,6 +84,7 @@ class Liveness:
         self._steps_seen: int | None = None
         self._last_alive: float | None = None   # clock() at the last alive record
         self.errors = 0                          # beats that raised (the thread logs the first and goes on)
+        self._warned = False                     # that log got out
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
 
     def period(self) -> float | None:
@@ -131,9 +133,11 @@ class Liveness:
             if getattr(self.trace, "ended", False) or getattr(self.trace, "closed", False):
                 return False
             self.errors += 1
-            if self.errors == 1:
-                _log.error("eplb liveness beat failed; the thread goes on", error=f"{type(exc).__name__}: {exc}",
-                           rank=getattr(self.trace, "rank", None))
+            # a log that raised here would end the thread all the same (stdout on a full disk, a closed pipe):
+            # it cannot raise, and one that did not get out is tried again at the 2nd, 4th, 8th... error
+            if not self._warned and retry_due(self.errors):
+                self._warned = log_safely(_log, "error", "eplb liveness beat failed; the thread goes on",
+                                          error=f"{type(exc).__name__}: {exc}", rank=getattr(self.trace, "rank", None))
         return True
 
     def start_on(self, trace: Any) -> "Liveness":

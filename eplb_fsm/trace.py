@@ -11,8 +11,8 @@ after it; a trace without ``end`` belongs to a rank that died or was still runni
 ``alive`` records (written by :mod:`eplb_fsm.liveness`, a background thread) carry the
 open collective, if any, so a reader can tell a frozen rank from the ranks waiting on it.
 
-The trace is its own structlog logger writing one JSONL file per rank. Every record is
-written and flushed at once (a rank killed mid-collective still leaves the start record
+Each rank writes one JSONL file (:mod:`eplb_fsm.trace_file`). Every record goes out at
+once, in one unbuffered write (a rank killed mid-collective still leaves the start record
 on disk), except quiet engine steps: :meth:`EventTrace.count_step` only counts, and the
 counted steps reach the file as one ``steps`` run record (first step, count, dummies)
 right before the next other record, at every :meth:`EventTrace.flush` (the liveness
@@ -31,8 +31,6 @@ import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
-
-import structlog
 
 from eplb_fsm import trace_segments
 from eplb_fsm.trace_file import TraceFile
@@ -68,14 +66,8 @@ def end_open_traces(how: str, error: str | None = None, signal: str | None = Non
     return sum(trace.end(how, error, signal) is not None for trace in list(_OPEN_TRACES))
 
 
-_json_default = json_default
-
-
 def _dumps(record: dict, **_: Any) -> str:
-    return json.dumps(record, default=_json_default, separators=(",", ":"))
-
-
-_RENDER = structlog.processors.JSONRenderer(serializer=_dumps)
+    return json.dumps(record, default=json_default, separators=(",", ":"))
 
 
 class EventTrace:
@@ -142,7 +134,7 @@ class EventTrace:
 
     @property
     def write_errors(self) -> int:
-        """Writes that failed (disk full, file removed): their records were dropped, the engine went on."""
+        """Trace failures the engine went on through: failed writes (records dropped), rolls, reopens; files lost."""
         return self._disk.errors if self._disk is not None else 0
 
     @contextlib.contextmanager
@@ -223,7 +215,9 @@ class EventTrace:
         return record
 
     def _run_record(self) -> dict | None:
-        """The pending run as a ``steps`` record (lock held), or None."""
+        """The pending run as a ``steps`` record (lock held), or None; a live file opened again gets its header first"""
+        if self._sink is not None and self._sink.check():   # before any record is made: lines stay in seq order
+            self._continue()
         run = self._run
         if run is None:
             return None
@@ -241,28 +235,28 @@ class EventTrace:
     def _write_run(self) -> dict | None:
         record = self._run_record()
         if record is not None and self._sink is not None:
-            self._write(_RENDER(None, "msg", record))
+            self._write(_dumps(record))
         return record
 
     def _emit_locked(self, event: str, fields: dict) -> dict:
         run = self._run_record()
         record = self._record(event, fields)
         if self._sink is not None:
-            line = _RENDER(None, "msg", record)
+            line = _dumps(record)
             # the run and the record in one write call
-            self._write(line if run is None else _RENDER(None, "msg", run) + "\n" + line)
+            self._write(line if run is None else _dumps(run) + "\n" + line)
         return record
 
     def _write(self, text: str) -> None:
         # not after `end` (nothing follows it), nor when the segment holds only its header
         # (a header over max_bytes would roll for ever)
         if self._sink.write(text) and not self.ended and self._sink.lines > 1:
-            self._rotate()
+            self._sink.roll()
+            self.rotations += 1
+            self._continue()
 
-    def _rotate(self) -> None:
-        """Roll the live file (lock held) and start the new one with the header, ``continued: true``."""
-        self._sink.roll()
-        self.rotations += 1
+    def _continue(self) -> None:
+        """Start a new live file (rolled, or opened again; lock held) with the header, ``continued: true``."""
         machine = {**self._machine, "state": self.state}
         self._emit_locked("header", continued_fields(self._header, self.rotations, machine, self.cseq))
 
@@ -358,7 +352,8 @@ class EventTrace:
             if self.ended:
                 return None
             self.ended = True   # before the write: the `end` line never rolls the file
-            record = self._emit_locked("end", fields)
+            errors = self.write_errors   # the trace's own failures, where a reader of the file sees them
+            record = self._emit_locked("end", {**fields, "write_errors": errors} if errors else fields)
             self._sink = None   # the file stays open until close(); no record follows `end`
         finally:
             self._lock.release()
@@ -372,7 +367,8 @@ class EventTrace:
         """
         if self.ended:
             return None
-        return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()))
+        errors = {"write_errors": self.write_errors} if self.write_errors else {}
+        return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()), **errors)
 
     def close(self) -> None:
         """Write the pending ``steps`` run (unless ended) and close the file."""

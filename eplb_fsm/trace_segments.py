@@ -5,7 +5,8 @@ A rank writes ``rank<NNNNN>.jsonl`` (the live segment). Once it holds more than
 ``.jsonl.2`` and so on, the oldest beyond ``max_segments - 1`` rotated segments is
 deleted, and a new live segment starts with a copy of the header marked
 ``"continued": true`` (docs/events.md, "Rotation"). A rank therefore keeps at most
-``max_segments`` files of about ``max_bytes`` each: with the defaults 4 x 64 MiB.
+``max_segments`` files, each of at most ``max_bytes`` plus the one write that took it past
+(a record, or a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write).
 
 Oldest first, a rank's segments are ``.jsonl.<K-1>``, ..., ``.jsonl.1``, ``.jsonl``;
 :func:`read_trace` reads them in that order. :func:`record_steps` says which engine steps

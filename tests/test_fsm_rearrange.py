@@ -65,3 +65,32 @@ def test_a_scale_with_nothing_to_move_replays_without_illegal_transitions(tmp_pa
     report = replay_dir(str(tmp_path))
     assert report.illegal_transitions == [], report.summary
     assert report.verdict == "healthy", report.summary
+
+
+def test_a_log_line_that_cannot_be_written_never_stops_the_engine(tmp_path):
+    """stdout (structlog's default sink) on /dev/full: rearrangements commit or skip, their log lines fail, step() goes on."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from eplb_fsm.config import EplbConfig\n"
+        "from eplb_fsm.fsm.controller import EplbController\n"
+        "from eplb_fsm.sim.model import ToyMoE\n"
+        "ctl = EplbController(EplbConfig(window_size=2, step_interval=4, num_redundant_experts=2),\n"
+        f"                     trace_dir={str(tmp_path)!r}, liveness_interval_s=None)\n"
+        "model = ToyMoE(num_layers=2, num_experts=4, num_redundant=2, hidden=8, top_k=2, rank=0, world_size=1)\n"
+        "ctl.add_model(model, 'main')\n"
+        "model.set_load_target([[8.0, 1.0, 1.0, 1.0]] * 2)\n"
+        "x = torch.randn(32, 8, dtype=model.gate[0].dtype)\n"
+        "for _ in range(40):\n"
+        "    model.forward(x)\n"
+        "    ctl.step()\n"
+        "sys.stderr.write(f'{len(ctl.history)} {ctl.machine.state}')\n"
+    )
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-c", script], stdout=full, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+    assert out.returncode == 0, out.stderr
+    rearrangements, state = out.stderr.split()
+    assert int(rearrangements) >= 2 and state == "collecting"

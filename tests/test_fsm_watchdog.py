@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import structlog
@@ -91,3 +92,40 @@ def test_watchdog_off_by_default():
     ctl = EplbController(EplbConfig())
     assert ctl.watchdog is None
     ctl.close()
+
+
+class _RaisingTrace:
+    """A trace whose every write raises (a broken trace): what the watchdog thread's checks run into."""
+
+    rank = 0
+    last_collective = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def emit(self, event, **fields):
+        self.calls += 1
+        raise RuntimeError("trace broken")
+
+
+def test_a_log_that_cannot_get_out_never_stops_the_watchdog():
+    """Logs printed to /dev/full: check() still returns its stuck record; the thread goes on through failing checks."""
+    full = open("/dev/full", "w")
+    logger = structlog.wrap_logger(structlog.PrintLogger(full))
+    clock = FakeClock()
+    dog = Watchdog(EventTrace(keep=True), deadline_s=5.0, clock=clock, logger=logger)
+    dog.progress("transferring", 0)
+    clock.now += 6.0
+    record = dog.check()
+    assert record["event"] == "stuck" and dog.reports == [record]
+    broken = _RaisingTrace()
+    polled = Watchdog(broken, deadline_s=0.01, poll_s=0.01, logger=logger, state="planning").start()
+    try:
+        deadline = time.monotonic() + 30
+        while broken.calls < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert polled.running and broken.calls >= 3
+    finally:
+        assert polled.stop(timeout=5.0)
+        with contextlib.suppress(OSError):   # the text the failed prints left in its buffer fails again
+            full.close()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +248,45 @@ def test_a_closed_trace_ends_the_thread_on_a_failing_beat():
         time.sleep(0.01)
     assert not live.running and trace.calls == 1
 
+
+
+FULL_STDOUT_BEATS = r'''
+import json, sys, time
+from eplb_fsm.liveness import Liveness
+
+class FlakyTrace:   # its first four beats raise (a passing error), then it behaves
+    def __init__(self):
+        self.step, self.rank, self.ended, self.closed, self.calls, self.alive_count = 0, 0, False, False, 0, 0
+    def waiting_on(self):
+        return None
+    def flush(self):
+        return None
+    def alive(self, interval_s, steps_seen):
+        self.calls += 1
+        if self.calls <= 4:
+            raise RuntimeError("disk hiccup")
+        self.alive_count += 1
+        return {"event": "alive"}
+
+trace = FlakyTrace()
+live = Liveness(trace, interval_s=0.01).start()
+deadline = time.monotonic() + 30
+while trace.alive_count < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+result = {"running": live.running, "alive": trace.alive_count, "errors": live.errors}
+live.stop()
+with open(sys.argv[1], "w") as fh:   # not stdout: it is /dev/full
+    json.dump(result, fh)
+'''
+
+
+def test_a_failing_beat_whose_log_fails_too_does_not_end_the_thread(tmp_path):
+    """stdout on /dev/full, so the beat-failure log raises as well: the thread still beats on and counts the errors."""
+    root = str(Path(__file__).resolve().parents[1])
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-c", FULL_STDOUT_BEATS, str(tmp_path / "out.json")], stdout=full,
+                             stderr=subprocess.PIPE, text=True, timeout=120,
+                             env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"})
+    assert out.returncode in (0, 120), out.stderr[-2000:]   # 120: the interpreter's own stdout flush at exit
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result == {"running": True, "alive": result["alive"], "errors": 4} and result["alive"] >= 3

@@ -8,12 +8,18 @@ renames of a roll. Every child process runs under a timeout.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+import structlog
+
+from eplb_fsm import trace_file, trace_segments
 from eplb_fsm.inspect import replay_dir
 from eplb_fsm.trace import EventTrace, read_trace, trace_path
 from eplb_fsm.trace_segments import segment_paths
@@ -193,3 +199,202 @@ def test_a_writer_killed_while_it_rolls_the_file_loses_no_segment(tmp_path):
         assert seqs == sorted(seqs)
         report = replay_dir(folder)
         assert report.ranks[0]["records"] == on_disk
+
+
+FULL_STDOUT = r'''
+import json, os, sys, time
+from eplb_fsm.liveness import Liveness
+from eplb_fsm.trace import EventTrace
+folder = sys.argv[1]
+os.makedirs(folder)
+os.symlink("/dev/full", os.path.join(folder, "rank00000.jsonl"))   # every trace write fails with ENOSPC
+trace = EventTrace(0, 1, folder)
+raised = []
+for step in range(50):   # the engine's calls, each of whose writes fails while stdout (the log) fails too
+    try:
+        trace.set_context(state="collecting", step=step)
+        trace.count_step()
+        if step % 10 == 9:
+            trace.transition("step", "collecting", "collecting", due=False)
+            trace.emit("balancedness", value=0.5)
+            trace.flush()
+    except BaseException as exc:
+        raised.append(repr(exc))
+live = Liveness(trace, interval_s=0.01).start()
+seq = trace.seq
+deadline = time.monotonic() + 60
+while trace.seq < seq + 5 and time.monotonic() < deadline:   # beats whose writes fail too
+    time.sleep(0.01)
+result = {"raised": raised, "running": live.running, "beats": trace.seq - seq, "write_errors": trace.write_errors}
+live.stop()
+try:
+    trace.end("closed")
+    trace.close()
+except BaseException as exc:
+    raised.append(repr(exc))
+with open(sys.argv[2], "w") as fh:   # not stdout: it is /dev/full
+    json.dump(result, fh)
+'''
+
+
+def test_a_failing_trace_whose_warning_fails_too_never_reaches_the_engine(tmp_path):
+    """Trace writes and stdout both on /dev/full: no call raises, the liveness thread beats on, errors counted."""
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-c", FULL_STDOUT, str(tmp_path / "t"), str(tmp_path / "out.json")],
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+                             env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
+    assert out.returncode in (0, 120), out.stderr[-2000:]   # 120: the interpreter's own stdout flush at exit
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["raised"] == [] and result["running"] and result["beats"] >= 5
+    assert result["write_errors"] >= 10
+
+
+def _rotate_then_interrupt_the_open(monkeypatch):
+    """The next roll moves the files, then a KeyboardInterrupt lands just after the new live file is opened."""
+    real_rotate = trace_segments.rotate
+
+    def open_then_interrupt(*args, **kwargs):
+        monkeypatch.delattr(trace_file, "open")
+        open(*args, **kwargs).close()
+        raise KeyboardInterrupt   # as a signal handler raises it (Ctrl-C, SIGALRM)
+
+    def rotate(path, max_segments):
+        monkeypatch.setattr(trace_segments, "rotate", real_rotate)
+        real_rotate(path, max_segments)
+        monkeypatch.setattr(trace_file, "open", open_then_interrupt, raising=False)
+
+    monkeypatch.setattr(trace_segments, "rotate", rotate)
+
+
+def test_an_exception_inside_a_roll_does_not_end_the_trace(tmp_path, monkeypatch):
+    """A signal's exception inside the roll's open: later records and `end` reach a new live file, under a header."""
+    trace = EventTrace(0, 1, tmp_path, max_bytes=1024, max_segments=3)
+    trace.header({"a": 1}, run_id="x")
+    _rotate_then_interrupt_the_open(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        for i in range(1000):
+            trace.emit("balancedness", value=float(i))
+    for i in range(5):   # the host caught it and goes on
+        trace.emit("after", i=i)
+    trace.end("closed")
+    trace.close()
+    live, _ = read_trace(trace.path, segments=False)
+    records, bad = read_trace(trace.path)
+    assert live[0]["event"] == "header" and live[0]["continued"] is True and live[0]["run_id"] == "x"
+    assert [r["i"] for r in records if r["event"] == "after"] == list(range(5)) and records[-1]["event"] == "end"
+    assert bad == 0 and trace.write_errors == 0 and [r["seq"] for r in records] == sorted(r["seq"] for r in records)
+
+
+class _Clock:
+    """trace_file's clock, held still unless moved on: when the live file is checked is the test's choice."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_roll_whose_reopen_failed_is_opened_again_once_the_folder_is_back(tmp_path, monkeypatch):
+    """Folder removed, a roll that cannot reopen: one error per dropped record, then the file back with the folder."""
+    clock = _Clock()
+    monkeypatch.setattr(trace_file, "clock", clock, raising=False)
+    folder = tmp_path / "t"
+    trace = EventTrace(0, 1, folder, max_bytes=1024, max_segments=2)
+    trace.header({"a": 1}, run_id="x")
+    shutil.rmtree(folder)   # a log cleaner
+    for i in range(1000):
+        if trace.rotations:
+            break
+        trace.emit("balancedness", value=float(i))   # to the removed file, until it rolls (and cannot reopen)
+    assert trace.rotations == 1 and trace.write_errors > 0
+    before = trace.write_errors
+    for i in range(10):
+        trace.emit("dropped", i=i)
+    assert trace.write_errors == before + 10
+    folder.mkdir()
+    clock.now += 60.0
+    for i in range(5):
+        trace.emit("later", i=i)
+    trace.end("closed")
+    trace.close()
+    records, bad = read_trace(trace.path)
+    assert bad == 0 and records[0]["event"] == "header" and records[0]["continued"] is True
+    assert [r["i"] for r in records if r["event"] == "later"] == list(range(5))
+    assert records[-1]["event"] == "end" and records[-1]["write_errors"] == trace.write_errors
+
+
+def test_an_unlinked_live_file_is_found_counted_and_opened_again(tmp_path, monkeypatch):
+    """A live file unlinked under the writer: at the next check it is counted, logged and opened again at its path."""
+    clock = _Clock()
+    monkeypatch.setattr(trace_file, "clock", clock, raising=False)
+    trace = EventTrace(0, 1, tmp_path)
+    trace.header({"a": 1}, run_id="x")
+    os.unlink(trace.path)
+    trace.emit("unseen")   # a write to the unlinked file succeeds and reaches nothing
+    clock.now += 60.0
+    with structlog.testing.capture_logs() as logs:
+        for i in range(3):
+            trace.emit("after", i=i)
+    trace.alive(1.0, None)
+    trace.end("closed")
+    trace.close()
+    records, bad = read_trace(trace.path)
+    assert bad == 0 and [r["event"] for r in records] == ["header", "after", "after", "after", "alive", "end"]
+    assert records[0]["continued"] is True and records[0]["run_id"] == "x"
+    assert trace.write_errors == 1 and records[-2]["write_errors"] == records[-1]["write_errors"] == 1
+    assert [entry["log_level"] for entry in logs if "removed" in entry["event"]] == ["warning"]
+
+
+def test_a_removed_folder_is_retried_until_it_is_back(tmp_path, monkeypatch):
+    """Folder removed (no roll): found at the next check, each reopen that fails counted, the file back once it is."""
+    clock = _Clock()
+    monkeypatch.setattr(trace_file, "clock", clock, raising=False)
+    folder = tmp_path / "t"
+    trace = EventTrace(0, 1, folder)
+    trace.header({"a": 1}, run_id="x")
+    shutil.rmtree(folder)
+    clock.now += 60.0
+    trace.emit("lost")   # found removed; the reopen fails; the record is dropped
+    errors = trace.write_errors
+    folder.mkdir()
+    clock.now += 60.0
+    trace.emit("back")
+    trace.end("closed")
+    trace.close()
+    records, _ = read_trace(trace.path)
+    assert errors >= 3 and [r["event"] for r in records] == ["header", "back", "end"]
+
+
+FSIZE_LIMIT = r'''
+import json, resource, signal, sys
+from eplb_fsm.trace import EventTrace
+trace = EventTrace(0, 1, sys.argv[1])
+trace.emit("first")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # the write fails with EFBIG instead of killing the process
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (trace.path.stat().st_size + 1000, hard))
+for i in range(40):
+    trace.emit("while_full", i=i, pad="x" * 60)
+failed = trace.write_errors
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))   # space is back
+for i in range(3):
+    trace.emit("after", i=i)
+trace.end("closed")
+trace.close()
+print(json.dumps({"failed": failed, "write_errors": trace.write_errors}))
+'''
+
+
+def test_a_write_counted_as_failed_never_reaches_the_file_later(tmp_path):
+    """A file-size limit hit, then lifted: the records missing from the file are exactly the write_errors."""
+    out = _child(FSIZE_LIMIT, str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    records, bad = read_trace(trace_path(tmp_path, 0))
+    seqs = {r["seq"] for r in records}
+    missing = set(range(max(seqs) + 1)) - seqs
+    assert result["failed"] > 0 and result["write_errors"] == result["failed"] and bad <= 1
+    assert len(missing) == result["failed"] and len(seqs) == len(records)
+    assert [r["event"] for r in records[-4:]] == ["after", "after", "after", "end"]
+    assert records[-1]["write_errors"] == result["failed"]

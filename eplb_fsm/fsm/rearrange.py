@@ -32,6 +32,7 @@ from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, SCALING, TRANSFER
 from eplb_fsm.fsm.planning import Plan, bad_load_reason, local_loads, plan_placements, split_loads
 from eplb_fsm.fsm.reporting import Rearrangement, Reporter
 from eplb_fsm.fsm.transfers import LayerMover, ready_flags
+from eplb_fsm.safe_log import log_safely
 
 __all__ = ["Rearranger"]
 
@@ -99,7 +100,8 @@ class Rearranger:
         bad = bad_load_reason(flat_loads)
         if bad is not None:
             self.trace.emit("loads_rejected", reason=bad)
-            _log.warning("eplb loads rejected", rank=self.collectives.rank, step=self.counters.steps - 1, reason=bad)
+            log_safely(_log, "warning", "eplb loads rejected", rank=self.collectives.rank,
+                       step=self.counters.steps - 1, reason=bad)
             self.abort(f"bad loads: {bad}", recoverable=True, kind="rejected")
             return
         loads = split_loads(self.models, flat_loads)
@@ -139,8 +141,8 @@ class Rearranger:
             reason = "no_moves" if plan.moves == 0 else "gain_below_threshold"
             self.trace.emit("plan_skipped", reason=reason, moves=plan.moves, gain=round(plan.gain, 6),
                             min_balancedness_gain=threshold)
-            _log.info("eplb rearrangement skipped", rank=self.collectives.rank, step=plan.step, reason=reason,
-                      moves=plan.moves, gain=round(plan.gain, 6), min_gain=threshold)
+            log_safely(_log, "info", "eplb rearrangement skipped", rank=self.collectives.rank, step=plan.step,
+                       reason=reason, moves=plan.moves, gain=round(plan.gain, 6), min_gain=threshold)
             self.finish("skipped", reason=reason)
         return fired.dest
 
@@ -365,14 +367,15 @@ class Rearranger:
             self.trace.emit("fault_ignored", reason=reason)
         else:
             dest = self.fire("fault", extra=extra, recoverable=recoverable).dest
-        _log.warning("eplb rearrangement aborted", rank=self.collectives.rank, step=self.counters.steps - 1,
-                     reason=reason, recoverable=recoverable, state=dest)
+        log_safely(_log, "warning", "eplb rearrangement aborted", rank=self.collectives.rank,
+                   step=self.counters.steps - 1, reason=reason, recoverable=recoverable, state=dest)
         self.finish(kind, reason=reason)
         return dest
 
     def group_fault(self, exc: BaseException) -> str:
         """A collective on the EP group failed: the group is broken, the machine goes to failed."""
-        _log.error("eplb collective failed", rank=self.collectives.rank, step=self.counters.steps - 1, error=str(exc))
+        log_safely(_log, "error", "eplb collective failed", rank=self.collectives.rank,
+                   step=self.counters.steps - 1, error=str(exc))
         if self.machine.state == FAILED:
             return FAILED
         return self.abort(str(exc), recoverable=False)

@@ -17,6 +17,7 @@ import torch
 from eplb_fsm.fsm.planning import Plan
 from eplb_fsm.stats import balancedness, rank_loads_physical
 from eplb_fsm.trace import EventTrace
+from eplb_fsm.safe_log import log_safely
 
 __all__ = ["SharedTrace", "Rearrangement", "Reporter"]
 
@@ -121,9 +122,9 @@ class Reporter:
         self.trace.emit("rearrangement", **{k: (round(v, 6) if isinstance(v, float) else v)
                                             for k, v in entry.items() if k != "state"})
         if outcome == "committed":
-            _log.info("eplb rearrangement committed", rank=self.rank, step=current.step, moves=entry["moves"],
-                      balancedness_before=entry["balancedness_before"],
-                      balancedness_after=entry["balancedness_after"])
+            log_safely(_log, "info", "eplb rearrangement committed", rank=self.rank, step=current.step,
+                       moves=entry["moves"], balancedness_before=entry["balancedness_before"],
+                       balancedness_after=entry["balancedness_after"])
         return entry
 
     def log_pass_balancedness(self, step: int, flat: torch.Tensor, models: list, world_size: int) -> None:
@@ -145,5 +146,5 @@ class Reporter:
         self.balancedness_log.append((step, value))
         self.trace.emit("balancedness", value=round(value, 6), models={k: round(v, 6) for k, v in per_model.items()},
                         tokens=float(flat.sum()))
-        _log.info("eplb balancedness", rank=self.rank, step=step, balancedness=round(value, 6),
-                  models=per_model)
+        log_safely(_log, "info", "eplb balancedness", rank=self.rank, step=step, balancedness=round(value, 6),
+                   models=per_model)

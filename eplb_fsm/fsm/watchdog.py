@@ -22,6 +22,7 @@ from typing import Any, Callable
 import structlog
 
 from eplb_fsm.periodic import PeriodicThread
+from eplb_fsm.safe_log import log_safely
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, SCALING, TRANSFERRING
 
 WATCHED_STATES = (PLANNING, TRANSFERRING, COMMITTING, SCALING)
@@ -96,22 +97,17 @@ class Watchdog:
             last_collective=last_summary,
         )
         self.reports.append(record)
-        self.logger.warning(
-            "eplb stuck",
-            state=state,
-            layer=layer,
-            seconds=round(stalled, 3),
-            last_collective=last_summary,
-            rank=getattr(self.trace, "rank", None),
-        )
+        # the record is written: a log that cannot get out (stdout on a full disk, a closed pipe) changes nothing
+        log_safely(self.logger, "warning", "eplb stuck", state=state, layer=layer, seconds=round(stalled, 3),
+                   last_collective=last_summary, rank=getattr(self.trace, "rank", None))
         return record
 
     # -- thread ----------------------------------------------------------
     def _poll(self) -> None:
         try:
             self.check()
-        except Exception as exc:  # a logging failure must never kill the engine
-            self.logger.error("eplb watchdog check failed", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a failed check must never end the thread, nor its log (stdout may be full)
+            log_safely(self.logger, "error", "eplb watchdog check failed", error=f"{type(exc).__name__}: {exc}")
 
     def start(self) -> "Watchdog":
         self._loop.start()
