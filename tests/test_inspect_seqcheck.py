@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from eplb_fsm.inspect.replay import replay_dir
-from eplb_fsm.inspect.seqcheck import SeqCheck
+from eplb_fsm.inspect.seqcheck import MAX_GAPS, SeqCheck
 from eplb_fsm.testing import SyntheticJob
 
 
@@ -95,3 +95,38 @@ def test_every_adjacent_swap_of_a_real_trace_is_out_of_order(tmp_path):
         if report.verdict in ("healthy", "hang") or "out_of_order" not in [f.kind for f in report.findings]:
             wrong.append((i + 1, json.loads(lines[i])["event"], json.loads(lines[i + 1])["event"], report.verdict))
     assert wrong == []
+
+
+def feed_around(seqs: list[int]) -> SeqCheck:
+    """A SeqCheck told ``seqs``, record i written at step 10 * i and ts 100 + i."""
+    check = SeqCheck()
+    for i, seq in enumerate(seqs):
+        before = (100.0 + i - 1, 10 * (i - 1), "collecting") if i else None
+        check.check(seq, 0, lambda i=i: (f"rank00000.jsonl:{i + 1}", i + 1), "alive", (before, 10 * i, 100.0 + i))
+    check.warnings()
+    return check
+
+
+def test_lost_lines_are_kept_as_a_gap_with_the_records_either_side():
+    """Seqs 19, 23: the gap holds the seqs lost (20-22) and the step and ts of the records before and after."""
+    assert feed_around([18, 19, 23, 24]).gaps == [{"first": 20, "last": 22, "lost": 3, "from_step": 10,
+                                                   "from_ts": 101.0, "to_step": 20, "to_ts": 102.0}]
+
+
+def test_a_foreign_line_or_a_swap_leaves_no_gap():
+    """A jump taken back (an inserted line, a mislabelled one, two records swapped) is no stretch of lost lines."""
+    for seqs in ([18, 19, 57, 20, 21], [18, 19, 57, 21, 22], [18, 19, 21, 20, 22], [18, 19, 21, 20]):
+        assert feed_around(seqs).gaps == [], seqs
+
+
+def test_a_swap_next_to_lost_lines_narrows_the_gap():
+    """Seqs 19, 23, 20, 24: seq 20 came late, so only 21-22 are lost."""
+    gap = feed_around([18, 19, 23, 20, 24]).gaps
+    assert [(g["first"], g["last"], g["lost"]) for g in gap] == [(21, 22, 2)]
+
+
+def test_past_max_gaps_the_last_gap_widens():
+    """More stretches than MAX_GAPS: the last kept one grows to cover the rest, so no lost line goes untold."""
+    check = feed_around([2 * i for i in range(MAX_GAPS + 11)])
+    assert len(check.gaps) == MAX_GAPS and sum(g["lost"] for g in check.gaps) == check.lost == MAX_GAPS + 10
+    assert (check.gaps[-1]["first"], check.gaps[-1]["last"]) == (2 * MAX_GAPS - 1, 2 * (MAX_GAPS + 10) - 1)

@@ -152,5 +152,6 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
         if r["event"] != "step":
             s.events[r["event"]] += units
     w.saw_run(lines[start], lines[end - 1])
+    w.step_seq.run(step0 + 1, step0 + units, units, w.n_steps + w.run_steps, w.s.transitions)
     w.took_bulk(end - start, units, last_seq, lines[end - 1])
     return True

@@ -17,6 +17,7 @@ from typing import Any
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
+from eplb_fsm.inspect.lost import LostRecords
 from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary, freeze
 
 
@@ -47,9 +48,11 @@ def check_collectives(cast: Cast) -> list[Finding]:
     """Line every group's collectives up by cseq among its members; report each group's first problem.
 
     A member that switched away from the group's generation for good (or left) takes part
-    up to the last collective it issued there and no further.
+    up to the last collective it issued there and no further. A problem read from records a
+    trace lost (``lost.LostRecords``) is told as ``lost_records`` and the group's check goes on.
     """
     found: list[Finding] = []
+    lost = LostRecords(cast)
     parts = cast.parts
     for g in sorted({g for s in parts.values() for g in s.collectives}):
         members = cast.members(g)
@@ -90,8 +93,10 @@ def check_collectives(cast: Cast) -> list[Finding]:
                 c = held[i] - 1
                 continue
             finding = _check_one_collective(cast, g, c, active)
-            if finding is not None:
+            told = None if finding is None else lost.qualify(finding)
+            if finding is not None and told is not False:
                 found.append(finding)
+            if finding is not None and told is None:
                 break
     return found
 

@@ -39,10 +39,11 @@ KINDS = (
     "duplicate_rank_file",    # two files claim one rank
     "swapped_rank_file",      # a file's name says one rank, its records another
     "out_of_order",           # records out of order by seq
+    "lost_records",           # a hang or mismatch read from a trace whose lost lines (seq gap) held its evidence
 )
 # liveness causes: ordered by when they happened, ahead of everything they lead to
 PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "signalled", "lagging")
-INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "out_of_order")
+INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "out_of_order", "lost_records")
 # at the same step the more causal kind is the verdict: a decision taken differently (or at
 # another step) comes before the collectives it leads to, and those before the hang
 _PRIORITY = {k: i for i, k in enumerate(KINDS)}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
+from eplb_fsm.inspect.stepseq import own_steps_broken, step_break_text
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -283,7 +284,10 @@ def _lagging(cast: Cast) -> Finding | None:
 
 
 def step_count_mismatch(cast: Cast) -> list[Finding]:
-    """Every participant closed in order but their final steps differ: the odd ones skipped or added steps."""
+    """Every participant closed in order but their final steps differ: the odd ones skipped or added steps.
+
+    The reference is the final step most participants reached; in a tie, the one whose participants' own
+    step numbers run on unbroken (``stepseq``), then the higher."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if len(parts) < 2 or any((s.end or {}).get("how") != "closed" for s in parts.values()):
         return []
@@ -292,7 +296,8 @@ def step_count_mismatch(cast: Cast) -> list[Finding]:
         by_step.setdefault(s.last_step, []).append(k)
     if len(by_step) < 2:
         return []
-    ref = max(by_step, key=lambda v: (len(by_step[v]), v is not None and v))
+    ref = max(by_step, key=lambda v: (len(by_step[v]), not any(own_steps_broken(parts[k]) for k in by_step[v]),
+                                      v is not None and v))
     odd = sorted(k for v, ks in by_step.items() if v != ref for k in ks)
     steps = ", ".join(f"{cast.who(ks)} at step {v}" for v, ks in sorted(by_step.items(), key=lambda kv: str(kv[0]))
                       if v != ref)
@@ -304,6 +309,7 @@ def step_count_mismatch(cast: Cast) -> list[Finding]:
         state=first.final_state,
         ranks=[cast.position(k, "odd" if k in odd else "reference", f"closed at step {parts[k].last_step}",
                              parts[k].last_step) for k in sorted(parts)],
+        details=[f"{cast.label(k)}: {text}" for k in odd if (text := step_break_text(parts[k]))],
     )]
 
 

@@ -292,6 +292,10 @@ class RankSummary:
     silences: list[tuple] = field(default_factory=list)
     # input problems found while reading, each with the file line: seq going backwards, wrong field types
     disorder: list[dict] = field(default_factory=list)
+    # stretches of lines lost by seq (``seqcheck.SeqCheck.gaps``): the seqs lost, the step and ts either side
+    gaps: list[dict] = field(default_factory=list)
+    # where the session's own engine-step numbers skip or go back (``stepseq.StepSeq``)
+    step_breaks: list[dict] = field(default_factory=list)
     # earlier sessions of the same file that belong to the same job (a rank that left, then
     # a joiner that took its number); filled on the file's last session only
     previous: list["RankSummary"] = field(default_factory=list)

@@ -12,6 +12,10 @@ record after tells them apart, so the decision waits for it: going on from the j
 record's ``seq`` is a swap, reported as disorder at the record that went back. The first
 step record after a jump is read for its ``seq`` (``step``) so that a step swapped with
 the record before it is told apart the same way.
+
+Each stretch of lost lines is kept in ``gaps`` (the seqs lost, and the step and ``ts`` of the
+records either side), so that a finding whose evidence would lie there can say so
+(``lost_records``); a jump that turns out to be a foreign line or a swap is taken back.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 MAX_DISORDER = 20   # disorder entries kept per session (the first ones say where)
+MAX_GAPS = 50       # stretches of lost lines kept per session; a later one widens the last kept
 
 
 class SeqCheck:
@@ -30,20 +35,25 @@ class SeqCheck:
         self.lost = 0
         self.lost_between: tuple[int, int] | None = None
         # after a jump forward: (seq due after it if it was mislabelled, steps then, size, its seq,
-        # lost_between before it); kept while ``back`` waits, so readers that test it see an open question
+        # lost_between before it, its entry in ``gaps``); kept while ``back`` waits, so readers that test it see
+        # an open question
         self.jump: tuple | None = None
         # a record back at the seq due before the jump: (jumped seq, steps counted after it, disorder entry)
         self.back: tuple | None = None
         self.odd = 0
         self.disorder: list[dict] = []
+        # lost lines: {"first", "last" (the seqs lost), "lost", "from_step", "from_ts", "to_step", "to_ts"}
+        self.gaps: list[dict] = []
 
     def next_seq(self, n_steps: int) -> int | None:
         """The ``seq`` the session's next record must carry (None before any)."""
         return None if self.prev is None else self.prev + 1 + n_steps - self.steps_at_prev
 
-    def check(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]], event: Any) -> bool:
+    def check(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]], event: Any,
+              around: tuple | None = None) -> bool:
         """Account one record's ``seq``; returns whether it carried one. ``locate()`` gives
-        (``file:line``, line) for a disorder entry (asked only then)."""
+        (``file:line``, line) for a disorder entry (asked only then); ``around``: (the (ts, step, ...) of
+        the record before, this record's step, its ts), kept with a stretch of lost lines."""
         if type(seq) is not int:
             return False
         jump, self.jump = self.jump, None     # an inserted or mislabelled record is one jump and back
@@ -55,7 +65,8 @@ class SeqCheck:
         if self.prev is not None:
             expected = self.prev + 1 + n_steps - self.steps_at_prev
             if seq > expected:
-                self.jump = (expected + 1, n_steps, seq - expected, seq, self.lost_between)
+                self.jump = (expected + 1, n_steps, seq - expected, seq, self.lost_between,
+                             self._gap(expected, seq, around))
                 self.lost += seq - expected
                 if self.lost_between is None:
                     self.lost_between = (self.prev, seq)
@@ -92,6 +103,26 @@ class SeqCheck:
                                             "event": "step"})
         self.prev, self.steps_at_prev = seq, n_steps + 1
 
+    def _gap(self, first: int, seq: int, around: tuple | None) -> dict:
+        """Keep the lost seqs ``first .. seq - 1`` in ``gaps`` (past ``MAX_GAPS``: the last kept one widens)."""
+        before, step, ts = around or (None, None, None)
+        gap = {"first": first, "last": seq - 1, "lost": seq - first, "from_step": before[1] if before else None,
+               "from_ts": before[0] if before else None, "to_step": step, "to_ts": ts}
+        if len(self.gaps) < MAX_GAPS:
+            self.gaps.append(gap)
+            return gap
+        last = self.gaps[-1]
+        last.update(last=gap["last"], lost=last["lost"] + gap["lost"], to_step=step, to_ts=ts)
+        return last
+
+    def _refill(self, gap: dict, n: int, back: int | None = None) -> None:
+        """``n`` seqs of ``gap`` were not lost after all (a foreign line, or ``back``: that seq came late)."""
+        gap["lost"] -= n
+        if back == gap["first"]:
+            gap["first"] += 1
+        if gap["lost"] <= 0:
+            self.gaps[:] = [g for g in self.gaps if g is not gap]
+
     def _settle_back(self, jump: tuple, swapped: bool) -> bool:
         """Decide the record back held in ``back``: a swap (disorder there) or the jumped record inserted."""
         entry = self.back[2]
@@ -100,6 +131,7 @@ class SeqCheck:
             self._foreign(jump)
             return False
         self.lost -= 1                  # the record back filled the slot the jump skipped (others stay lost)
+        self._refill(jump[5], 1, jump[0] - 1)
         if jump[2] == 1:
             self.lost_between = jump[4]
         if len(self.disorder) < MAX_DISORDER:
@@ -110,6 +142,7 @@ class SeqCheck:
         """The jumped record carried a seq outside the sequence: no line was lost there."""
         self.lost -= jump[2]
         self.lost_between = jump[4]
+        self._refill(jump[5], jump[2])
         self.odd += 1
 
     def skip_to(self, last_seq: int, n_steps: int) -> None:

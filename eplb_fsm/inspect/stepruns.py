@@ -43,6 +43,7 @@ _STEP_LINE = (r'\{"ts":' + _NUM + r',"rank":-?\d+,"world":\d+,"event":"step","st
               r'"seq":\d+(?:,"dummy":(?:true|false))?\}[ \t\r]*\n')
 _STEP_RUNS: dict[str, re.Pattern] = {}
 _SEQ = re.compile(r'"seq":(\d+)')
+_STEP = re.compile(r'"step":(-?\d+)')
 
 
 def step_run(state: str) -> re.Pattern:
@@ -225,6 +226,12 @@ def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
     return False
 
 
+def _step_of(line: str) -> int | None:
+    """The ``step`` of a step line (read, not parsed)."""
+    m = _STEP.search(line)
+    return int(m.group(1)) if m else None
+
+
 def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], dict | None],
              known: StepLines | None = None) -> int:
     """Replay lines[start:end] (step lines between two other records) into walker ``w``; returns the
@@ -239,6 +246,8 @@ def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], d
                 and seqs_follow(w, run, end - start, start + 1) and calm(run)):
             if w.plain_steps(end - start):
                 w.saw_run(lines[start], lines[end - 1])
+                w.step_seq.run(_step_of(lines[start]), _step_of(lines[end - 1]), end - start,
+                               w.n_steps + w.run_steps - (end - start), w.s.transitions)
                 if w.first is None:
                     w.first = parse(lines[start])
                 w.last, w.last_line = None, lines[end - 1]

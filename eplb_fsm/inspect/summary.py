@@ -78,10 +78,12 @@ def summarize_rank(
             mux.feed(rec)
             continue
         # hot path: the compact record of a step that kept the state, with the fields of one and their types (else
-        # Walker.record warns about a wrong type and ignores the field, as the text path does)
+        # Walker.record warns about a wrong type and ignores the field, as the text path does), numbered on from the
+        # record before it (else Walker.step_record checks its number: ``stepseq``)
         if w.plain_ok and rec.get("event") == "step" and rec.get("state") == w.state and not rec.get("due") \
                 and rec.keys() <= _STEP_KEYS and type(rec.get("step")) is int and type(rec.get("seq")) is int \
-                and type(rec.get("ts")) is float and type(rec.get("rank")) is int and type(rec.get("world")) is int:
+                and type(rec.get("ts")) is float and type(rec.get("rank")) is int and type(rec.get("world")) is int \
+                and w.last is not None and rec["step"] - 1 == w.last.get("step"):
             w.n_steps += 1
             w.records += 1
             w.last = rec
@@ -257,8 +259,6 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
     summary.bad_lines = bad
     summary.truncated = last_bad
     return summary
-
-
 
 
 def _not_step_lines(lines: list[str]) -> list[int]:

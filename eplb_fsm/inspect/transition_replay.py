@@ -1,4 +1,4 @@
-"""One ``transition`` record re-driven through the machine definition, for ``walker.Walker``.
+"""One ``transition`` record (or ``steps`` run) re-driven through the machine definition, for ``walker.Walker``.
 
 Moved out of walker.py to keep modules small: it reads and updates the walker's replayed
 state (``state``, ``layer``, ``pending``, ``num_layers``) and its summary.
@@ -16,7 +16,28 @@ from eplb_fsm.trace_fields import PENDING_CLEARED, PENDING_SET
 if TYPE_CHECKING:
     from eplb_fsm.inspect.walker import Walker
 
-__all__ = ["replay_transition"]
+__all__ = ["replay_steps_run", "replay_transition"]
+
+
+def replay_steps_run(w: "Walker", rec: dict) -> None:
+    """A ``steps`` record: ``count`` quiet steps of its state, each the internal ``step`` (due false)."""
+    count = rec.get("count")
+    if type(count) is not int or count < 1:
+        w.s.warnings.append(f"{w.where()}: steps record without a positive integer count; not counted")
+        return
+    step, seq, before = rec.get("step"), w.step_seq, w.n_steps + w.run_steps
+    if type(step) is not int or step - before != seq.base or len(w.s.transitions) != seq.tlen:   # else: runs on
+        seq.run(step, step + count - 1 if type(step) is int else None, count, before, w.s.transitions)
+    w.run_steps += count
+    st = rec.get("state")
+    if w.state is None:
+        w.state = st
+    elif st != w.state:
+        w.illegal(rec, f"steps record stamped {st!r} but the replayed state is {w.state!r}", w.state)
+        w.state = st
+    w.plain_ok = w.steps_keep_state(False)
+    if not w.plain_ok:
+        w.illegal(rec, f"a steps record says the state stayed {w.state!r}, the machine does not keep it", w.state)
 
 
 def replay_transition(w: "Walker", rec: dict) -> None:

@@ -44,7 +44,8 @@ from eplb_fsm.inspect.records import (
     wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
-from eplb_fsm.inspect.transition_replay import replay_transition
+from eplb_fsm.inspect.stepseq import StepSeq
+from eplb_fsm.inspect.transition_replay import replay_steps_run, replay_transition
 from eplb_fsm.trace_segments import segment_line
 
 def last_step(rec: dict | None) -> int | None:
@@ -95,7 +96,8 @@ class Walker:
         self.warned_layers = False
         # lost lines: seq must advance by one per record (checked at every non-step record)
         self.seqs = SeqCheck()
-        self.s.disorder = self.seqs.disorder
+        self.s.disorder, self.s.gaps = self.seqs.disorder, self.seqs.gaps
+        self.step_seq = StepSeq(self.s.step_breaks)   # the session's own step numbers: where they skip or go back
         self.seen_at: tuple | None = None    # (ts, step, state) of the last record whose time was seen
         self.early_ends: dict[tuple, tuple[dict, bool]] = {}   # (group, cseq) -> (end read first, warn if unmet)
         self.step_before: int | None = None  # the last integer step before a record whose step is unusable
@@ -219,11 +221,13 @@ class Walker:
         self.plain_ok = ok and not due
         if self.seqs.jump is not None:   # a jump is open: this step's seq may be the one that went back (a swap)
             self.seqs.step(rec.get("seq"), self.n_steps, self._locate)
+        self.step_seq.run(rec.get("step"), rec.get("step"), 1, self.n_steps + self.run_steps, self.s.transitions)
         self.n_steps += 1
 
-    def _check_seq(self, rec: dict, ev: Any) -> bool:
-        """``seq`` must advance by one per record (``SeqCheck``); disorder goes to the summary."""
-        return self.seqs.check(rec.get("seq"), self.n_steps, self._locate, ev)
+    def _check_seq(self, rec: dict, ev: Any, seen: tuple | None = None) -> bool:
+        """``seq`` must advance by one per record (``SeqCheck``); disorder and lost lines (with ``seen``, the
+        time and step of the record before, and this one's) go to the summary."""
+        return self.seqs.check(rec.get("seq"), self.n_steps, self._locate, ev, (seen, rec.get("step"), rec.get("ts")))
 
     def _locate(self) -> tuple[str, int | None]:
         return self.where(), self.line
@@ -273,7 +277,7 @@ class Walker:
         if seqs.jump is None and seqs.prev is not None and seq == seqs.prev + 1 + self.n_steps - seqs.steps_at_prev:
             seqs.prev, seqs.steps_at_prev = seq, self.n_steps   # in order: the common case, inline
         else:
-            self._check_seq(rec, ev)
+            self._check_seq(rec, ev, seen)
         s = self.s
         s.events[ev] += 1
         if self.world is None and "world" in rec:
@@ -282,7 +286,7 @@ class Walker:
             replay_transition(self, rec)
             return
         if ev == "steps":
-            self._steps_run(rec)
+            replay_steps_run(self, rec)
             return
 
         # every other record: its stamped state should be the replayed one
@@ -345,24 +349,6 @@ class Walker:
             entry.status, entry.error = "error", rec.get("error")
         if rec.get("op") != entry.op:
             self.s.warnings.append(f"{entry.group}#{entry.cseq}: started as {entry.op!r}, ended as {rec.get('op')!r}")
-
-    def _steps_run(self, rec: dict) -> None:
-        """A ``steps`` record: ``count`` quiet steps of its state, each the internal ``step`` (due false)."""
-        count = rec.get("count")
-        if type(count) is not int or count < 1:
-            self.s.warnings.append(f"{self.where()}: steps record without a positive integer count; not counted")
-            return
-        self.run_steps += count
-        st = rec.get("state")
-        if self.state is None:
-            self.state = st
-        elif st != self.state:
-            self.illegal(rec, f"steps record stamped {st!r} but the replayed state is {self.state!r}", self.state)
-            self.state = st
-        self.plain_ok = self.steps_keep_state(False)
-        if not self.plain_ok:
-            self.illegal(rec, f"a steps record says the state stayed {self.state!r}, the machine does not keep it",
-                          self.state)
 
     def result(self, last: dict | None) -> RankSummary:
         """The file's last session, with the earlier sessions of the same job in ``previous``."""

@@ -1,0 +1,150 @@
+"""Collective findings built on records a rank's trace lost: told as such, never as fact.
+
+A rank's ``seq`` advances by one per record, so a jump is lines lost (a rotated segment
+removed or cut short, a damaged disk block); each stretch is kept per session in
+``RankSummary.gaps`` (``seqcheck``), with the step and ``ts`` either side. A collective
+finding reads an absence as what a rank did not do: a collective it never issued, or one
+it started and never finished. When that absence lies inside a gap of the rank's trace,
+the finding does not hold as stated, and ``LostRecords.qualify`` turns it into
+``lost_records``:
+
+- a collective the rank never issued (``skipped``, ``never_joined``), or one only the others
+  lack (an "extra" collective): the gap lies between the last collective of that group the
+  rank started before it and the next one it started after it, which are on either side of
+  the one claimed;
+- a collective the rank started and never finished: the gap lies after its start (unless
+  the rank's last ``alive`` record says it still waited in it);
+- and in time: the record after the gap is no older than the first start of that collective
+  on any member (within ``SKEW_S``): a collective ends only once every member joined it, so
+  lines lost well before anyone started it cannot hold it.
+
+The summary keeps the finding's own text, then says which gap (``rank R's trace lost N
+record(s) here (seq A..B, steps X..Y), so this may be the gap, not the rank``) and, for a
+rank that went on to write its ``end`` record, that it ended in order. The culprits are the
+ranks whose traces lost the records (their files are what to look at); a detail says what
+the finding would have been. One ``lost_records`` is told per gap: a later finding that
+rests on the same gap is dropped (``qualify`` answers False), and ``check_collectives``
+goes on with the group after it.
+"""
+
+from __future__ import annotations
+
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.findings import Finding
+from eplb_fsm.inspect.model import Collective, RankSummary
+
+__all__ = ["LOST_RECORDS", "SKEW_S", "LostRecords", "gap_text", "held_around"]
+
+LOST_RECORDS = "lost_records"
+SKEW_S = 2.0    # clocks of different hosts agree to well under this (docs/debugging-hangs.md, liveness)
+_ABSENT = ("hang", "collective_mismatch")    # the kinds that read an absence as what a rank did
+
+
+def held_around(s: RankSummary, group: str, seq: int) -> tuple[float, float]:
+    """(the highest cseq of ``group`` the session started before ``seq``, the lowest it holds above
+    that one): -1 and inf where there is none."""
+    index = s.collectives.get(group)
+    if not index:
+        return -1, float("inf")
+    one, runs = getattr(index, "one", index), getattr(index, "runs", ())
+    # a bulk run follows its template with no gap between them: it lies wholly on the template's side of a gap
+    lo = max([c for c, e in one.items() if type(e.seq) is int and e.seq < seq]
+             + [r.last for r in runs if type(r.template.seq) is int and r.template.seq < seq], default=-1)
+    hi = min([c for c in one if c > lo] + [max(r.first, lo + 1) for r in runs if r.last > lo], default=float("inf"))
+    return lo, hi
+
+
+def gap_text(cast: Cast, key: Key, gap: dict) -> str:
+    """``rank R's trace lost N record(s) here (seq A..B, steps X..Y)``."""
+    a, b = gap["first"], gap["last"]
+    x, y = gap.get("from_step"), gap.get("to_step")
+    steps = "" if type(x) is not int or type(y) is not int else f", step {x}" if x == y else f", steps {x}..{y}"
+    seqs = f"seq {a}" if a == b else f"seq {a}..{b}"
+    return f"{cast.label(key)}'s trace lost {gap['lost']} record(s) here ({seqs}{steps})"
+
+
+class LostRecords:
+    """The collective findings of one replay whose evidence lies in a gap (see the module docstring)."""
+
+    def __init__(self, cast: Cast) -> None:
+        self.cast = cast
+        self.told: set[tuple] = set()            # (participant, gap index) already named by a finding
+        self._around: dict[tuple, tuple] = {}    # (participant, group, gap index) -> held_around
+
+    def qualify(self, f: Finding) -> bool | None:
+        """None: no gap bears on ``f`` (it stands); True: ``f`` is now ``lost_records``, naming the gap;
+        False: it rests on a gap an earlier finding named (leave it out)."""
+        coll = f.collective or {}
+        g, c = coll.get("group"), coll.get("cseq")
+        if f.kind not in _ABSENT or type(c) is not int:
+            return None
+        parts = self.cast.parts
+        first = min([e.ts for k in f.members if k in parts and (e := parts[k].collectives.get(g, {}).get(c))
+                     is not None and type(e.ts) in (int, float)], default=None)
+        hits = self._hits(f.keys(), g, c, first)
+        if not hits and f.kind == "collective_mismatch" and self._one_signature(f, g, c):
+            # the culprits issued it and the others did not (an extra collective): the others' absence is the evidence
+            hits = self._hits([k for k in f.members if k not in f.keys()], g, c, first)
+        if not hits:
+            return None
+        keys = sorted({k for k, _ in hits})
+        text = "; ".join(gap_text(self.cast, k, parts[k].gaps[i]) for k, i in sorted(hits))
+        ended = "".join(f"; {self.cast.label(k)} then ended in order ({parts[k].end.get('how')}) at step "
+                        f"{parts[k].end.get('step')}" for k in keys if parts[k].end is not None)
+        stands = [k for k in f.keys() if k not in keys]
+        if stands and len(stands) < len(f.keys()):
+            # the finding holds for the other culprits: the ones whose evidence was lost leave it
+            f.summary += f"; but {text}, so for {self.cast.who(keys)} this may be the gap, not the rank{ended}"
+            f.culprits, f.sessions = sorted({k[0] for k in stands}), [list(k) for k in stands]
+            return None
+        if all(hit in self.told for hit in hits):
+            return False
+        self.told.update(hits)
+        f.details.insert(0, f"read as it stands: {f.kind}, culprit {self.cast.who(f.keys())}")
+        f.kind = LOST_RECORDS
+        f.summary += f"; but {text}, so this may be the gap, not the rank{ended}"
+        f.culprits, f.sessions = sorted({k[0] for k in keys}), [list(k) for k in keys]
+        return True
+
+    def _hits(self, keys, g: str, c: int, first_start: float | None) -> list[tuple[Key, int]]:
+        """(participant, gap index) for each of ``keys`` whose lost lines would hold its missing record of (g, c);
+        ``first_start``: the earliest ``ts`` a member started it at (None: unknown)."""
+        out = []
+        for k in keys:
+            s = self.cast.parts.get(k)
+            if s is None or not s.gaps:
+                continue
+            entry = s.collectives.get(g, {}).get(c)
+            where = self._end_gaps(s, entry) if entry is not None else self._start_gaps(k, s, g, c)
+            i = next((i for i in where if first_start is None or type(to := s.gaps[i]["to_ts"]) not in (int, float)
+                      or to + SKEW_S >= first_start), None)
+            if i is not None:
+                out.append((k, i))
+        return out
+
+    def _start_gaps(self, k: Key, s: RankSummary, g: str, c: int) -> list[int]:
+        """The gaps between the last collective of ``g`` started before ``c`` and the next one after it."""
+        out = []
+        for i, gap in enumerate(s.gaps):
+            around = self._around.get((k, g, i))
+            if around is None:
+                around = self._around[(k, g, i)] = held_around(s, g, gap["first"])
+            if around[0] < c < around[1]:
+                out.append(i)
+        return out
+
+    @staticmethod
+    def _end_gaps(s: RankSummary, entry: Collective) -> list[int]:
+        """The gaps after the start of ``entry``, a collective the session never finished."""
+        if entry.status != "open" or type(entry.seq) is not int:
+            return []
+        waiting = s.alive[-1][3] if s.alive else None
+        if isinstance(waiting, dict) and (waiting.get("group"), waiting.get("cseq")) == (entry.group, entry.cseq):
+            return []    # its last alive record says it still waited inside: it did not finish it
+        return [i for i, gap in enumerate(s.gaps) if gap["first"] > entry.seq]
+
+    def _one_signature(self, f: Finding, g: str, c: int) -> bool:
+        """Every member that holds (g, c) issued the same collective (no mismatch of op, shape, ...)."""
+        sigs = {e.signature() for k in f.members if k in self.cast.parts
+                and (e := self.cast.parts[k].collectives.get(g, {}).get(c)) is not None}
+        return len(sigs) == 1
