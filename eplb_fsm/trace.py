@@ -11,13 +11,14 @@ after it; a trace without ``end`` belongs to a rank that died or was still runni
 ``alive`` records (written by :mod:`eplb_fsm.liveness`, a background thread) carry the
 open collective, if any, so a reader can tell a frozen rank from the ranks waiting on it.
 
-Each rank writes one JSONL file (:mod:`eplb_fsm.trace_file`). Every record goes out at
-once, in one unbuffered write (a rank killed mid-collective still leaves the start record
-on disk), except quiet engine steps: :meth:`EventTrace.count_step` only counts, and the
-counted steps reach the file as one ``steps`` run record (first step, count, dummies)
-right before the next other record, at every :meth:`EventTrace.flush` (the liveness
-thread flushes every 1.5 intervals while steps advance) and at ``end``/close (docs/events.md, "Runs of quiet
-steps"). Files roll by size (:mod:`eplb_fsm.trace_segments`). The library never calls
+Each rank writes one JSONL file (:mod:`eplb_fsm.trace_file`; a joiner: its own,
+``trace_path(..., generation)``). Every record goes out at once, in one unbuffered write
+(a rank killed mid-collective still leaves the start record on disk), except quiet engine
+steps: :meth:`EventTrace.count_step` only counts, and the counted steps reach the file as
+one ``steps`` run record (first step, count, dummies) right before the next other record,
+at every :meth:`EventTrace.flush` (the liveness thread flushes every 1.5 intervals while
+steps advance) and at ``end``/close (docs/events.md, "Runs of quiet steps"). Files roll by
+size (:mod:`eplb_fsm.trace_segments`). The library never calls
 ``structlog.configure()``: the host's logging setup is untouched.
 """
 
@@ -79,7 +80,7 @@ class EventTrace:
     still kept (the watchdog and the tests read them). ``keep=True`` also keeps every
     record in ``records`` exactly as written (``steps`` runs included; for tests and
     in-process inspection). ``max_bytes`` / ``max_segments``: size-based rotation
-    (:mod:`eplb_fsm.trace_segments`; defaults 64 MiB x 4 files per rank).
+    (:mod:`eplb_fsm.trace_segments`; defaults 64 MiB x 4 segments per trace file).
 
     One lock orders every record (its ``seq`` and its line go out together). The step
     path (:meth:`count_step`) takes it only when a run of steps begins; see

@@ -1,12 +1,13 @@
 """Size-based rotation of a rank's trace file, and reading a rank's segments back in order.
 
-A rank writes ``rank<NNNNN>.jsonl`` (the live segment). Once it holds more than
-``max_bytes``, the writer rolls it: ``.jsonl`` becomes ``.jsonl.1``, ``.jsonl.1`` becomes
-``.jsonl.2`` and so on, the oldest beyond ``max_segments - 1`` rotated segments is
-deleted, and a new live segment starts with a copy of the header marked
-``"continued": true`` (docs/events.md, "Rotation"). A rank therefore keeps at most
-``max_segments`` files, each of at most ``max_bytes`` plus the one write that took it past
-(a record, or a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write).
+A rank writes ``rank<NNNNN>.jsonl`` (the live segment; a joiner its own
+``rank<NNNNN>.g<g>.jsonl``, rolled the same way). Once it holds more than ``max_bytes``,
+the writer rolls it: ``.jsonl`` becomes ``.jsonl.1``, ``.jsonl.1`` becomes ``.jsonl.2``
+and so on, the oldest beyond ``max_segments - 1`` rotated segments is deleted, and a new
+live segment starts with a copy of the header marked ``"continued": true``
+(docs/events.md, "Rotation"). A trace file therefore keeps at most ``max_segments``
+segments, each of at most ``max_bytes`` plus the one write that took it past (a record, or
+a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write).
 
 Oldest first, a rank's segments are ``.jsonl.<K-1>``, ..., ``.jsonl.1``, ``.jsonl``;
 :func:`read_trace` reads them in that order. :func:`record_steps` says which engine steps
@@ -26,7 +27,7 @@ __all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotati
            "read_rank_text", "read_trace", "record_steps", "rotate", "segment_line", "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
-DEFAULT_MAX_SEGMENTS = 4               # files kept per rank, the live one included
+DEFAULT_MAX_SEGMENTS = 4               # segments kept per trace file, the live one included
 
 _ROTATED = re.compile(r"\.(\d+)$")
 

@@ -649,3 +649,24 @@ def test_docs_give_the_json_findings_cap():
     text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "debugging-hangs.md").read_text().split())
     assert f"`findings` (the first {rp.MAX_FINDINGS} in order" in text and "`more_findings` counts" in text
     assert "`findings` (all of them" not in text
+
+
+def test_the_healthy_summary_counts_ranks_not_files(tmp_path):
+    """4 -> 2 -> 4 with each joiner in its own rank<N>.g2.jsonl: 6 files, 6 sessions, 4 ranks. The summary
+    says "4 ranks (6 sessions)", not "4 rank files" (what it counts is rank numbers, not the files read)."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(15)
+    job.scale(2)
+    job.run(10)
+    job.scale(4)
+    job.run(10)
+    for session in job.sessions:
+        session.trace.flush()
+        first = session.trace.records[0]
+        name = trace_path(tmp_path, first["rank"], first["generation"] if first.get("role") == "joiner" else 0)
+        name.write_text("".join(json.dumps(r) + "\n" for r in session.trace.records))
+    assert len(list(tmp_path.glob("rank*.jsonl"))) == 6
+    report = rp.replay_dir(tmp_path)
+    assert report.verdict == "healthy", report.summary
+    assert report.summary.startswith("4 ranks (6 sessions) agree across 2 scale(s), world 4 -> 2 -> 4: ")
+    assert "rank files" not in report.summary

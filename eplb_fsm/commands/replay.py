@@ -31,9 +31,10 @@ EXIT_CODES = """exit status:
   0  healthy: every rank agrees, up to where its trace stops (aborted rearrangements are
      listed; a last line says when no rank wrote an end record)
   1  a problem was found: the first line names the culprit (the rank that died, froze,
-     crashed, lagged or issued the odd collective), then what followed from it
+     crashed, lagged or issued the odd collective, or whose trace lost the lines a finding
+     rests on), then what followed from it
   2  usage error or unusable input: bad --ranks/--jobs, --ranks with --rank, no folder, no
-     rank*.jsonl file, nothing readable (with --rank R: in R's file), or traces of several
+     rank*.jsonl file, nothing readable (with --rank R: in R's files), or traces of several
      runs (pick one with --run-id)"""
 
 
@@ -52,7 +53,8 @@ def _at_least(low: int, what: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_CODES
-    parser.add_argument("logdir", help="folder holding rank<N>.jsonl traces (one per rank)")
+    parser.add_argument("logdir", help="folder holding the rank<N>.jsonl traces (one per rank; joiners' "
+                                         "rank<N>.g<g>.jsonl too)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
                         help="print rank R's timeline (one line per record, joiners that took number R "

@@ -4,10 +4,11 @@ This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine
 ``summary`` (one rank file re-driven through the machine: ``walker``, ``model``,
 ``records``, and ``bulk`` for stretches read without parsing them), ``replay``
 (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, ``liveness``
-for ranks that died, froze, crashed or lagged, ``identity`` for run ids and misnamed or
-duplicated files, and ``elastic`` for group swaps, joiners and leaving ranks) and
-``render`` (text report, timeline). The synthetic-trace writer it re-exports
-(``SyntheticJob``, ``Faults``, ...)
+for ranks that died, froze, crashed or lagged, ``lost`` for findings that rest on lines a
+trace lost (``lost_records``), ``stepseq`` for a session's own step numbers (they break
+``step_count_mismatch`` ties), ``identity`` for run ids and misnamed or duplicated files,
+and ``elastic`` for group swaps, joiners and leaving ranks) and ``render`` (text report,
+timeline). The synthetic-trace writer it re-exports (``SyntheticJob``, ``Faults``, ...)
 lives in :mod:`eplb_fsm.testing`.
 """
 

@@ -1,9 +1,10 @@
 """Elastic EP in the replay: who takes part in what while ranks leave, join and are renumbered.
 
-A rank file ``rank<N>.jsonl`` usually holds one session (one controller). In an elastic job it
-can hold two real ones: a process that left at a scale-down, then a joiner that took rank N
-at a later scale-up (stage 1 keeps both; see ``summary``). The cross-rank stage therefore
-works on *participants*, keyed ``(N, session)``, never on bare ranks.
+Rank N usually has one session (one controller). In an elastic job it can have two: a process
+that left at a scale-down, then a joiner that took number N at a later scale-up, whose
+``rank<N>.g<g>.jsonl`` is read as the later session, the earlier one kept in its ``previous``
+(``identity.assign``; older traces appended the joiner to ``rank<N>.jsonl``). The cross-rank
+stage therefore works on *participants*, keyed ``(N, session)``, never on bare ranks.
 
 Membership follows the generations of the EP group (docs/elastic.md). Generation 0 is
 the group the first ranks start in (``ep``, ``ep_transfer`` and its re-creations

@@ -296,8 +296,8 @@ class RankSummary:
     gaps: list[dict] = field(default_factory=list)
     # where the session's own engine-step numbers skip or go back (``stepseq.StepSeq``)
     step_breaks: list[dict] = field(default_factory=list)
-    # earlier sessions of the same file that belong to the same job (a rank that left, then
-    # a joiner that took its number); filled on the file's last session only
+    # earlier sessions of the same rank number in the same job (a rank that left, then a joiner that took
+    # its number: in its own file, or in older traces the same one); filled on the rank's last session only
     previous: list["RankSummary"] = field(default_factory=list)
     # the history starts at a `continued` header (oldest segments deleted): {"step": its step, "next_cseq": its
     # {group: next cseq}, None from writers that did not say}; the ranks are compared from the latest such step

@@ -1,12 +1,12 @@
 """Replay per-rank traces and name the first divergence (docs/design.md §7).
 
 Stage 1 (``eplb_fsm.inspect.summary``) walks each rank file once: its transitions are
-re-driven through the machine definition and its collectives indexed by group and
-sequence number (a file an elastic job wrote twice, a rank that left and a joiner that
-took its number, gives two sessions). Stage 2, ``diagnose(traces)``, a pure function over
-loaded records (or their summaries), turns the sessions into participants with their
-group memberships across generations (``elastic``), runs the checks (``checks``): the
-n-th state change must be the same event at the same step everywhere, and every group's
+re-driven through the machine definition and its collectives indexed by group and sequence
+number (a joiner that took number N after a rank left is rank N's second session, in
+``rank<N>.g<g>.jsonl`` or, in older traces, ``rank<N>.jsonl``). Stage 2, ``diagnose(traces)``,
+a pure function over loaded records (or their summaries), turns the sessions into participants
+with their group memberships across generations (``elastic``), runs the checks (``checks``):
+the n-th state change must be the same event at the same step everywhere, and every group's
 collectives must line up by sequence number among its members. It returns a ``Report``
 (``findings``) whose verdict is the first divergence, with what every rank was doing there.
 
@@ -361,7 +361,7 @@ def _healthy_summary(cast, summaries: dict[int, RankSummary], scales: list[dict]
     else:
         worlds = [str(cast.world)] + [str(n["to_ranks"]) for n in scales if n["outcome"] == "switched"]
         sessions = f" ({len(cast.parts)} sessions)" if len(cast.parts) != len(summaries) else ""
-        summary = (f"{len(summaries)} rank files{sessions} agree across {len(scales)} scale(s), "
+        summary = (f"{len(summaries)} ranks{sessions} agree across {len(scales)} scale(s), "
                    f"world {' -> '.join(worlds)}: {tail}")
         # a scale that did not switch, or switched part-way, is worth its line even when healthy
         noted = [n for n in scales if n["outcome"] != "switched" or n.get("partial")]

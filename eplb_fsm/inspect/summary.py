@@ -9,12 +9,12 @@ record is checked against the replayed state. An illegal transition is recorded 
 reason and the walk resynchronises on what the record claims, so one bad record is
 reported once.
 
-The result, ``RankSummary``, keeps only what the cross-rank stage (``replay.diagnose``)
-needs: the state-changing transitions, the collectives per group and sequence number,
-the first and last records, illegal transitions, watchdog and fault records, and the
-elastic-EP records (``group_switch``, scale outcomes). A file an elastic job wrote twice
-(a rank that left, then a joiner that took its number) gives the joiner's session, with
-the earlier one in ``previous``.
+The result, ``RankSummary``, keeps only what the cross-rank stage (``replay.diagnose``) needs:
+the state-changing transitions, the collectives per group and sequence number, the first and
+last records, illegal transitions, watchdog and fault records, and the elastic-EP records
+(``group_switch``, scale outcomes). A joiner that took number N after a process left is rank
+N's later session (the earlier one in ``previous``), read from its ``rank<N>.g<g>.jsonl``
+(``identity.assign``) or, in older traces, from the end of ``rank<N>.jsonl``.
 
 ``summarize_text(text)`` is the same walk over a JSONL file's text, with the runs of
 compact step lines (most of a long trace) checked in bulk.
@@ -110,7 +110,7 @@ def _interleaves(w: Walker, rec: dict) -> bool:
 class _Interleaved:
     """Sessions of one file that write at the same time.
 
-    With a rank mapping that renumbers ranks (elastic EP), a joiner may take the number of a
+    In traces written before joiners had their own files, a joiner may take the number of a
     rank whose process goes on serving under another number: both append to the same file.
     Every record goes to the session whose ``seq`` it continues (ties: the one whose current
     rank it carries, then the newest: a session that died never writes again). Nothing is
