@@ -129,16 +129,22 @@ def test_rank_died_via_files(tmp_path, capsys):
     assert data["verdict"] == "rank_died" and data["culprit_ranks"] == [3] and data["step"] == 11
 
 
-def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
-    """A 4 -> 2 -> 4 job: exit 0 with the scales listed; --rank 3 shows both sessions and marks only the joiner's."""
-    logs = tmp_path / "logs"
-    job = SyntheticJob(world=WORLD, num_layers=2, interval=10, trace_dir=logs)
+def down_up_job(trace_dir=None) -> SyntheticJob:
+    """A closed 4 -> 2 -> 4 job: 12 steps, the scale-down, 6 steps, the scale-up, 5 steps."""
+    job = SyntheticJob(world=WORLD, num_layers=2, interval=10, trace_dir=trace_dir)
     job.run(12)
     job.scale(2)
     job.run(6)
     job.scale(4)
     job.run(5)
     job.close()
+    return job
+
+
+def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
+    """A 4 -> 2 -> 4 job: exit 0 with the scales listed; --rank 3 shows both sessions and marks only the joiner's."""
+    logs = tmp_path / "logs"
+    down_up_job(trace_dir=logs)
     assert main(["replay", str(logs)]) == 0
     out = capsys.readouterr().out
     assert "scales (2):\n    generation 1 at step 12: scale_down 4 -> 2 ranks, switched" in out
@@ -162,13 +168,7 @@ def test_elastic_dir_report_and_two_session_timeline(tmp_path, capsys):
 
 def test_rank_timeline_follows_a_joiner_file_as_the_next_session(tmp_path, capsys):
     """--rank 3 reads rank00003.jsonl, then the joiner's rank00003.g2.jsonl, as one timeline of two sessions."""
-    job = SyntheticJob(world=WORLD, num_layers=2, interval=10)
-    job.run(12)
-    job.scale(2)
-    job.run(6)
-    job.scale(4)
-    job.run(5)
-    job.close()
+    job = down_up_job()
     first, joiner = [s for s in job.sessions if s.trace.records[0]["rank"] == 3]
     files, shared = tmp_path / "files", tmp_path / "shared"
     for d, parts in ((files, [("rank00003.jsonl", first), ("rank00003.g2.jsonl", joiner)]),

@@ -251,35 +251,22 @@ def test_scale_with_nothing_to_move_goes_from_planning_to_the_switch():
     assert m.fire("plan_ready", moves=0, worth=True).dest == COLLECTING
 
 
-def test_survivors_salvage_a_broken_scale_down_from_failed():
-    """The old group breaks mid scale-down (failed); salvaged leads to scaling, then switched to collecting."""
+@pytest.mark.parametrize("recoverable, after_fault, event", [(False, FAILED, "salvaged"), (True, COLLECTING, "resumed")])
+def test_a_broken_scale_goes_on_to_its_switch_through_its_own_event(recoverable, after_fault, event):
+    """A scale-down broken mid-way (failed) is salvaged, a scale-up cut short (collecting) resumed: to scaling, then
+    switched to collecting; neither event leads anywhere from the other's state."""
     m = EplbMachine(2)
     m.fire("scale_requested")
     m.fire("groups_ready")
     m.fire("plan_ready", moves=2, worth=True)
-    m.fire("fault", recoverable=False)
-    assert (m.state, m.scale_pending) == (FAILED, False)
-    fired = m.fire("salvaged")
-    assert (fired.source, fired.dest, m.scale_pending) == (FAILED, SCALING, True)
+    m.fire("fault", recoverable=recoverable)
+    assert (m.state, m.scale_pending) == (after_fault, False)
+    fired = m.fire(event)
+    assert (fired.source, fired.dest, m.scale_pending) == (after_fault, SCALING, True)
     assert m.fire("switched").dest == COLLECTING
+    m.fire("fault", recoverable=not recoverable)
     with pytest.raises(IllegalTransition):
-        m.fire("salvaged")
-
-
-def test_a_scale_up_cut_short_resumes_its_switch_from_collecting():
-    """A scale-up's recoverable fault ends in collecting; resumed leads to scaling, then switched to collecting."""
-    m = EplbMachine(2)
-    m.fire("scale_requested")
-    m.fire("groups_ready")
-    m.fire("plan_ready", moves=2, worth=True)
-    m.fire("fault", recoverable=True)
-    assert (m.state, m.scale_pending) == (COLLECTING, False)
-    fired = m.fire("resumed")
-    assert (fired.source, fired.dest, m.scale_pending) == (COLLECTING, SCALING, True)
-    assert m.fire("switched").dest == COLLECTING
-    m.fire("fault", recoverable=False)
-    with pytest.raises(IllegalTransition):
-        m.fire("resumed")
+        m.fire(event)
 
 
 @pytest.mark.parametrize("recoverable, dest", [(True, COLLECTING), (False, FAILED)])

@@ -171,13 +171,18 @@ def test_a_joiner_with_a_different_setting_is_a_config_mismatch():
     assert "world" not in report.summary and "num_redundant_experts" not in report.summary
 
 
+def scaled_up_records(to_ranks: int, before: int, after: int) -> dict[int, list[dict]]:
+    """The records of a 2-rank job scaled up to ``to_ranks`` after ``before`` steps, then run ``after`` more."""
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(before)
+    job.scale(to_ranks)
+    job.run(after)
+    return job.records()
+
+
 def test_a_joiner_with_no_trace_is_a_missing_rank():
     """The old ranks switched to a group of 3 but rank 2 (the joiner) left no file: it is missing."""
-    job = SyntheticJob(world=2, num_layers=2, interval=10)
-    job.run(12)
-    job.scale(3)
-    job.run(5)
-    records = job.records()
+    records = scaled_up_records(3, before=12, after=5)
     del records[2]
     report = rp.diagnose(records)
     assert report.verdict == "missing_ranks" and report.missing_ranks == [2]
@@ -242,14 +247,9 @@ def test_a_scale_up_aborted_in_prepare_after_its_joiner_wrote_its_header_misses_
     assert [s["outcome"] for s in report.scales] == ["aborted"]
 
 
-
 def test_a_scale_up_that_switched_part_way_says_so():
     """`scaling` records with partial true: the scale note keeps partial, phase and layers; the text says why."""
-    job = SyntheticJob(world=2, num_layers=2, interval=10)
-    job.run(15)
-    job.scale(4)
-    job.run(10)
-    records = job.records()
+    records = scaled_up_records(4, before=15, after=10)
     reason = "rearrangement cut short at layer 1 (TransferError: peer gone)"
     for recs in records.values():   # what elastic/records.py scaling_record writes for a partial switch
         for rec in recs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -207,11 +208,12 @@ def test_moving_rank_writes_under_100_bytes_a_second_at_10_steps_a_second(tmp_pa
     assert 40 < per_second < 100, per_second
 
 
-class _FlakyTrace:
-    """A trace whose first two writes raise (a passing error), then behave; counts alive records."""
+class FlakyTrace:
+    """A trace whose first ``failures`` beats raise (a passing error), then behave; counts alive records."""
 
-    def __init__(self) -> None:
-        self.step, self.ended, self.closed, self.calls, self.alive_count = 0, False, False, 0, 0
+    def __init__(self, failures: int = 2) -> None:
+        self.step, self.rank, self.ended, self.closed, self.calls, self.alive_count = 0, 0, False, False, 0, 0
+        self.failures = failures
 
     def waiting_on(self):
         return None
@@ -221,7 +223,7 @@ class _FlakyTrace:
 
     def alive(self, interval_s, steps_seen):
         self.calls += 1
-        if self.calls <= 2:
+        if self.calls <= self.failures:
             raise RuntimeError("disk hiccup")
         self.alive_count += 1
         return {"event": "alive"}
@@ -229,7 +231,7 @@ class _FlakyTrace:
 
 def test_a_failing_beat_does_not_end_the_thread():
     """A beat that raises is counted and logged once; the thread keeps beating (a silent live rank replays as frozen)."""
-    trace = _FlakyTrace()
+    trace = FlakyTrace()
     live = Liveness(trace, interval_s=0.02).start()
     deadline = time.monotonic() + 10
     while trace.alive_count < 3 and time.monotonic() < deadline:
@@ -240,7 +242,7 @@ def test_a_failing_beat_does_not_end_the_thread():
 
 def test_a_closed_trace_ends_the_thread_on_a_failing_beat():
     """Once the trace is closed, a beat that raises ends the thread instead of retrying forever."""
-    trace = _FlakyTrace()
+    trace = FlakyTrace()
     trace.closed = True
     live = Liveness(trace, interval_s=0.02).start()
     deadline = time.monotonic() + 10
@@ -249,26 +251,12 @@ def test_a_closed_trace_ends_the_thread_on_a_failing_beat():
     assert not live.running and trace.calls == 1
 
 
-
 FULL_STDOUT_BEATS = r'''
 import json, sys, time
 from eplb_fsm.liveness import Liveness
 
-class FlakyTrace:   # its first four beats raise (a passing error), then it behaves
-    def __init__(self):
-        self.step, self.rank, self.ended, self.closed, self.calls, self.alive_count = 0, 0, False, False, 0, 0
-    def waiting_on(self):
-        return None
-    def flush(self):
-        return None
-    def alive(self, interval_s, steps_seen):
-        self.calls += 1
-        if self.calls <= 4:
-            raise RuntimeError("disk hiccup")
-        self.alive_count += 1
-        return {"event": "alive"}
-
-trace = FlakyTrace()
+{flaky_trace}
+trace = FlakyTrace(failures=4)
 live = Liveness(trace, interval_s=0.01).start()
 deadline = time.monotonic() + 30
 while trace.alive_count < 3 and time.monotonic() < deadline:
@@ -283,8 +271,9 @@ with open(sys.argv[1], "w") as fh:   # not stdout: it is /dev/full
 def test_a_failing_beat_whose_log_fails_too_does_not_end_the_thread(tmp_path):
     """stdout on /dev/full, so the beat-failure log raises as well: the thread still beats on and counts the errors."""
     root = str(Path(__file__).resolve().parents[1])
+    script = FULL_STDOUT_BEATS.replace("{flaky_trace}", inspect.getsource(FlakyTrace))
     with open("/dev/full", "w") as full:
-        out = subprocess.run([sys.executable, "-c", FULL_STDOUT_BEATS, str(tmp_path / "out.json")], stdout=full,
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out.json")], stdout=full,
                              stderr=subprocess.PIPE, text=True, timeout=120,
                              env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"})
     assert out.returncode in (0, 120), out.stderr[-2000:]   # 120: the interpreter's own stdout flush at exit
