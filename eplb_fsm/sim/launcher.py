@@ -16,9 +16,7 @@ costs a fork rather than a fresh interpreter; ``start_method="spawn"`` is the fa
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing as mp
-import numbers
 import os
 import queue as queue_mod
 import socket
@@ -26,6 +24,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
+
+from eplb_fsm.maps import MAX_SECONDS, check_seconds
 
 __all__ = ["run_ranks", "check_timeout", "find_free_port", "process_context", "stop_processes", "RankFailedError",
            "RanksTimeoutError"]
@@ -233,15 +233,16 @@ def _launch_once(
 
 
 def check_timeout(timeout: Any) -> float:
-    """``timeout`` as float seconds if it is a finite number > 0, else ``ValueError`` naming ``timeout``.
+    """``timeout`` as float seconds (``maps.check_seconds``), else ``ValueError`` naming ``timeout``.
 
     Checked before any process starts: NaN passes a plain ``> 0`` test the wrong way round,
     and infinity only fails once the ranks are up (a process-group timeout, a deadline).
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
-            math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
-    return float(timeout)
+    try:
+        return check_seconds(timeout, "timeout")
+    except ValueError:
+        raise ValueError(f"timeout: must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                         f"got {timeout!r}") from None
 
 
 def _record(rank: int, status: str, payload: Any, values: dict, failures: dict) -> None:

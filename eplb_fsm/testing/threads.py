@@ -11,15 +11,13 @@ rank and re-raises the first error. Every wait has a timeout.
 
 from __future__ import annotations
 
-import math
-import numbers
 import queue
 import threading
 import time
 
 import torch
 
-from eplb_fsm.maps import as_count
+from eplb_fsm.maps import MAX_SECONDS, as_count, check_seconds
 
 __all__ = ["ThreadCommunicator", "ThreadGroup", "ThreadWorld", "run_threads"]
 
@@ -126,11 +124,12 @@ def run_threads(world_size: int, body, timeout: float = 60.0) -> list:
     all-reduce give up) and ``TimeoutError`` is raised. A rank's error is re-raised: the
     first that is not a ``BrokenBarrierError``, which only says another rank failed first.
     """
-    # inf (or past TIMEOUT_MAX) would pass a plain > 0 test and fail only in join, once the threads run
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
-            math.isfinite(timeout) and 0 < timeout <= threading.TIMEOUT_MAX):
-        raise ValueError(f"timeout must be a finite number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
-                         f"got {timeout!r}")
+    # inf would pass a plain > 0 test and fail only in join, once the threads run
+    try:
+        timeout = check_seconds(timeout, "timeout")
+    except ValueError:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                         f"got {timeout!r}") from None
     tw = ThreadWorld(world_size)
     results: list = [None] * world_size
     errors: list = [None] * world_size
