@@ -88,9 +88,8 @@ class EplbController:
         generation = int(getattr(group, "generation", 0) or 0)  # elastic EP: 0 until a scale
         self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace,
                                  generation=generation if role == "joiner" else 0)   # a joiner: a file of its own
-        self.collectives = Collectives(group, rank, world_size, self.trace, self.device,
-                                       config.collective_timeout_s, name, generation,
-                                       transfer_nice=config.async_worker_nice if config.use_async else 0)
+        self.collectives = Collectives(group, rank, world_size, self.trace, self.device, config.collective_timeout_s,
+                                       name, generation, transfer_nice=config.use_async and config.async_worker_nice)
         self.last_generation = generation   # the last one a scale request used up
         self.scalings: list[dict] = []
         initial = SCALING if role == "joiner" else COLLECTING
@@ -388,6 +387,7 @@ class EplbController:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.rearranger.settle(act=False)  # a posted all-reduce still open: its end record, no action
+        self.mover.stop_pacing()  # the worker's queued jobs pair with the peers': unpaced, they end in time
         if self.worker is not None and not self.worker.close(timeout=self.timeout_s + 5.0):  # its last jobs run
             self.trace.emit("worker_stuck", pending=self.worker.pending)
         self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first

@@ -58,9 +58,6 @@ class Rearranger:
         # async mode: the ready flags posted on the last step, read on this one (settle)
         self.posted: PostedReduce | None = None
         self.layer_jobs = LayerJobs(worker, mover, prefetch=bool(config.async_prefetch) and worker is not None)
-        if worker is not None:
-            # close() waits for the jobs queued, which pair with the peers': unpaced, they end in time
-            worker.on_close(mover.stop_pacing)
 
     # ------------------------------------------------------------ begin / end
     def local_loads(self) -> torch.Tensor:

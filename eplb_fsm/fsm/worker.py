@@ -238,7 +238,6 @@ class BackgroundWorker:
         self._pending = 0
         self._unfinished: set[Job] = set()
         self._closing = False
-        self._on_close: list[Callable[[], None]] = []
         self._idle = threading.Event()
         self._idle.set()
         self._loop = asyncio.new_event_loop()
@@ -361,16 +360,10 @@ class BackgroundWorker:
         """Wait at most ``timeout`` seconds for every submitted job to finish; True if they did."""
         return self._idle.wait(timeout)
 
-    def on_close(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` when :meth:`close` begins, before it waits (e.g. to stop a job's pacing)."""
-        self._on_close.append(fn)
-
     def close(self, timeout: float = 5.0) -> bool:
         """Refuse new jobs, stop the loop once the jobs already submitted have run (they pair with the
         peers'), and wait at most ``timeout`` seconds; True if the thread ended."""
         self._closing = True
-        for fn in self._on_close:
-            fn()
         if self._thread.is_alive() and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._loop.stop)
