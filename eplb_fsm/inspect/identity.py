@@ -30,13 +30,14 @@ from eplb_fsm.inspect.model import RankSummary
 from eplb_fsm.inspect.records import parse_line
 
 NO_RUN_ID = "(no run id)"
-_JOINER_FILE = re.compile(r"^rank\d+\.g(\d+)\.jsonl$")
+# a rank's trace file, as ``trace.trace_path`` names it: rank<N>.jsonl, a joiner's rank<N>.g<generation>.jsonl
+TRACE_NAME = re.compile(r"^rank(\d+)(?:\.g(\d+))?\.jsonl$")
 
 
 def joiner_generation(path: Path | str) -> int | None:
     """The generation in a joiner's file name (``rank<N>.g<generation>.jsonl``), None for a first rank's file."""
-    m = _JOINER_FILE.match(Path(path).name)
-    return int(m.group(1)) if m else None
+    m = TRACE_NAME.match(Path(path).name)
+    return int(m.group(2)) if m and m.group(2) is not None else None
 
 
 class MixedRuns(NoTraces):

@@ -34,7 +34,7 @@ from typing import Iterable
 from eplb_fsm.inspect.model import PER_RANK_SHAPE, WORLD_GROUP, Collective, MachineOracle, RankSummary, Transition
 from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader, TemplateStore
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
-from eplb_fsm.inspect.identity import joiner_generation, run_text
+from eplb_fsm.inspect.identity import TRACE_NAME, joiner_generation, run_text
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
 from eplb_fsm.inspect.records import SILENCE_S
 from eplb_fsm.inspect.walker import parse_line, Walker
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 MIN_KNOWN_LINES = 1000    # smaller files check their step runs by regex alone (StepLines costs more there)
-_TRACE_NAME = re.compile(r"^rank(\d+)(?:\.g\d+)?\.jsonl$")   # a joiner's own file: rank<N>.g<generation>.jsonl
 _ROTATED_NAME = re.compile(r"^(rank\d+(?:\.g\d+)?\.jsonl)\.\d+$")
 _STEP_KEYS = frozenset(("ts", "rank", "world", "event", "state", "step", "seq", "dummy", "due"))  # of a step record
 
@@ -341,13 +340,13 @@ def find_all_trace_files(logdir: str | os.PathLike) -> list[tuple[int, Path]]:
     live file's path, which reads those segments."""
     found = set()
     for path in Path(logdir).iterdir():
-        m = _TRACE_NAME.match(path.name)
+        m = TRACE_NAME.match(path.name)
         if m and path.is_file():
             found.add((int(m.group(1)), path))
         elif (rotated := _ROTATED_NAME.match(path.name)) and path.is_file():
             live = path.with_name(rotated.group(1))
             if not live.exists():
-                found.add((int(_TRACE_NAME.match(live.name).group(1)), live))
+                found.add((int(TRACE_NAME.match(live.name).group(1)), live))
     return sorted(found)
 
 
