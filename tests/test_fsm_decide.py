@@ -146,3 +146,18 @@ def test_steps_before_the_first_model_do_not_count_toward_the_interval():
     assert not decide_step(COLLECTING, counters.since, counters.threshold, True, False).due
     counters.count_step(has_models=True)
     assert counters.steps == 60 and decide_step(COLLECTING, counters.since, counters.threshold, True, False).due
+
+
+def test_salvage_votes_summed_over_ranks_decide_alike_everywhere():
+    """Summed salvage_vote: the ranks are counted, equal counts are safe, 1, 2, 3 layers or a lost expert are not."""
+    from eplb_fsm.fsm.decide import agreed_ranks, counts_equal, salvage_vote
+
+    def summed(votes):
+        return [sum(column) for column in zip(*votes)]
+
+    agreed = summed([salvage_vote(2, []), salvage_vote(2, []), salvage_vote(2, [])])
+    assert agreed_ranks(agreed) == 3 and decide_salvage(agreed, 3)
+    assert not decide_salvage(summed([salvage_vote(c, []) for c in (1, 2, 3)]), 3)
+    assert not decide_salvage(summed([salvage_vote(2, []), salvage_vote(2, [(0, 1, 5)])]), 2)
+    assert len(salvage_vote(1, False, count=False)) == 3
+    assert counts_equal(6.0, 12.0, 3) and not counts_equal(6.0, 14.0, 3)

@@ -22,7 +22,7 @@ from eplb_fsm.elastic.handover import late_timeout, resize_models
 from eplb_fsm.elastic.request import recovering
 from eplb_fsm.elastic.scale_plan import ScalePlan, lost_experts
 from eplb_fsm.fsm.collectives import flags
-from eplb_fsm.fsm.decide import decide_salvage
+from eplb_fsm.fsm.decide import agreed_ranks, decide_salvage, salvage_vote
 from eplb_fsm.fsm.machine import COLLECTING
 
 __all__ = ["partial_switch_agreed", "switch_partial"]
@@ -43,12 +43,11 @@ def partial_switch_agreed(ctl: Any, sp: ScalePlan, deadline: ScaleDeadline, stat
     lost = any(lost_experts(entry.maps.phy2log, entry.num_logical) for entry in ctl.models)
     recovering(ctl, deadline)  # after a fault: a peer may still be waiting out a transfer
     try:
-        # with the squares every rank can tell whether all counts are equal (decide_salvage)
-        mine = flags(committed, 1.0 if lost else 0.0, committed * committed, 1.0)
+        mine = flags(*salvage_vote(committed, lost))
         agreed = ctl.collectives.all_reduce({"partial": mine}, late_timeout(ctl))["partial"]
     except Exception:  # the new group broke after all: the caller goes back to the old one
         return False
-    return decide_salvage(agreed, sp.new_world) and int(round(float(agreed[3]))) == sp.new_world
+    return decide_salvage(agreed, sp.new_world) and agreed_ranks(agreed) == sp.new_world
 
 
 def switch_partial(ctl: Any, sp: ScalePlan, role: str, rank: int, cause: str | None) -> str:

@@ -58,7 +58,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
-from eplb_fsm.fsm.decide import decide_salvage
+from eplb_fsm.fsm.decide import agreed_ranks, decide_salvage, salvage_vote
 from eplb_fsm.elastic.bounds import ScaleDeadline
 from eplb_fsm.maps import check_seconds
 from eplb_fsm.elastic.joiner import ScaleAborted, join
@@ -242,14 +242,13 @@ def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, fr
     lost = lost_when_remapped(ctl.models, from_group)
     recovering(ctl, req.deadline)
     try:
-        # with the squares every rank can tell whether all counts are equal (decide_salvage)
-        mine = flags(committed, 1.0 if lost else 0.0, committed * committed, 1.0)
+        mine = flags(*salvage_vote(committed, lost))
         agreed = reduce_on(ctl, new_group, {"salvage": mine}, late_timeout(ctl))["salvage"]
     except Exception as exc:
         reason = f"survivors could not agree on the new group: {exc}"
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="salvage", reason=reason, lost_experts=lost)
         return req.record(ctl, "survivor", "failed", reason=reason, lost=lost, phase="salvage")
-    ranks = int(round(float(agreed[3])))
+    ranks = agreed_ranks(agreed)
     if not decide_salvage(agreed, ranks):
         reason = ("experts lost with the leaving rank(s): " + describe_lost(lost)) if lost else \
             "survivors disagree on the committed layers"
@@ -322,8 +321,7 @@ def _roll_back_up(ctl: Any, req: ScaleRequest, old: tuple, new_group: Any, back:
     lost = project_back(ctl, back) if back is not None else []
     recovering(ctl, req.deadline)
     try:
-        # with the squares every rank can tell whether all counts are equal (decide_salvage)
-        mine = flags(committed, 1.0 if lost else 0.0, committed * committed)
+        mine = flags(*salvage_vote(committed, lost, count=False))
         agreed = ctl.collectives.all_reduce({"rollback": mine}, late_timeout(ctl))["rollback"]
     except Exception as exc:
         ctl.rearranger.group_fault(exc)

@@ -21,7 +21,7 @@ one all-reduce produced; every rank computes the same answer on the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from eplb_fsm.fsm.machine import COLLECTING, PLANNING, TRANSFERRING
 
@@ -41,6 +41,9 @@ __all__ = [
     "decide_layer",
     "decide_plan",
     "decide_salvage",
+    "salvage_vote",
+    "agreed_ranks",
+    "counts_equal",
 ]
 
 WAIT = "wait"                 # not ready everywhere yet: ask again next step
@@ -148,17 +151,30 @@ def decide_plan(moves: int, gain: float, min_gain: float, forced_scale: bool = F
     return moves > 0 and gain > min_gain
 
 
-def decide_salvage(summed: Sequence[float], ranks: int) -> bool:
-    """The summed ``[layers committed, ranks losing experts, layers committed squared, ...]`` of
-    ``ranks`` ranks: safe when every rank committed the same number of layers and none would lose
-    an expert.
+def salvage_vote(committed: float, lost: Any, count: bool = True) -> list[float]:
+    """One rank's part of a salvage, partial or rollback agreement, to be summed over the ranks:
+    ``[layers committed, 1 if it would lose an expert, layers committed squared]`` and, with
+    ``count``, a 1 (the sum counts the ranks that took part, :func:`agreed_ranks`)."""
+    return [float(committed), 1.0 if lost else 0.0, float(committed) ** 2] + ([1.0] if count else [])
 
-    The counts are equal iff G * sum(c^2) == (sum c)^2 (Cauchy-Schwarz, as ``recovery``'s
-    agreement): the sums alone decide, so every rank gets the same answer. (Comparing the sum
-    with a rank's own count times G would only say that rank's count is the mean.)
-    """
+
+def agreed_ranks(summed: Sequence[float]) -> int:
+    """How many ranks took part in a summed :func:`salvage_vote` with ``count``."""
+    return int(round(float(summed[3])))
+
+
+def counts_equal(total: float, squares: float, ranks: int) -> bool:
+    """Whether ``ranks`` counts with this sum and sum of squares are all equal: G * sum(c^2) ==
+    (sum c)^2 (Cauchy-Schwarz). The sums alone decide, so every rank gets the same answer."""
+    return ranks * squares == total * total
+
+
+def decide_salvage(summed: Sequence[float], ranks: int) -> bool:
+    """The summed :func:`salvage_vote` of ``ranks`` ranks: safe when every rank committed the same
+    number of layers and none would lose an expert. (Comparing the sum with a rank's own count
+    times G would only say that rank's count is the mean.)"""
     total, lost, squares = (float(v) for v in summed[:3])
-    return not int(round(lost)) and ranks * squares == total * total
+    return not int(round(lost)) and counts_equal(total, squares, ranks)
 
 
 @dataclass

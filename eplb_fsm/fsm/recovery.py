@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from eplb_fsm.fsm.collectives import GroupBroken, flags
+from eplb_fsm.fsm.decide import counts_equal
 from eplb_fsm.fsm.machine import FAILED
 
 __all__ = ["recover", "reset_transfers"]
@@ -123,7 +124,7 @@ def _agree(r: Any, drained: bool) -> None:
     n = len(pieces)
     sums, squares = summed[1:1 + n], summed[1 + n:]
     differ = [name for i, name in enumerate(names)
-              if any(world * squares[k] != sums[k] ** 2 for k in range(i * _PIECES, (i + 1) * _PIECES))]
+              if not all(counts_equal(sums[k], squares[k], world) for k in range(i * _PIECES, (i + 1) * _PIECES))]
     problems = []
     stuck = int(round(summed[0]))
     if stuck:
