@@ -10,7 +10,7 @@ from eplb_fsm.inspect.elastic import build_cast
 from eplb_fsm.inspect.model import Collective, CollectiveIndex, CollRun, RankSummary
 from eplb_fsm.inspect.lost import held_around
 from eplb_fsm.inspect.render import format_report
-from eplb_fsm.testing import SyntheticJob, hang_faults
+from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 from eplb_fsm.trace import EventTrace
 
 T0 = 1_700_000_000.0
@@ -147,3 +147,117 @@ def test_held_around_takes_bulk_runs_by_their_template():
     assert held_around(s, "ep", 2) == (-1, 0)         # lost before anything
     assert held_around(s, "ep", 300) == (45, float("inf"))
     assert held_around(s, "other", 5) == (-1, float("inf"))
+
+
+# --------------------------------------------------------------------------- state changes lost with the lines
+
+
+def without(records: list[dict], lost) -> list[dict]:
+    """``records`` without those ``lost`` picks, their seqs left as they were (lost lines)."""
+    return [r for r in records if not lost(r)]
+
+
+def plan_of_step(step: int):
+    """The plan_ready transition record of ``step``."""
+    return lambda r: r.get("trigger") == "plan_ready" and r["step"] == step
+
+
+def kinds(report) -> list[tuple[str, list[int]]]:
+    return [(f.kind, f.culprits) for f in report.findings]
+
+
+def test_a_transition_lost_with_its_line_is_lost_records_not_a_divergence():
+    """Rank 1's plan_ready line of step 9 is lost: one lost_records on rank 1, no illegal_transition or divergence."""
+    records = SyntheticJob(world=4).run(45).records()
+    records[1] = without(records[1], plan_of_step(9))
+    report = rp.diagnose(records)
+    assert kinds(report) == [("lost_records", [1])], format_report(report)
+    assert report.illegal_transitions == [] and report.step == 9
+    assert "rank 1 took layer_done: transferring -> transferring layer 0 at step 9 where ranks 0,2-3 took " \
+           "plan_ready" in report.summary
+    assert "but rank 1's trace lost 1 record(s) here (seq 14, step 9), so this may be the gap, not the rank" \
+        in report.summary
+    assert report.findings[0].details == [
+        "read as it stands: decision_divergence, culprit rank 1",
+        "rank 1's lost lines held its state change(s) from planning to transferring"]
+
+
+def test_a_transition_never_written_is_still_illegal_and_a_divergence():
+    """The same plan_ready never written (seq runs on, no gap): illegal_transition and decision_divergence as before."""
+    records = SyntheticJob(world=4).run(45).records()
+    gone = next(r for r in records[1] if plan_of_step(9)(r))
+    records[1] = [dict(r, seq=r["seq"] - (r["seq"] > gone["seq"])) for r in records[1] if r is not gone]
+    report = rp.diagnose(records)
+    assert kinds(report)[:2] == [("illegal_transition", [1]), ("decision_divergence", [1])], format_report(report)
+    assert not [f for f in report.findings if f.kind == "lost_records"]
+
+
+def test_the_lower_of_two_ranks_that_lost_a_transition_is_named():
+    """Two ranks, rank 0 lost a plan_ready line: lost_records on rank 0, not a divergence blamed on rank 1."""
+    records = SyntheticJob(world=2).run(45).records()
+    records[0] = without(records[0], plan_of_step(19))
+    report = rp.diagnose(records)
+    assert kinds(report) == [("lost_records", [0])], format_report(report)
+
+
+def test_two_of_three_ranks_that_lost_the_same_transition_do_not_blame_the_third():
+    """Ranks 1 and 2 both lost plan_ready's line of step 9: one lost_records naming both, rank 0 is no culprit."""
+    records = SyntheticJob(world=3).run(45).records()
+    for r in (1, 2):
+        records[r] = without(records[r], plan_of_step(9))
+    report = rp.diagnose(records)
+    assert kinds(report) == [("lost_records", [1, 2])], format_report(report)
+    assert "rank 1's trace lost 1 record(s) here" in report.summary and "rank 2's trace lost" in report.summary
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["step-records", "steps-runs"])
+def test_a_whole_rearrangement_lost_is_lost_records_not_a_step_divergence(compact):
+    """Every record rank 1 wrote at step 29 but its steps is lost (planning and back): its later state changes are
+    shifted, the walk sees nothing wrong; lost_records, not a step_divergence on rank 1."""
+    records = SyntheticJob(world=4, compact_steps=compact).run(45).records()
+    records[1] = without(records[1], lambda r: r["step"] == 29 and r["event"] not in ("step", "steps"))
+    report = rp.diagnose(records)
+    assert kinds(report) == [("lost_records", [1])], format_report(report)
+    assert report.findings[0].details == ["read as it stands: step_divergence, culprit rank 1"]
+
+
+def test_lost_state_changes_and_collectives_are_one_lost_records():
+    """Rank 1 lost plan_ready and the collectives after it (one stretch): told once, by the order of state changes."""
+    records = SyntheticJob(world=4).run(45).records()
+    records[1] = without(records[1], lambda r: 14 <= r["seq"] <= 18)
+    report = rp.diagnose(records)
+    assert kinds(report) == [("lost_records", [1])], format_report(report)
+    assert "seq 14..18" in report.summary and "state change #1" in report.summary
+
+
+def test_a_real_divergence_on_another_rank_is_still_found_after_lost_records():
+    """Rank 1 lost plan_ready at step 9; rank 2 skips a step later: its step_divergence is still the verdict."""
+    records = SyntheticJob(world=4).run(45, Faults(skip_count={2: 25})).records()
+    records[1] = without(records[1], plan_of_step(9))
+    report = rp.diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("step_divergence", [2]), format_report(report)
+    assert [k for k in kinds(report) if k[0] == "lost_records"] == [("lost_records", [1])]
+    assert not [f for f in report.findings if f.kind in ("illegal_transition", "decision_divergence")]
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["step-records", "steps-runs"])
+def test_a_removed_segment_that_held_state_changes_is_lost_records(tmp_path, monkeypatch, compact):
+    """Rank 1's rotated trace loses middle segments that held transitions: lost_records on rank 1 each time, never
+    an illegal transition or a divergence."""
+    import eplb_fsm.testing.ranks as ranks_mod
+
+    monkeypatch.setattr(ranks_mod, "EventTrace", lambda rank, **kw: EventTrace(
+        rank=rank, max_bytes=3000, max_segments=100, **kw))
+    job = SyntheticJob(world=3, trace_dir=tmp_path, keep=False, compact_steps=compact)
+    job.run(100)
+    job.close()
+    assert rp.replay_dir(tmp_path).verdict == "healthy"
+    for n in (3, 5, 7):
+        seg = tmp_path / f"rank00001.jsonl.{n}"
+        held = seg.read_bytes()
+        assert b'"event":"transition"' in held
+        seg.unlink()
+        report = rp.replay_dir(tmp_path)
+        assert kinds(report) == [("lost_records", [1])], (n, format_report(report))
+        assert report.illegal_transitions == [] and "rank 1's trace lost " in report.summary
+        seg.write_bytes(held)

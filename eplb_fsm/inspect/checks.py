@@ -2,8 +2,9 @@
 
 Headers (configuration), illegal transitions, the order of state changes (the n-th state
 change is the same event at the same step everywhere; a joiner's sequence starts at the
-others' ``groups_ready`` of its generation), traces that stop early, ranks left
-``failed``, watchdog reports. The collectives are checked in ``collective_checks``.
+others' ``groups_ready`` of its generation; one shifted by state changes its trace lost is
+``lost_records``, ``lost``), traces that stop early, ranks left ``failed``, watchdog
+reports. The collectives are checked in ``collective_checks``.
 Participants, labels and group membership come from ``elastic.Cast``.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key, build_cast, config_payloads
 from eplb_fsm.inspect.findings import Finding, canon, last_seen, majority
+from eplb_fsm.inspect.lost import LostRecords
 from eplb_fsm.inspect.model import WORLD_GROUP, RankSummary, Transition
 
 # ranks are not stopped in lockstep: a trace ending one step before the others is not a death
@@ -127,6 +129,10 @@ def align_transitions(cast: Cast, offsets: dict[Key, int],
     first ranks; a joiner's at the others' ``groups_ready`` of its generation); one that
     ended (a rank that left) simply has no entry past its end. ``transitions``: each one's
     state changes to compare (``kept_transitions``; default all).
+
+    A participant whose state changes are shifted by lines its trace lost (``lost.LostRecords.shifted``)
+    is told as ``lost_records`` at the first divergence it causes, and the others are compared
+    on without it.
     """
     keys = sorted(k for k in offsets if k in cast.parts)
     if len(keys) < 2:
@@ -135,7 +141,10 @@ def align_transitions(cast: Cast, offsets: dict[Key, int],
     compare = {k: [(t.key(), t.step) for t in trans[k]] for k in keys}
     longest = max(offsets[k] + len(compare[k]) for k in keys)
     plain = all(offsets[k] == 0 for k in keys)
-    for i in range(longest):
+    lost, found = LostRecords(cast), []
+    i = -1
+    while i + 1 < longest and len(keys) > 1:
+        i += 1
         if plain:
             at_i = [c[i] for c in compare.values() if i < len(c)]
         else:
@@ -145,12 +154,20 @@ def align_transitions(cast: Cast, offsets: dict[Key, int],
         at = {k: trans[k][i - offsets[k]] for k in keys if 0 <= i - offsets[k] < len(compare[k])}
         ended = [k for k in keys if i - offsets[k] >= len(compare[k]) and not cast.parts[k].ended_on_purpose]
         finding = _transition_divergence(cast, i, at, ended)
-        if finding is not None:
-            if transitions is not None and latest_cut(cast) is not None:
-                finding.details.append(f"state changes counted after step {latest_cut(cast)}, where every rank's "
-                                       "kept history begins (older trace segments were deleted)")
-            return [finding]
-    return []
+        if finding is None:
+            continue
+        shifted, told = lost.shifted(finding, {k: (trans[k], i - offsets[k]) for k in at})
+        if shifted:     # their lost lines, not their decisions: compare #i again among the others
+            found += [told] if told is not None else []
+            keys = [k for k in keys if k not in shifted]
+            compare = {k: compare[k] for k in keys}
+            i -= 1
+            continue
+        if transitions is not None and latest_cut(cast) is not None:
+            finding.details.append(f"state changes counted after step {latest_cut(cast)}, where every rank's "
+                                   "kept history begins (older trace segments were deleted)")
+        return found + [finding]
+    return found
 
 
 def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key]) -> Finding | None:

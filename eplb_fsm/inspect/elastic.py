@@ -68,6 +68,8 @@ class Cast:
     final_gen: dict[Key, int | None] = field(default_factory=dict)  # where each one ended (None: left)
     labels: dict[Key, str] = field(default_factory=dict)
     elastic: bool = False
+    # (participant, gap index) a ``lost_records`` finding named (``lost.LostRecords``): one per gap per diagnosis
+    told_gaps: set = field(default_factory=set)
     _members: dict[str, list[Key]] = field(default_factory=dict)
 
     # -- naming ------------------------------------------------------------

@@ -25,13 +25,28 @@ ranks whose traces lost the records (their files are what to look at); a detail 
 the finding would have been. One ``lost_records`` is told per gap: a later finding that
 rests on the same gap is dropped (``qualify`` answers False), and ``check_collectives``
 goes on with the group after it.
+
+State changes lost with the lines shift the rank's n-th state change against the others'
+(``checks.align_transitions``). ``LostRecords.shifted`` tells a divergence at state change
+#n as ``lost_records`` for a participant whose state change there follows a gap (after its
+state change before it) that held state changes by the walk's account (the record after it
+did not start from the replayed state: ``transition_replay.settle_lost_changes`` marks it
+``state_from``/``state_to``), or whose steps span every state change that others, at least
+as many as share the rank's own state change #n, took from #n up to one equal to the
+rank's (the same event at the same step): a whole cycle lost, which leaves the replayed
+state as it was (a lone rank that diverged is no reference for the others). The alignment
+goes on without that participant. The gaps told are shared by every ``LostRecords`` of one
+``Cast`` (one diagnosis): the collectives do not tell a gap the alignment told.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.model import Collective, RankSummary
+from eplb_fsm.inspect.model import Collective, RankSummary, Transition
 
 __all__ = ["LOST_RECORDS", "SKEW_S", "LostRecords", "gap_text", "held_around"]
 
@@ -68,7 +83,7 @@ class LostRecords:
 
     def __init__(self, cast: Cast) -> None:
         self.cast = cast
-        self.told: set[tuple] = set()            # (participant, gap index) already named by a finding
+        self.told: set[tuple] = cast.told_gaps    # (participant, gap index) already named, shared by the diagnosis
         self._around: dict[tuple, tuple] = {}    # (participant, group, gap index) -> held_around
 
     def qualify(self, f: Finding) -> bool | None:
@@ -88,9 +103,7 @@ class LostRecords:
         if not hits:
             return None
         keys = sorted({k for k, _ in hits})
-        text = "; ".join(gap_text(self.cast, k, parts[k].gaps[i]) for k, i in sorted(hits))
-        ended = "".join(f"; {self.cast.label(k)} then ended in order ({parts[k].end.get('how')}) at step "
-                        f"{parts[k].end.get('step')}" for k in keys if parts[k].end is not None)
+        text, ended = self._texts(hits)
         stands = [k for k in f.keys() if k not in keys]
         if stands and len(stands) < len(f.keys()):
             # the finding holds for the other culprits: the ones whose evidence was lost leave it
@@ -105,6 +118,70 @@ class LostRecords:
         f.summary += f"; but {text}, so this may be the gap, not the rank{ended}"
         f.culprits, f.sessions = sorted({k[0] for k in keys}), [list(k) for k in keys]
         return True
+
+    def _texts(self, hits: list[tuple[Key, int]]) -> tuple[str, str]:
+        """The gaps ``hits`` name, and ``; R then ended in order ...`` for those of them that wrote their end."""
+        parts = self.cast.parts
+        text = "; ".join(gap_text(self.cast, k, parts[k].gaps[i]) for k, i in sorted(hits))
+        ended = "".join(f"; {self.cast.label(k)} then ended in order ({parts[k].end.get('how')}) at step "
+                        f"{parts[k].end.get('step')}" for k in sorted({k for k, _ in hits}) if parts[k].end is not None)
+        return text, ended
+
+    def shifted(self, f: Finding, rest: dict[Key, tuple[list[Transition], int]]) -> tuple[list[Key], Finding | None]:
+        """The participants whose state changes are shifted by lines their traces lost just before state change #i
+        (``f``: the divergence there), and the ``lost_records`` finding (``f`` as read, naming their gaps; None:
+        each gap was told before). ``rest``: each participant that holds #i -> (its state changes compared, the
+        index of #i among them)."""
+        hits = [(k, n) for k in rest if (n := self._shift_gap(k, rest)) is not None]
+        if not hits:
+            return [], None
+        keys = sorted({k for k, _ in hits})
+        if all(hit in self.told for hit in hits):
+            return keys, None
+        self.told.update(hits)
+        text, ended = self._texts(hits)
+        gaps = [self.cast.parts[k].gaps[n] for k, n in sorted(hits)]
+        held = [f"{self.cast.label(k)}'s lost lines held its state change(s) from {g['state_from']} to {g['state_to']}"
+                for (k, _), g in zip(sorted(hits), gaps) if "state_to" in g]
+        return keys, Finding.of(
+            LOST_RECORDS, f.step, keys, f"{f.summary}; but {text}, so this may be the gap, not the rank{ended}",
+            state=f.state, layer=f.layer, ranks=f.ranks,
+            details=[f"read as it stands: {f.kind}, culprit {self.cast.who(f.keys())}"] + held)
+
+    def _shift_gap(self, k: Key, rest: dict[Key, tuple[list[Transition], int]]) -> int | None:
+        """The gap of ``k``'s trace between its state change #i and the one before that explains the divergence
+        at #i (see the module docstring), or None."""
+        s = self.cast.parts.get(k)
+        if s is None or not s.gaps:
+            return None
+        mine, j = rest[k]
+        t = mine[j]
+        # the state change before it in the whole session (``mine`` may start where every kept history starts)
+        before = mine[j - 1] if j else next((s.transitions[n - 1] for n in range(1, len(s.transitions))
+                                              if s.transitions[n] is t), None)
+        lo = before.seq if before is not None and type(before.seq) is int else -1
+        hi = t.seq if type(t.seq) is int else math.inf
+        near = [n for n, g in enumerate(s.gaps) if g["last"] > lo and g["first"] < hi]
+        marked = [n for n in near if "state_to" in s.gaps[n]]
+        if marked or not near:
+            return marked[-1] if marked else None
+        here = {q: (theirs[jq].key(), theirs[jq].step) for q, (theirs, jq) in rest.items()}
+        size = Counter(here.values())
+        # those it diverges from, as many as its own kind at least: a lone odd one is the others' reference
+        refs = [q for q in rest if here[q] != here[k] and size[here[q]] >= size[here[k]]]
+        for n in reversed(near):
+            g = s.gaps[n]
+            a = g["from_step"] if type(g["from_step"]) is int else -math.inf
+            b = g["to_step"] if type(g["to_step"]) is int else math.inf
+            for q in refs:
+                theirs, jq = rest[q]
+                for m in range(jq, len(theirs)):
+                    u = theirs[m]
+                    if m > jq and (u.key(), u.step) == (t.key(), t.step):
+                        return n    # the others' state changes before this one all lie in the gap's steps
+                    if type(u.step) is not int or not a <= u.step <= b:
+                        break
+        return None
 
     def _hits(self, keys, g: str, c: int, first_start: float | None) -> list[tuple[Key, int]]:
         """(participant, gap index) for each of ``keys`` whose lost lines would hold its missing record of (g, c);

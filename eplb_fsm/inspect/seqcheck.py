@@ -44,6 +44,13 @@ class SeqCheck:
         self.disorder: list[dict] = []
         # lost lines: {"first", "last" (the seqs lost), "lost", "from_step", "from_ts", "to_step", "to_ts"}
         self.gaps: list[dict] = []
+        self.counted_after: tuple | None = None   # (ts, step, ...) of the last record read before steps were counted
+
+    def counting(self, n_steps: int, seen: tuple | None) -> None:
+        """Steps are counted (``n_steps`` so far; ``seen``: the (ts, step, ...) of the record before them): lines
+        lost among them lie after the last record read one by one, the first they follow."""
+        if n_steps == self.steps_at_prev:
+            self.counted_after = seen
 
     def next_seq(self, n_steps: int) -> int | None:
         """The ``seq`` the session's next record must carry (None before any)."""
@@ -56,6 +63,8 @@ class SeqCheck:
         the record before, this record's step, its ts), kept with a stretch of lost lines."""
         if type(seq) is not int:
             return False
+        if around is not None and n_steps != self.steps_at_prev:   # lines lost anywhere among the counted steps
+            around = (self.counted_after,) + around[1:]
         jump, self.jump = self.jump, None     # an inserted or mislabelled record is one jump and back
         if self.back is not None:
             if self._settle_back(jump, seq == self.back[0] + 1 + n_steps - self.back[1]):

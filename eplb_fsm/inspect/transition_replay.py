@@ -2,6 +2,15 @@
 
 Moved out of walker.py to keep modules small: it reads and updates the walker's replayed
 state (``state``, ``layer``, ``pending``, ``num_layers``) and its summary.
+
+A record whose recorded source (or stamped state) is not the replayed state, right after lines
+the trace lost (a stretch of ``seq`` in ``RankSummary.gaps`` that lies after the session's previous
+transition record, or lines lost just before a step record), is explained by them: they held the
+state change(s) in between. The walk goes on from the recorded state as for any such record;
+``settle_lost_changes`` (at the end of the session) takes the mismatch out of ``illegal`` and keeps
+on the gap what it must have held (``state_from``, ``state_to``), once the gap is known to be lines
+lost (not a foreign line or a swap, which ``seqcheck`` takes back). A record the machine refuses
+even from its recorded source stays illegal.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from eplb_fsm.trace_fields import PENDING_CLEARED, PENDING_SET
 if TYPE_CHECKING:
     from eplb_fsm.inspect.walker import Walker
 
-__all__ = ["replay_steps_run", "replay_transition"]
+__all__ = ["lost_change", "replay_steps_run", "replay_transition", "settle_lost_changes"]
 
 
 def replay_steps_run(w: "Walker", rec: dict) -> None:
@@ -29,15 +38,67 @@ def replay_steps_run(w: "Walker", rec: dict) -> None:
     if type(step) is not int or step - before != seq.base or len(w.s.transitions) != seq.tlen:   # else: runs on
         seq.run(step, step + count - 1 if type(step) is int else None, count, before, w.s.transitions)
     w.run_steps += count
-    st = rec.get("state")
+    st, stamped = rec.get("state"), None
     if w.state is None:
         w.state = st
     elif st != w.state:
         w.illegal(rec, f"steps record stamped {st!r} but the replayed state is {w.state!r}", w.state)
-        w.state = st
+        stamped, w.state = w.s.illegal[-1], st
     w.plain_ok = w.steps_keep_state(False)
     if not w.plain_ok:
         w.illegal(rec, f"a steps record says the state stayed {w.state!r}, the machine does not keep it", w.state)
+    elif stamped is not None:
+        lost_change(w, rec, stamped)
+
+
+def lost_since(w: "Walker") -> list[dict]:
+    """The session's stretches of lost lines after its last transition record (any, before the first one)."""
+    lo = -1 if w.trans_seq is None else w.trans_seq
+    return [g for g in w.s.gaps if g["last"] > lo]
+
+
+def lost_change(w: "Walker", rec: dict, entry: dict, step_record: tuple | bool = False) -> None:
+    """``entry`` (just put in ``illegal``: ``rec``'s recorded source or stamped state is not the replayed one)
+    may be lines lost since the session's previous transition record: keep it for ``settle_lost_changes``.
+    ``step_record``: ``rec`` is a step record (its ``seq`` is not checked as it is read; a tuple: the (ts, step)
+    of the record before it): lines lost just before it are a gap that the next record checked will keep."""
+    gaps = lost_since(w)
+    due, seq = w.next_seq(), rec.get("seq")
+    ahead = None
+    if step_record and type(seq) is int and due is not None and seq > due:
+        before = step_record if isinstance(step_record, tuple) else (None, None)
+        ahead = (list(w.s.gaps), due, seq, before[0], before[1], rec.get("step"), rec.get("ts"))
+    if gaps or ahead is not None:
+        w.lost_changes.append((entry, gaps, ahead))
+
+
+def settle_lost_changes(w: "Walker") -> None:
+    """The mismatches ``lost_change`` kept whose gap is still lines lost (``seqcheck`` takes back a jump that was
+    a foreign line or a swap) leave ``illegal``; the gap keeps the state change(s) it must have held."""
+    s, explained = w.s, []
+    for entry, gaps, ahead in w.lost_changes:
+        held = [g for g in gaps if any(g is h for h in s.gaps)]
+        if ahead is not None:   # the gap the next record checked after the step record found
+            known, due, seq, *around = ahead
+            found = [g for g in s.gaps if not any(g is h for h in known)][:1]
+            if found and found[0]["lost"] == seq - due:
+                # every line it lost lay before the step record (the check placed them after the steps it counted)
+                found[0].update(zip(("first", "last", "from_ts", "from_step", "to_step", "to_ts"),
+                                    (due, seq - 1, *around)))
+            held += found
+        if held:
+            gap = held[-1]
+            gap.setdefault("state_from", entry["replayed_state"])
+            gap["state_to"] = entry["source"]
+            explained.append((entry, gap))
+    if not explained:
+        return
+    s.illegal[:] = [i for i in s.illegal if not any(i is e for e, _ in explained)]
+    entry, gap = explained[0]
+    seqs = f"seq {gap['first']}" if gap["first"] == gap["last"] else f"seq {gap['first']}..{gap['last']}"
+    s.warnings.append(f"lines lost before {len(explained)} record(s) held state changes the replay did not see "
+                      f"(first: {seqs}, from {entry['replayed_state']!r} to {entry['source']!r}); not illegal: the "
+                      "replay goes on from the state recorded after them")
 
 
 def replay_transition(w: "Walker", rec: dict) -> None:
@@ -63,6 +124,8 @@ def replay_transition(w: "Walker", rec: dict) -> None:
     if src != w.state:
         reasons.append(f"recorded source {src!r} but the replayed state is {w.state!r}")
         w.state = src
+        if src == TRANSFERRING and isinstance(rec_layer, int) and lost_since(w):
+            w.layer = rec_layer   # the lost lines held the layer's changes too: as where a trace starts
     nl = w.num_layers
     if nl is None:
         if trig == "layer_done" and dst == COMMITTING and isinstance(data.get("layer"), int):
@@ -86,6 +149,8 @@ def replay_transition(w: "Walker", rec: dict) -> None:
     if reasons:
         w.illegal(rec, "; ".join(reasons), replayed)
     if not reasons or (len(reasons) == 1 and src != replayed):
+        if reasons:    # legal from the recorded source: lines lost since the previous transition may hold the rest
+            lost_change(w, rec, w.s.illegal[-1])
         # legal, or legal from the recorded source (records lost before it left the replay behind): the machine's
         # answer is the state to go on from, scale flag included (a fault clears it, groups_ready sets it)
         w.state, w.layer, w.pending = out
@@ -105,6 +170,7 @@ def replay_transition(w: "Walker", rec: dict) -> None:
             w.pending = True
         elif trig in PENDING_CLEARED:
             w.pending = False
+    w.trans_seq = w.seqs.prev   # lines lost after this record can explain the next one's source
     if not (trig == "step" and src == dst):
         s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
                                         rec.get("generation") if trig in SCALE_TRIGGERS else None))

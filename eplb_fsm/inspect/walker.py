@@ -7,7 +7,8 @@ a compact ``step`` record is the internal ``step`` transition of its state (a ``
 record is ``count`` of them, counted, never expanded), every other
 record is checked against the replayed state; collectives are indexed by group and
 sequence number. An illegal transition is recorded with its reason and the walk
-resynchronises on what the record claims, so one bad record is reported once.
+resynchronises on what the record claims, so one bad record is reported once (a source
+that lines lost just before it explain is not illegal: ``transition_replay``).
 
 A later header starts a new session. A joiner's header (``role: joiner``, elastic EP) starts
 one that belongs to the same job: the session before it is kept (a rank that left, whose
@@ -45,7 +46,7 @@ from eplb_fsm.inspect.records import (
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.stepseq import StepSeq
-from eplb_fsm.inspect.transition_replay import replay_steps_run, replay_transition
+from eplb_fsm.inspect.transition_replay import lost_change, replay_steps_run, replay_transition, settle_lost_changes
 from eplb_fsm.trace_segments import segment_line
 
 def last_step(rec: dict | None) -> int | None:
@@ -97,6 +98,8 @@ class Walker:
         # lost lines: seq must advance by one per record (checked at every non-step record)
         self.seqs = SeqCheck()
         self.s.disorder, self.s.gaps = self.seqs.disorder, self.seqs.gaps
+        self.trans_seq: int | None = None    # seq of the session's last transition record (lines lost after it)
+        self.lost_changes: list[tuple] = []  # mismatches lost lines may explain (transition_replay.lost_change)
         self.step_seq = StepSeq(self.s.step_breaks)   # the session's own step numbers: where they skip or go back
         self.seen_at: tuple | None = None    # (ts, step, state) of the last record whose time was seen
         self.early_ends: dict[tuple, tuple[dict, bool]] = {}   # (group, cseq) -> (end read first, warn if unmet)
@@ -166,6 +169,7 @@ class Walker:
             if not self.steps_keep_state(False):
                 return False
             self.plain_ok = True
+        self.seqs.counting(self.n_steps, self.seen_at)
         self.n_steps += count
         self.records += count
         return True
@@ -202,22 +206,27 @@ class Walker:
         self.seqs.skip_to(last_seq, self.n_steps)
         self.last, self.last_line = None, last_line
 
-    def step_record(self, rec: dict) -> None:
+    def step_record(self, rec: dict, seen: tuple | None = None) -> None:
+        """A compact step record (``seen``: the (ts, step, state) of the record before it)."""
         self.records += 1
         if self.first is None:
             self.first = rec
         st = rec.get("state")
         due = rec.get("due", False)
+        stamped = None
+        self.seqs.counting(self.n_steps, seen)
         if self.state is None:
             self.state = st
         elif st != self.state:
             self.illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
-            self.state = st
+            stamped, self.state = self.s.illegal[-1], st
             self.plain_ok = False
         ok = self.steps_keep_state(due)
         if not ok:
             self.illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
+        elif stamped is not None:   # right after lost lines, they held the state change(s)
+            lost_change(self, rec, stamped, step_record=seen or True)
         self.plain_ok = ok and not due
         if self.seqs.jump is not None:   # a jump is open: this step's seq may be the one that went back (a swap)
             self.seqs.step(rec.get("seq"), self.n_steps, self._locate)
@@ -260,7 +269,7 @@ class Walker:
             self.saw(ts, step, rec.get("state"))
         if ev == "step":
             self.last = rec
-            self.step_record(rec)
+            self.step_record(rec, seen)
             return
         if ev == "end":
             # a process that ended in order is silent by design until the next session's header
@@ -376,6 +385,7 @@ class Walker:
         s.warnings += [f"{rec.get('event')} for {g}#{c} without a start (seq {rec.get('seq')})"
                        for (g, c), (rec, warn) in self.early_ends.items() if warn]
         s.warnings += self.seqs.warnings()
+        settle_lost_changes(self)   # after the seq check settled its last jump: the gaps are final
         if self.mismatches:
             seq, ev, st, rep = self._mismatch_example
             s.warnings.append(
