@@ -92,6 +92,23 @@ def test_a_gloo_communicator_moves_host_memory_only(one_rank_group):
     assert getattr(InProcessCommunicator(2), "host_memory_only", False) is False
 
 
+def test_an_nccl_communicator_refuses_cpu_weights_before_posting(one_rank_group, monkeypatch):
+    """A communicator whose group says NCCL moves CUDA memory only: CPU weights are refused before any start()."""
+    from eplb_fsm.transfer import TransferBuffer, UnmovableWeightsError, rearrange_expert_weights_inplace
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # no NCCL run: only what the group says
+    comm = TorchDistCommunicator(timeout=5.0)
+    assert comm.cuda_memory_only is True and comm.host_memory_only is False
+    starts = []
+    comm.start = lambda: starts.append(1)
+    w = torch.arange(4.0)[:, None].repeat(1, 3)
+    with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[0\]: is on cpu.*\(nccl\) moves CUDA "
+                                                    r"tensors only") as info:
+        rearrange_expert_weights_inplace([[0, 1, 2, 3]], [[3, 2, 1, 0]], [[w]], communicator=comm,
+                                         buffer=TransferBuffer())
+    assert info.value.committed_layers == 0 and starts == [] and w[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_torch_dist_requires_initialized():
     """Without an initialized default group the communicator refuses to build."""
     if dist.is_initialized():

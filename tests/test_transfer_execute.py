@@ -378,6 +378,10 @@ BAD = [
     ("timeout beside comm", dict(timeout=-1), "timeout: give it to the communicator"),
     ("new uint64 wraps", dict(new=np.array([[1, 0, 3, 2], [0, 0, 1, 2**64 - 1]], dtype=np.uint64)),
      r"new_phy2log: entries must be in \[-1, P\)"),
+    ("ragged maps", dict(old=[[0, 1, 2, 3], [0, 1]]), r"old_phy2log: must be an integer array of shape \(L, P\) "
+     "with rows of equal length"),
+    ("migration_batching a string", dict(migration_batching="no"), "migration_batching: must be True or False"),
+    ("is_profile a string", dict(is_profile="no"), "is_profile: must be True or False"),
 ]
 
 
@@ -388,7 +392,7 @@ def test_bad_input_raises_before_anything_moves(name, override, match):
     snapshot = _clone_tree(weights)
     comm = InProcessCommunicator(override.get("comm", G))
     kwargs = dict(communicator=comm, buffer=TransferBuffer())
-    for key in ("rank_mapping", "group", "trace", "buffer", "timeout"):
+    for key in ("rank_mapping", "group", "trace", "buffer", "timeout", "migration_batching", "is_profile"):
         if key in override:
             kwargs[key] = override[key]
     with pytest.raises(ValueError, match=match):
@@ -433,6 +437,77 @@ def test_bad_one_layer_input():
     with pytest.raises(ValueError, match="pending: must be the PendingLayer"):
         commit_layer_from_buffer(None, lw)  # type: ignore[arg-type]
     assert comm.executes == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_chunk_bytes=16, between_chunks=5), "between_chunks: must be a callable or None, got int"),
+    (dict(migration_batching="no"), "migration_batching: must be True or False"),
+])
+def test_one_layer_flags_and_hooks_are_checked_before_the_first_message(kwargs, match):
+    """A non-callable between_chunks or a non-bool migration_batching raises ValueError before any message goes out."""
+    comm = InProcessCommunicator(2)
+    lw = [[torch.zeros(2, 4) + r] for r in range(2)]
+    with pytest.raises(ValueError, match=match):
+        transfer_layer_to_buffer([0, 1, 2, 3], [2, 3, 0, 1], lw, TransferBuffer(), communicator=comm, **kwargs)
+    assert comm.total_messages == 0 and comm.executes == 0
+
+
+# ---------------------------------------------------------------------------------------
+# a commit that raises: not counted as committed, not labelled a failure of the next layer's wave
+
+
+def _fail_commit_into(monkeypatch, tensors):
+    """Make the executor's commit copies into any of ``tensors`` raise (after copying, as torch does)."""
+    import eplb_fsm.transfer.execute as execute
+
+    real = execute.copy_runs
+
+    def copy_runs(dst, src, runs):
+        real(dst, src, runs)
+        if runs and any(d is t for d in dst for t in tensors):
+            raise RuntimeError("injected commit failure")
+
+    monkeypatch.setattr(execute, "copy_runs", copy_runs)
+
+
+@pytest.mark.parametrize("comm_cls,buffer_layers,fail_layer", [
+    (InProcessCommunicator, 1, 1),  # layer 1's commit held in layer 2's first wave (two phases)
+    (InProcessCommunicator, 2, 1),  # run while layer 2's messages fly
+    ("one_phase", 1, 1),  # run before layer 2 posts
+    ("one_phase", 2, 1),  # run before layer 2's batch executes
+    (InProcessCommunicator, 1, 2),  # the last layer's, after the loop
+])
+def test_a_commit_that_raises_counts_only_the_layers_before_it(monkeypatch, comm_cls, buffer_layers, fail_layer):
+    """A commit that raises propagates as itself with committed_layers = its layer; earlier layers new, later old."""
+    comm_cls = _OnePhaseComm if comm_cls == "one_phase" else comm_cls
+    old = np.array([[0, 1, 2, 3]] * 3)
+    new = np.array([[2, 3, 0, 1]] * 3)  # every row crosses ranks: each commit writes every row
+    weights, tables = make_world(old, 2)
+    _fail_commit_into(monkeypatch, [w for r in range(2) for w in weights[r][fail_layer]])
+    with pytest.raises(RuntimeError, match="injected commit failure") as info:
+        rearrange_expert_weights_inplace(old, new, weights, communicator=comm_cls(2),
+                                         buffer=TransferBuffer(buffer_layers))
+    assert not isinstance(info.value, TransferError)  # not "layer fail_layer + 1, wave 0"
+    assert info.value.committed_layers == fail_layer
+    if hasattr(info.value, "add_note"):
+        assert any(f"commit of layer {fail_layer}" in n for n in info.value.__notes__)
+    for k in range(3):
+        if k != fail_layer:  # the failed layer may be partly written
+            check_world([[weights[r][k]] for r in range(2)], [t[k : k + 1] for t in tables], old[k : k + 1],
+                        (new if k < fail_layer else old)[k : k + 1], 2)
+
+
+def test_a_one_layer_commit_that_raised_cannot_be_committed_again(monkeypatch):
+    """commit_layer_from_buffer that raised part-way marks the pending layer failed; a retry is refused."""
+    old, new, _, _, lw = _swap_layer()
+    pending = transfer_layer_to_buffer(old, new, lw, TransferBuffer(), communicator=InProcessCommunicator(2))
+    _fail_commit_into(monkeypatch, [w for rw in lw for w in rw])
+    with pytest.raises(RuntimeError, match="injected commit failure"):
+        commit_layer_from_buffer(pending, lw)
+    assert pending.failed and not pending.committed
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="raised part-way .* cannot be committed again"):
+        commit_layer_from_buffer(pending, lw)
 
 
 # ---------------------------------------------------------------------------------------

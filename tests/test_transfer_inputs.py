@@ -1,4 +1,5 @@
-"""transfer/inputs.py: weights a gloo group cannot move (off the CPU) are refused before anything moves."""
+"""transfer/inputs.py: weights a group cannot move (off the CPU on gloo, off CUDA on NCCL, inference tensors
+outside inference mode) are refused before anything moves."""
 
 from __future__ import annotations
 
@@ -66,3 +67,56 @@ def test_the_one_layer_entry_point_refuses_tensors_that_share_memory():
         transfer_layer_to_buffer(np.array([0, 1, 2]), np.array([1, 2, 0]), [[w, w]], TransferBuffer(),
                                  communicator=InProcessCommunicator(1))
     assert torch.equal(w, before)
+
+
+NCCL = SimpleNamespace(cuda_memory_only=True, backend="nccl")
+
+
+def test_off_cuda_weights_on_an_nccl_group_name_the_tensor_device_and_rule():
+    """A CUDA-memory-only (NCCL) communicator refuses CPU weights up front, naming the tensor, device and backend."""
+    with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[0\]: is on cpu, and the transfer group "
+                                                    r"\(nccl\) moves CUDA tensors only") as info:
+        check_devices(NCCL, "expert_weights[0]", _layer("cpu"), 0)
+    assert info.value.committed_layers == 0 and "transfer CPU weights over a gloo group" in str(info.value)
+    check_devices(SimpleNamespace(cuda_memory_only=False), "expert_weights[0]", _layer("cpu"), 0)
+
+
+def _inference_world():
+    """Three layers of (2, 3) rows holding their expert id on 2 ranks, made under torch.inference_mode()."""
+    old = np.array([[0, 1, 2, 3]] * 3)
+    with torch.inference_mode():
+        w = [[[torch.tensor([[float(e)] * 3 for e in old[k, 2 * r : 2 * r + 2]])] for k in range(3)] for r in range(2)]
+    return old, w
+
+
+def test_inference_tensors_are_refused_outside_inference_mode_and_move_inside_it():
+    """Inference-mode weights raise UnmovableWeightsError (nothing moves) outside inference mode and move inside it."""
+    from eplb_fsm.transfer import InProcessCommunicator
+
+    old, w = _inference_world()
+    new = np.array([[0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0]])
+    comm = InProcessCommunicator(2)
+    with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[0\]\[0\]: is an inference tensor") as info:
+        rearrange_expert_weights_inplace(old, new, w, communicator=comm, buffer=TransferBuffer())
+    assert info.value.committed_layers == 0 and comm.total_messages == 0
+    assert [[w[r][k][0][:, 0].tolist() for r in range(2)] for k in range(3)] == [[[0, 1], [2, 3]]] * 3
+    with torch.inference_mode():
+        rearrange_expert_weights_inplace(old, new, w, communicator=comm, buffer=TransferBuffer())
+    assert [[w[r][k][0][:, 0].tolist() for r in range(2)] for k in range(3)] == [[n[:2], n[2:]] for n in new.tolist()]
+
+
+def test_a_one_layer_commit_outside_inference_mode_is_refused_before_writing():
+    """Transferred under inference mode, the commit outside it refuses the inference weights and writes nothing."""
+    from eplb_fsm.transfer import InProcessCommunicator, commit_layer_from_buffer
+
+    _, w = _inference_world()
+    lw = [w[r][0] for r in range(2)]
+    with torch.inference_mode():
+        pending = transfer_layer_to_buffer([0, 1, 2, 3], [1, 0, 3, 2], lw, TransferBuffer(),
+                                           communicator=InProcessCommunicator(2))
+    with pytest.raises(UnmovableWeightsError, match=r"layer_weights\[0\]\[0\]: is an inference tensor"):
+        commit_layer_from_buffer(pending, lw)
+    assert not pending.committed and [lw[r][0][:, 0].tolist() for r in range(2)] == [[0, 1], [2, 3]]
+    with torch.inference_mode():
+        commit_layer_from_buffer(pending, lw)
+    assert [lw[r][0][:, 0].tolist() for r in range(2)] == [[1, 0], [3, 2]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eplb_fsm.transfer.messages import copy_runs, row_views
@@ -33,3 +34,43 @@ def test_copy_runs_copies_runs_of_rows_per_tensor():
     copy_runs(dst, src, ((0, 3, 2), (5, 0, 1)))
     assert dst[1].tolist() == [3, 4, 0, 0, 0, 0]
     assert dst[0][5].tolist() == [0.0, 1.0] and dst[0][1].tolist() == [8.0, 9.0] and dst[0][2:5].abs().sum() == 0
+
+
+def test_rows_of_a_tensor_with_no_elements_are_empty_bytes_whatever_its_strides():
+    """A (S, 0) tensor with a non-unit last stride (torch.empty(0, S).t()) gives S empty uint8 rows, not a crash."""
+    t = torch.empty(0, 3).t()  # (3, 0), strides (1, 3)
+    for for_recv in (False, True):
+        rows = row_views({0: [t]}, for_recv)[0][0]
+        assert [(r.dtype, r.numel()) for r in (rows[0], rows[1], rows[2])] == [(torch.uint8, 0)] * 3
+
+
+def test_zero_element_weights_with_non_unit_strides_move_across_ranks():
+    """Weights with a (S, 0) strided tensor beside a real one rearrange exactly, in-rank and across ranks."""
+    from eplb_fsm.transfer import InProcessCommunicator, TransferBuffer, rearrange_expert_weights_inplace
+
+    old, new = [[0, 1, 2, 3], [0, 1, 2, 3]], [[1, 0, 3, 2], [2, 3, 0, 1]]  # layer 0 in-rank, layer 1 across
+    w = [[[torch.tensor([[2.0 * r], [2.0 * r + 1]]), torch.empty(0, 2).t()] for _ in range(2)] for r in range(2)]
+    rearrange_expert_weights_inplace(old, new, w, communicator=InProcessCommunicator(2), buffer=TransferBuffer())
+    for k in range(2):
+        assert [w[r][k][0].flatten().tolist() for r in range(2)] == [new[k][:2], new[k][2:]]
+
+
+def test_a_held_commit_that_raises_is_not_a_failure_of_the_wave():
+    """HeldReceives' commit raising inside run_layer propagates as itself (no TransferError); held receives stay out."""
+    from eplb_fsm.transfer import InProcessCommunicator, TransferError
+    from eplb_fsm.transfer.messages import HeldReceives, run_layer
+    from eplb_fsm.transfer.schedule import prepare_maps
+
+    prep = prepare_maps([0, 1, 2, 3], [2, 3, 0, 1], 2, None, 1, (0, 1), False)[2].layer(0)
+    weights = {r: [torch.arange(2.0)[:, None] + 2 * r] for r in range(2)}
+    buffers = {r: [torch.full((2, 1), -1.0)] for r in range(2)}
+
+    def commit():
+        raise RuntimeError("injected commit failure")
+
+    hold = HeldReceives({0: {1}, 1: {1}}, commit)
+    comm = InProcessCommunicator(2)
+    with pytest.raises(RuntimeError, match="injected commit failure") as info:
+        run_layer(prep, weights, buffers, comm, [], hold=hold)
+    assert not isinstance(info.value, TransferError) and hold.done
+    assert [buffers[r][0][1].item() for r in range(2)] == [-1.0, -1.0]  # the held rows were never received into

@@ -25,6 +25,13 @@ class TransferBuffer:
     (the one-layer entry points use the first half). ``allocations`` counts allocations
     (profile mode reserves every half up front). ``generation`` advances on every transfer,
     allocation and release, so a pending commit whose rows were since replaced is caught.
+
+    Every rank of a group must use the same ``layers`` for
+    :func:`rearrange_expert_weights_inplace`: it decides how a layer's first wave is posted
+    (one or two phases, with or without tags), and ranks that differ wait for messages the
+    other side never sends (a hang until the group's timeout). Nothing checks this across
+    ranks. Buffer tensors are always allocated outside ``torch.inference_mode()``, so a
+    buffer first used under it still takes writes outside it.
     """
 
     def __init__(self, layers: int = 1) -> None:
@@ -40,7 +47,8 @@ class TransferBuffer:
         current = halves[index]
         if current is not None and layout(current) == layout(layer_weights):
             return current
-        tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
+        with torch.inference_mode(False):  # a normal tensor: writable inside inference mode and out of it
+            tensors = [torch.empty(tuple(w.shape), dtype=w.dtype, device=w.device) for w in layer_weights]
         halves[index] = tensors
         self.allocations += 1
         self.generation += 1  # a layer still pending in the old rows can no longer commit
@@ -65,7 +73,12 @@ class TransferBuffer:
 
 @dataclass
 class PendingLayer:
-    """A layer whose messages have landed in the buffer and wait for their commit."""
+    """A layer whose messages have landed in the buffer and wait for their commit.
+
+    ``failed``: its commit raised part-way (the layer may be partly written); it cannot be
+    committed again (its direct copies chain rows, so a second run would read rows the
+    first one already overwrote).
+    """
 
     layer: int
     plans: dict[int, LayerPlan]
@@ -75,6 +88,7 @@ class PendingLayer:
     communicator: Any = field(repr=False, default=None)
     committed: bool = False
     commits: dict[int, "Commit"] | None = field(repr=False, default=None)
+    failed: bool = False
 
     @property
     def moved_rows(self) -> int:

@@ -74,7 +74,8 @@ class Communicator(Protocol):
     posts a layer's first wave in two phases (see ``execute.HeldReceives``).
     ``host_memory_only`` (attribute, default False): when true, the communicator moves CPU
     tensors only (a gloo group), and weights on another device are refused before
-    anything moves.
+    anything moves. ``cuda_memory_only`` (attribute, default False): likewise for CUDA
+    tensors (an NCCL group): weights off CUDA are refused before anything moves.
     """
 
     world_size: int
@@ -137,6 +138,8 @@ class TorchDistCommunicator:
         # gloo's send and receive hand the tensor's address to its sockets as host memory,
         # whatever its device: weights on a GPU must be refused before they are posted
         self.host_memory_only = self.backend == "gloo"
+        # NCCL moves GPU memory only: weights off CUDA are refused before anything is posted
+        self.cuda_memory_only = self.backend == "nccl"
 
     def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if src != self.rank:

@@ -99,7 +99,8 @@ static PyObject *split_of(const RankLayer *prev, const RankLayer *nxt, int64_t *
     return res;
 }
 
-static PyObject *rank_tuple(const RankLayer *x, const Transfer *t, Py_ssize_t nt, int64_t r, PyObject *split, int64_t *work)
+static PyObject *rank_tuple(const RankLayer *x, const Transfer *t, Py_ssize_t nt, int64_t r, PyObject *split,
+                            int64_t *work)
 {
     int64_t *a = work, *b = work + nt;
     Py_ssize_t m = 0;

@@ -26,7 +26,9 @@ one-layer entry points split the two halves for the asynchronous controller
 Messages carry raw bytes (each row viewed as uint8), so any dtype travels the same way.
 Every check on the input runs before the first copy or message; a failure while
 messages are in flight raises :class:`TransferError` with the layer: layers before it
-are committed (new), it and the ones after are untouched (old).
+are committed (new), it and the ones after are untouched (old). An error raised by a
+layer's commit itself propagates as it is, with ``committed_layers`` the layers before
+that one (the layer may be partly written) and a note naming it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
 from eplb_fsm.transfer.communicator import Communicator
 from eplb_fsm.transfer.inputs import (
     check_all_weights,
+    check_flag,
     check_layer_weights,
     layout,
     resolve_communicator,
@@ -68,6 +71,16 @@ def default_buffer() -> TransferBuffer:
     return _DEFAULT_BUFFER
 
 
+def _commit_failed(exc: BaseException, layer: int, committed: int | None) -> None:
+    """Label an error raised by layer ``layer``'s commit: ``committed`` layers are new, it may be partly written."""
+    if committed is not None:
+        with contextlib.suppress(AttributeError):  # an exception type without attributes of its own
+            exc.committed_layers = committed
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(f"raised by the commit of layer {layer}: its rows may be partly written"
+                 + (f"; the {committed} layers before it hold their new weights, the later ones their old"
+                    if committed is not None else ""))
 
 
 def _stream(comm: Communicator) -> contextlib.AbstractContextManager:
@@ -115,8 +128,11 @@ def rearrange_expert_weights_inplace(
     to at most one peer. ``buffer``: the reusable one-layer buffer (default: a shared one).
 
     Raises ``ValueError`` on bad input before anything moves; :class:`TransferError` if a
-    layer's messages fail (``committed_layers`` layers are new, the rest old).
+    layer's messages fail (``committed_layers`` layers are new, the rest old). Any other
+    error carries ``committed_layers`` too: the layers whose commit fully ran.
     """
+    is_profile = check_flag(is_profile, "is_profile")
+    migration_batching = check_flag(migration_batching, "migration_batching")
     if buffer is not None and not isinstance(buffer, TransferBuffer):
         raise ValueError(f"buffer: must be a TransferBuffer or None, got {type(buffer).__name__}")
     comm = resolve_communicator(group, communicator, timeout)
@@ -160,6 +176,7 @@ def _rearrange_layers(
     messages by tag it runs after layer k's sends and other receives went out (two
     phases, :class:`HeldReceives`), otherwise before layer k starts. If layer k fails,
     layer k-1's commit is completed first, so layers < k are new and layers >= k are old.
+    If a commit itself raises, ``committed_layers`` counts only the layers before it.
     """
     num_layers = sched.old.shape[0]
     halves = len(buffers)
@@ -177,7 +194,17 @@ def _rearrange_layers(
         layer_w = {r: weights[r][k] for r in comm.local_ranks}
         into, prev_buffers = buffers[k % halves], buffers[(k - 1) % halves]
         late: dict[int, Commit] = {}
+        early: dict[int, Commit] | None = None  # run before layer k's messages
         hold: HeldReceives | None = None
+        # layer k-1's commit runs in up to two parts, each once: a part started and not
+        # ended raised (the layer may be partly written, and it is not counted as committed)
+        state = {"started": 0, "ended": 0}
+
+        def part(runs: dict[int, Commit], src: dict[int, list[torch.Tensor]], prev_w=prev_w, state=state) -> None:
+            state["started"] += 1
+            _apply_runs(runs, prev_w, src)
+            state["ended"] += 1
+
         if prev_w is not None and halves == 2:
             late = sched.layer(k - 1).commit  # reads the other half: nothing waits for it
         elif prev_w is not None:
@@ -186,10 +213,9 @@ def _rearrange_layers(
                 # layer k's receives into rows layer k-1's commit still reads wait for it;
                 # the commit runs while the rest of layer k's messages fly
                 rows = {r: set(c.src.tolist()) for r, c in early.items() if c.src.size}
-                hold = HeldReceives(rows, lambda early=early, prev_w=prev_w: _apply_runs(early, prev_w, into))
-            else:
-                _apply_runs(early, prev_w, into)
-        state = {"late_done": not late}
+                hold = HeldReceives(rows, lambda early=early, part=part, into=into: part(early, into))
+                early = None
+        state["late_done"] = not late
 
         def meanwhile(k: int = k, late=late, prev_w=prev_w, state=state, layer_w=layer_w, posted=prep,
                       into=into, prev_buffers=prev_buffers) -> None:
@@ -198,8 +224,8 @@ def _rearrange_layers(
                 for r, runs in full.local_runs.items():
                     copy_runs(into[r], layer_w[r], runs)
             if not state["late_done"]:
-                _apply_runs(late, prev_w, prev_buffers)
-                state["late_done"] = True
+                state["late_done"] = True  # first: a part that raised never runs again
+                part(late, prev_buffers)
             if k + 1 < num_layers:
                 # plans layer k+1 (a no-op once the schedule is complete), and with one
                 # buffer layer the split of layer k's commit against it
@@ -211,25 +237,38 @@ def _rearrange_layers(
 
         buf.generation += 1
         try:
+            if early is not None:
+                part(early, into)
             views = send_views.pop(k, None)
             if views is None:  # no wave before (meanwhile runs in the first wave)
                 views = row_views(layer_w, False)
             run_layer(prep, layer_w, into, comm, traces, meanwhile=meanwhile, hold=hold,
                       views=(views, recv_views[k % halves]))
         except BaseException as exc:  # any error, not only a TransferError: no layer may end half new
-            if hold is not None:
-                hold.release()  # no held receive was posted before it ran
-            if not state["late_done"]:
-                state["late_done"] = True  # once: its direct copies chain rows and would not run twice alike
-                _apply_runs(late, prev_w, prev_buffers)  # layer k-1 ends fully new
-            try:
-                exc.committed_layers = k  # layers before k are new, k and the rest old
-            except AttributeError:  # an exception type without attributes of its own
-                pass
+            if prev_w is not None and state["started"] == state["ended"]:
+                try:  # layer k-1 ends fully new
+                    if hold is not None:
+                        hold.release()  # no held receive was posted before it ran
+                    if not state["late_done"]:
+                        state["late_done"] = True  # once: its direct copies chain rows and would not run twice alike
+                        part(late, prev_buffers)
+                except BaseException as commit_exc:
+                    _commit_failed(commit_exc, k - 1, k - 1)
+                    raise commit_exc from exc
+            if prev_w is not None and state["started"] != state["ended"]:
+                _commit_failed(exc, k - 1, k - 1)  # layer k-1's commit raised: layers before it are new
+            else:
+                with contextlib.suppress(AttributeError):  # an exception type without attributes of its own
+                    exc.committed_layers = k  # layers before k are new, k and the rest old
             raise
         prev_w = layer_w
     if prev_w is not None:
-        _apply_runs(sched.layer(num_layers - 1).commit, prev_w, buffers[(num_layers - 1) % halves])
+        last = sched.layer(num_layers - 1).commit
+        try:
+            _apply_runs(last, prev_w, buffers[(num_layers - 1) % halves])
+        except BaseException as exc:
+            _commit_failed(exc, num_layers - 1, num_layers - 1)
+            raise
 
 
 def _apply_runs(
@@ -274,6 +313,9 @@ def transfer_layer_to_buffer(
     if not isinstance(buffer, TransferBuffer):
         raise ValueError(f"buffer: must be a TransferBuffer, got {type(buffer).__name__}")
     max_chunk_bytes = as_count(max_chunk_bytes, "max_chunk_bytes", minimum=0)  # bools and floats refused
+    migration_batching = check_flag(migration_batching, "migration_batching")
+    if between_chunks is not None and not callable(between_chunks):  # not after the first chunk went out
+        raise ValueError(f"between_chunks: must be a callable or None, got {type(between_chunks).__name__}")
     comm = resolve_communicator(group, communicator, timeout)
     old, new, sched = prepare_maps(
         old_phy2log_row, new_phy2log_row, comm.world_size, rank_mapping, 1, tuple(comm.local_ranks), migration_batching
@@ -316,7 +358,8 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
 
     ``layer_weights`` must be the tensors given to :func:`transfer_layer_to_buffer`
     (same shapes; a list over ranks with a multi-rank communicator). Raises
-    ``ValueError`` if the buffer has since been reused or the pending layer was committed.
+    ``ValueError`` if the buffer has since been reused or the pending layer was committed,
+    or if its commit already raised part-way (``pending.failed``: it cannot be retried).
     """
     if not isinstance(pending, PendingLayer):
         raise ValueError(
@@ -325,6 +368,9 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
         )
     if pending.committed:
         raise ValueError(f"pending: layer {pending.layer} is already committed")
+    if pending.failed:
+        raise ValueError(f"pending: the commit of layer {pending.layer} raised part-way (its rows may be partly "
+                         "written); it cannot be committed again")
     if pending.buffer.generation != pending.generation:
         raise ValueError(
             f"pending: the buffer of layer {pending.layer} was reused by a later transfer, re-allocated or "
@@ -337,7 +383,13 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
         if layout(w) != pending.layouts[r]:
             raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred")
     buffers = {r: pending.buffer.tensors(r) for r in pending.plans}
-    with _stream(comm):
-        _apply_runs(pending.commits, weights, buffers)
-    _finish(comm)
+    try:
+        with _stream(comm):
+            _apply_runs(pending.commits, weights, buffers)
+    except BaseException as exc:
+        pending.failed = True
+        _commit_failed(exc, pending.layer, None)
+        raise
+    finally:
+        _finish(comm)
     pending.committed = True

@@ -12,9 +12,12 @@ Weights the executor would move wrongly are refused before anything moves, with
 ``expand`` makes, or overlapping strides), a last dimension of size 1 with a stride other
 than 1 (torch still calls such a tensor contiguous, but its rows cannot be viewed as
 bytes), and two tensors whose rows share memory (a weight listed twice, in two layers or
-for two ranks): moving one would overwrite the other. So are weights off the CPU when
-the communicator moves host memory only (a gloo group: its send and receive take a
-CPU tensor's memory, and it cannot read a GPU's).
+for two ranks): moving one would overwrite the other. So are an inference tensor (made
+under ``torch.inference_mode()``) when the call runs outside inference mode (torch would
+copy into it, then raise, leaving a layer half written), weights off the CPU when the
+communicator moves host memory only (a gloo group: its send and receive take a CPU
+tensor's memory, and it cannot read a GPU's), and weights off CUDA when it moves CUDA
+memory only (an NCCL group).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "Layout",
     "UnmovableWeightsError",
     "check_devices",
+    "check_flag",
     "check_movable",
     "find_shared_memory",
     "refuse_shared_memory",
@@ -48,6 +52,13 @@ Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
 
 def layout(tensors: Sequence[torch.Tensor]) -> Layout:
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool; anything but True/False (numpy's too) raises: ``"no"`` would read as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
+    return bool(value)
 
 
 def resolve_communicator(group: Any, communicator: Communicator | None, timeout: float | None) -> Communicator:
@@ -76,6 +87,12 @@ class UnmovableWeightsError(TransferError, ValueError):
 
 def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
     """Refuse a tensor (S, ...) whose layout the executor would move wrongly (see the module doc)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise UnmovableWeightsError(
+            f"{name}: is an inference tensor (made under torch.inference_mode()) and this call runs outside "
+            "inference mode, where torch refuses to write it in place (after copying into it, so a layer would be "
+            "left half written); run the transfer under torch.inference_mode() (in the thread that calls it) "
+            "or create the weights outside it", layer)
     if t.is_contiguous() and (t.ndim < 2 or t.shape[-1] != 1):
         # the usual case, checked in one call: torch calls a tensor contiguous when every
         # dim of size > 1 has its row-major stride, so none is 0 and none overlaps; only
@@ -173,20 +190,28 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
 
 
 def check_devices(comm: Communicator, name: str, tensors: Sequence[torch.Tensor], layer: int | None = None) -> None:
-    """Refuse tensors ``comm`` cannot move: off the CPU when it moves host memory only.
+    """Refuse tensors ``comm`` cannot move: off the CPU when it moves host memory only (gloo),
+    off CUDA when it moves CUDA memory only (NCCL).
 
     ``tensors``: one layer's tensors (S, ...); the executor's layout check makes every
     layer and rank match them, so one layer speaks for all.
     """
-    if not getattr(comm, "host_memory_only", False):
-        return
-    for t, w in enumerate(tensors):
-        if w.device.type != "cpu":
-            raise UnmovableWeightsError(
-                f"{name}[{t}]: is on {w.device}, and the transfer group "
-                f"({getattr(comm, 'backend', 'host memory only')}) moves CPU tensors only: gloo's send and "
-                "receive read and write a tensor's memory as host memory. Keep the expert weights on the CPU, "
-                f"or transfer over a group whose backend moves {w.device.type} tensors (NCCL for CUDA)", layer)
+    if getattr(comm, "host_memory_only", False):
+        for t, w in enumerate(tensors):
+            if w.device.type != "cpu":
+                raise UnmovableWeightsError(
+                    f"{name}[{t}]: is on {w.device}, and the transfer group "
+                    f"({getattr(comm, 'backend', 'host memory only')}) moves CPU tensors only: gloo's send and "
+                    "receive read and write a tensor's memory as host memory. Keep the expert weights on the CPU, "
+                    f"or transfer over a group whose backend moves {w.device.type} tensors (NCCL for CUDA)", layer)
+    if getattr(comm, "cuda_memory_only", False):
+        for t, w in enumerate(tensors):
+            if w.device.type != "cuda":
+                raise UnmovableWeightsError(
+                    f"{name}[{t}]: is on {w.device}, and the transfer group "
+                    f"({getattr(comm, 'backend', 'CUDA memory only')}) moves CUDA tensors only: NCCL sends and "
+                    "receives GPU memory. Keep the expert weights on the GPU, or transfer CPU weights over a gloo "
+                    "group", layer)
 
 
 def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,

@@ -59,9 +59,12 @@ class _RowBytes:
 
 def _row_bytes(t: torch.Tensor, for_recv: bool) -> "tuple[torch.Tensor, ...] | _RowBytes":
     """Row i of ``t`` (S, ...) as a flat uint8 tensor at index i: for a contiguous tensor a
-    tuple of views made in one call (indexing it costs no tensor op per message)."""
+    tuple of views made in one call (indexing it costs no tensor op per message). A tensor
+    with no elements (S, 0, ...) has an empty uint8 tensor per row, whatever its strides."""
     if t.is_contiguous() and t.ndim >= 1 and t.shape[0] > 0 and t[0].numel() > 0:
         return t.view(t.shape[0], -1).view(torch.uint8).unbind(0)
+    if t.ndim >= 1 and t.numel() == 0:  # a stride other than 1 (a transposed (0, S)) cannot be viewed as bytes
+        return (torch.empty(0, dtype=torch.uint8, device=t.device),) * t.shape[0]
     return _RowBytes(t, for_recv)
 
 
@@ -125,6 +128,9 @@ class HeldReceives:
     another row first; ``release()`` (the commit of those rows) runs while they fly;
     then the held receives. Each message carries its ordinal within its (src, dst) pair
     as tag, so both sides pair them whatever the phase a receive was posted in.
+    ``release()`` runs the commit once: if it raises, it is not run again (the layer may be
+    partly written) and the held receives are never posted; the error propagates as is,
+    not as a :class:`TransferError` of the wave (see ``_run_wave``).
     """
 
     __slots__ = ("rows", "commit", "done")
@@ -210,27 +216,37 @@ def _run_wave(
                     **fields,
                 )
             )
+        # local work (the previous layer's commit, copies, planning) that fails raises as
+        # itself, not as a failure of this wave
+        local_error: BaseException | None = None
+        if start is None or wait is None:
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException:
+                    _discard(comm)  # the queued messages never go out
+                    raise
+                meanwhile = None
         try:
             if start is not None and wait is not None:
                 start()
                 if hold is not None:
                     # the pending commit reads the held rows while phase one flies, then
                     # their receives go out
-                    hold.release()
+                    try:
+                        hold.release()
+                    except BaseException as exc:  # re-raised below, after the wait for phase one
+                        local_error, meanwhile, held = exc, None, []
                     for r, item in held:
                         _queue(comm, r, (item,), True)
                     if held:
                         start()
             else:
-                if meanwhile is not None:
-                    meanwhile()
-                    meanwhile = None
                 comm.execute()
         except Exception as exc:
             raise _failed(comm, layer, w, num_waves, exc) from exc
         # start() returned: overlap local work with the messages in flight, then wait
         # for them even if that work failed (no request is left dangling)
-        local_error: BaseException | None = None
         if meanwhile is not None:
             try:
                 meanwhile()
@@ -242,6 +258,7 @@ def _run_wave(
             except Exception as exc:
                 if local_error is None:
                     raise _failed(comm, layer, w, num_waves, exc) from exc
+                _discard(comm)
         if local_error is not None:
             raise local_error
 
@@ -266,8 +283,12 @@ def _queue(comm: Communicator, rank: int, items: Sequence[tuple[bool, Any, int, 
             add_recv(tensor, peer, rank, **kw)
 
 
-def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:
+def _discard(comm: Communicator) -> None:
     discard = getattr(comm, "discard", None)
     if discard is not None:
         discard()
+
+
+def _failed(comm: Communicator, layer: int, w: int, num_waves: int, exc: BaseException) -> TransferError:
+    _discard(comm)
     return TransferError(f"layer {layer}, wave {w}/{num_waves}: {type(exc).__name__}: {exc}", layer=layer, wave=w)

@@ -42,10 +42,16 @@ __all__ = [
 
 
 def _as_maps(name: str, m: Any, ndim: int) -> np.ndarray:
-    arr = host_array(m, name)
+    want = "(L, P)" if ndim == 2 else "(P,)"
+    try:
+        arr = host_array(m, name)
+    except ValueError as exc:  # rows of different lengths: numpy's message names no field
+        if hasattr(m, "detach"):  # a tensor's own error (a meta tensor) already names it
+            raise
+        raise ValueError(f"{name}: must be an integer array of shape {want} with rows of equal length, "
+                         f"got nested sequences numpy cannot make one array of ({exc})") from exc
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: must be an integer array (int64 phy2log), got dtype {arr.dtype}")
-    want = "(L, P)" if ndim == 2 else "(P,)"
     if arr.ndim != ndim:
         raise ValueError(f"{name}: must have shape {want}, got {arr.shape}")
     return as_int64(name, arr)
