@@ -51,10 +51,12 @@ _log = structlog.get_logger("eplb_fsm.liveness")
 
 
 def check_interval(interval_s: Any) -> float:
-    """``interval_s`` as a float > 0 and finite; ValueError naming the field otherwise."""
+    """``interval_s`` as a float > 0 and finite; ValueError naming the field and every accepted value otherwise
+    (the caller, :class:`Liveness`, takes None and 0 as off before it asks)."""
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) \
             or not math.isfinite(interval_s) or interval_s <= 0:
-        raise ValueError(f"liveness_interval_s must be a finite number > 0 (seconds), got {interval_s!r}")
+        raise ValueError("liveness_interval_s must be None, 0 (off) or a finite number > 0 (seconds), "
+                         f"got {interval_s!r}")
     return float(interval_s)
 
 

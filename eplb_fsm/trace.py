@@ -51,7 +51,8 @@ COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 MAX_RUN = 1 << 16
 END_LOCK_WAIT_S = 1.0   # end() from a signal handler: past this the lock is its own thread's; defer
 def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> Path:
-    """``rank<rank>.jsonl``; a joiner of generation g writes its own ``rank<rank>.g<g>.jsonl`` (docs/elastic.md)."""
+    """``rank<NNNNN>.jsonl`` (zero-padded); a joiner of generation g writes its own
+    ``rank<NNNNN>.g<g>.jsonl`` (docs/elastic.md)."""
     return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
 
 

@@ -283,6 +283,13 @@ def test_rank_timeline_rejects_ranks(healthy_dir, capsys):
     assert "--ranks N sets the world the report expects" in capsys.readouterr().err
 
 
+def test_ranks_with_rank_is_one_usage_error_line_naming_the_option(healthy_dir, capsys):
+    """--rank R with --ranks N prints one 'eplb-fsm replay: error: --ranks ...' line, as every usage error does."""
+    assert main(["replay", str(healthy_dir), "--ranks", "2", "--rank", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm replay: error: --ranks is not allowed with --rank: ") and err.count("\n") == 1
+
+
 def test_unreadable_folder_or_file_exits_2(healthy_dir, monkeypatch, capsys):
     """A folder that cannot be listed, or --rank R on a file that cannot be read: exit 2 with the OS error."""
     deny(monkeypatch, trace_path(healthy_dir, 1))

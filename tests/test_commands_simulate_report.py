@@ -155,3 +155,55 @@ def test_a_joiner_whose_scale_aborted_is_not_joined_not_failed():
                                         "reason": "ScaleAborted: no handover"}]}
     assert ("joiner process 1002 (rank 2, scale at step 6): not joined, its scale aborted (ScaleAborted: no "
             "handover)") in format_report(ok)
+
+
+def _returned(process: int, **fields) -> dict:
+    """What an elastic rank returns (eplb_fsm.sim.elastic.run_elastic_rank), less the per-step series."""
+    return {"rank": process, "world": 4, "steps": 120, "start_step": 0, "role": "initial", "process": process,
+            "left": False, "stop_reason": None, "final_state": "collecting", "final_layer": 0, "history": [],
+            "trace": f"/nonexistent-eplb-dir/rank{process:05d}.jsonl", **fields}
+
+
+def test_ranks_that_returned_on_a_failed_scale_are_failed_with_their_reason():
+    """Ranks that returned at step 81 of 120 with a stop_reason and a failed machine are failed, not finished."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_report import build_failed_report, format_report
+
+    config = {"ranks": 4, "layers": 4, "experts": 32, "redundant": 32, "steps": 120, "interval": 50, "window": 40,
+              "mode": "sync", "load": "zipf"}
+    opts = SimpleNamespace(ranks=4, steps=120, log_dir="/nonexistent-eplb-dir", extra={}, config_dict=lambda: config)
+    lost = "experts lost with the leaving rank(s): " + ", ".join(f"main layer 1 expert {e}" for e in range(32))
+    exc = RuntimeError("rank failed")
+    exc.failures = {3: "process exited with code -9 without reporting"}
+    exc.values = {0: _returned(0, steps=81, stop_reason=lost, final_state="failed", final_layer=1),
+                  1: _returned(1, steps=81, stop_reason="the old group broke during the scale-down",
+                               final_state="failed", final_layer=1),
+                  2: _returned(2, steps=81, final_state="failed", final_layer=1)}
+    report = build_failed_report(opts, exc, 1.0)
+    status = {e["process"]: (e["status"], e["reason"]) for e in report["ranks"]}
+    assert status == {0: ("failed", lost), 1: ("failed", "the old group broke during the scale-down"),
+                      2: ("failed", "its state machine ended in state failed after 81 step(s)"),
+                      3: ("died", "process exited with code -9 without reporting")}
+    assert report["failed_ranks"] == [0, 1, 2, 3]
+    report["replay"] = {"verdict": "hang", "summary": "rank 3 never joined all_reduce", "culprit_ranks": [3]}
+    lines = format_report(report).splitlines()
+    assert "ranks that stopped: 0, 1, 2, 3" in lines
+    assert not any("finished" in line for line in lines)
+    rank0 = next(line for line in lines if line.startswith("  rank 0:"))
+    assert rank0.startswith("  rank 0: failed    no trace; experts lost with the leaving rank(s): main layer 1 ")
+    assert rank0.endswith("main layer 1 expert 6, ... (25 more)")  # 7 of the 32 lost experts, then a count
+
+
+def test_ranks_that_returned_early_or_left_are_not_finished():
+    """A rank that left at its scale-down is 'left'; one that returned before the requested steps is 'stopped'."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_report import build_failed_report
+
+    opts = SimpleNamespace(ranks=3, steps=120, log_dir="/nonexistent-eplb-dir", extra={}, config_dict=lambda: {})
+    exc = RuntimeError("rank failed")
+    exc.failures = {2: "process exited with code -9 without reporting"}
+    exc.values = {0: _returned(0, steps=50), 1: _returned(1, steps=80, left=True)}
+    status = {e["process"]: (e["status"], e["reason"]) for e in build_failed_report(opts, exc, 1.0)["ranks"]}
+    assert status[0] == ("stopped", "returned after 50 of 120 steps") and status[1] == ("left", None)

@@ -272,3 +272,24 @@ def test_documented_command_runs_as_written(command, scratch):
         assert done.returncode == 0, where
     if verdict:  # the transcript's verdict word is what the command prints now
         assert done.stdout.startswith(verdict.group(0)), f"{where}\nprinted: {done.stdout[:300]}"
+
+
+def test_the_events_md_header_example_has_a_real_headers_fields(tmp_path):
+    """docs/events.md's example header carries the fields, config and versions keys a header written now has."""
+    import json
+
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.trace import read_trace
+
+    text = (REPO / "docs" / "events.md").read_text()
+    examples = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"event":"header"' in line]
+    assert len(examples) == 1, "docs/events.md should show one header example"
+    ctl = EplbController(EplbConfig(use_async=True), trace_dir=str(tmp_path), liveness_interval_s=0)
+    path = ctl.trace.path
+    ctl.close()
+    real = read_trace(path)[0][0]
+    assert real["event"] == "header"
+    doc = examples[0]
+    assert list(doc) == list(real)
+    assert list(doc["config"]) == list(real["config"]) and list(doc["versions"]) == list(real["versions"])

@@ -96,6 +96,20 @@ def test_controller_without_a_trace_file_has_no_liveness_thread():
     assert ctl.trace.records[-1]["event"] == "end"
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "1"])
+def test_a_bad_interval_error_names_every_accepted_value(bad):
+    """The error names the field and what it accepts: None or 0 (liveness off), or a finite number > 0."""
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+
+    with pytest.raises(ValueError) as info:
+        EplbController(EplbConfig(), liveness_interval_s=bad)
+    assert str(info.value) == ("liveness_interval_s must be None, 0 (off) or a finite number > 0 (seconds), "
+                               f"got {bad!r}")
+    for off in (None, 0):
+        assert Liveness(None, interval_s=off).interval_s is None  # the values the message calls off are taken
+
+
 def test_controller_refuses_a_bad_liveness_interval():
     """A negative interval fails at construction, naming the field."""
     from eplb_fsm.config import EplbConfig

@@ -53,8 +53,8 @@ def _at_least(low: int, what: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_CODES
-    parser.add_argument("logdir", help="folder holding the rank<N>.jsonl traces (one per rank; joiners' "
-                                         "rank<N>.g<g>.jsonl too)")
+    parser.add_argument("logdir", help="folder holding the rank<NNNNN>.jsonl traces (one per rank, zero-padded: "
+                                         "rank00003.jsonl; joiners' rank<NNNNN>.g<g>.jsonl too)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--rank", type=int, default=None, metavar="R",
                         help="print rank R's timeline (one line per record, joiners that took number R "
@@ -89,8 +89,8 @@ def _timeline(args: argparse.Namespace) -> int:
     from eplb_fsm.trace_segments import read_rank_text
 
     if args.world is not None:
-        print("eplb-fsm replay: --ranks N sets the world the report expects; with --rank R it has no effect: "
-              "drop one of them", file=sys.stderr)
+        print("eplb-fsm replay: error: --ranks is not allowed with --rank: --ranks N sets the world the report "
+              "expects; with --rank R it has no effect: drop one of them", file=sys.stderr)
         return 2
     try:
         loaded = load_dir(args.logdir, jobs=args.jobs, run_id=args.run_id)

@@ -72,10 +72,10 @@ exits 143 / 130.
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
 first fault and exits non-zero (not at one its scale then handled: survivors that
-salvaged a dead leaving rank serve on), and the report ends with the replay verdict of
-the traces left in --trace-dir (exit 1 when ranks failed). The watchdog writes a 'stuck'
-trace record when planning, a transferring layer or committing makes no progress for
-S seconds.
+salvaged a dead leaving rank serve on), and the report gives the replay verdict of the
+traces left in --trace-dir: a failed run's report leads with it when it blames a rank
+(exit 1 when ranks failed). The watchdog writes a 'stuck' trace record when planning, a
+transferring layer or committing makes no progress for S seconds.
 """
 
 MAX_SECONDS = 1e6   # a wait longer than 11 days is no wait a run needs

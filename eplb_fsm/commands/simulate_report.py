@@ -49,6 +49,20 @@ def _reason(text: str) -> str:
     return last.split(". This is typically")[0]
 
 
+def _returned_status(value: dict, steps: int | None) -> tuple[str, str | None]:
+    """``(status, reason)`` of a rank that returned: ``finished`` only when it ran every step and its machine did
+    not fail; ``failed`` when it stopped on a failed scale (its ``stop_reason``) or its machine ended ``failed``;
+    ``left`` when it left the group at a scale-down; ``stopped`` when it returned early for another reason."""
+    ran = value.get("steps")
+    if value.get("stop_reason") or value.get("final_state") == "failed":
+        return "failed", value.get("stop_reason") or f"its state machine ended in state failed after {ran} step(s)"
+    if value.get("left"):
+        return "left", None
+    if isinstance(ran, int) and isinstance(steps, int) and ran < steps:
+        return "stopped", f"returned after {ran} of {steps} steps"
+    return "finished", None
+
+
 def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
     from eplb_fsm.sim.elastic import JOINER_ID, NOT_JOINED
@@ -72,7 +86,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         if process in values and values[process].get("status") == NOT_JOINED:  # its scale aborted: no failure
             status, reason = NOT_JOINED, values[process].get("reason")
         elif process in values:
-            status, reason = "finished", None
+            status, reason = _returned_status(values[process], getattr(opts, "steps", None))
         elif process in failures:
             reason = _reason(failures[process])
             status = "died" if reason.startswith("process exited with code") else "failed"
@@ -199,6 +213,15 @@ def build_report(opts, results: list[dict], wall_s: float) -> dict:
     return report
 
 
+def _brief(reason: str, limit: int = 200) -> str:
+    """A rank's reason for one line of text: a long list (a scale's lost experts) is cut at an item, with a count."""
+    if len(reason) <= limit:
+        return reason
+    head = reason[:limit].rsplit(", ", 1)[0]
+    rest = reason[len(head):].count(", ")
+    return f"{head}, ... ({rest} more)" if rest else head + " ..."
+
+
 def _format_failed(report: dict) -> list[str]:
     c = report["config"]
     what = "did not finish in time" if report.get("error") == "timeout" else "failed"
@@ -225,7 +248,7 @@ def _format_failed(report: dict) -> list[str]:
         where = (f"last record: step {e['last_step']}, {e['last_state']} ({e['last_event']})"
                  if e["last_event"] else "no trace")
         who = f"rank {e['rank']}" + (f" (joiner, process {e['process']})" if e.get("role") == "joiner" else "")
-        lines.append(f"  {who}: {e['status']:<9} {where}" + (f"; {e['reason']}" if e["reason"] else ""))
+        lines.append(f"  {who}: {e['status']:<9} {where}" + (f"; {_brief(e['reason'])}" if e["reason"] else ""))
     lines += ["", _traces_line(report), f"wall time: {report['wall_s']} s"]
     return lines
 

@@ -26,8 +26,8 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
     When ranks fail (a rank raised, died, or missed the deadline ``timeout``) the report is
     :func:`build_failed_report`'s instead, with ``ok`` false; the traces stay in
     ``opts.log_dir``. With injected faults, with ``--scale`` (elastic EP: the replay follows
-    the group swaps), or after a failure, the report ends with the replay verdict of the
-    traces (``report["replay"]``).
+    the group swaps), or after a failure, the report carries the replay verdict of the
+    traces (``report["replay"]``); a failed run's text leads with it when it blames a rank.
     """
     from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, run_ranks
     from eplb_fsm.sim.run import run_rank

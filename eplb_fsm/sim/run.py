@@ -74,7 +74,7 @@ class SimOptions:
     collective_timeout_s: float = 20.0
     watchdog_deadline_s: float = 0.0
     log_dir: str | None = None
-    redirect_output: bool = True       # each rank's stdout (structlog) goes to <log_dir>/rank<r>.log
+    redirect_output: bool = True       # each rank's stdout (structlog) goes to <log_dir>/rank<NNNNN>.log
     progress_every: int = 5
     log_interval: int = 25             # controller balancedness logging (an all-reduce) every n steps
     # load targets: (phases, L, N) float64 rows of routing probabilities, phase of a step by target_at

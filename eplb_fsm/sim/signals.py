@@ -11,7 +11,7 @@ A rank process calls :func:`install` first thing, before any other thread exists
   them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
   to every trace of the process still open (``trace.end_open_traces``: the controller's),
   writes the stack of every thread to the process's stdout (:func:`dump_stacks`; a
-  simulated rank's stdout is its ``rank<r>.log``, appended to below a line naming the
+  simulated rank's stdout is its ``rank<NNNNN>.log``, appended to below a line naming the
   process, :func:`log_to`), stops any freeze helper and exits the
   process with ``128 + signum``. It works while the main thread is blocked inside a gloo
   wait, where a Python signal handler would not run until the wait returned. The stacks
