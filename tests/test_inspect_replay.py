@@ -16,7 +16,7 @@ import pytest
 from eplb_fsm.inspect import replay as rp
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
-from eplb_fsm.trace import trace_path
+from eplb_fsm.trace import read_trace, trace_path
 
 WORLD = 4
 
@@ -213,6 +213,28 @@ def test_a_rank_deciding_differently_is_a_decision_divergence(healthy):
     assert (report.step, report.state) == (19, "planning")
 
 
+def _mistype_step(lines: list[str], step: int) -> list[str]:
+    i = next(i for i, line in enumerate(lines) if '"trigger":"step"' in line and f'"step":{step},' in line)
+    rec = json.loads(lines[i])
+    rec["step"] = "x"
+    return lines[:i] + [json.dumps(rec)] + lines[i + 1:]
+
+
+@pytest.mark.parametrize("faults, verdict, culprits", [(None, "healthy", []),
+                                                        (Faults(skip_count={3: 12}), "step_divergence", [3])])
+def test_a_mistyped_step_on_a_transition_is_only_a_warning(tmp_path, faults, verdict, culprits):
+    """Rank 1's due transition with `"step": "x"`: a warning, never a step divergence blamed on rank 1."""
+    job = SyntheticJob(world=WORLD, trace_dir=tmp_path, keep=False)
+    job.run(30, faults)
+    job.close()
+    path = trace_path(tmp_path, 1)
+    path.write_text("\n".join(_mistype_step(path.read_text().splitlines(), 19)) + "\n")
+    report = rp.replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks) == (verdict, culprits), format_report(report)
+    assert any("field 'step' is str 'x'" in w for w in report.warnings)
+    assert ", :" not in format_report(report).splitlines()[0]
+
+
 # --------------------------------------------------------------------------- deaths and input problems
 
 
@@ -359,6 +381,25 @@ def test_diagnose_accepts_summaries_and_rejects_nothing(healthy):
     assert rp.diagnose(summaries).verdict == "healthy"
     with pytest.raises(rp.NoTraces):
         rp.diagnose({0: [], 1: []})
+
+
+@pytest.mark.parametrize("traces, message", [
+    ("read_trace", r"rank 0: record 0 is list, .*read_trace\(path\) returns \(records, bad_lines\)"),
+    ({0: "x"}, "rank 0 is str, expected an iterable of record dicts"),
+    ({0: [1, 2]}, "rank 0: record 0 is int, expected an iterable of record dicts"),
+    ({"a": []}, r"rank key 'a' \(str\) is not a rank: keys must be integers >= 0"),
+    (None, "traces must be a mapping rank -> an iterable of record dicts"),
+], ids=["read_trace_tuple", "str_value", "int_records", "str_key", "none"])
+def test_diagnose_names_the_rank_and_the_rule_of_a_wrong_input(tmp_path, monkeypatch, traces, message):
+    """read_trace's (records, bad_lines) or any wrong value is a ValueError naming the rank, before any work."""
+    if traces == "read_trace":
+        job = SyntheticJob(world=2, trace_dir=tmp_path, keep=False)
+        job.run(10)
+        job.close()
+        traces = {r: read_trace(trace_path(tmp_path, r)) for r in range(2)}
+    monkeypatch.setattr(rp, "summarize_rank", lambda *a, **k: pytest.fail("summarized before the input was checked"))
+    with pytest.raises(ValueError, match=message):
+        rp.diagnose(traces)
 
 
 def test_load_dir_errors_are_no_traces(tmp_path):

@@ -187,22 +187,23 @@ def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key]) -> Fi
         culprits = sorted(k for key, ks in by_key.items() if key != ref_key for k in ks)
         odd = at[culprits[0]]
         return Finding.of(
-            "decision_divergence", min(t.step for t in at.values() if t.step is not None), culprits,
+            "decision_divergence", min((t.step for t in at.values() if t.step is not None), default=None), culprits,
             f"{cast.who(culprits)} took {odd.text()} at step {odd.step} where {cast.who(by_key[ref_key])} "
             f"took {ref.text()} (state change #{i})",
             state=ref.source, layer=ref.layer_k, ranks=context(lambda t: "same" if t.key() == ref_key else "different"),
         )
     by_step: dict[Any, list[Key]] = {}
-    for k, t in at.items():
-        by_step.setdefault(t.step, []).append(k)
+    for k, t in at.items():     # an unknown step (a mistyped field, already warned about) is compared with none
+        if t.step is not None:
+            by_step.setdefault(t.step, []).append(k)
     if len(by_step) > 1:
         ref_step = majority(by_step)
         ref = at[by_step[ref_step][0]]
         culprits = sorted(k for s, ks in by_step.items() if s != ref_step for k in ks)
-        steps = sorted(s for s in by_step if s is not None)
+        steps = sorted(by_step)
         odd_steps = ", ".join(f"{cast.who(by_step[s])} at step {s}" for s in steps if s != ref_step)
         return Finding.of(
-            "step_divergence", steps[0] if steps else None, culprits,
+            "step_divergence", steps[0], culprits,
             f"state change #{i} ({ref.text()}) happened at different steps: {cast.who(by_step[ref_step])} "
             f"at step {ref_step}, {odd_steps}: a skipped or extra step",
             state=ref.source, layer=ref.layer_k,

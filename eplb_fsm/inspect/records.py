@@ -4,14 +4,17 @@
 records, watchdog reports, liveness and endings, faults) into the session's
 ``RankSummary``; ``wrong_fields`` tells a record whose fields have the wrong type (a
 warning with file and line, never a traceback); ``start_from_header`` sets where a
-joiner's machine starts. ``walker.Walker`` uses them.
+joiner's machine starts. ``walker.Walker`` uses them. ``trace_items`` checks what
+``replay.diagnose`` is given before it does any work.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from eplb_fsm.inspect.model import RankSummary, compact_record
 
@@ -136,3 +139,42 @@ def parse_line(line: str) -> dict | None:
     except ValueError:
         return None
     return rec if type(rec) is dict else None
+
+
+_TRACE_RULE = "an iterable of record dicts (the records of one rank file) or a RankSummary"
+
+
+def trace_items(traces: Any) -> list[tuple[int | None, Any]]:
+    """``diagnose``'s input as (rank, records list or RankSummary) pairs, checked before any work.
+
+    A mapping's keys must be integer ranks >= 0 (rank None for the items of a plain iterable: the
+    header's rank is used), each value ``_TRACE_RULE``; else a ValueError naming the rank and the rule.
+    ``read_trace(path)`` returns ``(records, bad_lines)``: its ``records`` is the value to pass.
+    """
+    if isinstance(traces, Mapping):
+        items = list(traces.items())
+        for r, _ in items:
+            if not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0:
+                raise ValueError(f"diagnose: rank key {r!r} ({type(r).__name__}) is not a rank: keys must be "
+                                 f"integers >= 0, each mapped to {_TRACE_RULE}")
+        items = [(int(r), t) for r, t in items]
+    elif isinstance(traces, Iterable) and not isinstance(traces, (str, bytes)):
+        items = [(None, t) for t in traces]
+    else:
+        raise ValueError(f"diagnose: traces must be a mapping rank -> {_TRACE_RULE}, or an iterable of "
+                         f"RankSummary; got {type(traces).__name__}")
+    return [(r, t if isinstance(t, RankSummary) else _records_of(t, r, n)) for n, (r, t) in enumerate(items)]
+
+
+def _records_of(value: Any, rank: int | None, n: int) -> list:
+    who = f"rank {rank}" if rank is not None else f"item #{n}"
+    hint = ""
+    if isinstance(value, tuple) and len(value) == 2 and type(value[1]) is int and not isinstance(value[0], dict):
+        hint = "; read_trace(path) returns (records, bad_lines): pass its records, read_trace(path)[0]"
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"diagnose: {who} is {type(value).__name__}, expected {_TRACE_RULE}{hint}")
+    records = value if type(value) is list else list(value)
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise ValueError(f"diagnose: {who}: record {i} is {type(rec).__name__}, expected {_TRACE_RULE}{hint}")
+    return records

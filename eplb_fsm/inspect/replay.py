@@ -47,6 +47,7 @@ from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoT
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
 from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, signalled_in_hang, step_count_mismatch
+from eplb_fsm.inspect.records import trace_items
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
@@ -150,12 +151,8 @@ def load_dir(logdir: str | os.PathLike, oracle: MachineOracle | None = None, job
 
 
 def _as_summaries(traces: Any, oracle: MachineOracle) -> dict[int, RankSummary]:
-    if isinstance(traces, Mapping):
-        items = list(traces.items())
-    else:
-        items = [(None, t) for t in traces]
     out: dict[int, RankSummary] = {}
-    for r, t in items:
+    for r, t in trace_items(traces):
         s = t if isinstance(t, RankSummary) else summarize_rank(t, r, oracle=oracle)
         out[s.rank if r is None else int(r)] = s
     return dict(sorted(out.items()))
@@ -177,7 +174,9 @@ def diagnose(
     first is the verdict. A cause the liveness records show (a rank that died, froze,
     crashed or lagged; ``liveness``) comes before everything it led to, and the ranks that
     only reacted to it are listed as consequences, never as culprits. ``input_findings``:
-    problems of the files themselves found while reading them (``load_dir``).
+    problems of the files themselves found while reading them (``load_dir``). Any other input (a key
+    that is not a rank, ``read_trace``'s ``(records, bad_lines)`` as a value) is a ValueError naming the
+    rank, before any work (``records.trace_items``).
     """
     if world is not None and (type(world) is not int or world < 1):
         raise ValueError(f"world must be an integer >= 1, got {world!r}")
