@@ -304,3 +304,48 @@ def test_bench_policy_scaling_ratios_come_from_unrounded_times(monkeypatch):
         assert r["ratio_per_doubling"] == r["cpu_ratio_per_doubling"] == 2.0
         low, high = r["ratio_interval"]
         assert low <= r["ratio_per_doubling"] <= high
+
+
+def test_bench_policy_judges_the_speedup_target_unrounded(capsys, monkeypatch):
+    """A speed-up of 19.996 prints as 20.0 but misses the 20x target, on its figure and on its interval."""
+    from eplb_fsm.bench import policy as bench_policy
+
+    def alternated(fast, slow, repeats, slow_repeats, before=None):
+        return ({"wall": [1e-3] * repeats, "cpu": [1e-3] * repeats},
+                {"wall": [19.996e-3] * slow_repeats, "cpu": [19.996e-3] * slow_repeats}, fast(), slow())
+
+    monkeypatch.setattr(bench_policy, "_alternated", alternated)
+    argv = ["bench", "policy", "--json", "--shapes", "qwen3_ep16", "--repeats", "3", "--reference-repeats", "3"]
+    assert main(argv + ["--no-scaling"]) == 0
+    row = json.loads(capsys.readouterr().out)["shapes"]["qwen3_ep16"]
+    assert row["speedup"] == 20.0 and row["speedup_interval"] == [20.0, 20.0]
+    assert row["meets_target"] is False and row["target_verdict"] == "missed"
+
+
+def test_bench_policy_judges_the_doubling_target_unrounded(monkeypatch):
+    """A time growing 2.1004x per doubling prints as 2.1 but misses the <= 2.1 target, on its figure and interval."""
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    shapes: list[tuple] = []
+    real = DefaultEplbPolicy.rebalance_experts
+
+    def recording(weight, *call):
+        shapes.append(tuple(weight.shape))
+        return real(weight, *call)
+
+    def timed(fn, cpu=None):
+        result = fn()
+        layers, experts = shapes[-1]
+        seconds = (layers * experts) ** math.log2(2.1004) * 1e-9
+        if cpu is not None:
+            cpu.append(seconds)
+        return seconds, result
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+    scaling = bench_policy._scaling(2, seed=0)
+    rows = [r for v in scaling.values() if isinstance(v, list) for r in v[1:]]
+    assert len(rows) == 22 and all(r["ratio_per_doubling"] == 2.1 and r["ratio_interval"] == [2.1, 2.1] for r in rows)
+    assert not any(r["meets_target"] for r in rows) and {r["target_verdict"] for r in rows} == {"missed"}
+    assert scaling["meets_target"] is False and scaling["target_verdict"] == "missed"

@@ -27,6 +27,7 @@ def test_small_bench_reports_both_verdicts(capsys):
     assert ar["verdict"] == "healthy" and ar["records"] == 8 * (600 * 3 + 3) and ar["target_s"] == 4.0
     assert data["compact"]["target_s"] == 2.0
     assert data["meets_target"] == (data["compact"]["meets_target"] and ar["meets_target"])
+    assert data["healthy"]["correct"] and data["hang"]["correct"] and data["parallel"]["correct"] and ar["correct"]
     assert data["long"] is None     # --long-steps 0 skips the long case
 
 
@@ -40,6 +41,7 @@ def test_long_case_replays_compact_traces_to_both_verdicts(capsys):
     hang = long["hang"]
     assert hang["verdict"] == "hang" and hang["culprit_ranks"] == [hang["expected_culprit"]] == [2]
     assert hang["step"] == hang["expected_step"] == 5999 - 1000
+    assert long["healthy"]["correct"] and hang["correct"]
     # one alive record and one run per 20 steps, a few records per rearrangement: far fewer records than steps
     assert 4 * 6000 // 20 < long["records"] < 4 * 6000 // 5
 
@@ -70,3 +72,35 @@ def test_bad_values_are_refused_by_name_before_any_trace_is_written(option, valu
     assert main(["bench", "replay", *SMALL, option, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("eplb-fsm bench replay: error: ") and rule in err and err.count("\n") == 1
+
+
+
+@pytest.mark.parametrize("verdict, culprits, step, compact_wrong", [
+    ("healthy", [], None, True),    # the hang called healthy
+    ("hang", [0], None, True),      # the wrong rank named
+    ("hang", [2], 7, False),        # the right rank at the wrong step: the long case checks the step
+])
+def test_a_wrong_verdict_fails_the_targets_and_the_long_case(verdict, culprits, step, compact_wrong, capsys,
+                                                             monkeypatch):
+    """A replay that calls a hung trace healthy, names the wrong rank or the wrong step is not correct, nor met."""
+    import dataclasses
+
+    import eplb_fsm.inspect.replay as replay_mod
+
+    real = replay_mod.replay_dir
+
+    def wrong(path, **kw):
+        result = real(path, **kw)
+        if result.verdict != "hang":
+            return result
+        return dataclasses.replace(result, verdict=verdict, culprit_ranks=culprits,
+                                   step=result.step if step is None else step)
+
+    monkeypatch.setattr(replay_mod, "replay_dir", wrong)
+    assert main(["bench", "replay", "--json", *SMALL[:-2], "--long-steps", "1000", "--long-interval", "400"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["healthy"]["correct"] and data["allreduce_every_step"]["correct"] and data["long"]["healthy"]["correct"]
+    assert data["long"]["hang"]["correct"] is False and data["long"]["finished"] is False
+    assert data["hang"]["correct"] is data["parallel"]["correct"] is not compact_wrong
+    if compact_wrong:
+        assert data["compact"]["meets_target"] is False and data["meets_target"] is False

@@ -156,3 +156,27 @@ def test_total_no_engine_credit_adds_back_only_a_faster_engine(work_change_ms, c
     assert metrics["total_extra_s"] == pytest.approx(30e-3 + engine)
     want = 30e-3 if credited else 30e-3 + engine
     assert metrics["total_no_engine_credit_s"] == pytest.approx(want)
+
+
+def test_noise_and_floor_flags_judge_the_unrounded_ratios():
+    """A ratio of 0.05004 prints as 0.05 but is over the 0.05 target: not within it, and the target is below it."""
+    out = noise_corrected(_mode(0.1, 1.0), _mode(0.005004, 0.1), _mode(0.0, 0.0))
+    assert out["longest_extra_over_sync"] == 0.05 and out["within_target"]["single_step"] is False
+    floor = commit_floor(_mode(0.1, 1.0), _mode(0.0, 0.0, commits=0.0, longest_commit=0.005004))
+    assert floor["single_step"] == 0.05 and floor["target_below_floor"]["single_step"] is True
+
+
+def test_judged_targets_take_the_median_repeat_and_print_the_worst_beside_it():
+    """single_step is judged on medians over repeats, unrounded; the worst repeat's own ratio is given beside it."""
+    from eplb_fsm.bench.stall_metrics import judged_targets
+
+    def one(longest, total=0.05):
+        return {**_mode(longest, total), "total_no_engine_credit_s": total}
+
+    sync = [one(0.1, 1.0) for _ in range(5)]
+    judged = judged_targets([one(0.001), one(0.001), one(0.03), one(0.001), one(0.005004)], sync)
+    assert judged["point"]["single_step"] == pytest.approx(0.01) and judged["meets_target"]["single_step"] is True
+    assert judged["longest_extra_per_repeat"] == pytest.approx([0.01, 0.01, 0.3, 0.01, 0.05004])
+    assert judged["longest_extra_worst_repeat"] == pytest.approx(0.3)
+    edge = judged_targets([one(0.005004) for _ in range(3)], sync[:3])   # prints as 0.05, the target
+    assert edge["meets_target"]["single_step"] is False and edge["target_verdict"]["single_step"] == "missed"

@@ -48,3 +48,26 @@ def test_bench_step_reports_disk_use_per_million_steps(tmp_path, capsys):
     assert abs(at_10["bytes"] / at_10["simulated_seconds"] - disk["per_second_bytes"]) < 0.1
     assert at_10["bytes_per_million_steps"] == round(at_10["bytes"] / at_10["steps"] * 1e6)
     assert at_10["meets_target"] is True and at_10["bytes_per_million_steps"] <= 10_000_000
+
+
+def test_bench_step_refuses_a_trace_dir_that_is_a_file(tmp_path, capsys):
+    """A --trace-dir that is a file, or under one, is one usage-error line naming the option (was a traceback)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "controller").write_text("")
+    for folder in (afile, afile / "below", tmp_path / "d"):
+        assert main(["bench", "step", *SMALL, "--trace-dir", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("eplb-fsm bench step: error: --trace-dir") and err.count("\n") == 1
+    assert afile.read_text() == ""
+
+
+def test_bench_step_judges_its_target_on_the_unrounded_overhead(monkeypatch, capsys):
+    """An overhead of 3.0004 us prints as 3.0 but misses the <= 3 us target."""
+    from eplb_fsm.bench import step as bench_step
+
+    monkeypatch.setattr(bench_step, "_per_step_us", lambda fn, steps: 4.0004 if fn.__name__ == "step" else 1.0)
+    assert main(["bench", "step", "--json", *SMALL]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["overhead_us"] == 3.0 and result["meets_target"] is False and result["within_target"] is False

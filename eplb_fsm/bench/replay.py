@@ -21,6 +21,11 @@ healthy and hung; each is replayed once and timed (it has no target but to finis
 
 Wall times are the best of ``--repeats`` runs; ``cpu_s`` is this process's CPU time in
 that run, which stays meaningful when other work shares the machine.
+
+Every case carries ``correct``: a healthy trace set replayed as ``healthy``, a hung one as
+``hang`` naming exactly the injected culprit (in ``long`` also at the injected step). A
+``meets_target`` holds only when its cases are correct as well as fast enough (the top
+level's also needs ``parallel`` correct), and ``long.finished`` only when both of its are.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ from pathlib import Path
 
 TARGET_S = 2.0
 TARGET_ALLREDUCE_S = 4.0
+
+
+def _healthy(result) -> bool:
+    """A healthy trace set's replay is correct: verdict ``healthy``."""
+    return result.verdict == "healthy"
+
+
+def _names(result, culprit: int, step: int | None = None) -> bool:
+    """A hung trace set's replay is correct: verdict ``hang``, ``culprit`` alone named (and at ``step`` if given)."""
+    return result.verdict == "hang" and list(result.culprit_ranks) == [culprit] and step in (None, result.step)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,10 +161,11 @@ def _long_case(tmp: Path, args: argparse.Namespace, world: int, culprit: int) ->
     return {
         "ranks": world, "steps": steps, "interval": interval, "alive_every": args.long_alive_every,
         "records": records, "bytes": per_rank * world, "bytes_per_rank": per_rank, "generate_s": round(generate_s, 3),
-        "healthy": {"verdict": h.verdict, "seconds": round(h_s, 3), "cpu_s": round(h_cpu, 3)},
+        "healthy": {"verdict": h.verdict, "correct": _healthy(h), "seconds": round(h_s, 3), "cpu_s": round(h_cpu, 3)},
         "hang": {"verdict": g.verdict, "culprit_ranks": g.culprit_ranks, "expected_culprit": culprit,
-                 "step": g.step, "expected_step": hang_step, "seconds": round(g_s, 3), "cpu_s": round(g_cpu, 3)},
-        "finished": True,
+                 "step": g.step, "expected_step": hang_step, "correct": _names(g, culprit, hang_step),
+                 "seconds": round(g_s, 3), "cpu_s": round(g_cpu, 3)},
+        "finished": _healthy(h) and _names(g, culprit, hang_step),   # with the right verdicts
     }
 
 
@@ -215,6 +231,10 @@ def run(args: argparse.Namespace) -> dict:
         parallel_best, _, _, parallel = _time(lambda: replay_dir(hang_dir, jobs=jobs), args.repeats)
         long = _long_case(tmp, args, world, culprit) if args.long_steps else None
     assert parsed == n_records
+    correct = {"healthy": _healthy(healthy), "hang": _names(hang, culprit), "parallel": _names(parallel, culprit),
+               "allreduce": _healthy(ar)}
+    compact_met = max(healthy_best, hang_best) < TARGET_S and correct["healthy"] and correct["hang"]
+    allreduce_met = ar_best < TARGET_ALLREDUCE_S and correct["allreduce"]
     return {
         "ranks": world,
         "steps": steps,
@@ -227,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         "baseline_parse_cpu_s": round(parse_cpu, 3),
         "healthy": {
             "verdict": healthy.verdict,
+            "correct": correct["healthy"],
             "seconds": round(healthy_best, 3),
             "median_s": round(healthy_median, 3),
             "cpu_s": round(healthy_cpu, 3),
@@ -239,6 +260,7 @@ def run(args: argparse.Namespace) -> dict:
             "expected_culprit": culprit,
             "step": hang.step,
             "collective": hang.collective,
+            "correct": correct["hang"],
             "seconds": round(hang_best, 3),
             "median_s": round(hang_median, 3),
             "cpu_s": round(hang_cpu, 3),
@@ -246,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         "parallel": {
             "jobs": jobs,
             "verdict": parallel.verdict,
+            "correct": correct["parallel"],
             "seconds": round(parallel_best, 3),
             "over_serial": round(parallel_best / hang_best, 3),
         },
@@ -253,15 +276,17 @@ def run(args: argparse.Namespace) -> dict:
             "records": allreduce_records,
             "bytes": allreduce_bytes * world,
             "verdict": ar.verdict,
+            "correct": correct["allreduce"],
             "seconds": round(ar_best, 3),
             "median_s": round(ar_median, 3),
             "cpu_s": round(ar_cpu, 3),
             "target_s": TARGET_ALLREDUCE_S,
-            "meets_target": ar_best < TARGET_ALLREDUCE_S,
+            "meets_target": allreduce_met,
         },
+        # in time, and with the right verdicts (healthy and hang's ``correct``)
         "compact": {"seconds": round(max(healthy_best, hang_best), 3), "target_s": TARGET_S,
-                    "meets_target": max(healthy_best, hang_best) < TARGET_S},
+                    "meets_target": compact_met},
         "long": long,
         "target_s": TARGET_S,
-        "meets_target": max(healthy_best, hang_best) < TARGET_S and ar_best < TARGET_ALLREDUCE_S,
+        "meets_target": compact_met and allreduce_met and correct["parallel"],
     }
