@@ -13,8 +13,8 @@ SEARCH_SOURCES = ("csearch", "csearch_score", "csearch_run", "csearch_counts", "
 
 setup(
     ext_modules=[
-        Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c"], optional=True,
-                  extra_compile_args=FLOAT_AS_NUMPY),
+        Extension("eplb_fsm.policy.cnative", ["eplb_fsm/policy/cnative.c", "eplb_fsm/policy/cnative_rows.c"],
+                  depends=["eplb_fsm/policy/cnative.h"], optional=True, extra_compile_args=FLOAT_AS_NUMPY),
         Extension("eplb_fsm.transfer.cschedule",
                   ["eplb_fsm/transfer/cschedule.c", "eplb_fsm/transfer/cschedule_plan.c"],
                   depends=["eplb_fsm/transfer/cschedule.h"], optional=True, extra_compile_args=["-O2"]),

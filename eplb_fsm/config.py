@@ -35,7 +35,8 @@ class EplbConfig:
     Counts are in engine steps. ``step_interval`` steps separate rearrangements (the
     first one comes after ``step_interval // 4``); ``window_size`` non-dummy passes
     make up the load window the policy sees. ``extra`` holds the host's own settings
-    (JSON values: the header of every rank's trace carries them, and replay compares them).
+    (JSON values, string keys: the header of every rank's trace carries them, and replay
+    compares them).
     """
 
     window_size: int = 1000
@@ -108,6 +109,7 @@ class EplbConfig:
             )
         if not isinstance(self.extra, Mapping):
             raise ValueError(f"extra must be a mapping, got {type(self.extra).__name__}")
+        _check_string_keys(self.extra, "extra")
         try:  # it goes into every rank's trace header, where the ranks' configs are compared
             text = json.dumps(dict(self.extra), allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -202,6 +204,22 @@ def _reject_unknown_fields(init):
 
 
 EplbConfig.__init__ = _reject_unknown_fields(EplbConfig.__init__)  # type: ignore[method-assign]
+
+
+def _check_string_keys(value: Any, where: str, path: tuple = ()) -> None:
+    """Every mapping in ``value`` (nested in mappings, lists, tuples) has string keys: JSON would
+    turn 1 into "1", and of keys 1 and "1" keep one value silently. (A container holding itself
+    is left to json.dumps, which refuses it.)"""
+    if id(value) in path:
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"extra must have string keys (JSON object keys), got key {key!r} in {where}")
+            _check_string_keys(item, f"{where}[{key!r}]", path + (id(value),))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_string_keys(item, f"{where}[{i}]", path + (id(value),))
 
 
 def _check_int(config: EplbConfig, name: str, minimum: int, maximum: int | None = None) -> None:

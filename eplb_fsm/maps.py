@@ -77,6 +77,11 @@ def _as_int64_2d(value, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        # checked before the cast, which would wrap 2**64 - 1 to -1 (an empty slot)
+        bad = np.argwhere(arr > np.iinfo(np.int64).max)[0]
+        raise ValueError(f"{name}[{bad[0]}, {bad[1]}] = {arr[tuple(bad)]} is not an expert index (-1 marks an empty "
+                         f"slot; entries must fit int64)")
     return arr.astype(np.int64, copy=True)
 
 

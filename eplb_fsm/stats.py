@@ -15,6 +15,7 @@ Everything here is local to one rank; nothing talks to other ranks.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -229,7 +230,7 @@ def balancedness(rank_loads: Any) -> float:
     taken over ranks (the last axis) per layer, then summed over layers, so a heavy layer
     weighs more than a light one. Several models sharing the ranks: concatenate their
     ``(L_m, G)`` loads along the layer axis. ``ValueError`` naming ``rank_loads`` for any
-    other shape.
+    other shape, and for a NaN, infinite or negative load.
     """
     if isinstance(rank_loads, torch.Tensor):
         rank_loads = rank_loads.detach().cpu().numpy()
@@ -239,5 +240,8 @@ def balancedness(rank_loads: Any) -> float:
     if loads.ndim != 2 or loads.shape[1] < 1:
         raise ValueError(f"rank_loads must be shaped (G,) or (L, G) with G >= 1 ranks, got shape {loads.shape}")
     total_max = float(loads.max(axis=1).sum())
+    # one more reduction (this runs at every logged pass): NaN makes both the min and the sum NaN
+    if not (math.isfinite(total_max) and loads.min(initial=0.0) >= 0):
+        raise ValueError("rank_loads must hold finite loads >= 0 (no NaN, inf or negative entry)")
     return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
 

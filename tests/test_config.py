@@ -174,3 +174,11 @@ def test_check_replacement_allows_only_num_redundant_experts_to_change():
         c.check_replacement(c.replace(window_size=4, step_interval=8))
     with pytest.raises(ValueError, match="config must be an EplbConfig, got dict"):
         c.check_replacement(c.to_dict())
+
+
+@pytest.mark.parametrize("extra, where", [({1: "a", "1": "b"}, "extra"), ({"a": {2: 1}}, r"extra\['a'\]"),
+                                          ({"a": [{None: 1}]}, r"extra\['a'\]\[0\]")])
+def test_extra_keys_must_be_strings(extra, where):
+    """A non-string key anywhere in extra is a ValueError naming extra (JSON would turn 1 into "1" and drop one)."""
+    with pytest.raises(ValueError, match=rf"extra must have string keys \(JSON object keys\), got key .* in {where}$"):
+        EplbConfig(extra=extra)

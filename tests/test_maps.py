@@ -246,3 +246,15 @@ def test_replace_layer_refuses_anything_but_one_row(row):
     with pytest.raises(ValueError, match=r"phy2log_row must be one row \(P,\)"):
         maps.replace_layer(1, row)
     assert np.array_equal(maps.phy2log, before)
+
+
+def test_uint64_entry_past_int64_is_refused_not_read_as_empty():
+    """A uint64 entry of 2**64 - 1 is refused by name, not wrapped to -1 (an empty slot), nothing changed."""
+    huge = np.array([[0, 1, 2, 2**64 - 1]], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"phy2log\[0, 3\] = 18446744073709551615 is not an expert index"):
+        ExpertMaps.from_phy2log(huge, 3, allow_empty=True)
+    maps = ExpertMaps.from_phy2log(np.array([[0, 1, 2, 0]]), 3)
+    with pytest.raises(ValueError, match=r"phy2log_row\[0, 3\]"):
+        maps.replace_layer(0, huge[0])
+    assert maps.phy2log.tolist() == [[0, 1, 2, 0]]
+    assert ExpertMaps.from_phy2log(huge[:, :3], 3).phy2log.tolist() == [[0, 1, 2]]

@@ -1,5 +1,7 @@
 """The package's shape: no module reads another's private names, no import cycle, no module over 400 lines.
 
+The line limits (400 lines, 120 characters) hold for the package's C sources and headers too.
+
 Everything here reads source with ``ast``; nothing is imported. The scanner functions
 take a package directory, so the tests at the end also prove on a planted package that
 each check does catch what it looks for.
@@ -170,6 +172,13 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
+def source_files(package_dir: Path) -> dict[str, Path]:
+    """Path relative to the package's parent -> file, for every C source and header (``.c``, ``.h``) under it."""
+    root = package_dir.parent
+    return {path.relative_to(root).as_posix(): path for suffix in ("*.c", "*.h")
+            for path in sorted(package_dir.rglob(suffix))}
+
+
 def line_counts(files: dict[str, Path]) -> dict[str, int]:
     """module -> number of lines."""
     return {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in files.items()}
@@ -190,6 +199,7 @@ def long_lines(files: dict[str, Path]) -> dict[str, list[int]]:
 
 
 FILES = module_files(PACKAGE_DIR)
+C_FILES = source_files(PACKAGE_DIR)
 
 
 def test_no_module_imports_or_reads_another_modules_private_name():
@@ -218,6 +228,17 @@ def test_no_module_over_the_line_limit():
 def test_no_line_over_the_length_limit():
     """No line of any package module is longer than 120 characters."""
     assert long_lines(FILES) == {}
+
+
+def test_c_sources_exist_and_none_is_over_the_line_limit():
+    """Every C source and header of the package (the extensions' kernels) has at most 400 lines."""
+    assert {"eplb_fsm/policy/cnative.c", "eplb_fsm/policy/movement/csearch.c"} <= set(C_FILES)
+    assert {f: n for f, n in line_counts(C_FILES).items() if n > MAX_LINES} == {}
+
+
+def test_no_c_line_over_the_length_limit():
+    """No line of any C source or header of the package is longer than 120 characters."""
+    assert long_lines(C_FILES) == {}
 
 
 def test_allow_lists_name_only_live_violations():
@@ -249,6 +270,9 @@ def planted(tmp_path: Path) -> dict[str, Path]:
     (pkg / "c.py").write_text("from . import a\nfrom .b import shown\n\ndef g(obj):\n    return obj._inner, self_ok()\n"
                               "\ndef self_ok():\n    return 0\n" + "\n" * 400)
     (pkg / "sub" / "d.py").write_text("from ..b import shown\n\nclass K:\n    def m(self):\n        return self._own\n")
+    (pkg / "sub" / "k.c").write_text("int k;\n" * (MAX_LINES + 1))
+    header = ["/* " + "z" * (MAX_LINE_LENGTH - width) + " */" for width in (5, 6)]  # 121 and 120 characters
+    (pkg / "sub" / "k.h").write_text("\n".join(header) + "\n")
     return module_files(pkg)
 
 
@@ -283,3 +307,11 @@ def test_line_counts_find_the_long_module(planted):
 def test_long_lines_find_the_long_line(planted):
     """The planted 121-character line is flagged by its line number; b's 120-character line is not."""
     assert long_lines(planted) == {"pkg.a": [5]}
+
+
+def test_c_source_checks_find_the_long_file_and_the_long_line(planted):
+    """The planted C file of 401 lines and the header's 121-character line are flagged; nothing else."""
+    c_files = source_files(planted["pkg"].parent)
+    assert sorted(c_files) == ["pkg/sub/k.c", "pkg/sub/k.h"]
+    assert [f for f, n in line_counts(c_files).items() if n > MAX_LINES] == ["pkg/sub/k.c"]
+    assert long_lines(c_files) == {"pkg/sub/k.h": [1]}

@@ -130,3 +130,23 @@ def test_bad_input(call, match):
     """Mismatched shapes and impossible counts raise ValueError."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_a_nan_infinite_or_negative_load_is_refused(bad):
+    """A NaN, infinite or negative weight raises ValueError naming weight (a NaN scored as perfect 1.0 before)."""
+    weight = np.array([[bad, 1.0, 1.0, 1.0]])
+    for call in (lambda: placement_balancedness(np.array([[0, 1, 2, 3]]), weight, 2),
+                 lambda: balancedness_bound(weight, 4, 2), lambda: max_load_lower_bound(weight, 4, 2)):
+        with pytest.raises(ValueError, match="weight must hold finite loads >= 0"):
+            call()
+
+
+@pytest.mark.parametrize("replicas, ranks, name", [(4.0, 2, "num_replicas"), (4, 2.0, "num_ranks"),
+                                                   (True, 2, "num_replicas"), (4, True, "num_ranks")])
+def test_counts_that_are_not_integers_are_refused_by_name(replicas, ranks, name):
+    """A float or bool count is a ValueError naming the argument, not a TypeError or a count of 1."""
+    with pytest.raises(ValueError, match=f"{name} must be an integer"):
+        max_load_lower_bound(np.ones((1, 4)), replicas, ranks)
+    with pytest.raises(ValueError, match="num_ranks must be an integer"):
+        rank_loads(np.array([[0, 1, 2, 3]]), np.ones((1, 4)), 2.0)

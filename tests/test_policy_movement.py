@@ -360,3 +360,21 @@ def test_moved_without_diagnostics_is_unknown_not_the_defaults():
     true_moves = moved_mask(old, plan.phy2log, 8).sum(1)
     assert ((plan.moved == -1) | (plan.moved == true_moves)).all()
     assert (plan.default_moved >= 0).any() and not np.shares_memory(plan.moved, plan.default_moved)
+
+
+def test_max_moves_past_int64_is_refused_up_front():
+    """max_moves above 2**63 - 1 (the int64 move counts) raises ValueError naming it, on the policy and the plan."""
+    load, call, old = _small()
+    assert MovementAwarePolicy(max_moves=2**63 - 1).rebalance_experts(load, *call, old)[0].shape == old.shape
+    with pytest.raises(ValueError, match=r"max_moves must be None or an integer in \[0, 2\*\*63 - 1\]"):
+        MovementAwarePolicy(max_moves=2**63)
+    with pytest.raises(ValueError, match="max_moves"):
+        plan_movement(load, *call, old, max_moves=10**20)
+
+
+def test_numpy_real_target_is_taken_as_a_float():
+    """A numpy float32 / float64 target is accepted and held as a Python float, as EplbConfig takes it."""
+    policy = MovementAwarePolicy(target=np.float32(0.95))
+    assert type(policy.target) is float and policy.target == float(np.float32(0.95))
+    load, call, old = _small()
+    assert plan_movement(load, *call, old, target=np.float64(0.9)).phy2log.shape == old.shape

@@ -67,6 +67,17 @@ def test_plans_are_the_same_with_and_without_the_kernel(shape, integer):
     assert searched > 0  # the search ran, so the kernels were compared
 
 
+@needs_kernel
+def test_move_limit_holds_in_c_when_a_round_takes_a_repoint_and_swaps():
+    """The C search keeps a round's re-point plus its swaps within max_moves, placing as the numpy search does."""
+    weight = np.array([[5.0, 1.0, 5.0, 0.0, 4.0, 3.0, 3.0, 4.0]])
+    old = np.array([[2, 2, 0, 2, 3, 1, 5, 5, 6, 5, 4, 7]])  # round 3: a re-point and a swap, 1 move each
+    c = _plan(weight, old, (12, 2, 2, 4), "1", max_moves=1)
+    py = _plan(weight, old, (12, 2, 2, 4), "0", max_moves=1)
+    assert c.rounds >= 3 and c.moved.tolist() == [1]
+    assert np.array_equal(c.phy2log, py.phy2log) and c.rounds == py.rounds
+
+
 def _comparing(compared: dict):
     """Wrappers for search's three candidate functions that run C and numpy and compare them."""
     def numpy_path():

@@ -17,6 +17,7 @@ from eplb_fsm.policy.movement.placement import (
     expert_counts, fill_empty_slots, membership, moved_mask, moves_per_layer, rank_counts, slot_loads,
 )
 from eplb_fsm.policy.movement.targets import _first_come_rows, _greedy_assignment, align_rows, renumbered_default
+from eplb_fsm.policy.movement.policy import plan_movement
 from eplb_fsm.policy.movement.search import SearchState
 from eplb_fsm.sim.loads import drift
 
@@ -198,3 +199,19 @@ def test_search_state_stays_consistent(sigma, seed):
     assert np.allclose(state.rank_load, state.slot_load.reshape(layers, ranks, per_rank).sum(-1))
     assert (state.moved == moved_mask(old, cur, ranks)).all()
     assert (state.moves == state.moved.sum(1)).all()
+
+
+# a layer whose third round takes a re-point and, on ranks it does not touch, a swap: each fits
+# max_moves=1 alone, not together (4 ranks of 3 slots, 2 groups on 2 nodes)
+LIMIT_CASE = dict(weight=np.array([[5.0, 1.0, 5.0, 0.0, 4.0, 3.0, 3.0, 4.0]]),
+                  old=np.array([[2, 2, 0, 2, 3, 1, 5, 5, 6, 5, 4, 7]]), call=(12, 2, 2, 4))
+
+
+@pytest.mark.parametrize("target", [1.0, 0.99])
+def test_search_round_keeps_repoint_and_swaps_within_the_move_limit(monkeypatch, target):
+    """A round's re-point plus its swaps never take a layer past max_moves (the numpy search)."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
+    old = LIMIT_CASE["old"]
+    plan = plan_movement(LIMIT_CASE["weight"], *LIMIT_CASE["call"], old, target=target, max_moves=1)
+    assert plan.repaired.all() and plan.rounds >= 3
+    assert moved_mask(old, plan.phy2log, 4).sum() <= 1

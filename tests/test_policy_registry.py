@@ -117,3 +117,14 @@ def test_abstract_policy_cannot_be_instantiated():
 
     with pytest.raises(TypeError):
         Incomplete()
+
+
+def test_same_lazy_path_again_after_a_lookup_is_a_no_op(clean_registry):
+    """Registering a "module:Class" path again after get_policy resolved it to that class is no conflict."""
+    path = "eplb_fsm.policy.default:DefaultEplbPolicy"
+    register_policy("lazy_again", path)
+    assert get_policy("lazy_again") is DefaultEplbPolicy
+    register_policy("lazy_again", path)
+    assert get_policy("lazy_again") is DefaultEplbPolicy
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("lazy_again", f"{__name__}:_RoundRobin")

@@ -301,3 +301,10 @@ def test_remap_plan_matches_its_definition_bit_for_bit(passes, n, spare, seed, n
     assert got.shape == (passes, p) and got.dtype == torch.int64
     assert np.array_equal(got.numpy(), want)
     assert torch.equal(counts, before)
+
+
+@pytest.mark.parametrize("bad", [[np.nan, 1.0], [1.0, np.inf], [[1.0, 2.0], [-1.0, 3.0]]])
+def test_balancedness_refuses_nan_infinite_and_negative_loads(bad):
+    """A NaN, infinite or negative rank load is a ValueError naming rank_loads (NaN scored a perfect 1.0 before)."""
+    with pytest.raises(ValueError, match="rank_loads must hold finite loads >= 0"):
+        balancedness(bad)

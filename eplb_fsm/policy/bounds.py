@@ -13,7 +13,9 @@ the inner minimum is reached by greedy replication (each extra slot to the exper
 the largest w_e / c_e). ``balancedness_bound`` is sum(mean) / sum(that bound), an upper
 limit for the balancedness of any placement.
 
-All functions take numpy arrays or torch tensors and compute in float64 numpy.
+All functions take numpy arrays or torch tensors and compute in float64 numpy. Loads
+must be finite and >= 0, counts (``num_ranks``, ``num_replicas``) integers >= 1:
+``ValueError`` naming the argument otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb_fsm.maps import host_array
+from eplb_fsm.maps import as_count, host_array
 
 __all__ = [
     "balancedness_bound",
@@ -44,7 +46,10 @@ def _weight64(weight: Any) -> np.ndarray:
     w = _to_numpy(weight, "weight")
     if not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_) or np.iscomplexobj(w):
         raise ValueError(f"weight must hold real numbers, got dtype {w.dtype}")
-    return w.astype(np.float64)
+    w = w.astype(np.float64)
+    if w.size and not (w.min() >= 0 and np.isfinite(w).all()):  # min is NaN where any entry is
+        raise ValueError("weight must hold finite loads >= 0 (no NaN, inf or negative entry)")
+    return w
 
 
 def rank_loads(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
@@ -55,13 +60,14 @@ def rank_loads(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
     """
     p2l = _to_numpy(phy2log, "phy2log")
     w = _weight64(weight)
+    num_ranks = as_count(num_ranks, "num_ranks")
     if not np.issubdtype(p2l.dtype, np.integer):
         raise ValueError(f"phy2log must hold integers, got dtype {p2l.dtype}")
     num_layers, num_slots = p2l.shape
     if w.shape[0] != num_layers:
         raise ValueError(f"weight has {w.shape[0]} layers but phy2log has {num_layers}")
-    if num_ranks < 1 or num_slots % num_ranks != 0:
-        raise ValueError(f"num_ranks ({num_ranks}) must be >= 1 and divide the number of slots ({num_slots})")
+    if num_slots % num_ranks != 0:
+        raise ValueError(f"num_ranks ({num_ranks}) must divide the number of slots ({num_slots})")
     num_experts = w.shape[1]
     p2l = p2l.astype(np.int64)
     if p2l.size and (p2l.min() < -1 or p2l.max() >= num_experts):
@@ -104,10 +110,10 @@ def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.n
     """
     w = _weight64(weight)
     num_layers, num_experts = w.shape
+    num_replicas = as_count(num_replicas, "num_replicas")
+    num_ranks = as_count(num_ranks, "num_ranks")
     if num_replicas < num_experts:
         raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of experts ({num_experts})")
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     count = np.ones_like(w)
     per_replica = w.copy()
     rows = np.arange(num_layers)

@@ -1,11 +1,12 @@
 """The default policy's row loops in C, where the optional extension is built.
 
-``eplb_fsm/policy/cnative.c`` (built by setup.py at install, ``optional``: skipped where
-no C compiler is found) runs the placement of every layer in one call (groups onto
-nodes, then replication + balanced packing of each node's experts onto its ranks), and
-builds ``log2phy``, with the GIL released; ``place_rows`` is the per-row step alone.
-The numpy implementation (:mod:`eplb_fsm.policy.default`, :mod:`eplb_fsm.policy.packing`)
-defines the results; the C loops follow the same
+``eplb_fsm/policy/cnative.c`` with its row kernels in ``cnative_rows.c`` (built by
+setup.py at install, ``optional``: skipped where no C compiler is found) runs the
+placement of every layer in one call (groups onto nodes, then replication + balanced
+packing of each node's experts onto its ranks), and builds ``log2phy``, with the GIL
+released; ``place_rows`` is the per-row step alone. The numpy implementation
+(:mod:`eplb_fsm.policy.default`, :mod:`eplb_fsm.policy.packing`) defines the results;
+the C loops follow the same
 float32 arithmetic in the same order, so both give bit-identical placements (the tests
 run both). :func:`available` says whether the C path is used: the extension imported,
 and the environment variable ``EPLB_FSM_NATIVE`` is not ``0`` (read at each call, so a

@@ -37,7 +37,8 @@ def register_policy(name: str, cls: type[AbstractEplbPolicy] | str, *, replace: 
 
     Raises ``ValueError`` for an empty name, a class that is not an ``AbstractEplbPolicy``,
     or a name already taken by another policy (pass ``replace=True`` to override).
-    Registering the same class again under its name is a no-op.
+    Registering the same class again under its name, or its ``"module:Class"`` path (before or
+    after a lookup imported it), is a no-op.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy name must be a non-empty string, got {name!r}")
@@ -47,11 +48,15 @@ def register_policy(name: str, cls: type[AbstractEplbPolicy] | str, *, replace: 
     else:
         _check_class(name, cls)
     current = _REGISTRY.get(name)
-    # Registering a class over its own lazy path (a module registering itself on import) is fine.
-    same = current == cls or (isinstance(current, str) and isinstance(cls, type) and current == _path_of(cls))
+    # Registering a class over its own lazy path (a module registering itself on import) is fine, and so is
+    # registering the path again after a lookup has resolved it to that class (which the entry then keeps).
+    resolved = isinstance(current, type) and isinstance(cls, str) and _path_of(current) == cls
+    same = current == cls or resolved or (
+        isinstance(current, str) and isinstance(cls, type) and current == _path_of(cls))
     if current is not None and not same and not replace:
         raise ValueError(f"policy {name!r} is already registered ({current!r}); pass replace=True to override")
-    _REGISTRY[name] = cls
+    if not resolved:
+        _REGISTRY[name] = cls
 
 
 def get_policy(name: str) -> type[AbstractEplbPolicy]:

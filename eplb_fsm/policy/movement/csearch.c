@@ -37,7 +37,6 @@
 #include "csearch.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 typedef struct {
     Py_buffer b[24];
@@ -345,14 +344,7 @@ static PyObject *rank_counts(PyObject *self, PyObject *args)
             goto done;
         }
     Py_BEGIN_ALLOW_THREADS
-    memset(out, 0, (size_t)(L * N * G));
-    const Py_ssize_t S = P / G;
-    for (Py_ssize_t l = 0; l < L; l++)
-        for (Py_ssize_t q = 0; q < P; q++) {
-            const int64_t e = phy[l * P + q];
-            if (e >= 0)
-                out[(l * N + e) * G + q / S] += 1;
-        }
+    es_rank_counts(phy, out, L, N, P, G);
     Py_END_ALLOW_THREADS
 done:
     return finish(&bs, 0);

@@ -91,6 +91,8 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
 
 /* search.rebalance_counts (csearch_counts.c): cap (A) the load per replica to reach; -1 when out of memory */
 int es_rebalance_counts(EsState *s, const double *cap);
+/* placement.rank_counts (csearch_counts.c): phy (L*P) experts in [-1, N) -> out (L*N*G) slots of e on rank g */
+void es_rank_counts(const int64_t *phy, int8_t *out, Py_ssize_t L, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G);
 
 /* targets.lagrange_levels (csearch_goals.c): rank_loads (n*G), floor (n) -> goal (n); -1 when out of memory */
 int es_lagrange_levels(const double *rank_loads, const double *floor, double budget, double *goal, Py_ssize_t n,

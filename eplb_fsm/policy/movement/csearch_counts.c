@@ -1,4 +1,5 @@
-/* The movement-aware policy's one-pass replica-count fix (search.rebalance_counts in C).
+/* The movement-aware policy's one-pass replica-count fix (search.rebalance_counts in C), and
+ * the search state's slot counts per rank (placement.rank_counts, es_rank_counts).
  *
  * Experts far above the default's load per replica get more replicas before the search:
  * expert e wants ceil(w_e / cap - 1e-9) - c_e more, an expert can spare what it has above
@@ -103,7 +104,8 @@ int es_rebalance_counts(EsState *s, const double *cap)
     double *key = (double *)(tmp + big);
     int64_t *take_order = (int64_t *)(key + big), *give_order = take_order + big;
     int64_t *gets = give_order + big, *gives = gets + big, *slot_order = gives + big, *freed_order = slot_order + big;
-    int64_t *first = freed_order + big, *moves = first + big, *total_need = moves + width, *total_spare = total_need + width;
+    int64_t *first = freed_order + big, *moves = first + big, *total_need = moves + width;
+    int64_t *total_spare = total_need + width;
     int64_t *start = total_spare + width;
     int8_t *freed = (int8_t *)key; /* reused once the keys of the slot order are consumed */
     for (Py_ssize_t l = 0; l < A; l++) {
@@ -181,4 +183,16 @@ int es_rebalance_counts(EsState *s, const double *cap)
     free(need);
     free(some);
     return 0;
+}
+
+void es_rank_counts(const int64_t *phy, int8_t *out, Py_ssize_t L, Py_ssize_t N, Py_ssize_t P, Py_ssize_t G)
+{
+    memset(out, 0, (size_t)(L * N * G));
+    const Py_ssize_t S = P / G;
+    for (Py_ssize_t l = 0; l < L; l++)
+        for (Py_ssize_t q = 0; q < P; q++) {
+            const int64_t e = phy[l * P + q];
+            if (e >= 0)
+                out[(l * N + e) * G + q / S] += 1;
+        }
 }

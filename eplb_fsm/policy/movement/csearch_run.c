@@ -95,7 +95,7 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
     const Py_ssize_t A = s->A, G = s->G, cap = A * s->nodes * (s->Gn / 2) + 1;
     const Py_ssize_t nd = es_scratch_doubles(s);
     /* one block: doubles, then int64, then EsRepoint / EsPair / EsKeyed, then bytes */
-    const size_t doubles = (size_t)(nd + 6 * A + 2 * A * G + G), longs = (size_t)(5 * A);
+    const size_t doubles = (size_t)(nd + 6 * A + 2 * A * G + G), longs = (size_t)(6 * A);
     char *block = malloc(sizeof(double) * doubles + sizeof(int64_t) * longs + sizeof(EsRepoint) * A
                          + sizeof(EsPair) * cap + sizeof(EsKeyed) * (A + 1) + (size_t)(6 * A + cap));
     if (!block)
@@ -104,8 +104,8 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
     double *best_swap = p_value + A, *tmp = best_swap + A, *cum = tmp + A, *rp_after = cum + A;
     double *after = rp_after + A * G, *shift = after + A * G;
     int64_t *searched = (int64_t *)(shift + G), *lr = searched + A, *cost = lr + A, *p_cost = cost + A,
-            *keep = p_cost + A;
-    EsRepoint *rp = (EsRepoint *)(keep + A);
+            *keep = p_cost + A, *spent = keep + A;
+    EsRepoint *rp = (EsRepoint *)(spent + A);
     EsPair *pairs = (EsPair *)(rp + A);
     EsKeyed *ranked = (EsKeyed *)(pairs + cap);
     int8_t *live = (int8_t *)(ranked + A + 1), *has_rp = live + A, *use_rp = has_rp + A, *acts = use_rp + A,
@@ -173,6 +173,7 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
             memcpy(after + i * G, use_rp[i] ? rp_after + i * G : s->rank_load + lr[i] * G, sizeof(double) * G);
             cost[i] = use_rp[i] ? rp[i].cost : 0;
             acts[i] = use_rp[i];
+            spent[i] = 0;
         }
         for (Py_ssize_t m = 0; m < M; m++) {
             const EsPair *q = pairs + m;
@@ -183,6 +184,12 @@ Py_ssize_t es_run(EsState *s, double budget, double fixed_max, Py_ssize_t max_ro
                 const int8_t *on_new = s->on_rank + r->new_ * G, *on_donor = s->on_rank + r->donor * G;
                 const int touched = on_new[q->o] > 0 || on_donor[q->o] > 0 || on_new[q->u] > 0 || on_donor[q->u] > 0;
                 ok = !touched;
+                /* ... and only the first pairs whose cost, with the re-point's, fits the move limit */
+                if (ok) {
+                    const int64_t l = lr[q->layer];
+                    spent[q->layer] += q->cost > 0 ? q->cost : 0;
+                    ok = spent[q->layer] + r->cost <= s->limit[l] - s->moves[l];
+                }
             }
             pick[m] = (int8_t)ok;
             const double moved_load = ok ? q->delta : 0.0;

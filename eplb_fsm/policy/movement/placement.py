@@ -36,6 +36,7 @@ Placements that cost less (rank renumbering, row alignment) are in
 from __future__ import annotations
 
 import math
+import numbers
 import types
 from typing import Any, Callable
 
@@ -60,6 +61,9 @@ __all__ = [
     "rank_membership",
     "slot_loads",
 ]
+
+# the largest max_moves: the move limits and counts are int64 arrays
+_INT64_MAX = 2**63 - 1
 
 
 def expert_counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
@@ -156,7 +160,8 @@ def moved_mask(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
 
 
 def check_target(target: Any) -> float:
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target):
+    """``target`` as a float; any real number but a bool (numpy's float32 too), in (0, 1]."""
+    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not math.isfinite(target):
         raise ValueError(f"target must be a number in (0, 1], got {target!r}")
     if not 0.0 < float(target) <= 1.0:
         raise ValueError(f"target must be in (0, 1], got {target}")
@@ -164,10 +169,13 @@ def check_target(target: Any) -> float:
 
 
 def check_max_moves(max_moves: Any) -> int | None:
+    """``max_moves`` as an int: None, or an integer (not a bool) in [0, 2**63 - 1] (the int64 move counts)."""
     if max_moves is None:
         return None
-    if isinstance(max_moves, bool) or not isinstance(max_moves, (int, np.integer)) or max_moves < 0:
-        raise ValueError(f"max_moves must be None or an integer >= 0 (moved slots per layer), got {max_moves!r}")
+    if isinstance(max_moves, bool) or not isinstance(max_moves, numbers.Integral) or not 0 <= max_moves <= _INT64_MAX:
+        raise ValueError(
+            f"max_moves must be None or an integer in [0, 2**63 - 1] (moved slots per layer), got {max_moves!r}"
+        )
     return int(max_moves)
 
 

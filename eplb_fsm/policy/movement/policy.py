@@ -306,7 +306,8 @@ class MovementAwarePolicy(AbstractEplbPolicy):
         target: fraction of the default policy's balancedness (on the same load) to
             reach, in (0, 1]. Lower moves less. Default 0.99
             (``EplbConfig.movement_balancedness_target``).
-        max_moves: at most this many moved slots per layer (None: no limit). A layer that
+        max_moves: at most this many moved slots per layer (None: no limit; else an integer
+            in [0, 2**63 - 1], ``ValueError`` naming it otherwise). A layer that
             cannot reach its goal within it keeps its best repair, and the target may then
             be missed: the limit wins. Two exceptions, where validity needs the moves: in
             hierarchical mode (``num_groups % num_nodes == 0``, more than one node) a layer

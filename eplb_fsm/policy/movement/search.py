@@ -208,6 +208,12 @@ class SearchState:
                     # ranks holding the re-point's new expert or donor (only pairs elsewhere)
                     touched = (self.on_rank_rows[rp_new] > 0) | (self.on_rank_rows[rp_donor] > 0)
                     pick &= ~use_rp[pr] | (~touched[pr, o] & ~touched[pr, u])
+                    # ... and only the first pairs whose cost, with the re-point's, fits the move limit
+                    with_rp = pick & use_rp[pr]
+                    paid = np.where(with_rp, np.maximum(sw_cost, 0), 0)
+                    spent = np.cumsum(paid)
+                    spent -= (spent - paid)[np.searchsorted(pr, pr)]  # within the layer (pairs contiguous)
+                    pick &= ~with_rp | (spent + rp_cost[pr] <= (self.limit - self.moves)[lr[pr]])
                 moved_load = np.where(pick, delta, 0.0)
                 after[pr, o] -= moved_load  # pairs of a layer share no rank: no repeated index
                 after[pr, u] += moved_load
