@@ -272,8 +272,11 @@ def test_a_chunked_layer_is_not_polled_before_its_last_chunk_can_have_started():
         _assert_committed_alike(whole, chunked)
         assert all(chunks == 1 for _, chunks, _ in whole["layers_done"])
         assert max(chunks for _, chunks, _ in chunked["layers_done"]) >= 3   # a layer whose early polls are skipped
-        layer_polls = [start for _, start, _, _ in chunked["ready"] if start >= chunked["plan_step"]]
+        last_done = chunked["layers_done"][-1][0]
+        layer_polls = [start for _, start, _, _ in chunked["ready"] if chunked["plan_step"] <= start < last_done]
         assert layer_polls
+        # after the last layer's commit: one poll, in committing (every rank wrote every layer whole)
+        assert [start for _, start, _, _ in chunked["ready"] if start >= last_done] == [last_done]
         for start in layer_polls:
             # the layer in flight when a poll starts (after the plan) is the first one done on a later step
             ready_step = next(ready for done, _, ready in chunked["layers_done"] if done > start)

@@ -18,6 +18,7 @@ from eplb_fsm.fsm.decide import (
     decide_poll,
     JOIN,
     POST,
+    Progress,
     StepDecision,
 )
 from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING
@@ -32,12 +33,13 @@ def test_a_step_is_due_only_while_collecting_with_models_at_the_threshold():
         assert not decide_step(state, 99, 10, True, False).due
 
 
-def test_a_step_polls_only_an_async_job_in_planning_or_transferring():
-    """The ready flags are asked for while a job is in flight in planning or transferring, never otherwise."""
+def test_a_step_polls_only_an_async_job_in_planning_or_transferring_or_the_closing_agreement():
+    """The ready flags are asked for in planning, transferring and committing (every layer written), never otherwise."""
     assert decide_poll(PLANNING, True, True, False) == POST
     assert decide_poll(TRANSFERRING, True, True, False) == POST
+    assert decide_poll(COMMITTING, True, True, False) == POST
     assert decide_poll(TRANSFERRING, False, True, False) is None
-    for state in (COLLECTING, COMMITTING, SCALING, FAILED):
+    for state in (COLLECTING, SCALING, FAILED):
         assert decide_poll(state, True, True, False) is None
 
 
@@ -97,6 +99,17 @@ def test_a_sync_layer_commits_unless_a_rank_failed():
     """The per-layer agreement aborts on any failure and commits otherwise."""
     assert decide_layer([2.0, 0.0, 0.0]).action == COMMIT_LAYER
     assert decide_layer([1.0, 1.0, 0.0]).action == ABORT
+
+
+def test_a_broken_commit_on_any_rank_aborts_every_agreement():
+    """A fourth flag, ranks whose write raised part-way, aborts sync and async agreements whatever else they say."""
+    assert decide_layer([2.0, 0.0, 0.0, 1.0]) == Progress(ABORT, 2, 0, 0, 1)
+    assert decide_layer([2.0, 0.0, 0.0, 0.0]).action == COMMIT_LAYER
+    for state in (PLANNING, TRANSFERRING, COMMITTING):
+        assert decide_progress([2.0, 0.0, 0.0, 1.0], 2, state, early=True).action == ABORT
+    assert decide_progress([2.0, 0.0, 0.0, 0.0], 2, COMMITTING).action == COMMIT_LAYER
+    with pytest.raises(ValueError, match="summed flags must be"):
+        decide_layer([1.0, 0.0])
 
 
 def test_a_plan_is_worth_moving_only_above_the_gain_threshold_unless_a_scale_forces_it():

@@ -1,10 +1,12 @@
-"""The Rearranger on a real single-rank controller: a scale's rearrangement with nothing to move."""
+"""The Rearranger on a real single-rank controller: a scale's rearrangement with nothing to move, or a failing one."""
 
 from __future__ import annotations
 
+import pytest
+
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.controller import EplbController
-from eplb_fsm.fsm.machine import COLLECTING, SCALING
+from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.fsm.planning import plan_placements
 from eplb_fsm.sim.model import ToyMoE
 from eplb_fsm.trace import read_trace, trace_path
@@ -94,3 +96,32 @@ def test_a_log_line_that_cannot_be_written_never_stops_the_engine(tmp_path):
     assert out.returncode == 0, out.stderr
     rearrangements, state = out.stderr.split()
     assert int(rearrangements) >= 2 and state == "collecting"
+
+
+def _scale_whose_policy_raises(tmp_path, error: BaseException):
+    ctl, _, _ = _scale_with_nothing_to_move(tmp_path)
+    ctl.fire("switched", extra={"generation": 1, "role": "member"})
+    ctl.fire("scale_requested", extra={"kind": "scale_up", "generation": 2})
+    ctl.fire("groups_ready", extra={"generation": 2, "kind": "scale_up", "group": ctl.group_name})
+
+    def make_plan(loads):
+        raise error
+
+    return ctl, lambda: ctl.rearranger.run_forced(make_plan, {"scale": 2}, 2)
+
+
+def test_a_scale_policy_error_stays_recoverable_but_an_interrupt_fails_the_machine(tmp_path):
+    """run_forced: a policy that raises is a recoverable fault; a KeyboardInterrupt there faults to failed, re-raised."""
+    ctl, run = _scale_whose_policy_raises(tmp_path / "error", ValueError("no plan"))
+    try:
+        assert run() == COLLECTING and ctl.history[-1]["reason"] == "scale policy failed: ValueError: no plan"
+    finally:
+        ctl.close()
+    ctl, run = _scale_whose_policy_raises(tmp_path / "interrupt", KeyboardInterrupt())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+        fault = [r for r in ctl.trace.records if r.get("trigger") == "fault"][-1]
+        assert ctl.state == FAILED and (fault["source"], fault["interrupted"]) == ("planning", "KeyboardInterrupt")
+    finally:
+        ctl.close()

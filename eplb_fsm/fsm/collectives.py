@@ -184,6 +184,9 @@ class Collectives:
                 posted.finish()
         except Exception as exc:
             posted.fail(exc)
+        except BaseException as exc:   # a KeyboardInterrupt: its record ends, the interrupt goes on
+            posted.fail(exc)
+            raise
         return posted
 
     def on(self, group: Any) -> "Collectives":
@@ -205,6 +208,16 @@ class Collectives:
         self.transfer_generation = 0
         self.communicator = communicator
         self.name_communicator()
+
+    def adopt(self, group: Any) -> None:
+        """Take a group the engine rebuilt in place of a broken one (``recover(group=...)``): same rank and
+        size; its trace name is the old one's with ``.<n>`` (``ep.1``), so its ``cseq`` starts from 0."""
+        self.group = group
+        self.custom = is_collective_group(group)
+        self.comm_device = self._collective_device()
+        base, dot, suffix = self.name.rpartition(".")
+        base, count = (base, int(suffix)) if dot and suffix.isdigit() else (self.name, 0)
+        self.name = f"{base}.{count + 1}"
 
     def save(self) -> tuple:
         """What :meth:`restore` needs to come back to this group (elastic EP rolls back a scale-up)."""
@@ -374,6 +387,9 @@ class PostedReduce:
                 self.finish()
             except Exception as exc:
                 self.fail(exc)
+            except BaseException as exc:   # a KeyboardInterrupt in the wait: its record ends, the interrupt goes on
+                self.fail(exc)
+                raise
         if self.error is not None:
             raise self.error
         return {name: piece.reshape(shape)

@@ -18,12 +18,12 @@ all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the we
 flight), ``worker`` (async), ``watchdog``, ``counters`` (shared).
 
 Ranks can never disagree: decisions read counters that advance identically everywhere and all-reduces every rank
-issues on the same step (at most one of the controller's own per step, plus one agreement per layer in a sync
-rearrangement). In async mode the step's ready flags are by default *posted*: issued without waiting and read on
-the next step (``async_overlap_poll``), so every rank reads the same sum on the same step. Elastic EP
-(:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``, ``rearranger``,
-``switch_group``, ``restore_group``, ``export_counters`` / ``restore_counters``; see
-:mod:`eplb_fsm.elastic.port`). Trace schema: docs/events.md.
+issues on the same step (at most one of the controller's own per step, plus one agreement per layer and one after
+the last commit in a sync rearrangement). In async mode the step's ready flags are by default *posted*: issued
+without waiting and read on the next step (``async_overlap_poll``), so every rank reads the same sum on the same
+step. Elastic EP (:mod:`eplb_fsm.elastic`) drives the controller through its public port (``fire``, ``rearranger``,
+``switch_group``, ``restore_group``, ``export_counters`` / ``restore_counters``; see :mod:`eplb_fsm.elastic.port`).
+Trace schema: docs/events.md.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class EplbController:
         for entry in self.models:
             entry.window.record_pass(is_dummy)
         if decision.due:
-            parts["loads"] = rearranger.local_loads()  # first: an error here leaves the machine collecting
+            parts.update(rearranger.planning_parts())  # first: an error here leaves the machine collecting
             self.restart_interval()
             self.fire("step", extra={"dummy": True} if is_dummy else None, due=True)
             rearranger.begin(step, forced=False)
@@ -275,7 +275,7 @@ class EplbController:
         if "balancedness" in reduced:
             self.reporter.log_pass_balancedness(step, reduced["balancedness"], self.models, self.world_size)
         if "loads" in reduced:
-            rearranger.plan(reduced["loads"])
+            rearranger.plan(reduced)
         elif "ready" in reduced:
             rearranger.progress(reduced["ready"])
         return self.machine.state
@@ -293,16 +293,16 @@ class EplbController:
             raise ValueError(f"rearrange() needs state collecting, state is {self.machine.state!r}")
         if not self.models:
             raise ValueError("rearrange() needs at least one model (add_model)")
-        loads = self.rearranger.local_loads()  # first: an error here leaves the machine collecting
+        parts = self.rearranger.planning_parts()  # first: an error here leaves the machine collecting
         self.rearranger.open_passes()
         self.restart_interval()
         count = len(self.history)
         self.trace.set_context(step=self.steps)  # as a due step's records: the index of the next engine step
         self.fire("step", extra={"forced": True}, due=True)
         self.rearranger.begin(self.steps, forced=True)
-        reduced = self.rearranger.all_reduce_or_fail({"loads": loads}, self.timeout_s)
+        reduced = self.rearranger.all_reduce_or_fail(parts, self.timeout_s)
         if reduced is not None:
-            self.rearranger.plan(reduced["loads"])
+            self.rearranger.plan(reduced)
         return self.history[-1] if len(self.history) > count else None
 
     def request_scale(self, new_world_size: int, rank_mapping: dict[int, int] | None = None, *,
@@ -325,12 +325,12 @@ class EplbController:
                     trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace,
                     namespace=namespace)
 
-    def recover(self) -> None:
-        """Leave ``failed`` once the group is repaired, every rank together (fsm/recovery.py: raises, if not)."""
+    def recover(self, reloaded: Any = False, group: Any = None) -> None:
+        """Leave ``failed``, every rank together; ``reloaded``/``group``: see fsm/recovery.py (raises, if not)."""
         self._check_open("recover")
         if self.machine.state != FAILED:
             raise ValueError(f"recover() needs state failed, state is {self.machine.state!r}")
-        self.rearranger.recover()
+        self.rearranger.recover(reloaded=reloaded, group=group)
 
     def fire(self, trigger: str, extra: dict | None = None, **data: Any) -> Fired:
         """Fire one event and write its ``transition`` record (event data + ``extra`` context)."""

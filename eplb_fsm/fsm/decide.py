@@ -11,9 +11,11 @@ one all-reduce produced; every rank computes the same answer on the same step.
 - :func:`decide_poll`: whether (and how) the step asks if the async job in flight is
   ready everywhere: posted now and read on the next step, or joined to the step's
   all-reduce and read at once;
-- :func:`decide_progress`: from the all-reduced ``[ready, failed, late]`` flags of the
-  job in flight: wait, take the plan, commit the layer, or abort;
-- :func:`decide_layer`: sync mode's per-layer agreement: commit the layer or abort;
+- :func:`decide_progress`: from the all-reduced ``[ready, failed, late, broken]`` flags of
+  the job in flight: wait, take the plan, commit the layer (or, in ``committing``, close
+  the rearrangement), or abort;
+- :func:`decide_layer`: sync mode's per-layer agreement (and the one after the last
+  commit): commit or abort;
 - :func:`decide_plan`: is a plan worth moving to (the ``worth`` of ``plan_ready``);
 - :func:`decide_salvage`: may survivors of a broken group finish on their new group.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from eplb_fsm.fsm.machine import COLLECTING, PLANNING, TRANSFERRING
+from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, PLANNING, TRANSFERRING
 
 __all__ = [
     "Counters",
@@ -48,8 +50,8 @@ __all__ = [
 
 WAIT = "wait"                 # not ready everywhere yet: ask again next step
 TAKE_PLAN = "take_plan"       # every rank has the plan: fire plan_ready
-COMMIT_LAYER = "commit_layer"  # every rank has the layer: fire layer_done and write it
-ABORT = "abort"               # some rank failed or ran late: fire fault
+COMMIT_LAYER = "commit_layer"  # every rank has the layer: fire layer_done and write it (committing: committed)
+ABORT = "abort"               # some rank failed, ran late or broke a commit: fire fault
 
 POST = "post"                 # issue the ready flags now, read the sum on the next step
 JOIN = "join"                 # the ready flags go into this step's all-reduce, read now
@@ -81,8 +83,9 @@ def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh:
                 early: bool = False) -> str | None:
     """How this step asks whether the async job in flight is ready on every rank.
 
-    ``in_flight``: async mode with a plan or layer job running (every rank has one or
-    none, since jobs start on the same step everywhere); ``overlap``: the config's
+    ``in_flight``: async mode with a plan or layer job running, or in ``committing`` the
+    confirmation that every rank wrote its layers whole (every rank has one or none,
+    since jobs start on the same step everywhere); ``overlap``: the config's
     ``async_overlap_poll``; ``joined``: the step all-reduces something else anyway.
     None: nothing to ask. :data:`POST`: issue the flags now and act on their sum on the
     next step, so the engine's next forward hides the collective's latency (a layer
@@ -94,7 +97,7 @@ def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh:
     step that all-reduces anyway carries its flags. Read after the flags posted on the
     step before, so it sees the state they left.
     """
-    if not in_flight or state not in (PLANNING, TRANSFERRING):
+    if not in_flight or state not in (PLANNING, TRANSFERRING, COMMITTING):
         return None
     if joined:
         return JOIN
@@ -107,37 +110,53 @@ def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh:
 
 @dataclass(frozen=True)
 class Progress:
-    """The answer to an all-reduce of ``[ready, failed, late]``: ``action`` and the counts behind it."""
+    """The answer to an all-reduce of ``[ready, failed, late, broken]``: ``action`` and the counts behind it.
+
+    ``broken``: ranks whose commit of an earlier layer raised part-way (their weights can't be
+    trusted): every rank then fires a fault that is not recoverable (docs/design.md §8).
+    """
 
     action: str
     ready: int
     failed: int
     late: int
+    broken: int = 0
+
+
+def _counts(summed: Sequence[float]) -> tuple[int, int, int, int]:
+    """``[ready, failed, late]`` or ``[ready, failed, late, broken]`` as four integer counts."""
+    values = [int(round(float(v))) for v in summed]
+    if len(values) not in (3, 4):
+        raise ValueError(f"summed flags must be [ready, failed, late(, broken)], got {len(values)} values")
+    ready, failed, late, broken = values + [0] * (4 - len(values))
+    return ready, failed, late, broken
 
 
 def decide_progress(summed: Sequence[float], world_size: int, state: str, early: bool = False) -> Progress:
-    """From the summed ``[ready, failed, late]`` flags of the job in flight (async mode).
+    """From the summed ``[ready, failed, late, broken]`` flags of the job in flight (async mode).
 
-    Any failure or lateness aborts; all ``world_size`` ranks ready takes the result (the
-    plan in ``planning``, the layer in ``transferring``); otherwise wait. ``early``: the
+    Any failure, broken commit or lateness aborts; all ``world_size`` ranks ready takes the
+    result (the plan in ``planning``, the layer in ``transferring``, the end of the
+    rearrangement in ``committing``); otherwise wait. ``early``: the
     step count has not reached the job's ready step (see :func:`decide_poll`), as on a
     balancedness-logging step that joins the flags: a layer paced over that many engine
     steps is not late for taking them, so only a failure aborts it then.
     """
-    ready, failed, late = (int(round(float(v))) for v in summed)
-    if failed or (late and not early):
+    ready, failed, late, broken = _counts(summed)
+    if failed or broken or (late and not early):
         action = ABORT
     elif ready < world_size:
         action = WAIT
     else:
         action = TAKE_PLAN if state == PLANNING else COMMIT_LAYER
-    return Progress(action, ready, failed, late)
+    return Progress(action, ready, failed, late, broken)
 
 
 def decide_layer(summed: Sequence[float]) -> Progress:
-    """Sync mode: the summed ``[ready, failed, late]`` of one layer's transfer; any failure aborts."""
-    ready, failed, late = (int(round(float(v))) for v in summed)
-    return Progress(ABORT if failed else COMMIT_LAYER, ready, failed, late)
+    """Sync mode: the summed ``[ready, failed, late, broken]`` of one layer's transfer (or of the
+    agreement after the last commit); any failure or broken commit aborts."""
+    ready, failed, late, broken = _counts(summed)
+    return Progress(ABORT if failed or broken else COMMIT_LAYER, ready, failed, late, broken)
 
 
 def decide_plan(moves: int, gain: float, min_gain: float, forced_scale: bool = False) -> bool:

@@ -10,10 +10,13 @@ the buffer, one all-reduce that every rank has it, ``layer_done``, then the writ
 last layer's in ``committing``), and ``committed``. Async mode hands the policy and each
 layer to the background worker; :meth:`Rearranger.progress` acts on the summed ready
 flags: those of the step's own all-reduce, or those posted on the step before and read
-by :meth:`Rearranger.settle` (``async_overlap_poll``). Faults: committed layers keep
-their new placement, the rest keep old maps and weights; a failed transfer leaves the
-EP group usable (fresh transfer group), a failed collective on it sends the machine to
-``failed``.
+by :meth:`Rearranger.settle` (``async_overlap_poll``). Either mode closes with one more
+agreement after the last layer is written (sync: an all-reduce; async: the flags read in
+``committing``), so a write that raised part-way on one rank reaches every rank before
+``committed``. Faults (:mod:`eplb_fsm.fsm.faults`): committed layers keep their new
+placement, the rest keep old maps and weights; a failed transfer leaves the EP group usable
+(fresh transfer group), a failed collective on it or a broken commit sends the machine to
+``failed``; anything that escapes a piece of a rearrangement (``KeyboardInterrupt``) too.
 """
 
 from __future__ import annotations
@@ -23,15 +26,14 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from eplb_fsm.fsm import recovery
+from eplb_fsm.fsm import async_flow, faults, recovery
 from eplb_fsm.fsm.collectives import Collectives, GroupBroken, PostedReduce, flags
-from eplb_fsm.fsm.decide import (ABORT, JOIN, POST, TAKE_PLAN, WAIT, Counters, decide_layer, decide_plan, decide_poll,
-                                 decide_progress)
+from eplb_fsm.fsm.decide import ABORT, Counters, decide_layer, decide_plan
 from eplb_fsm.fsm.layer_jobs import LayerJobs
-from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, SCALING, TRANSFERRING, EplbMachine, Fired
+from eplb_fsm.fsm.machine import COMMITTING, FAILED, SCALING, TRANSFERRING, EplbMachine, Fired
 from eplb_fsm.fsm.planning import Plan, bad_load_reason, local_loads, plan_placements, split_loads
 from eplb_fsm.fsm.reporting import Rearrangement, Reporter
-from eplb_fsm.fsm.transfers import LayerMover, ready_flags
+from eplb_fsm.fsm.transfers import LayerMover
 from eplb_fsm.safe_log import log_safely
 
 __all__ = ["Rearranger"]
@@ -44,7 +46,9 @@ class Rearranger:
 
     ``fire``: the controller's ``fire(trigger, extra=None, **data) -> Fired`` (it writes the
     trace record); the other arguments are the controller's collaborators, shared.
-    ``current``: the :class:`Rearrangement` in flight, or None.
+    ``current``: the :class:`Rearrangement` in flight, or None. ``untrusted``: (model, layer) ->
+    error of the layers whose write raised part-way on this rank, until ``recover(reloaded=...)``;
+    ``broken_ranks``: ranks whose commit raised, as the fault that sent the machine to failed counted.
     """
 
     def __init__(self, *, machine: EplbMachine, fire: Callable[..., Fired], config: Any, policy: Any,
@@ -58,12 +62,20 @@ class Rearranger:
         # async mode: the ready flags posted on the last step, read on this one (settle)
         self.posted: PostedReduce | None = None
         self.layer_jobs = LayerJobs(worker, mover, prefetch=bool(config.async_prefetch) and worker is not None)
+        self.untrusted: dict[tuple[str, int], str] = {}
+        self.broken_ranks = 0
 
     # ------------------------------------------------------------ begin / end
     def local_loads(self) -> torch.Tensor:
         """This rank's planning load (sum_m L_m * N_m,) float64. Taken before the machine moves,
         so an error here (an estimator that fails on the window) leaves it in ``collecting``."""
         return local_loads(self.models, self.config)
+
+    def planning_parts(self) -> dict[str, torch.Tensor]:
+        """This rank's parts of the planning all-reduce: ``loads`` (:meth:`local_loads`) and ``maps``
+        (16 per model: the 8-bit pieces of a digest of its ``phy2log`` and their squares, which
+        :meth:`plan` compares: ranks that declared different placements must not move anything)."""
+        return {"loads": self.local_loads(), "maps": recovery.digest_flags(recovery.map_items(self.models))}
 
     def open_passes(self) -> None:
         """A rearrangement starts outside a step (``rearrange()``): each model's ``load_pass`` may
@@ -85,15 +97,29 @@ class Rearranger:
 
     def all_reduce_or_fail(self, parts: dict, timeout_s: float, **fields: Any) -> dict | None:
         """The collectives' all-reduce; None after a broken group sent the machine to failed."""
-        try:
-            return self.collectives.all_reduce(parts, timeout_s, **fields)
-        except GroupBroken as exc:
-            self.group_fault(exc)
-            return None
+        with faults.interruptible(self, "an all-reduce"):
+            try:
+                return self.collectives.all_reduce(parts, timeout_s, **fields)
+            except GroupBroken as exc:
+                self.group_fault(exc)
+                return None
 
     # ------------------------------------------------------------------ plan
-    def plan(self, flat_loads: torch.Tensor) -> None:
-        """Act on the all-reduced load: reject it, or plan (sync) / start the policy job (async)."""
+    def plan(self, reduced: dict[str, torch.Tensor]) -> None:
+        """Act on the all-reduced :meth:`planning_parts`: refuse maps the ranks do not share, reject the
+        load, or plan (sync) / start the policy job (async)."""
+        with faults.interruptible(self, "planning"):
+            self._plan(reduced)
+
+    def _plan(self, reduced: dict[str, torch.Tensor]) -> None:
+        differ = recovery.differing(recovery.map_items(self.models), reduced["maps"].tolist(),
+                                    self.collectives.world_size) if "maps" in reduced else []
+        if differ:
+            self.abort(f"the ranks hold different maps: {', '.join(differ)} (add_model must be given the same "
+                       "phy2log on every rank; restart the ranks from one placement)", recoverable=False,
+                       kind="rejected")
+            return
+        flat_loads = reduced["loads"]
         bad = bad_load_reason(flat_loads)
         if bad is not None:
             self.trace.emit("loads_rejected", reason=bad)
@@ -152,6 +178,11 @@ class Rearranger:
         """
         loads = self.local_loads()
         self.begin(self.counters.steps, forced=True)
+        with faults.interruptible(self, "the scale's rearrangement"):
+            return self._run_forced(make_plan, fields, scale, loads)
+
+    def _run_forced(self, make_plan: Callable[[list[torch.Tensor]], Plan], fields: dict, scale: int,
+                    loads: torch.Tensor) -> str:
         reduced = self.all_reduce_or_fail({"loads": loads}, self.timeout_s)
         if reduced is None:
             return FAILED
@@ -180,14 +211,25 @@ class Rearranger:
 
     # ------------------------------------------------------------- transfers
     def commit_layer(self, layer: int, pending: Any) -> Fired:
-        """``layer_done`` (every rank has it), then write it (``pending`` None: unchanged layer)."""
+        """``layer_done`` (every rank has it), then write it (``pending`` None: unchanged layer).
+
+        A write that raises part-way is noted (:func:`~eplb_fsm.fsm.faults.broken_commit`) and told
+        in the next agreement; one that raises a ``KeyboardInterrupt`` (any non-``Exception``) goes
+        on up, and the guard around sends the machine to ``failed`` at once.
+        """
         plan = self.current.plan
         entry, local = self.mover.locate(layer)
         extra = {"model": entry.name, "model_layer": local, "moved": plan.moved[layer], "changed": plan.changed[layer]}
         if pending is not None and self.worker is not None:   # an async layer job: when its flags could say ready
             extra.update(chunks=self.current.chunks, ready_step=self.current.ready_step)
         fired = self.fire("layer_done", extra=extra, layer=layer)
-        self.mover.write(plan.new_phy2log, layer, pending)
+        try:
+            self.mover.write(plan.new_phy2log, layer, pending)
+        except BaseException as exc:
+            self.broken_commit(layer, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return fired
         self.current.layers_committed += 1
         return fired
 
@@ -199,197 +241,55 @@ class Rearranger:
         return fired.dest
 
     def run_sync(self) -> str:
-        """Sync mode: each changed layer transferred, agreed by all ranks, committed; returns the end state."""
+        """Sync mode: each changed layer transferred, agreed by all ranks, committed, then one agreement
+        that every rank wrote its layers whole; returns the end state."""
         plan = self.current.plan
-        fired = None
-        for layer in range(self.machine.num_layers):
-            pending = None
-            if plan.changed[layer]:
-                error: BaseException | None = None
-                try:
-                    pending = self.mover.transfer(plan.new_phy2log, layer)
-                except Exception as exc:
-                    error = exc
-                # [ready, failed, late]; a peer may itself be waiting out a transfer timeout first
-                agreed = self.all_reduce_or_fail({"ready": flags(0.0 if error else 1.0, 1.0 if error else 0.0, 0.0)},
-                                                 2 * self.timeout_s, layer=layer)
-                if agreed is None:
-                    return FAILED
-                verdict = decide_layer(agreed["ready"])
-                if verdict.action == ABORT:
-                    return self.transfer_fault(layer, error, verdict.failed)
-            try:
-                fired = self.commit_layer(layer, pending)
-            except Exception as exc:
-                return self.commit_failed(layer, exc)
-        assert fired is not None and fired.dest == COMMITTING, fired
-        return self.committed()
+        with faults.interruptible(self, "the sync rearrangement"):
+            for layer in range(self.machine.num_layers):
+                pending = None
+                if plan.changed[layer]:
+                    error: BaseException | None = None
+                    try:
+                        pending = self.mover.transfer(plan.new_phy2log, layer)
+                    except Exception as exc:
+                        error = exc
+                    dest = self.agree(layer, error)
+                    if dest is not None:
+                        return dest
+                self.commit_layer(layer, pending)
+            assert self.machine.state == COMMITTING, self.machine.state
+            return self.agree(None, None) or self.committed()
 
-    def ready_flags(self) -> torch.Tensor:
-        """This rank's (3,) [ready, failed, late] for the async job in flight."""
-        return ready_flags(self.current.job, self.timeout_s)
-
-    def poll(self, parts: dict, overlap: bool) -> None:
-        """A step's ask of the async job in flight (:func:`decide_poll`), after reading last step's posted flags.
-
-        Posts this rank's flags (read on the next step), or adds them to ``parts`` as
-        ``ready`` for the step's own all-reduce, or does nothing (no job in flight).
-        """
-        self.settle()
-        current = self.current
-        steps = self.counters.steps
-        if current is not None and current.job is not None and current.chunks > 1 and steps == current.ready_step:
-            # a paced layer's last chunk can only have started now: its timeout counts from here
-            current.job.waited_from = current.job.clock()
-        poll = decide_poll(self.machine.state, self.worker is not None and current is not None, overlap,
-                           bool(parts), fresh=current is not None and current.job_step == steps,
-                           early=current is not None and steps < current.ready_step)
-        if poll == POST:
-            self.post_poll()
-        elif poll == JOIN:
-            parts["ready"] = self.ready_flags()
-
-    def post_poll(self) -> None:
-        """Post this rank's ready flags (read by :meth:`settle` on the next step)."""
-        try:
-            self.posted = self.collectives.post({"ready": self.ready_flags()}, self.timeout_s)
-        except GroupBroken as exc:
-            self.group_fault(exc)
-
-    def settle(self, act: bool = True) -> None:
-        """Read the ready flags posted on the step before and act on their sum (:meth:`progress`).
-
-        ``act=False`` (at close): only finish the collective and its trace record; a broken
-        group is then no news worth a fault.
-        """
-        posted, self.posted = self.posted, None
-        if posted is None:
-            return
-        try:
-            summed = posted.wait()["ready"]
-        except GroupBroken as exc:
-            if act:
-                self.group_fault(exc)
-            return
-        if act:
-            self.progress(summed)
-
-    def progress(self, summed: torch.Tensor, early: bool | None = None) -> None:
-        """Async mode: act on the all-reduced ready flags (:func:`decide_progress`).
-
-        ``early`` (None: from the shared step count, as :meth:`poll` has it): the job's flags
-        were taken before its ready step.
-        """
-        current, state = self.current, self.machine.state
-        if early is None:
-            early = current is not None and self.counters.steps < current.ready_step
-        verdict = decide_progress(summed, self.collectives.world_size, state, early)
-        if verdict.action == WAIT:
-            return
-        if verdict.action == ABORT:  # the job stays noted in current: abort records one still running
-            job = current.job
-            error = job.error() if job is not None else None
-            what = "policy" if state == PLANNING else f"transfer of layer {self.machine.layer}"
-            reason = (f"{what} failed on {verdict.failed} rank(s)" if verdict.failed else
-                      f"{what} ran past collective_timeout_s={self.timeout_s} on {verdict.late} rank(s)")
-            if state == PLANNING:
-                self.abort(reason + (f": {type(error).__name__}: {error}" if error else ""), recoverable=True)
-            else:
-                self.transfer_fault(self.machine.layer, error, verdict.failed, late=verdict.late)
-            return
-        job, current.job = current.job, None
-        if verdict.action == TAKE_PLAN:
-            if self.accept(job.result(timeout=0)) == TRANSFERRING:
-                self.advance(TRANSFERRING)
-            return
-        job.wait_stream()
-        layer = self.machine.layer
-        try:
-            fired = self.commit_layer(layer, job.result(timeout=0))
-        except Exception as exc:
-            self.commit_failed(layer, exc)
-            return
-        self.advance(fired.dest)
-
-    def advance(self, state: str) -> None:
-        """From ``state``: commit unchanged layers at once, start the next changed layer, or finish."""
-        plan = self.current.plan
-        while state == TRANSFERRING:
-            layer = self.machine.layer
-            if plan.changed[layer]:
-                current = self.current
-                current.job, current.job_step = self.layer_jobs.start(plan, layer, self.counters.steps)
-                # chunk i starts once step job_step + i - 1 has begun (StepPacer; in practice as
-                # it returns), so flags taken before step job_step + chunks can't say ready
-                current.chunks = plan.chunks[layer]
-                current.ready_step = current.job_step + current.chunks
-                return
-            state = self.commit_layer(layer, None).dest
-        if state == COMMITTING:
-            self.committed()
-
-    def drain(self) -> None:
-        """Async mode: finish (or roll back) the rearrangement in flight, a step's agreement at a time."""
-        self.settle()
-        while self.current is not None and self.machine.state in (PLANNING, TRANSFERRING, COMMITTING):
-            job = self.current.job
-            if job is not None and not job.done():
-                try:
-                    job.future.exception(timeout=self.timeout_s + 1.0)
-                except Exception:  # still running after the timeout: its flags say "late"
-                    pass
-            reduced = self.all_reduce_or_fail({"ready": self.ready_flags()}, 2 * self.timeout_s)
-            if reduced is None:
-                return
-            self.trace.emit("scale_drain", state=self.machine.state, layer=self.machine.layer)
-            self.progress(reduced["ready"], early=False)   # no engine step paces it now: late is late
-
-    # ---------------------------------------------------------------- faults
-    def abort(self, reason: str, recoverable: bool, layer: int | None = None, kind: str = "aborted") -> str:
-        """Fire ``fault``: committed layers stay new, the rest keep old maps and weights; returns the destination."""
-        current = self.current
-        extra: dict = {"reason": reason}
-        if current is not None:
-            extra["layers_committed"] = current.layers_committed
-            if current.job is not None and not current.job.done():
-                extra["job_running"] = current.job.kind
-            current.job = None
-        ahead = self.layer_jobs.drop()
-        if ahead is not None and not ahead.done():
-            extra["prefetch_running"] = ahead.layer
-        if layer is not None:
-            extra["failed_layer"] = layer
-        dest = FAILED
-        if self.machine.state == FAILED:
-            self.trace.emit("fault_ignored", reason=reason)
-        else:
-            dest = self.fire("fault", extra=extra, recoverable=recoverable).dest
-        log_safely(_log, "warning", "eplb rearrangement aborted", rank=self.collectives.rank,
-                   step=self.counters.steps - 1, reason=reason, recoverable=recoverable, state=dest)
-        self.finish(kind, reason=reason)
-        return dest
-
-    def group_fault(self, exc: BaseException) -> str:
-        """A collective on the EP group failed: the group is broken, the machine goes to failed."""
-        log_safely(_log, "error", "eplb collective failed", rank=self.collectives.rank,
-                   step=self.counters.steps - 1, error=str(exc))
-        if self.machine.state == FAILED:
+    def agree(self, layer: int | None, error: BaseException | None) -> str | None:
+        """Sync mode: all-reduce [ready, failed, late, broken] on ``layer``'s transfer (None: after the last
+        commit); None: go on, else where the fault that every rank fires on it led."""
+        broken = 1.0 if self.current.broken else 0.0
+        # a peer may itself be waiting out a transfer timeout first
+        agreed = self.all_reduce_or_fail({"ready": flags(0.0 if error else 1.0, 1.0 if error else 0.0, 0.0, broken)},
+                                         2 * self.timeout_s, **({} if layer is None else {"layer": layer}))
+        if agreed is None:
             return FAILED
-        return self.abort(str(exc), recoverable=False)
+        verdict = decide_layer(agreed["ready"])
+        if verdict.action != ABORT:
+            return None
+        if verdict.broken:
+            return self.commit_fault(verdict.broken)
+        return self.transfer_fault(layer, error, verdict.failed)
 
-    def commit_failed(self, layer: int, exc: BaseException) -> str:
-        """A local copy failed half-way through a commit: the weights can't be trusted."""
-        return self.abort(f"commit of layer {layer} failed: {type(exc).__name__}: {exc}", recoverable=False)
+    # ------------------------------------------------------ async mode (fsm/async_flow.py)
+    ready_flags = async_flow.ready_flags
+    poll = async_flow.poll
+    post_poll = async_flow.post_poll
+    settle = async_flow.settle
+    progress = async_flow.progress
+    advance = async_flow.advance
+    drain = async_flow.drain
 
-    def transfer_fault(self, layer: int, error: BaseException | None, failed_ranks: int, late: int = 0) -> str:
-        """A layer's transfer failed somewhere: abort, then give the transfers a fresh group."""
-        detail = f": {type(error).__name__}: {error}" if error is not None else ""
-        if late:
-            reason = f"transfer of layer {layer} ran past collective_timeout_s={self.timeout_s} on {late} rank(s)"
-        else:
-            reason = f"transfer of layer {layer} failed on {failed_ranks} rank(s){detail}"
-        dest = self.abort(reason, recoverable=True, layer=layer)
-        return self.reset_transfers() or dest
-
+    # ---------------------------------------------------------------- faults (fsm/faults.py)
+    abort = faults.abort
+    group_fault = faults.group_fault
+    transfer_fault = faults.transfer_fault
+    broken_commit = faults.broken_commit
+    commit_fault = faults.commit_fault
     reset_transfers = recovery.reset_transfers   # after a transfer fault (fsm/recovery.py)
     recover = recovery.recover                   # EplbController.recover()

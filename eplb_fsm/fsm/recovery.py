@@ -12,7 +12,13 @@ rows, and build a fresh transfer group, a collective every rank joins at the sam
   it has repaired the EP group (a broken group may have interrupted a transfer too). The
   ranks first agree in one all-reduce that every worker has drained and that every rank
   holds the same committed maps: a rank that acted on a collective its peers gave up on
-  must not serve on with another placement.
+  must not serve on with another placement. After a commit that raised part-way it first
+  needs the engine's word that the layers it named were reloaded (``reloaded``), and it
+  can adopt a group the engine rebuilt (``group``: a torch gloo group whose all-reduce
+  timed out cannot be used again).
+
+:func:`map_items`, :func:`digest_flags` and :func:`differing` compare every model's maps
+across ranks in one SUM all-reduce; the planning all-reduce carries them too.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import hashlib
 from typing import Any
 
 import numpy as np
+import torch
 
-from eplb_fsm.fsm.collectives import GroupBroken, flags
+from eplb_fsm.fsm.collectives import GroupBroken, flags, resolve_group
 from eplb_fsm.fsm.decide import counts_equal
 from eplb_fsm.fsm.machine import FAILED
 
-__all__ = ["recover", "reset_transfers"]
+__all__ = ["recover", "reset_transfers", "map_items", "digest_flags", "differing"]
 
 
 def reset_transfers(r: Any) -> str | None:
@@ -58,25 +65,98 @@ def reset_transfers(r: Any) -> str | None:
     return None
 
 
-def recover(r: Any) -> None:
+def recover(r: Any, reloaded: Any = False, group: Any = None) -> None:
     """Leave ``failed`` on rearranger ``r``: the worker drained, the buffers' rows dropped, a fresh
     transfer group, then ``recovered`` and a new interval.
 
-    Raises ``RuntimeError`` and leaves the machine in ``failed`` when a model's maps do not
-    fit the group (slots per rank x ranks), a worker is still running a job (on any rank),
+    ``reloaded``: False, True, or the (model name, layer) pairs whose expert weights the engine
+    reloaded on this rank. After a commit that raised part-way (the fault says so on every rank)
+    it must be given on every rank, and on a rank whose write raised it must cover the layers
+    that rank named (``commit_failed`` records); the weights are reloaded for the maps the
+    controller holds (``maps(name)``, the new row). ``group``: a group the engine rebuilt, with
+    this rank's number and the same size, adopted before the agreement (trace name ``ep.<n>``).
+
+    Raises ``ValueError`` (bad ``reloaded`` or ``group``) or ``RuntimeError`` (layers not
+    confirmed as reloaded) before any collective, and ``RuntimeError`` when a model's maps do
+    not fit the group (slots per rank x ranks), a worker is still running a job (on any rank),
     the ranks hold different committed maps (:func:`_agree`) or the transfer group cannot be
-    built (the EP group is not repaired yet).
+    built (the EP group is not repaired yet); the machine stays ``failed`` (the old group back).
     """
+    confirmed = _check_reloaded(r, reloaded)
+    adopt = _check_group(r, group)
     _check_slots(r)
-    _agree(r, _drain(r))   # every rank refuses, or every rank builds: a lone build skews the groups' names
+    saved = r.collectives.save()
+    if adopt is not None:
+        r.collectives.adopt(adopt)
     try:
-        r.collectives.new_transfer_group()
-    except Exception as exc:
-        raise RuntimeError(f"recover(): could not re-create the transfer group ({type(exc).__name__}: {exc}); "
-                           "the machine stays failed") from exc
+        _agree(r, _drain(r))   # every rank refuses, or every rank builds: a lone build skews the groups' names
+        try:
+            r.collectives.new_transfer_group()
+        except Exception as exc:
+            raise RuntimeError(f"recover(): could not re-create the transfer group ({type(exc).__name__}: {exc}); "
+                               "the machine stays failed") from exc
+    except BaseException:
+        r.collectives.restore(saved)
+        raise
+    if adopt is not None:
+        r.trace.emit("group_adopted", group=r.collectives.name, old_group=saved[6])
     r.trace.emit("transfer_group_reset", group=r.collectives.transfer_group_name)
-    r.fire("recovered")
+    r.fire("recovered", extra={"reloaded": confirmed} if confirmed is not None else None)
+    r.untrusted.clear()
+    r.broken_ranks = 0
     r.counters.restart(r.config.step_interval)
+
+
+def _check_reloaded(r: Any, reloaded: Any) -> list | None:
+    """``reloaded`` checked against the layers this rank's commits left untrusted; the pairs confirmed
+    (None: nothing needed confirming). Raises before any collective."""
+    if isinstance(reloaded, bool):
+        pairs: set | None = None
+    elif isinstance(reloaded, (str, bytes)) or not hasattr(reloaded, "__iter__"):
+        raise ValueError(f"recover(): reloaded must be True, False or (model name, layer) pairs, got {reloaded!r}")
+    else:
+        pairs = set()
+        for item in reloaded:
+            try:
+                name, layer = item
+                entry = next(e for e in r.models if e.name == name)
+            except (TypeError, ValueError, StopIteration):
+                raise ValueError(f"recover(): reloaded must hold (model name, layer) pairs of added models, "
+                                 f"got {item!r}") from None
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                    not 0 <= layer < entry.num_layers:
+                raise ValueError(f"recover(): reloaded names layer {layer!r} of model {name!r}, which has layers "
+                                 f"0..{entry.num_layers - 1}")
+            pairs.add((name, int(layer)))
+    untrusted = sorted(r.untrusted)
+    if not untrusted and not r.broken_ranks:
+        return None
+    missing = [p for p in untrusted if reloaded is not True and (pairs is None or p not in pairs)]
+    if missing:
+        named = ", ".join(f"model {m!r} layer {k} ({r.untrusted[(m, k)]})" for m, k in missing)
+        raise RuntimeError(f"recover(): the commit of {named} raised part-way on this rank, so its weights cannot "
+                           "be trusted (docs/design.md §8): reload them for the maps the controller holds "
+                           "(maps(name)), then call recover(reloaded=True) on every rank; the machine stays failed")
+    if reloaded is False:
+        raise RuntimeError(f"recover(): a commit raised part-way on {r.broken_ranks} rank(s) (docs/design.md §8): "
+                           "once those ranks reloaded the layers they name, call recover(reloaded=True) on every "
+                           "rank; the machine stays failed")
+    return [list(p) for p in untrusted]
+
+
+def _check_group(r: Any, group: Any) -> Any:
+    """``group`` (None: keep the current one) checked: this rank's number and the same size."""
+    if group is None:
+        return None
+    try:
+        group, rank, world = resolve_group(group)
+    except ValueError as exc:
+        raise ValueError(f"recover(): {exc}") from None
+    if group is None or (rank, world) != (r.collectives.rank, r.collectives.world_size):
+        raise ValueError(f"recover(): group must give this rank number {r.collectives.rank} of "
+                         f"{r.collectives.world_size} (a repair renumbers nothing; elastic EP resizes), got rank "
+                         f"{rank} of {world}")
+    return group
 
 
 def _check_slots(r: Any) -> None:
@@ -107,24 +187,19 @@ _PIECES = 8
 def _agree(r: Any, drained: bool) -> None:
     """One SUM all-reduce of whether this rank's worker drained and of digests of what it committed
     (each model's maps, the rearrangements begun); ``RuntimeError`` on every rank naming what is wrong.
-
-    Ranks hold equal digests iff G * sum(d^2) == (sum d)^2 for every piece d (Cauchy-Schwarz).
     """
-    names, pieces = _digests(r)
+    items = map_items(r.models) + [("the number of rearrangements begun",
+                                    np.array([r.reporter.count], dtype=np.int64))]
+    local = torch.cat([flags(0.0 if drained else 1.0), digest_flags(items)])
     if r.collectives.group is None:
-        summed, world = [0.0 if drained else 1.0, *pieces, *(d * d for d in pieces)], 1
+        summed = local.tolist()
     else:
-        local = flags(0.0 if drained else 1.0, *pieces, *(d * d for d in pieces))
         try:
             # a peer may still be waiting out its worker's drain before it gets here
             summed = r.collectives.all_reduce({"recover": local}, 2 * r.timeout_s + 10.0)["recover"].tolist()
         except GroupBroken as exc:
             raise RuntimeError(f"recover(): the ranks could not agree ({exc}); the machine stays failed") from exc
-        world = r.collectives.world_size
-    n = len(pieces)
-    sums, squares = summed[1:1 + n], summed[1 + n:]
-    differ = [name for i, name in enumerate(names)
-              if not all(counts_equal(sums[k], squares[k], world) for k in range(i * _PIECES, (i + 1) * _PIECES))]
+    differ = differing(items, summed[1:], r.collectives.world_size if r.collectives.group is not None else 1)
     problems = []
     stuck = int(round(summed[0]))
     if stuck:
@@ -136,14 +211,26 @@ def _agree(r: Any, drained: bool) -> None:
         raise RuntimeError(f"recover(): {'; '.join(problems)}; the machine stays failed")
 
 
-def _digests(r: Any) -> tuple[list[str], list[float]]:
-    """What :func:`_agree` compares: names, and ``_PIECES`` 8-bit pieces of a 64-bit digest per name."""
-    items = [(f"the committed maps of model {e.name!r}", np.ascontiguousarray(e.maps.phy2log, dtype=np.int64))
-             for e in r.models]
-    items.append(("the number of rearrangements begun", np.array([r.reporter.count], dtype=np.int64)))
-    names, pieces = [], []
-    for name, array in items:
+def map_items(models: Any) -> list[tuple[str, np.ndarray]]:
+    """(name, array) to compare across ranks: each model's committed (L, P) ``phy2log``."""
+    return [(f"the committed maps of model {e.name!r}", np.ascontiguousarray(e.maps.phy2log, dtype=np.int64))
+            for e in models]
+
+
+def digest_flags(items: list[tuple[str, np.ndarray]]) -> torch.Tensor:
+    """(2 * 8 * len(items),) float64: the ``_PIECES`` 8-bit pieces d of a 64-bit digest of each array, then
+    their squares, to be summed over the ranks and read by :func:`differing`."""
+    pieces = []
+    for _, array in items:
         digest = hashlib.blake2b(repr(array.shape).encode() + array.tobytes(), digest_size=_PIECES).digest()
-        names.append(name)
         pieces.extend(float(b) for b in digest)
-    return names, pieces
+    return flags(*pieces, *(d * d for d in pieces))
+
+
+def differing(items: list[tuple[str, np.ndarray]], summed: Any, world: int) -> list[str]:
+    """The names of ``items`` whose :func:`digest_flags` differ between the ``world`` ranks that summed them
+    into ``summed``: equal on every rank iff G * sum(d^2) == (sum d)^2 for every piece d (Cauchy-Schwarz)."""
+    n = _PIECES * len(items)
+    sums, squares = list(summed[:n]), list(summed[n:2 * n])
+    return [name for i, (name, _) in enumerate(items)
+            if not all(counts_equal(sums[k], squares[k], world) for k in range(i * _PIECES, (i + 1) * _PIECES))]

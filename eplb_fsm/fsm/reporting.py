@@ -8,7 +8,7 @@ one :class:`Reporter` (``controller.reporter``) and hands it what each record ne
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -46,6 +46,7 @@ class Rearrangement:
     chunks: int = 1                   # async: the chunks its layer job is cut into (async_max_bytes_per_step)
     ready_step: int = -1              # async: the first step count its flags can say "ready" on
     layers_committed: int = 0
+    broken: list = field(default_factory=list)   # this rank's writes that raised part-way (faults.broken_commit)
 
 
 class Reporter:

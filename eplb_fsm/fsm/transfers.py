@@ -200,6 +200,24 @@ class LayerMover:
         else:
             entry.commit_row(local, new_phy2log[entry.index][local])
 
+    def flip_broken(self, new_phy2log: Sequence[Any], layer: int) -> bool:
+        """After ``layer``'s write raised part-way: give its maps the new row, as every peer whose write
+        went through has them, so the engine reloads the layer's weights for the maps the ranks share
+        (``recover(reloaded=...)``). Best effort; True when the maps hold the new row."""
+        entry, local = self.locate(layer)
+        new_row = np.asarray(new_phy2log[entry.index][local], dtype=np.int64)
+        try:
+            old_row = entry.maps.phy2log[local].copy()
+            if not np.array_equal(old_row, new_row):   # else the maps (and window) had flipped before the error
+                entry.window.remap_layer(local, old_row, new_row, entry.num_logical)
+            entry.maps.replace_layer(local, new_row)
+            entry.log2phy[local].copy_(torch.from_numpy(entry.maps.log2phy[local]))
+            entry.replica_count[local].copy_(torch.from_numpy(entry.maps.replica_count[local]))
+            entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
+        except Exception:
+            pass
+        return bool(np.array_equal(entry.maps.phy2log[local], new_row))
+
     @staticmethod
     def buffer(entry: ModelEntry, spare: bool) -> TransferBuffer:
         """``entry``'s main buffer, or its second one (``async_prefetch``; made on first use)."""
@@ -233,12 +251,17 @@ class LayerMover:
                     buffer.generation += 1
 
 
-def ready_flags(job: Any, timeout_s: float) -> torch.Tensor:
-    """This rank's (3,) [ready, failed, late] for the async job in flight (summed over ranks)."""
+def ready_flags(job: Any, timeout_s: float, broken: bool = False) -> torch.Tensor:
+    """This rank's (4,) [ready, failed, late, broken] for the async job in flight (summed over ranks).
+
+    No job where one should be in flight (``job`` None) says failed, never ready. ``broken``:
+    a commit of this rearrangement raised part-way on this rank (every rank then faults).
+    """
+    broke = 1.0 if broken else 0.0
     if job is None:
-        return flags(1.0, 0.0, 0.0)
+        return flags(0.0, 1.0, 0.0, broke)
     if job.done():
         failed = job.error() is not None
-        return flags(0.0 if failed else 1.0, 1.0 if failed else 0.0, 0.0)
+        return flags(0.0 if failed else 1.0, 1.0 if failed else 0.0, 0.0, broke)
     late = job.age() > timeout_s
-    return flags(0.0, 0.0, 1.0 if late else 0.0)
+    return flags(0.0, 0.0, 1.0 if late else 0.0, broke)
