@@ -23,7 +23,8 @@ import torch
 
 from eplb_fsm.maps import as_count
 
-__all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "rank_loads_physical"]
+__all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "load_fault",
+           "rank_loads_physical"]
 
 ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 
@@ -239,9 +240,30 @@ def balancedness(rank_loads: Any) -> float:
         loads = loads[None, :]
     if loads.ndim != 2 or loads.shape[1] < 1:
         raise ValueError(f"rank_loads must be shaped (G,) or (L, G) with G >= 1 ranks, got shape {loads.shape}")
+    fault = load_fault(loads)
+    if fault is not None:
+        raise ValueError(f"rank_loads must hold finite loads >= 0, got {fault}")
     total_max = float(loads.max(axis=1).sum())
-    # one more reduction (this runs at every logged pass): NaN makes both the min and the sum NaN
-    if not (math.isfinite(total_max) and loads.min(initial=0.0) >= 0):
-        raise ValueError("rank_loads must hold finite loads >= 0 (no NaN, inf or negative entry)")
     return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
 
+
+
+def load_fault(loads: Any) -> str | None:
+    """Why ``loads`` (any shape; a numpy array or torch tensor) are not all finite and >= 0, or None.
+
+    The reason names the first rule broken: ``"NaN in the load"``, ``"infinite load"`` or
+    ``"negative load (min <m>)"``. Empty loads break no rule.
+    """
+    if isinstance(loads, torch.Tensor):
+        loads = loads.detach().cpu().numpy()
+    arr = np.asarray(loads, dtype=np.float64)
+    if arr.size == 0:
+        return None
+    low, high = float(arr.min()), float(arr.max())   # a NaN anywhere makes both NaN
+    if low >= 0 and math.isfinite(high):
+        return None
+    if math.isnan(low):
+        return "NaN in the load"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "infinite load"
+    return f"negative load (min {low})"

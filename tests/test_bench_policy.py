@@ -64,6 +64,30 @@ def _flag_timed_calls(monkeypatch) -> list[bool]:
     return timing
 
 
+def _time_by_shape(monkeypatch, seconds_of) -> None:
+    """bench policy's ``_timed`` reports ``seconds_of(layers, experts)`` of the load the policy last ran on
+    (wall and CPU), whatever the call really took."""
+    from eplb_fsm.bench import policy as bench_policy
+    from eplb_fsm.policy.default import DefaultEplbPolicy
+
+    shapes: list[tuple] = []
+    real = DefaultEplbPolicy.rebalance_experts
+
+    def recording(weight, *call):
+        shapes.append(tuple(weight.shape))
+        return real(weight, *call)
+
+    def timed(fn, cpu=None):
+        result = fn()
+        seconds = seconds_of(*shapes[-1])
+        if cpu is not None:
+            cpu.append(seconds)
+        return seconds, result
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
+    monkeypatch.setattr(bench_policy, "_timed", timed)
+
+
 def _record_baseline_calls(monkeypatch) -> list[tuple[int, bool]]:
     """Patch the baseline to log (torch threads, inside a timed call) for every call the bench makes."""
     import torch
@@ -278,25 +302,10 @@ def test_bench_policy_scaling_times_each_point_right_after_an_untimed_call_of_it
 def test_bench_policy_scaling_ratios_come_from_unrounded_times(monkeypatch):
     """A point's ratio divides unrounded medians, so it lies in its own interval even when rounding moves the times."""
     from eplb_fsm.bench import policy as bench_policy
-    from eplb_fsm.policy.default import DefaultEplbPolicy
 
-    shapes: list[tuple] = []
-    real = DefaultEplbPolicy.rebalance_experts
-
-    def recording(weight, *call):
-        shapes.append(tuple(weight.shape))
-        return real(weight, *call)
-
-    def timed(fn, cpu=None):  # time proportional to the load's size: every ratio per doubling is exactly 2
-        result = fn()
-        layers, experts = shapes[-1]
-        seconds = layers * experts * 5.46875e-9  # 1 layer: 0.0014 ms, printed 0.001; 2 layers 0.0028, printed 0.003
-        if cpu is not None:
-            cpu.append(seconds)
-        return seconds, result
-
-    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
-    monkeypatch.setattr(bench_policy, "_timed", timed)
+    # time proportional to the load's size: every ratio per doubling is exactly 2
+    # (1 layer: 0.0014 ms, printed 0.001; 2 layers 0.0028, printed 0.003)
+    _time_by_shape(monkeypatch, lambda layers, experts: layers * experts * 5.46875e-9)
     scaling = bench_policy._scaling(2, seed=0)
     rows = [r for v in scaling.values() if isinstance(v, list) for r in v[1:]]
     assert scaling["layers_global"][0]["ms"] == 0.001 and scaling["layers_global"][1]["ms"] == 0.003
@@ -325,25 +334,8 @@ def test_bench_policy_judges_the_speedup_target_unrounded(capsys, monkeypatch):
 def test_bench_policy_judges_the_doubling_target_unrounded(monkeypatch):
     """A time growing 2.1004x per doubling prints as 2.1 but misses the <= 2.1 target, on its figure and interval."""
     from eplb_fsm.bench import policy as bench_policy
-    from eplb_fsm.policy.default import DefaultEplbPolicy
 
-    shapes: list[tuple] = []
-    real = DefaultEplbPolicy.rebalance_experts
-
-    def recording(weight, *call):
-        shapes.append(tuple(weight.shape))
-        return real(weight, *call)
-
-    def timed(fn, cpu=None):
-        result = fn()
-        layers, experts = shapes[-1]
-        seconds = (layers * experts) ** math.log2(2.1004) * 1e-9
-        if cpu is not None:
-            cpu.append(seconds)
-        return seconds, result
-
-    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", staticmethod(recording))
-    monkeypatch.setattr(bench_policy, "_timed", timed)
+    _time_by_shape(monkeypatch, lambda layers, experts: (layers * experts) ** math.log2(2.1004) * 1e-9)
     scaling = bench_policy._scaling(2, seed=0)
     rows = [r for v in scaling.values() if isinstance(v, list) for r in v[1:]]
     assert len(rows) == 22 and all(r["ratio_per_doubling"] == 2.1 and r["ratio_interval"] == [2.1, 2.1] for r in rows)

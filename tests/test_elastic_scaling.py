@@ -127,3 +127,24 @@ def test_an_error_after_the_group_switch_goes_back_to_the_old_group(store, monke
     assert (ctl.models[0].maps.phy2log == phy2log).all() and ctl.models[0].num_physical == phy2log.shape[1]
     assert [r["phase"] for r in ctl.trace.records if r["event"] == "group_switch"] == ["prepare", "rollback"]
     ctl.close()
+
+
+def test_a_rollback_after_a_commit_fault_stays_failed_until_the_layers_are_reloaded(store, monkeypatch):
+    """A commit that raised part-way in the new group: no rollback to collecting; recover(reloaded=...) clears it."""
+    def commit_fault(ctl, sp, world, to_group, from_group):
+        ctl.rearranger.untrusted[("main", 1)] = "RuntimeError: injected half-written row"   # as broken_commit
+        ctl.rearranger.commit_fault(1)
+        return ctl.state
+
+    monkeypatch.setattr(scaling, "join_handshake", lambda ctl, sp: None)
+    monkeypatch.setattr(scaling, "rearrange_for_scale", commit_fault)
+    ctl = _serving(store)
+    out = _with_stand_in(store, None, lambda: ctl.request_scale(2, timeout_s=WAIT_S))
+    assert (out["outcome"], out["phase"]) == ("failed", "rollback"), out
+    assert "a commit raised part-way" in out["reason"]
+    assert (ctl.state, ctl.world_size, ctl.group_name) == ("failed", 1, "ep")
+    with pytest.raises(RuntimeError, match="model 'main' layer 1"):
+        ctl.recover()
+    ctl.recover(reloaded=[("main", 1)])
+    assert ctl.state == "collecting" and not ctl.rearranger.untrusted and not ctl.rearranger.broken_ranks
+    ctl.close()

@@ -75,30 +75,30 @@ def test_a_step_logs_only_when_asked():
 
 
 @pytest.mark.parametrize("summed, state, action", [
-    ([4, 0, 0], PLANNING, TAKE_PLAN),
-    ([4, 0, 0], TRANSFERRING, COMMIT_LAYER),
-    ([3, 0, 0], TRANSFERRING, WAIT),
-    ([3, 1, 0], TRANSFERRING, ABORT),
-    ([2, 0, 2], PLANNING, ABORT),
+    ([4, 0, 0, 0], PLANNING, TAKE_PLAN),
+    ([4, 0, 0, 0], TRANSFERRING, COMMIT_LAYER),
+    ([3, 0, 0, 0], TRANSFERRING, WAIT),
+    ([3, 1, 0, 0], TRANSFERRING, ABORT),
+    ([2, 0, 2, 0], PLANNING, ABORT),
 ])
 def test_progress_reads_the_summed_ready_failed_late_flags(summed, state, action):
     """All four ready: take the result; fewer: wait; any failure or lateness: abort."""
     verdict = decide_progress([float(v) for v in summed], 4, state)
     assert verdict.action == action
-    assert (verdict.ready, verdict.failed, verdict.late) == tuple(summed)
+    assert (verdict.ready, verdict.failed, verdict.late, verdict.broken) == tuple(summed)
 
 
 def test_progress_before_the_ready_step_aborts_on_a_failure_but_not_on_lateness():
     """early (a paced layer's flags joined before its ready step): late ranks wait, a failed rank still aborts."""
-    assert decide_progress([0.0, 0.0, 2.0], 2, TRANSFERRING, early=True).action == WAIT
-    assert decide_progress([1.0, 1.0, 1.0], 2, TRANSFERRING, early=True).action == ABORT
-    assert decide_progress([0.0, 0.0, 2.0], 2, TRANSFERRING).action == ABORT
+    assert decide_progress([0.0, 0.0, 2.0, 0.0], 2, TRANSFERRING, early=True).action == WAIT
+    assert decide_progress([1.0, 1.0, 1.0, 0.0], 2, TRANSFERRING, early=True).action == ABORT
+    assert decide_progress([0.0, 0.0, 2.0, 0.0], 2, TRANSFERRING).action == ABORT
 
 
 def test_a_sync_layer_commits_unless_a_rank_failed():
     """The per-layer agreement aborts on any failure and commits otherwise."""
-    assert decide_layer([2.0, 0.0, 0.0]).action == COMMIT_LAYER
-    assert decide_layer([1.0, 1.0, 0.0]).action == ABORT
+    assert decide_layer([2.0, 0.0, 0.0, 0.0]).action == COMMIT_LAYER
+    assert decide_layer([1.0, 1.0, 0.0, 0.0]).action == ABORT
 
 
 def test_a_broken_commit_on_any_rank_aborts_every_agreement():
@@ -109,7 +109,7 @@ def test_a_broken_commit_on_any_rank_aborts_every_agreement():
         assert decide_progress([2.0, 0.0, 0.0, 1.0], 2, state, early=True).action == ABORT
     assert decide_progress([2.0, 0.0, 0.0, 0.0], 2, COMMITTING).action == COMMIT_LAYER
     with pytest.raises(ValueError, match="summed flags must be"):
-        decide_layer([1.0, 0.0])
+        decide_layer([1.0, 0.0, 0.0])   # the old three flags, without broken
 
 
 def test_a_plan_is_worth_moving_only_above_the_gain_threshold_unless_a_scale_forces_it():

@@ -18,7 +18,7 @@ from eplb_fsm import EplbController
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.sim.loads import zipf_load
 from eplb_fsm.sim.model import ToyMoE
-from eplb_fsm.testing.threads import ThreadGroup, run_threads
+from eplb_fsm.testing.threads import ThreadGroup, ThreadWorld, run_threads
 from eplb_fsm.transfer.groups import StoreGroup, connect_store, host_store
 
 LAYERS = 3
@@ -240,3 +240,53 @@ def test_recover_refuses_on_every_rank_when_a_late_rank_committed_a_layer_its_pe
     assert not np.array_equal(maps0, maps1)   # the late rank did commit one more layer
     assert state0 == state1 == "failed"
 
+
+
+def _failed_alone():
+    """A world-1 controller sent to failed by a fault that is not recoverable."""
+    ctl = EplbController(EplbConfig(window_size=2, step_interval=4, num_redundant_experts=2), keep_trace=True)
+    ctl.add_model(ToyMoE(num_layers=2, num_experts=4, num_redundant=2, hidden=8, rank=0, world_size=1), "m")
+    ctl.fire("fault", extra={"reason": "test"}, recoverable=False)
+    return ctl
+
+
+@pytest.mark.parametrize("reloaded, match", [
+    (1, "reloaded must be True, False or \\(model name, layer\\) pairs, got 1"),
+    ("m", "reloaded must be True, False or \\(model name, layer\\) pairs, got 'm'"),
+    ([("x", 0)], "reloaded must hold \\(model name, layer\\) pairs of added models, got \\('x', 0\\)"),
+    ([("m",)], "reloaded must hold \\(model name, layer\\) pairs of added models, got \\('m',\\)"),
+    ([("m", 2)], "reloaded names layer 2 of model 'm', which has layers 0..1"),
+    ([("m", True)], "reloaded names layer True of model 'm'"),
+])
+def test_recover_refuses_a_bad_reloaded_before_anything_changes(reloaded, match):
+    """recover(reloaded=...) that is not a bool or (added model, layer in range) pairs: ValueError, still failed."""
+    ctl = _failed_alone()
+    records = len(ctl.trace.records)
+    with pytest.raises(ValueError, match=f"recover\\(\\): {match}"):
+        ctl.recover(reloaded=reloaded)
+    assert ctl.state == "failed" and len(ctl.trace.records) == records
+    ctl.close()
+
+
+def test_recover_takes_a_numpy_bool_as_reloaded():
+    """reloaded=np.True_ (as a flag computed with numpy) counts as True: the untrusted layer is confirmed."""
+    ctl = _failed_alone()
+    ctl.rearranger.untrusted[("m", 1)] = "RuntimeError: injected"
+    ctl.rearranger.broken_ranks = 1
+    ctl.recover(reloaded=np.True_)
+    assert ctl.state == "collecting" and not ctl.rearranger.untrusted and not ctl.rearranger.broken_ranks
+    ctl.close()
+
+
+@pytest.mark.parametrize("group, match", [
+    (object(), "recover\\(\\): group must be a torch.distributed process group"),
+    (ThreadWorld(2).group(1), "recover\\(\\): group must give this rank number 0 of 1 .* got rank 1 of 2"),
+])
+def test_recover_refuses_a_group_of_another_rank_or_kind_before_anything_changes(group, match):
+    """recover(group=...) that is no group, or gives another rank number or size: ValueError, the old group kept."""
+    ctl = _failed_alone()
+    name = ctl.group_name
+    with pytest.raises(ValueError, match=match):
+        ctl.recover(group=group)
+    assert (ctl.state, ctl.group_name) == ("failed", name)
+    ctl.close()

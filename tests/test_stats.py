@@ -11,6 +11,7 @@ from eplb_fsm.stats import (
     RemapPlan,
     aggregate_logical,
     balancedness,
+    load_fault,
     rank_loads_physical,
 )
 
@@ -308,3 +309,12 @@ def test_balancedness_refuses_nan_infinite_and_negative_loads(bad):
     """A NaN, infinite or negative rank load is a ValueError naming rank_loads (NaN scored a perfect 1.0 before)."""
     with pytest.raises(ValueError, match="rank_loads must hold finite loads >= 0"):
         balancedness(bad)
+
+
+@pytest.mark.parametrize("loads, reason", [([1.0, 0.0], None), ([], None), ([np.nan, -1.0], "NaN in the load"),
+                                           ([1.0, -np.inf], "infinite load"), ([np.inf], "infinite load"),
+                                           ([[2.0], [-3.0]], "negative load (min -3.0)")])
+def test_load_fault_names_the_first_rule_broken(loads, reason):
+    """load_fault: None for finite loads >= 0 (numpy or torch), else NaN, then infinite, then negative."""
+    assert load_fault(np.array(loads)) == reason
+    assert load_fault(torch.tensor(loads, dtype=torch.float64)) == reason

@@ -58,6 +58,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from eplb_fsm.fsm.collectives import flags
+from eplb_fsm.fsm.faults import needs_reload
 from eplb_fsm.fsm.decide import agreed_ranks, decide_salvage, salvage_vote
 from eplb_fsm.elastic.bounds import ScaleDeadline
 from eplb_fsm.maps import check_seconds
@@ -188,6 +189,11 @@ def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | N
 # scale-down: transfer in the old group, then the survivors switch
 
 
+# a salvage or rollback from failed would serve the half-written layers of a commit that raised part-way
+_RELOAD_FIRST = ("a commit raised part-way (docs/design.md §8): reload the layers it names, then "
+                 "recover(reloaded=...)")
+
+
 def _scale_down(ctl: Any, req: ScaleRequest) -> dict:
     sp = req.sp
     leaving = req.new_rank < 0
@@ -242,7 +248,7 @@ def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, fr
     lost = lost_when_remapped(ctl.models, from_group)
     recovering(ctl, req.deadline)
     try:
-        mine = flags(*salvage_vote(committed, lost))
+        mine = flags(*salvage_vote(committed, bool(lost) or needs_reload(ctl.rearranger)))
         agreed = reduce_on(ctl, new_group, {"salvage": mine}, late_timeout(ctl))["salvage"]
     except Exception as exc:
         reason = f"survivors could not agree on the new group: {exc}"
@@ -251,7 +257,7 @@ def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, fr
     ranks = agreed_ranks(agreed)
     if not decide_salvage(agreed, ranks):
         reason = ("experts lost with the leaving rank(s): " + describe_lost(lost)) if lost else \
-            "survivors disagree on the committed layers"
+            _RELOAD_FIRST if needs_reload(ctl.rearranger) else "survivors disagree on the committed layers"
         return give_up(ctl, req, "survivor", "salvage", reason, lost)
     reason = "a leaving rank died before the scale-down finished; every expert still has a replica on a survivor"
     ctl.fire("salvaged", extra={"reason": reason, "scale": sp.generation, "generation": sp.generation})
@@ -321,7 +327,7 @@ def _roll_back_up(ctl: Any, req: ScaleRequest, old: tuple, new_group: Any, back:
     lost = project_back(ctl, back) if back is not None else []
     recovering(ctl, req.deadline)
     try:
-        mine = flags(*salvage_vote(committed, lost, count=False))
+        mine = flags(*salvage_vote(committed, bool(lost) or needs_reload(ctl.rearranger), count=False))
         agreed = ctl.collectives.all_reduce({"rollback": mine}, late_timeout(ctl))["rollback"]
     except Exception as exc:
         ctl.rearranger.group_fault(exc)
@@ -330,7 +336,7 @@ def _roll_back_up(ctl: Any, req: ScaleRequest, old: tuple, new_group: Any, back:
     if not decide_salvage(agreed, old_world):
         reason = ("experts lost moving back to the old group: " + describe_lost(lost) + "; the maps give each "
                   "a slot whose weights must be reloaded before recover()") if lost else \
-            "old ranks disagree on the committed layers"
+            _RELOAD_FIRST if needs_reload(ctl.rearranger) else "old ranks disagree on the committed layers"
         return give_up(ctl, req, "member", "rollback", reason, lost)
     reason = "scale-up aborted in the new group; the old group keeps serving" + (f" ({cause})" if cause else "")
     if state == FAILED:

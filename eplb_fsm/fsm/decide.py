@@ -124,11 +124,11 @@ class Progress:
 
 
 def _counts(summed: Sequence[float]) -> tuple[int, int, int, int]:
-    """``[ready, failed, late]`` or ``[ready, failed, late, broken]`` as four integer counts."""
+    """``[ready, failed, late, broken]`` as four integer counts."""
     values = [int(round(float(v))) for v in summed]
-    if len(values) not in (3, 4):
-        raise ValueError(f"summed flags must be [ready, failed, late(, broken)], got {len(values)} values")
-    ready, failed, late, broken = values + [0] * (4 - len(values))
+    if len(values) != 4:
+        raise ValueError(f"summed flags must be [ready, failed, late, broken], got {len(values)} values")
+    ready, failed, late, broken = values
     return ready, failed, late, broken
 
 

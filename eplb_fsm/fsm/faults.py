@@ -14,6 +14,8 @@ of the same names:
   async: its next ready flags, in ``committing`` for the last layer).
 - :func:`commit_fault`: that agreement counted broken commits: every rank fires a fault that is
   not recoverable, on the same step; ``recover()`` then needs ``reloaded`` (fsm/recovery.py).
+- :func:`needs_reload` (a plain function, no method): whether such a fault still waits for
+  ``recover(reloaded=...)``; an elastic salvage or rollback then votes no (elastic/scaling.py).
 - :func:`interruptible`: around each piece of a rearrangement. Anything that escapes it (a
   ``KeyboardInterrupt``, ``SystemExit``, an error no path expected) first sends the machine to
   ``failed`` with a fault naming it, then goes on up. It cannot wait for an agreement, so the
@@ -30,7 +32,7 @@ import structlog
 from eplb_fsm.fsm.machine import COMMITTING, FAILED, PLANNING, TRANSFERRING
 from eplb_fsm.safe_log import log_safely
 
-__all__ = ["abort", "group_fault", "transfer_fault", "broken_commit", "commit_fault", "interruptible"]
+__all__ = ["abort", "group_fault", "transfer_fault", "broken_commit", "commit_fault", "needs_reload", "interruptible"]
 
 _log = structlog.get_logger("eplb_fsm")
 LIVE = (PLANNING, TRANSFERRING, COMMITTING)   # a rearrangement is in flight
@@ -107,6 +109,13 @@ def commit_fault(r: Any, broken_ranks: int) -> str:
     r.broken_ranks = max(r.broken_ranks, int(broken_ranks))
     reason = f"a commit raised part-way on {broken_ranks} rank(s)" + (f"; here {'; '.join(own)}" if own else "")
     return abort(r, reason, recoverable=False, commit_failed_ranks=int(broken_ranks))
+
+
+def needs_reload(r: Any) -> bool:
+    """Whether a commit raised part-way (on this rank: ``r.untrusted``; on any: ``r.broken_ranks``) and no
+    ``recover(reloaded=...)`` has confirmed the reload yet. Only ``recover()`` may then leave ``failed``:
+    an elastic salvage or rollback would serve those layers' half-written weights, so it votes no."""
+    return bool(r.untrusted) or r.broken_ranks > 0
 
 
 @contextmanager

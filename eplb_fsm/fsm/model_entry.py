@@ -77,6 +77,11 @@ class ModelEntry:
         old_row = self.maps.phy2log[layer].copy()
         self.maps.replace_layer(layer, new_row)
         self.window.remap_layer(layer, old_row, new_row, self.num_logical)
+        self.publish_row(layer)
+
+    def publish_row(self, layer: int) -> None:
+        """Copy one layer's ``log2phy`` (max_replicas,) and ``replica_count`` (N,) rows from the maps into
+        the router's tensors in place, and hand them to the model (``set_eplb_state``)."""
         self.log2phy[layer].copy_(torch.from_numpy(self.maps.log2phy[layer]))
         self.replica_count[layer].copy_(torch.from_numpy(self.maps.replica_count[layer]))
         self.model.set_eplb_state(self.window.load_pass, self.log2phy, self.replica_count)

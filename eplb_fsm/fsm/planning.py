@@ -22,7 +22,7 @@ import torch
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.policy.bounds import rank_loads
 from eplb_fsm.policy.movement.targets import align_rows
-from eplb_fsm.stats import aggregate_logical, balancedness
+from eplb_fsm.stats import aggregate_logical, balancedness, load_fault
 from eplb_fsm.transfer.plan import slot_moves
 
 __all__ = ["Plan", "bad_load_reason", "plan_placements", "local_loads", "split_loads",
@@ -58,13 +58,7 @@ def bad_load_reason(flat: torch.Tensor) -> str | None:
     """Why an all-reduced load can't be planned on (every rank sees the same tensor), or None."""
     if flat.numel() == 0:
         return "empty load"
-    if bool(torch.isnan(flat).any()):
-        return "NaN in the load"
-    if not bool(torch.isfinite(flat).all()):
-        return "infinite load"
-    if bool((flat < 0).any()):
-        return f"negative load (min {float(flat.min())})"
-    return None
+    return load_fault(flat)
 
 
 def plan_placements(policy: Any, models: Sequence[Any], loads: Sequence[torch.Tensor], *, num_nodes: int,

@@ -110,7 +110,8 @@ def recover(r: Any, reloaded: Any = False, group: Any = None) -> None:
 def _check_reloaded(r: Any, reloaded: Any) -> list | None:
     """``reloaded`` checked against the layers this rank's commits left untrusted; the pairs confirmed
     (None: nothing needed confirming). Raises before any collective."""
-    if isinstance(reloaded, bool):
+    if isinstance(reloaded, (bool, np.bool_)):   # a numpy bool too, as the other flags take it
+        reloaded = bool(reloaded)
         pairs: set | None = None
     elif isinstance(reloaded, (str, bytes)) or not hasattr(reloaded, "__iter__"):
         raise ValueError(f"recover(): reloaded must be True, False or (model name, layer) pairs, got {reloaded!r}")
@@ -152,7 +153,7 @@ def _check_group(r: Any, group: Any) -> Any:
         group, rank, world = resolve_group(group)
     except ValueError as exc:
         raise ValueError(f"recover(): {exc}") from None
-    if group is None or (rank, world) != (r.collectives.rank, r.collectives.world_size):
+    if (rank, world) != (r.collectives.rank, r.collectives.world_size):
         raise ValueError(f"recover(): group must give this rank number {r.collectives.rank} of "
                          f"{r.collectives.world_size} (a repair renumbers nothing; elastic EP resizes), got rank "
                          f"{rank} of {world}")

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from eplb_fsm.fsm.planning import Plan
-from eplb_fsm.stats import balancedness, rank_loads_physical
+from eplb_fsm.stats import balancedness, load_fault, rank_loads_physical
 from eplb_fsm.trace import EventTrace
 from eplb_fsm.safe_log import log_safely
 
@@ -131,8 +131,14 @@ class Reporter:
     def log_pass_balancedness(self, step: int, flat: torch.Tensor, models: list, world_size: int) -> None:
         """Balancedness of the current placements under this pass's (all-reduced) load.
 
-        ``flat``: (sum_m L_m * P_m,) the models' physical load passes, concatenated.
+        ``flat``: (sum_m L_m * P_m,) the models' physical load passes, concatenated. A pass with
+        a NaN, infinite or negative count logs no value (a warning says why): the same step's
+        planning, if due, rejects such loads as a recoverable fault (``loads_rejected``).
         """
+        fault = load_fault(flat)
+        if fault is not None:   # the same on every rank: flat is all-reduced
+            log_safely(_log, "warning", "eplb balancedness skipped", rank=self.rank, step=step, reason=fault)
+            return
         per_model: dict[str, float] = {}
         all_loads = []
         start = 0

@@ -84,9 +84,7 @@ class PreparedRow:
         entry.window.window[:, layer, :].copy_(window_rows)
         if pass_row is not None:
             entry.window.load_pass[layer].copy_(pass_row)
-        entry.log2phy[layer].copy_(torch.from_numpy(self.log2phy))
-        entry.replica_count[layer].copy_(torch.from_numpy(self.counts))
-        entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
+        entry.publish_row(layer)
 
 
 class TransferredLayer(NamedTuple):
@@ -211,9 +209,7 @@ class LayerMover:
             if not np.array_equal(old_row, new_row):   # else the maps (and window) had flipped before the error
                 entry.window.remap_layer(local, old_row, new_row, entry.num_logical)
             entry.maps.replace_layer(local, new_row)
-            entry.log2phy[local].copy_(torch.from_numpy(entry.maps.log2phy[local]))
-            entry.replica_count[local].copy_(torch.from_numpy(entry.maps.replica_count[local]))
-            entry.model.set_eplb_state(entry.window.load_pass, entry.log2phy, entry.replica_count)
+            entry.publish_row(local)
         except Exception:
             pass
         return bool(np.array_equal(entry.maps.phy2log[local], new_row))

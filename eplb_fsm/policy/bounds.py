@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from eplb_fsm.maps import as_count, host_array
+from eplb_fsm.stats import load_fault
 
 __all__ = [
     "balancedness_bound",
@@ -47,8 +48,9 @@ def _weight64(weight: Any) -> np.ndarray:
     if not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_) or np.iscomplexobj(w):
         raise ValueError(f"weight must hold real numbers, got dtype {w.dtype}")
     w = w.astype(np.float64)
-    if w.size and not (w.min() >= 0 and np.isfinite(w).all()):  # min is NaN where any entry is
-        raise ValueError("weight must hold finite loads >= 0 (no NaN, inf or negative entry)")
+    fault = load_fault(w)
+    if fault is not None:
+        raise ValueError(f"weight must hold finite loads >= 0, got {fault}")
     return w
 
 
