@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from eplb_fsm.maps import as_count, host_array
-from eplb_fsm.stats import load_fault
 
 __all__ = [
     "balancedness_bound",
@@ -44,6 +43,8 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
 
 
 def _weight64(weight: Any) -> np.ndarray:
+    from eplb_fsm.stats import load_fault   # here, not at the top: stats imports torch, `eplb-fsm --help` must not
+
     w = _to_numpy(weight, "weight")
     if not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_) or np.iscomplexobj(w):
         raise ValueError(f"weight must hold real numbers, got dtype {w.dtype}")
