@@ -28,7 +28,7 @@ import re
 from collections import Counter
 
 from eplb_fsm.inspect.model import CollRun, CollectiveIndex
-from eplb_fsm.inspect.stepruns import calm_lines
+from eplb_fsm.inspect.stepruns import calm_lines, step_of
 
 MIN_LINES = 2000          # smaller files are read line by line: nothing to gain
 MIN_UNITS = 4             # a stretch shorter than this is read line by line
@@ -39,7 +39,6 @@ _STEP = b'"event":"step"'
 # replay only counts (anything the walker acts on is read record by record)
 _BULK_EVENTS = frozenset({"step", "collective_start", "collective_end", "balancedness", "stats", "load_stats"})
 _SEQ = re.compile(r'"seq":(\d+)')
-_STEPNO = re.compile(r'"step":(-?\d+)')
 _CSEQ = re.compile(r'"cseq":(\d+)')
 
 
@@ -136,7 +135,7 @@ def feed_units(w, lines: list[str], start: int, end: int, p: int, parse) -> bool
     if first_seq is None or last_seq != first_seq + (end - start) - 1 or (due is not None and first_seq != due):
         return False
     j0, step0 = step_at[0], recs[step_at[0]]["step"]
-    if _num(_STEPNO, lines[start + j0]) != step0 + 1 or _num(_STEPNO, lines[end - p + j0]) != step0 + units:
+    if step_of(lines[start + j0]) != step0 + 1 or step_of(lines[end - p + j0]) != step0 + units:
         return False
     for g, (j, c) in starts.items():
         if _num(_CSEQ, lines[start + j]) != c + 1 or _num(_CSEQ, lines[end - p + j]) != c + units:

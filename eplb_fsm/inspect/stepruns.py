@@ -33,7 +33,7 @@ import numpy as np
 
 from eplb_fsm.inspect.records import SILENCE_S
 
-__all__ = ["StepLines", "calm", "calm_lines", "feed_run", "seqs_follow", "step_run"]
+__all__ = ["STEP_NO", "StepLines", "calm", "calm_lines", "feed_run", "seqs_follow", "step_of", "step_run"]
 
 # A compact step record exactly as EventTrace writes it (keys in emit order, nothing but
 # an optional dummy flag after seq). A run of such lines in the replayed state is checked
@@ -43,7 +43,7 @@ _STEP_LINE = (r'\{"ts":' + _NUM + r',"rank":-?\d+,"world":\d+,"event":"step","st
               r'"seq":\d+(?:,"dummy":(?:true|false))?\}[ \t\r]*\n')
 _STEP_RUNS: dict[str, re.Pattern] = {}
 _SEQ = re.compile(r'"seq":(\d+)')
-_STEP = re.compile(r'"step":(-?\d+)')
+STEP_NO = re.compile(r'"step":(-?\d+)')
 
 
 def step_run(state: str) -> re.Pattern:
@@ -226,9 +226,9 @@ def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
     return False
 
 
-def _step_of(line: str) -> int | None:
+def step_of(line: str) -> int | None:
     """The ``step`` of a step line (read, not parsed)."""
-    m = _STEP.search(line)
+    m = STEP_NO.search(line)
     return int(m.group(1)) if m else None
 
 
@@ -246,7 +246,7 @@ def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], d
                 and seqs_follow(w, run, end - start, start + 1) and calm(run)):
             if w.plain_steps(end - start):
                 w.saw_run(lines[start], lines[end - 1])
-                w.step_seq.run(_step_of(lines[start]), _step_of(lines[end - 1]), end - start,
+                w.step_seq.run(step_of(lines[start]), step_of(lines[end - 1]), end - start,
                                w.n_steps + w.run_steps - (end - start), w.s.transitions)
                 if w.first is None:
                     w.first = parse(lines[start])

@@ -230,7 +230,9 @@ class Walker:
         self.plain_ok = ok and not due
         if self.seqs.jump is not None:   # a jump is open: this step's seq may be the one that went back (a swap)
             self.seqs.step(rec.get("seq"), self.n_steps, self._locate)
-        self.step_seq.run(rec.get("step"), rec.get("step"), 1, self.n_steps + self.run_steps, self.s.transitions)
+        step, before, ss = rec.get("step"), self.n_steps + self.run_steps, self.step_seq
+        if type(step) is not int or step - before != ss.base or len(self.s.transitions) != ss.tlen:   # else: runs on
+            ss.run(step, step, 1, before, self.s.transitions)
         self.n_steps += 1
 
     def _check_seq(self, rec: dict, ev: Any, seen: tuple | None = None) -> bool:

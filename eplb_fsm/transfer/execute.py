@@ -196,14 +196,14 @@ def _rearrange_layers(
         late: dict[int, Commit] = {}
         early: dict[int, Commit] | None = None  # run before layer k's messages
         hold: HeldReceives | None = None
-        # layer k-1's commit runs in up to two parts, each once: a part started and not
-        # ended raised (the layer may be partly written, and it is not counted as committed)
-        state = {"started": 0, "ended": 0}
+        # layer k-1's commit runs in up to two parts, each once: "torn" while one runs, so
+        # still set after it raised (the layer may be partly written, not counted as committed)
+        state = {"torn": False}
 
         def part(runs: dict[int, Commit], src: dict[int, list[torch.Tensor]], prev_w=prev_w, state=state) -> None:
-            state["started"] += 1
+            state["torn"] = True
             _apply_runs(runs, prev_w, src)
-            state["ended"] += 1
+            state["torn"] = False
 
         if prev_w is not None and halves == 2:
             late = sched.layer(k - 1).commit  # reads the other half: nothing waits for it
@@ -245,7 +245,7 @@ def _rearrange_layers(
             run_layer(prep, layer_w, into, comm, traces, meanwhile=meanwhile, hold=hold,
                       views=(views, recv_views[k % halves]))
         except BaseException as exc:  # any error, not only a TransferError: no layer may end half new
-            if prev_w is not None and state["started"] == state["ended"]:
+            if prev_w is not None and not state["torn"]:
                 try:  # layer k-1 ends fully new
                     if hold is not None:
                         hold.release()  # no held receive was posted before it ran
@@ -255,7 +255,7 @@ def _rearrange_layers(
                 except BaseException as commit_exc:
                     _commit_failed(commit_exc, k - 1, k - 1)
                     raise commit_exc from exc
-            if prev_w is not None and state["started"] != state["ended"]:
+            if state["torn"]:
                 _commit_failed(exc, k - 1, k - 1)  # layer k-1's commit raised: layers before it are new
             else:
                 with contextlib.suppress(AttributeError):  # an exception type without attributes of its own
