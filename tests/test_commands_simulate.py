@@ -70,7 +70,11 @@ def test_simulate_rejects_bad_arguments(capsys):
         (lambda t: ["--window", "100000000"], r"--window must be <= 100000, got 100000000"),
         # with --scale a fault on a rank that does not run at its step could never fire
         (lambda t: ["--redundant", "8", "--scale", "10:1", "--inject", "die:rank=1,step=11"],
-         r"--inject 'die:rank=1,step=11': with --scale, rank 1 .* may run steps 0-10 only"),
+         r"--inject 'die:rank=1,step=11': with --scale, rank 1 .* may run steps 0-9 only"),
+        # at its own scale step a leaving rank runs no engine step: the fault would never fire (it used to
+        # be accepted, then failed the run as never fired)
+        (lambda t: ["--redundant", "8", "--scale", "10:1", "--inject", "skip-step:rank=1,step=10"],
+         r"--inject 'skip-step:rank=1,step=10': with --scale, rank 1 .* may run steps 0-9 only \(it leaves"),
         (lambda t: ["--scale", "20:3", "--inject", "skip-step:rank=2,step=10"],
          r"--inject 'skip-step:rank=2,step=10': with --scale, rank 2 .* may run steps 20-39 only"),
         (lambda t: ["--min-gain", "2"], r"--min-gain must be a number in \[0, 1\], got 2.0"),
@@ -142,3 +146,43 @@ def test_a_reused_trace_dir_counts_only_this_runs_injections(tmp_path, capsys):
     assert report["earlier_traces"] is True and report["run_id"] not in (None, first["run_id"])
     sessions = Path(trace_dir, "rank00000.jsonl").read_text().count('"event":"header"')
     assert sessions == 2  # appended, not overwritten
+
+
+def test_help_names_every_load_source_and_what_each_is(capsys):
+    """--load's help names esft (batch by batch), esft:TASK (static whole-trace total, drifting) and example."""
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    load = text[text.index("--load LOAD "):text.index("--drift DRIFT ")]
+    for phrase in ("zipf", "esft (real routing, batch by batch", "next 4 sequences", "esft:TASK",
+                   "intent, law, summary or translation", "summed over the whole trace, one static load, plus the "
+                   "synthetic --drift", "example (the bundled ESFT intent aggregate, 26 x 64", "a load file"):
+        assert phrase in load, phrase
+
+
+def test_load_sources_behave_as_the_help_says():
+    """esft moves batch by batch (one target per 4 sequences); esft:TASK and example are one load drifting per interval."""
+    import numpy as np
+
+    from eplb_fsm.sim.run import SimOptions, load_targets
+
+    esft = load_targets(SimOptions(load="esft", steps=100, interval=25, drift=0.6))
+    assert (esft.phase_start, esft.phase_steps) == (1, 1) and len(esft.targets) == 124 // 4
+    task = load_targets(SimOptions(load="esft:intent", steps=100, interval=25, drift=0.6))
+    example = load_targets(SimOptions(load="example", steps=100, interval=25, drift=0.6))
+    assert task.phase_steps == 25 and np.array_equal(task.targets, example.targets)
+    flat = load_targets(SimOptions(load="esft:intent", steps=100, interval=25, drift=0.0))
+    assert all(np.allclose(t, flat.targets[0], rtol=1e-9, atol=0) for t in flat.targets)  # only --drift moves it
+
+
+def test_help_says_what_the_collective_timeout_bounds(capsys):
+    """--collective-timeout's help gives the engine all-reduce's own bound, and that bound is the injector's."""
+    from eplb_fsm.sim.inject import Injector
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    ct = text[text.index("--collective-timeout COLLECTIVE_TIMEOUT "):text.index("--watchdog S ")]
+    assert "The engine's forward all-reduce has its own bound: 3 x this + 10 s with --inject" in ct
+    assert "else the run's --timeout (with --scale also 60 s)" in ct
+    assert Injector([], collective_timeout_s=2.0).engine_timeout_s == 3 * 2.0 + 10

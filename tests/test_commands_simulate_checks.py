@@ -39,13 +39,29 @@ def test_trace_dir_is_created_or_refused(tmp_path):
     """A missing trace folder is created (with parents); a file, or a folder under one, is refused (--trace-dir)."""
     made = prepare_trace_dir(str(tmp_path / "a" / "b"))
     assert (tmp_path / "a" / "b").is_dir() and made == str(tmp_path / "a" / "b")
-    assert not list((tmp_path / "a" / "b").iterdir())  # the write check leaves nothing behind
+    # the write check leaves nothing behind; the ranks' progress folder is made up front
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["progress"]
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="^--trace-dir: .* exists and is not a directory"):
         prepare_trace_dir(str(tmp_path / "f"))
     with pytest.raises(ValueError, match="^--trace-dir: cannot create"):
         prepare_trace_dir(str(tmp_path / "f" / "sub"))
     assert prepare_trace_dir(None)  # a fresh temp folder
+
+
+def test_a_progress_entry_that_is_not_a_folder_is_refused(tmp_path, capsys):
+    """A file named progress in --trace-dir is a usage error naming --trace-dir (exit 2), not a crash of every rank."""
+    from eplb_fsm.cli import main
+
+    (tmp_path / "progress").write_text("x")
+    with pytest.raises(ValueError, match=r"^--trace-dir: .*progress exists and is not a directory; the ranks write"):
+        prepare_trace_dir(str(tmp_path))
+    argv = ["simulate", "--ranks", "2", "--layers", "2", "--experts", "8", "--redundant", "2", "--steps", "5",
+            "--no-progress", "--no-png", "--trace-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm simulate: error: --trace-dir: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("*.jsonl"))
 
 
 def test_png_path_rules(tmp_path):
@@ -114,6 +130,9 @@ def test_serving_spans_follow_the_scales():
 
     assert serving_spans(2, 40, _events("10:1", "20:3")) == ({0: [(0, 39)], 1: [(0, 10), (20, 39)], 2: [(20, 39)]},
                                                              None)
+    # engine steps: a leaving rank leaves at the start of its scale's step, before its engine step
+    assert serving_spans(2, 40, _events("10:1", "20:3"), engine=True) == (
+        {0: [(0, 39)], 1: [(0, 9), (20, 39)], 2: [(20, 39)]}, None)
     assert serving_spans(2, 40, _events("10:2", "15:3:absent", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
     assert serving_spans(2, 40, _events("15:3:late", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
 
@@ -130,9 +149,15 @@ def test_a_late_scale_parses_and_prints_back():
 
 @pytest.mark.parametrize("scale, spec, rule", [
     (["20:3"], "skip-step:rank=2,step=19", "rank 2 .* may run steps 20-39 only, so the fault at step 19 cannot fire"),
-    (["10:1"], "die:rank=1,step=11", "rank 1 .* may run steps 0-10 only"),
+    (["10:1"], "die:rank=1,step=11", "rank 1 .* may run steps 0-9 only"),
+    # a leaving rank leaves at the start of its scale's step: no engine step there for a fault without layer=
+    (["10:1"], "die:rank=1,step=10", r"rank 1 .* may run steps 0-9 only \(it leaves at the start of its scale's "
+                                     r"step, before that step's engine step, where a fault without layer= acts\)"),
+    (["10:1"], "skip-step:rank=1,step=10", "rank 1 .* may run steps 0-9 only"),
+    (["10:1"], "freeze:rank=1,step=10,seconds=1", "rank 1 .* may run steps 0-9 only"),
+    (["1:1"], "kill:rank=1,step=1", "rank 1 .* may run steps 0-0 only"),
     (["10:1"], "kill:rank=1,step=11,layer=0", "with layer= the fault fires at a transfer at step 11 or later"),
-    (["10:1", "20:2"], "freeze:rank=1,step=15,seconds=1", "may run steps 0-10 and 20-39 only"),
+    (["10:1", "20:2"], "freeze:rank=1,step=15,seconds=1", "may run steps 0-9 and 20-39 only, so"),
     (["10:3:absent"], "skip-step:rank=0,step=11", "the run stops at the end of step 10: its :absent scale-up"),
     (["10:3:absent"], "stall-layer:rank=2,layer=0", "rank 2 .* never runs"),
     (["10:3:late"], "skip-step:rank=0,step=11", "the run stops at the end of step 10: its :late scale-up"),
@@ -152,8 +177,9 @@ def test_a_fault_on_a_rank_that_does_not_run_then_is_refused(scale, spec, rule):
 @pytest.mark.parametrize("scale, spec", [
     (["20:3"], "skip-step:rank=2,step=20"),             # a joiner runs its scale's step
     (["20:3"], "kill:rank=2,step=5,layer=1"),           # fires at a transfer after it joined
-    (["10:1"], "die:rank=1,step=10"),                   # serves step 10 if the scale-down aborts
+    (["10:1"], "die:rank=1,step=9"),                    # its last engine step before it leaves
     (["10:1"], "kill:rank=1,step=10,layer=0"),          # the scale-down's own transfer
+    (["1:1"], "freeze:rank=1,step=1,seconds=1,layer=1"),
     (["10:1", "20:2"], "skip-step:rank=1,step=25"),     # the rank came back as a joiner
     (["10:3:absent"], "skip-step:rank=1,step=10"),      # before the run stops
     (["10:1"], "stall-layer:rank=1,layer=1"),

@@ -46,6 +46,15 @@ def _exit_on_rank_0(rank: int, world: int) -> int:
     return rank
 
 
+def _exit_early_while_rank_0_sleeps(rank: int, world: int, pid_dir: str) -> int:
+    _write_pid(pid_dir, rank)
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)  # gone without a report, as after an OOM kill or a segfault
+    time.sleep(60)  # busy, in no collective with rank 1: only the launcher can end it early
+    return rank
+
+
 def _write_pid(pid_dir: str, rank: int) -> None:
     with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as fh:
         fh.write(str(os.getpid()))
@@ -115,6 +124,15 @@ def test_a_rank_that_dies_is_reported():
     """A rank that exits without reporting (os._exit) is a failure with its exit code."""
     with pytest.raises(RankFailedError, match="exited with code 3"):
         run_ranks(_exit_on_rank_0, 2, timeout=30)
+
+
+def test_a_rank_that_dies_silently_stops_the_others(tmp_path):
+    """A rank gone without a report fails the call at once and the busy rank is stopped, not awaited for 60 s."""
+    # the deadline (30 s) is before the sleeper's end: waiting on the sleeper would be a RanksTimeoutError
+    with pytest.raises(RankFailedError, match="exited with code 3") as info:
+        run_ranks(_exit_early_while_rank_0_sleeps, 2, args=(str(tmp_path),), timeout=30)
+    assert list(info.value.failures) == [1] and info.value.values == {}
+    _assert_gone(str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -64,13 +64,16 @@ Every injection that fires writes a 'fault_injected' trace record; one that neve
 is reported and makes the run fail (exit 1); only this run's records count, even in a
 --trace-dir that holds earlier runs' traces. With --scale, R is the rank a process
 starts as (a joiner: the rank it joins as), and a fault on R at a step R does not run
-(a joiner before its scale, a leaving rank after its scale; every rank after an :absent
-or :late scale-up, which aborts and so stops the run) is refused (exit 2). SIGTERM or
+(a joiner before its scale, a leaving rank after its scale or, for a fault without
+layer=, at its scale's step: it leaves at the start of that step, before the engine step;
+every rank after an :absent or :late scale-up, which aborts and so stops the run) is
+refused (exit 2). SIGTERM or
 Ctrl-C stops every rank process (each writes an 'end' record), keeps the traces and
 exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
-the engine's forward all-reduces are traced too (group 'engine'), a rank stops at its
+the engine's forward all-reduces are traced too (group 'engine') and each waits at most
+3 x the collective timeout + 10 s (so the controller's waits fail first), a rank stops at its
 first fault and exits non-zero (not at one its scale then handled: survivors that
 salvaged a dead leaving rank serve on), and the report gives the replay verdict of the
 traces left in --trace-dir: a failed run's report leads with it when it blames a rank
@@ -101,7 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--window", type=int, default=40, help="load window (passes), default 40")
     r.add_argument("--mode", choices=("sync", "async"), default="sync", help="transfer mode, default sync")
     r.add_argument("--load", default="zipf",
-                   help="load source: zipf (drifting skew), esft (ESFT routing traces) or a load file; default zipf")
+                   help="load source, default zipf: zipf (a zipf skew that drifts, see --drift); esft (real "
+                        "routing, batch by batch: each step routes the next 4 sequences of the bundled ESFT intent "
+                        "traces, or of $EPLB_FSM_ESFT_DIR, cycling; no --drift); esft:TASK (TASK intent, law, "
+                        "summary or translation: that task's token counts summed over the whole trace, one static "
+                        "load, plus the synthetic --drift); example (the bundled ESFT intent aggregate, 26 x 64: "
+                        "the same load as esft:intent); or a load file (.npy, .npz, .pt, .json or a trace folder, "
+                        "drifting too). A load of another shape is fitted to --layers x --experts (it says so)")
     r.add_argument("--drift", type=float, default=0.6,
                    help="lognormal drift sigma per interval (zipf/file), 0..100, default 0.6")
     r.add_argument("--seed", type=int, default=0, help="seed of weights, batches and load, default 0")
@@ -114,8 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--dummy-every", type=int, default=0,
                    help="every n-th step is a dummy step (0: none, else >= 2), default 0")
     r.add_argument("--collective-timeout", type=float, default=None,
-                   help="seconds any wait on other ranks may take before it is a fault, default 20 "
-                        "(5 with --inject)")
+                   help="the controller's collective_timeout_s: seconds its collectives and transfers may wait "
+                        "on other ranks before it is a fault (a few waits derived from it are longer, e.g. the "
+                        "agreements after a fault: 4 x this + 5 s), default 20 (5 with --inject). The "
+                        "engine's forward all-reduce has its own bound: 3 x this + 10 s with --inject (set longer "
+                        "than this so that the controller's waits time out first), else the "
+                        "run's --timeout (with --scale also 60 s)")
     r.add_argument("--watchdog", type=float, default=None, metavar="S",
                    help="log a 'stuck' trace record when planning, a transferring layer or committing makes "
                         "no progress for S seconds (0: off); default off, half the collective timeout with "

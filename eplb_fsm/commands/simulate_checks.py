@@ -13,7 +13,8 @@ files are the one thing cleared: the live line reads every rank file there, so a
 run's would show as ranks of this one.
 
 With ``--scale``, :func:`check_injections_serve` refuses an ``--inject`` fault on a rank
-that provably does not run at its step (a joiner before it joins, a rank after it left).
+that provably does not run at its step (a joiner before it joins, a rank after it left, or
+at its leaving scale's step for a fault without ``layer=``: it leaves before that engine step).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import json
 import tempfile
 from pathlib import Path
 
-__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "load_error", "load_note", "prepare_trace_dir",
-           "run_id_after", "serving_spans", "trace_sizes"]
+__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "load_error", "load_note", "prepare_progress",
+           "prepare_trace_dir", "run_id_after", "serving_spans", "trace_sizes"]
 
 RANK0_FILE = "rank00000.jsonl"  # eplb_fsm.trace.trace_path(dir, 0).name, without importing torch
 PROGRESS_DIR = "progress"       # eplb_fsm.sim.run.progress_path's folder, without importing torch
@@ -93,7 +94,8 @@ def _writable(directory: Path) -> str | None:
 
 
 def prepare_trace_dir(path: str | None) -> TraceDir:
-    """The trace folder, created if missing and checked writable; ValueError naming ``--trace-dir`` otherwise.
+    """The trace folder, created if missing and checked writable, with its ``progress/`` folder
+    (:func:`prepare_progress`); ValueError naming ``--trace-dir`` otherwise.
 
     A folder that already holds traces is kept: the run appends (see :class:`TraceDir`).
     """
@@ -109,8 +111,29 @@ def prepare_trace_dir(path: str | None) -> TraceDir:
     why = _writable(p)
     if why:
         raise ValueError(f"--trace-dir: cannot write in {p}: {why}")
-    clear_progress(p)
+    prepare_progress(p)
     return TraceDir(str(p), trace_sizes(p))
+
+
+def prepare_progress(directory: Path) -> None:
+    """``progress/`` in the trace folder: a writable folder, created if missing, an earlier run's files cleared.
+
+    Every rank writes its live-progress file there: a file (or anything else) in its place
+    would pass the other checks and then crash every rank, so it is a ValueError naming
+    ``--trace-dir`` here, before any rank starts.
+    """
+    progress = directory / PROGRESS_DIR
+    if progress.exists() and not progress.is_dir():
+        raise ValueError(f"--trace-dir: {progress} exists and is not a directory; the ranks write their "
+                         f"live-progress files in that folder, so move or remove it")
+    try:
+        progress.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--trace-dir: cannot create {progress}: {exc.strerror or exc}") from None
+    why = _writable(progress)
+    if why:
+        raise ValueError(f"--trace-dir: cannot write in {progress}: {why}")
+    clear_progress(directory)
 
 
 def clear_progress(directory: Path) -> None:
@@ -189,16 +212,20 @@ def load_error(load: str, exc: Exception) -> ValueError:
     return ValueError(f"--load: {text}")
 
 
-def serving_spans(ranks: int, steps: int, events) -> tuple[dict[int, list[tuple[int, int]]], int | None]:
+def serving_spans(ranks: int, steps: int, events, engine: bool = False,
+                  ) -> tuple[dict[int, list[tuple[int, int]]], int | None]:
     """Under ``--scale`` with ``--inject``: rank -> [(first, last) step a process of that rank may run], and
     the step of an ``:absent`` or ``:late`` scale-up at whose end the run stops (None: it runs to ``steps - 1``).
 
     A process keeps the rank it starts or joins as: a scale-down's leaving ranks are the highest,
     a scale-up's joiners take the new ones. A leaving rank's last step is its scale's: it
-    transfers then, and serves that step too if the scale aborts. An ``:absent`` scale-up
-    aborts (its joiners never start; ``:late`` ones start after the abort and never serve) and,
-    while injecting, every rank stops at the end of that step, its first fault. ``events``:
-    ``ScaleEvent``s (``step``, ``ranks``, ``absent``, ``late``).
+    transfers then. With ``engine``, the last step it runs an engine step at (and so calls
+    the step hooks a fault without ``layer=`` acts in): the one before, as it leaves at the
+    start of its scale's step (only a scale that aborts would let it serve that step, and a
+    fault is not accepted on that chance). An ``:absent`` scale-up aborts (its joiners never start;
+    ``:late`` ones start after the abort and never serve) and, while injecting, every rank
+    stops at the end of that step, its first fault. ``events``: ``ScaleEvent``s (``step``,
+    ``ranks``, ``absent``, ``late``).
     """
     spans: dict[int, list[list[int]]] = {r: [[0, steps - 1]] for r in range(ranks)}
     size, stop = ranks, None
@@ -207,7 +234,7 @@ def serving_spans(ranks: int, steps: int, events) -> tuple[dict[int, list[tuple[
             stop = event.step
             break
         for r in range(event.ranks, size):  # scale-down: the highest ranks leave
-            spans[r][-1][1] = event.step
+            spans[r][-1][1] = event.step - 1 if engine else event.step
         for r in range(size, event.ranks):  # scale-up: joiners serve from the scale's step on
             spans.setdefault(r, []).append([event.step, steps - 1])
         size = event.ranks
@@ -221,21 +248,28 @@ def serving_spans(ranks: int, steps: int, events) -> tuple[dict[int, list[tuple[
 def check_injections_serve(injections, ranks: int, steps: int, events) -> None:
     """Refuse an ``--inject`` fault that cannot fire because its rank does not run then (see :func:`serving_spans`).
 
-    A fault with a step but no layer acts at that very step, so the rank must run it. A
-    ``kill``/``freeze`` with a layer fires at the first transfer of it at a step >= S: the
-    rank must run at S or later (a joiner's transfers all come at or after its join). A
-    ``stall-layer`` needs only a process of that rank. ValueError naming ``--inject`` and
-    the rule; ``injections``: ``sim.inject.Injection``s.
+    A fault with a step but no layer acts in that very step's engine step, so the rank must
+    run it: a leaving rank leaves at the start of its scale's step, so its last such step is
+    the one before. A ``kill``/``freeze`` with a layer fires at the first transfer of it at
+    a step >= S: the rank must run at S or later (a leaving rank transfers at its scale's
+    step; a joiner's transfers all come at or after its join). A ``stall-layer`` needs only
+    a process of that rank. ValueError naming ``--inject`` and the rule; ``injections``:
+    ``sim.inject.Injection``s.
     """
     spans, stop = serving_spans(ranks, steps, events)
+    engine_spans, _ = serving_spans(ranks, steps, events, engine=True)
     drill = "late" if any(getattr(e, "late", False) and e.step == stop for e in events) else "absent"
     ended = (f"; the run stops at the end of step {stop}: its :{drill} scale-up aborts, and with --inject every "
              "rank stops at its first fault") if stop is not None else ""
     for inj in injections:
-        runs = spans.get(inj.rank, [])
+        at_step = inj.step is not None and inj.layer is None  # acts in the engine step itself
+        runs = (engine_spans if at_step else spans).get(inj.rank, [])
         shown = " and ".join(f"{a}-{b}" for a, b in runs)
+        leaving = at_step and any(a <= inj.step <= b for a, b in spans.get(inj.rank, []))  # its scale's step
+        leaves = (" (it leaves at the start of its scale's step, before that step's engine step, where a fault "
+                  "without layer= acts)") if leaving else ""
         where = (f"with --scale, rank {inj.rank} (the rank a process starts or joins as, kept until it leaves) "
-                 + (f"may run steps {shown} only" if runs else "never runs") + ended)
+                 + (f"may run steps {shown} only" if runs else "never runs") + leaves + ended)
         if inj.step is None:
             if not runs:
                 raise ValueError(f"--inject {inj.spec!r}: {where}, so the fault cannot fire")

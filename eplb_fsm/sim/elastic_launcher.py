@@ -3,15 +3,16 @@
 It hosts the TCP store every EP group is built from, starts the first ranks, starts a
 scale-up's joiners when old rank 0 announces the scale in the store (never for
 ``STEP:RANKS:absent``; for ``STEP:RANKS:late`` once old rank 0 has put the scale's
-outcome there too), collects one result per process and stops them all at the end,
-at the first failure or at the deadline. A joiner whose scale aborted reports a result
+outcome there too), collects one result per process and stops them all at the end
+(after every process that reported had ``EXIT_GRACE`` s to exit on its own, as in
+``sim.launcher``: a clean run logs no signal), at the first failure (one reported, or
+a process gone without a report) or at the deadline. A joiner whose scale aborted reports a result
 (status ``not_joined``), not a failure. What each process runs is
 ``eplb_fsm.sim.elastic.run_elastic_rank``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import queue as queue_mod
 import time
@@ -19,6 +20,11 @@ import traceback
 from typing import Any
 
 from eplb_fsm.sim.elastic import JOINER_ID, outcome_key, run_elastic_rank, scale_events, spawn_key
+# the fixed-size launcher's bookkeeping: a dead or failed process stops the run the same way in both
+from eplb_fsm.sim.launcher import (
+    RankFailedError, RanksTimeoutError, await_exit, check_timeout, note_unreported_deaths, process_context,
+    settle_after_failure, stop_processes,
+)
 
 __all__ = ["run_elastic", "settle_after_failure"]
 
@@ -40,27 +46,12 @@ def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, 
     results.put((pid_key, "ok", value))
 
 
-def settle_after_failure(procs: dict, values: dict, failures: dict, results_q: Any) -> None:
-    """Once a process failed: the others are likely blocked on it, so take what they report
-    within a second, then count every process that died meanwhile (a signal) as failed too,
-    not as a bystander the launcher stopped."""
-    grace = time.monotonic() + 1.0
-    while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
-        with contextlib.suppress(queue_mod.Empty):
-            k2, s2, v2 = results_q.get(timeout=0.1)
-            (values if s2 == "ok" else failures)[k2] = v2
-    for k, p in procs.items():
-        if k not in values and k not in failures and p.exitcode not in (None, 0):
-            failures[k] = f"process exited with code {p.exitcode} without reporting"
-
-
 def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = None) -> list[dict]:
     """Run an elastic simulation; returns every process's result (first ranks, then joiners).
 
     Raises ``RankFailedError`` (keys: process ids) if a process raises or dies,
     ``RanksTimeoutError`` at the deadline; no child outlives the call.
     """
-    from eplb_fsm.sim.launcher import RankFailedError, RanksTimeoutError, check_timeout, process_context, stop_processes
     from eplb_fsm.transfer.groups import host_store
 
     events = scale_events(opts)
@@ -113,28 +104,20 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
             try:
                 key, status, payload = results_q.get(timeout=min(0.1, deadline - now))
             except queue_mod.Empty:
-                for key, p in procs.items():
-                    if key in values or key in failures or p.exitcode is None:
-                        continue
-                    with contextlib.suppress(queue_mod.Empty):
-                        k2, s2, v2 = results_q.get(timeout=0.5)
-                        (values if s2 == "ok" else failures)[k2] = v2
-                        continue
-                    failures[key] = f"process exited with code {p.exitcode} without reporting"
-                if failures:
-                    # the message drained above may be another process's: the dead one is named below
-                    settle_after_failure(procs, values, failures, results_q)
-                    break
-                continue
-            (values if status == "ok" else failures)[key] = payload
+                note_unreported_deaths(procs, values, failures, results_q)
+            else:
+                (values if status == "ok" else failures)[key] = payload
             if failures:
                 settle_after_failure(procs, values, failures, results_q)
                 break
     finally:
+        if procs and len(values) == len(procs):
+            # every process reported: let each finish its own exit, so a clean run logs no SIGTERM
+            await_exit(list(procs.values()))
         stop_processes(list(procs.values()))
         results_q.close()
         results_q.join_thread()
-        del store
+        store = None  # its last reference: the TCP store shuts down here
     if failures:
         err = RankFailedError(failures, values)
         err.processes = sorted(procs)  # issue 12 wiring: the report lists every joiner started

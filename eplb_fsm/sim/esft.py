@@ -14,7 +14,9 @@ layer file of a task lists the same sequences in the same order.
 - :func:`iter_esft_windows` / :func:`esft_load_windows`: sums of consecutive sequences,
   one ``(L, N)`` window per batch.
 
-Bad files raise ``ValueError`` naming the file (and line) and the problem.
+Bad files raise ``ValueError`` naming the file (and line) and the problem; an expert id must
+be at most :data:`MAX_EXPERT_ID` (the ids size the count arrays, so a huge one would
+ask for terabytes).
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ __all__ = [
     "BUNDLED_ESFT",
     "ESFT_PREFIX",
     "ESFT_TASKS",
+    "MAX_EXPERT_ID",
     "bundled_sequence_loads",
     "bundled_task",
     "esft_layers",
     "esft_load_windows",
     "esft_sequence_loads",
     "esft_token_scores",
+    "expert_id_rule",
     "has_esft_traces",
     "iter_esft_windows",
     "trace_file_layer",
@@ -47,6 +51,9 @@ BUNDLED_ESFT = Path(__file__).resolve().parent.parent / "data" / "esft_routing.n
 ESFT_TASKS = ("intent", "law", "summary", "translation")
 #: prefix naming a bundled task where a trace directory is accepted
 ESFT_PREFIX = "esft:"
+#: largest expert id a trace or summary.json may name: `plan` allows at most 16,384 slots per
+#: layer (its MAX_SLOTS) and every expert needs a slot, so no plannable layer has more experts
+MAX_EXPERT_ID = 16_384 - 1
 
 _TRACE_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
 
@@ -111,6 +118,12 @@ def _trace_files(directory: Path, layers: list[int] | None) -> list[tuple[int, P
     return [(layer, found[layer]) for layer in layers]
 
 
+def expert_id_rule() -> str:
+    """The rule every expert id of a load file must follow, as error messages state it."""
+    return (f"expert ids must be 0..{MAX_EXPERT_ID} (at most {MAX_EXPERT_ID + 1} experts per layer, "
+            "the most slots per layer `plan` allows)")
+
+
 def _read_trace(path: Path) -> list[np.ndarray]:
     """Expert ids of every sequence (one int64 array per line) of one layer file."""
     sequences = []
@@ -125,8 +138,14 @@ def _read_trace(path: Path) -> list[np.ndarray]:
                     ids = np.array(ids_text.split("\t"), dtype=np.int64) if ids_text else np.zeros(0, np.int64)
                 except ValueError:
                     raise ValueError(f"{path}:{line_no}: expert ids are not integers") from None
+                except OverflowError:  # past int64: over the limit below as well
+                    raise ValueError(f"{path}:{line_no}: an expert id does not fit in 64 bits; "
+                                     f"{expert_id_rule()}") from None
                 if ids.size and ids.min() < 0:
                     raise ValueError(f"{path}:{line_no}: negative expert id")
+                if ids.size and ids.max() > MAX_EXPERT_ID:
+                    raise ValueError(f"{path}:{line_no}: expert id {int(ids.max())} is too large; "
+                                     f"{expert_id_rule()}")
                 sequences.append(ids)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read trace: {exc}") from None

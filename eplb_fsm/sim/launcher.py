@@ -3,10 +3,12 @@
 ``run_ranks(fn, world_size, args)`` starts ``world_size`` processes, each of which
 joins a process group (gloo by default) through a TCP rendezvous on a port picked at
 run time, calls ``fn(rank, world_size, *args)`` and sends the return value back. The
-parent waits with a deadline on everything: a rank that raises makes the whole call
-raise :class:`RankFailedError` (with the rank's traceback) after the other ranks are
-stopped; ranks still running at the deadline are killed and :class:`RanksTimeoutError`
-is raised. No child outlives the call.
+parent waits with a deadline on everything: a rank that raises, or exits without a
+report, makes the whole call raise :class:`RankFailedError` (with the rank's traceback
+or exit code) as soon as the other ranks are stopped, not when they end; ranks still
+running at the deadline are killed and :class:`RanksTimeoutError` is raised. Ranks that
+all reported get :data:`EXIT_GRACE` s to exit on their own before the stop. No child
+outlives the call.
 
 ``fn`` and ``args`` must be picklable (a top-level function of an importable module).
 Processes come from a *forkserver* that has already imported torch, so starting a rank
@@ -23,18 +25,18 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from eplb_fsm.maps import MAX_SECONDS, check_seconds
 
 __all__ = ["run_ranks", "check_timeout", "find_free_port", "process_context", "stop_processes", "RankFailedError",
-           "RanksTimeoutError"]
+           "RanksTimeoutError", "EXIT_GRACE", "await_exit", "note_unreported_deaths", "settle_after_failure"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
 _ADDR_IN_USE = ("address already in use", "eaddrinuse", "errno: 98")
-# seconds the ranks of a run that fully reported get to exit on their own before the stop
-_EXIT_GRACE = 2.0
+#: seconds the processes of a run that fully reported get to exit on their own before the stop
+EXIT_GRACE = 2.0
 
 
 class RankFailedError(RuntimeError):
@@ -151,6 +153,46 @@ def stop_processes(procs: Sequence[mp.process.BaseProcess], grace: float = 2.0) 
     stop_groups(list(by_pid), grace, lambda pid: by_pid[pid].is_alive(), lambda pid, t: by_pid[pid].join(t))
 
 
+def _take(message: tuple, values: dict, failures: dict) -> None:
+    """File one ``(key, status, payload)`` report: a value when ``status`` is ``"ok"``, else a failure."""
+    key, status, payload = message
+    (values if status == "ok" else failures)[key] = payload
+
+
+def note_unreported_deaths(procs: Mapping[int, Any], values: dict, failures: dict, results_q: Any) -> None:
+    """After a quiet poll: each process (key -> process) gone without a report (killed, segfault,
+    ``os._exit``) is a failure, unless a report still in flight arrives within half a second."""
+    for key, p in procs.items():
+        if key in values or key in failures or p.exitcode is None:
+            continue
+        with contextlib.suppress(queue_mod.Empty):
+            # this message may be another process's: a still silent dead one is found next time
+            _take(results_q.get(timeout=0.5), values, failures)
+            continue
+        failures[key] = f"process exited with code {p.exitcode} without reporting"
+
+
+def settle_after_failure(procs: Mapping[int, Any], values: dict, failures: dict, results_q: Any) -> None:
+    """Once a process failed: the others are likely blocked on it, so take what they report
+    within a second, then count every process that died meanwhile (a signal) as failed too,
+    not as a bystander the launcher stopped. The caller then stops what is left."""
+    grace = time.monotonic() + 1.0
+    while len(values) + len(failures) < len(procs) and time.monotonic() < grace:
+        with contextlib.suppress(queue_mod.Empty):
+            _take(results_q.get(timeout=0.1), values, failures)
+    for k, p in procs.items():
+        if k not in values and k not in failures and p.exitcode not in (None, 0):
+            failures[k] = f"process exited with code {p.exitcode} without reporting"
+
+
+def await_exit(procs: Iterable[mp.process.BaseProcess], grace: float = EXIT_GRACE) -> None:
+    """Give processes that all reported up to ``grace`` s in all to finish their own exit (queue
+    flush, finalizers), so that the stop after it signals none of them and a clean run logs no signal."""
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+
+
 def _launch_once(
     ctx: mp.context.BaseContext,
     fn: Callable[..., Any],
@@ -175,6 +217,7 @@ def _launch_once(
         )
         for rank in range(world_size)
     ]
+    by_rank = dict(enumerate(procs))
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
@@ -190,40 +233,18 @@ def _launch_once(
             try:
                 rank, status, payload = results_q.get(timeout=min(0.2, deadline - now))
             except queue_mod.Empty:
-                # a rank that died without reporting (killed, segfault, os._exit)
-                for rank, p in enumerate(procs):
-                    if rank in values or rank in failures or p.exitcode is None:
-                        continue
-                    # its report may still be in flight: give the queue a moment
-                    with contextlib.suppress(queue_mod.Empty):
-                        r2, s2, v2 = results_q.get(timeout=0.5)
-                        _record(r2, s2, v2, values, failures)
-                        continue
-                    failures[rank] = f"process exited with code {p.exitcode} without reporting"
-                continue
-            _record(rank, status, payload, values, failures)
-            if status == "setup_error" and any(s in payload.lower() for s in _ADDR_IN_USE):
-                port_taken = True
+                note_unreported_deaths(by_rank, values, failures, results_q)
+            else:
+                _take((rank, status, payload), values, failures)
+                if status == "setup_error" and any(s in payload.lower() for s in _ADDR_IN_USE):
+                    port_taken = True
             if failures:
-                # the others are likely blocked on the failed rank: collect what arrives
-                # quickly, then stop everyone
-                grace_end = time.monotonic() + 1.0
-                while len(values) + len(failures) < world_size and time.monotonic() < grace_end:
-                    with contextlib.suppress(queue_mod.Empty):
-                        r2, s2, v2 = results_q.get(timeout=0.1)
-                        _record(r2, s2, v2, values, failures)
-                # ranks that died meanwhile (os._exit, a signal) are failures too, not bystanders
-                for r, p in enumerate(procs):
-                    if r not in values and r not in failures and p.exitcode not in (None, 0):
-                        failures[r] = f"process exited with code {p.exitcode} without reporting"
+                # the others are likely blocked on the failed rank (reported or silently dead)
+                settle_after_failure(by_rank, values, failures, results_q)
                 break
     finally:
         if len(values) == world_size:
-            # every rank reported: let each finish its own exit (queue flush, finalizers)
-            # before the stop below signals what is left, so a clean run logs no signal
-            end = time.monotonic() + _EXIT_GRACE
-            for p in procs:
-                p.join(max(0.0, end - time.monotonic()))
+            await_exit(procs)
         stop_processes(procs)
         results_q.close()
         results_q.join_thread()
@@ -243,13 +264,6 @@ def check_timeout(timeout: Any) -> float:
     except ValueError:
         raise ValueError(f"timeout: must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, "
                          f"got {timeout!r}") from None
-
-
-def _record(rank: int, status: str, payload: Any, values: dict, failures: dict) -> None:
-    if status == "ok":
-        values[rank] = payload
-    else:
-        failures[rank] = payload
 
 
 def run_ranks(

@@ -35,12 +35,14 @@ from eplb_fsm.maps import host_array
 from eplb_fsm.sim.esft import (
     BUNDLED_ESFT,
     ESFT_TASKS,
+    MAX_EXPERT_ID,
     bundled_sequence_loads,
     bundled_task,
     esft_layers,
     esft_load_windows,
     esft_sequence_loads,
     esft_token_scores,
+    expert_id_rule,
     has_esft_traces,
     iter_esft_windows,
     trace_file_layer,
@@ -140,7 +142,11 @@ def _summary_scores(scores: Any, source: str) -> np.ndarray:
             raise ValueError("no layers or experts")
         if min(experts) < 0:
             raise ValueError("negative expert id")
-        out = np.zeros((len(layers), max(experts) + 1), dtype=np.float64)
+        biggest = max(experts)
+        if biggest > MAX_EXPERT_ID:  # the largest id sizes the array: refuse it before allocating
+            layer = next(lay for lay in layers if any(int(e) == biggest for e in scores[lay]))
+            raise ValueError(f"layer {layer}: expert id {biggest} is too large; {expert_id_rule()}")
+        out = np.zeros((len(layers), biggest + 1), dtype=np.float64)
         for i, layer in enumerate(layers):
             for expert, value in scores[layer].items():
                 out[i, int(expert)] = float(value)

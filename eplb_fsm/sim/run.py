@@ -15,8 +15,9 @@ injection or elastic scaling plug in without touching this loop; a hook sees the
 :class:`RankContext` (controller, model, group, options) and can store results in
 ``ctx.extra``, which comes back in the rank's result.
 
-Every wait is bounded: collectives by ``collective_timeout_s`` (controller) or the
-process-group timeout (forward), the whole run by the launcher's deadline.
+Every wait is bounded: the controller's by ``collective_timeout_s``, the forward's all-reduce by the
+process-group timeout (the run's deadline; an elastic StoreGroup's: 60 s) or, while injecting, by
+``Injector.engine_timeout_s`` (3 x ``collective_timeout_s`` + 10 s); the whole run by the launcher's deadline.
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ def load_targets(opts: SimOptions) -> SimOptions:
     """Fill ``opts.targets`` / ``phase_*`` from ``opts.load`` (run once, in the parent).
 
     ``zipf``: a zipf skew that drifts (lognormal, sigma = ``drift``) once per interval, at
-    mid-interval so each rearrangement plans on one phase. ``esft``: real per-batch
-    routing of the ESFT 'intent' traces (4 sequences per batch), one batch per step,
-    cycling. A file path: that (L, N) load, drifting like zipf.
+    mid-interval so each rearrangement plans on one phase. ``esft``: real per-batch routing of the
+    ESFT 'intent' traces (4 sequences per batch), one batch per step, cycling. A file path, ``example``
+    or ``esft:<task>`` (the task's whole-trace token counts, not per batch): that (L, N) load, drifting.
     """
     from eplb_fsm.sim import loads
 
