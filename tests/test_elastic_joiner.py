@@ -2,7 +2,10 @@
 
 Argument errors are ValueErrors raised at once, never ScaleAborted or GroupBuildError and
 never a wait on the store. Each call runs in a thread joined with a timeout, so a call
-that would wait forever fails the test instead of hanging it.
+that would wait forever fails the test instead of hanging it. A joiner whose model does
+not match the serving rank's is refused before the group forms, in a real 1 -> 2 gloo
+scale-up whose serving rank runs request_scale in a thread; so is the trace of a joiner
+that raises once its controller exists.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 import threading
 
 import pytest
+import torch
 
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.elastic import ScaleAborted, make_scale_plan
@@ -167,3 +171,119 @@ def test_the_wait_for_the_transfer_group_is_covered_by_liveness(tmp_path, monkey
     end = read_trace(trace_path(tmp_path, 0))[0][-1]
     assert (end["event"], end.get("how"), end.get("error")) == (
         "end", "exception", "RuntimeError: injected: the transfer group did not form")
+
+
+@pytest.mark.parametrize("label, bad", [
+    ("store", dict(store="localhost:1234")),
+    ("namespace", dict(raw=True, namespace=None)),
+    ("namespace", dict(raw=True, namespace="")),
+    ("namespace", dict(raw=True, namespace="a/b")),
+    ("device", dict(device="bogus")),
+    ("trace_dir", dict(trace_dir=5)),
+])
+def test_store_namespace_device_and_trace_dir_are_checked_before_any_wait(store, label, bad):
+    """A str store, a raw store's None/''/'a/b' namespace, a bogus device, a non-path trace_dir: ValueError at once."""
+    bad = dict(bad)
+    target = connect_store(store, WAIT_S) if bad.pop("raw", False) else bad.pop("store", store)
+    exc = _bounded(lambda: _join(target, **bad))   # a wait would end in ScaleAborted (no handover comes)
+    rules = {"store": "store must be a StoreInfo or a torch.distributed.Store",
+             "namespace": "namespace must be a non-empty string without '/'",
+             "device": "device: 'bogus' is not a torch device",
+             "trace_dir": "trace_dir must be a non-empty path"}
+    assert type(exc) is ValueError and rules[label] in str(exc), exc
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_a_trace_dir_that_is_a_file_is_refused_before_any_wait(store, tmp_path, below):
+    """trace_dir naming a file, or a folder below one: ValueError naming trace_dir, without waiting for a handover."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = blocker / "traces" if below else blocker
+    exc = _bounded(lambda: _join(store, trace_dir=str(path)))
+    assert type(exc) is ValueError and f"trace_dir: {path} is not a folder" in str(exc), exc
+
+
+def test_a_model_that_does_not_fit_the_new_world_is_refused_before_any_wait(store):
+    """A joiner model built for 2 ranks joining a group of 4: ValueError naming the model and the rule, at once."""
+    exc = _bounded(lambda: _join(store, world_size=4))
+    assert type(exc) is ValueError and str(exc).startswith("model 'main': model.num_local_physical_experts (8)"), exc
+
+
+def _scale_up_beside(info, joiner_model, serving_model=None, **join_args):
+    """A real 1 -> 2 gloo scale-up: old rank 0 runs request_scale in a thread, the joiner ``join``s here.
+
+    Returns ``(what join raised, the serving rank's scaling entry, its controller)``; the thread is
+    joined with a timeout. The serving rank's group build waits 2 s for a joiner that does not come.
+    """
+    serving = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S), keep_trace=True,
+                             trace_dir=join_args.get("trace_dir"))
+    serving.add_model(serving_model or ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
+    serving.step()
+    outs: list = []
+    thread = threading.Thread(target=lambda: outs.append(serving.request_scale(2, timeout_s=2.0)), daemon=True)
+    thread.start()
+    try:
+        exc = _bounded(lambda: _join(info, {"main": joiner_model}, timeout_s=WAIT_S, **join_args))
+    finally:
+        thread.join(WAIT_S)
+    assert not thread.is_alive() and outs, "request_scale did not return"
+    return exc, outs[0], serving
+
+
+def _float32_serving():
+    """Old rank 0's model with float32 expert rows: the joiner's float64 rows would take the shorter
+    float32 messages without an error from gloo."""
+    model = ToyMoE(2, 4, 4, 4, 2, 0, 1)
+    model.expert_weights = [[t.to(torch.float32) for t in tensors] for tensors in model.expert_weights]
+    return model
+
+
+def _wide_rows_joiner():
+    """A joiner whose first expert tensor has (8, 8) rows where the serving rank's are (4, 4); its gates
+    (the non-expert weights) match, so only the expert rows differ, and gloo would fill the larger
+    rows from the shorter messages without an error."""
+    model = ToyMoE(2, 4, 12, 4, 2, 1, 2)
+    model.expert_weights = [[torch.zeros(8, 8, 8, dtype=torch.float64), b] for _, b in model.expert_weights]
+    return model
+
+
+@pytest.mark.parametrize("serving_model, joiner_model, field", [
+    (_float32_serving, lambda: ToyMoE(2, 4, 12, 4, 2, 1, 2),
+     "expert_weights[0][0] dtype torch.float64 differs from the serving ranks' torch.float32"),
+    (lambda: None, _wide_rows_joiner, "expert_weights[0][0] row shape (8, 8) differs from the serving ranks' (4, 4)"),
+])
+def test_a_joiner_whose_expert_weights_differ_is_refused_and_no_rank_switches(store, serving_model, joiner_model,
+                                                                              field):
+    """Expert rows of another dtype or shape: the joiner refuses naming the field, the scale aborts, nobody switched."""
+    exc, out, serving = _scale_up_beside(store, joiner_model(), serving_model())
+    try:
+        assert type(exc) is ValueError and f"model 'main': {field}" in str(exc), exc
+        assert (out["outcome"], out["phase"]) == ("aborted", "prepare"), out
+        # the serving rank's reason carries the joiner's refusal, not just a group that never formed
+        assert f"joiner rank 1 refused: model 'main': {field}" in out["reason"], out["reason"]
+        assert (serving.state, serving.world_size, serving.group_name) == ("collecting", 1, "ep")
+        assert not any(r["event"] == "transition" and r["trigger"] == "switched" for r in serving.trace.records)
+    finally:
+        serving.close()
+
+
+def test_a_joiner_that_raises_after_its_controller_is_built_ends_its_trace_crashed(store, tmp_path, monkeypatch):
+    """An error inside join after the controller exists: `end` how=exception with the error; replay says crashed."""
+    from eplb_fsm.elastic import joiner
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.trace import read_trace, trace_path
+
+    def broken(ctl, sp):
+        raise RuntimeError("injected: the handshake broke")
+
+    monkeypatch.setattr(joiner, "join_handshake", broken)
+    exc, out, serving = _scale_up_beside(store, ToyMoE(2, 4, 12, 4, 2, 1, 2), trace_dir=str(tmp_path))
+    serving.close()
+    assert isinstance(exc, RuntimeError) and not isinstance(exc, ScaleAborted), exc
+    assert out["outcome"] == "aborted", out
+    end = read_trace(trace_path(tmp_path, 1, generation=1))[0][-1]
+    assert (end["event"], end.get("how"), end.get("error")) == (
+        "end", "exception", "RuntimeError: injected: the handshake broke"), end
+    report = replay_dir(str(tmp_path))
+    assert report.verdict == "crashed" and sorted(report.culprit_ranks) == [1], report.summary
+    assert "RuntimeError: injected: the handshake broke" in report.summary, report.summary

@@ -9,6 +9,7 @@ The full flows with real joiners and leaving ranks are in tests/test_sim_elastic
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +149,40 @@ def test_a_rollback_after_a_commit_fault_stays_failed_until_the_layers_are_reloa
     ctl.recover(reloaded=[("main", 1)])
     assert ctl.state == "collecting" and not ctl.rearranger.untrusted and not ctl.rearranger.broken_ranks
     ctl.close()
+
+
+def test_a_leaving_rank_whose_old_group_broke_says_its_lost_experts_are_unknown(store, monkeypatch):
+    """Scale-down 2 -> 1, old group broken: the leaving rank's scale_aborted has lost_experts null, as documented."""
+    def broken(ctl, sp, world, to_group, from_group):
+        ctl.rearranger.group_fault(RuntimeError("injected: the old group broke"))
+        return ctl.state
+
+    monkeypatch.setattr(scaling, "rearrange_for_scale", broken)
+    outs: dict = {}
+    errors: list = []
+
+    def rank(r):
+        try:
+            ctl = EplbController(CONFIG, group=StoreGroup.connect(store, 0, r, 2, WAIT_S), keep_trace=True)
+            ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
+            out = ctl.request_scale(1, timeout_s=WAIT_S)
+            outs[r] = (out, [x for x in ctl.trace.records if x["event"] == "scale_aborted"])
+            ctl.close()
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    out, aborted = outs[1]   # rank 1 leaves
+    assert (out["role"], out["outcome"], out["phase"]) == ("leaving", "failed", "transfer"), out
+    # unknown, not "nothing lost": the survivors decide what is lost without this rank
+    assert len(aborted) == 1 and "lost_experts" in aborted[0] and aborted[0]["lost_experts"] is None, aborted
+    assert "lost_experts" in out and out["lost_experts"] is None, out   # its scaling record says the same
+    doc = (Path(__file__).parent.parent / "docs" / "events.md").read_text()
+    paragraph = doc[doc.index("`scale_aborted`: the scale did not complete"):]
+    paragraph = paragraph[:paragraph.index("```")]
+    assert "`null`" in paragraph and "leaving rank" in paragraph, paragraph

@@ -6,9 +6,11 @@ space, :func:`resize_models` tells the models their new rank and world. A leavin
 writes its last ``group_switch`` record with :func:`leave`.
 
 The handover to joiners: rank 0 of the old group publishes :func:`handover_state` (maps,
-counters, config) in the store before the new group forms; once it has formed, every
-rank of it runs :func:`join_handshake`: one "go" all-reduce, then the non-expert weights
-go from the old ranks to the joiners, point to point.
+counters, config, each model's layout and weight specs) in the store before the new group
+forms; a joiner that does not match it refuses before the group forms and says why under
+:func:`refusal_key` (the serving ranks' abort reason reads it, :func:`read_refusals`); once
+the group has formed, every rank of it runs :func:`join_handshake`: one "go" all-reduce,
+then the non-expert weights go from the old ranks to the joiners, point to point.
 
 All functions take the controller (``ctl``) first and use only its public port
 (:mod:`eplb_fsm.elastic.port`), for the flows in :mod:`eplb_fsm.elastic.scaling` and
@@ -26,13 +28,17 @@ from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.elastic.scale_plan import ScalePlan, place_lost, remap_columns, resize_window
 
 __all__ = [
+    "expert_specs",
     "handover_state",
     "join_handshake",
     "late_timeout",
     "leave",
     "non_expert_tensors",
     "project_back",
+    "publish_refusal",
+    "read_refusals",
     "reduce_on",
+    "refusal_key",
     "resize_models",
     "set_space",
     "use_group",
@@ -135,10 +141,11 @@ def handover_state(ctl: Any, sp: ScalePlan) -> dict:
         "config": config_for_handover(ctl.config),
         "models": [{
             "name": e.name, "num_layers": e.num_layers, "num_logical": e.num_logical,
-            "slots_per_rank": e.num_local, "phy2log": e.maps.phy2log.copy(),
+            "slots_per_rank": e.num_local, "num_groups": e.num_groups, "phy2log": e.maps.phy2log.copy(),
             "window": {"next_index": e.window.next_index, "filled": e.window.filled,
                        "size": e.window.window_size},
             "non_expert": non_expert_specs(e.model),
+            "expert_weights": expert_specs(e.model),
         } for e in ctl.models],
     }
 
@@ -151,6 +158,42 @@ def config_for_handover(config: Any) -> dict:
 def non_expert_specs(model: Any) -> list[tuple[tuple, str]]:
     """(shape, dtype) of each of a model's ``non_expert_weights`` (what a joiner's must match)."""
     return [(tuple(t.shape), str(t.dtype)) for t in (getattr(model, "non_expert_weights", None) or [])]
+
+
+def expert_specs(model: Any) -> list[list[tuple[tuple, str]]]:
+    """Per layer, the (row shape, dtype) of each ``expert_weights`` tensor: a tensor of shape
+    ``(S, *row)`` gives ``(row, dtype)``. A joiner's must equal the serving ranks': transfers
+    send rows as raw bytes, and gloo fills a larger receive buffer from a shorter message
+    without complaint, so another row size or dtype would serve garbage rows."""
+    return [[(tuple(t.shape[1:]), str(t.dtype)) for t in tensors] for tensors in model.expert_weights]
+
+
+def refusal_key(namespace: str, generation: int, rank: int) -> str:
+    """The store key under which joiner ``rank`` of ``generation`` says why it refused the handover."""
+    return f"{namespace}/g{generation}/refused/{rank}"
+
+
+def publish_refusal(store: Any, key: str, reason: str) -> None:
+    """A joiner that refuses the handover says why (best effort: the joiner's own ValueError is what
+    counts, so a store that fails here changes nothing but the serving ranks' reason)."""
+    try:
+        store.set(key, reason.encode())
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
+def read_refusals(ctl: Any, sp: ScalePlan) -> list[str]:
+    """``"joiner rank j refused: why"`` for each joiner of the scale that published a refusal (no wait:
+    read once the new group failed to form, which a refusing joiner causes)."""
+    found = []
+    for j in sp.joiners:
+        key = refusal_key(ctl.group.namespace, sp.generation, j)
+        try:
+            if ctl.group.store.check([key]):
+                found.append(f"joiner rank {j} refused: {ctl.group.store.get(key).decode(errors='replace')}")
+        except Exception:  # noqa: BLE001 - a store that fails now only costs the reason its detail
+            pass
+    return found
 
 
 def join_handshake(ctl: Any, sp: ScalePlan) -> tuple[str, str] | None:

@@ -47,13 +47,15 @@ def tag_history(ctl: Any, sp: ScalePlan, count_before: int) -> None:
 
 
 def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: float, step: int, old_rank: int,
-                   reason: str | None = None, lost: list | None = None, degraded: bool = False,
+                   reason: str | None = None, lost: list | tuple | None = (), degraded: bool = False,
                    phase: str | None = None, bounds: dict | None = None, partial: bool = False) -> dict:
     """This rank's entry for one scale request: appended to ``ctl.scalings`` and traced as ``scaling``.
 
     ``phase``: where a scale that did not simply switch ended (prepare, handover, transfer,
     salvage, rollback); ``bounds``: its deadlines (``deadline_s``, ``bound_s``, see elastic.bounds);
     ``partial``: a scale-up that switched although its rearrangement stopped part-way (elastic.partial).
+    ``lost``: the experts no working rank holds any more; ``None`` when this rank cannot know
+    (a leaving rank whose old group broke), traced as ``null``.
     """
     plan_entry = None
     if ctl.history and ctl.history[-1].get("scale") == sp.generation:
@@ -75,7 +77,7 @@ def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: fl
         "layers_committed": plan_entry["layers_committed"] if plan_entry else 0,
         "seconds": round(time.perf_counter() - started, 6),
         "reason": reason,
-        "lost_experts": lost or [],
+        "lost_experts": None if lost is None else list(lost),
         "degraded": degraded,
         "partial": partial,
         "phase": phase,

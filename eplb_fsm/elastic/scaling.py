@@ -70,6 +70,7 @@ from eplb_fsm.elastic.handover import (
     late_timeout,
     leave,
     project_back,
+    read_refusals,
     reduce_on,
     resize_models,
     set_space,
@@ -180,6 +181,8 @@ def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | N
         new_group.close()
     reason = (f"new group of generation {sp.generation} ({sp.new_world} ranks) was not complete on "
               f"{failed} rank(s)" + (f": {error}" if error else ""))
+    if sp.kind == "scale_up":  # a joiner that refused the handover says why instead of just not coming
+        reason = "; ".join([reason, *read_refusals(ctl, sp)])
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="prepare", reason=reason, lost_experts=[])
     ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     return None, None, req.record(ctl, "member", "aborted", reason=reason, phase="prepare")
@@ -226,10 +229,12 @@ def _scale_down(ctl: Any, req: ScaleRequest) -> dict:
         return req.record(ctl, role, "aborted", reason=reason, phase="transfer")
     # the old group broke (a rank died): survivors try to finish on the group they built
     if leaving or new_group is None:
+        # null, not []: what is lost depends on the layers the survivors committed, which they
+        # agree on over the new group without this rank; their records name the lost experts
         ctl.trace.emit("scale_aborted", generation=sp.generation, phase="transfer",
                        reason="the old group broke during the scale-down", lost_experts=None)
         return req.record(ctl, role, "failed", reason="the old group broke during the scale-down",
-                          phase="transfer")
+                          phase="transfer", lost=None)
     return _salvage_down(ctl, req, new_group, new_comm, from_group)
 
 

@@ -8,6 +8,7 @@ a ``TCPStore`` the launcher (or rank 0) hosts, under a per-generation key prefix
     <namespace>/g<generation>/ep            the EP group: all-reduces, forward passes
     <namespace>/g<generation>/transfer<n>   its n-th transfer group (weights, handover)
     <namespace>/g<generation>/handover      the state a joiner starts from (elastic.scaling)
+    <namespace>/g<generation>/refused/<r>   why joiner r refused that state (elastic.handover)
 
 Generation 0 is the job's first group; every scale request uses the next number, even
 one that aborts, so no prefix is ever reused. Nothing here needs
