@@ -1,23 +1,34 @@
-"""Liveness: a background thread that beats once per ``interval_s`` and keeps a rank's trace telling.
+"""Liveness: a background thread that beats at least once per ``interval_s`` and keeps a rank's trace telling.
 
 Why: when a job stops, a trace alone cannot tell a rank that froze (SIGSTOP, a stuck
-driver) from a rank that waits on it. Each beat (every ``interval_s`` seconds, default
-:data:`DEFAULT_INTERVAL_S`) writes what is needed to settle it, and no more (issue 14:
-disk per rank stays under 10 MB per million steps at 10 steps/s):
+driver) from a rank that waits on it. Each beat writes what is needed to settle it, and no
+more (issue 14: disk per rank stays under 10 MB per million steps at 10 steps/s). A beat
+compares the trace's step with the step at the previous beat:
 
-- the rank **waits** (its step did not advance since the previous beat, or a traced
-  collective is open): an ``alive`` record, with ``waiting_on`` naming the collective it
-  waits in (the controller's, or, when that is null while the step stays put, the
-  engine's own collective the controller never sees). This is every beat of a wait, so a
-  frozen rank's silence is framed by the ``alive`` records of the ranks waiting on it;
-- the rank **makes progress**: its pending ``steps`` run is the evidence of life; the
-  thread then beats every :data:`FLUSH_FACTOR` x ``interval_s`` (1.5 s by default) and
-  writes the run (so a killed rank loses at most that much of quiet steps), with an
-  ``alive`` record only every :data:`HEARTBEAT_S` seconds (and at the first beat: the
-  record that announces ``interval_s``). A live rank is so never silent for more than
-  1.5 intervals, under replay's 2 s (silences kept) and 2.5 intervals (frozen);
+- the rank **waits** (no advance since the previous beat, or a traced collective is open):
+  an ``alive`` record, with ``waiting_on`` naming the collective it waits in (the
+  controller's, or, when that is null while the step stays put, the engine's own
+  collective the controller never sees). Every beat of a wait writes one, one interval
+  apart;
+- the rank **makes progress**: its pending ``steps`` run is the evidence of life, written
+  every :data:`FLUSH_FACTOR` x ``interval_s`` (1.5 s by default; a killed rank loses at most
+  that much of quiet steps), with an ``alive`` record only every :data:`HEARTBEAT_S` seconds
+  (and at the first beat: the record that announces ``interval_s``). Between two such
+  writes the thread beats once more, one interval after the write, and only *looks* (it
+  writes nothing): beats come 1 and 0.5 intervals apart in turn, never more than one
+  interval. A live rank is so never silent for more than 1.5 intervals, under replay's 2 s
+  (silences kept) and 2.5 intervals (frozen);
 - a frozen rank writes nothing for as long as it is frozen (every thread of a stopped
   process stops); a killed rank's records simply stop, and its trace has no ``end`` record.
+
+The detection bound this buys: a rank that starts to wait at time t (its last step counted)
+writes its first ``alive`` by t + 1.5 intervals (the first beat after t may still see the
+step advance; the next, at most 1.5 intervals after t whatever the phase, cannot), plus its
+thread's scheduling delay. A rank frozen for D seconds, with D over replay's limit (2.5
+intervals, at least 2 s), is therefore reported ``frozen`` when another rank waits on it
+and reaches that wait (its current step) within D - 1.5 intervals of the freeze, thread
+delay included. At the default 1 s: any freeze over 2.5 s while the waiter's step and
+thread delay stay under 1 s (docs/debugging-hangs.md, "Real failures").
 
 Cost on the engine's step path: nothing of its own. The thread reads the trace's
 ``step`` (which the controller already stores on every step) and its open collectives;
@@ -39,9 +50,11 @@ from eplb_fsm.safe_log import log_safely, retry_due
 __all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
 
 DEFAULT_INTERVAL_S = 1.0
-# while the step advances, the thread beats (and writes the run of quiet steps) every this
-# many intervals: one `steps` line (~120 bytes) per 1.5 s, ~8 MB per million steps at
-# 10 steps/s; 1.0 would be ~12 MB, 2.0 would put a live rank's gaps at replay's 2 s limit
+# while the step advances, the thread writes the run of quiet steps every this many
+# intervals: one `steps` line (~120 bytes) per 1.5 s, ~8 MB per million steps at 10 steps/s;
+# 1.0 would be ~12 MB, 2.0 would put a live rank's gaps at replay's 2 s limit. It also beats
+# (looks, writing nothing) one interval after each write: beats are never more than one
+# interval apart, so a wait shows as `alive` within 1.5 intervals of its start.
 FLUSH_FACTOR = 1.5
 # while the step advances, an `alive` record this often (seconds) all the same: a reader
 # that sees only steps runs still learns the rank's interval and that its thread runs
@@ -61,7 +74,7 @@ def check_interval(interval_s: Any) -> float:
 
 
 class Liveness:
-    """Beat every ``interval_s`` seconds from a daemon thread: ``alive`` while waiting, runs while moving.
+    """Beat at least every ``interval_s`` seconds from a daemon thread: ``alive`` while waiting, runs while moving.
 
     ``trace``: an :class:`~eplb_fsm.trace.EventTrace` whose ``emit`` is safe from another
     thread (``SharedTrace``), or None until :meth:`start_on`. ``interval_s``: None or 0
@@ -82,38 +95,50 @@ class Liveness:
                              f"got {heartbeat_s!r}")
         self.heartbeat_s = float(heartbeat_s)
         self.clock = clock
-        self.moving = False                      # the last beat saw the step advance: beat every FLUSH_FACTOR intervals
+        self.moving = False                      # the last beat saw the step advance
+        self._looked = False                     # a moving beat only looked: the next one (0.5 interval on) writes
         self._steps_seen: int | None = None
         self._last_alive: float | None = None   # clock() at the last alive record
+        self._last_write: float | None = None   # clock() at this thread's last record (alive or run)
         self.errors = 0                          # beats that raised (the thread logs the first and goes on)
         self._warned = False                     # that log got out
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
 
     def period(self) -> float | None:
-        """Seconds to the next beat: ``interval_s`` while the rank waits, ``FLUSH_FACTOR`` times it while it moves."""
+        """Seconds to the next beat: ``interval_s``, or the rest of ``FLUSH_FACTOR`` intervals after a look."""
         if self.interval_s is None:
             return None
-        return self.interval_s * FLUSH_FACTOR if self.moving else self.interval_s
+        return self.interval_s * (FLUSH_FACTOR - 1.0) if self._looked else self.interval_s
 
     def tick(self) -> dict | None:
         """Write one ``alive`` record now (the pending run first); returns it (None once the trace has ended)."""
         step = self.trace.step
         record = self.trace.alive(self.interval_s, self._steps_seen)
         self._steps_seen = step
-        self._last_alive = self.clock()
+        self._last_alive = self._last_write = self.clock()
         return record
 
     def beat(self) -> dict | None:
         """One beat: an ``alive`` record when the rank waits (its step did not advance since the
         previous beat, or a traced collective is open), at the first beat and when the heartbeat
-        is due; otherwise the pending run (an ``alive`` when nothing is pending). Returns what
-        was written (an ``alive``, ``steps`` or ``step`` record); never None while the trace is
-        open, so no beat is silent."""
+        is due; otherwise, on a write beat, the pending run (an ``alive`` when nothing is
+        pending), and on a look beat (the first moving beat after a write) nothing. Returns what
+        was written (an ``alive``, ``steps`` or ``step`` record), None for a look: no write beat
+        is silent, and a write beat follows every look."""
         step = self.trace.step
         self.moving = step != self._steps_seen and self.trace.waiting_on() is None
-        due = self._last_alive is None or self.clock() - self._last_alive >= self.heartbeat_s
+        now = self.clock()
+        due = self._last_alive is None or now - self._last_alive >= self.heartbeat_s
+        looked, self._looked = self._looked, False
         if not self.moving or due:
             return self.tick()
+        if not looked and self.interval_s is not None and self._last_write is not None \
+                and now - self._last_write < FLUSH_FACTOR * self.interval_s:
+            # one interval after a write: soon enough to see a wait begin, too soon to write the run again
+            # (a beat that comes late, after a freeze or a busy host, writes at once instead)
+            self._looked = True
+            self._steps_seen = step
+            return None
         written = self.trace.flush()
         if written is None:
             # the step's own records (a transition, a collective) took the run out already;
@@ -121,6 +146,7 @@ class Liveness:
             # replay reads as a freeze, so such a beat says alive instead
             return self.tick()
         self._steps_seen = step
+        self._last_write = now
         return written
 
     def _beat(self) -> bool:

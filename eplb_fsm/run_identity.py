@@ -1,17 +1,25 @@
 """Run identity: every rank of a run agrees on a run id and checks it has rank 0's config.
 
 At construction, before any other collective of the run, the controller calls
-:func:`agree` with a SUM all-reduce over its EP group. Two all-reduces of float64:
+:func:`agree` with a SUM all-reduce over its EP group. Three all-reduces of float64:
 
-1. rank 0 contributes its run id (64 random bits as two 32-bit halves) and one
-   32-bit hash per config field; every other rank contributes zeros, so the sum is
-   rank 0's values everywhere (a broadcast through the all-reduce every group has);
-2. each rank compares its own field hashes with rank 0's and contributes a 0/1 flag
+1. a fixed size, whatever the config: rank 0 contributes its run id (64 random bits as
+   two 32-bit halves); every rank contributes its field set's digest (the number of
+   fields and 64 bits of a hash of the sorted names, in 16-bit pieces), each piece's
+   square, and a 1. Every rank reads the same sums, and the digests agree on every rank
+   exactly when ``ranks * sum(x**2) == sum(x)**2`` for each piece ``x``. When they do not,
+   the field vectors below would differ in length (a collective mismatch that aborts the
+   process in gloo), so every rank raises :class:`FieldSetMismatch` instead, after one more
+   fixed-size all-reduce that names what it can (:func:`name_bits`);
+2. rank 0 contributes one 32-bit hash per config field; every other rank contributes
+   zeros, so the sum is rank 0's values everywhere (a broadcast through the all-reduce
+   every group has);
+3. each rank compares its own field hashes with rank 0's and contributes a 0/1 flag
    per field; the sum counts, per field, the ranks that differ.
 
-Every rank sees the same counts, so every rank fails together (:class:`ConfigMismatch`,
+Every rank sees the same sums, so every rank fails together (:class:`ConfigMismatch`,
 naming the fields) or none does. Values below 2**53 are exact in float64, hence the
-32-bit pieces. These two all-reduces are not traced as collectives: they happen
+32-bit and 16-bit pieces. These all-reduces are not traced as collectives: they happen
 before the header, and leaving them out keeps every group's ``cseq`` as it was.
 
 A joiner of an elastic scale-up does not run the agreement (the serving ranks are not
@@ -30,10 +38,12 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ConfigMismatch", "RunIdentity", "agree", "field_hashes", "for_controller", "group_sum",
-           "local_identity", "lookup", "new_run_id", "publish", "write_header"]
+__all__ = ["ConfigMismatch", "FieldSetMismatch", "RunIdentity", "agree", "field_hashes", "field_set_digest",
+           "for_controller", "group_sum", "local_identity", "lookup", "name_bits", "new_run_id", "publish",
+           "write_header"]
 
 _HALF = 1 << 32
+NAME_BITS = 4096   # buckets of the names' all-reduce: two names share one with odds ~1/4096 a pair
 
 
 class ConfigMismatch(ValueError):
@@ -47,6 +57,28 @@ class ConfigMismatch(ValueError):
         here = f"this rank (rank {rank}) differs in {self.mine}" if self.mine else f"rank {rank} matches rank 0"
         super().__init__(f"config differs from rank 0's in field(s) {detail}; {here}. Every rank must "
                          "construct its EplbController with the same EplbConfig.")
+
+
+class FieldSetMismatch(ConfigMismatch):
+    """The ranks' configs do not have the same field names (another eplb_fsm version, an extra key).
+
+    ``fields`` / ``mine``: this rank's fields that some rank lacks, as far as :func:`name_bits`
+    tells (a name that shares its bucket with another rank's name goes unnamed); ``counts``:
+    per such field, how many ranks lack it. A field this rank lacks is named by the ranks that have it.
+    """
+
+    def __init__(self, lacking: dict[str, int], unseen: int, sizes: tuple[int, int], matches_rank0: bool,
+                 rank: int, world: int):
+        self.fields, self.mine = sorted(lacking), sorted(lacking)
+        self.counts = dict(lacking)
+        named = ", ".join(f"{f!r} (missing on {lacking[f]} of {world} ranks)" for f in self.mine) or "none it can name"
+        ValueError.__init__(
+            self, f"config field set differs between ranks: rank 0 has {sizes[0]} field(s), " + (
+                "this rank is rank 0; " if rank == 0 else f"this rank (rank {rank}) has {sizes[1]}, "
+                f"{'the same names as rank 0' if matches_rank0 else 'not the same names as rank 0'}; ") +
+            f"its fields other ranks lack: {named}; fields of other ranks it lacks: {unseen} (named by those ranks). "
+            "Every rank must "
+            "construct its EplbController with the same EplbConfig (and the same eplb_fsm version).")
 
 
 class RunIdentity:
@@ -73,27 +105,58 @@ def field_hashes(config: dict) -> tuple[list[str], list[int]]:
     return names, [_field_hash(config[n]) for n in names]
 
 
+def field_set_digest(names: list[str]) -> list[int]:
+    """The field set as 5 ints below 2**16: the number of names, then 64 bits of a hash of the sorted names
+    in 16-bit pieces (a piece's square, summed over up to 2**20 ranks, stays exact in float64)."""
+    digest = hashlib.sha256("\n".join(sorted(names)).encode("utf-8")).digest()
+    return [len(names) % (1 << 16), *(int.from_bytes(digest[i:i + 2], "big") for i in range(0, 8, 2))]
+
+
+def _bucket(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:4], "big") % NAME_BITS
+
+
+def name_bits(names: list[str], reduce: Callable[[torch.Tensor], None], world: int) -> tuple[dict[str, int], int]:
+    """After a field-set mismatch: ``({own name: ranks that lack it}, how many buckets other ranks' names fill
+    that this rank's do not)``, from one SUM all-reduce of a (NAME_BITS,) float64 vector of 0/1 per bucket."""
+    mine = {n: _bucket(n) for n in names}
+    bits = torch.zeros(NAME_BITS, dtype=torch.float64)
+    bits[sorted(set(mine.values()))] = 1.0
+    reduce(bits)
+    have = [int(v) for v in bits.tolist()]
+    lacking = {n: world - have[b] for n, b in mine.items() if have[b] < world}
+    return lacking, sum(1 for b, c in enumerate(have) if c and b not in set(mine.values()))
+
+
 def local_identity() -> RunIdentity:
     """A run of one rank (no group): its own run id."""
     return RunIdentity(new_run_id(), agreed=False)
 
 
 def agree(config: dict, rank: int, world: int, reduce: Callable[[torch.Tensor], None]) -> RunIdentity:
-    """Agree on rank 0's run id and check every config field against rank 0's (two SUM all-reduces).
+    """Agree on rank 0's run id and check every config field against rank 0's (three SUM all-reduces).
 
-    ``config``: this rank's config dict (the field names must be the same on every rank:
-    they come from the same ``EplbConfig`` class). ``reduce(t)``: sums the (n,) float64
-    CPU tensor ``t`` over the group in place, raising on failure or timeout.
-    Raises :class:`ConfigMismatch` on every rank when any rank's config differs from rank 0's.
+    ``config``: this rank's config dict. ``reduce(t)``: sums the (n,) float64 CPU tensor
+    ``t`` over the group in place, raising on failure or timeout. Raises
+    :class:`FieldSetMismatch` on every rank when the ranks' field names differ (checked first,
+    with vectors of one size on every rank), else :class:`ConfigMismatch` on every rank when
+    any rank's config differs from rank 0's.
     """
     names, hashes = field_hashes(config)
     run_id = new_run_id() if rank == 0 else "0" * 16
-    values = [int(run_id[:8], 16), int(run_id[8:], 16), *hashes]
-    buf = torch.tensor(values if rank == 0 else [0] * len(values), dtype=torch.float64)
+    digest = field_set_digest(names)
+    head = [int(run_id[:8], 16), int(run_id[8:], 16), *digest] if rank == 0 else [0] * (2 + len(digest))
+    buf = torch.tensor([*head, 1, *digest, *(x * x for x in digest)], dtype=torch.float64)   # (18,)
     reduce(buf)
     got = [int(v) for v in buf.tolist()]
     agreed_id = f"{got[0] % _HALF:08x}{got[1] % _HALF:08x}"
-    theirs = got[2:]
+    ranks, sums, squares = got[7], got[8:13], got[13:18]
+    if any(ranks * sq != sm * sm for sm, sq in zip(sums, squares)):   # every rank reads the same sums
+        lacking, unseen = name_bits(names, reduce, ranks)
+        raise FieldSetMismatch(lacking, unseen, (got[2], len(names)), got[2:7] == digest, rank, world)
+    buf = torch.tensor(hashes if rank == 0 else [0] * len(hashes), dtype=torch.float64)
+    reduce(buf)
+    theirs = [int(v) for v in buf.tolist()]
     differs = [0.0 if mine == ref else 1.0 for mine, ref in zip(hashes, theirs)]
     flags = torch.tensor(differs, dtype=torch.float64)
     reduce(flags)

@@ -18,8 +18,8 @@ steps: :meth:`EventTrace.count_step` only counts, and the counted steps reach th
 one ``steps`` run record (first step, count, dummies) right before the next other record,
 at every :meth:`EventTrace.flush` (the liveness thread flushes every 1.5 intervals while
 steps advance) and at ``end``/close (docs/events.md, "Runs of quiet steps"). Files roll by
-size (:mod:`eplb_fsm.trace_segments`). The library never calls
-``structlog.configure()``: the host's logging setup is untouched.
+size (:mod:`eplb_fsm.trace_segments`). One open trace per file and process, none written from a
+forked child (:mod:`eplb_fsm.trace_owners`). The library never calls ``structlog.configure()``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import json
 import os
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eplb_fsm import trace_segments
+from eplb_fsm import trace_owners, trace_segments
 from eplb_fsm.trace_file import TraceFile
+from eplb_fsm.trace_owners import end_open_traces  # noqa: F401  (re-exported: a signal handler's call)
 from eplb_fsm.trace_runs import DUMMY, StepRun
 from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
 from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
@@ -56,18 +56,6 @@ def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> 
     return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
 
 
-# traces of this process with a file open and no `end` yet: what a signal handler ends
-_OPEN_TRACES: "weakref.WeakSet[EventTrace]" = weakref.WeakSet()
-
-
-def end_open_traces(how: str, error: str | None = None, signal: str | None = None) -> int:
-    """Write ``end`` (see :func:`end_fields`) to every trace of this process still open; returns how many.
-
-    For a signal handler that is about to exit the process (``eplb_fsm.sim.signals``).
-    """
-    return sum(trace.end(how, error, signal) is not None for trace in list(_OPEN_TRACES))
-
-
 def _dumps(record: dict, **_: Any) -> str:
     return json.dumps(record, default=json_default, separators=(",", ":"))
 
@@ -82,6 +70,8 @@ class EventTrace:
     record in ``records`` exactly as written (``steps`` runs included; for tests and
     in-process inspection). ``max_bytes`` / ``max_segments``: size-based rotation
     (:mod:`eplb_fsm.trace_segments`; defaults 64 MiB x 4 segments per trace file).
+    A file another open trace of this process writes is refused (:mod:`eplb_fsm.trace_owners`);
+    ``exclusive=False`` leaves it unclaimed, for a harness whose traces stand for other processes.
 
     One lock orders every record (its ``seq`` and its line go out together). The step
     path (:meth:`count_step`) takes it only when a run of steps begins; see
@@ -98,6 +88,7 @@ class EventTrace:
         max_bytes: int = trace_segments.DEFAULT_MAX_BYTES,
         max_segments: int = trace_segments.DEFAULT_MAX_SEGMENTS,
         generation: int = 0,
+        exclusive: bool = True,
     ) -> None:
         self.max_bytes, self.max_segments = trace_segments.check_rotation(max_bytes, max_segments)
         self.rank = int(rank)
@@ -114,6 +105,8 @@ class EventTrace:
         self.records: list[dict] | None = [] if keep else None
         self.rotations = 0              # segments this writer has rolled over
         self.path: Path | None = None
+        self.pid = os.getpid()          # the process that opened the file: the only one that writes to it
+        self._path_key: str | None = None   # this trace's hold on its file (trace_owners: one writer per file)
         self._lock = threading.Lock()
         self._end_pending: tuple | None = None   # an end() that could not take the lock (a signal handler's)
         self._owner: int | None = None           # the thread inside _locked()
@@ -124,15 +117,20 @@ class EventTrace:
         self._file = self._disk = None           # TraceFile: while open, and the last one (its error count)
         self._sink: TraceFile | None = None      # the file while records may go to it (None after `end`)
         if trace_dir is not None:
-            self.path = trace_path(trace_dir, self.rank, generation)
+            path = trace_path(trace_dir, self.rank, generation)
+            key = trace_owners.claim(path, self) if exclusive else None   # refused before anything is made
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):  # the name, or one above it, is a file
-                raise ValueError(f"trace_dir: {trace_dir} is not a folder (a file has that name or one "
-                                 "above it)") from None
-            # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
-            self._disk = self._file = self._sink = TraceFile(self.path, self.max_bytes, self.max_segments)
-            _OPEN_TRACES.add(self)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
+                self._disk = self._file = self._sink = TraceFile(path, self.max_bytes, self.max_segments)
+            except BaseException as exc:
+                trace_owners.release(self, key)
+                if isinstance(exc, (FileExistsError, NotADirectoryError)):  # the name, or one above it, is a file
+                    raise ValueError(f"trace_dir: {trace_dir} is not a folder (a file has that name or one "
+                                     "above it)") from None
+                raise
+            self.path, self._path_key = path, key
+            trace_owners.opened(self)
 
     @property
     def write_errors(self) -> int:
@@ -201,15 +199,8 @@ class EventTrace:
             return self._emit_locked(event, fields)
 
     def _record(self, event: str, fields: dict) -> dict:
-        record = {
-            "ts": self.clock(),
-            "rank": self.rank,
-            "world": self.world,
-            "event": event,
-            "state": self.state,
-            "step": self.step,
-            "seq": self.seq,
-        }
+        record = {"ts": self.clock(), "rank": self.rank, "world": self.world, "event": event, "state": self.state,
+                  "step": self.step, "seq": self.seq}
         record.update(fields)
         self.seq += 1
         if self.records is not None:
@@ -253,14 +244,17 @@ class EventTrace:
         # not after `end` (nothing follows it), nor when the segment holds only its header
         # (a header over max_bytes would roll for ever)
         if self._sink.write(text) and not self.ended and self._sink.lines > 1:
-            self._sink.roll()
-            self.rotations += 1
-            self._continue()
+            if self._sink.roll():      # False: the move failed and the same segment goes on (no header)
+                self.rotations += 1
+            if self._sink.empty:       # a new segment (not one that failed to open: check() reopens it)
+                self._continue()
 
     def _continue(self) -> None:
-        """Start a new live file (rolled, or opened again; lock held) with the header, ``continued: true``."""
+        """Start a new live file (rolled, or opened again; lock held) with the header, ``continued: true``, alone:
+        always the segment's first line (steps counted meanwhile, lock-free, follow it with a later ``seq``)."""
         machine = {**self._machine, "state": self.state}
-        self._emit_locked("header", continued_fields(self._header, self.rotations, machine, self.cseq))
+        record = self._record("header", continued_fields(self._header, self.rotations, machine, self.cseq))
+        self._sink.write(_dumps(record))   # never rolls: a segment that holds only its header does not
 
     def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
         """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
@@ -298,11 +292,8 @@ class EventTrace:
 
     def open_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
                         **fields: Any) -> "OpenCollective":
-        """Write a ``collective_start`` and note the collective as open (what ``alive`` reports).
-
-        For a collective that is waited on later than it is issued (a posted all-reduce read
-        on the next step): :meth:`close_collective` writes its end, from the same thread.
-        """
+        """Write a ``collective_start`` and note the collective as open (what ``alive`` reports). For one
+        waited on later than issued (a posted all-reduce read next step): :meth:`close_collective` ends it."""
         start = self.start_collective(op, group, shape, dtype, **fields)
         info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
         key = (threading.get_ident(), group)
@@ -359,27 +350,34 @@ class EventTrace:
             self._sink = None   # the file stays open until close(); no record follows `end`
         finally:
             self._lock.release()
-        _OPEN_TRACES.discard(self)
+        trace_owners.release(self)
         return record
 
     def alive(self, interval_s: float, steps_seen: int | None) -> dict | None:
-        """Write one ``alive`` record (current state/step, the open collective); None after ``end``.
-
-        It writes the pending ``steps`` run first, so the liveness thread is also the flusher.
-        """
+        """Write one ``alive`` record (current state/step, the open collective); None after ``end``. The
+        pending ``steps`` run goes first: the liveness thread is also the flusher."""
         if self.ended:
             return None
         errors = {"write_errors": self.write_errors} if self.write_errors else {}
         return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()), **errors)
 
     def close(self) -> None:
-        """Write the pending ``steps`` run (unless ended) and close the file."""
-        _OPEN_TRACES.discard(self)
+        """Write the pending ``steps`` run (unless ended) and close the file (another trace may open it then)."""
+        trace_owners.release(self)
         with self._locked():
             self._write_run()
             if self._file is not None:
                 self._file.close()
                 self._file = self._sink = None
+        trace_owners.release(self, self._path_key)
+
+    def detach_in_child(self) -> None:
+        """A forked child's copy (``trace_owners`` calls it at the fork): records are made, never written; closed."""
+        # a new lock: the parent's may have been held at the fork by a thread the child does not have
+        self._lock, self._owner, self._end_pending = threading.Lock(), None, None
+        file, self._file, self._sink, self._path_key = self._file, None, None, None
+        if file is not None:
+            file.close()                # the child's copy of the descriptor; the parent's file is untouched
 
     @property
     def closed(self) -> bool:

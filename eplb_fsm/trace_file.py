@@ -19,8 +19,12 @@
 - **A new session starts on a line of its own.** A file whose last line was torn (a rank
   killed mid-write, a full disk) gets a newline before anything is appended, so a restarted
   job's header is not glued to the broken line and lost.
-- **Rolling never loses the live file.** If moving the segments fails, the live file is
-  opened again all the same (:func:`eplb_fsm.trace_segments.rotate` does the moves).
+- **Rolling never loses the live file, nor invents a segment.** If moving the segments fails
+  (:func:`eplb_fsm.trace_segments.rotate` does the moves; a folder that refuses renames),
+  the same live file is opened again and goes on growing past ``max_bytes``: no record is
+  dropped, no new segment (nor continued header) is started, and :meth:`TraceFile.roll`
+  says so. The roll is tried again once :data:`CHECK_S` seconds have passed or the file
+  has grown by another ``max_bytes``; each failed try is counted in ``errors``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import structlog
 from eplb_fsm import trace_segments
 from eplb_fsm.safe_log import log_safely, retry_due
 
-__all__ = ["CHECK_S", "FILE_LOST", "TraceFile", "WRITE_FAILED"]
+__all__ = ["CHECK_S", "FILE_LOST", "ROLL_FAILED", "TraceFile", "WRITE_FAILED"]
 
 # at most this often (seconds of `clock`) the open live file is compared with the one at its path, and one that
 # could not be opened is tried again: two stat calls a second instead of per record, and a missing folder is
@@ -45,6 +49,8 @@ clock = time.monotonic   # module names, so that a test can hold time still
 
 WRITE_FAILED = "eplb trace write failed; records are dropped while it fails"
 FILE_LOST = "eplb trace file was removed; it is opened again (the records written to it since are lost)"
+ROLL_FAILED = ("eplb trace roll failed; the live file goes on past max_bytes (no record is dropped) and the roll "
+               "is tried again")
 
 _log = structlog.get_logger("eplb_fsm.trace")
 
@@ -53,7 +59,8 @@ class TraceFile:
     """Lines appended to ``path``; :meth:`write` says when the segment has passed ``max_bytes``.
 
     The owner calls :meth:`check` before it makes each record, so that a live file opened
-    again starts with what the owner writes first (its header).
+    again starts with what the owner writes first (its header), and writes its header when
+    :attr:`empty` after a :meth:`roll`.
     """
 
     def __init__(self, path: Path, max_bytes: int, max_segments: int) -> None:
@@ -65,6 +72,10 @@ class TraceFile:
         self._torn = False       # a failed write may have left half a line: start the next on a new one
         self._warned = False     # the write-failure warning got out
         self._next_check = 0.0   # clock() from which check() looks at the file again
+        # after a failed roll: (clock() from which, or a size past which, the next roll is tried)
+        self._roll_hold: tuple[float, int] | None = None
+        self._roll_failures = 0
+        self._roll_warned = False
         self.open()              # errors here reach the caller: a trace_dir that cannot be written is bad input
 
     def open(self) -> None:
@@ -105,7 +116,16 @@ class TraceFile:
                 self.bytes += done
                 self._torn = data[done - 1] != 0x0A
         self.lines += 1
-        return self.bytes > self.max_bytes
+        return self.bytes > self.max_bytes and self._roll_due()
+
+    @property
+    def empty(self) -> bool:
+        """The live file is open and holds nothing yet (a new segment)."""
+        return self._file is not None and self.bytes == 0
+
+    def _roll_due(self) -> bool:
+        hold = self._roll_hold   # a roll failed: not again at every record, but after a while or another segment
+        return hold is None or self.bytes > hold[1] or clock() >= hold[0]
 
     def check(self) -> bool:
         """At most every :data:`CHECK_S` seconds: open the live file again when it is not open or is no longer the
@@ -132,23 +152,44 @@ class TraceFile:
             return False
         return True
 
-    def roll(self) -> None:
-        """Move the segments on by one and open a new, empty live segment (whatever the move did).
+    def roll(self) -> bool:
+        """Move the segments on by one and open the new, empty live segment; True when a new segment starts
+        (the segments moved, or the live file was gone already: its folder removed).
 
-        A new segment that cannot be opened (the folder removed), or a roll that an exception
-        interrupts (a signal handler's), leaves the live file closed: :meth:`check` opens it.
+        False when the move failed with the live file still there: that file is opened again, its
+        ``lines`` kept, and the next roll waits (module docstring). A live file that cannot be opened (the folder
+        removed), or a roll that an exception interrupts (a signal handler's), leaves the live
+        file closed: :meth:`check` opens it.
         """
         self._next_check = 0.0   # a roll that is interrupted: the next record opens the live file
+        lines = self.lines
         self._drop()
         try:
             trace_segments.rotate(self.path, self.max_segments)
+            moved, self._roll_hold = True, None
         except OSError as exc:
-            self._failed(exc)
+            moved = not os.path.exists(self.path)   # gone (its folder removed): a new segment starts all the same
+            if moved:
+                self._failed(exc)
+            else:
+                self._roll_hold = (clock() + CHECK_S, self.bytes + self.max_bytes)
+                self._roll_failed(exc)
         try:
             self.open()
         except OSError as exc:
             self._next_check = clock() + CHECK_S
             self._failed(exc)
+            return moved
+        if not moved and self.bytes:
+            self.lines = lines   # the segment goes on: its header is still its first line
+        return moved
+
+    def _roll_failed(self, exc: OSError) -> None:
+        self.errors += 1
+        self._roll_failures += 1   # logged as _failed() logs (once, retried at the 2nd, 4th... failure)
+        if not self._roll_warned and retry_due(self._roll_failures):
+            self._roll_warned = log_safely(_log, "warning", ROLL_FAILED, path=str(self.path), retry_s=CHECK_S,
+                                           error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         self._next_check = float("inf")   # a closed trace file is never opened again

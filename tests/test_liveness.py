@@ -129,8 +129,9 @@ class _Clock:
         return self.now
 
 
-def _moving_rank(beats: int, steps_per_beat: int, heartbeat_s: float = 30.0):
-    """A trace counting quiet steps, beaten once per ``steps_per_beat`` steps; returns (trace, liveness, written)."""
+def _moving_rank(beats: int, steps_per_beat: int, heartbeat_s: float = 30.0, times: list | None = None):
+    """A trace counting quiet steps, beaten once per ``steps_per_beat`` steps; returns (trace, liveness, written).
+    ``times`` gets the clock at each beat."""
     trace = EventTrace(rank=0, world=2, keep=True)
     trace.set_context(state="collecting", step=0)
     clock = _Clock()
@@ -142,19 +143,26 @@ def _moving_rank(beats: int, steps_per_beat: int, heartbeat_s: float = 30.0):
             trace.step += 1
         clock.now += live.period()
         written.append(live.beat())
+        if times is not None:
+            times.append(clock.now)
     return trace, live, written
 
 
 def test_beat_writes_runs_while_moving_and_alive_only_at_first_and_heartbeat():
-    """A rank whose step advances: the first beat is alive, then runs only, one alive per heartbeat; every step on record."""
-    trace, live, written = _moving_rank(beats=50, steps_per_beat=15, heartbeat_s=30.0)
+    """A moving rank: first beat alive, then a look (nothing) and a run in turn, 1 and 0.5 s apart; heartbeat alive."""
+    times: list[float] = []
+    trace, live, written = _moving_rank(beats=61, steps_per_beat=15, heartbeat_s=30.0, times=times)
     kinds = [r["event"] if r else None for r in written]
-    assert kinds[0] == "alive" and live.moving and live.period() == 1.5
-    # 1.5 s per beat: the heartbeat (30 s) is due every 20 beats
-    assert [i for i, k in enumerate(kinds) if k == "alive"] == [0, 20, 40]
-    assert all(k == "steps" for i, k in enumerate(kinds) if i not in (0, 20, 40))
+    assert kinds[0] == "alive" and live.moving
+    assert [b - a for a, b in zip(times, times[1:])] == [1.0, 0.5] * 30   # never more than one interval apart
+    writes = [t for t, k in zip(times, kinds) if k is not None]
+    assert [b - a for a, b in zip(writes, writes[1:])] == [1.5] * 30      # a record every 1.5 intervals, as before
+    assert all(k is None for k in kinds[1::2]) and all(k is not None for k in kinds[::2])
+    alive = [t for t, k in zip(times, kinds) if k == "alive"]
+    assert alive == [1.0, 31.0]   # the first, then the first write beat 30 s or more after the last alive
+    assert all(k == "steps" for t, k in zip(times, kinds) if k is not None and t not in alive)
     assert sum(len(range(r["step"], r["step"] + r.get("count", 1))) for r in trace.records
-               if r["event"] in ("step", "steps")) == 50 * 15
+               if r["event"] in ("step", "steps")) == 61 * 15   # the last beat wrote: every step is on record
 
 
 def test_beat_writes_alive_every_interval_while_the_step_stays_put():
@@ -182,12 +190,13 @@ def test_beat_writes_alive_while_a_collective_is_open_even_if_steps_advance():
 
 def test_a_moving_beat_with_nothing_pending_writes_alive_so_no_beat_is_silent():
     """Steps advanced but their own records flushed the run (a transition): the beat writes alive, not nothing."""
-    trace, live, _ = _moving_rank(beats=3, steps_per_beat=10)
+    trace, live, written = _moving_rank(beats=2, steps_per_beat=10)
+    assert written[1] is None and live.period() == 0.5   # a look: the next beat writes
     trace.step += 1
     trace.emit("transition", source="collecting", dest="scaling", trigger="scale")  # takes the run out
     record = live.beat()
     assert record is not None and record["event"] == "alive"
-    assert record["steps_seen"] == 30 and record["step"] == 31
+    assert record["steps_seen"] == 20 and record["step"] == 21
     # the rank then waits in scaling: the next beat is alive again, one interval later
     assert live.beat()["event"] == "alive" and live.period() == 1.0
 
@@ -293,3 +302,114 @@ def test_a_failing_beat_whose_log_fails_too_does_not_end_the_thread(tmp_path):
     assert out.returncode in (0, 120), out.stderr[-2000:]   # 120: the interpreter's own stdout flush at exit
     result = json.loads((tmp_path / "out.json").read_text())
     assert result == {"running": True, "alive": result["alive"], "errors": 4} and result["alive"] >= 3
+
+
+def _first_alive_after(wait_at: float, interval_s: float = 1.0) -> float:
+    """Seconds from a rank's last step (at ``wait_at`` s; 10 steps/s before it) to its first alive record with its
+    step fixed, beats timed as the thread times them (``period``), on a simulated clock of 10 ms ticks."""
+    clock = _Clock()
+    trace = EventTrace(rank=0, world=2, clock=clock, keep=True)
+    trace.set_context(state="collecting", step=0)
+    live = Liveness(trace, interval_s=interval_s, clock=clock)
+    next_beat = round(live.period() * 100)
+    for tick in range(1, 100 * 100):
+        clock.now = tick / 100
+        if tick % 10 == 0 and tick <= round(wait_at * 100):
+            trace.count_step()
+            trace.step += 1
+        if tick >= next_beat:
+            record = live.beat()
+            next_beat = tick + round(live.period() * 100)
+            if record and record["event"] == "alive" and tick > round(wait_at * 100) \
+                    and record["step"] == record["steps_seen"]:
+                return round(record["ts"] - wait_at, 2)
+    raise AssertionError("no alive record")
+
+
+def test_a_wait_shows_as_alive_within_one_and_a_half_intervals_whatever_its_phase():
+    """A moving rank that starts to wait at any moment of its beat cycle writes alive within 1.5 intervals:
+    inside the silence of a peer frozen for more than replay's 2.5 intervals."""
+    delays = [_first_alive_after(10.0 + k * 0.05) for k in range(60)]   # 3 s: two whole write cycles
+    assert max(delays) <= 1.5 and min(delays) > 0, delays
+    assert max(_first_alive_after(20.0 + k * 0.1, interval_s=2.0) for k in range(60)) <= 3.0
+
+
+FREEZE_PEER = r'''
+import json, multiprocessing as mp, os, signal, sys, time
+from pathlib import Path
+D, FREEZE = Path(sys.argv[1]), float(sys.argv[2])
+
+def rank_main(rank, barrier, decided):
+    from eplb_fsm.liveness import Liveness
+    from eplb_fsm.trace import EventTrace
+    trace = EventTrace(rank, 2, D)
+    trace.set_context(state="collecting", step=0)
+    trace.header({"a": 1}, run_id="feedfacefeedface", mode="sync", device="cpu", group="ep",
+                 transfer_group="ep_transfer")
+    live = Liveness(trace, 1.0).start()
+    step = 0
+    while True:
+        barrier.wait(60)                 # the engine's all-reduce: a frozen peer blocks this rank
+        if decided.value:
+            break
+        trace.set_context(step=step)
+        trace.count_step()
+        step += 1
+        time.sleep(0.01)
+    live.stop()
+    trace.end("closed")
+    trace.close()
+
+def events(rank):
+    with open(D / f"rank{rank:05d}.jsonl") as fh:
+        return [json.loads(line)["event"] for line in fh if line.strip()]
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    stop, decided = ctx.Event(), ctx.Value("b", 0)
+    def decide():                        # run once per barrier, before anyone leaves it: both ranks read alike
+        decided.value = 1 if stop.is_set() else 0
+    barrier = ctx.Barrier(2, action=decide)
+    procs = [ctx.Process(target=rank_main, args=(r, barrier, decided)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(D / "rank00000.jsonl") or "alive" not in events(0):
+            assert time.monotonic() < deadline, "rank 0 never beat"
+            time.sleep(0.01)
+        seen = len(events(0))
+        while "steps" not in events(0)[seen:]:   # rank 0's next write of its run: it moves at its next beats
+            assert time.monotonic() < deadline, "rank 0 never wrote its run"
+            time.sleep(0.002)
+        time.sleep(0.1)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        time.sleep(FREEZE)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        time.sleep(2.0)
+        stop.set()
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.join(10)
+    print(json.dumps([p.exitcode for p in procs]))
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_rank_sigstopped_while_its_peer_waits_on_it_is_frozen(tmp_path):
+    """Two real rank processes coupled step by step; rank 1 SIGSTOPped for 2.8 s right after rank 0 wrote its run
+    (rank 0's beat cycle at its worst): replay names rank 1 frozen, from rank 0's alive records inside the gap."""
+    from eplb_fsm.inspect import replay_dir
+
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", FREEZE_PEER, str(tmp_path), "2.8"], capture_output=True,
+                         text=True, timeout=180, env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == [0, 0], out.stderr[-2000:]
+    report = replay_dir(tmp_path)
+    assert report.verdict == "frozen" and report.culprit_ranks == [1], report.summary
+    assert float(report.summary.split("froze for ")[1].split(" s")[0]) >= 2.8

@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from eplb_fsm.run_identity import ConfigMismatch, agree, field_hashes, for_controller, lookup, publish
+from eplb_fsm.run_identity import (
+    ConfigMismatch, FieldSetMismatch, agree, field_hashes, field_set_digest, for_controller, lookup, publish,
+)
 
 
 class _SumWorld:
@@ -190,3 +192,48 @@ def test_a_lone_rank_of_a_store_backed_group_publishes_its_id_for_later_joiners(
     identity, error = for_controller(group, True, 0, 1, {"a": 1}, 5.0, torch.device("cpu"), "member")
     joined, _ = for_controller(group, True, 1, 2, {"a": 1}, 5.0, torch.device("cpu"), "joiner")
     assert error is None and joined.run_id == identity.run_id and joined.agreed
+
+
+def test_field_sets_that_differ_fail_every_rank_naming_what_each_can():
+    """Rank 1 has an extra field, rank 2 another name for one: every rank raises FieldSetMismatch (a
+    ConfigMismatch) before any vector sized by its own fields; each names its fields that others lack."""
+    cfg = {"window_size": 4, "step_interval": 10}
+    got = _run(3, [cfg, dict(cfg, extra_knob=1), {"window_size": 4, "step_every": 10}])
+    assert all(isinstance(g, FieldSetMismatch) and isinstance(g, ConfigMismatch) for g in got), got
+    assert all("config field set differs between ranks" in str(g) for g in got)
+    assert got[0].fields == ["step_interval"] and got[0].counts == {"step_interval": 1}
+    assert got[1].fields == ["extra_knob", "step_interval"] and got[1].counts == {"extra_knob": 2, "step_interval": 1}
+    assert got[2].fields == got[2].mine == ["step_every"] and "'step_every' (missing on 2 of 3 ranks)" in str(got[2])
+    assert "has 3, not the same names as rank 0" in str(got[1]) and "rank 0 has 2 field(s)" in str(got[2])
+
+
+def test_the_field_set_digest_is_small_and_order_free():
+    """The digest: the field count and four 16-bit pieces (squares summed stay exact); the names' order is not in it."""
+    digest = field_set_digest(["b", "a"])
+    assert digest == field_set_digest(["a", "b"]) and digest[0] == 2 and all(0 <= x < 2 ** 16 for x in digest)
+    assert field_set_digest(["a", "c"]) != digest and len(field_set_digest([])) == 5
+
+
+def _agree_with_own_fields(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from eplb_fsm.run_identity import group_sum
+
+    cfg = {"a": 1, "b": 2} if rank == 0 else {"a": 1, "b": 2, "c": 3}
+    try:
+        agree(cfg, rank, world, group_sum(dist.group.WORLD, False, 20.0))
+    except ConfigMismatch as exc:
+        return {"type": type(exc).__name__, "error": str(exc), "fields": exc.fields}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_with_different_field_sets_raise_config_mismatch(tmp_path):
+    """Two real gloo ranks whose config dicts have different field sets: both raise FieldSetMismatch (no gloo
+    size mismatch, no abort); rank 1 names the field rank 0 lacks."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    r0, r1 = run_ranks(_agree_with_own_fields, 2, timeout=60)
+    assert r0["type"] == r1["type"] == "FieldSetMismatch"
+    assert "config field set differs between ranks" in r0["error"] and r0["fields"] == []
+    assert r1["fields"] == ["c"] and "'c' (missing on 1 of 2 ranks)" in r1["error"]

@@ -487,3 +487,213 @@ def test_a_joiner_writes_a_file_of_its_own(tmp_path):
     first.emit("alive"), joiner.emit("alive")
     first.close(), joiner.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00001.g2.jsonl", "rank00001.jsonl"]
+
+
+FORK_CHILD = r'''
+import json, os, sys, threading, time
+from eplb_fsm.liveness import Liveness
+from eplb_fsm.trace import EventTrace, end_open_traces
+trace = EventTrace(0, 1, sys.argv[1])
+trace.set_context(state="collecting", step=0)
+trace.header({"a": 1}, run_id="r")
+live = Liveness(trace, 0.05).start()          # the parent's flusher thread: the child does not have it
+for s in range(5):
+    trace.set_context(step=s)
+    trace.count_step()
+held, release = threading.Event(), threading.Event()
+def hold():                                   # a parent thread inside a write while the process forks
+    with trace._lock:
+        held.set()
+        release.wait(30)
+threading.Thread(target=hold, daemon=True).start()
+held.wait(30)
+pid = os.fork()
+if pid == 0:                                  # a worker forked from the rank, with the SIGTERM handler docs suggest
+    try:
+        ended = end_open_traces("signal", signal="SIGTERM")
+        trace.emit("from_child")
+        trace.set_context(step=5)
+        trace.count_step()
+        trace.flush()
+        trace.end("signal", signal="SIGTERM")
+        trace.close()
+        os._exit(0 if ended == 0 else 3)
+    except BaseException:
+        os._exit(4)
+release.set()
+deadline = time.monotonic() + 30
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() > deadline:           # the child hangs (on the parent's lock): stop it, report it
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        status = -1
+        break
+    time.sleep(0.01)
+trace.emit("after_fork")
+live.stop()
+print(json.dumps({"child": status, "ended_here": end_open_traces("closed")}))
+trace.close()
+'''
+
+
+def test_a_forked_child_writes_nothing_to_its_parents_trace(tmp_path):
+    """A real fork while a parent thread holds the trace: the child's end_open_traces, records, end and close
+    write nothing to the parent's file, and never block; the parent's trace stays open and its own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", FORK_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"child": 0, "ended_here": 1}    # the child ended nothing; the parent's trace was still open
+    records, bad = read_trace(trace_path(tmp_path, 0))
+    events = [r["event"] for r in records]
+    assert bad == 0 and "from_child" not in events and events.count("end") == 1
+    assert records[-1]["event"] == "end" and records[-1]["how"] == "closed" and "after_fork" in events
+    assert {r["pid"] for r in records if r["event"] == "header"} != {os.getpid()}
+    steps = [s for r in records if r["event"] in ("step", "steps") for s in range(r["step"], r["step"] +
+                                                                                    r.get("count", 1))]
+    assert steps == [0, 1, 2, 3, 4]                   # the child's step 5 never reached the file
+    seqs = [r["seq"] for r in records]
+    assert seqs == list(range(len(seqs)))             # one writer: no seq counted twice
+
+
+def test_a_second_open_trace_of_one_file_is_refused_until_the_first_is_closed(tmp_path):
+    """Same rank and trace_dir (also by a symlinked name) in one process: ValueError naming the file and the rule,
+    nothing written by the refused one; another rank or a joiner's file is fine; close() frees the file."""
+    first = EventTrace(0, 2, tmp_path)
+    first.emit("first")
+    size = trace_path(tmp_path, 0).stat().st_size
+    path = str(trace_path(tmp_path.resolve(), 0))
+    with pytest.raises(ValueError, match="one open EventTrace per rank file and process") as refused:
+        EventTrace(0, 2, tmp_path)
+    assert path in str(refused.value)
+    link = tmp_path.parent / (tmp_path.name + "-link")
+    link.symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="already open in this process"):
+        EventTrace(0, 2, link)                          # the same file by another name
+    others = [EventTrace(1, 2, tmp_path), EventTrace(0, 3, tmp_path, generation=1)]
+    first.end("closed")
+    with pytest.raises(ValueError, match="already open in this process"):
+        EventTrace(0, 2, tmp_path)                      # ended, but its file is still open
+    assert trace_path(tmp_path, 0).stat().st_size > size and len(read_trace(trace_path(tmp_path, 0))[0]) == 2
+    first.close()
+    again = EventTrace(0, 2, tmp_path)                  # closed: the file is free again
+    again.emit("again")
+    for trace in [again, *others]:
+        trace.close()
+    assert [r["event"] for r in read_trace(trace_path(tmp_path, 0))[0]] == ["first", "end", "again"]
+
+
+def test_a_trace_nothing_refers_to_does_not_hold_its_file(tmp_path):
+    """A trace dropped without close() inside a reference cycle can never write again: a new one may open the file."""
+    dropped = EventTrace(0, 1, tmp_path)
+    dropped.me = dropped                                # freed only by the garbage collector
+    del dropped
+    trace = EventTrace(0, 1, tmp_path)
+    trace.close()
+
+
+def test_steps_counted_while_the_file_rolls_follow_the_new_segments_header(tmp_path, monkeypatch):
+    """The engine counts steps lock-free while a record rolls the file: each new segment still starts with
+    its continued header, the steps follow it, every step is kept and seq stays in order."""
+    from eplb_fsm import trace_segments
+    from eplb_fsm.trace_segments import segment_paths
+
+    trace = _collecting(EventTrace(0, 1, tmp_path, max_bytes=1024, max_segments=100))
+    trace.header({"x": 1}, run_id="r")
+    counted = []
+
+    def count_one() -> None:
+        trace.set_context(step=len(counted))
+        trace.count_step()
+        counted.append(len(counted))
+
+    real_rotate = trace_segments.rotate
+
+    def rotate(path, max_segments):
+        real_rotate(path, max_segments)
+        for _ in range(3):   # the engine thread's count_step, between the rename and the new header
+            count_one()
+
+    monkeypatch.setattr(trace_segments, "rotate", rotate)
+    count_one()
+    for i in range(60):
+        trace.emit("stuck", seconds=1.0, pad="x" * 100)
+        count_one()
+    trace.close()
+    paths = segment_paths(trace_path(tmp_path, 0))
+    assert trace.rotations >= 5 and len(paths) == trace.rotations + 1
+    for p in paths:
+        first = json.loads(p.read_text().splitlines()[0])
+        assert first["event"] == "header", (p.name, first)
+    records, bad = read_trace(trace_path(tmp_path, 0))
+    seqs = [r["seq"] for r in records]
+    assert bad == 0 and seqs == list(range(len(seqs)))
+    assert [s for r in records if r["event"] in ("step", "steps")
+            for s in range(r["step"], r["step"] + r.get("count", 1))] == counted
+
+
+def test_every_segment_starts_with_its_header_while_threads_count_and_roll(tmp_path):
+    """Real threads: an engine counting steps (lock-free) and another writing records that roll the file; no
+    rotated segment starts with anything but its continued header."""
+    import threading
+
+    from eplb_fsm.trace_segments import segment_paths
+
+    trace = _collecting(EventTrace(0, 1, tmp_path, max_bytes=1024, max_segments=300))
+    trace.header({"x": 1}, run_id="r")
+    stop = threading.Event()
+
+    def engine() -> None:
+        step = 0
+        while not stop.is_set():
+            trace.set_context(step=step)
+            trace.count_step()
+            step += 1
+            if step % 16 == 0:
+                time.sleep(0)   # lets the writer in often: the test is about interleaving, not throughput
+
+    runner = threading.Thread(target=engine)
+    runner.start()
+    try:
+        for _ in range(600):
+            trace.emit("stuck", seconds=1.0, pad="x" * 200)
+    finally:
+        stop.set()
+        runner.join(30)
+    trace.close()
+    paths = segment_paths(trace_path(tmp_path, 0))
+    assert not runner.is_alive() and len(paths) > 50
+    firsts = [json.loads(p.read_text().splitlines()[0])["event"] for p in paths]
+    assert [p.name for p, e in zip(paths, firsts) if e != "header"] == []
+
+
+def test_a_live_file_opened_again_starts_with_its_header_before_the_pending_steps(tmp_path, monkeypatch):
+    """The live file is removed; at the next check the new file's first line is the continued header, then the
+    steps counted before it (with a later seq)."""
+    import os
+
+    from eplb_fsm import trace_file
+
+    now = [0.0]
+    monkeypatch.setattr(trace_file, "clock", lambda: now[0])
+    trace = _collecting(EventTrace(0, 2, tmp_path))
+    trace.header({"a": 1}, run_id="r1")
+    _count(trace, range(5))
+    trace.flush()
+    _count(trace, range(5, 9))
+    os.unlink(trace.path)                 # the live file is lost
+    now[0] = 5.0                          # the next check is due
+    trace.flush()                         # the liveness thread's flush
+    trace.close()
+    lines = [json.loads(line) for line in trace.path.read_text().splitlines()]
+    assert [r["event"] for r in lines] == ["header", "steps"] and lines[0]["continued"] is True
+    assert (lines[1]["step"], lines[1]["count"]) == (5, 4) and lines[1]["seq"] == lines[0]["seq"] + 1

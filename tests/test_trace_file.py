@@ -398,3 +398,52 @@ def test_a_write_counted_as_failed_never_reaches_the_file_later(tmp_path):
     assert len(missing) == result["failed"] and len(seqs) == len(records)
     assert [r["event"] for r in records[-4:]] == ["after", "after", "after", "end"]
     assert records[-1]["write_errors"] == result["failed"]
+
+
+def test_a_roll_whose_rename_fails_keeps_its_segment_and_tries_again_later(tmp_path, monkeypatch):
+    """Renames refused (a read-only folder; as root only a patched os.replace refuses): the live file goes on with
+    no continued header, no rotation and no record dropped, a truthful warning; tried again after CHECK_S or
+    another max_bytes; once renames work the roll happens, its new segment opening with the header."""
+    clock = _Clock()
+    monkeypatch.setattr(trace_file, "clock", clock, raising=False)
+    real_replace = os.replace
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(src), None, str(dst))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    trace = EventTrace(0, 1, tmp_path, max_bytes=2048, max_segments=4)
+    trace.set_context(state="collecting", step=0)
+    trace.header({"window_size": 40}, run_id="r")
+    with structlog.testing.capture_logs() as logs:
+        while trace.write_errors == 0:                   # up to the first roll, which fails
+            trace.emit("balancedness", value=0.9)
+        failed_at = trace.path.stat().st_size
+        while trace.path.stat().st_size <= failed_at + 2048:
+            assert trace.write_errors == 1               # the clock stands still: no try before another max_bytes
+            trace.emit("balancedness", value=0.9)
+        assert trace.write_errors == 2                   # past another max_bytes: tried (and failed) again
+        trace.emit("balancedness", value=0.9)
+        assert trace.write_errors == 2
+        clock.now += trace_file.CHECK_S                  # a second on: tried again at the next record
+        trace.emit("balancedness", value=0.9)
+        assert trace.write_errors == 3
+    records, bad = read_trace(trace.path)
+    events = [r["event"] for r in records]
+    assert bad == 0 and events.count("header") == 1 and trace.rotations == 0
+    assert [r["seq"] for r in records] == list(range(len(records)))   # nothing dropped
+    assert segment_paths(trace.path) == [trace.path]
+    warnings = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+    assert warnings == [trace_file.ROLL_FAILED] and "no record is dropped" in warnings[0]
+    monkeypatch.setattr(os, "replace", real_replace)     # the folder is writable again
+    clock.now += trace_file.CHECK_S
+    trace.emit("balancedness", value=0.5)
+    trace.end("closed")
+    trace.close()
+    assert trace.rotations == 1 and [p.name for p in segment_paths(trace.path)] == ["rank00000.jsonl.1",
+                                                                                    "rank00000.jsonl"]
+    live = [json.loads(line) for line in trace.path.read_text().splitlines()]
+    assert [r["event"] for r in live] == ["header", "end"] and live[0]["continued"] is True
+    assert live[-1]["write_errors"] == 3
+    records, _ = read_trace(trace.path)
+    assert [r["seq"] for r in records] == list(range(len(records)))

@@ -9,8 +9,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   than ``DEAD_FACTOR`` intervals: the process was killed (SIGKILL, a crash of the
   interpreter) or froze for good.
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
-  while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a live rank
-  writes an alive record every interval, whatever it waits on.
+  while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
+  one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness).
 - **crashed**: ``end`` with ``how: exception`` whose error is not a wait that timed out.
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than

@@ -16,12 +16,16 @@ from typing import Any
 from eplb_fsm.fsm.machine import EplbMachine, Fired
 from eplb_fsm.trace import EventTrace
 
-__all__ = ["GROUP", "SLOT_BYTES", "TRANSFER_GROUP", "SyntheticClock", "SyntheticRank"]
+__all__ = ["GROUP", "MAPS_FLAGS", "READY_FLAGS", "SLOT_BYTES", "TRANSFER_GROUP", "SyntheticClock", "SyntheticRank"]
 
 # group names the controller writes: its EP group and its own transfer group
 GROUP = "ep"
 TRANSFER_GROUP = "ep_transfer"
 SLOT_BYTES = 4096
+# the controller's agreement sizes: a model's maps digest in the planning all-reduce (8 digest pieces and
+# their squares, fsm/recovery.digest_flags) and a sync agreement's [ready, failed, late, broken]
+MAPS_FLAGS = 16
+READY_FLAGS = 4
 
 
 class SyntheticClock:
@@ -47,7 +51,10 @@ class SyntheticRank:
         self.file_rank = rank                  # the file it writes, whatever its rank becomes
         self.num_layers = num_layers
         self.clock = clock
-        self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep)
+        # exclusive=False: each SyntheticRank stands for a process of its own, and a joiner of an old-layout
+        # scale takes the file a renumbered rank still writes, as two processes did
+        self.trace = EventTrace(rank=rank, world=world, trace_dir=trace_dir, clock=clock, keep=keep,
+                                exclusive=False)
         self.machine = machine or EplbMachine(num_layers)
         self.machine.listeners.append(self._record)
         self.trace.set_context(state=self.machine.state, step=step)
@@ -88,6 +95,12 @@ class SyntheticRank:
             return True
         self.trace.start_collective(op, **fields)
         return False
+
+    def agreement(self, part: str, size: int, **fields: Any) -> None:
+        """One all-reduce of ``part`` (``size`` float64 flags) on the rank's EP group, as the controller
+        traces its agreements (``fields``: e.g. the ``layer`` a ``ready`` agreement is about)."""
+        self.collective("all_reduce", group=self.group, shape=[size], dtype="torch.float64", parts=[part],
+                        sizes=[size], **fields)
 
     def force_state(self, state: str, layer: int = 0) -> None:
         """Put the machine where a buggy controller's record claims it went."""
