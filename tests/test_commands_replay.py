@@ -40,22 +40,30 @@ def test_healthy_exit_0_and_verdict_first(healthy_dir, capsys):
     assert "illegal transitions: none" in "\n".join(out)
 
 
+def waited_in(logs) -> dict:
+    """Rank 0's last record in a hang folder: the start of the collective it waits in (the builder's layout sets
+    its cseq and shape, so tests read them here)."""
+    return json.loads(trace_path(logs, 0).read_text().splitlines()[-1])
+
+
 def test_hang_exit_1_with_culprit_in_the_verdict_line(hang_dir, capsys):
     """A hang: exit 1, verdict line naming rank 2 and the collective, then every rank's position."""
+    start = waited_in(hang_dir)
     assert main(["replay", str(hang_dir)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("hang: rank 2 never joined all_reduce (group ep, cseq 3")
+    assert out[0].startswith(f"hang: rank 2 never joined all_reduce (group ep, cseq {start['cseq']}")
     assert any(line.strip().startswith("0-1,3") and "inside since step 19" in line for line in out)
-    assert any("collective: all_reduce group=ep cseq=3" in line for line in out)
+    assert any(f"collective: all_reduce group=ep cseq={start['cseq']}" in line for line in out)
 
 
 def test_json_report_fields(hang_dir, capsys):
     """--json prints one object with verdict, culprit_ranks, step, state, layer, collective and more."""
+    start = waited_in(hang_dir)
     assert main(["replay", str(hang_dir), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "hang" and data["culprit_ranks"] == [2]
     assert (data["step"], data["state"], data["layer"]) == (19, "planning", None)
-    assert data["collective"] == {"op": "all_reduce", "group": "ep", "cseq": 3, "shape": [16],
+    assert data["collective"] == {"op": "all_reduce", "group": "ep", "cseq": start["cseq"], "shape": start["shape"],
                                   "dtype": "torch.float64"}
     assert data["illegal_transitions"] == [] and isinstance(data["warnings"], list)
     assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
@@ -71,6 +79,19 @@ def test_unusable_input_exits_2(tmp_path, capsys):
     assert main(["replay", str(tmp_path), "--json"]) == 2
     captured = capsys.readouterr()
     assert json.loads(captured.out)["verdict"] == "unusable_input"
+
+
+def test_unusable_input_with_rank_and_json_prints_the_json_error(tmp_path, capsys):
+    """--rank R --json on unusable input exits 2 with the same unusable_input object the report prints."""
+    assert main(["replay", str(tmp_path / "absent"), "--rank", "0", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"verdict": "unusable_input",
+                                        "error": f"{tmp_path / 'absent'} is not a directory"}
+    assert captured.err.startswith("eplb-fsm replay: error: ")
+    logs = make_dir(tmp_path)
+    trace_path(logs, 2).write_text("")
+    assert main(["replay", str(logs), "--rank", "2", "--json"]) == 2
+    assert "has no readable record" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_missing_rank_and_truncated_file_are_reported(tmp_path, capsys):
@@ -99,7 +120,8 @@ def test_rank_timeline(hang_dir, capsys):
     n = sum(1 for _ in open(trace_path(hang_dir, 0)))
     assert lines[0] == f"rank 0: {n} records"
     assert len(lines) == n + 2
-    assert "collective_start" in lines[-1] and "all_reduce ep#3 [16]" in lines[-1]
+    start = waited_in(hang_dir)
+    assert "collective_start" in lines[-1] and f"all_reduce ep#{start['cseq']} {start['shape']}" in lines[-1]
 
 
 def test_rank_timeline_json_and_illegal_marks(tmp_path, capsys):

@@ -330,3 +330,25 @@ def test_a_replay_shares_templates_between_the_files_and_gives_the_same_report(t
     monkeypatch.setattr(sm, "MIN_BLOCK_LINES", 10 ** 9)
     assert replay_dir(out).to_dict() == on
     assert on["verdict"] == "healthy"
+
+
+def test_an_end_read_before_its_start_keeps_later_blocks_off_the_template(tmp_path):
+    """A collective_end whose cseq names a later block's collective: files and in-memory records warn alike."""
+    from eplb_fsm.inspect import diagnose
+    from eplb_fsm.testing import write_traces
+
+    job = SyntheticJob(world=3, num_layers=2, interval=5)
+    job.run(60)
+    job.close()
+    records = job.records()
+    recs = records[0]
+    # a planning all-reduce's end after the middle, renumbered to the next collective: the start of that one
+    # comes later, in a block the template could otherwise stand for
+    i = next(i for i, r in enumerate(recs) if i > len(recs) * 2 // 3 and r["event"] == "collective_end"
+             and r.get("group") == "ep" and "loads" in r.get("parts", ()))
+    recs[i] = dict(recs[i], cseq=recs[i]["cseq"] + 1)
+    write_traces(records, tmp_path)
+    in_memory, from_files = diagnose(records), replay_dir(tmp_path)
+    assert (in_memory.verdict, in_memory.summary) == (from_files.verdict, from_files.summary)
+    assert [w.replace("rank00000.jsonl", "rank 0") for w in in_memory.warnings] == \
+        [w.replace("rank00000.jsonl", "rank 0") for w in from_files.warnings]

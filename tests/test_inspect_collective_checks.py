@@ -1,4 +1,4 @@
-"""Tests for eplb_fsm.inspect.collective_checks: the wording of the collective findings."""
+"""The wording of the collective findings, and how a tie (as many ranks on each side) is broken or left undecided."""
 
 from __future__ import annotations
 
@@ -56,3 +56,41 @@ def test_a_tie_is_broken_past_a_list_as_op_elsewhere_in_the_group():
     report = diagnose(records)
     assert report.verdict == "collective_mismatch" and report.culprit_ranks == [1], report.summary
     assert report.step == 19 and "all_gather appears nowhere else" in " ".join(report.findings[0].details)
+
+
+def test_a_tie_on_shape_is_broken_by_the_whole_signature_the_group_runs_elsewhere():
+    """One against one, same op, another shape: the rank whose collective the group runs elsewhere is right."""
+    for culprit in (0, 1):
+        job = SyntheticJob(world=2)
+        job.run(25, Faults(wrong_collective={culprit: (9, {"shape": [9, 9]})}))
+        report = diagnose(job.records())
+        assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [culprit]), report.summary
+        assert "shape [9, 9] appears nowhere else" in " ".join(report.findings[0].details)
+
+
+def test_an_undecided_collective_tie_names_both_ranks():
+    """One against one where the group runs neither collective elsewhere: both ranks named, a detail says undecided."""
+    job = SyntheticJob(world=2)
+    job.run(12, Faults(wrong_collective={0: (9, {"shape": [9, 9]})}))   # the only rearrangement: no other plan
+    report = diagnose(job.records())
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [0, 1]), report.summary
+    assert "undecided" in report.summary and any("is undecided" in d for d in report.findings[0].details)
+
+
+def test_a_step_tie_is_broken_by_the_rearrangement_interval():
+    """One against one, a due step one step late: the rank that came step_interval after its last one is right."""
+    for culprit in (0, 1):
+        job = SyntheticJob(world=2)
+        job.run(25, Faults(skip_count={culprit: 12}))
+        report = diagnose(job.records())
+        assert (report.verdict, report.culprit_ranks) == ("step_divergence", [culprit]), report.summary
+        assert "decided by the interval" in " ".join(report.findings[0].details)
+
+
+def test_an_undecided_step_tie_names_both_ranks():
+    """The first due step, one step late on one rank: no earlier one to count from, so both ranks are named."""
+    job = SyntheticJob(world=2)
+    job.run(15, Faults(skip_count={0: 3}))
+    report = diagnose(job.records())
+    assert (report.verdict, report.culprit_ranks) == ("step_divergence", [0, 1]), report.summary
+    assert any("undecided" in d for d in report.findings[0].details)

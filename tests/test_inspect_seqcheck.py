@@ -55,12 +55,12 @@ def test_the_last_two_records_swapped_are_disorder():
 
 
 def test_a_step_swapped_with_the_record_before_it_is_disorder():
-    """A step record (counted, seq unread) that went back after a jump is read for its seq: disorder at the step."""
+    """A step record that went back after a jump is read for its seq: disorder at the step, nothing lost."""
     check = SeqCheck()
     locate = lambda: ("rank00000.jsonl:3", 3)   # noqa: E731
     check.check(1, 0, locate, "model_added")
     check.check(3, 0, locate, "collective_start")   # seq 2 was due: the step with seq 2 comes after it
-    check.step(2, 0, locate)
+    check.check(2, 0, locate, "step", step=True)
     check.check(4, 1, locate, "collective_end")
     assert (check.lost, check.odd) == (0, 0)
     assert [(d["seq"], d["expected"], d["event"]) for d in check.disorder] == [(2, 4, "step")]
@@ -72,9 +72,34 @@ def test_a_step_after_an_inserted_line_stays_a_foreign_line():
     locate = lambda: ("rank00000.jsonl:3", 3)   # noqa: E731
     check.check(1, 0, locate, "model_added")
     check.check(40, 0, locate, "alive")
-    check.step(2, 0, locate)
+    check.check(2, 0, locate, "step", step=True)
     check.check(3, 1, locate, "alive")
     assert (check.lost, check.odd, check.disorder) == (0, 1, [])
+
+
+def test_a_copied_line_is_disorder_and_loses_nothing():
+    """An old line copied further down: disorder at the copy, and the records after it are not lost lines."""
+    check = feed([18, 19, 20, 21, 12, 22, 23])
+    assert (check.lost, check.odd, check.gaps) == (0, 0, [])
+    assert [(d["seq"], d["expected"], d["line"]) for d in check.disorder] == [(12, 22, 5)]
+    assert check.warnings() == []
+
+
+def test_a_copied_step_line_takes_no_seq():
+    """A copied step record (counted as a step) leaves the seq due to the next record as it was."""
+    check, locate = SeqCheck(), (lambda: ("rank00000.jsonl:4", 4))
+    check.check(5, 0, locate, "alive")
+    check.check(6, 0, locate, "step", step=True)
+    check.check(2, 1, locate, "step", step=True)   # a copy of an old step line
+    check.check(7, 2, locate, "alive")
+    assert (check.lost, check.odd, [d["seq"] for d in check.disorder]) == (0, 0, [2])
+
+
+def test_a_line_written_late_fills_its_place_among_the_lost_lines():
+    """Seq 20 jumped over, then read three records later: disorder there, and no line is lost."""
+    check = feed([18, 19, 21, 22, 23, 20, 24])
+    assert [d["seq"] for d in check.disorder] == [20]
+    assert (check.lost, check.gaps, check.warnings()) == (0, [], [])
 
 
 def test_every_adjacent_swap_of_a_real_trace_is_out_of_order(tmp_path):
@@ -130,3 +155,19 @@ def test_past_max_gaps_the_last_gap_widens():
     check = feed_around([2 * i for i in range(MAX_GAPS + 11)])
     assert len(check.gaps) == MAX_GAPS and sum(g["lost"] for g in check.gaps) == check.lost == MAX_GAPS + 10
     assert (check.gaps[-1]["first"], check.gaps[-1]["last"]) == (2 * MAX_GAPS - 1, 2 * (MAX_GAPS + 10) - 1)
+
+
+def test_a_copied_line_in_a_real_trace_is_out_of_order_not_lost_records(tmp_path):
+    """Rank 1's first collective_start copied further down: out_of_order at the copy, no lost records, no hang."""
+    job = SyntheticJob(world=2, trace_dir=str(tmp_path), keep=False)
+    job.run(30)
+    job.close()
+    path = tmp_path / "rank00001.jsonl"
+    lines = path.read_text().splitlines()
+    src = next(i for i, line in enumerate(lines) if '"event":"collective_start"' in line)
+    at = src + 20
+    path.write_text("\n".join(lines[:at] + [lines[src]] + lines[at:]) + "\n")
+    report = replay_dir(tmp_path)
+    assert [(f.kind, f.culprits) for f in report.findings] == [("out_of_order", [1])], report.summary
+    assert f"rank00001.jsonl:{at + 1}:" in report.summary
+    assert not any("missing by seq" in w for w in report.warnings)

@@ -81,3 +81,77 @@ def test_an_end_whose_start_never_comes_is_still_warned_about():
     s = walk(recs).result(recs[-1])
     assert any("collective_end for ep#7 without a start (seq 3)" in w for w in s.warnings)
     assert "ep" not in s.collectives
+
+
+def both_paths(recs: list[dict]):
+    """The summary of ``recs`` read in memory (``summarize_rank``) and as a file's text (``summarize_text``)."""
+    from eplb_fsm.inspect.summary import summarize_rank, summarize_text
+
+    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs)
+    return summarize_rank(recs, 0, path="rank00000.jsonl"), summarize_text(text, 0, path="rank00000.jsonl")
+
+
+def test_a_copied_collective_start_does_not_reopen_it():
+    """A start line copied after its end: a warning and disorder, the collective stays ended (no hang)."""
+    recs = records(2)
+    start = base("collective_start", 3, 2, op="all_reduce", group="ep", cseq=0, shape=[4])
+    recs += [start, base("collective_end", 4, 2, op="all_reduce", group="ep", cseq=0, duration_s=0.5),
+             base("alive", 5, 2, interval_s=1.0), dict(start), base("alive", 6, 2, interval_s=1.0)]
+    s = walk(recs).result(recs[-1])
+    assert s.collectives["ep"][0].status == "ended"
+    assert any("ep#0 started twice" in w for w in s.warnings)
+    assert [d["seq"] for d in s.disorder] == [3] and not s.gaps
+
+
+def test_two_swapped_step_lines_are_out_of_order_in_memory_and_in_a_file():
+    """Steps with seqs 6 and 7 swapped: both reading paths report disorder at the second of them, file line 8."""
+    recs = records(12) + [base("alive", 13, 12, interval_s=1.0)]
+    recs[6], recs[7] = recs[7], recs[6]
+    for s in both_paths(recs):
+        assert [(d["seq"], d["line"]) for d in s.disorder] == [(6, 8)], s.disorder
+        assert not s.gaps and not s.illegal
+
+
+def test_a_copied_step_line_is_out_of_order_at_its_own_line_in_both_paths():
+    """The step line with seq 3 copied after seq 8 (file line 10): disorder there, nothing lost, in memory and in a file."""
+    recs = records(12) + [base("alive", 13, 12, interval_s=1.0)]
+    recs.insert(9, dict(recs[3]))
+    for s in both_paths(recs):
+        assert [(d["seq"], d["expected"], d["line"]) for d in s.disorder] == [(3, 9, 10)], s.disorder
+        assert not s.gaps and not s.illegal
+
+
+def test_lost_step_lines_are_told_by_their_own_seqs():
+    """Step lines seq 5-8 lost, step lines after them: the gap is seq 5..8 between steps 3 and 8, both paths."""
+    recs = [r for r in records(20) if not 5 <= r["seq"] <= 8] + [base("alive", 21, 20, interval_s=1.0)]
+    for s in both_paths(recs):
+        assert [(g["first"], g["last"], g["lost"], g["from_step"], g["to_step"]) for g in s.gaps] == [
+            (5, 8, 4, 3, 8)], s.gaps
+        assert any("4 record(s) missing by seq (lost lines), the first between seq 4 and seq 9" in w
+                   for w in s.warnings), s.warnings
+
+
+def test_one_wrongly_stamped_step_record_is_one_illegal_transition():
+    """A step stamped 'planning' amid collecting steps: one illegal entry, the next step (rightly stamped) is fine."""
+    recs = records(12)
+    recs[6] = dict(recs[6], state="planning")
+    for s in both_paths(recs):
+        assert [(i["seq"], i["reason"]) for i in s.illegal] == [
+            (6, "step record stamped 'planning' but the replayed state is 'collecting'")]
+        assert s.final_state == "collecting"
+
+
+def test_a_continued_header_after_lost_lines_says_where_the_machine_is():
+    """Lines lost mid-transfer, then a rotated segment's header: the walk takes its `machine` layer, nothing illegal."""
+    job = SyntheticJob(world=1)
+    job.run(12)
+    job.close()
+    recs = job.records()[0]
+    first = next(i for i, r in enumerate(recs) if r.get("trigger") == "layer_done")
+    last = max(i for i, r in enumerate(recs) if r.get("trigger") == "layer_done")
+    done = recs[last]
+    assert done["layer"] > recs[first]["layer"]
+    header = dict(recs[0], continued=True, segment=1, seq=done["seq"] - 1, step=done["step"], state=done["source"],
+                  machine={"state": done["source"], "layer": done["layer"], "scale_pending": False})
+    for s in both_paths(recs[:first] + [header] + recs[last:]):
+        assert s.illegal == [] and [(g["first"], g["last"]) for g in s.gaps] == [(recs[first]["seq"], done["seq"] - 2)]

@@ -6,7 +6,8 @@ Prints the verdict on the first line and the detail below it (``--json``: one JS
 object, with the structured verdict under ``verdict_detail``). Exit status: 0 healthy,
 1 a problem was found, 2 a usage error or unusable input (no such folder, no
 ``rank*.jsonl`` file, nothing readable, traces of several runs without ``--run-id``,
-``--ranks`` < 1, ``--jobs`` < 0). ``--rank R`` prints that rank's timeline instead, one
+``--ranks`` < 1, ``--jobs`` < 0); with ``--json``, unusable input also prints
+``{"verdict": "unusable_input", "error": ...}``. ``--rank R`` prints that rank's timeline instead, one
 line per record, with the records the machine refuses marked: rank R is the file the report
 replays as rank R (the rank its records carry; of the run ``--run-id`` picks), named when its
 file name says another rank, followed by the files of the joiners that took number R later
@@ -35,7 +36,8 @@ EXIT_CODES = """exit status:
      rests on), then what followed from it
   2  usage error or unusable input: bad --ranks/--jobs, --ranks with --rank, no folder, no
      rank*.jsonl file, nothing readable (with --rank R: in R's files), or traces of several
-     runs (pick one with --run-id)"""
+     runs (pick one with --run-id); with --json, unusable input also prints
+     {"verdict": "unusable_input", "error": ...} (--rank R too)"""
 
 
 def _at_least(low: int, what: str):
@@ -79,6 +81,15 @@ def _out(text: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
+def _unusable(args: argparse.Namespace, error: str) -> int:
+    """Exit 2 for input that cannot be replayed: the error on stderr and, with ``--json`` (report or ``--rank``),
+    ``{"verdict": "unusable_input", "error": ...}`` on stdout, so a reader of the JSON always gets an object."""
+    if args.json:
+        _out(json.dumps({"verdict": "unusable_input", "error": error}))
+    print(f"eplb-fsm replay: error: {error}", file=sys.stderr)
+    return 2
+
+
 def _timeline(args: argparse.Namespace) -> int:
     """Rank R's timeline: R is found as the report finds it (the rank the records carry, of the run
     ``--run-id`` picks), so a renamed or swapped file shows the right rank; exit 2 when it has none."""
@@ -102,8 +113,7 @@ def _timeline(args: argparse.Namespace) -> int:
         paths = _session_files(loaded.summaries.get(args.rank), path)
         raws = [read_rank_text(p) for p in paths]
     except (NoTraces, OSError) as exc:
-        print(f"eplb-fsm replay: error: {exc}", file=sys.stderr)
-        return 2
+        return _unusable(args, str(exc))
     # one timeline, file after file: a joiner's file starts with its header, which opens the next session
     # just as it did when the joiner appended to the first rank's file
     records, bad, cut = [], 0, []
@@ -115,9 +125,7 @@ def _timeline(args: argparse.Namespace) -> int:
             cut.append(Path(p).name)
     truncated = bool(cut)
     if not records:
-        print(f"eplb-fsm replay: error: rank {args.rank}: {', '.join(map(str, paths))} has no readable record",
-              file=sys.stderr)
-        return 2
+        return _unusable(args, f"rank {args.rank}: {', '.join(map(str, paths))} has no readable record")
     summary = summarize_rank(records, args.rank, path=str(path), bad_lines=bad, truncated=truncated)
     sessions = list(summary.previous) + [summary]
     illegal = [dict(i, session=n) if len(sessions) > 1 else i for n, s in enumerate(sessions) for i in s.illegal]
@@ -192,9 +200,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = replay_dir(args.logdir, world=args.world, jobs=args.jobs, run_id=args.run_id)
     except NoTraces as exc:
-        if args.json:
-            print(json.dumps({"verdict": "unusable_input", "error": str(exc)}))
-        print(f"eplb-fsm replay: error: {exc}", file=sys.stderr)
-        return 2
+        return _unusable(args, str(exc))
     _out(json.dumps(report.to_dict(), default=str) if args.json else format_report(report))
     return report.exit_code

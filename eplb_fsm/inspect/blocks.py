@@ -178,6 +178,8 @@ class BlockReader:
                 index = cols.get(group)
                 if index is not None and c in index:
                     return False  # started twice: warned about record by record
+                if w.early_ends and (group, c) in w.early_ends:
+                    return False  # its end was read before its start: matched record by record
             if len(set(zip(recipe.groups, cseqs))) != len(cseqs):
                 return False
             if recipe.duration is not None:

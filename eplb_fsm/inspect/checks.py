@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.fsm.machine import COLLECTING, FAILED, PLANNING
 from eplb_fsm.inspect.elastic import Cast, Key, build_cast, config_payloads
 from eplb_fsm.inspect.findings import Finding, canon, last_seen, majority
 from eplb_fsm.inspect.lost import LostRecords
 from eplb_fsm.inspect.model import WORLD_GROUP, RankSummary, Transition
+from eplb_fsm.inspect.stepseq import own_steps_broken, step_break_text
 
 # ranks are not stopped in lockstep: a trace ending one step before the others is not a death
 DIED_SLACK_STEPS = 1
@@ -153,10 +154,11 @@ def align_transitions(cast: Cast, offsets: dict[Key, int],
             continue
         at = {k: trans[k][i - offsets[k]] for k in keys if 0 <= i - offsets[k] < len(compare[k])}
         ended = [k for k in keys if i - offsets[k] >= len(compare[k]) and not cast.parts[k].ended_on_purpose]
-        finding = _transition_divergence(cast, i, at, ended)
+        rest = {k: (trans[k], i - offsets[k]) for k in at}
+        finding = _transition_divergence(cast, i, at, ended, rest)
         if finding is None:
             continue
-        shifted, told = lost.shifted(finding, {k: (trans[k], i - offsets[k]) for k in at})
+        shifted, told = lost.shifted(finding, rest)
         if shifted:     # their lost lines, not their decisions: compare #i again among the others
             found += [told] if told is not None else []
             keys = [k for k in keys if k not in shifted]
@@ -170,7 +172,10 @@ def align_transitions(cast: Cast, offsets: dict[Key, int],
     return found
 
 
-def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key]) -> Finding | None:
+def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key],
+                           rest: dict[Key, tuple[list[Transition], int]]) -> Finding | None:
+    """State change #i (``at``: each participant's; ``rest``: its state changes and #i's index among them)
+    differs: the event (``decision_divergence``) or the step (``step_divergence``)."""
     def context(status_of) -> list[dict]:
         rows = [cast.position(k, status_of(t), f"{t.text()} at step {t.step}", t.step, t.source, t.layer_k)
                 for k, t in at.items()]
@@ -198,17 +203,79 @@ def _transition_divergence(cast: Cast, i: int, at: dict, ended: list[Key]) -> Fi
             by_step.setdefault(t.step, []).append(k)
     if len(by_step) > 1:
         ref_step = majority(by_step)
+        details, undecided = [], False
+        tied = [s for s, ks in by_step.items() if len(ks) == len(by_step[ref_step])]
+        if len(tied) > 1:
+            decided, note = _step_tie(cast, by_step, tied, rest)
+            details.append(note)
+            ref_step, undecided = (ref_step, True) if decided is None else (decided, False)
         ref = at[by_step[ref_step][0]]
-        culprits = sorted(k for s, ks in by_step.items() if s != ref_step for k in ks)
+        # an undecided tie names every rank of it: none is presented as the certain culprit
+        culprits = sorted(k for s, ks in by_step.items() if s != ref_step or undecided for k in ks)
         steps = sorted(by_step)
         odd_steps = ", ".join(f"{cast.who(by_step[s])} at step {s}" for s in steps if s != ref_step)
         return Finding.of(
             "step_divergence", steps[0], culprits,
             f"state change #{i} ({ref.text()}) happened at different steps: {cast.who(by_step[ref_step])} "
-            f"at step {ref_step}, {odd_steps}: a skipped or extra step",
-            state=ref.source, layer=ref.layer_k,
+            f"at step {ref_step}, {odd_steps}: a skipped or extra step" + ("; a tie, undecided" if undecided else ""),
+            state=ref.source, layer=ref.layer_k, details=details,
             ranks=context(lambda t: "same" if t.step == ref_step else "different_step"),
         )
+    return None
+
+
+# the state changes of one rearrangement after its due step: the interval counter restarted at that step
+_CYCLE = frozenset({"plan_ready", "layer_done", "committed"})
+_DUE = ("step", COLLECTING, PLANNING)
+
+
+def _step_tie(cast: Cast, by_step: dict[Any, list[Key]], tied: list, rest: dict) -> tuple[Any | None, str]:
+    """As many participants took state change #i at one step as at another (``tied``): which step is right.
+
+    The evidence, in order: participants whose own step numbers break (``stepseq``) are the odd
+    ones; for a due step into planning, the interval: the counter restarts at every due (or
+    forced) step, so the next one comes ``step_interval`` steps later (one less after a forced
+    one, whose record carries the next step's number), when the participant was back in
+    collecting by then with only that rearrangement's state changes between. Returns (the
+    reference step, a note for the finding), or (None, a note saying the tie is undecided).
+    """
+    broken = {s: [k for k in by_step[s] if own_steps_broken(cast.parts[k])] for s in tied}
+    clean = [s for s in tied if not broken[s]]
+    if len(clean) == 1:
+        k = next(k for s in tied for k in broken[s])
+        return clean[0], f"a tie, decided by the step numbers: {cast.label(k)}: {step_break_text(cast.parts[k])}"
+    fits = {s: [_interval_fits(cast.parts[k], *rest[k]) for k in by_step[s]] for s in tied}
+    right = [s for s in tied if all(f is True for f in fits[s])]
+    if len(right) == 1 and all(f is False for s in tied if s != right[0] for f in fits[s]):
+        iv = _interval(cast.parts[by_step[right[0]][0]])
+        return right[0], (f"a tie, decided by the interval: step {right[0]} is {iv} steps (step_interval) after "
+                          f"{cast.who(by_step[right[0]])}'s previous due step, the others' step is not")
+    return None, ("a tie: as many ranks took it at one step as at another, and neither their own step numbers nor "
+                  "the rearrangement interval tells which is right; undecided, so every rank of the tie is named")
+
+
+def _interval(s: RankSummary) -> int | None:
+    config = (s.header or {}).get("config")
+    iv = config.get("step_interval") if isinstance(config, dict) else None
+    return iv if type(iv) is int and iv >= 1 else None
+
+
+def _interval_fits(s: RankSummary, trans: list[Transition], j: int) -> bool | None:
+    """Whether due step ``trans[j]`` comes the interval after the session's previous one (None: nothing to tell)."""
+    t, iv = trans[j], _interval(s)
+    if iv is None or (t.trigger, t.source, t.dest) != _DUE or type(t.step) is not int:
+        return None
+    back = None
+    for n in range(j - 1, -1, -1):
+        prev = trans[n]
+        if prev.trigger in _CYCLE:
+            back = prev if back is None else back
+            continue
+        if (prev.trigger, prev.source, prev.dest) != _DUE or type(prev.step) is not int:
+            return None   # a scale, a fault or a recovery restarts the counter elsewhere
+        if back is not None and (type(back.step) is not int or back.step >= prev.step + iv - 1):
+            return None   # still busy when the interval ran out: due at the first step back in collecting
+        return t.step - prev.step in (iv, iv - 1)
     return None
 
 

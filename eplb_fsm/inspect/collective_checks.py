@@ -135,28 +135,69 @@ def _runs_agree(streams: list, limits: list, floors: list, c: int) -> int | None
     return int(end) if active and end != math.inf else None
 
 
-def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]], default: tuple) -> tuple[tuple, str | None]:
+def _ran_elsewhere(cast: Cast, g: str, c: int) -> tuple[dict, dict]:
+    """How often group ``g`` ran each collective at its other sequence numbers, counted once per member and cseq:
+    by (signature, dtype), and by op alone."""
+    full: dict[tuple, int] = {}
+    ops: dict[Any, int] = {}
+
+    def count(e: Collective, n: int) -> None:
+        key = (e.signature(), freeze(e.dtype))
+        full[key] = full.get(key, 0) + n
+        op = freeze(e.op)   # the signature's form of it (a damaged op may be a list)
+        ops[op] = ops.get(op, 0) + n
+
+    for s in cast.parts.values():
+        index = s.collectives.get(g)
+        if isinstance(index, CollectiveIndex):
+            for cseq, e in index.one.items():
+                if cseq != c:
+                    count(e, 1)
+            for run in index.runs:   # one signature for the whole run: counted at once, not cseq by cseq
+                count(run.template, run.last - run.first + 1 - (run.first <= c <= run.last))
+        elif index:
+            for cseq, e in index.items():
+                if cseq != c:
+                    count(e, 1)
+    return full, ops
+
+
+_TELLS_APART = ("shape", "dtype", "layer", "wave", "parts")
+
+
+def _sig_text(e: Collective, others: list[Collective]) -> str:
+    """``e``'s op, and where the others have the same op, the fields that tell ``e`` from them."""
+    if any(freeze(o.op) != freeze(e.op) for o in others):
+        return str(e.op)
+    differ = [f for f in _TELLS_APART if any(freeze(getattr(o, f)) != freeze(getattr(e, f)) for o in others)]
+    return f"{e.op} with " + ", ".join(f"{f} {getattr(e, f)}" for f in differ) if differ else str(e.op)
+
+
+def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]],
+               entries: dict[Key, Collective]) -> tuple[tuple | None, str]:
     """Equal numbers of members issued different collectives at (g, c) (e.g. one rank against one).
 
-    The expected one is the signature whose op the group also runs at its other sequence
-    numbers; an op seen nowhere else in the group is the odd one. Returns (reference
-    signature, a note for the finding), or (``default``, None) when that does not decide.
+    The expected one is the collective the group also runs at its other sequence numbers:
+    first by its whole signature (op, shape, dtype, layer, wave, parts), then by its op alone;
+    the others appear nowhere else in the group. Returns (reference signature, a note for the
+    finding), or (None, a note saying the tie is undecided) when neither tells one apart.
     """
     top = max(len(ks) for ks in by_sig.values())
     tied = [k for k, ks in by_sig.items() if len(ks) == top]
-    seen: dict[Any, int] = {}
-    for s in cast.parts.values():
-        for cseq, e in s.collectives.get(g, {}).items():
-            if cseq != c:
-                op = freeze(e.op)   # the signature's form of it (a damaged op may be a list)
-                seen[op] = seen.get(op, 0) + 1
-    familiar = [k for k in tied if seen.get(k[0], 0) > 0]
-    if len(familiar) != 1:
-        return default, None
-    ref = familiar[0]
-    odd = sorted({k[0] for k in tied if k != ref})
-    return ref, (f"as many ranks issued one collective as the other; {ref[0]} is what group {g} runs at its "
-                 f"other sequence numbers, {', '.join(map(str, odd))} appears nowhere else in it")
+    issued = {k: entries[by_sig[k][0]] for k in tied}
+    full, ops = _ran_elsewhere(cast, g, c)
+    for seen in (lambda k: full.get((k, freeze(issued[k].dtype)), 0), lambda k: ops.get(freeze(issued[k].op), 0)):
+        familiar = [k for k in tied if seen(k) > 0]
+        if len(familiar) == 1:
+            ref = familiar[0]
+            others = [issued[k] for k in tied if k != ref]
+            odd = ", ".join(sorted({_sig_text(e, [issued[ref]]) for e in others}))
+            return ref, (f"as many ranks issued one collective as the other; {_sig_text(issued[ref], others)} is "
+                         f"what group {g} runs at its other sequence numbers, {odd} appears nowhere else in it")
+    texts = sorted({_sig_text(e, [o for o in issued.values() if o is not e]) for e in issued.values()})
+    texts_said = " as ".join(texts) if len(texts) == 2 else "each of " + ", ".join(texts)
+    return None, (f"a tie: as many ranks issued {texts_said}, and group {g}'s other sequence numbers favour none "
+                  "of them; which is the odd one is undecided, so every rank of the tie is named")
 
 
 def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Finding | None:
@@ -176,9 +217,10 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
     for k, e in entries.items():
         by_sig.setdefault(e.signature(), []).append(k)
     ref_sig = majority(by_sig)
-    tie_note = None
+    tie_note, undecided = None, False
     if len(by_sig) > 1 and sorted(map(len, by_sig.values()))[-2:] == [len(by_sig[ref_sig])] * 2:
-        ref_sig, tie_note = _break_tie(cast, g, c, by_sig, ref_sig)
+        decided, tie_note = _break_tie(cast, g, c, by_sig, entries)
+        ref_sig, undecided = (ref_sig, True) if decided is None else (decided, False)
     ref = entries[by_sig[ref_sig][0]]
     start_step = min((e.step for e in entries.values() if e.step is not None), default=None)
     open_ = sorted(k for k, e in entries.items() if e.status == "open")
@@ -224,12 +266,14 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
     where = dict(state=ref.state, layer=ref.layer, collective=ref.describe(),
                  members=[k for k in members if k in parts])
     if len(by_sig) > 1:
-        culprits = sorted(k for key, ks in by_sig.items() if key != ref_sig for k in ks)
-        odd = entries[culprits[0]]
+        others = sorted(k for key, ks in by_sig.items() if key != ref_sig for k in ks)
+        odd = entries[others[0]]
+        # an undecided tie names both sides: no rank is presented as the certain culprit
+        culprits = sorted(others + by_sig[ref_sig]) if undecided else others
         return Finding.of(
             "collective_mismatch", start_step, culprits,
-            f"{who(culprits)} issued {coll_text(odd)} where {who(by_sig[ref_sig])} issued "
-            f"{coll_text(ref)}, at step {start_step} in {ref.state}",
+            f"{who(others)} issued {coll_text(odd)} where {who(by_sig[ref_sig])} issued "
+            f"{coll_text(ref)}, at step {start_step} in {ref.state}" + ("; a tie, undecided" if undecided else ""),
             ranks=positions(), details=[tie_note] if tie_note else [], **where,
         )
     extra = _extra_collective(cast, g, c, entries, ended_before + skipped)

@@ -1,17 +1,20 @@
 """A rank's ``seq`` counter, checked as the walker reads: lost lines, one foreign line, disorder.
 
 ``seq`` advances by one per record of a session. ``SeqCheck`` is told the ``seq`` of every
-record the walker reads one by one, with the number of step records counted so far
-(runs of step lines are counted, not read): a jump forward is lost lines, a jump forward
-and straight back is one record that carried a foreign ``seq`` (an inserted line), any
-other step back is disorder, kept with the file line for an ``out_of_order`` finding.
+record the walker reads one by one (step records included), with the number of step records
+counted so far (runs of step lines are counted in bulk, once their ``seq`` values are known to
+run on from the one due): a jump forward is lost lines, a jump forward and straight back is one
+record that carried a foreign ``seq`` (an inserted line), any other step back is disorder, kept
+with the file line for an ``out_of_order`` finding.
 
 A jump forward followed by a record back at the ``seq`` that was due is either an inserted
 line (the jumped record) or two records swapped (the jumped one and this one); only the
 record after tells them apart, so the decision waits for it: going on from the jumped
-record's ``seq`` is a swap, reported as disorder at the record that went back. The first
-step record after a jump is read for its ``seq`` (``step``) so that a step swapped with
-the record before it is told apart the same way.
+record's ``seq`` is a swap, reported as disorder at the record that went back.
+
+Any other step back is a copied line or a line written late: the sequence goes on from where it
+was (the records after it are not lost lines), and a late line fills its place in a stretch of
+lost lines.
 
 Each stretch of lost lines is kept in ``gaps`` (the seqs lost, and the step and ``ts`` of the
 records either side), so that a finding whose evidence would lie there can say so
@@ -44,73 +47,55 @@ class SeqCheck:
         self.disorder: list[dict] = []
         # lost lines: {"first", "last" (the seqs lost), "lost", "from_step", "from_ts", "to_step", "to_ts"}
         self.gaps: list[dict] = []
-        self.counted_after: tuple | None = None   # (ts, step, ...) of the last record read before steps were counted
-
-    def counting(self, n_steps: int, seen: tuple | None) -> None:
-        """Steps are counted (``n_steps`` so far; ``seen``: the (ts, step, ...) of the record before them): lines
-        lost among them lie after the last record read one by one, the first they follow."""
-        if n_steps == self.steps_at_prev:
-            self.counted_after = seen
 
     def next_seq(self, n_steps: int) -> int | None:
         """The ``seq`` the session's next record must carry (None before any)."""
         return None if self.prev is None else self.prev + 1 + n_steps - self.steps_at_prev
 
     def check(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]], event: Any,
-              around: tuple | None = None) -> bool:
+              around: tuple | None = None, step: bool = False) -> bool:
         """Account one record's ``seq``; returns whether it carried one. ``locate()`` gives
         (``file:line``, line) for a disorder entry (asked only then); ``around``: (the (ts, step, ...) of
-        the record before, this record's step, its ts), kept with a stretch of lost lines."""
+        the record before, this record's step, its ts), kept with a stretch of lost lines. ``step``: the
+        record is a step record, which the caller counts among the ``n_steps`` right after it."""
         if type(seq) is not int:
             return False
-        if around is not None and n_steps != self.steps_at_prev:   # lines lost anywhere among the counted steps
-            around = (self.counted_after,) + around[1:]
+        after = n_steps + 1 if step else n_steps   # steps counted once this record is read
         jump, self.jump = self.jump, None     # an inserted or mislabelled record is one jump and back
         if self.back is not None:
             if self._settle_back(jump, seq == self.back[0] + 1 + n_steps - self.back[1]):
-                self.prev, self.steps_at_prev = seq, n_steps
+                self.prev, self.steps_at_prev = seq, after
                 return True
             jump = None                       # the jump was the inserted line: settled
         if self.prev is not None:
             expected = self.prev + 1 + n_steps - self.steps_at_prev
             if seq > expected:
-                self.jump = (expected + 1, n_steps, seq - expected, seq, self.lost_between,
+                self.jump = (expected + 1, after, seq - expected, seq, self.lost_between,
                              self._gap(expected, seq, around))
                 self.lost += seq - expected
                 if self.lost_between is None:
-                    self.lost_between = (self.prev, seq)
+                    self.lost_between = (expected - 1, seq)
             elif seq < expected and jump is not None and seq - (n_steps - jump[1]) == jump[0]:
                 # the sequence goes on from before the previous record: that one record carried an odd seq
                 self._foreign(jump)
             elif seq < expected and jump is not None and seq - (n_steps - jump[1]) == jump[0] - 1:
                 # back at the seq due before the jump: an inserted line or a swap, the next record says which
                 where, line = locate()
-                self.back = (jump[3], n_steps, {"where": where, "line": line, "seq": seq, "expected": expected,
-                                                "event": event})
+                self.back = (jump[3], after, {"where": where, "line": line, "seq": seq, "expected": expected,
+                                              "event": event})
                 self.jump = jump
-            elif seq < expected and len(self.disorder) < MAX_DISORDER:
-                # written out of order (or a copied line): the order of the file is not the rank's
-                where, line = locate()
-                self.disorder.append({"where": where, "line": line, "seq": seq, "expected": expected,
-                                      "event": event})
-        self.prev, self.steps_at_prev = seq, n_steps
+            elif seq < expected:
+                # a copied line, or one written late: the file's order is not the rank's, and the sequence goes
+                # on from where it was (taking this seq would make the next records look like a jump)
+                if len(self.disorder) < MAX_DISORDER:
+                    where, line = locate()
+                    self.disorder.append({"where": where, "line": line, "seq": seq, "expected": expected,
+                                          "event": event})
+                self._late(seq)
+                self.prev, self.steps_at_prev = expected - 1, after
+                return True
+        self.prev, self.steps_at_prev = seq, after
         return True
-
-    def step(self, seq: Any, n_steps: int, locate: Callable[[], tuple[str, int | None]]) -> None:
-        """A step record read one by one while a jump is open (``n_steps``: steps counted before it).
-
-        The walker counts steps without reading their ``seq``; the first step after a jump is
-        read because, carrying the ``seq`` due before the jump, it went back like ``check``'s
-        record back (a step swapped with the record before it, or that record inserted).
-        """
-        jump = self.jump
-        if jump is None or self.back is not None or n_steps != jump[1] or type(seq) is not int \
-                or seq != jump[0] - 1:
-            return
-        where, line = locate()
-        self.back = (jump[3], n_steps + 1, {"where": where, "line": line, "seq": seq, "expected": jump[3] + 1,
-                                            "event": "step"})
-        self.prev, self.steps_at_prev = seq, n_steps + 1
 
     def _gap(self, first: int, seq: int, around: tuple | None) -> dict:
         """Keep the lost seqs ``first .. seq - 1`` in ``gaps`` (past ``MAX_GAPS``: the last kept one widens)."""
@@ -129,8 +114,18 @@ class SeqCheck:
         gap["lost"] -= n
         if back == gap["first"]:
             gap["first"] += 1
+        elif back == gap["last"]:
+            gap["last"] -= 1
         if gap["lost"] <= 0:
             self.gaps[:] = [g for g in self.gaps if g is not gap]
+
+    def _late(self, seq: int) -> None:
+        """A record that went back carried ``seq``: if a stretch of lost lines holds it, it came late, not lost."""
+        for gap in self.gaps:
+            if gap["first"] <= seq <= gap["last"]:
+                self.lost -= 1
+                self._refill(gap, 1, seq)
+                return
 
     def _settle_back(self, jump: tuple, swapped: bool) -> bool:
         """Decide the record back held in ``back``: a swap (disorder there) or the jumped record inserted."""

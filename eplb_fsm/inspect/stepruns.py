@@ -16,7 +16,7 @@ instead of parsing each line:
   from the walker's next one;
 - else by one regex match of the whole run, which also takes the optional ``dummy`` flag,
   signs and trailing blanks, with the ``seq`` values read by a second regex
-  (``seqs_follow``, which also records a step back as disorder).
+  (``seqs_follow``).
 
 A run that passes neither is parsed and replayed line by line.
 """
@@ -205,25 +205,17 @@ def calm(run: str) -> bool:
     return not ts or max(map(operator.sub, ts[1:], ts[:-1]), default=0.0) <= SILENCE_S
 
 
-def seqs_follow(w, run: str, count: int, first_line: int) -> bool:
+def seqs_follow(w, run: str, count: int) -> bool:
     """The run's ``seq`` values go up by one from what the session's next record must carry.
 
-    When they do not, a step back (lines out of order) is recorded with its line; the
-    caller replays the run line by line (which counts lost lines at the next other record).
+    When they do not, the caller replays the run line by line, which checks each step record's
+    ``seq`` (``seqcheck``: lost lines, disorder with its line).
     """
     seqs = list(map(int, _SEQ.findall(run)))
     first = w.next_seq()
     if first is None:
         first = seqs[0]
-    if seqs == list(range(first, first + count)):
-        return True
-    for j in range(1, len(seqs)):
-        if seqs[j] <= seqs[j - 1] and len(w.s.disorder) < 20:
-            w.line = first_line + j
-            w.s.disorder.append({"where": w.where(), "line": w.line, "seq": seqs[j], "expected": seqs[j - 1] + 1,
-                                 "event": "step"})
-            break
-    return False
+    return seqs == list(range(first, first + count))
 
 
 def step_of(line: str) -> int | None:
@@ -243,7 +235,7 @@ def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], d
     if w.state is not None:
         if (known is not None and known.follow(start, end, w.state, w.next_seq())) or (
                 step_run(w.state).fullmatch(run := "\n".join(lines[start:end]) + "\n") is not None
-                and seqs_follow(w, run, end - start, start + 1) and calm(run)):
+                and seqs_follow(w, run, end - start) and calm(run)):
             if w.plain_steps(end - start):
                 w.saw_run(lines[start], lines[end - 1])
                 w.step_seq.run(step_of(lines[start]), step_of(lines[end - 1]), end - start,

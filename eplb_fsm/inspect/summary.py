@@ -6,8 +6,8 @@ real ``EplbMachine`` per distinct (state, layer, counters, event) context, memoi
 guards read only event data and shared counters); a compact ``step`` record is the
 internal ``step`` transition of its ``state`` and goes through the same oracle; every other
 record is checked against the replayed state. An illegal transition is recorded with its
-reason and the walk resynchronises on what the record claims, so one bad record is
-reported once.
+reason and the walk resynchronises on what a transition record claims (not on a step record
+the machine keeps in the replayed state), so one bad record is reported once.
 
 The result, ``RankSummary``, keeps only what the cross-rank stage (``replay.diagnose``) needs:
 the state-changing transitions, the collectives per group and sequence number, the first and
@@ -63,13 +63,12 @@ def summarize_rank(
     """Walk one rank's records once: re-drive its transitions, index its collectives.
 
     ``rank`` defaults to the ``rank`` of the header (or last record). Illegal transitions
-    are collected (with the reason) and the replay continues from the state the record
-    claims, so one bad record is reported once rather than poisoning the rest.
+    are collected (with the reason) and the replay continues as the module docstring says.
     """
     oracle = oracle or MachineOracle()
     w = Walker(rank, oracle, path, bad_lines, truncated)
-    last = None
-    mux = None
+    last = mux = None
+    due = None   # the seq the next record must carry, while no jump is open (``seqcheck``), else None
     for n, rec in enumerate(records):
         last = rec
         w.line = n + 1
@@ -78,11 +77,12 @@ def summarize_rank(
             continue
         # hot path: the compact record of a step that kept the state, with the fields of one and their types (else
         # Walker.record warns about a wrong type and ignores the field, as the text path does), numbered on from the
-        # record before it (else Walker.step_record checks its number: ``stepseq``)
+        # record before it and carrying the seq due (else Walker.step_record checks both: ``stepseq``, ``seqcheck``)
         if w.plain_ok and rec.get("event") == "step" and rec.get("state") == w.state and not rec.get("due") \
                 and rec.keys() <= _STEP_KEYS and type(rec.get("step")) is int and type(rec.get("seq")) is int \
                 and type(rec.get("ts")) is float and type(rec.get("rank")) is int and type(rec.get("world")) is int \
-                and w.last is not None and rec["step"] - 1 == w.last.get("step"):
+                and w.last is not None and rec["step"] - 1 == w.last.get("step") and rec["seq"] == due:
+            due += 1
             w.n_steps += 1
             w.records += 1
             w.last = rec
@@ -97,6 +97,7 @@ def summarize_rank(
             mux.feed(rec)
             continue
         w.record(rec)
+        due = w.next_seq() if w.seqs.jump is None else None
     return mux.result() if mux is not None else w.result(last)
 
 

@@ -57,35 +57,21 @@ def lost_since(w: "Walker") -> list[dict]:
     return [g for g in w.s.gaps if g["last"] > lo]
 
 
-def lost_change(w: "Walker", rec: dict, entry: dict, step_record: tuple | bool = False) -> None:
+def lost_change(w: "Walker", rec: dict, entry: dict) -> None:
     """``entry`` (just put in ``illegal``: ``rec``'s recorded source or stamped state is not the replayed one)
     may be lines lost since the session's previous transition record: keep it for ``settle_lost_changes``.
-    ``step_record``: ``rec`` is a step record (its ``seq`` is not checked as it is read; a tuple: the (ts, step)
-    of the record before it): lines lost just before it are a gap that the next record checked will keep."""
+    Every record's ``seq`` is checked before it is judged, so a gap just before ``rec`` is already known."""
     gaps = lost_since(w)
-    due, seq = w.next_seq(), rec.get("seq")
-    ahead = None
-    if step_record and type(seq) is int and due is not None and seq > due:
-        before = step_record if isinstance(step_record, tuple) else (None, None)
-        ahead = (list(w.s.gaps), due, seq, before[0], before[1], rec.get("step"), rec.get("ts"))
-    if gaps or ahead is not None:
-        w.lost_changes.append((entry, gaps, ahead))
+    if gaps:
+        w.lost_changes.append((entry, gaps))
 
 
 def settle_lost_changes(w: "Walker") -> None:
     """The mismatches ``lost_change`` kept whose gap is still lines lost (``seqcheck`` takes back a jump that was
     a foreign line or a swap) leave ``illegal``; the gap keeps the state change(s) it must have held."""
     s, explained = w.s, []
-    for entry, gaps, ahead in w.lost_changes:
+    for entry, gaps in w.lost_changes:
         held = [g for g in gaps if any(g is h for h in s.gaps)]
-        if ahead is not None:   # the gap the next record checked after the step record found
-            known, due, seq, *around = ahead
-            found = [g for g in s.gaps if not any(g is h for h in known)][:1]
-            if found and found[0]["lost"] == seq - due:
-                # every line it lost lay before the step record (the check placed them after the steps it counted)
-                found[0].update(zip(("first", "last", "from_ts", "from_step", "to_step", "to_ts"),
-                                    (due, seq - 1, *around)))
-            held += found
         if held:
             gap = held[-1]
             gap.setdefault("state_from", entry["replayed_state"])

@@ -7,8 +7,10 @@ a compact ``step`` record is the internal ``step`` transition of its state (a ``
 record is ``count`` of them, counted, never expanded), every other
 record is checked against the replayed state; collectives are indexed by group and
 sequence number. An illegal transition is recorded with its reason and the walk
-resynchronises on what the record claims, so one bad record is reported once (a source
-that lines lost just before it explain is not illegal: ``transition_replay``).
+resynchronises on what a transition record claims (a step record stamped with another
+state, when the machine keeps the replayed one on that step, leaves the replay as it was),
+so one bad record is reported once (a source that lines lost just before it explain is not
+illegal: ``transition_replay``).
 
 A later header starts a new session. A joiner's header (``role: joiner``, elastic EP) starts
 one that belongs to the same job: the session before it is kept (a rank that left, whose
@@ -22,32 +24,18 @@ from __future__ import annotations
 from typing import Any
 
 from eplb_fsm.fsm.machine import TRANSFERRING
-from eplb_fsm.inspect.model import (
-    WORLD_GROUP,
-    Collective,
-    CollectiveIndex,
-    MachineOracle,
-    RankSummary,
-    compact_record,
-)
+from eplb_fsm.inspect.model import WORLD_GROUP, Collective, CollectiveIndex, MachineOracle, RankSummary, compact_record
 from eplb_fsm.inspect.records import (
-    COLLECTIVE_EVENTS,
-    LINE_HEAD,
-    OWN_STATE,
-    SILENCE_S,
-    TYPED_KEYS,
-    TYPES_OK,
-    TYPE_NAMES,
-    keep_record,
-    keep_silence,
-    parse_line,
-    start_from_header,
-    wrong_fields,
+    COLLECTIVE_EVENTS, LINE_HEAD, OWN_STATE, SILENCE_S, TYPED_KEYS, TYPES_OK, TYPE_NAMES, keep_record, keep_silence,
+    parse_line, start_from_header, wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.stepseq import StepSeq
-from eplb_fsm.inspect.transition_replay import lost_change, replay_steps_run, replay_transition, settle_lost_changes
+from eplb_fsm.inspect.transition_replay import (
+    lost_change, lost_since, replay_steps_run, replay_transition, settle_lost_changes,
+)
 from eplb_fsm.trace_segments import segment_line
+
 
 def last_step(rec: dict | None) -> int | None:
     """The step ``rec`` reached (a ``steps`` run: its last one); None without an integer step."""
@@ -85,7 +73,7 @@ class Walker:
         self.pending = False
         self.num_layers: int | None = None
         self.world = None
-        self.n_steps = 0                   # step records counted without reading their seq
+        self.n_steps = 0                   # step records (runs counted in bulk, or read one by one)
         self.run_steps = 0                 # steps that `steps` run records stand for
         self.records = 0
         self.first: dict | None = None     # first record that is not a header
@@ -95,7 +83,7 @@ class Walker:
         self.mismatches = 0
         self._mismatch_example = None
         self.warned_layers = False
-        # lost lines: seq must advance by one per record (checked at every non-step record)
+        # lost lines: seq must advance by one per record (a run of step lines: checked as a whole)
         self.seqs = SeqCheck()
         self.s.disorder, self.s.gaps = self.seqs.disorder, self.seqs.gaps
         self.trans_seq: int | None = None    # seq of the session's last transition record (lines lost after it)
@@ -169,7 +157,6 @@ class Walker:
             if not self.steps_keep_state(False):
                 return False
             self.plain_ok = True
-        self.seqs.counting(self.n_steps, self.seen_at)
         self.n_steps += count
         self.records += count
         return True
@@ -213,23 +200,30 @@ class Walker:
             self.first = rec
         st = rec.get("state")
         due = rec.get("due", False)
+        # its seq first: lines lost just before it are then a known gap when its stamp is judged
+        seq, seqs = rec.get("seq"), self.seqs
+        if seqs.jump is None and seqs.prev is not None and seq == seqs.prev + 1 + self.n_steps - seqs.steps_at_prev:
+            seqs.prev, seqs.steps_at_prev = seq, self.n_steps + 1   # in order: the common case, inline
+        else:
+            seqs.check(seq, self.n_steps, self._locate, "step", (seen, rec.get("step"), rec.get("ts")), True)
         stamped = None
-        self.seqs.counting(self.n_steps, seen)
         if self.state is None:
             self.state = st
         elif st != self.state:
             self.illegal(rec, f"step record stamped {st!r} but the replayed state is {self.state!r}", self.state)
-            stamped, self.state = self.s.illegal[-1], st
             self.plain_ok = False
+            # a step the machine keeps in the replayed state, with no lines lost since the last transition that
+            # could hold a change: the stamp is wrong, not the replay, which goes on as it was (taking the stamp
+            # would make the next, rightly stamped record illegal too)
+            if lost_since(self) or not self.steps_keep_state(due):
+                stamped, self.state = self.s.illegal[-1], st
         ok = self.steps_keep_state(due)
         if not ok:
             self.illegal(rec, f"a step record says the state stayed {self.state!r}, the machine does not keep it",
                           self.state)
         elif stamped is not None:   # right after lost lines, they held the state change(s)
-            lost_change(self, rec, stamped, step_record=seen or True)
+            lost_change(self, rec, stamped)
         self.plain_ok = ok and not due
-        if self.seqs.jump is not None:   # a jump is open: this step's seq may be the one that went back (a swap)
-            self.seqs.step(rec.get("seq"), self.n_steps, self._locate)
         step, before, ss = rec.get("step"), self.n_steps + self.run_steps, self.step_seq
         if type(step) is not int or step - before != ss.base or len(self.s.transitions) != ss.tlen:   # else: runs on
             ss.run(step, step, 1, before, self.s.transitions)
@@ -317,8 +311,9 @@ class Walker:
             entries = s.collectives.get(group)
             if entries is None:
                 entries = s.collectives[group] = CollectiveIndex()
-            if cseq in entries:
+            if cseq in entries:   # a copied line: the first start stays (a finished collective is not reopened)
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
+                return
             entry = entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
                                                rec.get("step"), st, rec.get("layer"), rec.get("seq"),
                                                rec.get("wave"), rec.get("parts"), rec.get("ts"))
@@ -345,6 +340,12 @@ class Walker:
                 if self.num_layers is None and isinstance(nl, int):
                     self.num_layers = nl
                 start_from_header(self, rec)
+            elif rec.get("continued") is True and lost_since(self) and isinstance(rec.get("machine"), dict):
+                # lines lost before a rotated segment's header: its `machine` says where the machine is now
+                machine = rec["machine"]
+                if isinstance(machine.get("state"), str):
+                    self.state, self.pending = machine["state"], bool(machine.get("scale_pending", False))
+                    self.layer = machine["layer"] if type(machine.get("layer")) is int else self.layer
             if not self.rank_given and s.rank < 0 and "rank" in rec:
                 s.rank = int(rec["rank"])
         elif ev == "model_added" and isinstance(rec.get("num_layers"), int):
