@@ -29,7 +29,7 @@ def test_healthy_report_is_short():
     report = diagnose(job.records())
     lines = format_report(report).splitlines()
     assert lines[0].startswith("healthy: 4 of 4 ranks agree")
-    assert lines[1:] == ["  illegal transitions: none", "  traces: 4 of world 4, 372 records, last steps 39..39"]
+    assert lines[1:] == ["  illegal transitions: none", "  traces: 4 of world 4, 396 records, last steps 39..39"]
     assert report.to_dict()["unended_ranks"] == []
 
 
@@ -51,7 +51,7 @@ def test_problem_report_sections():
     lines = text.splitlines()
     assert lines[0].startswith("hang: rank 2 never joined all_reduce")
     assert lines[1] == "  where:      step 19, state planning, layer -; culprit rank 2"
-    assert lines[2] == "  collective: all_reduce group=ep cseq=3 shape=[16] dtype=torch.float64"
+    assert lines[2] == "  collective: all_reduce group=ep cseq=4 shape=[32] dtype=torch.float64"
     assert lines[3] == "  ranks at this point:"
     assert lines[4].split()[0] == "0-1,3" and "inside since step 19" in lines[4]
     assert lines[5].split()[0] == "2" and "never joined" in lines[5]
@@ -92,7 +92,7 @@ def test_timeline_rows_are_compact(healthy):
     move = next(r for r in rows if r["what"].startswith("plan_ready"))
     assert move["what"] == "plan_ready: planning->transferring (moves=1 worth=True)"
     start = next(r for r in rows if r["what"] == "collective_start")
-    assert start["collective"] == "all_reduce ep#0 [16]" and start["step"] == 9
+    assert start["collective"] == "all_reduce ep#0 [32]" and start["step"] == 9
     end = next(r for r in rows if r["what"] == "collective_end")
     assert end["duration_s"] is not None and end["duration_s"] >= 0
     stuck = timeline_rows([{"event": "stuck", "seconds": 5, "last_collective": {"op": "x"}}])[0]

@@ -1,8 +1,10 @@
 """Replay and hang diagnosis over synthetic traces recorded through the real machine and trace.
 
 ``SyntheticJob`` runs W ranks in lockstep (interval 10: rearrangements at steps 9, 19,
-29, 39; each all-reduces the load on group ``ep``, then per layer a p2p batch on
-``ep_transfer`` and a ready all-reduce on ``ep``). Faults are injected per rank.
+29, 39; each all-reduces the load and maps digest on group ``ep`` (shape [16 + 16]), then
+per layer a p2p batch on ``ep_transfer`` and a ready all-reduce on ``ep``, then one more
+ready all-reduce before the commit: ``ep`` cseq 0-3 at step 9, 4-7 at 19, 8 at 29, whose
+plan moves nothing). Faults are injected per rank.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def test_collective_never_ended_on_one_rank_while_others_moved_on():
     assert report.verdict == "hang"
     assert report.culprit_ranks == [2]
     assert (report.step, report.state, report.layer) == (19, "planning", None)
-    assert report.collective == {"op": "all_reduce", "group": "ep", "cseq": 3, "shape": [16],
+    assert report.collective == {"op": "all_reduce", "group": "ep", "cseq": 4, "shape": [32],
                                  "dtype": "torch.float64"}
     assert positions(report, "inside") == [2]
     assert positions(report, "past") == [0, 1, 3]
@@ -89,11 +91,11 @@ def test_rank_that_never_joins_leaves_the_others_waiting_inside():
     report = rp.diagnose(job_records(hang_faults(WORLD, culprit=1, step=29)))
     assert report.verdict == "hang" and report.culprit_ranks == [1]
     assert (report.step, report.state) == (29, "planning")
-    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 6
+    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 8
     assert positions(report, "never_joined") == [1]
     assert positions(report, "inside") == [0, 2, 3]
     first = format_report(report).splitlines()[0]
-    assert first.startswith("hang: rank 1 never joined all_reduce (group ep, cseq 6")
+    assert first.startswith("hang: rank 1 never joined all_reduce (group ep, cseq 8")
 
 
 def test_every_rank_inside_the_same_collective_is_a_hang():
@@ -101,7 +103,7 @@ def test_every_rank_inside_the_same_collective_is_a_hang():
     faults = Faults(stop={r: Stop(19, "in_collective") for r in range(WORLD)})
     report = rp.diagnose(job_records(faults))
     assert report.verdict == "hang" and report.culprit_ranks == [0, 1, 2, 3]
-    assert report.collective["cseq"] == 3
+    assert report.collective["cseq"] == 4
 
 
 def test_hang_whose_culprit_has_no_trace_names_the_missing_rank(healthy):
@@ -120,7 +122,7 @@ def test_watchdog_stuck_reports_show_in_the_rank_positions():
     job.run(40, hang_faults(WORLD, culprit=0, step=19))
     for r in (1, 2, 3):
         job.ranks[r].trace.emit("stuck", state="planning", layer=0, seconds=61.0, deadline_s=60.0,
-                                last_collective={"op": "all_reduce", "group": "ep", "cseq": 3})
+                                last_collective={"op": "all_reduce", "group": "ep", "cseq": 4})
     report = rp.diagnose(job.records())
     assert report.verdict == "hang" and report.culprit_ranks == [0]
     notes = {p["rank"]: p["note"] for p in report.at_divergence}
@@ -131,20 +133,20 @@ def test_watchdog_stuck_reports_show_in_the_rank_positions():
 
 
 def test_different_op_at_the_same_cseq():
-    """Rank 3 issues all_gather where the others issue all_reduce at ep cseq 3 (step 19)."""
+    """Rank 3 issues all_gather where the others issue all_reduce at ep cseq 4 (step 19)."""
     report = rp.diagnose(job_records(Faults(wrong_collective={3: (19, {"op": "all_gather"})})))
     assert report.verdict == "collective_mismatch" and report.culprit_ranks == [3]
     assert (report.step, report.state) == (19, "planning")
-    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 3
+    assert report.collective["op"] == "all_reduce" and report.collective["cseq"] == 4
     assert positions(report, "different") == [3]
     assert "issued all_gather" in report.summary
 
 
 def test_different_shape_at_the_same_cseq():
-    """Rank 0 all-reduces a [99] tensor where the others send [16]: a mismatch naming rank 0."""
+    """Rank 0 all-reduces a [99] tensor where the others send [32]: a mismatch naming rank 0."""
     report = rp.diagnose(job_records(Faults(wrong_collective={0: (29, {"shape": [99]})})))
     assert report.verdict == "collective_mismatch" and report.culprit_ranks == [0]
-    assert report.step == 29 and report.collective["shape"] == [16]
+    assert report.step == 29 and report.collective["shape"] == [32]
 
 
 def test_per_rank_shapes_of_p2p_ops_are_not_a_mismatch(healthy):
@@ -578,7 +580,7 @@ def _oldest_header(tmp_path, rank: int) -> dict:
 
 def test_a_history_that_starts_mid_transfer_replays_from_the_layer_in_flight(tmp_path, monkeypatch):
     """The oldest kept segment starts in transferring at layer 1 (older ones deleted): no illegal layer_done."""
-    _rolled_job(tmp_path, monkeypatch, lambda r: 6000, 300, num_layers=3)
+    _rolled_job(tmp_path, monkeypatch, lambda r: 5800, 300, num_layers=3)
     first = _oldest_header(tmp_path, 0)
     assert first["continued"] is True and first["state"] == "transferring" and first["machine"]["layer"] >= 1
     report = rp.replay_dir(tmp_path)
@@ -587,7 +589,7 @@ def test_a_history_that_starts_mid_transfer_replays_from_the_layer_in_flight(tmp
 
 def test_an_older_continued_header_without_machine_takes_the_layer_from_the_first_transition(tmp_path, monkeypatch):
     """Headers of writers before `machine` existed: the layer in flight is the first transition's, not layer 0."""
-    _rolled_job(tmp_path, monkeypatch, lambda r: 6000, 300, num_layers=3)
+    _rolled_job(tmp_path, monkeypatch, lambda r: 5800, 300, num_layers=3)
     for path in tmp_path.iterdir():
         lines = path.read_text().splitlines()
         old = {k: v for k, v in json.loads(lines[0]).items() if k not in ("machine", "next_cseq")}
@@ -610,9 +612,10 @@ def test_ranks_whose_kept_histories_start_at_different_steps_agree(tmp_path, mon
 
 def test_a_divergence_after_the_cut_is_still_found(tmp_path, monkeypatch):
     """Histories cut at different steps: rank 2's skipped step late in the run is still named, at its step."""
-    _rolled_job(tmp_path, monkeypatch, lambda r: 9000 + 1700 * r, 1500, world=3, faults=Faults(skip_count={2: 1474}))
+    # rank 0 keeps steps from 1479 on: the skip at 1484 parts the ranks at 1489 (ranks 0-1) and 1490 (rank 2)
+    _rolled_job(tmp_path, monkeypatch, lambda r: 9000 + 1700 * r, 1500, world=3, faults=Faults(skip_count={2: 1484}))
     report = rp.replay_dir(tmp_path)
-    assert (report.verdict, report.culprit_ranks, report.step) == ("step_divergence", [2], 1479), format_report(report)
+    assert (report.verdict, report.culprit_ranks, report.step) == ("step_divergence", [2], 1489), format_report(report)
 
 
 # --------------------------------------------------------------------------- unreadable input, older runs

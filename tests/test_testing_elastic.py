@@ -22,7 +22,12 @@ def test_scale_down_leaving_rank_ends_with_its_switch():
     assert _events(recs, 12) == [
         "scale_requested", "collective_start", "groups_ready", "collective_start", "plan_ready",
         "collective_start", "collective_start", "layer_done", "collective_start", "collective_start", "layer_done",
-        "committed", "rearrangement", "switched", "group_switch", "scaling", "end"]
+        "collective_start", "committed", "rearrangement", "switched", "group_switch", "scaling", "end"]
+    # the forced plan all-reduces the loads only; each ready agreement is [ready, failed, late, broken]
+    agreements = [(r["parts"], r["shape"], r.get("layer")) for r in recs
+                  if r["event"] == "collective_start" and r["op"] == "all_reduce" and r["step"] == 12]
+    assert agreements == [(["scale_ready"], [1], None), (["loads"], [16], None), (["ready"], [4], 0),
+                          (["ready"], [4], 1), (["ready"], [4], None)]
     switch = recs[-3]
     assert (switch["role"], switch["new_group"], switch["new_rank"], switch["old_world"]) == ("leaving", None, -1, 4)
     assert recs[-2]["rank"] == -1 and recs[-2]["outcome"] == "left"
@@ -88,6 +93,33 @@ def test_dying_leaving_rank_breaks_the_old_group_and_survivors_salvage():
     assert [salvaged[k] for k in ("source", "dest", "scale", "generation")] == ["failed", "scaling", 1, 1]
     assert switched["salvage"] is True and "salvage" not in salvaged
     assert any(r["event"] == "collective_start" and r["group"] == "ep@1" for r in records[0])
+
+
+def test_die_at_two_layers_is_refused_since_the_first_death_ends_every_transfer():
+    """die={2: 0, 3: 1}: rank 3 could never reach layer 1 once rank 2's death broke the group: ValueError, no record."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(4)
+    before = {r: len(recs) for r, recs in job.records().items()}
+    with pytest.raises(ValueError, match=r"die must name one layer for every dying rank"):
+        job.scale(2, die={2: 0, 3: 1})
+    assert {r: len(recs) for r, recs in job.records().items()} == before and job.generation == 0
+    assert job.scale(2, die={2: 1, 3: 1})["degraded"]
+    records = job.records()
+    for r in (2, 3):   # both leaving ranks die where asked: after layer 0, before their layer-1 wave
+        assert [x["layer"] for x in records[r] if x.get("trigger") == "layer_done"] == [0]
+        assert records[r][-1]["trigger"] == "layer_done"
+
+
+def test_scale_of_a_job_that_simulates_some_ranks_is_refused_up_front():
+    """SyntheticJob(world=4, ranks=[0]).scale(2): a ValueError naming the simulated ranks, not rank_mapping."""
+    job = SyntheticJob(world=4, ranks=[0], num_layers=2, interval=10)
+    job.run(4)
+    before = len(job.records()[0])
+    for kwargs in ({}, {"rank_mapping": {0: 0}}):
+        with pytest.raises(ValueError, match=r"scale needs every rank of the world simulated: this job simulates "
+                                             r"ranks \[0\] of world=4"):
+            job.scale(2, **kwargs)
+    assert len(job.records()[0]) == before and job.generation == 0 and job.world == 4
 
 
 def test_bad_scale_requests_are_rejected():

@@ -90,3 +90,40 @@ def test_a_fault_before_its_ranks_stop_point_still_fires():
                        illegal={1: 4}))
     assert job.ranks[1].stopped
     assert any(r.get("op") == "broadcast" and r.get("step") == 9 for r in job.records()[1])
+
+
+@pytest.mark.parametrize("faults, match", [
+    # rank 2's layer-0 failure aborts step 9's rearrangement everywhere before rank 1's illegal commit after layer 0
+    (Faults(illegal={1: 9}, transfer_error={2: (9, 0)}),
+     r"Faults\.illegal and Faults\.transfer_error: rank 1's illegal commit at step 9 comes after layer 0"),
+    # rank 1's layer-0 failure stops every rank's transfer, so rank 2 never reaches layer 1
+    (Faults(transfer_error={1: (9, 0), 2: (9, 1)}),
+     r"Faults\.transfer_error: at step 9 ranks fail different layers \(layer 0 on rank\(s\) \[1\]; layer 1 on "
+     r"rank\(s\) \[2\]\)"),
+    # the illegal commit ends rank 1's rearrangement after layer 0, before its own layer-1 failure
+    (Faults(illegal={1: 9}, transfer_error={1: (9, 1)}),
+     r"Faults\.illegal and Faults\.transfer_error: rank 1's illegal commit at step 9 ends its rearrangement"),
+])
+def test_a_fault_another_transfer_error_pre_empts_is_refused(faults, match):
+    """A fault that a transfer_error (or an illegal commit) of the same rearrangement pre-empts is a ValueError."""
+    job = SyntheticJob(world=4, interval=10)
+    before = _counts(job)
+    with pytest.raises(ValueError, match=match):
+        job.run(20, faults)
+    assert job.step_no == 0 and _counts(job) == before
+
+
+def test_faults_of_one_rearrangement_that_all_fire_are_accepted():
+    """Two ranks failing the same layer, or an illegal commit before another rank's layer-1 failure: both fire."""
+    job = SyntheticJob(world=4, interval=10)
+    job.run(20, Faults(transfer_error={1: (9, 1), 2: (9, 1)}))
+    waves = {r: [x["event"] for x in recs if x.get("op") == "batch_isend_irecv" and x.get("layer") == 1
+                 and x["step"] == 9]
+             for r, recs in job.records().items()}
+    assert waves == {0: ["collective_start", "collective_error"], 1: [], 2: [], 3: ["collective_start",
+                                                                                     "collective_error"]}
+    job = SyntheticJob(world=4, interval=10)
+    job.run(20, Faults(illegal={1: 9}, transfer_error={2: (9, 1)}))
+    records = job.records()
+    assert any(x.get("trigger") == "committed" and x["source"] == "transferring" for x in records[1])
+    assert [x["step"] for x in records[0] if x.get("trigger") == "fault"] == [9]

@@ -29,6 +29,21 @@ def test_records_follow_the_controller_layout():
     assert len(starts) == len(ends) and {r["group"] for r in starts} == {"ep", "ep_transfer"}
 
 
+def test_a_rearrangement_writes_today_s_controller_agreements():
+    """Planning all-reduces loads + maps digest; each layer and the commit agree on [ready, failed, late, broken]."""
+    job = SyntheticJob(world=2, num_layers=3, num_experts=8, interval=5)
+    job.run(5)
+    recs = job.records()[0]
+    ep = [(r["parts"], r["sizes"], r["shape"], r.get("layer"), r["state"], r["cseq"]) for r in recs
+          if r["event"] == "collective_start" and r["group"] == "ep"]
+    assert ep == [(["loads", "maps"], [24, 16], [40], None, "planning", 0),
+                  (["ready"], [4], [4], 0, "transferring", 1), (["ready"], [4], [4], 1, "transferring", 2),
+                  (["ready"], [4], [4], 2, "transferring", 3), (["ready"], [4], [4], None, "committing", 4)]
+    after = [r.get("trigger", r["event"]) for r in recs if r["seq"] > max(
+        x["seq"] for x in recs if x.get("cseq") == 4 and x["group"] == "ep")]
+    assert after[:2] == ["committed", "rearrangement"]
+
+
 def test_every_third_plan_is_skipped():
     """Rearrangement #2 finds nothing to move: plan_ready back to collecting and plan_skipped."""
     job = SyntheticJob(world=2, interval=4)
@@ -102,7 +117,6 @@ def test_files_and_single_rank_simulation(tmp_path):
         SyntheticJob(interval=0)
 
 
-
 def test_transfer_error_aborts_on_every_rank_and_resets_the_group():
     """transfer_error: no wave on the failing rank, a timed-out wave elsewhere, fault everywhere, new group."""
     job = SyntheticJob(world=3, interval=5)
@@ -117,8 +131,15 @@ def test_transfer_error_aborts_on_every_rank_and_resets_the_group():
             assert kinds == ["collective_start", "collective_end", "collective_start", "collective_error"]
         faults = [x for x in rr if x.get("trigger") == "fault"]
         assert [(f["step"], f["dest"], f["failed_layer"]) for f in faults] == [(4, "collecting", 1)]
+        assert faults[0]["reason"].startswith("transfer of layer 1 failed on 3 rank(s): ")
         resets = [x["group"] for x in rr if x["event"] == "transfer_group_reset"]
         assert resets == ["ep_transfer.1"]
+        # as fsm/faults.transfer_fault: the layer's ready agreement, fault, rearrangement, the reset agreement
+        tail = [x for x in rr if x["step"] == 4 and x["event"] != "collective_end"][-5:]
+        assert [x.get("trigger", x["event"]) for x in tail] == [
+            "collective_start", "fault", "rearrangement", "collective_start", "transfer_group_reset"]
+        assert [(x["parts"], x["shape"], x.get("layer")) for x in (tail[0], tail[3])] == [
+            (["ready"], [4], 1), (["reset"], [1], None)]
         assert {x["group"] for x in rr if x.get("op") == "batch_isend_irecv" and x["step"] > 4} == {"ep_transfer.1"}
 
 
@@ -166,6 +187,25 @@ def test_bad_job_sizes_are_refused_before_any_file_is_opened(tmp_path):
         SyntheticJob(world=2).run(-3)
     with pytest.raises(ValueError, match="traces rank"):
         write_traces({-1: []}, tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"config": [1, 2]}, "config must be a mapping of config fields, got list"),
+    ({"config_overrides": [1]}, "config_overrides must be a mapping rank -> config fields"),
+    ({"config_overrides": {1: "x"}}, r"config_overrides\[1\] must be a mapping of config fields, got str"),
+    ({"step_s": "0.05"}, "step_s must be a finite number > 0, got '0.05'"),
+    ({"step_s": float("nan")}, "step_s must be a finite number > 0, got nan"),
+    ({"step_s": -1.0}, "step_s must be a finite number > 0"),
+    ({"step_s": 0}, "step_s must be a finite number > 0"),
+    ({"step_s": True}, "step_s must be a finite number > 0"),
+    ({"t0": float("inf")}, "t0 must be a finite number, got inf"),
+    ({"t0": None}, "t0 must be a finite number, got None"),
+])
+def test_bad_config_and_clock_are_refused_before_any_file_is_created(tmp_path, kwargs, match):
+    """config, config_overrides, step_s and t0: a ValueError naming the field and its rule; no trace file made."""
+    with pytest.raises(ValueError, match=match):
+        SyntheticJob(world=2, trace_dir=tmp_path, **kwargs)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_world_that_does_not_divide_the_experts_gets_redundant_slots():

@@ -6,8 +6,9 @@ stamped with the step that follows the request, docs/events.md "Elastic EP"):
 
 - scale-down: ``scale_requested``, the ``scale_ready`` agreement on the old group,
   ``groups_ready``, the scale's rearrangement in the OLD group (loads, then per layer a
-  transfer wave and a ready all-reduce), ``committed`` -> scaling; survivors then switch
-  to ``ep@g`` (``group_switch`` phase switch, ``switched``); leaving ranks fire
+  transfer wave and a ready all-reduce, then one more ready all-reduce in committing),
+  ``committed`` -> scaling; survivors then switch to ``ep@g`` (``group_switch`` phase
+  switch, ``switched``); leaving ranks fire
   ``switched``, write their leaving ``group_switch`` and ``scaling`` record, and stop;
 - scale-up: the same request and agreement, then old ranks move to ``ep@g`` (``group_switch``
   phase prepare) and each joiner starts a new session in the file of the rank it takes (a
@@ -17,9 +18,9 @@ stamped with the step that follows the request, docs/events.md "Elastic EP"):
 
 Faults: ``absent=True`` (scale-up: the joiners never arrive; every old rank aborts with a
 ``scale_aborted`` of phase prepare and a recoverable ``fault``), ``die={rank: layer}``
-(scale-down: that leaving rank stops before its transfer of ``layer``; the old group
-breaks, the others fail, and the survivors salvage on the new group as the controller does
-when every expert still has a replica: ``fault`` -> failed, the ``salvage`` agreement on
+(scale-down: those leaving ranks stop before their transfer of ``layer``, one layer for
+all; the old group breaks, the others fail, and the survivors salvage on the new group as
+the controller does when every expert still has a replica: ``fault`` -> failed, the ``salvage`` agreement on
 ``ep@g``, ``salvaged`` (failed -> scaling), ``group_switch``, then ``switched`` with
 ``salvage: true``). A hang after the swap is an ordinary ``Faults`` passed to ``job.run``,
 keyed by the new ranks.
@@ -31,7 +32,7 @@ from typing import Any
 
 from eplb_fsm.fsm.machine import SCALING, EplbMachine
 from eplb_fsm.maps import as_count
-from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
+from eplb_fsm.testing.ranks import GROUP, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
 
 __all__ = ["TIMEOUT_S", "scale"]
 
@@ -45,13 +46,17 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
     ``rank_mapping``: ``{old rank: new rank or -1}`` (default: the highest ranks leave on a
     scale-down, old ranks keep their numbers on a scale-up). ``absent`` and ``die`` are the
     faults described in the module docstring. A request that could not happen as asked (a
-    serving rank a fault stopped, a mapping value other than -1 or a new rank, ``die`` at a
-    layer the model lacks, ``absent`` on a scale-down) is a ``ValueError`` before any record.
+    job that simulates only some ranks, a serving rank a fault stopped, a mapping value other
+    than -1 or a new rank, ``die`` at a layer the model lacks or at more than one layer,
+    ``absent`` on a scale-down) is a ``ValueError`` before any record.
     """
     old_world = job.world
     new_world = as_count(new_world, "new_world")
     if new_world == old_world:
         raise ValueError(f"new_world must differ from the current world {old_world}, got {new_world}")
+    if sorted(job.ranks) != list(range(old_world)):
+        raise ValueError(f"scale needs every rank of the world simulated: this job simulates ranks "
+                         f"{sorted(job.ranks)} of world={old_world} (SyntheticJob(ranks=...))")
     stopped = sorted(r for r, rank in job.ranks.items() if rank.stopped)
     if stopped:
         raise ValueError(f"scale: ranks {stopped} have stopped (a fault); a scale needs every serving rank")
@@ -75,6 +80,10 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
     for r, layer in (die or {}).items():
         if as_count(layer, f"die[{r}]", minimum=0) >= job.num_layers:
             raise ValueError(f"die[{r}] must be a layer below num_layers={job.num_layers}, got {layer}")
+    if len(set((die or {}).values())) > 1:
+        # the first death breaks the old group at its layer: no rank transfers a later one
+        raise ValueError(f"die must name one layer for every dying rank, got {die}: the first death breaks "
+                         "the old group, so no rank reaches a later layer to die at")
     if absent and kind != "scale_up":
         raise ValueError("absent=True names a scale-up's joiners; a scale-down has none")
     job.generation += 1  # used up even if the scale aborts
@@ -143,8 +152,8 @@ def _rearrange(job: Any, rank: SyntheticRank, request: dict, dead_at: int | None
             wave = {"group": rank.transfer_group, "layer": k, "wave": 0, "waves": 1, "sends": 2, "recvs": 2,
                     "nbytes": 2 * SLOT_BYTES, "peers": peers}
             _failing(rank, "batch_isend_irecv", wave, TimeoutError(f"layer {k}, wave 0/1: timed out"))
-            _failing(rank, "all_reduce", {"group": rank.group, "shape": [3], "dtype": "torch.float64",
-                                          "parts": ["ready"], "sizes": [3], "layer": k},
+            _failing(rank, "all_reduce", {"group": rank.group, "shape": [READY_FLAGS], "dtype": "torch.float64",
+                                          "parts": ["ready"], "sizes": [READY_FLAGS], "layer": k},
                      ConnectionError("Connection closed by peer"))
             reason = "all_reduce of ['ready'] failed: ConnectionError: Connection closed by peer"
             rank.fire("fault", extra={"reason": reason, "layers_committed": k, "failed_layer": k},
@@ -154,9 +163,9 @@ def _rearrange(job: Any, rank: SyntheticRank, request: dict, dead_at: int | None
             return "broken"
         rank.collective("batch_isend_irecv", group=rank.transfer_group, layer=k, wave=0, waves=1, sends=2, recvs=2,
                         nbytes=2 * SLOT_BYTES, peers=peers)
-        rank.collective("all_reduce", group=rank.group, shape=[3], dtype="torch.float64", parts=["ready"], sizes=[3],
-                        layer=k)
+        rank.agreement("ready", READY_FLAGS, layer=k)
         rank.fire("layer_done", extra={"model": "main", "model_layer": k, "moved": 2, "changed": True}, layer=k)
+    rank.agreement("ready", READY_FLAGS)   # in committing, no layer: every rank wrote its layers whole
     rank.fire("committed", extra={"rearrangement": rank.rearrangements, "moves": moves,
                                   "layers_committed": job.num_layers})
     rank.trace.emit("rearrangement", index=rank.rearrangements, step=job.step_no, outcome="committed", moves=moves,
@@ -176,13 +185,13 @@ def _failing(rank: SyntheticRank, op: str, fields: dict, error: Exception) -> No
 def _scale_down(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int], request: dict,
                 die: dict[int, int]) -> dict:
     gen = request["generation"]
-    broken_at = min(die.values()) if die else None
+    broken_at = next(iter(die.values())) if die else None   # scale() let one layer through
     survivors: dict[int, SyntheticRank] = {}
     dead: set[int] = set()
     degraded = bool(die)
     for r, rank in old.items():
         new_rank = mapping[r]
-        status = _rearrange(job, rank, request, broken_at, r in die and die[r] == broken_at)
+        status = _rearrange(job, rank, request, broken_at, r in die)
         if status == "dead":
             dead.add(r)
             continue

@@ -1,7 +1,8 @@
 """What a :class:`~eplb_fsm.testing.job.SyntheticJob` breaks, and the check that a fault can fire.
 
 A fault that names a rank the job does not serve, a layer the model lacks, a step where
-the rank does nothing the fault could break, or a step after the rank's own ``stop``
+the rank does nothing the fault could break, a step after the rank's own ``stop``, or a
+point of a rearrangement that another fault's ``transfer_error`` has already aborted
 would leave the trace healthy, and a test of that fault would pass for the wrong reason.
 :func:`check_faults` refuses those before a ``run`` writes anything.
 """
@@ -49,13 +50,17 @@ class Faults:
       ``committed`` straight from transferring (a transition the machine refuses)
     - ``transfer_error``: rank -> (step, layer): that rank's transfer of the layer fails
       before it sends anything; the others' wave times out (``collective_error``), the
-      ready all-reduce tells everyone, every rank fires a recoverable ``fault`` and
-      re-creates the transfer group (``transfer_group_reset``), as the controller does
+      ready all-reduce tells everyone, every rank fires a recoverable ``fault``, joins the
+      ``reset`` agreement and re-creates the transfer group (``transfer_group_reset``), as
+      the controller does
 
     A fault fires in the ``run`` call whose steps include its step; the same ``Faults``
     may be passed to several calls. Every fault but ``stop`` (``before_step``) and
     ``skip_count`` needs its rank to rearrange at that step, and ``illegal`` and
     ``transfer_error`` need a plan that moves something (every third plan moves nothing).
+    A ``transfer_error`` aborts its rearrangement on every rank, so ranks failing at one step
+    must name one layer, and an ``illegal`` at that step (which acts after layer 0) needs
+    the layer to be above 0 and its rank not to be one of the failing ones.
     """
 
     stop: dict[int, Stop] = field(default_factory=dict)
@@ -93,6 +98,7 @@ def check_faults(job: Any, faults: Any, steps: int) -> None:
             if rank not in job.ranks:
                 raise ValueError(f"Faults.{name}: rank {rank} is not a serving rank {sorted(job.ranks)}")
             at[name][rank] = _step_and_layer(name, value, job.num_layers)
+    _check_preempted(at["illegal"], at["transfer_error"])
     for name, table in at.items():
         for rank, (step, layer) in table.items():
             if not start <= step < end:
@@ -114,6 +120,37 @@ def check_faults(job: Any, faults: Any, steps: int) -> None:
             if name in ("illegal", "transfer_error") and index % 3 == 2:
                 raise ValueError(f"Faults.{name}: rank {rank}'s plan at step {step} moves nothing (every third "
                                  "plan), so there is no transfer to break")
+
+
+def _check_preempted(illegal: dict[int, tuple[int, int | None]],
+                     errors: dict[int, tuple[int, int | None]]) -> None:
+    """Refuse faults another fault of the same rearrangement pre-empts, at whatever step.
+
+    A ``transfer_error`` at (step, layer) aborts that rearrangement on every rank before the
+    layer's wave, so no rank reaches a later layer (another rank's ``transfer_error`` there), and
+    none reaches the end of layer 0, where ``illegal`` commits, when the layer is 0; an ``illegal``
+    commit ends its rank's rearrangement after layer 0, before its own later ``transfer_error``.
+    """
+    layers: dict[int, dict[int, list[int]]] = {}   # step -> failed layer -> ranks
+    for rank, (step, layer) in sorted(errors.items()):
+        layers.setdefault(step, {}).setdefault(layer, []).append(rank)
+    for step, failed in sorted(layers.items()):
+        if len(failed) > 1:
+            named = "; ".join(f"layer {k} on rank(s) {ranks}" for k, ranks in sorted(failed.items()))
+            raise ValueError(f"Faults.transfer_error: at step {step} ranks fail different layers ({named}); the "
+                             "first failed layer aborts the rearrangement on every rank, so the later ones "
+                             "could not fire (give every rank failing at one step the same layer)")
+    for rank, (step, _) in sorted(illegal.items()):
+        failed = layers.get(step, {})
+        for layer, ranks in failed.items():
+            if layer == 0:
+                raise ValueError(f"Faults.illegal and Faults.transfer_error: rank {rank}'s illegal commit at step "
+                                 f"{step} comes after layer 0, whose transfer fails on rank(s) {ranks} and aborts "
+                                 "the rearrangement on every rank first, so it could not fire")
+            if rank in ranks:
+                raise ValueError(f"Faults.illegal and Faults.transfer_error: rank {rank}'s illegal commit at step "
+                                 f"{step} ends its rearrangement after layer 0, so its transfer_error at layer "
+                                 f"{layer} could not fire")
 
 
 def _step_and_layer(name: str, value: Any, num_layers: int) -> tuple[int, int | None]:

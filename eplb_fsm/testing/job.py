@@ -5,9 +5,11 @@ the controller records: a ``header``, a compact ``step`` record for every step t
 the state, a ``transition`` record for every other fired event (with ``num_layers`` and
 the event data), and ``collective_start``/``collective_end`` pairs from
 ``EventTrace.collective``. ``SyntheticJob`` runs W such ranks step by step: every
-``interval`` steps a rearrangement all-reduces the load, plans, transfers every layer
-with one ``batch_isend_irecv`` per layer and commits (every third plan finds nothing
-worth moving and logs ``plan_skipped``).
+``interval`` steps a rearrangement all-reduces the load and the maps digest, plans,
+transfers every layer with one ``batch_isend_irecv`` and one ``ready`` agreement per layer,
+agrees once more in ``committing`` and commits, in the controller's layout (docs/events.md,
+"Reading a rearrangement"); every third plan finds nothing worth moving and logs
+``plan_skipped``.
 
 Faults (:mod:`eplb_fsm.testing.faults`, checked before a ``run`` starts) are injected per
 rank, so tests, the docs and ``eplb-fsm bench replay`` get realistic broken traces: a rank
@@ -25,14 +27,17 @@ faults are keyed by the ranks' current numbers.
 from __future__ import annotations
 
 import math
+import numbers
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from eplb_fsm.maps import as_count
 from eplb_fsm.testing.elastic import scale as _scale_job
 from eplb_fsm.testing.faults import STOP_POINTS, Faults, Stop, check_faults, hang_faults
-from eplb_fsm.testing.ranks import GROUP, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
+from eplb_fsm.testing.ranks import (GROUP, MAPS_FLAGS, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock,
+                                    SyntheticRank)
 from eplb_fsm.trace import encode_record, trace_path
 
 __all__ = ["STOP_POINTS", "Faults", "Stop", "SyntheticJob", "hang_faults", "write_traces"]  # faults' re-exported
@@ -45,7 +50,9 @@ class SyntheticJob:
     benchmark simulates one and copies its file. ``config`` is the header config;
     ``config_overrides`` gives some ranks different values. ``compact_steps``: quiet steps
     are counted into ``steps`` runs as the controller's hot path does
-    (``EventTrace.count_step``) instead of one ``step`` record each.
+    (``EventTrace.count_step``) instead of one ``step`` record each. ``t0`` (the first
+    step's time) and ``step_s`` (> 0, seconds a step) are finite numbers. A bad argument
+    is a ``ValueError`` naming it, raised before any trace file is created.
     """
 
     def __init__(
@@ -70,9 +77,20 @@ class SyntheticJob:
         chosen = list(range(world)) if ranks is None else [as_count(r, "ranks", minimum=0) for r in ranks]
         if len(set(chosen)) != len(chosen) or any(r >= world for r in chosen):
             raise ValueError(f"ranks must be distinct ranks below world={world}, got {ranks}")
-        for r in config_overrides or {}:
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"config must be a mapping of config fields, got {type(config).__name__}")
+        if config_overrides is not None and not isinstance(config_overrides, Mapping):
+            raise ValueError(f"config_overrides must be a mapping rank -> config fields, "
+                             f"got {type(config_overrides).__name__}")
+        for r, values in (config_overrides or {}).items():
             if r not in chosen:
                 raise ValueError(f"config_overrides: rank {r!r} is not one of the simulated ranks {chosen}")
+            if not isinstance(values, Mapping):
+                raise ValueError(f"config_overrides[{r!r}] must be a mapping of config fields, "
+                                 f"got {type(values).__name__}")
+        # checked here, before any trace file exists: a bad clock would only fail (or write nan) later
+        step_s = _finite(step_s, "step_s", positive=True)
+        t0 = _finite(t0, "t0")
         self.world = world
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -157,8 +175,9 @@ class SyntheticJob:
         if wrong is not None and wrong[0] == step:
             overrides = dict(wrong[1])
         size = self.num_layers * self.num_experts
-        fields = {"op": "all_reduce", "group": rank.group, "shape": [size], "dtype": "torch.float64",
-                  "parts": ["loads"], "sizes": [size]}
+        # the planning all-reduce: (L * E,) loads, then the one model's maps digest (Rearranger.planning_parts)
+        fields = {"op": "all_reduce", "group": rank.group, "shape": [size + MAPS_FLAGS], "dtype": "torch.float64",
+                  "parts": ["loads", "maps"], "sizes": [size, MAPS_FLAGS]}
         fields.update(overrides)
         finish = not (stop is not None and stop.step == step and stop.where == "in_collective")
         if not rank.collective(finish=finish, **fields):
@@ -182,8 +201,7 @@ class SyntheticJob:
                 self._transfer_fault(rank, k, failing, wave, index, step)
                 return
             rank.collective("batch_isend_irecv", **wave)
-            rank.collective("all_reduce", group=rank.group, shape=[3], dtype="torch.float64",
-                            parts=["ready"], sizes=[3])
+            rank.agreement("ready", READY_FLAGS, layer=k)
             if faults.illegal.get(r) == step:
                 # a buggy controller that commits right after the first layer
                 rank.trace.transition("committed", "transferring", "collecting", layer=k,
@@ -192,25 +210,33 @@ class SyntheticJob:
                 return
             rank.fire("layer_done", extra={"model": "main", "model_layer": k, "moved": moves, "changed": True},
                       layer=k)
+        rank.agreement("ready", READY_FLAGS)   # in committing, no layer: every rank wrote its layers whole
         rank.fire("committed", extra={"rearrangement": index, "moves": moves, "layers_committed": self.num_layers})
         rank.trace.emit("rearrangement", index=index, step=step, outcome="committed", moves=moves,
                         layers_committed=self.num_layers)
 
     def _transfer_fault(self, rank: SyntheticRank, layer: int, failing: list[int], wave: dict,
                         index: int, step: int) -> None:
-        """Layer ``layer`` failed on ``failing``: abort everywhere, then a fresh transfer group."""
-        if rank.rank not in failing:
+        """Layer ``layer`` failed on ``failing``: the layer's agreement, a fault everywhere, then the ``reset``
+        agreement and a fresh transfer group (``fsm/faults.transfer_fault``, ``fsm/recovery.reset_transfers``)."""
+        if rank.rank in failing:
+            error = "RuntimeError: injected transfer error"   # raised before it sent anything: no wave record
+        else:
+            timeout = TimeoutError(f"timed out waiting for rank {failing[0]}")
+            error = f"TimeoutError: {timeout}"
             try:
                 with rank.trace.collective("batch_isend_irecv", **wave):
-                    raise TimeoutError(f"timed out waiting for rank {failing[0]}")
+                    raise timeout
             except TimeoutError:
                 pass
-        rank.collective("all_reduce", group=rank.group, shape=[3], dtype="torch.float64", parts=["ready"], sizes=[3])
-        reason = f"transfer of layer {layer} failed on {len(failing)} rank(s)"
+        rank.agreement("ready", READY_FLAGS, layer=layer)
+        # every rank's flags say failed: the failing ranks' own error, the others' timed-out wave
+        reason = f"transfer of layer {layer} failed on {self.world} rank(s): {error}"
         rank.fire("fault", extra={"reason": reason, "layers_committed": layer, "failed_layer": layer},
                   recoverable=True)
         rank.trace.emit("rearrangement", index=index, step=step, outcome="aborted", reason=reason,
                         layers_committed=layer)
+        rank.agreement("reset", 1)   # [workers still busy]: 0 everywhere, so every rank builds the new group
         rank.transfer_resets += 1
         rank.transfer_group = f"{rank.transfer_base}.{rank.transfer_resets}"
         rank.trace.emit("transfer_group_reset", group=rank.transfer_group)
@@ -248,6 +274,15 @@ class SyntheticJob:
                 rank.trace.end("closed")
             rank.trace.close()
         self.closed = True
+
+
+def _finite(value: Any, name: str, positive: bool = False) -> float:
+    """``value`` as a float: a real number (not a bool), finite and, with ``positive``, > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
+            positive and value <= 0):
+        rule = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return float(value)
 
 
 def write_traces(traces: dict[int, list[dict]], trace_dir: str | os.PathLike) -> dict[int, Path]:
