@@ -70,3 +70,18 @@ def test_commands_give_a_usage_error_for_a_trace_over_the_limit(tmp_path, capsys
     assert err.startswith(f"eplb-fsm {verb[0]}: error: --load: ") and err.count("\n") == 1, err
     assert "expert_weights_1.txt:2: an expert id does not fit in 64 bits; expert ids must be 0..16383" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_trace_folder_whose_counts_would_pass_the_cell_limit_is_refused(tmp_path, monkeypatch):
+    """Sequences x layers x experts past MAX_COUNT_CELLS: a ValueError naming the sizes, before the array is made."""
+    from eplb_fsm.sim import esft
+
+    monkeypatch.setattr(esft, "MAX_COUNT_CELLS", 100)
+    folder = tmp_path / "t"
+    folder.mkdir()
+    # 3 sequences x 1 layer x 64 experts (the largest id names 63) = 192 cells > 100
+    (folder / "expert_weights_1.txt").write_text("0\t63\t\t0.5\t0.5\n1\t2\t\t0.5\t0.5\n4\t5\t\t0.5\t0.5\n")
+    with pytest.raises(ValueError, match=r"3 sequences x 1 layers x 64 experts is 192 counts; at most 100"):
+        esft_sequence_loads(folder)
+    monkeypatch.setattr(esft, "MAX_COUNT_CELLS", 192)
+    assert esft_sequence_loads(folder).shape == (3, 1, 64)

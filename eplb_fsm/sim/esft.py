@@ -32,6 +32,7 @@ __all__ = [
     "BUNDLED_ESFT",
     "ESFT_PREFIX",
     "ESFT_TASKS",
+    "MAX_COUNT_CELLS",
     "MAX_EXPERT_ID",
     "bundled_sequence_loads",
     "bundled_task",
@@ -54,6 +55,9 @@ ESFT_PREFIX = "esft:"
 #: largest expert id a trace or summary.json may name: `plan` allows at most 16,384 slots per
 #: layer (its MAX_SLOTS) and every expert needs a slot, so no plannable layer has more experts
 MAX_EXPERT_ID = 16_384 - 1
+#: most cells (sequences x layers x experts) of the per-sequence counts a trace folder may need:
+#: 2^27 int64 cells is 1 GiB, ample for real traces (the bundled ESFT intent trace needs about 0.2M)
+MAX_COUNT_CELLS = 1 << 27
 
 _TRACE_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
 
@@ -197,6 +201,10 @@ def esft_sequence_loads(
         num_experts = largest + 1
     elif largest >= num_experts:
         raise ValueError(f"{directory}: expert id {largest} >= num_experts {num_experts}")
+    cells = num_sequences * len(files) * num_experts
+    if cells > MAX_COUNT_CELLS:
+        raise ValueError(f"{directory}: {num_sequences} sequences x {len(files)} layers x {num_experts} experts "
+                         f"is {cells} counts; at most {MAX_COUNT_CELLS} (1 GiB) per trace folder")
     out = np.zeros((num_sequences, len(files), num_experts), dtype=np.int64)
     for li, seqs in enumerate(per_layer):
         for si, ids in enumerate(seqs):
