@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from eplb_fsm.maps import MAX_SECONDS
+from eplb_fsm.maps import MAX_SECONDS, as_finite_float
 
 LOAD_ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 #: largest ``window_size``: the window is a (window_size, layers, slots) int64 tensor per
@@ -238,12 +237,10 @@ def _check_int(config: EplbConfig, name: str, minimum: int, maximum: int | None 
 def _check_float(
     config: EplbConfig, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False
 ) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if not isinstance(value, (int, float)):  # numpy's float32 and ints: a plain float for the header
-        value = float(value)
-        object.__setattr__(config, name, value)
+    # always a plain float, whatever was given (60, np.float64(60), 60.0): to_dict must write
+    # the same text for equal values, since replay compares the ranks' headers as JSON
+    value = as_finite_float(getattr(config, name), name)
+    object.__setattr__(config, name, value)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:

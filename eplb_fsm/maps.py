@@ -43,14 +43,38 @@ def as_count(value, name: str, minimum: int | None = 1) -> int:
     return count
 
 
+def _shown(value) -> str:
+    """``repr(value)`` for an error message; an integer past float's range as its size (its repr
+    could run to thousands of digits, and past 4300 digits repr itself raises)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 2**1024:
+        return f"an integer of {int(value).bit_length()} bits (too large for a float)"
+    return repr(value)
+
+
+def as_finite_float(value, name: str, rule: str = "a finite number") -> float:
+    """``value`` as a Python float; ``ValueError`` "``name`` must be ``rule``, got ..." for a bool,
+    a non-number, NaN, an infinity, or an integer too large for a float (10**400: ``float()``
+    and ``math.isfinite`` raise OverflowError on it, which is no error a caller expects)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {rule}, got {_shown(value)}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return number
+
+
 def check_seconds(value, name: str) -> float:
     """``value`` as a float of seconds; ``ValueError`` naming ``name`` unless it is a real
     number in (0, ``MAX_SECONDS``]. Bools and strings are refused: ``True`` would mean
     one second, and a huge or infinite timeout overflows the stores' and gloo's timedelta."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise ValueError(f"{name} must be a finite number > 0 and <= {MAX_SECONDS:g} (seconds), got {value!r}")
-    return float(value)
+    rule = f"a finite number > 0 and <= {MAX_SECONDS:g} (seconds)"
+    seconds = as_finite_float(value, name, rule)
+    if not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"{name} must be {rule}, got {_shown(value)}")
+    return seconds
 
 
 def host_array(value, name: str) -> np.ndarray:
@@ -71,18 +95,28 @@ def host_array(value, name: str) -> np.ndarray:
     return np.asarray(value)
 
 
-def _as_int64_2d(value, name: str) -> np.ndarray:
-    arr = host_array(value, name)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
+def _entry(name: str, index) -> str:
+    """``name[i, j]`` (or ``name[j]`` for a row) for an index from ``np.argwhere``."""
+    return f"{name}[{', '.join(str(int(i)) for i in index)}]"
+
+
+def _as_int64(arr: np.ndarray, name: str) -> np.ndarray:
+    """An int64 copy of an integer array of any shape; ``ValueError`` naming ``name`` (and an entry) otherwise."""
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
         # checked before the cast, which would wrap 2**64 - 1 to -1 (an empty slot)
         bad = np.argwhere(arr > np.iinfo(np.int64).max)[0]
-        raise ValueError(f"{name}[{bad[0]}, {bad[1]}] = {arr[tuple(bad)]} is not an expert index (-1 marks an empty "
+        raise ValueError(f"{_entry(name, bad)} = {arr[tuple(bad)]} is not an expert index (-1 marks an empty "
                          f"slot; entries must fit int64)")
     return arr.astype(np.int64, copy=True)
+
+
+def _as_int64_2d(value, name: str) -> np.ndarray:
+    arr = host_array(value, name)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
+    return _as_int64(arr, name)
 
 
 def initial_phy2log(num_layers: int, num_logical: int, num_physical: int) -> np.ndarray:
@@ -218,13 +252,14 @@ class ExpertMaps:
         values = host_array(phy2log_row, "phy2log_row")
         if values.ndim != 1:  # a (2, 2) or (1, 1, P) array is some other shape, not a row to flatten
             raise ValueError(f"phy2log_row must be one row (P,), got shape {values.shape}")
-        row = _as_int64_2d(values.reshape(1, -1), "phy2log_row")
-        if row.shape[1] != self.num_physical:
-            raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[1]}")
-        _check_range(row, self.num_logical, allow_empty=True)
-        _check_every_expert_placed(row, self.num_logical, name="phy2log_row")
-        log2phy, counts = derive_log2phy(row, self.num_logical, self.max_replicas)
-        self.phy2log[layer] = row[0]
+        row = _as_int64(values, "phy2log_row")
+        if row.shape[0] != self.num_physical:
+            raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[0]}")
+        # checked as the 1-D row it is, so an error names phy2log_row[j] and the layer being replaced
+        _check_range(row, self.num_logical, allow_empty=True, name="phy2log_row", layer=layer)
+        _check_every_expert_placed(row[None], self.num_logical, name="phy2log_row", first_layer=layer)
+        log2phy, counts = derive_log2phy(row[None], self.num_logical, self.max_replicas)
+        self.phy2log[layer] = row
         self.log2phy[layer] = log2phy[0]
         self.replica_count[layer] = counts[0]
 
@@ -246,9 +281,13 @@ class ExpertMaps:
         return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _check_every_expert_placed(phy2log: np.ndarray, num_logical: int, name: str = "phy2log") -> None:
-    """Each expert needs a slot in every layer that has no empty slot (empty = mid scale-up)."""
-    for layer, row in enumerate(phy2log):
+def _check_every_expert_placed(phy2log: np.ndarray, num_logical: int, name: str = "phy2log",
+                               first_layer: int = 0) -> None:
+    """Each expert needs a slot in every layer that has no empty slot (empty = mid scale-up).
+
+    ``phy2log`` (L, P) holds layers ``first_layer`` on (errors name those numbers).
+    """
+    for layer, row in enumerate(phy2log, start=first_layer):
         if (row < 0).any():
             continue
         if row.size < num_logical:
@@ -260,9 +299,12 @@ def _check_every_expert_placed(phy2log: np.ndarray, num_logical: int, name: str 
             )
 
 
-def _check_range(phy2log: np.ndarray, num_logical: int, allow_empty: bool) -> None:
+def _check_range(phy2log: np.ndarray, num_logical: int, allow_empty: bool, name: str = "phy2log",
+                 layer: int | None = None) -> None:
+    """Entries in [-1, N) (``allow_empty``) or [0, N); ``phy2log`` is (L, P), or one (P,) row of ``layer``."""
     low = EMPTY if allow_empty else 0
     if phy2log.size and (phy2log.min() < low or phy2log.max() >= num_logical):
         bad = np.argwhere((phy2log < low) | (phy2log >= num_logical))[0]
         rule = f"[-1, {num_logical})" if allow_empty else f"[0, {num_logical}) (empty slots not allowed here)"
-        raise ValueError(f"phy2log[{bad[0]}, {bad[1]}] = {phy2log[tuple(bad)]} is outside {rule}")
+        where = "" if layer is None else f" (layer {layer})"
+        raise ValueError(f"{_entry(name, bad)} = {phy2log[tuple(bad)]} is outside {rule}{where}")

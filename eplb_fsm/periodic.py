@@ -14,6 +14,10 @@ class PeriodicThread:
     ``period`` is read before each wait, so an owner may change its own period attribute
     while the thread runs. ``body`` returning False ends the thread (e.g. the trace has
     ended); it must handle its own errors, since nothing here may reach the engine.
+
+    Each thread has its own stop event (``stopping`` is the current thread's), and calls of
+    ``body`` never overlap, even across a restart: a new thread waits for an old one's call
+    still in progress before it makes its own.
     """
 
     def __init__(self, name: str, period: Callable[[], float], body: Callable[[], bool | None]) -> None:
@@ -22,18 +26,30 @@ class PeriodicThread:
         self.body = body
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self._body_lock = threading.Lock()
 
-    def run(self) -> None:
-        while not self.stopping.wait(self.period()):
-            if self.body() is False:
-                return
+    def run(self, stopping: threading.Event | None = None) -> None:
+        """The loop: until ``stopping`` (default: the current ``self.stopping``) is set or ``body`` returns False."""
+        stopping = self.stopping if stopping is None else stopping
+        while not stopping.wait(self.period()):
+            with self._body_lock:
+                if stopping.is_set():  # stopped while an older thread's call held the lock
+                    return
+                if self.body() is False:
+                    return
 
     def start(self) -> None:
-        """Start the thread unless it is already running (a stopped one can be started again)."""
-        if self.thread is None or not self.thread.is_alive():
-            self.stopping.clear()
-            self.thread = threading.Thread(target=self.run, name=self.name, daemon=True)
-            self.thread.start()
+        """Make the loop run: a no-op while a thread runs and was not asked to stop; else a new thread.
+
+        After a ``stop()`` that timed out (``body`` outlasted its timeout), the old thread is still
+        alive: it ends on its own once that call returns, since its stop event stays set, and the
+        new thread, with a fresh event, makes its first call after the old call returns.
+        """
+        if self.thread is not None and self.thread.is_alive() and not self.stopping.is_set():
+            return
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(self.stopping,), name=self.name, daemon=True)
+        self.thread.start()
 
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop the thread; True if it ended within ``timeout``."""

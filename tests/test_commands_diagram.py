@@ -92,9 +92,22 @@ def test_bad_paths_exit_2_before_writing(tmp_path, capsys, make, option, rule):
     before = sorted(p.name for p in tmp_path.rglob("*"))
     assert main(["diagram", *make(tmp_path)]) == 2
     err = capsys.readouterr().err
-    first = err.splitlines()[0]  # (a page without the markers gets the two lines to add below it)
-    assert first.startswith(f"eplb-fsm diagram: error: {option}") and rule in first, err
+    assert err.count("\n") == 1, err  # one line, a page without the markers too
+    assert err.startswith(f"eplb-fsm diagram: error: {option}") and rule in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_doc_without_markers_is_one_line_naming_both_markers(tmp_path, capsys):
+    """--doc on a page without the markers prints one error line that names the BEGIN and END marker lines."""
+    from eplb_fsm.inspect.diagrams import DOC_BEGIN, DOC_END
+
+    page = tmp_path / "page.md"
+    page.write_text("# a page\n")
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"eplb-fsm diagram: error: --doc: {page}: no diagram markers found (add the BEGIN/END marker "
+                   f"lines, each on its own line: {DOC_BEGIN} and {DOC_END})\n")
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")

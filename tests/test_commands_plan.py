@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,9 @@ def _bad_load(tmp_path, name, array):
         (["--ranks", "8", "--slots", "72", "--load", "BAD:1d"], "--load"),
         (["--ranks", "8", "--slots", "72", "--load", "BAD:nan"], "--load"),
         (["--ranks", "8", "--slots", "72", "--load", "BAD:neg"], "--load"),
+        (["--ranks", "4096", "--slots", "16384", "--load", "BAD:wide", "--policy", "movement_aware"], "--policy"),
+        # 64 x 4096 x (16384 - 4096 + 1) log2phy entries (25 GB) within every other limit
+        (["--ranks", "8", "--slots", "16384", "--load", "BAD:log2phy"], "--slots"),
     ],
 )
 def test_plan_bad_input_exits_2_naming_the_option(capsys, tmp_path, argv, option):
@@ -107,6 +111,8 @@ def test_plan_bad_input_exits_2_naming_the_option(capsys, tmp_path, argv, option
         "BAD:nan": _bad_load(tmp_path, "nan.npy", np.full((2, 64), np.nan)),
         "BAD:neg": _bad_load(tmp_path, "neg.npy", -np.ones((2, 64))),
         "BAD:tall": _bad_load(tmp_path, "tall.npy", np.ones((100, 64))),
+        "BAD:wide": _bad_load(tmp_path, "wide.npy", np.ones((16, 16384))),  # 2^30 layers x experts x ranks
+        "BAD:log2phy": _bad_load(tmp_path, "log2phy.npy", np.ones((64, 4096))),
         "BAD:dir": str(tmp_path),
     }
     argv = [bad.get(a, a) for a in argv]
@@ -175,3 +181,102 @@ def test_plan_module_does_not_import_torch_at_top():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+# A child whose files may not grow past 8 KiB stands in for a full disk: every plan file is
+# larger, so each write fails part-way. SIGXFSZ is ignored so the write raises EFBIG.
+_FULL_DISK_CHILD = """
+import json, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+import torch  # imported before the limit, so nothing but the plan's own write meets it
+from eplb_fsm.cli import main
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+codes = {path: main(["plan", "--ranks", "8", "--slots", "72", "--out", path]) for path in sys.argv[1:]}
+print(json.dumps(codes))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs RLIMIT_FSIZE and SIGXFSZ (Linux)")
+def test_plan_out_failed_write_keeps_the_previous_file(tmp_path):
+    """A write that fails part-way (file size limit) exits 2 per format and leaves the previous file and no temp."""
+    previous = {f"plan{suffix}": f"previous {suffix} plan\n".encode() for suffix in (".npz", ".pt", ".json")}
+    for name, data in previous.items():
+        (tmp_path / name).write_bytes(data)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, *previous], cwd=tmp_path, capture_output=True, text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {name: 2 for name in previous}, proc.stderr
+    errors = proc.stderr.splitlines()
+    assert len(errors) == 3 and all(line.startswith("eplb-fsm plan: error: --out: cannot write plan.") and
+                                    "File too large" in line for line in errors), proc.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == previous
+
+
+@pytest.mark.parametrize("suffix, error", [(".pt", RuntimeError), (".json", KeyboardInterrupt)])
+def test_plan_out_writer_failing_mid_write_keeps_the_previous_file(capsys, tmp_path, monkeypatch, suffix, error):
+    """A writer that stops half-way (torch's RuntimeError: exit 2; Ctrl-C: raised) leaves the old file, no temp."""
+    import eplb_fsm.commands.plan as plan_module
+
+    def half_then_fail(obj, f, *args, **kwargs):
+        f.write(b"\x00" * 100 if suffix == ".pt" else "{" * 100)
+        raise error("stopped half-way")
+
+    monkeypatch.setattr(torch if suffix == ".pt" else plan_module.json, "save" if suffix == ".pt" else "dump",
+                        half_then_fail)
+    out = tmp_path / f"plan{suffix}"
+    out.write_bytes(b"previous plan")
+    if error is RuntimeError:
+        assert main(["plan", "--ranks", "8", "--slots", "72", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"eplb-fsm plan: error: --out: cannot write {out}: stopped half-way\n"
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            main(["plan", "--ranks", "8", "--slots", "72", "--out", str(out)])
+    assert [p.name for p in tmp_path.iterdir()] == [out.name] and out.read_bytes() == b"previous plan"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_plan_out_folder_that_takes_no_file_is_refused_before_the_policy(capsys, monkeypatch):
+    """An --out folder that refuses new files (/proc, even to root) exits 2 before the policy runs."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the policy ran before --out was checked")
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", must_not_run)
+    assert main(["plan", "--ranks", "8", "--slots", "72", "--out", "/proc/eplb-fsm-plan.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm plan: error: --out: cannot create a file in /proc") and err.count("\n") == 1
+
+
+def test_plan_movement_aware_repairs_the_initial_placement(capsys, tmp_path):
+    """--policy movement_aware starts from the initial placement: fewer moved slots than default, within target."""
+    default = _plan_json(capsys, "--ranks", "8", "--slots", "72", "--out", str(tmp_path / "d.npz"))
+    aware = _plan_json(capsys, "--ranks", "8", "--slots", "72", "--policy", "movement_aware",
+                       "--out", str(tmp_path / "m.npz"))
+    assert 0 < aware["moved_slots"] < default["moved_slots"]
+    assert aware["moved_slots_worst_layer"] <= 72 and default["moved_slots_worst_layer"] <= 72
+    assert aware["balancedness"] >= 0.99 * default["balancedness"] - 1e-12  # the class's target
+    from eplb_fsm.maps import initial_phy2log
+    from eplb_fsm.policy.movement import moved_mask
+
+    with np.load(tmp_path / "d.npz") as d, np.load(tmp_path / "m.npz") as m:
+        assert not np.array_equal(d["phy2log"], m["phy2log"])  # not the default's plan under another name
+    initial = initial_phy2log(26, 64, 72)
+    for name, report in (("d.npz", default), ("m.npz", aware)):
+        with np.load(tmp_path / name) as data:
+            moved = moved_mask(initial, data["phy2log"], 8).sum(1)  # the policy package's own count agrees
+        assert (int(moved.sum()), int(moved.max())) == (report["moved_slots"], report["moved_slots_worst_layer"])
+
+
+@pytest.mark.parametrize(
+    "redundant, rule",
+    [
+        ("20000", "at most 16384 slots per layer (a plan for more would run for minutes), got 20064 slots per "
+                  "layer (64 experts + 20000 redundant)"),
+        ("3", "67 slots per layer (64 experts + 3 redundant) is not divisible by --ranks 8"),
+    ],
+)
+def test_plan_redundant_errors_name_redundant(capsys, redundant, rule):
+    """Slot rules broken through --redundant name --redundant and the sum, not the --slots the user did not give."""
+    assert main(["plan", "--ranks", "8", "--redundant", redundant]) == 2
+    assert capsys.readouterr().err == f"eplb-fsm plan: error: --redundant: {rule}\n"

@@ -182,3 +182,47 @@ def test_extra_keys_must_be_strings(extra, where):
     """A non-string key anywhere in extra is a ValueError naming extra (JSON would turn 1 into "1" and drop one)."""
     with pytest.raises(ValueError, match=rf"extra must have string keys \(JSON object keys\), got key .* in {where}$"):
         EplbConfig(extra=extra)
+
+
+@pytest.mark.parametrize("given", [60, np.float64(60.0), np.int64(60), 60.0], ids=["int", "float64", "int64", "float"])
+def test_float_fields_are_always_held_as_python_floats(given):
+    """A float field given 60, np.float64(60) or np.int64(60) holds float 60.0, so to_dict and to_json match 60.0's."""
+    config = EplbConfig(collective_timeout_s=given, load_decay=np.float64(0.5), min_balancedness_gain=0)
+    reference = EplbConfig(collective_timeout_s=60.0, load_decay=0.5, min_balancedness_gain=0.0)
+    for name in ("collective_timeout_s", "load_decay", "min_balancedness_gain", "watchdog_deadline_s",
+                 "movement_balancedness_target"):
+        assert type(getattr(config, name)) is float, name
+    assert config.to_dict() == reference.to_dict() and config.to_json() == reference.to_json()
+
+
+def test_equal_configs_given_as_int_and_float_replay_healthy():
+    """Two ranks whose configs differ only in 60 vs 60.0 write equal headers: replay finds no config_mismatch."""
+    from eplb_fsm.inspect import replay
+    from eplb_fsm.testing import SyntheticJob
+
+    as_int = EplbConfig(window_size=10, step_interval=10, collective_timeout_s=60)
+    as_float = EplbConfig(window_size=10, step_interval=10, collective_timeout_s=60.0)
+    job = SyntheticJob(world=2, num_layers=2, num_experts=8, interval=10, config=as_int.to_dict(),
+                       config_overrides={1: as_float.to_dict()})
+    job.run(25)
+    records = job.records()
+    assert records[0][0]["config"] == records[1][0]["config"]
+    job.close()
+    report = replay.diagnose(records)
+    assert report.verdict == "healthy" and report.findings == [], report.findings
+
+
+@pytest.mark.parametrize("name", ["collective_timeout_s", "min_balancedness_gain", "watchdog_deadline_s",
+                                  "load_decay", "movement_balancedness_target"])
+def test_an_integer_too_large_for_a_float_is_a_value_error(name):
+    """10**400 in a float field is a ValueError naming the field and 'finite number', not an OverflowError."""
+    with pytest.raises(ValueError, match=f"^{name} must be a finite number, got an integer of 1329 bits"):
+        EplbConfig(**{name: 10**400})
+
+
+def test_from_file_names_the_file_for_an_integer_too_large_for_a_float(tmp_path):
+    """A config file holding 1 followed by 400 zeros is refused with the 'config file PATH:' prefix."""
+    path = tmp_path / "cfg.json"
+    path.write_text('{"collective_timeout_s": 1' + "0" * 400 + "}")
+    with pytest.raises(ValueError, match=f"^config file {path}: collective_timeout_s must be a finite number"):
+        EplbConfig.from_file(path)

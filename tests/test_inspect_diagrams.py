@@ -169,6 +169,15 @@ def test_embed_replaces_only_the_marked_block():
         diagrams.embed_in_markdown("# no markers here\n")
 
 
+def test_missing_markers_error_is_one_line_naming_both_markers():
+    """A page without the markers raises one ValueError line that names the BEGIN and END marker lines exactly."""
+    with pytest.raises(ValueError) as info:
+        diagrams.embed_in_markdown("# no markers here\n")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("no diagram markers found")
+    assert diagrams.DOC_BEGIN in message and diagrams.DOC_END in message
+
+
 def test_stale_files_reports_edited_and_missing_files(tmp_path):
     """stale_files names a missing file, an edited file and an outdated doc block."""
     assert len(diagrams.stale_files(tmp_path)) == 2

@@ -254,7 +254,33 @@ def test_uint64_entry_past_int64_is_refused_not_read_as_empty():
     with pytest.raises(ValueError, match=r"phy2log\[0, 3\] = 18446744073709551615 is not an expert index"):
         ExpertMaps.from_phy2log(huge, 3, allow_empty=True)
     maps = ExpertMaps.from_phy2log(np.array([[0, 1, 2, 0]]), 3)
-    with pytest.raises(ValueError, match=r"phy2log_row\[0, 3\]"):
+    with pytest.raises(ValueError, match=r"phy2log_row\[3\] = 18446744073709551615 is not an expert index"):
         maps.replace_layer(0, huge[0])
     assert maps.phy2log.tolist() == [[0, 1, 2, 0]]
     assert ExpertMaps.from_phy2log(huge[:, :3], 3).phy2log.tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ([0, 1, 2, 3, 9, 0], r"^phy2log_row\[4\] = 9 is outside \[-1, 4\) \(layer 2\)$"),
+        ([0, 1, 2, 3, -5, 0], r"^phy2log_row\[4\] = -5 is outside \[-1, 4\) \(layer 2\)$"),
+        ([0, 0, 0, 0, 0, 1], r"^phy2log_row leaves logical expert 2 without a replica in layer 2$"),
+    ],
+    ids=["above", "below", "missing"],
+)
+def test_replace_layer_errors_name_the_row_entry_and_the_real_layer(row, message):
+    """A bad row for layer 2 is named phy2log_row[j] with layer 2, not phy2log[0, j] / layer 0; nothing changes."""
+    maps = ExpertMaps.initial(3, 4, 6)
+    before = maps.phy2log.copy()
+    with pytest.raises(ValueError, match=message):
+        maps.replace_layer(2, row)
+    assert np.array_equal(maps.phy2log, before)
+
+
+@pytest.mark.parametrize("huge", [10**400, -(10**400)], ids=["10**400", "-10**400"])
+def test_check_seconds_refuses_an_integer_too_large_for_a_float_by_name(huge):
+    """10**400 seconds is a ValueError naming the argument and the rule, not an OverflowError."""
+    with pytest.raises(ValueError, match=r"^timeout_s must be a finite number > 0 and <= 1e\+06 \(seconds\), "
+                                         r"got an integer of 1329 bits \(too large for a float\)$"):
+        check_seconds(huge, "timeout_s")

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         try:  # the block must be there before any file is written
             diagrams.embed_in_markdown(Path(args.doc).read_text(encoding="utf-8"))
         except (ValueError, OSError, UnicodeDecodeError) as exc:
-            problem = f"--doc: {args.doc}: {exc}"
+            problem = f"--doc: {args.doc}: {' '.join(str(exc).splitlines())}"  # one error line, whatever exc holds
     if problem:
         print(f"eplb-fsm diagram: error: {problem}", file=sys.stderr)
         return 2

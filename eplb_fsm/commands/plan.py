@@ -1,18 +1,27 @@
-"""``eplb-fsm plan``: plan a placement for a load file and report its quality.
+"""``eplb-fsm plan``: plan a placement for a load and report its quality.
 
 Reads a logical load (L, N), runs a policy, and prints the balancedness of the initial
 placement (slot i < N holds expert i, slot N + j holds expert j mod N), of the new one,
-the best any placement could reach (the bound), and how long the policy took.
+the best any placement could reach (the bound), how long the policy took, and how many
+slots the new placement moves away from the initial one (a slot is moved when its expert
+had no slot on that rank before: its weights would cross the network). The initial
+placement is the policy's ``old_phy2log``: ``movement_aware`` repairs it, ``default``
+ignores it and plans from scratch.
 ``--out`` saves ``phy2log``, ``log2phy`` and ``replica_count`` (.npz, .pt or .json).
 
 Sizes: ``--slots P`` physical slots per layer (experts + redundant; ``--redundant R``
 gives P = N + R instead; ``--replicas`` is the old name of ``--slots``), at most
 :data:`MAX_SLOTS` per layer, :data:`MAX_RANKS` ranks and :data:`MAX_CELLS` layers x slots
-in all (the policy takes a few seconds at those sizes; larger ones are refused, not run).
+in all (the policy takes a few seconds at those sizes; larger ones are refused, not run);
+``movement_aware`` also at most :data:`MAX_MOVEMENT_CELLS` layers x experts x ranks (it
+keeps a table of that size), and every policy at most :data:`MAX_LOG2PHY_CELLS` entries of
+``log2phy`` (layers x experts x (P - N + 1)).
 
 Bad input (unreadable file, wrong shape, negative or NaN loads, P % G != 0, P < N,
-G % nodes != 0, sizes over the limits, ...) prints ``eplb-fsm plan: error: --OPTION:
-why`` on stderr and exits with status 2, before the policy runs.
+G % nodes != 0, sizes over the limits, an ``--out`` folder that takes no new file, ...)
+prints ``eplb-fsm plan: error: --OPTION: why`` on stderr and exits with status 2, before
+the policy runs. ``--out`` is written to a temporary file in its folder, then renamed
+over the target: a write that fails (a full disk) leaves the previous file as it was.
 torch is imported only when the verb runs, so ``eplb-fsm --help`` stays fast.
 """
 
@@ -20,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +40,12 @@ OUT_SUFFIXES = (".npz", ".pt", ".json")
 MAX_SLOTS = 16_384
 MAX_RANKS = 4_096
 MAX_CELLS = 1 << 20
+#: largest layers x experts x ranks for ``movement_aware``: its (L, N, G) rank tables take
+#: about 10 bytes a cell, so 2^28 cells is a few GB and a few seconds
+MAX_MOVEMENT_CELLS = 1 << 28
+#: largest log2phy a plan may return: (L, N, P - N + 1) int64 (the policy's output, vLLM's
+#: layout), so 2^28 cells is 2 GiB
+MAX_LOG2PHY_CELLS = 1 << 28
 
 
 class _UsageError(Exception):
@@ -58,33 +75,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of nodes; must divide --ranks (default 1)")
     parser.add_argument("--groups", type=int, default=1, metavar="K", help="expert groups (default 1)")
     parser.add_argument("--policy", default="default", choices=available_policies(),
-                        help="placement policy: %(choices)s (default: default)")
+                        help="placement policy: %(choices)s (default: default). The initial placement is "
+                        "the old one: movement_aware keeps what it can of it (target 0.99 of the default's "
+                        "balancedness), default plans from scratch; the report counts the slots moved")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--out", metavar="FILE", help="save phy2log, log2phy, replica_count (.npz, .pt or .json)")
+    parser.add_argument("--out", metavar="FILE", help="save phy2log, log2phy, replica_count (.npz, .pt or .json); "
+                        "written whole or not at all (a failed write keeps the previous file)")
 
 
 def _check_options(args: argparse.Namespace, num_layers: int, num_experts: int) -> None:
+    # the slot checks name the option the user gave: --redundant R means N + R slots
+    slots_option, slots_text = "--slots", f"{args.slots} slots per layer"
     if args.slots is None:  # --redundant R
         if args.redundant < 0:
             raise _UsageError(f"--redundant: must be >= 0, got {args.redundant}")
         args.slots = num_experts + args.redundant
+        slots_option = "--redundant"
+        slots_text = f"{args.slots} slots per layer ({num_experts} experts + {args.redundant} redundant)"
     for option in ("ranks", "slots", "nodes", "groups"):
         if getattr(args, option) < 1:
             raise _UsageError(f"--{option}: must be >= 1, got {getattr(args, option)}")
     if args.ranks > MAX_RANKS:
         raise _UsageError(f"--ranks: at most {MAX_RANKS} (a plan for more would run for minutes), got {args.ranks}")
     if args.slots > MAX_SLOTS:
-        raise _UsageError(f"--slots: at most {MAX_SLOTS} per layer (a plan for more would run for minutes), "
-                          f"got {args.slots}")
+        raise _UsageError(f"{slots_option}: at most {MAX_SLOTS} slots per layer (a plan for more would run for "
+                          f"minutes), got {slots_text}")
     if num_layers * args.slots > MAX_CELLS:
-        raise _UsageError(f"--slots: {num_layers} layers x {args.slots} slots is over the limit of {MAX_CELLS} "
-                          "(a plan that large would run for minutes)")
+        raise _UsageError(f"{slots_option}: {num_layers} layers x {slots_text} is over the limit of {MAX_CELLS} "
+                          "layers x slots (a plan that large would run for minutes)")
     if args.slots < num_experts:
         raise _UsageError(
             f"--slots: must be >= the number of experts in the load ({num_experts}), got {args.slots}"
         )
     if args.slots % args.ranks:
-        raise _UsageError(f"--slots: {args.slots} is not divisible by --ranks {args.ranks}")
+        raise _UsageError(f"{slots_option}: {slots_text} is not divisible by --ranks {args.ranks}")
     if args.ranks % args.nodes:
         raise _UsageError(f"--nodes: --ranks {args.ranks} is not divisible by --nodes {args.nodes} "
                           "(every node holds the same number of ranks)")
@@ -94,12 +118,29 @@ def _check_options(args: argparse.Namespace, num_layers: int, num_experts: int) 
                 f"--groups: {args.groups} does not divide the number of experts ({num_experts}) "
                 "(hierarchical mode: --groups divisible by --nodes)"
             )
+    log2phy_cells = num_layers * num_experts * (args.slots - num_experts + 1)
+    if log2phy_cells > MAX_LOG2PHY_CELLS:
+        raise _UsageError(
+            f"{slots_option}: log2phy would be {num_layers} layers x {num_experts} experts x "
+            f"{args.slots - num_experts + 1} (slots - experts + 1) = {log2phy_cells} entries, over the limit of "
+            f"{MAX_LOG2PHY_CELLS} (2 GiB; use fewer slots)"
+        )
+    if args.policy == "movement_aware" and num_layers * num_experts * args.ranks > MAX_MOVEMENT_CELLS:
+        raise _UsageError(
+            f"--policy: movement_aware keeps (layers, experts, ranks) tables: {num_layers} x {num_experts} x "
+            f"{args.ranks} is over the limit of {MAX_MOVEMENT_CELLS} (use fewer ranks, or --policy default)"
+        )
 
 
-def _check_out(out_arg: str | None) -> None:
-    """``--out`` must be a .npz/.pt/.json file (not a directory) in an existing directory."""
+def _check_out(out_arg: str | None) -> Path | None:
+    """``--out`` must be a .npz/.pt/.json file (not a directory) in an existing directory that takes new files.
+
+    Returns the empty temporary file the maps will be written to (next to the target, so the
+    final rename stays on one file system), or None without ``--out``. Creating it here is the
+    only sure test that the folder accepts a file (``os.access`` says yes to root on /proc).
+    """
     if out_arg is None:
-        return
+        return None
     out = Path(out_arg)
     if out.is_dir():
         raise _UsageError(f"--out: {out} is a directory; give the file to write (.npz, .pt or .json)")
@@ -107,23 +148,46 @@ def _check_out(out_arg: str | None) -> None:
         raise _UsageError(f"--out: unknown file type {out.suffix or '(none)'!r}; use .npz, .pt or .json")
     if not out.parent.is_dir():
         raise _UsageError(f"--out: directory {out.parent} does not exist")
+    target = Path(os.path.realpath(out))  # through a symlink: the file it names is replaced, not the link
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise _UsageError(f"--out: cannot create a file in {target.parent}: {exc.strerror or exc}") from None
+    try:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would make the plan private to its writer
+    finally:
+        os.close(fd)
+    return Path(name)
 
 
-def _save(path: Path, phy2log, log2phy, replica_count) -> None:
-    suffix = path.suffix.lower()
+def _save(temp: Path, out: Path, phy2log, log2phy, replica_count) -> None:
+    """Write the maps into ``temp`` and rename it over ``out``; ``temp`` is left for the caller to remove on error."""
+    suffix = out.suffix.lower()
     try:
         if suffix == ".npz":
             import numpy as np
 
-            with open(path, "wb") as f:
+            with open(temp, "wb") as f:
                 np.savez(f, phy2log=phy2log.numpy(), log2phy=log2phy.numpy(), replica_count=replica_count.numpy())
+                f.flush()
+                os.fsync(f.fileno())
         elif suffix == ".pt":
+            import io
+
             import torch
 
-            with open(path, "wb") as f:
-                torch.save({"phy2log": phy2log, "log2phy": log2phy, "replica_count": replica_count}, f)
+            # serialised in memory first: torch's writer turns a failed file write (a full disk) into a
+            # RuntimeError about stream positions, while our own write reports the OSError itself
+            buffer = io.BytesIO()
+            torch.save({"phy2log": phy2log, "log2phy": log2phy, "replica_count": replica_count}, buffer)
+            with open(temp, "wb") as f:
+                f.write(buffer.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
         else:
-            with open(path, "w", encoding="utf-8") as f:
+            with open(temp, "w", encoding="utf-8") as f:
                 json.dump(
                     {
                         "phy2log": phy2log.tolist(),
@@ -132,8 +196,26 @@ def _save(path: Path, phy2log, log2phy, replica_count) -> None:
                     },
                     f,
                 )
-    except OSError as exc:
-        raise _UsageError(f"--out: cannot write {path}: {exc}") from None
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, Path(os.path.realpath(out)))
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).splitlines() or [""])[0]
+        raise _UsageError(f"--out: cannot write {out}: {why}") from None
+
+
+def _moved_per_layer(old, new, num_ranks: int):
+    """``old``, ``new`` (L, P) int arrays -> (L,) slots of ``new`` whose expert had no slot on that rank in ``old``.
+
+    A sort-based membership test, O(L * P log), so it costs nothing next to the policy at any allowed size.
+    """
+    import numpy as np
+
+    num_layers, num_slots = new.shape
+    num_experts = int(max(old.max(), new.max())) + 1
+    slot_rank = np.arange(num_slots) // (num_slots // num_ranks)
+    key_base = (np.arange(num_layers)[:, None] * num_ranks + slot_rank) * num_experts  # (layer, rank) bucket
+    return (~np.isin(key_base + new, key_base + old)).sum(1)
 
 
 def _report_text(report: dict) -> str:
@@ -147,6 +229,8 @@ def _report_text(report: dict) -> str:
         f"  initial     {report['balancedness_initial']:.4f}",
         f"  new         {report['balancedness']:.4f}  (worst layer {report['balancedness_worst_layer']:.4f})",
         f"  bound       {report['balancedness_bound']:.4f}  (no placement can do better)",
+        f"moved         {report['moved_slots']} of {report['layers'] * report['slots']} slots from the initial "
+        f"placement (most in one layer: {report['moved_slots_worst_layer']} of {report['slots']})",
     ]
     if report.get("out"):
         lines.append(f"saved         {report['out']}")
@@ -167,6 +251,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> dict:
+    temp = _check_out(args.out)
+    try:
+        return _plan_into(args, temp)
+    finally:
+        if temp is not None:  # still there unless the rename happened: any failure, even Ctrl-C
+            try:
+                temp.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _plan_into(args: argparse.Namespace, temp: Path | None) -> dict:
     import torch
 
     from eplb_fsm.maps import initial_phy2log
@@ -174,7 +270,6 @@ def _plan(args: argparse.Namespace) -> dict:
     from eplb_fsm.policy.registry import get_policy
     from eplb_fsm.sim.loads import load_matrix
 
-    _check_out(args.out)
     try:
         policy = get_policy(args.policy)
     except ValueError as exc:
@@ -186,17 +281,18 @@ def _plan(args: argparse.Namespace) -> dict:
     num_layers, num_experts = load.shape
     _check_options(args, num_layers, num_experts)
 
+    initial = initial_phy2log(num_layers, num_experts, args.slots)
     weight = torch.from_numpy(load)
     start = time.perf_counter()
     try:
         phy2log, log2phy, replica_count = policy.rebalance_experts(
-            weight, args.slots, args.groups, args.nodes, args.ranks
+            weight, args.slots, args.groups, args.nodes, args.ranks, old_phy2log=torch.from_numpy(initial)
         )
     except ValueError as exc:  # a rule the options check above did not know about
         raise _UsageError(f"--load/--slots/--ranks: {exc}") from None
     elapsed = time.perf_counter() - start
 
-    initial = initial_phy2log(num_layers, num_experts, args.slots)
+    moved = _moved_per_layer(initial, phy2log.numpy(), args.ranks)
     report = {
         "load": str(args.load),
         "layers": num_layers,
@@ -214,8 +310,10 @@ def _plan(args: argparse.Namespace) -> dict:
         "balancedness": placement_balancedness(phy2log, load, args.ranks),
         "balancedness_worst_layer": float(balancedness_per_layer(phy2log, load, args.ranks).min()),
         "balancedness_bound": balancedness_bound(load, args.slots, args.ranks),
+        "moved_slots": int(moved.sum()),
+        "moved_slots_worst_layer": int(moved.max()),
     }
-    if args.out is not None:
-        _save(Path(args.out), phy2log, log2phy, replica_count)
+    if temp is not None:
+        _save(temp, Path(args.out), phy2log, log2phy, replica_count)
         report["out"] = str(args.out)
     return report

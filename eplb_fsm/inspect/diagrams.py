@@ -169,13 +169,15 @@ def render_image(fmt: str, path: str | Path, dot_text: str | None = None) -> Pat
 def embed_in_markdown(markdown: str, mermaid: str | None = None) -> str:
     """``markdown`` with the block between the diagram markers replaced by a fresh one.
 
-    Raises ValueError when the markers are missing (the page must say where it goes).
+    Raises ValueError when the markers are missing (the page must say where it goes); its
+    message is one line naming both marker lines, as a command prints it after ``error:``.
     """
     mermaid = render_mermaid() if mermaid is None else mermaid
     block = f"{DOC_BEGIN}\n```mermaid\n{mermaid}```\n{DOC_END}"
     pattern = re.compile(re.escape(DOC_BEGIN) + r".*?" + re.escape(DOC_END), re.S)
     if not pattern.search(markdown):
-        raise ValueError(f"no diagram markers found; add the lines\n{DOC_BEGIN}\n{DOC_END}")
+        raise ValueError(f"no diagram markers found (add the BEGIN/END marker lines, each on its own line: "
+                         f"{DOC_BEGIN} and {DOC_END})")
     return pattern.sub(lambda _: block, markdown, count=1)
 
 
