@@ -3,7 +3,7 @@
 Why: when a job stops, a trace alone cannot tell a rank that froze (SIGSTOP, a stuck
 driver) from a rank that waits on it. Each beat writes what is needed to settle it, and no
 more (issue 14: disk per rank stays under 10 MB per million steps at 10 steps/s). A beat
-compares the trace's step with the step at the previous beat:
+compares the trace's step with the step at the previous beat (a look's included):
 
 - the rank **waits** (no advance since the previous beat, or a traced collective is open):
   an ``alive`` record, with ``waiting_on`` naming the collective it waits in (the
@@ -20,6 +20,14 @@ compares the trace's step with the step at the previous beat:
   (silences kept) and 2.5 intervals (frozen);
 - a frozen rank writes nothing for as long as it is frozen (every thread of a stopped
   process stops); a killed rank's records simply stop, and its trace has no ``end`` record.
+
+An ``alive`` record's ``steps_seen`` is the step at this thread's previous record (alive or
+run, at least one interval before; a look writes nothing and does not count), so
+``step == steps_seen`` says no step for at least one interval. A beat after a look compares
+with the look's step instead: no step in that half interval writes ``alive`` (a wait may
+have begun), but the record is not read as a wait unless the step also stayed put since the
+previous record; a rank whose steps take half to one interval writes such records while it
+moves. A wait's records carry ``step == steps_seen`` from its second ``alive`` on.
 
 The detection bound this buys: a rank that starts to wait at time t (its last step counted)
 writes its first ``alive`` by t + 1.5 intervals (the first beat after t may still see the
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import Any, Callable
 
 import structlog
@@ -47,7 +56,7 @@ import structlog
 from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.safe_log import log_safely, retry_due
 
-__all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
+__all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval", "weakly"]
 
 DEFAULT_INTERVAL_S = 1.0
 # while the step advances, the thread writes the run of quiet steps every this many
@@ -73,6 +82,19 @@ def check_interval(interval_s: Any) -> float:
     return float(interval_s)
 
 
+def weakly(method: Callable[[], Any], gone: Any) -> Callable[[], Any]:
+    """``method`` (a bound method) called through a weak reference, ``gone`` once its object is freed: a
+    thread that calls it does not keep the object, nor the trace it writes to, alive. A controller dropped
+    without ``close()`` so releases its trace file when it is collected, and its threads end."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        return gone if bound is None else bound()
+
+    return call
+
+
 class Liveness:
     """Beat at least every ``interval_s`` seconds from a daemon thread: ``alive`` while waiting, runs while moving.
 
@@ -82,7 +104,10 @@ class Liveness:
     calls (the module docstring says what it writes) and sets the wait before the next
     beat (:meth:`period`); :meth:`tick` writes one ``alive`` record unconditionally. Both
     can be driven without the thread; ``clock`` (seconds, monotonic) times the heartbeat.
-    ``steps_seen`` in a record is the trace's step at the previous beat (None for the first).
+    ``steps_seen`` in a record is the trace's step at this thread's previous record (None for the first),
+    at least one interval earlier: a look, which writes nothing, does not move it. ``trace`` is held
+    weakly: the thread beats while something else refers to it (its controller) and ends once it is freed,
+    so a controller dropped without ``close()`` does not keep its trace file open through this thread.
     """
 
     def __init__(self, trace: Any, interval_s: float | None = DEFAULT_INTERVAL_S,
@@ -97,12 +122,22 @@ class Liveness:
         self.clock = clock
         self.moving = False                      # the last beat saw the step advance
         self._looked = False                     # a moving beat only looked: the next one (0.5 interval on) writes
-        self._steps_seen: int | None = None
+        self._steps_seen: int | None = None     # the step at this thread's last record (what records carry)
+        self._looked_at: int | None = None      # the step at the last look: the next beat compares with it
         self._last_alive: float | None = None   # clock() at the last alive record
         self._last_write: float | None = None   # clock() at this thread's last record (alive or run)
         self.errors = 0                          # beats that raised (the thread logs the first and goes on)
         self._warned = False                     # that log got out
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
+
+    @property
+    def trace(self) -> Any:
+        """The trace beaten on (None: not attached yet, or freed since)."""
+        return None if self._trace is None else self._trace()
+
+    @trace.setter
+    def trace(self, trace: Any) -> None:
+        self._trace = None if trace is None else weakref.ref(trace)
 
     def period(self) -> float | None:
         """Seconds to the next beat: ``interval_s``, or the rest of ``FLUSH_FACTOR`` intervals after a look."""
@@ -112,8 +147,11 @@ class Liveness:
 
     def tick(self) -> dict | None:
         """Write one ``alive`` record now (the pending run first); returns it (None once the trace has ended)."""
-        step = self.trace.step
-        record = self.trace.alive(self.interval_s, self._steps_seen)
+        return self._tick(self.trace)
+
+    def _tick(self, trace: Any) -> dict | None:
+        step = trace.step
+        record = trace.alive(self.interval_s, self._steps_seen)
         self._steps_seen = step
         self._last_alive = self._last_write = self.clock()
         return record
@@ -125,32 +163,37 @@ class Liveness:
         pending), and on a look beat (the first moving beat after a write) nothing. Returns what
         was written (an ``alive``, ``steps`` or ``step`` record), None for a look: no write beat
         is silent, and a write beat follows every look."""
-        step = self.trace.step
-        self.moving = step != self._steps_seen and self.trace.waiting_on() is None
+        trace = self.trace   # held for the whole beat: the weak reference may die between two reads
+        step = trace.step
+        looked, self._looked = self._looked, False
+        # after a look, no advance since it (half an interval) is a wait that may have begun: alive now keeps
+        # the 1.5-interval detection bound. The record still carries the step at the last record, so that
+        # step == steps_seen keeps meaning no step for at least one interval, not a step slower than half of one
+        self.moving = step != (self._looked_at if looked else self._steps_seen) and trace.waiting_on() is None
         now = self.clock()
         due = self._last_alive is None or now - self._last_alive >= self.heartbeat_s
-        looked, self._looked = self._looked, False
         if not self.moving or due:
-            return self.tick()
+            return self._tick(trace)
         if not looked and self.interval_s is not None and self._last_write is not None \
                 and now - self._last_write < FLUSH_FACTOR * self.interval_s:
             # one interval after a write: soon enough to see a wait begin, too soon to write the run again
             # (a beat that comes late, after a freeze or a busy host, writes at once instead)
             self._looked = True
-            self._steps_seen = step
+            self._looked_at = step
             return None
-        written = self.trace.flush()
+        written = trace.flush()
         if written is None:
             # the step's own records (a transition, a collective) took the run out already;
             # a beat that wrote nothing would leave up to two beat periods of silence, which
             # replay reads as a freeze, so such a beat says alive instead
-            return self.tick()
+            return self._tick(trace)
         self._steps_seen = step
         self._last_write = now
         return written
 
     def _beat(self) -> bool:
-        if getattr(self.trace, "ended", False):
+        trace = self.trace
+        if trace is None or getattr(trace, "ended", False):   # freed (its controller dropped), or ended
             return False
         try:
             self.beat()
@@ -158,14 +201,14 @@ class Liveness:
             # liveness must never take the engine down, and must not fall silent on a passing
             # error either: a live rank without beats replays as frozen. Only a trace that is
             # closed (its file gone at shutdown) ends the thread.
-            if getattr(self.trace, "ended", False) or getattr(self.trace, "closed", False):
+            if getattr(trace, "ended", False) or getattr(trace, "closed", False):
                 return False
             self.errors += 1
             # a log that raised here would end the thread all the same (stdout on a full disk, a closed pipe):
             # it cannot raise, and one that did not get out is tried again at the 2nd, 4th, 8th... error
             if not self._warned and retry_due(self.errors):
                 self._warned = log_safely(_log, "error", "eplb liveness beat failed; the thread goes on",
-                                          error=f"{type(exc).__name__}: {exc}", rank=getattr(self.trace, "rank", None))
+                                          error=f"{type(exc).__name__}: {exc}", rank=getattr(trace, "rank", None))
         return True
 
     def start_on(self, trace: Any) -> "Liveness":

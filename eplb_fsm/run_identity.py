@@ -10,7 +10,9 @@ At construction, before any other collective of the run, the controller calls
    exactly when ``ranks * sum(x**2) == sum(x)**2`` for each piece ``x``. When they do not,
    the field vectors below would differ in length (a collective mismatch that aborts the
    process in gloo), so every rank raises :class:`FieldSetMismatch` instead, after one more
-   fixed-size all-reduce that names what it can (:func:`name_bits`);
+   fixed-size all-reduce that names what it can (:func:`name_bits`). This holds among ranks
+   on versions that have the field-set digest (this one on): a rank on an older version
+   starts with an all-reduce of another size, and gloo still aborts;
 2. rank 0 contributes one 32-bit hash per config field; every other rank contributes
    zeros, so the sum is rank 0's values everywhere (a broadcast through the all-reduce
    every group has);
@@ -60,7 +62,8 @@ class ConfigMismatch(ValueError):
 
 
 class FieldSetMismatch(ConfigMismatch):
-    """The ranks' configs do not have the same field names (another eplb_fsm version, an extra key).
+    """The ranks' configs do not have the same field names (another eplb_fsm version that has the field-set
+    digest, this one on; an extra key).
 
     ``fields`` / ``mine``: this rank's fields that some rank lacks, as far as :func:`name_bits`
     tells (a name that shares its bucket with another rank's name goes unnamed); ``counts``:

@@ -7,7 +7,9 @@
   ``ValueError`` until the first is closed: two writers of one file would each roll it by
   their own byte count (the size cap no longer holds) and interleave two ``seq`` counts.
   A trace nothing refers to any more holds nothing (it can never write again): a refusal
-  first collects garbage and looks again.
+  first collects garbage and looks again. A controller's liveness and watchdog threads hold
+  it weakly, so a controller dropped without ``close()`` lets its file go once collected, and
+  one whose construction raised has closed its trace.
 - **A signal handler ends what is open.** :func:`end_open_traces` writes ``end`` to every
   trace of this process that is open and not ended (the simulator's signal thread; a host's
   SIGTERM handler).
@@ -57,7 +59,8 @@ def claim(path: str | os.PathLike, trace: Any) -> str:
             gc.collect()   # a trace dropped without close() inside a reference cycle can never write: not a writer
     raise ValueError(f"trace file {key} is already open in this process (rank {getattr(holder, 'rank', '?')}'s "
                      f"EventTrace, pid {os.getpid()}): one open EventTrace per rank file and process; close the "
-                     "other one first (two writers of one file break its size cap and its seq order)")
+                     "other one first, or the EplbController that writes it (two writers of one file break its size "
+                     "cap and its seq order)")
 
 
 def opened(trace: Any) -> None:

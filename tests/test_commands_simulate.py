@@ -161,7 +161,8 @@ def test_help_names_every_load_source_and_what_each_is(capsys):
 
 
 def test_load_sources_behave_as_the_help_says():
-    """esft moves batch by batch (one target per 4 sequences); esft:TASK and example are one load drifting per interval."""
+    """esft moves batch by batch (one target per 4 sequences); esft:TASK and example are one load drifting
+    per interval."""
     import numpy as np
 
     from eplb_fsm.sim.run import SimOptions, load_targets

@@ -85,11 +85,14 @@ def test_a_strided_non_expert_tensor_is_refused_before_waiting_for_the_handover(
     assert type(exc) is ValueError and "non_expert_weights[0] must be a contiguous tensor" in str(exc), exc
 
 
-def _serving_stand_in(info, errors, transfer_group):
+def _serving_stand_in(info, errors, transfer_group, namespace=None):
     """Old rank 0 of a 1 -> 2 scale-up: publishes a real handover and forms the new group. With
-    ``transfer_group`` it builds its transfer group and answers "go" with 0; without, it never builds one."""
+    ``transfer_group`` it builds its transfer group and answers "go" with 0; without, it never builds one.
+    ``namespace``: its group's store prefix on a raw store (default: the StoreInfo's own)."""
     try:
-        ctl = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S))
+        group = StoreGroup.connect(info, 0, 0, 1, WAIT_S) if namespace is None else \
+            StoreGroup(connect_store(info, WAIT_S), 0, 0, 1, WAIT_S, namespace=namespace)
+        ctl = EplbController(CONFIG, group=group)
         ctl.add_model(ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
         sp = make_scale_plan(1, 2, generation=1)
         ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
@@ -107,10 +110,11 @@ def _serving_stand_in(info, errors, transfer_group):
         errors.append(exc)
 
 
-def _join_beside_stand_in(info, target, transfer_group=True, **overrides):
+def _join_beside_stand_in(info, target, transfer_group=True, serving_namespace=None, **overrides):
     """What the joiner's ``join`` raised, old rank 0 played by a thread (joined with a timeout, error-free)."""
     errors: list = []
-    old = threading.Thread(target=_serving_stand_in, args=(info, errors, transfer_group), daemon=True)
+    old = threading.Thread(target=_serving_stand_in, args=(info, errors, transfer_group, serving_namespace),
+                           daemon=True)
     old.start()
     try:
         return _bounded(lambda: _join(target, timeout_s=WAIT_S, **overrides))
@@ -131,6 +135,21 @@ def test_a_raw_store_reaches_the_serving_group_through_its_namespace(store):
     exc = _join_beside_stand_in(store, connect_store(store, WAIT_S), namespace=store.namespace)
     # it got as far as the handshake, so it read the handover under the serving group's namespace
     assert isinstance(exc, ScaleAborted) and "handover phase: scale go" in str(exc), exc
+
+
+def test_a_raw_store_namespace_with_a_slash_reaches_a_serving_group_built_under_it(store):
+    """A serving group under 'ns/eplb' (StoreGroup accepts it): join(namespace='ns/eplb') reads its handover."""
+    namespace = f"{store.namespace}/eplb"
+    exc = _join_beside_stand_in(store, connect_store(store, WAIT_S), serving_namespace=namespace,
+                                namespace=namespace)
+    assert isinstance(exc, ScaleAborted) and "handover phase: scale go" in str(exc), exc
+
+
+@pytest.mark.parametrize("bad", [None, "", 3])
+def test_store_group_and_joiner_refuse_the_same_namespaces(store, bad):
+    """StoreGroup refuses a None/''/3 namespace with the joiner's message, before it builds anything."""
+    with pytest.raises(ValueError, match="namespace must be a non-empty string"):
+        StoreGroup(connect_store(store, WAIT_S), 0, 0, 1, WAIT_S, namespace=bad)
 
 
 def test_a_transfer_group_that_never_forms_is_scale_aborted(store):
@@ -177,17 +196,17 @@ def test_the_wait_for_the_transfer_group_is_covered_by_liveness(tmp_path, monkey
     ("store", dict(store="localhost:1234")),
     ("namespace", dict(raw=True, namespace=None)),
     ("namespace", dict(raw=True, namespace="")),
-    ("namespace", dict(raw=True, namespace="a/b")),
+    ("namespace", dict(raw=True, namespace=3)),
     ("device", dict(device="bogus")),
     ("trace_dir", dict(trace_dir=5)),
 ])
 def test_store_namespace_device_and_trace_dir_are_checked_before_any_wait(store, label, bad):
-    """A str store, a raw store's None/''/'a/b' namespace, a bogus device, a non-path trace_dir: ValueError at once."""
+    """A str store, a raw store's None/''/3 namespace, a bogus device, a non-path trace_dir: ValueError at once."""
     bad = dict(bad)
     target = connect_store(store, WAIT_S) if bad.pop("raw", False) else bad.pop("store", store)
     exc = _bounded(lambda: _join(target, **bad))   # a wait would end in ScaleAborted (no handover comes)
     rules = {"store": "store must be a StoreInfo or a torch.distributed.Store",
-             "namespace": "namespace must be a non-empty string without '/'",
+             "namespace": "namespace must be a non-empty string",
              "device": "device: 'bogus' is not a torch device",
              "trace_dir": "trace_dir must be a non-empty path"}
     assert type(exc) is ValueError and rules[label] in str(exc), exc

@@ -943,3 +943,88 @@ def test_a_forced_rearrangement_is_stamped_with_the_next_engine_step():
     done = events(ctl, "rearrangement")[-1]
     assert forced["step"] == done["step"] == ctl.steps == 5
     ctl.close()
+
+
+class _LoneStoreRank:
+    """Rank 0 of 1 of a store-backed group whose store went away: publishing the run id raises."""
+
+    rank, world_size, namespace = 0, 1, "eplb"
+
+    class store:   # noqa: N801 - stands for a TCPStore
+        @staticmethod
+        def set(key, value):
+            raise ConnectionError("store at 127.0.0.1:1 is gone")
+
+    def all_reduce(self, tensor, timeout_s):  # pragma: no cover - world 1: never called
+        raise AssertionError("no all-reduce in a group of one")
+
+    def transfer_communicator(self, timeout_s):  # pragma: no cover - never reached
+        raise AssertionError("not reached")
+
+
+def test_a_construction_failing_before_its_header_frees_the_trace_file_for_a_retry(tmp_path):
+    """Publishing the run id raises (before the header): nothing written, and a new controller on that file opens."""
+    with pytest.raises(ConnectionError, match="is gone"):
+        EplbController(cfg(), group=_LoneStoreRank(), trace_dir=str(tmp_path), liveness_interval_s=0.05)
+    path = tmp_path / "rank00000.jsonl"
+    assert not path.exists() or read_trace(path)[0] == []   # no header, so no `end` of a session that never began
+    EplbController(cfg(), trace_dir=str(tmp_path)).close()
+    assert [r["event"] for r in read_trace(path)[0]] == ["header", "end"]
+
+
+def test_a_construction_failing_after_its_header_ends_the_trace_and_frees_the_file(tmp_path, monkeypatch):
+    """The async worker fails to start: the trace ends how=exception naming it, its threads stop, a retry opens."""
+    import threading
+
+    from eplb_fsm.fsm import worker
+
+    class NoWorker:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("background worker 'w' did not start within 5 s")
+
+    monkeypatch.setattr(worker, "BackgroundWorker", NoWorker)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="did not start"):
+        EplbController(cfg(use_async=True), trace_dir=str(tmp_path), liveness_interval_s=0.05)
+    records = read_trace(tmp_path / "rank00000.jsonl")[0]
+    assert records[0]["event"] == "header" and records[-1]["event"] == "end"
+    assert records[-1]["how"] == "exception" and "did not start" in records[-1]["error"]
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "eplb-liveness"]
+    EplbController(cfg(), trace_dir=str(tmp_path)).close()
+
+
+def test_a_controller_dropped_without_close_frees_its_trace_file_and_ends_its_threads(tmp_path):
+    """Liveness and watchdog threads hold a dropped controller weakly: once collected its file opens again."""
+    import gc
+    import threading
+
+    before = set(threading.enumerate())
+    ctl = EplbController(cfg(watchdog_deadline_s=1.0), trace_dir=str(tmp_path), liveness_interval_s=0.05)
+    threads = [t for t in threading.enumerate() if t not in before and t.name in ("eplb-liveness", "eplb-watchdog")]
+    assert len(threads) == 2
+    del ctl
+    gc.collect()
+    again = EplbController(cfg(), trace_dir=str(tmp_path), liveness_interval_s=None)
+    again.close()
+    for thread in threads:
+        thread.join(10.0)
+    assert not any(t.is_alive() for t in threads)
+    assert [r["event"] for r in read_trace(tmp_path / "rank00000.jsonl")[0]][-2:] == ["header", "end"]
+
+
+def test_ranks_refused_for_a_config_mismatch_can_construct_again_in_the_same_process(tmp_path):
+    """Two thread ranks with different configs raise ConfigMismatch with their traces closed; a retry opens them."""
+    from eplb_fsm.run_identity import ConfigMismatch
+
+    def differing(rank, group):
+        with pytest.raises(ConfigMismatch):
+            EplbController(cfg(step_interval=16 + rank), group=group, trace_dir=str(tmp_path), liveness_interval_s=0.05)
+
+    def same(rank, group):
+        EplbController(cfg(), group=group, trace_dir=str(tmp_path), liveness_interval_s=0.05).close()
+
+    run_threads(2, differing, timeout=30.0)
+    run_threads(2, same, timeout=30.0)
+    for rank in (0, 1):
+        ends = [r for r in read_trace(tmp_path / f"rank{rank:05d}.jsonl")[0] if r["event"] == "end"]
+        assert [e["how"] for e in ends] == ["exception", "closed"]

@@ -94,3 +94,45 @@ def test_an_undecided_step_tie_names_both_ranks():
     report = diagnose(job.records())
     assert (report.verdict, report.culprit_ranks) == ("step_divergence", [0, 1]), report.summary
     assert any("undecided" in d for d in report.findings[0].details)
+
+
+def _skip_ep(records: list[dict], cseq: int, stop: bool) -> list[dict]:
+    """``records`` with the ep collective ``cseq`` left out (the rank skipped it) and the later ones numbered one
+    less, seqs renumbered; ``stop``: the trace ends inside the collective that took its place."""
+    out: list[dict] = []
+    for r in records:
+        if r.get("group") == "ep" and r.get("cseq") == cseq:
+            continue
+        r = dict(r, seq=len(out))
+        if r.get("group") == "ep" and isinstance(r.get("cseq"), int) and r["cseq"] > cseq:
+            r["cseq"] -= 1
+        out.append(r)
+        if stop and r["event"] == "collective_start" and r.get("group") == "ep" and r["cseq"] == cseq:
+            break
+    return out
+
+
+def test_a_rank_that_skipped_the_first_committing_agreement_is_not_cleared_by_its_next_collective():
+    """Rank 1 skips the first commit agreement and waits in the next planning all-reduce: rank 0 is not blamed."""
+    job = SyntheticJob(world=2)
+    job.run(22)
+    r0, r1 = job.records()[0], job.records()[1]
+    commit = next(n for n, r in enumerate(r0) if r["event"] == "collective_start" and r.get("group") == "ep"
+                  and r["cseq"] == 3)
+    report = diagnose({0: r0[:commit + 1], 1: _skip_ep(r1, 3, stop=True)})
+    mismatch = report.findings[0]
+    assert mismatch.kind == "collective_mismatch" and 1 in mismatch.culprits, mismatch.summary
+    assert "at step 19 in planning" in mismatch.summary and "at step 9 in committing" in mismatch.summary
+    assert "step 9 in planning" not in mismatch.summary and "step 19 in committing" not in mismatch.summary
+
+
+def test_collectives_after_a_skip_do_not_decide_the_tie_it_makes():
+    """Rank 1 skips layer 0's ready: layer 1's, which rank 0 runs next, is no evidence against rank 0 (undecided)."""
+    job = SyntheticJob(world=2)
+    job.run(12)
+    records = job.records()
+    records[1] = _skip_ep(records[1], 1, stop=False)
+    report = diagnose(records)
+    mismatch = report.findings[0]
+    assert mismatch.kind == "collective_mismatch" and mismatch.culprits == [0, 1], mismatch.summary
+    assert "undecided" in mismatch.summary

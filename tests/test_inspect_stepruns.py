@@ -180,3 +180,38 @@ def test_a_silence_inside_a_step_run_is_kept_where_it_was(lines):
     assert comparable(fast) == comparable(slow)
     before, after = json.loads(changed[i]), json.loads(changed[i + 1])
     assert fast.silences == [(before["ts"], after["ts"], before["step"], before["state"])]
+
+
+def _late_after_steps() -> list[dict]:
+    """Rank 0 of a healthy job with its seqs 4..7 made liveness records, 4..6 lost and 6 written late after two
+    step lines (file order 0, 1, 2, 3, 7, 8, 9, 6, 10, ...)."""
+    job = SyntheticJob(world=1)
+    job.run(30)
+    recs = job.records()[0]
+    for r in recs:
+        if r["event"] == "step" and 4 <= r["seq"] <= 7:
+            r.update(event="alive", interval_s=1.0, steps_seen=r["step"] - 1, waiting_on=None)
+    by_seq = {r["seq"]: r for r in recs}
+    order = [r["seq"] for r in recs if r["seq"] not in (4, 5, 6)]
+    order.insert(order.index(10), 6)
+    return [by_seq[s] for s in order]
+
+
+@pytest.mark.parametrize("known_lines", [None, 0])
+def test_a_late_line_after_a_step_run_past_a_jump_reads_as_in_memory(tmp_path, monkeypatch, known_lines):
+    """A late line after step lines that follow a seq jump: the file and in-memory replays agree (gaps, findings)."""
+    from eplb_fsm.inspect import diagnose, replay_dir
+
+    if known_lines is not None:
+        monkeypatch.setattr(sm, "MIN_KNOWN_LINES", known_lines)   # StepLines on even for this short file
+    recs = _late_after_steps()
+    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs)
+    fast, slow = sm.summarize_text(text, 0), sm.summarize_rank(recs, 0)
+    assert fast.warnings == slow.warnings
+    assert [(g["first"], g["last"], g["lost"]) for g in fast.gaps] == [(4, 5, 2)]
+    assert [(g["first"], g["last"], g["lost"]) for g in slow.gaps] == [(4, 5, 2)]
+    assert [(d["seq"], d["expected"]) for d in fast.disorder] == [(6, 10)]
+    Path(trace_path(tmp_path, 0)).write_text(text, encoding="utf-8")
+    on_disk, in_memory = replay_dir(tmp_path), diagnose({0: recs})
+    assert on_disk.warnings == in_memory.warnings
+    assert [(f.kind, f.culprits) for f in on_disk.findings] == [(f.kind, f.culprits) for f in in_memory.findings]

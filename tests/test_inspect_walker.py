@@ -113,7 +113,8 @@ def test_two_swapped_step_lines_are_out_of_order_in_memory_and_in_a_file():
 
 
 def test_a_copied_step_line_is_out_of_order_at_its_own_line_in_both_paths():
-    """The step line with seq 3 copied after seq 8 (file line 10): disorder there, nothing lost, in memory and in a file."""
+    """The step line with seq 3 copied after seq 8 (file line 10): disorder there, nothing lost, in memory and
+    in a file."""
     recs = records(12) + [base("alive", 13, 12, interval_s=1.0)]
     recs.insert(9, dict(recs[3]))
     for s in both_paths(recs):

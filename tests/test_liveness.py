@@ -196,7 +196,7 @@ def test_a_moving_beat_with_nothing_pending_writes_alive_so_no_beat_is_silent():
     trace.emit("transition", source="collecting", dest="scaling", trigger="scale")  # takes the run out
     record = live.beat()
     assert record is not None and record["event"] == "alive"
-    assert record["steps_seen"] == 20 and record["step"] == 21
+    assert record["steps_seen"] == 10 and record["step"] == 21   # the step at the previous record: a look is none
     # the rank then waits in scaling: the next beat is alive again, one interval later
     assert live.beat()["event"] == "alive" and live.period() == 1.0
 
@@ -253,7 +253,8 @@ class FlakyTrace:
 
 
 def test_a_failing_beat_does_not_end_the_thread():
-    """A beat that raises is counted and logged once; the thread keeps beating (a silent live rank replays as frozen)."""
+    """A beat that raises is counted and logged once; the thread keeps beating (a silent live rank replays
+    as frozen)."""
     trace = FlakyTrace()
     live = Liveness(trace, interval_s=0.02).start()
     deadline = time.monotonic() + 10
@@ -304,34 +305,63 @@ def test_a_failing_beat_whose_log_fails_too_does_not_end_the_thread(tmp_path):
     assert result == {"running": True, "alive": result["alive"], "errors": 4} and result["alive"] >= 3
 
 
-def _first_alive_after(wait_at: float, interval_s: float = 1.0) -> float:
-    """Seconds from a rank's last step (at ``wait_at`` s; 10 steps/s before it) to its first alive record with its
-    step fixed, beats timed as the thread times them (``period``), on a simulated clock of 10 ms ticks."""
+def _steps_and_beats(step_at, until: float, interval_s: float = 1.0) -> list[dict]:
+    """The records a rank's beats write (timed as the thread times them, ``period``) on a simulated clock of 10 ms
+    ticks up to ``until`` s, the rank counting one step at each tick ``step_at(tick)`` says (first beat's alive
+    at ``interval_s``, heartbeats 30 s apart)."""
     clock = _Clock()
     trace = EventTrace(rank=0, world=2, clock=clock, keep=True)
     trace.set_context(state="collecting", step=0)
     live = Liveness(trace, interval_s=interval_s, clock=clock)
     next_beat = round(live.period() * 100)
-    for tick in range(1, 100 * 100):
+    written = []
+    for tick in range(1, round(until * 100)):
         clock.now = tick / 100
-        if tick % 10 == 0 and tick <= round(wait_at * 100):
+        if step_at(tick):
             trace.count_step()
             trace.step += 1
         if tick >= next_beat:
             record = live.beat()
             next_beat = tick + round(live.period() * 100)
-            if record and record["event"] == "alive" and tick > round(wait_at * 100) \
-                    and record["step"] == record["steps_seen"]:
-                return round(record["ts"] - wait_at, 2)
-    raise AssertionError("no alive record")
+            written += [record] if record else []
+    return written
+
+
+def _first_alive_after(wait_at: float, interval_s: float = 1.0) -> tuple[float, float]:
+    """Seconds from a rank's last step (at ``wait_at`` s; 10 steps/s before it) to its first alive record, and to
+    its first alive record with ``step == steps_seen``."""
+    stop = round(wait_at * 100)
+    written = _steps_and_beats(lambda tick: tick % 10 == 0 and tick <= stop, wait_at + 10.0, interval_s)
+    waits = [r for r in written if r["event"] == "alive" and r["ts"] > wait_at]
+    still = [r for r in waits if r["step"] == r["steps_seen"]]
+    assert waits and still, "no alive record"
+    return round(waits[0]["ts"] - wait_at, 2), round(still[0]["ts"] - wait_at, 2)
 
 
 def test_a_wait_shows_as_alive_within_one_and_a_half_intervals_whatever_its_phase():
-    """A moving rank that starts to wait at any moment of its beat cycle writes alive within 1.5 intervals:
-    inside the silence of a peer frozen for more than replay's 2.5 intervals."""
-    delays = [_first_alive_after(10.0 + k * 0.05) for k in range(60)]   # 3 s: two whole write cycles
-    assert max(delays) <= 1.5 and min(delays) > 0, delays
-    assert max(_first_alive_after(20.0 + k * 0.1, interval_s=2.0) for k in range(60)) <= 3.0
+    """A moving rank that starts to wait at any moment of its beat cycle writes alive within 1.5 intervals
+    (inside the silence of a peer frozen for more than replay's 2.5 intervals), step == steps_seen one interval on."""
+    for interval_s, starts in ((1.0, [10.0 + k * 0.05 for k in range(60)]), (2.0, [20.0 + k * 0.1 for k in range(60)])):
+        delays = [_first_alive_after(start, interval_s) for start in starts]   # two whole write cycles
+        assert 0 < min(d[0] for d in delays) and max(d[0] for d in delays) <= 1.5 * interval_s, delays
+        assert max(d[1] for d in delays) <= 2.5 * interval_s, delays
+
+
+@pytest.mark.parametrize("low, high", [(0.55, 0.7), (0.7, 0.95), (0.55, 0.95)])
+def test_a_rank_stepping_slower_than_half_an_interval_never_reads_as_waiting(low, high):
+    """Steps low-high intervals apart (a beat after a look may see none since it, so alive is written): no record
+    has step == steps_seen, which means no step for at least one interval."""
+    import random
+
+    rng, at = random.Random(7), set()
+    tick = 0
+    while tick < 6000:
+        tick += rng.randint(round(low * 100), round(high * 100))
+        at.add(tick)
+    written = _steps_and_beats(at.__contains__, 60.0)
+    alive = [r for r in written if r["event"] == "alive"][1:]   # the first beat's has steps_seen null
+    assert len(alive) >= 5, len(alive)     # beats after a look did see no step since it: the path is taken
+    assert all(r["step"] != r["steps_seen"] for r in alive), [(r["ts"], r["step"], r["steps_seen"]) for r in alive]
 
 
 FREEZE_PEER = r'''

@@ -173,16 +173,15 @@ def _check_arguments(store: Any, namespace: Any, device: Any, trace_dir: Any) ->
     namespace the handover is read under (a ``StoreInfo`` carries its own, ``namespace`` is then unused)."""
     import torch.distributed as dist
 
-    from eplb_fsm.transfer.groups import StoreInfo
+    from eplb_fsm.transfer.groups import StoreInfo, check_namespace
 
     if isinstance(store, StoreInfo):
         namespace = store.namespace
     elif not isinstance(store, dist.Store):
         raise ValueError(f"store must be a StoreInfo or a torch.distributed.Store (a raw store, with namespace), "
                          f"got {type(store).__name__}")
-    elif not isinstance(namespace, str) or not namespace or "/" in namespace:
-        raise ValueError(f"namespace must be a non-empty string without '/' (the serving group's store prefix), "
-                         f"got {namespace!r}")
+    else:
+        check_namespace(namespace)   # StoreGroup's own rule: whatever a serving group was built under
     resolve_device(device)   # the controller resolves it again; here only so that a bad one costs no wait
     if trace_dir is not None:
         if not isinstance(trace_dir, (str, os.PathLike)) or not os.fspath(trace_dir):

@@ -42,7 +42,7 @@ from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING, EplbMachine, Fired
 from eplb_fsm.fsm.model_entry import ModelEntry, build_model_entry
 from eplb_fsm.fsm.planning import Plan
 from eplb_fsm.fsm.rearrange import Rearranger
-from eplb_fsm.fsm.reporting import Reporter, SharedTrace
+from eplb_fsm.fsm.reporting import Reporter, SharedTrace, abandon_trace
 from eplb_fsm.fsm.transfers import LayerMover
 from eplb_fsm.maps import ExpertMaps, as_count
 from eplb_fsm.policy import get_policy
@@ -88,6 +88,16 @@ class EplbController:
         generation = int(getattr(group, "generation", 0) or 0)  # elastic EP: 0 until a scale
         self.trace = SharedTrace(rank, world_size, trace_dir, clock=clock, keep=keep_trace,
                                  generation=generation if role == "joiner" else 0)   # a joiner: a file of its own
+        self.worker = self.watchdog = None
+        try:
+            self._start(config, group, rank, world_size, name, generation, role, start_step)
+        except BaseException as exc:  # the trace holds its file (one writer per file): a retry here would be refused
+            abandon_trace(self.trace, exc, self.liveness, self.worker)
+            raise
+        self._closed = False
+
+    def _start(self, config: EplbConfig, group: Any, rank: int, world_size: int, name: str, generation: int,
+               role: str, start_step: int) -> None:   # the construction once the trace is open
         self.collectives = Collectives(group, rank, world_size, self.trace, self.device, config.collective_timeout_s,
                                        name, generation, transfer_nice=config.use_async and config.async_worker_nice)
         self.last_generation = generation   # the last one a scale request used up
@@ -111,27 +121,18 @@ class EplbController:
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
         self.liveness.start_on(self.trace)  # issue 12: `alive` records, from before the wait for the transfer group
-        try:
-            self.collectives.new_transfer_group(wait_all=role != "joiner")
-        except BaseException as exc:  # the header is out: without an `end` a replay takes this for a death
-            self.trace.end("exception", f"{type(exc).__name__}: {exc}")  # which also ends the liveness thread
-            self.trace.close()
-            raise
-        self.worker = None
+        self.collectives.new_transfer_group(wait_all=role != "joiner")
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
             self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}", nice=config.async_worker_nice)
         self.rearranger = Rearranger(machine=self.machine, fire=self.fire, config=config, policy=self.policy,
                                      models=self.models, counters=self.counters, collectives=self.collectives,
                                      mover=self.mover, reporter=self.reporter, worker=self.worker, trace=self.trace)
-        self.watchdog = None
         if config.watchdog_deadline_s > 0:
             from eplb_fsm.fsm.watchdog import Watchdog
-
             self.watchdog = Watchdog(self.trace, config.watchdog_deadline_s, state=self.machine.state)  # a joiner's
             self.machine.listeners.append(self.watchdog.on_fired)
             self.watchdog.start()
-        self._closed = False
 
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> ModelEntry:
         """Balance ``model`` (MoE protocol, see model_protocol) under ``name``.
@@ -322,8 +323,7 @@ class EplbController:
         ``namespace``: the serving group's store prefix, for a raw store). ``collecting`` or ``ScaleAborted``."""
         from eplb_fsm.elastic.joiner import join
         return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
-                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace,
-                    namespace=namespace)
+                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace, namespace=namespace)
 
     def recover(self, reloaded: Any = False, group: Any = None) -> None:
         """Leave ``failed``, every rank together; ``reloaded``/``group``: see fsm/recovery.py (raises, if not)."""

@@ -19,7 +19,7 @@ from eplb_fsm.stats import balancedness, load_fault, rank_loads_physical
 from eplb_fsm.trace import EventTrace
 from eplb_fsm.safe_log import log_safely
 
-__all__ = ["SharedTrace", "Rearrangement", "Reporter"]
+__all__ = ["SharedTrace", "Rearrangement", "Reporter", "abandon_trace"]
 
 _log = structlog.get_logger("eplb_fsm")
 
@@ -30,6 +30,19 @@ class SharedTrace(EventTrace):
     :class:`EventTrace` itself orders them under one lock (each record's ``seq`` and its
     line go out together); the name stays for the controller's callers.
     """
+
+
+def abandon_trace(trace: EventTrace, exc: BaseException, liveness: Any, worker: Any) -> None:
+    """A controller's construction raised ``exc`` with its trace open: stop the threads that started, end the
+    trace ``how=exception`` once a record of it is out (its header: else replay would read a death; before
+    it there is nothing of this controller to end) and close it, so that a retry in this process may open
+    the file again (one open trace per file and process)."""
+    liveness.stop()
+    if worker is not None:
+        worker.close()
+    if trace.seq:
+        trace.end("exception", f"{type(exc).__name__}: {exc}")   # no-op when the header's writer ended it
+    trace.close()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import structlog
 
+from eplb_fsm.liveness import weakly
 from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.safe_log import log_safely
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, SCALING, TRANSFERRING
@@ -33,7 +34,8 @@ class Watchdog:
 
     ``trace`` is the rank's EventTrace (thread-safe writes are the owner's business);
     ``check(now)`` does one inspection and is what the thread calls every ``poll_s``,
-    so tests can drive it with a fake clock and no thread.
+    so tests can drive it with a fake clock and no thread. The thread holds the watchdog weakly: it
+    polls while its owner keeps a reference and ends once it is freed.
     """
 
     def __init__(
@@ -59,7 +61,11 @@ class Watchdog:
         self.since = clock()          # when (state, layer) last changed
         self._next_report = self.since + self.deadline_s
         self.reports: list[dict] = []
-        self._loop = PeriodicThread("eplb-watchdog", lambda: self.poll_s, self._poll)
+        # weakly, as liveness's: a controller dropped without close() must not keep its trace open through it
+        self._loop = PeriodicThread("eplb-watchdog", weakly(self._period, 0.0), weakly(self._poll, False))
+
+    def _period(self) -> float:
+        return self.poll_s
 
     # -- progress --------------------------------------------------------
     def progress(self, state: str, layer: int) -> None:

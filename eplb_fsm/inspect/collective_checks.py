@@ -135,31 +135,51 @@ def _runs_agree(streams: list, limits: list, floors: list, c: int) -> int | None
     return int(end) if active and end != math.inf else None
 
 
-def _ran_elsewhere(cast: Cast, g: str, c: int) -> tuple[dict, dict]:
-    """How often group ``g`` ran each collective at its other sequence numbers, counted once per member and cseq:
-    by (signature, dtype), and by op alone."""
+def _ran_elsewhere(cast: Cast, g: str, c: int, later: bool) -> tuple[dict, dict]:
+    """How often group ``g`` ran each collective at its sequence numbers before ``c`` (``later``: and after it),
+    counted once per member and cseq: by (signature, dtype), and by op alone."""
     full: dict[tuple, int] = {}
     ops: dict[Any, int] = {}
+    top = math.inf if later else c - 1
 
     def count(e: Collective, n: int) -> None:
+        if n <= 0:
+            return
         key = (e.signature(), freeze(e.dtype))
         full[key] = full.get(key, 0) + n
         op = freeze(e.op)   # the signature's form of it (a damaged op may be a list)
         ops[op] = ops.get(op, 0) + n
 
+    def counts(cseq: Any) -> bool:
+        return type(cseq) is int and cseq != c and cseq <= top
+
     for s in cast.parts.values():
         index = s.collectives.get(g)
         if isinstance(index, CollectiveIndex):
             for cseq, e in index.one.items():
-                if cseq != c:
+                if counts(cseq):
                     count(e, 1)
             for run in index.runs:   # one signature for the whole run: counted at once, not cseq by cseq
-                count(run.template, run.last - run.first + 1 - (run.first <= c <= run.last))
+                last = min(run.last, top)
+                count(run.template, last - run.first + 1 - (run.first <= c <= last))
         elif index:
             for cseq, e in index.items():
-                if cseq != c:
+                if counts(cseq):
                     count(e, 1)
     return full, ops
+
+
+def _realigned(cast: Cast, g: str, c: int, tied_ranks: list[Key]) -> bool:
+    """The tied members issued one and the same collective at ``c + 1``: their streams line up again after
+    ``c`` (a rank that skipped one would be a collective ahead of the others there)."""
+    after = set()
+    for k in tied_ranks:
+        s = cast.parts.get(k)
+        e = s.collectives.get(g, {}).get(c + 1) if s is not None else None
+        if e is None:
+            return False
+        after.add((e.signature(), freeze(e.dtype)))
+    return len(after) == 1
 
 
 _TELLS_APART = ("shape", "dtype", "layer", "wave", "parts")
@@ -177,15 +197,26 @@ def _break_tie(cast: Cast, g: str, c: int, by_sig: dict[tuple, list[Key]],
                entries: dict[Key, Collective]) -> tuple[tuple | None, str]:
     """Equal numbers of members issued different collectives at (g, c) (e.g. one rank against one).
 
-    The expected one is the collective the group also runs at its other sequence numbers:
-    first by its whole signature (op, shape, dtype, layer, wave, parts), then by its op alone;
-    the others appear nowhere else in the group. Returns (reference signature, a note for the
-    finding), or (None, a note saying the tie is undecided) when neither tells one apart.
+    A rank that skipped a collective issues its next one at ``c`` instead, at a later step or in a later state
+    than the ranks that did not, and a rank that issued one without cause does so before them: from the traces
+    the two read the same, so tied entries issued at different steps or states are left undecided. At one step
+    and state the expected one is the collective the group also runs at its other sequence numbers, first by its
+    whole signature (op, shape, dtype, layer, wave, parts), then by its op alone: those before ``c`` (what the
+    group had already run), and those after it only when the tied members issued the same collective at
+    ``c + 1`` (no skip shifted one stream against the other). Returns (reference signature, a note for the
+    finding), or (None, a note saying the tie is undecided) when that does not tell one apart.
     """
     top = max(len(ks) for ks in by_sig.values())
     tied = [k for k, ks in by_sig.items() if len(ks) == top]
     issued = {k: entries[by_sig[k][0]] for k in tied}
-    full, ops = _ran_elsewhere(cast, g, c)
+    tied_ranks = [r for k in tied for r in by_sig[k]]
+    at = {(entries[r].step, freeze(entries[r].state)) for r in tied_ranks}
+    if len(at) > 1:
+        sides = "; ".join(f"{cast.who(by_sig[k])} at step {issued[k].step} in {issued[k].state}" for k in tied)
+        return None, (f"a tie at different positions ({sides}): a rank that skipped a collective issues its next "
+                      f"one there later than the others, a rank that added one issues it earlier, and the traces "
+                      "do not tell the two apart; which is the odd one is undecided, so every rank of the tie is named")
+    full, ops = _ran_elsewhere(cast, g, c, later=_realigned(cast, g, c, tied_ranks))
     for seen in (lambda k: full.get((k, freeze(issued[k].dtype)), 0), lambda k: ops.get(freeze(issued[k].op), 0)):
         familiar = [k for k in tied if seen(k) > 0]
         if len(familiar) == 1:
@@ -270,10 +301,15 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
         odd = entries[others[0]]
         # an undecided tie names both sides: no rank is presented as the certain culprit
         culprits = sorted(others + by_sig[ref_sig]) if undecided else others
+        # step and state from the entry they describe: the two sides may stand at different ones
+        if (odd.step, freeze(odd.state)) == (ref.step, freeze(ref.state)):
+            said = f"{who(others)} issued {coll_text(odd)} where {who(by_sig[ref_sig])} issued {coll_text(ref)}, " \
+                   f"at step {ref.step} in {ref.state}"
+        else:
+            said = f"{who(others)} issued {coll_text(odd)} at step {odd.step} in {odd.state} where " \
+                   f"{who(by_sig[ref_sig])} issued {coll_text(ref)} at step {ref.step} in {ref.state}"
         return Finding.of(
-            "collective_mismatch", start_step, culprits,
-            f"{who(others)} issued {coll_text(odd)} where {who(by_sig[ref_sig])} issued "
-            f"{coll_text(ref)}, at step {start_step} in {ref.state}" + ("; a tie, undecided" if undecided else ""),
+            "collective_mismatch", start_step, culprits, said + ("; a tie, undecided" if undecided else ""),
             ranks=positions(), details=[tie_note] if tie_note else [], **where,
         )
     extra = _extra_collective(cast, g, c, entries, ended_before + skipped)

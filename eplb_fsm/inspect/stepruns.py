@@ -227,12 +227,15 @@ def step_of(line: str) -> int | None:
 def feed_run(w, lines: list[str], start: int, end: int, parse: Callable[[str], dict | None],
              known: StepLines | None = None) -> int:
     """Replay lines[start:end] (step lines between two other records) into walker ``w``; returns the
-    unreadable lines. ``parse`` reads one line (None: unreadable); ``known``: the file's ``StepLines``."""
+    unreadable lines. ``parse`` reads one line (None: unreadable); ``known``: the file's ``StepLines``.
+    Taken in bulk only with no ``seq`` jump open, as ``diagnose()``'s record-by-record replay sees it."""
     while end > start and not lines[end - 1].strip():
         end -= 1  # the empty string after the file's final newline, trailing blank lines
     if end <= start:
         return 0
-    if w.state is not None:
+    # a jump forward still open (lost lines, or the first half of a swap or an inserted line) is settled by the
+    # records after it, one by one: a run counted in bulk would leave it open for a later line back to misread
+    if w.state is not None and w.seqs.jump is None:
         if (known is not None and known.follow(start, end, w.state, w.next_seq())) or (
                 step_run(w.state).fullmatch(run := "\n".join(lines[start:end]) + "\n") is not None
                 and seqs_follow(w, run, end - start) and calm(run)):

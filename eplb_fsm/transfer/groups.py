@@ -36,7 +36,7 @@ import torch
 from eplb_fsm.maps import check_seconds
 
 __all__ = ["StoreInfo", "connect_store", "host_store", "StoreGroup", "PgCommunicator", "GroupBuildError",
-           "group_trace_name"]
+           "group_trace_name", "check_namespace"]
 
 
 class GroupBuildError(RuntimeError):
@@ -58,6 +58,16 @@ class StoreInfo:
             raise ValueError(f"store port must be an int in [1, 65535], got {self.port!r}")
         if not isinstance(self.namespace, str) or not self.namespace or "/" in self.namespace:
             raise ValueError(f"store namespace must be a non-empty string without '/', got {self.namespace!r}")
+
+
+def check_namespace(namespace: Any, what: str = "namespace") -> str:
+    """The rule for a group's store prefix (``StoreGroup`` and a joiner on a raw store share it, so a joiner
+    reaches every serving group that could be built): a non-empty string; ValueError naming ``what`` else.
+    Slashes are allowed (``job/eplb``): every key under it is ``<namespace>/g<generation>/...``, whatever it holds.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"{what} must be a non-empty string (the EP group's store key prefix), got {namespace!r}")
+    return namespace
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -136,6 +146,7 @@ class StoreGroup:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         self.timeout_s = _check_timeout(timeout_s)
+        check_namespace(namespace)
         self.store = store
         self.info = info
         self.namespace = namespace
