@@ -26,10 +26,13 @@ def _counts(job: SyntheticJob) -> dict[int, int]:
 ])
 def test_faults_that_could_not_fire_are_refused_before_any_step(faults, match):
     """Each malformed or unfireable fault is a ValueError naming the field; the job has not moved."""
-    job = SyntheticJob(world=2, interval=10)
+    _assert_refused(SyntheticJob(world=2, interval=10), 30, faults, match)
+
+
+def _assert_refused(job: SyntheticJob, steps: int, faults, match: str) -> None:
     before = _counts(job)
     with pytest.raises(ValueError, match=match):
-        job.run(30, faults)
+        job.run(steps, faults)
     assert job.step_no == 0 and _counts(job) == before
 
 
@@ -106,11 +109,7 @@ def test_a_fault_before_its_ranks_stop_point_still_fires():
 ])
 def test_a_fault_another_transfer_error_pre_empts_is_refused(faults, match):
     """A fault that a transfer_error (or an illegal commit) of the same rearrangement pre-empts is a ValueError."""
-    job = SyntheticJob(world=4, interval=10)
-    before = _counts(job)
-    with pytest.raises(ValueError, match=match):
-        job.run(20, faults)
-    assert job.step_no == 0 and _counts(job) == before
+    _assert_refused(SyntheticJob(world=4, interval=10), 20, faults, match)
 
 
 def test_faults_of_one_rearrangement_that_all_fire_are_accepted():

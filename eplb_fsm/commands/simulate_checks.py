@@ -102,15 +102,7 @@ def prepare_trace_dir(path: str | None) -> TraceDir:
     if path is None:
         return TraceDir(tempfile.mkdtemp(prefix="eplb-simulate-"))
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"--trace-dir: {p} exists and is not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--trace-dir: cannot create {p}: {exc.strerror or exc}") from None
-    why = _writable(p)
-    if why:
-        raise ValueError(f"--trace-dir: cannot write in {p}: {why}")
+    _writable_folder(p, parents=True)
     prepare_progress(p)
     return TraceDir(str(p), trace_sizes(p))
 
@@ -122,18 +114,22 @@ def prepare_progress(directory: Path) -> None:
     would pass the other checks and then crash every rank, so it is a ValueError naming
     ``--trace-dir`` here, before any rank starts.
     """
-    progress = directory / PROGRESS_DIR
-    if progress.exists() and not progress.is_dir():
-        raise ValueError(f"--trace-dir: {progress} exists and is not a directory; the ranks write their "
-                         f"live-progress files in that folder, so move or remove it")
-    try:
-        progress.mkdir(exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--trace-dir: cannot create {progress}: {exc.strerror or exc}") from None
-    why = _writable(progress)
-    if why:
-        raise ValueError(f"--trace-dir: cannot write in {progress}: {why}")
+    _writable_folder(directory / PROGRESS_DIR, parents=False,
+                     not_a_folder="; the ranks write their live-progress files in that folder, so move or remove it")
     clear_progress(directory)
+
+
+def _writable_folder(folder: Path, parents: bool, not_a_folder: str = "") -> None:
+    """``folder`` made if missing and checked writable; ValueError naming ``--trace-dir`` otherwise."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--trace-dir: {folder} exists and is not a directory{not_a_folder}")
+    try:
+        folder.mkdir(parents=parents, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--trace-dir: cannot create {folder}: {exc.strerror or exc}") from None
+    why = _writable(folder)
+    if why:
+        raise ValueError(f"--trace-dir: cannot write in {folder}: {why}")
 
 
 def clear_progress(directory: Path) -> None:
