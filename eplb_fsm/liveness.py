@@ -56,7 +56,7 @@ import structlog
 from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.safe_log import log_safely, retry_due
 
-__all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval", "weakly"]
+__all__ = ["DEFAULT_INTERVAL_S", "FLUSH_FACTOR", "HEARTBEAT_S", "Liveness", "check_interval"]
 
 DEFAULT_INTERVAL_S = 1.0
 # while the step advances, the thread writes the run of quiet steps every this many
@@ -80,19 +80,6 @@ def check_interval(interval_s: Any) -> float:
         raise ValueError("liveness_interval_s must be None, 0 (off) or a finite number > 0 (seconds), "
                          f"got {interval_s!r}")
     return float(interval_s)
-
-
-def weakly(method: Callable[[], Any], gone: Any) -> Callable[[], Any]:
-    """``method`` (a bound method) called through a weak reference, ``gone`` once its object is freed: a
-    thread that calls it does not keep the object, nor the trace it writes to, alive. A controller dropped
-    without ``close()`` so releases its trace file when it is collected, and its threads end."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> Any:
-        bound = ref()
-        return gone if bound is None else bound()
-
-    return call
 
 
 class Liveness:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
-__all__ = ["PeriodicThread"]
+__all__ = ["PeriodicThread", "weakly"]
 
 
 class PeriodicThread:
@@ -62,3 +63,16 @@ class PeriodicThread:
     @property
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+
+def weakly(method: Callable[[], Any], gone: Any) -> Callable[[], Any]:
+    """``method`` (a bound method) called through a weak reference, ``gone`` once its object is freed: a
+    thread that calls it does not keep the object, nor the trace it writes to, alive. A controller dropped
+    without ``close()`` so releases its trace file when it is collected, and its threads end."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        return gone if bound is None else bound()
+
+    return call

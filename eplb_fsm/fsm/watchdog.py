@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 import structlog
 
-from eplb_fsm.liveness import weakly
-from eplb_fsm.periodic import PeriodicThread
+from eplb_fsm.periodic import PeriodicThread, weakly
 from eplb_fsm.safe_log import log_safely
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, SCALING, TRANSFERRING
 
