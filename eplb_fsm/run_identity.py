@@ -123,12 +123,13 @@ def name_bits(names: list[str], reduce: Callable[[torch.Tensor], None], world: i
     """After a field-set mismatch: ``({own name: ranks that lack it}, how many buckets other ranks' names fill
     that this rank's do not)``, from one SUM all-reduce of a (NAME_BITS,) float64 vector of 0/1 per bucket."""
     mine = {n: _bucket(n) for n in names}
+    own = set(mine.values())
     bits = torch.zeros(NAME_BITS, dtype=torch.float64)
-    bits[sorted(set(mine.values()))] = 1.0
+    bits[sorted(own)] = 1.0
     reduce(bits)
     have = [int(v) for v in bits.tolist()]
     lacking = {n: world - have[b] for n, b in mine.items() if have[b] < world}
-    return lacking, sum(1 for b, c in enumerate(have) if c and b not in set(mine.values()))
+    return lacking, sum(1 for b, c in enumerate(have) if c and b not in own)
 
 
 def local_identity() -> RunIdentity:
