@@ -220,11 +220,16 @@ def test_plan_out_writer_failing_mid_write_keeps_the_previous_file(capsys, tmp_p
     import eplb_fsm.commands.plan as plan_module
 
     def half_then_fail(obj, f, *args, **kwargs):
-        f.write(b"\x00" * 100 if suffix == ".pt" else "{" * 100)
+        f.write(b"\x00" * 100)
         raise error("stopped half-way")
 
-    monkeypatch.setattr(torch if suffix == ".pt" else plan_module.json, "save" if suffix == ".pt" else "dump",
-                        half_then_fail)
+    def written_then_interrupted(fd):   # Ctrl-C once the temporary file holds the plan, before the rename
+        raise error("stopped half-way")
+
+    if suffix == ".pt":
+        monkeypatch.setattr(torch, "save", half_then_fail)
+    else:
+        monkeypatch.setattr(plan_module.os, "fsync", written_then_interrupted)
     out = tmp_path / f"plan{suffix}"
     out.write_bytes(b"previous plan")
     if error is RuntimeError:

@@ -166,38 +166,28 @@ def _save(temp: Path, out: Path, phy2log, log2phy, replica_count) -> None:
     """Write the maps into ``temp`` and rename it over ``out``; ``temp`` is left for the caller to remove on error."""
     suffix = out.suffix.lower()
     try:
-        if suffix == ".npz":
-            import numpy as np
-
-            with open(temp, "wb") as f:
-                np.savez(f, phy2log=phy2log.numpy(), log2phy=log2phy.numpy(), replica_count=replica_count.numpy())
-                f.flush()
-                os.fsync(f.fileno())
-        elif suffix == ".pt":
+        # every format serialised in memory, then one write: torch's writer would turn a failed file
+        # write (a full disk) into a RuntimeError about stream positions, our own write reports the OSError
+        if suffix == ".json":
+            data = json.dumps({"phy2log": phy2log.tolist(), "log2phy": log2phy.tolist(),
+                               "replica_count": replica_count.tolist()}).encode("utf-8")
+        else:
             import io
 
-            import torch
-
-            # serialised in memory first: torch's writer turns a failed file write (a full disk) into a
-            # RuntimeError about stream positions, while our own write reports the OSError itself
             buffer = io.BytesIO()
-            torch.save({"phy2log": phy2log, "log2phy": log2phy, "replica_count": replica_count}, buffer)
-            with open(temp, "wb") as f:
-                f.write(buffer.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            with open(temp, "w", encoding="utf-8") as f:
-                json.dump(
-                    {
-                        "phy2log": phy2log.tolist(),
-                        "log2phy": log2phy.tolist(),
-                        "replica_count": replica_count.tolist(),
-                    },
-                    f,
-                )
-                f.flush()
-                os.fsync(f.fileno())
+            if suffix == ".npz":
+                import numpy as np
+
+                np.savez(buffer, phy2log=phy2log.numpy(), log2phy=log2phy.numpy(), replica_count=replica_count.numpy())
+            else:
+                import torch
+
+                torch.save({"phy2log": phy2log, "log2phy": log2phy, "replica_count": replica_count}, buffer)
+            data = buffer.getbuffer()
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temp, Path(os.path.realpath(out)))
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).splitlines() or [""])[0]
