@@ -232,14 +232,16 @@ def _scale_up_beside(info, joiner_model, serving_model=None, **join_args):
     """A real 1 -> 2 gloo scale-up: old rank 0 runs request_scale in a thread, the joiner ``join``s here.
 
     Returns ``(what join raised, the serving rank's scaling entry, its controller)``; the thread is
-    joined with a timeout. The serving rank's group build waits 2 s for a joiner that does not come.
+    joined with a timeout. ``scale_timeout_s``: the serving rank's ``timeout_s`` (its wait for the joiner).
     """
+    scale_timeout_s = join_args.pop("scale_timeout_s", 2.0)
     serving = EplbController(CONFIG, group=StoreGroup.connect(info, 0, 0, 1, WAIT_S), keep_trace=True,
                              trace_dir=join_args.get("trace_dir"))
     serving.add_model(serving_model or ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
     serving.step()
     outs: list = []
-    thread = threading.Thread(target=lambda: outs.append(serving.request_scale(2, timeout_s=2.0)), daemon=True)
+    thread = threading.Thread(target=lambda: outs.append(serving.request_scale(2, timeout_s=scale_timeout_s)),
+                              daemon=True)
     thread.start()
     try:
         exc = _bounded(lambda: _join(info, {"main": joiner_model}, timeout_s=WAIT_S, **join_args))
@@ -282,6 +284,18 @@ def test_a_joiner_whose_expert_weights_differ_is_refused_and_no_rank_switches(st
         assert f"joiner rank 1 refused: model 'main': {field}" in out["reason"], out["reason"]
         assert (serving.state, serving.world_size, serving.group_name) == ("collecting", 1, "ep")
         assert not any(r["event"] == "transition" and r["trigger"] == "switched" for r in serving.trace.records)
+    finally:
+        serving.close()
+
+
+def test_a_refusal_ends_the_serving_ranks_scale_without_waiting_out_their_timeout(store):
+    """Serving timeout_s 600 s, far past the test's 30 s bound: the refusal still ends the scale, aborted in prepare."""
+    exc, out, serving = _scale_up_beside(store, _wide_rows_joiner(), scale_timeout_s=600.0)
+    try:
+        assert type(exc) is ValueError, exc
+        assert (out["outcome"], out["phase"]) == ("aborted", "prepare"), out
+        assert out["reason"].count("joiner rank 1 refused: model 'main': expert_weights[0][0] row shape") == 1, out
+        assert serving.state == "collecting" and serving.world_size == 1
     finally:
         serving.close()
 

@@ -15,6 +15,7 @@ import pytest
 
 import eplb_fsm.elastic.scaling as scaling
 from eplb_fsm.config import EplbConfig
+from eplb_fsm.elastic.handover import accepted_key
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.controller import EplbController
 from eplb_fsm.sim.model import ToyMoE
@@ -49,9 +50,12 @@ def _refused(ctl, match, *args, **kwargs):
 
 
 def _stand_in(info, go, errors):
-    """New rank 1 of generation 1: builds its part of the new group; with ``go``, adds it to the go all-reduce."""
+    """New rank 1 of generation 1: accepts the handover as a joiner does, builds its part of the new group;
+    with ``go``, adds it to the go all-reduce."""
     try:
-        group = StoreGroup(connect_store(info, WAIT_S), 1, 1, 2, WAIT_S, namespace=info.namespace, info=info)
+        store = connect_store(info, WAIT_S)
+        store.set(accepted_key(info.namespace, 1, 1), b"1")  # the serving rank builds only after this
+        group = StoreGroup(store, 1, 1, 2, WAIT_S, namespace=info.namespace, info=info)
         comm = group.transfer_communicator(WAIT_S, WAIT_S)  # kept: a dropped one closes its pairs
         if go is not None:
             group.all_reduce(flags(go), WAIT_S)

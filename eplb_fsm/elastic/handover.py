@@ -8,7 +8,9 @@ writes its last ``group_switch`` record with :func:`leave`.
 The handover to joiners: rank 0 of the old group publishes :func:`handover_state` (maps,
 counters, config, each model's layout and weight specs) in the store before the new group
 forms; a joiner that does not match it refuses before the group forms and says why under
-:func:`refusal_key` (the serving ranks' abort reason reads it, :func:`read_refusals`); once
+:func:`refusal_key`, one that matches says so under :func:`accepted_key`, and the serving
+ranks build the new group only once every joiner has accepted (:func:`await_joiners`: a
+refusal aborts the scale at once instead of after the group build's timeout); once
 the group has formed, every rank of it runs :func:`join_handshake`: one "go" all-reduce,
 then the non-expert weights go from the old ranks to the joiners, point to point.
 
@@ -19,6 +21,7 @@ All functions take the controller (``ctl``) first and use only its public port
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,6 +31,8 @@ from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.elastic.scale_plan import ScalePlan, place_lost, remap_columns, resize_window
 
 __all__ = [
+    "accepted_key",
+    "await_joiners",
     "expert_specs",
     "handover_state",
     "join_handshake",
@@ -35,6 +40,7 @@ __all__ = [
     "leave",
     "non_expert_tensors",
     "project_back",
+    "publish_accepted",
     "publish_refusal",
     "read_refusals",
     "reduce_on",
@@ -180,6 +186,43 @@ def publish_refusal(store: Any, key: str, reason: str) -> None:
         store.set(key, reason.encode())
     except Exception:  # noqa: BLE001 - see the docstring
         pass
+
+
+def accepted_key(namespace: str, generation: int, rank: int) -> str:
+    """The store key under which joiner ``rank`` of ``generation`` says it checked the handover and will join."""
+    return f"{namespace}/g{generation}/accepted/{rank}"
+
+
+def publish_accepted(store: Any, key: str) -> None:
+    """A joiner whose checks passed says so before it builds the new group (best effort: a store
+    that fails here fails that build too, and the serving ranks wait out their deadline)."""
+    try:
+        store.set(key, b"1")
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
+def await_joiners(ctl: Any, sp: ScalePlan, timeout_s: float, poll_s: float = 0.02) -> str | None:
+    """A serving rank of a scale-up, before it builds the new group: wait until every joiner has
+    accepted (None) or one has refused (``"joiner rank j refused: why"``, without waiting for the
+    rest), or ``timeout_s`` passes (a reason naming the joiners that never answered). The gloo build
+    that follows cannot be interrupted, so this is where a refusal can end the scale early.
+    A store error propagates (the caller's prepare phase records it)."""
+    store, namespace = ctl.group.store, ctl.group.namespace
+    pending = list(sp.joiners)
+    end = time.monotonic() + float(timeout_s)
+    while True:
+        for j in list(pending):
+            key = refusal_key(namespace, sp.generation, j)
+            if store.check([key]):
+                return f"joiner rank {j} refused: {store.get(key).decode(errors='replace')}"
+            if store.check([accepted_key(namespace, sp.generation, j)]):
+                pending.remove(j)
+        if not pending:
+            return None
+        if time.monotonic() >= end:
+            return f"joiner rank(s) {pending} did not answer the handover within {float(timeout_s):g} s"
+        time.sleep(poll_s)
 
 
 def read_refusals(ctl: Any, sp: ScalePlan) -> list[str]:

@@ -25,11 +25,13 @@ from eplb_fsm.fsm.collectives import resolve_device
 from eplb_fsm.fsm.machine import SCALING
 from eplb_fsm.fsm.model_protocol import validate_model
 from eplb_fsm.elastic.handover import (
+    accepted_key,
     config_for_handover,
     expert_specs,
     join_handshake,
     non_expert_specs,
     non_expert_tensors,
+    publish_accepted,
     publish_refusal,
     refusal_key,
     resize_models,
@@ -89,10 +91,11 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
                              f"({sp.old_world} -> {sp.new_world} ranks, joiners {list(sp.joiners)})")
         _check_matches(config, named, state)
     except ValueError as exc:
-        # the serving ranks can only wait out their group build for a joiner that never comes;
-        # the published reason lets their scale_aborted record say why it did not
+        # the serving ranks wait for every joiner's answer before they build the new group:
+        # a refusal ends their scale at once, and its reason goes into their scale_aborted record
         publish_refusal(store, refusal_key(namespace, generation, rank), str(exc))
         raise
+    publish_accepted(store, accepted_key(namespace, generation, rank))  # the serving ranks build only now
     # from the handover on, the joiner's waits share one deadline, as the serving ranks' do
     deadline = ScaleDeadline(timeout, float(config.collective_timeout_s))
     redundant = {spec["slots_per_rank"] * sp.new_world - spec["num_logical"] for spec in state["models"]}

@@ -65,6 +65,7 @@ from eplb_fsm.maps import check_seconds
 from eplb_fsm.elastic.joiner import ScaleAborted, join
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.elastic.handover import (
+    await_joiners,
     handover_state,
     join_handshake,
     late_timeout,
@@ -160,9 +161,12 @@ def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | N
     sp = req.sp
     new_group = new_comm = error = None
     try:
-        if sp.kind == "scale_up" and req.old_rank == 0:
-            ctl.group.store.set(ctl.group.key("handover", sp.generation), pickle.dumps(handover_state(ctl, sp)))
-        if req.new_rank >= 0:
+        if sp.kind == "scale_up":
+            if req.old_rank == 0:
+                ctl.group.store.set(ctl.group.key("handover", sp.generation), pickle.dumps(handover_state(ctl, sp)))
+            # a refusal ends the scale here: the gloo build below cannot be interrupted
+            error = await_joiners(ctl, sp, req.deadline.left(req.timeout))
+        if error is None and req.new_rank >= 0:
             new_group = ctl.group.successor(sp.generation, req.new_rank, sp.new_world,
                                             req.deadline.left(req.timeout))
             new_comm = new_group.transfer_communicator(ctl.timeout_s, req.deadline.left(req.timeout))
@@ -181,8 +185,8 @@ def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | N
         new_group.close()
     reason = (f"new group of generation {sp.generation} ({sp.new_world} ranks) was not complete on "
               f"{failed} rank(s)" + (f": {error}" if error else ""))
-    if sp.kind == "scale_up":  # a joiner that refused the handover says why instead of just not coming
-        reason = "; ".join([reason, *read_refusals(ctl, sp)])
+    if sp.kind == "scale_up":  # a refusal this rank did not see itself (it timed out first) still says why
+        reason = "; ".join([reason, *[r for r in read_refusals(ctl, sp) if r not in reason]])
     ctl.trace.emit("scale_aborted", generation=sp.generation, phase="prepare", reason=reason, lost_experts=[])
     ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
     return None, None, req.record(ctl, "member", "aborted", reason=reason, phase="prepare")
