@@ -26,7 +26,8 @@ def _lockstep(steps: int, extra: dict[tuple[int, int], float], work: float = 1.0
 
 
 def test_a_lag_on_one_rank_counts_once_in_the_job_step_times():
-    """A rank that ends one step late delays the job by that much once; each step's slowest rank would count it twice."""
+    """A rank that ends one step late delays the job by that much once; each step's slowest rank would count it
+    twice."""
     starts, ends, per_rank = _lockstep(6, {(1, 2): 0.5})
     times, last, leads = job_steps(starts, ends)
     base = 1.3
@@ -139,7 +140,8 @@ def test_total_extra_counts_a_stall_once_over_the_mean():
 
 @pytest.mark.parametrize("work_change_ms,credited", [(-0.5, True), (0.5, False)])
 def test_total_no_engine_credit_adds_back_only_a_faster_engine(work_change_ms, credited):
-    """An engine faster during the rearrangement lowers the total but not total_no_engine_credit; a slower one counts in both."""
+    """An engine faster during the rearrangement lowers the total but not total_no_engine_credit; a slower one
+    counts in both."""
     from eplb_fsm.bench.stall_metrics import run_metrics
 
     work = [2e-3] * 30

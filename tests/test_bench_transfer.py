@@ -34,9 +34,13 @@ def test_bench_transfer_json_is_complete_and_bit_exact(capsys):
     assert r["two_layers_vs_ceiling"] == pytest.approx(t["raw_commit_overlap"] / t["transfer_two_layers"], rel=0.05)
     assert r["two_layers_vs_one_layer"] == pytest.approx(t["transfer"] / t["transfer_two_layers"], rel=0.05)
     assert 0 < r["two_layers_vs_ceiling_paired"] < 100
-    assert r["target_ratio"] == 0.9 and r["meets_target"] == (r["transfer_vs_ceiling"] >= 0.9)
-    assert r["meets_target_two_layers"] == (r["two_layers_vs_ceiling"] >= 0.9)
-    assert r["meets_raw_target"] == (r["ratio_vs_raw"] >= r["raw_target_ratio"])
+    assert r["target_ratio"] == 0.9 and r["raw_target_ratio"] == 0.8
+    # judged unrounded: a printed figure equal to its target may go either way, any other reads as it prints
+    for verdict, figure, target in (("meets_target", "transfer_vs_ceiling", 0.9),
+                                    ("meets_target_two_layers", "two_layers_vs_ceiling", 0.9),
+                                    ("meets_raw_target", "ratio_vs_raw", 0.8)):
+        if r[figure] != target:
+            assert r[verdict] == (r[figure] >= target)
     # one round: no interval to draw, so no verdict beyond the point figure's
     assert r["transfer_vs_ceiling_interval"] is None and r["two_layers_vs_ceiling_interval"] is None
     assert r["target_verdict"] == r["target_verdict_two_layers"] == "unresolved"
@@ -70,18 +74,46 @@ def test_bench_transfer_rejects_a_world_of_one():
 
 @pytest.mark.parametrize(
     "option, value, rule",
-    [("--mb", "0", "--mb must be > 0"), ("--mb", "nan", "--mb must be > 0"), ("--layers", "0", "--layers must be >= 1"),
-     ("--slots-per-rank", "0", "--slots-per-rank must be >= 1"), ("--repeats", "0", "--repeats must be >= 1"),
+    [("--mb", "0", "--mb must be > 0"), ("--mb", "nan", "--mb must be > 0"),
+     ("--layers", "0", "--layers must be >= 1"),
+     ("--slots-per-rank", "0", "--slots-per-rank must be >= 2"), ("--repeats", "0", "--repeats must be >= 1"),
+     # one slot per rank leaves no expert (W * (S - 1)): every rank crashed drawing the maps
+     ("--slots-per-rank", "1", r"--slots-per-rank must be >= 2 \(one slot per rank is redundant\), got 1"),
      ("--timeout", "0", r"--timeout must be in \(0, 1e\+06\] seconds, got 0"),
-     ("--timeout", "inf", r"--timeout must be in \(0, 1e\+06\] seconds, got inf"),  # was an OverflowError on every rank
+     # was an OverflowError on every rank
+     ("--timeout", "inf", r"--timeout must be in \(0, 1e\+06\] seconds, got inf"),
      ("--timeout", "2e6", r"--timeout must be in \(0, 1e\+06\] seconds, got 2"),
      ("--mb", "inf", "--mb must be > 0 and finite, got inf"),  # was an OverflowError inside the ranks
      ("--seed", "-1", r"--seed must be >= 0 \(a numpy seed\), got -1")],  # was a ValueError inside the ranks
 )
-def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule):
+def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule, monkeypatch):
     """A size, repeat count or deadline out of range is refused by name before any rank starts (it crashed or ran 1)."""
+    import eplb_fsm.sim.launcher as launcher
+
+    monkeypatch.setattr(launcher, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
     with pytest.raises(SystemExit, match=rule):
         bench_transfer.run(build_parser().parse_args(["bench", "transfer", option, value]))
+
+
+@pytest.mark.parametrize("failure, line", [
+    (lambda launcher: launcher.RankFailedError({1: 'Traceback (most recent call last):\n  File "x.py", line 1\n'
+                                                   "ValueError: high <= 0\n", 0: "RuntimeError: peer 1 went away"}),
+     "rank 1 of 2 failed (1 other rank(s) failed too): ValueError: high <= 0"),
+    (lambda launcher: launcher.RanksTimeoutError([0, 1], 120.0),
+     "rank(s) [0, 1] still running after --timeout 120 s (killed)"),
+])
+def test_bench_transfer_reports_a_failed_rank_in_one_line(failure, line, monkeypatch, capsys):
+    """A rank that raises, or outlives --timeout, ends the command with one usage-error line naming the rank and
+    what went wrong (was a RankFailedError / RanksTimeoutError traceback), exit status 2."""
+    import eplb_fsm.sim.launcher as launcher
+
+    def failing(fn, world, args=(), timeout=None):
+        raise failure(launcher)
+
+    monkeypatch.setattr(launcher, "run_ranks", failing)
+    assert main(["bench", "transfer", "--json", *SMALL]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"eplb-fsm bench transfer: error: {line}\n"
 
 
 def test_bench_transfer_judges_its_targets_on_unrounded_ratios(monkeypatch):

@@ -1,10 +1,11 @@
 """``eplb-fsm bench KIND``: dispatch to one benchmark module per kind.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> dict``; the
-dict is printed as one JSON object with ``--json`` and as indented ``key: value`` text
-otherwise (the same choice every verb offers). A benchmark refuses bad options by
-raising ``SystemExit("eplb-fsm bench KIND: ...")``; that message goes to stderr on one
-line and the command exits 2, like every other usage error.
+dict is printed as one JSON object with ``--json`` (a NaN or infinite figure as null: JSON
+has neither) and as indented ``key: value`` text otherwise (the same choice every verb
+offers). A benchmark refuses bad options by raising ``SystemExit("eplb-fsm bench KIND:
+...")``; that message goes to stderr on one line and the command exits 2, like every
+other usage error (a failed rank of a multi-process benchmark too: bench/ranks.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from typing import Any
 
@@ -75,6 +77,18 @@ def _plain(value: Any) -> str:
     return str(value)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None: JSON has neither, and ``json.dumps`` would
+    print them as the bare words NaN and Infinity, which JSON parsers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_bench_missing", False):
         print(f"eplb-fsm bench: error: benchmark {args.kind!r} is not available in this build", file=sys.stderr)
@@ -92,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, sort_keys=False))
+        print(json.dumps(json_safe(result), sort_keys=False, allow_nan=False))
     else:
         print("\n".join(format_text(result)))
     return 0

@@ -13,37 +13,57 @@ Three parts, all measured in one run:
     time (median and best of ``--repeats`` interleaved runs); then the ratios
     movement-aware / default and whether the issue's targets hold: quality (sigma <= 0.1:
     balancedness ratio >= 0.99 and moved ratio <= 0.10; sigma >= 1: balancedness ratio
-    >= 0.98) and, at every sigma, time (median time ratio <= 5).
+    >= 0.98) and, at every sigma, time (median time ratio <= 5). Ratios and verdicts are
+    taken on the unrounded figures; the JSON rounds them for display only. A sigma must
+    be finite, and small enough that every drifted layer's total load stays below 2**126
+    (what the policies take): checked on the drawn loads before anything is timed.
 ``esft``
     Real routing traces (ESFT, DeepSeek-V2-Lite, bundled with the package) on the v2lite
     shape: consecutive batches of ``--sequences`` sequences are the windows. Each policy
     keeps its own placement and re-plans on every window i; scored on window i and
     i + 1, moves counted against its own previous placement. ``intent`` uses all 26
     layers; ``intent->law`` starts from a plan on intent (layers 1, 13, 26, the only ones
-    law has) and then follows the law windows: the domain switch.
+    law has) and then follows the law windows: the domain switch. ``--sequences`` must leave
+    at least 3 intent and 2 law windows (one re-plan, and the window after it to score it).
 ``estimators``
     How the window becomes the planning load (``EplbConfig.load_estimator``): plan with
     the default policy on an estimate over the last ``--history`` windows, score on the
-    next window. ``window_sum``, ``decayed_sum`` (several decays) and ``subwindow_max``
-    follow :meth:`eplb_fsm.stats.LoadWindow.estimate`, applied here to logical loads.
+    next window (``--history`` must be below the intent windows, so one is left to score).
+    ``window_sum``, ``decayed_sum`` (several decays) and ``subwindow_max`` follow
+    :meth:`eplb_fsm.stats.LoadWindow.estimate`, applied here to logical loads
+    (bench/movement_traces.py holds the trace parts).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from eplb_fsm.bench.movement_traces import (
+    BUNDLED,
+    SHAPE_FOR_TRACES,
+    TIME_RATIO_TARGET,
+    Timer,
+    estimate_logical,
+    load_trace_windows,
+    policy_ratios,
+    rounded,
+    rounded_ratios,
+    trace_parts,
+    verdicts,
+)
+
+#: estimate_logical lives in bench/movement_traces.py and is part of this module's API too
+__all__ = ["ESFT_DIR_ENV", "TIME_RATIO_TARGET", "add_arguments", "estimate_logical", "run"]
+
 #: default location of the ESFT routing traces (next to the repository)
 ESFT_DIR_ENV = "EPLB_FSM_ESFT_DIR"
-#: the issue's limit on movement-aware time / default time (medians, same run), every case
-TIME_RATIO_TARGET = 5.0
-_SHAPE_FOR_TRACES = "v2lite_ep8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sigmas",
         default=None,
         metavar="S,T",
-        help="comma-separated drift sigmas (default: scenarios.json drift sigmas)",
+        help="comma-separated drift sigmas, finite and >= 0, small enough that every drifted layer's total load "
+        "stays below 2**126 (default: scenarios.json drift sigmas)",
     )
     parser.add_argument(
         "--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: the bundled one)"
@@ -74,10 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory of ESFT routing trace folders intent/ and law/ (default: $EPLB_FSM_ESFT_DIR, else the "
         "traces bundled with the package); 'none' skips the trace parts",
     )
-    parser.add_argument("--sequences", type=int, default=2, metavar="N", help="sequences per trace window (default 2)")
+    parser.add_argument("--sequences", type=int, default=2, metavar="N",
+                        help="sequences per trace window; the traces must make 3 intent and 2 law windows (default 2)")
     parser.add_argument(
         "--history", type=int, default=8, metavar="W",
-        help="windows the load estimators look back over, >= 1 (default 8)",
+        help="windows the load estimators look back over, >= 1 and below the intent windows (default 8)",
     )
 
 
@@ -96,10 +118,6 @@ def _parse_list(text: str | None, cast: Callable[[str], Any], name: str) -> list
     return values
 
 
-#: ``--esft-dir`` value (and default) meaning the traces bundled with the package
-BUNDLED = "bundled"
-
-
 def _esft_dir(arg: str | None) -> Path | str | None:
     """Where the traces come from: a directory, :data:`BUNDLED`, or None ('none': skip them)."""
     if arg is not None:
@@ -110,221 +128,94 @@ def _esft_dir(arg: str | None) -> Path | str | None:
     return Path(env) if env else BUNDLED
 
 
-def _task(directory: Path | str, task: str) -> Path | str:
-    """One task's trace source: ``"esft:<task>"`` for the bundled traces, else ``directory/<task>``."""
-    return f"esft:{task}" if directory == BUNDLED else Path(directory) / task
-
-
 def _has_traces(directory: Path | str) -> bool:
     return directory == BUNDLED or all((Path(directory) / t).is_dir() for t in ("intent", "law"))
 
 
-def _round(x: float, digits: int = 4) -> float:
-    return float(round(float(x), digits))
+def _drifted(seed: int, scenarios: dict, names: list[str], sigmas: list[float]) -> dict[str, tuple]:
+    """Per shape: (base load (L, N), [(load, next_load) per sigma]), float64, checked before anything is timed.
 
-
-def estimate_logical(history: np.ndarray, estimator: str, decay: float = 0.9, subwindows: int = 4) -> np.ndarray:
-    """Planning load (L, N) from a history of windows (W, L, N), oldest first.
-
-    Same semantics as :meth:`eplb_fsm.stats.LoadWindow.estimate`, applied to logical
-    loads: ``window_sum`` sums; ``decayed_sum`` weighs a window of age a (0 = newest) by
-    ``decay ** a``; ``subwindow_max`` splits the history into ``subwindows`` consecutive
-    parts and takes, per expert, the largest part's mean per window times the windows held.
+    ``load`` is the base drifted once (the window planned on), ``next_load`` drifted again
+    (the next window). Both must be loads the policies take (each layer's total finite
+    and below 2**126, float32's range); a sigma that drifts past it is refused by name.
     """
-    history = np.asarray(history, dtype=np.float64)
-    if history.ndim != 3 or history.shape[0] == 0:
-        raise ValueError(f"history must be (W >= 1, L, N), got shape {history.shape}")
-    if estimator == "window_sum":
-        return history.sum(0)
-    if estimator == "decayed_sum":
-        ages = np.arange(history.shape[0] - 1, -1, -1, dtype=np.float64)
-        return np.einsum("w,wln->ln", decay**ages, history)
-    if estimator == "subwindow_max":
-        parts = np.array_split(history, min(subwindows, history.shape[0]), axis=0)
-        # per-window means scaled to the history, as LoadWindow does: parts may differ in length by one
-        return np.max([part.sum(0) * (history.shape[0] / part.shape[0]) for part in parts], axis=0)
-    raise ValueError(f"unknown estimator {estimator!r}")
+    from eplb_fsm.policy.base import checked_float32
+    from eplb_fsm.sim.loads import drift, scenario_load
 
-
-class _Timer:
-    """Interleaved timing of several callables: median and best seconds per name."""
-
-    def __init__(self) -> None:
-        self.samples: dict[str, list[float]] = {}
-
-    def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        out = fn()
-        self.samples.setdefault(name, []).append(time.perf_counter() - start)
-        return out
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.samples[name])
-
-    def best(self, name: str) -> float:
-        return min(self.samples[name])
+    out = {}
+    for index, name in enumerate(names):
+        base = scenario_load(name, scenarios, rng=seed + index)
+        drifted = []
+        for sigma_index, sigma in enumerate(sigmas):
+            rng = np.random.default_rng([seed, index, sigma_index])
+            try:
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is what the check reports
+                    load = drift(base, sigma, rng)
+                    next_load = drift(load, sigma, rng)
+                    checked_float32(load)
+                    checked_float32(next_load)
+            except ValueError:
+                raise SystemExit(
+                    f"eplb-fsm bench movement: --sigmas: sigma {sigma:g} drifts {name}'s load (seed {seed}) past what "
+                    "the policies take: each layer's total load must be finite and below 2**126 (float32's range); "
+                    "use a smaller sigma"
+                ) from None
+            drifted.append((load, next_load))
+        out[name] = (base, drifted)
+    return out
 
 
 # --------------------------------------------------------------------------- parts
 
 
-def _synthetic(args: argparse.Namespace, scenarios: dict, names: list[str], sigmas: list[float]) -> dict:
+def _synthetic(args: argparse.Namespace, scenarios: dict, cases: dict[str, tuple], sigmas: list[float]) -> dict:
+    """The synthetic part on :func:`_drifted`'s ``cases``: figures, ratios and verdicts per shape and sigma."""
     import torch
 
     from eplb_fsm.policy.bounds import placement_balancedness
     from eplb_fsm.policy.default import DefaultEplbPolicy
     from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
-    from eplb_fsm.sim.loads import drift, scenario_load
 
     policy = MovementAwarePolicy(target=args.target)
     out: dict[str, Any] = {}
-    for index, name in enumerate(names):
+    for name, (base, drifted) in cases.items():
         shape = scenarios["shapes"][name]
         call = (shape["replicas"], shape["groups"], shape["nodes"], shape["ranks"])
         ranks = shape["ranks"]
-        base = scenario_load(name, scenarios, rng=args.seed + index)
         old = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(base), *call)[0]
         per_sigma = {}
-        for sigma_index, sigma in enumerate(sigmas):
-            rng = np.random.default_rng([args.seed, index, sigma_index])
-            load = drift(base, sigma, rng)
-            next_load = drift(load, sigma, rng)
+        for sigma, (load, next_load) in zip(sigmas, drifted):
             weight = torch.from_numpy(load)
-            timer = _Timer()
+            timer = Timer()
             DefaultEplbPolicy.rebalance_experts(weight, *call)  # warm-up
             policy.rebalance_experts(weight, *call, old)
             for _ in range(max(args.repeats, 1)):
                 d = timer("default", lambda: DefaultEplbPolicy.rebalance_experts(weight, *call))
                 m = timer("movement_aware", lambda: policy.rebalance_experts(weight, *call, old))
-            row: dict[str, Any] = {}
-            for key, placement in (("default", d[0]), ("movement_aware", m[0])):
-                row[key] = {
-                    "balancedness": _round(placement_balancedness(placement, load, ranks)),
-                    "next_balancedness": _round(placement_balancedness(placement, next_load, ranks)),
-                    "moved": _round(moved_mask(old.numpy(), placement.numpy(), ranks).mean()),
-                    "ms": _round(timer.median(key) * 1e3, 3),
-                    "best_ms": _round(timer.best(key) * 1e3, 3),
+            raw = {
+                key: {
+                    "balancedness": placement_balancedness(placement, load, ranks),
+                    "next_balancedness": placement_balancedness(placement, next_load, ranks),
+                    "moved": float(moved_mask(old.numpy(), placement.numpy(), ranks).mean()),
+                    "ms": timer.median(key) * 1e3,
+                    "best_ms": timer.best(key) * 1e3,
                 }
-            dflt, mv = row["default"], row["movement_aware"]
-            row["old_balancedness"] = _round(placement_balancedness(old, load, ranks))
-            row["balancedness_ratio"] = _round(mv["balancedness"] / dflt["balancedness"])
-            row["next_balancedness_ratio"] = _round(mv["next_balancedness"] / dflt["next_balancedness"])
-            row["moved_ratio"] = _round(mv["moved"] / dflt["moved"]) if dflt["moved"] > 0 else 0.0
-            row["time_ratio"] = _round(timer.median("movement_aware") / timer.median("default"), 2)
-            row["time_ratio_best"] = _round(timer.best("movement_aware") / timer.best("default"), 2)
-            if sigma <= 0.1:
-                row["quality_met"] = bool(row["balancedness_ratio"] >= 0.99 and row["moved_ratio"] <= 0.10)
-            elif sigma >= 1.0:
-                row["quality_met"] = bool(row["balancedness_ratio"] >= 0.98)
-            row["time_met"] = bool(row["time_ratio"] <= TIME_RATIO_TARGET)
-            row["target_met"] = bool(row.get("quality_met", True) and row["time_met"])
+                for key, placement in (("default", d[0]), ("movement_aware", m[0]))
+            }
+            # ratios and verdicts on the unrounded figures (a printed 0.99 may be 0.98996, a miss); rounded to print
+            row: dict[str, Any] = {
+                key: {figure: rounded(value, 3 if figure.endswith("ms") else 4) for figure, value in figures.items()}
+                for key, figures in raw.items()
+            }
+            row["old_balancedness"] = rounded(placement_balancedness(old, load, ranks))
+            ratios = policy_ratios(raw["default"], raw["movement_aware"])
+            ratios["time_ratio_best"] = raw["movement_aware"]["best_ms"] / raw["default"]["best_ms"]
+            row.update(rounded_ratios(ratios))
+            row.update(verdicts(sigma, ratios))
             per_sigma[str(sigma)] = row
         out[name] = {"shape": {k: shape[k] for k in ("layers", "experts", "replicas", "ranks", "nodes", "groups")},
                      "sigmas": per_sigma}
     return out
-
-
-def _rolling(windows: np.ndarray, call: tuple, target: float, start: np.ndarray | None = None) -> dict:
-    """Both policies re-plan on every window, each from its own previous placement."""
-    import torch
-
-    from eplb_fsm.policy.bounds import placement_balancedness
-    from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask
-
-    ranks = call[3]
-    policies = {"default": DefaultEplbPolicy, "movement_aware": MovementAwarePolicy(target=target)}
-    first_window = 1 if start is None else 0  # without a start, window 0 plans the first placement
-    if start is None:
-        start = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(windows[0]), *call)[0].numpy()
-    placement = {key: start.copy() for key in policies}
-    stats: dict[str, dict[str, list[float]]] = {key: {"same": [], "next": [], "moved": []} for key in policies}
-    timer = _Timer()
-    last = windows.shape[0] - 1
-    for i in range(first_window, last):
-        weight = torch.from_numpy(windows[i])
-        for key, pol in policies.items():
-            old = placement[key]
-            new = timer(key, lambda: pol.rebalance_experts(weight, *call, torch.from_numpy(old)))[0].numpy()
-            stats[key]["same"].append(placement_balancedness(new, windows[i], ranks))
-            stats[key]["next"].append(placement_balancedness(new, windows[i + 1], ranks))
-            stats[key]["moved"].append(float(moved_mask(old, new, ranks).mean()))
-            placement[key] = new
-    result: dict[str, Any] = {"rearrangements": len(stats["default"]["same"])}
-    for key in policies:
-        result[key] = {
-            "balancedness": _round(np.mean(stats[key]["same"])),
-            "next_balancedness": _round(np.mean(stats[key]["next"])),
-            "moved": _round(np.mean(stats[key]["moved"])),
-            "first_moved": _round(stats[key]["moved"][0]) if stats[key]["moved"] else 0.0,
-            "ms": _round(timer.median(key) * 1e3, 3),
-        }
-    d, m = result["default"], result["movement_aware"]
-    result["balancedness_ratio"] = _round(m["balancedness"] / d["balancedness"])
-    result["next_balancedness_ratio"] = _round(m["next_balancedness"] / d["next_balancedness"])
-    result["moved_ratio"] = _round(m["moved"] / d["moved"]) if d["moved"] > 0 else 0.0
-    result["time_ratio"] = _round(m["ms"] / d["ms"], 2)
-    return result
-
-
-def _traces(args: argparse.Namespace, scenarios: dict, directory: Path | str) -> tuple[dict, dict]:
-    import torch
-
-    from eplb_fsm.policy.default import DefaultEplbPolicy
-    from eplb_fsm.sim.loads import esft_load_windows
-
-    shape = scenarios["shapes"][_SHAPE_FOR_TRACES]
-    call = (shape["replicas"], 1, 1, shape["ranks"])
-    per = args.sequences
-    intent = esft_load_windows(_task(directory, "intent"), per).astype(np.float64)
-    intent3 = esft_load_windows(_task(directory, "intent"), per, layers=[1, 13, 26]).astype(np.float64)
-    law = esft_load_windows(_task(directory, "law"), per, layers=[1, 13, 26]).astype(np.float64)
-    if intent.shape[2] != shape["experts"]:
-        raise SystemExit(
-            f"eplb-fsm bench movement: traces have {intent.shape[2]} experts, shape has {shape['experts']}"
-        )
-    before_switch = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(intent3.sum(0)), *call)[0].numpy()
-    esft = {
-        "shape": _SHAPE_FOR_TRACES,
-        "sequences_per_window": per,
-        "intent": _rolling(intent, call, args.target),
-        "intent->law": _rolling(law, call, args.target, start=before_switch),
-    }
-    # load estimators, planned with the default policy
-    choices = {
-        "window_sum": ("window_sum", {}),
-        "decayed_sum(0.9)": ("decayed_sum", {"decay": 0.9}),
-        "decayed_sum(0.7)": ("decayed_sum", {"decay": 0.7}),
-        "decayed_sum(0.5)": ("decayed_sum", {"decay": 0.5}),
-        "subwindow_max(4)": ("subwindow_max", {"subwindows": 4}),
-    }
-    history = args.history
-    switch = np.concatenate([intent3[-history:], law])
-    cases = {
-        "intent": (intent, history),
-        "intent->law": (switch, history),
-        "intent->law first 4": (switch[: history + 4], history),
-    }
-    estimators: dict[str, Any] = {"history_windows": history, "policy": "default", "cases": {}}
-    from eplb_fsm.policy.bounds import placement_balancedness
-
-    for case, (windows, start) in cases.items():
-        scores = {name: [] for name in choices}
-        for i in range(start, windows.shape[0]):
-            hist = windows[max(0, i - history) : i]
-            for name, (estimator, kw) in choices.items():
-                est = estimate_logical(hist, estimator, **kw)
-                phy = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(est), *call)[0]
-                scores[name].append(placement_balancedness(phy, windows[i], call[3]))
-        means = {name: _round(np.mean(v)) for name, v in scores.items()}
-        best = max(means, key=means.get)
-        estimators["cases"][case] = {
-            "next_balancedness": means,
-            "steps": len(scores["window_sum"]),
-            "best": best,
-            "gain_over_window_sum": _round(means[best] - means["window_sum"]),
-        }
-    return esft, estimators
 
 
 # --------------------------------------------------------------------------- entry point
@@ -356,8 +247,22 @@ def run(args: argparse.Namespace) -> dict:
     sigmas = _parse_list(args.sigmas, float, "--sigmas") or [
         float(s) for s in scenarios.get("drift", {}).get("sigmas", [0.1])
     ]
-    if any(not (s >= 0) for s in sigmas):
-        raise SystemExit("eplb-fsm bench movement: --sigmas must be >= 0")
+    bad = [s for s in sigmas if not (s >= 0 and math.isfinite(s))]
+    if bad:  # inf drifted every load to inf or NaN
+        raise SystemExit(f"eplb-fsm bench movement: --sigmas must be finite and >= 0, got {bad[0]}")
+    # every input checked before anything is timed: the drifted loads, then the trace windows
+    cases = _drifted(args.seed, scenarios, names, sigmas)
+    directory = _esft_dir(args.esft_dir)
+    skipped = None
+    if directory is None:
+        skipped = "--esft-dir none"
+    elif not _has_traces(directory):
+        skipped = f"no ESFT traces at {directory}"
+    elif SHAPE_FOR_TRACES not in scenarios["shapes"]:
+        skipped = f"scenarios have no {SHAPE_FOR_TRACES} shape"
+    else:
+        trace_shape = scenarios["shapes"][SHAPE_FOR_TRACES]
+        windows = load_trace_windows(directory, args.sequences, args.history, trace_shape["experts"])
 
     started = time.perf_counter()
     result: dict[str, Any] = {
@@ -367,17 +272,13 @@ def run(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "repeats": args.repeats,
         "target": args.target,
-        "synthetic": _synthetic(args, scenarios, names, sigmas),
+        "synthetic": _synthetic(args, scenarios, cases, sigmas),
     }
-    directory = _esft_dir(args.esft_dir)
-    if directory is None:
-        result["esft"] = {"skipped": "--esft-dir none"}
-    elif not _has_traces(directory):
-        result["esft"] = {"skipped": f"no ESFT traces at {directory}"}
-    elif _SHAPE_FOR_TRACES not in scenarios["shapes"]:
-        result["esft"] = {"skipped": f"scenarios have no {_SHAPE_FOR_TRACES} shape"}
+    if skipped is not None:
+        result["esft"] = {"skipped": skipped}
     else:
-        result["esft"], result["estimators"] = _traces(args, scenarios, directory)
+        result["esft"], result["estimators"] = trace_parts(windows, trace_shape, args.target, args.sequences,
+                                                           args.history)
     rows = [row for shape in result["synthetic"].values() for row in shape["sigmas"].values()]
     quality = [row["quality_met"] for row in rows if "quality_met" in row]
     met = [row["target_met"] for row in rows]
@@ -386,6 +287,6 @@ def run(args: argparse.Namespace) -> dict:
         "quality_targets_met": f"{sum(quality)}/{len(quality)}",
         "time_targets_met": f"{sum(row['time_met'] for row in rows)}/{len(rows)} (time ratio <= {TIME_RATIO_TARGET:g})",
         "max_time_ratio": max(row["time_ratio"] for row in rows),
-        "seconds": _round(time.perf_counter() - started, 1),
+        "seconds": rounded(time.perf_counter() - started, 1),
     }
     return result

@@ -14,8 +14,8 @@ in background load hits both alike:
 - ``*_best_ms`` and ``speedup_best``: the same from the fastest run of each, and
   ``*_cpu_ms``, ``speedup_cpu``: medians of the calling thread's CPU time, both steadier
   when other jobs share the CPU; ``cores_busy`` is the whole machine's over the pair;
-- ``meets_target``: speedup >= ``--target-speedup`` (20) on the DeepSeek-V3-sized shapes
-  (``TARGET_SHAPES``), on the unrounded speed-up; null on the others;
+- ``meets_target``: speedup >= ``--target-speedup`` (20; > 0 and finite) on the DeepSeek-V3-sized
+  shapes (``TARGET_SHAPES``), on the unrounded speed-up; null on the others;
 - ``speedup_interval``: a 95 % bootstrap interval of the speed-up over the runs the two
   sides share (the first min(``--repeats``, ``--reference-repeats``)), each default run
   resampled with the baseline run right after it (bench/intervals.py), and
@@ -28,28 +28,24 @@ in background load hits both alike:
 - ``kernel``: ``"c"`` when the default ran its row loops in the C extension
   (policy/native.py), ``"numpy"`` when it is not built or ``EPLB_FSM_NATIVE=0``.
 
-``scaling`` (skipped with ``--no-scaling``) times the default policy alone as the problem
-doubles: over layers (1 ... 232) on the DeepSeek-V3 EP32 hierarchical shape, and over
-experts (64 ... 512, 32 redundant slots on 32 ranks as DeepSeek-V3 deploys) on 58 layers,
-both modes. Every timed run of a point gets a load of its own (drawn like the others),
-as a real rebalance does, right after an untimed call of its own size; the median over
-``--scaling-repeats`` runs is the point's time. Each row's ``ratio`` is its unrounded time
-over the previous row's, normalised to one doubling (``ratio ** (1 / log2(size step))``);
-``meets_target`` = ratio <= 2.1 (unrounded). ``ratio_interval`` is the 95 % interval of that ratio,
-the two points' runs resampled as pairs (a run times every point in turn), with its
-``target_verdict``; the table's ``target_verdict`` combines the rows' as above. The worst
-of the 22 point ratios drifts upwards with noise alone, so ``max_ratio_per_doubling``
-can cross 2.1 on a doubling whose interval does not.
-``us_per_unit`` is the time per layer (per expert in an expert series), and
-``log2phy_ms`` the median of the last step alone (``slots_of_experts`` run again on the
-same placements, in a pass of its own): its (L, N, P - N + 1) int64 output is the one
-that grows past the caches (15.7 MB at 232 layers).
+``scaling`` (skipped with ``--no-scaling``) times the default policy alone as the problem doubles: over layers
+(1 ... 232) on the DeepSeek-V3 EP32 hierarchical shape, and over experts (64 ... 512, 32 redundant slots on 32
+ranks as DeepSeek-V3 deploys) on 58 layers, both modes. Every timed run of a point gets a load of its own (drawn
+like the others), as a real rebalance does, right after an untimed call of its own size; the median over
+``--scaling-repeats`` runs is the point's time. Each row's ``ratio`` is its unrounded time over the previous
+row's, normalised to one doubling (``ratio ** (1 / log2(size step))``); ``meets_target`` = ratio <= 2.1
+(unrounded). ``ratio_interval`` is the 95 % interval of that ratio, the two points' runs resampled as pairs (a
+run times every point in turn), with its ``target_verdict``; the table's ``target_verdict`` combines the rows'
+as above. The worst of the 22 point ratios drifts upwards with noise alone, so ``max_ratio_per_doubling`` can
+cross 2.1 on a doubling whose interval does not. ``us_per_unit`` is the time per layer (per expert in an expert
+series), and ``log2phy_ms`` the median of the last step alone (``slots_of_experts`` run again on the same
+placements, in a pass of its own): its (L, N, P - N + 1) int64 output is the one that grows past the caches
+(15.7 MB at 232 layers).
 
-``--cold-cache`` writes through a buffer twice the last-level cache (at least 64 MiB)
-before every timed call, speed-up and scaling alike, outside the timing: every call then
-starts with cold caches, as a rebalance does in an engine that has run for minutes since
-the last one. By default the calls run back to back, so a small point finds its code, its
-output's recycled memory and part of its input still cached, and a large one does not.
+``--cold-cache`` writes through a buffer twice the last-level cache (at least 64 MiB) before every timed call,
+speed-up and scaling alike, outside the timing: every call then starts with cold caches, as a rebalance does in
+an engine that has run for minutes since the last one. By default the calls run back to back, so a small point
+finds its code, its output's recycled memory and part of its input still cached, and a large one does not.
 ``cold_cache`` and ``eviction_bytes`` say which was measured.
 """
 
@@ -79,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scenarios.json to use (default: the bundled one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads, >= 0 (default 0)")
     parser.add_argument("--target-speedup", type=float, default=20.0, metavar="X",
-                        help="speed-up target on TARGET_SHAPES (20)")
+                        help="speed-up target on TARGET_SHAPES, > 0 and finite (20)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     parser.add_argument("--torch-threads", type=int, default=1, metavar="N",
                         help="torch.set_num_threads(N) while the run times, restored after (default 1: the "
@@ -290,7 +286,9 @@ def run(args: argparse.Namespace) -> dict:
     for ok, rule in ((min(args.repeats, args.reference_repeats, args.scaling_repeats) >= 1,
                       "--repeats, --reference-repeats and --scaling-repeats must be >= 1"),
                      (args.torch_threads >= 1, f"--torch-threads must be >= 1, got {args.torch_threads}"),
-                     (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}")):
+                     (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
+                     (0 < args.target_speedup < math.inf,  # -1 was "met", nan and inf printed invalid JSON
+                      f"--target-speedup must be > 0 and finite, got {args.target_speedup}")):
         if not ok:
             raise SystemExit(f"eplb-fsm bench policy: {rule}")
     try:

@@ -1,34 +1,31 @@
 """``eplb-fsm bench stall``: how much a rearrangement slows the engine, sync against async.
 
-W local gloo ranks run the same engine (bench/stall_engine.py: a fixed matmul, the
-routed load of a fixed skewed batch, one small all-reduce per step) on a model whose
-expert rows add up to ``--mb`` MB per rank (by default 320 MB over 16 layers: 20 MB a
-layer, the "tens of MB" issue 14 names, so the sync stall stands well above this box's
-step-to-step noise of a few ms). After ``--warm`` steps the engine asks for
-one rearrangement (``EplbController.rearrange()``) and keeps stepping until the
-controller's ``history`` shows it committed; this is done once with ``use_async=False``
-and once with ``use_async=True`` per repeat (the order alternates between repeats), each
-with a fresh controller and model, so both modes plan on the same load and must reach
-the same placement.
+W local gloo ranks run the same engine (bench/stall_engine.py: a fixed matmul, the routed load of a fixed skewed
+batch, one small all-reduce per step) on a model whose expert rows add up to ``--mb`` MB per rank (by default
+320 MB over 16 layers: 20 MB a layer, the "tens of MB" issue 14 names, so the sync stall stands well above this
+box's step-to-step noise of a few ms). After ``--warm`` steps the engine asks for one rearrangement
+(``EplbController.rearrange()``) and keeps stepping until the controller's ``history`` shows it committed; this
+is done once with ``use_async=False`` and once with ``use_async=True`` per repeat (the order alternates between
+repeats), each with a fresh controller and model, so both modes plan on the same load and must reach the same
+placement.
 
-A step's time is the job's: a step ends when its last rank ends it, and the job's step
-time is the time from one such end to the next (the ranks run on one machine, so their
-monotonic clocks agree). Taking each step's slowest rank instead would count every lag
-twice: the engine all-reduce keeps the ranks in lockstep, so a rank that ends step i late
-makes the other rank's step i+1 (begun earlier) wait for it by as much
+A step's time is the job's: a step ends when its last rank ends it, and the job's step time is the time from one
+such end to the next (the ranks run on one machine, so their monotonic clocks agree). Taking each step's slowest
+rank instead would count every lag twice: the engine all-reduce keeps the ranks in lockstep, so a rank that ends
+step i late makes the other rank's step i+1 (begun earlier) wait for it by as much
 (:func:`eplb_fsm.bench.stall_metrics.job_steps`).
-Per run: ``baseline`` is the median step before the rearrangement and ``baseline_mean``
-their mean; ``longest`` is the longest step from the one that asked for it to the one
-that committed it, its extra over ``baseline``; ``total_extra`` is the sum of (step -
-baseline_mean) over those steps (a sum's baseline is the mean: the steps are skewed,
-:func:`eplb_fsm.bench.stall_metrics.run_metrics`). Reported per mode as medians over
-repeats, with the ratios async / sync of the longest step's extra time and of the total.
+Per run (``runs``): ``baseline_step_ms`` is the median step before the rearrangement and ``baseline_mean_step_ms``
+their mean; ``longest_step_ms`` is the longest step from the one that asked for it to the one that committed it,
+``longest_extra_ms`` its extra over ``baseline_step_ms``; ``total_extra_ms`` is the sum of (step -
+``baseline_mean_step_ms``) over those steps (a sum's baseline is the mean: the steps are skewed,
+:func:`eplb_fsm.bench.stall_metrics.run_metrics`). Reported per mode as medians over repeats, with the ratios
+async / sync of the longest step's extra time and of the total.
 Targets: async adds at most 5% of the sync stall to any single step, 20% in total, judged
 unrounded on medians of repeated runs (issue 14's method): ``meets_target.single_step`` is
 the median over repeats of async's longest extra step over the median of sync's (the median
 repeat, not the worst); ``async_over_sync.longest_extra_worst_repeat`` prints beside it the
 worst repeat's own ratio (async / sync in one repeat), ``longest_extra_per_repeat`` each one's.
-``async_over_sync.controller_extra`` puts async's ``controller_extra`` (its total less the
+``async_over_sync.controller_extra`` puts async's ``controller_extra_ms`` (its total less the
 engine's own work, which carries the box's noise and any starvation) over the sync stall:
 what the controller's calls alone cost the engine thread (labelled; not a target);
 ``controller_cpu_extra`` is the part of it the engine thread spent on a CPU
@@ -53,22 +50,20 @@ the box's own noise, and ``noise_corrected`` gives async's extras less those (la
 time went on the engine thread, part by part (bench/stall_stamps.py): on the worst steps
 of the rearrangement and in total.
 
-CPU: for each run the engine thread's CPU time (``time.thread_time`` on the thread that
-steps) and the whole process's (every thread: the background worker's, gloo's) are
-taken over the baseline steps and over the rearrangement, summed over ranks, so a
-worker that starves the engine thread shows as engine CPU per step staying flat while
-its wall time grows and the other threads' CPU rises. ``--engine-threads`` sets
-``torch.set_num_threads`` in every rank (intra-op threads of the engine's matmul and of
-the worker's copies alike). Each step is also split into the engine's own work
-(``work_extra``: the same matmul, load and all-reduce, slowed only by contention) and
-the rest (``controller_extra``: the controller's calls). The two config knobs that bound
-the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread and the
-transfer group's threads are reniced) and ``--max-bytes-per-step``
-(``async_max_bytes_per_step``: the transfer goes in chunks of at most that many bytes, one
-per engine step); ``--poll blocking`` turns off
-``async_overlap_poll``; ``--switch-interval`` sets Python's GIL switch interval.
-``--engine device`` replaces the matmul by a CPU-idle wait of its median time (a GPU
-engine as the host sees it; bench/stall_engine.py). Load average before and after.
+CPU: for each run the engine thread's CPU time (``time.thread_time`` on the thread that steps) and the whole
+process's (every thread: the background worker's, gloo's) are taken over the baseline steps and over the
+rearrangement, summed over ranks, so a worker that starves the engine thread shows as engine CPU per step
+staying flat while its wall time grows and the other threads' CPU rises. ``--engine-threads`` sets
+``torch.set_num_threads`` in every rank (intra-op threads of the engine's matmul and of the worker's copies
+alike). Each step is also split into the engine's own work (``work_extra``: the same matmul, load and
+all-reduce, slowed only by contention) and the rest (``controller_extra``: the controller's calls). The two
+config knobs that bound the worker are flags: ``--worker-nice`` (``async_worker_nice``: the worker thread and
+the transfer group's threads are reniced) and ``--max-bytes-per-step`` (``async_max_bytes_per_step``: the
+transfer goes in chunks of at most that many bytes, one per engine step); ``--poll blocking`` turns off
+``async_overlap_poll``; ``--switch-interval`` sets Python's GIL switch interval. ``--engine device`` replaces
+the matmul by a CPU-idle wait of its median time (a GPU engine as the host sees it; bench/stall_engine.py). Load
+average before and after. A rank that fails (a rearrangement skipped, or not committed within ``--max-steps``)
+ends the command with one line naming it (bench/ranks.py).
 """
 
 from __future__ import annotations
@@ -152,6 +147,9 @@ def _check(args: argparse.Namespace) -> None:
         (args.warm >= 4, f"--warm must be >= 4, got {args.warm}"),
         (args.tail >= 0, f"--tail must be >= 0, got {args.tail}"),
         (args.max_steps >= 1, f"--max-steps must be >= 1, got {args.max_steps}"),
+        # one expert a rank and no replica: every placement loads the ranks alike, so the policy moves nothing
+        (args.redundant > 0 or args.experts > args.world, f"--experts {args.experts} with --redundant 0 on "
+         f"--ranks {args.world} is one expert a rank: nothing to rearrange; use more experts or --redundant >= 1"),
         (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
         (args.engine_threads >= 1, f"--engine-threads must be >= 1, got {args.engine_threads}"),
         (0 <= args.switch_interval <= 1, f"--switch-interval must be in 0..1 s, got {args.switch_interval}"),
@@ -248,12 +246,13 @@ def _one_run(rank: int, world: int, cfg: dict, mode: str, plain_steps: int = 0,
                 # decisions are shared, so every rank sees the outcome on the same step
                 entry = controller.history[-1]
                 if entry["outcome"] != "committed":
-                    raise RuntimeError(f"{mode} rearrangement ended {entry['outcome']!r}: {entry['reason']}")
+                    raise RuntimeError(f"{mode} rearrangement ended {entry['outcome']!r} ({entry['reason']}) "
+                                       "on this load; try another --seed, --experts or --redundant")
                 commit = step
                 marks["rea1"] = _cpu_marks()
             step += 1
             if commit is None and step > trigger + cfg["max_steps"]:
-                raise RuntimeError(f"{mode} rearrangement not committed within --max-steps={cfg['max_steps']}")
+                raise RuntimeError(f"{mode} rearrangement not committed within --max-steps={cfg['max_steps']} steps")
         final = controller.maps("main").phy2log.copy()
         exact = model.weights_match(final)
     finally:
@@ -305,8 +304,8 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.bench.intervals import rounded as rounded_interval
+    from eplb_fsm.bench.ranks import run_bench_ranks
     from eplb_fsm.bench.stall_stamps import breakdown_flat, unflatten
-    from eplb_fsm.sim.launcher import run_ranks
 
     _check(args)
     slots = (args.experts + args.redundant) // args.world
@@ -318,8 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "align_slots": args.align_slots,
            "switch_interval": args.switch_interval, "collective_timeout_s": max(10.0, args.timeout / 4)}
     load_before = os.getloadavg()
-    per_rank = run_ranks(_bench_rank, args.world, args=(cfg,), timeout=args.timeout,
-                         torch_threads=args.engine_threads)
+    per_rank = run_bench_ranks("stall", _bench_rank, args.world, args=(cfg,), timeout=args.timeout,
+                               torch_threads=args.engine_threads)
     load_after = os.getloadavg()
     merged = [merge_ranks(list(ranks)) for ranks in zip(*per_rank)]
     runs = [r for r in merged if r["mode"] != PLAIN]

@@ -125,7 +125,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("eplb-fsm bench step: --slots must be >= --experts")
     if args.trace_dir is not None:  # a file where the folder (or one above it) should be: refused before any trace
         folder = Path(args.trace_dir)
-        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        try:
+            blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        except OSError as exc:  # a name too long, a folder that cannot be looked into
+            raise SystemExit(f"eplb-fsm bench step: --trace-dir: {exc}") from None
         if blocker is not None:
             raise SystemExit(f"eplb-fsm bench step: --trace-dir must be a folder, got {args.trace_dir} "
                              f"({blocker} is a file)")
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     bare = LoadWindow(L, P, W)
     try:
         controller = EplbController(config, trace_dir=str(trace_dir / "controller"))
-    except ValueError as exc:  # e.g. a file named controller inside --trace-dir
+    except (ValueError, OSError) as exc:  # a file named controller inside --trace-dir; a folder that cannot be made
         if scratch is not None:
             raise
         raise SystemExit(f"eplb-fsm bench step: --trace-dir: {exc}") from None

@@ -1,26 +1,24 @@
 """``eplb-fsm bench transfer``: rearrangement throughput against raw batched isend/irecv.
 
-W local gloo ranks each hold ``--mb`` MB of expert weights (two tensors per layer,
-float32 and bfloat16). One random rearrangement (all experts plus random replicas, old
-and new drawn independently) is executed with ``rearrange_expert_weights_inplace``, with
-and without migration batching; the baseline is a raw ``dist.batch_isend_irecv`` of
-exactly the same messages (same peers, sizes and order, one batch per layer, buffers
-allocated up front). A second baseline, ``raw_commit``, sends the same messages from the
-weights and adds the executor's own commit of each layer (planned before timing: local
-rows straight from their old rows, one staged row per in-rank cycle, received and
-duplicate rows from the staging buffer): the least any transfer must do that keeps a
-layer's old weights intact until its exchange has succeeded (docs/design.md §6.4).
-``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly,
-two staging buffers, nothing planned, nothing checked): the ceiling for any such transfer.
-These two post through the executor's own ``TorchDistCommunicator`` (on gloo, straight to
-the group, no ``batch_isend_irecv``), so the ceiling keeps no posting overhead the executor
-avoids; ``raw`` stays ``batch_isend_irecv``, what a user would otherwise call.
-Both are real transfers: their result is checked bit for bit (``baselines_bit_exact``),
-and their messages are checked to be the executor's (``same_messages``). Each round
-runs every variant once, starting one variant later than the round before; each run
-starts after a barrier, and a run's time is the slowest rank's; the figures are medians
-over ``--repeats`` rounds. The weights are restored between runs outside the timed
-region, and each transfer variant's result is checked bit for bit once.
+W local gloo ranks each hold ``--mb`` MB of expert weights (two tensors per layer, float32 and bfloat16) in
+S = ``--slots-per-rank`` slots: W * (S - 1) experts and one redundant slot per rank, so S >= 2. One random
+rearrangement (all experts plus random replicas, old and new drawn independently) is executed with
+``rearrange_expert_weights_inplace``, with and without migration batching; the baseline is a raw
+``dist.batch_isend_irecv`` of exactly the same messages (same peers, sizes and order, one batch per layer,
+buffers allocated up front). A second baseline, ``raw_commit``, sends the same messages from the weights and
+adds the executor's own commit of each layer (planned before timing: local rows straight from their old
+rows, one staged row per in-rank cycle, received and duplicate rows from the staging buffer): the least any
+transfer must do that keeps a layer's old weights intact until its exchange has succeeded (docs/design.md
+§6.4). ``raw_commit_overlap`` pipelines those commits (layer k-1's while layer k's messages fly, two staging
+buffers, nothing planned, nothing checked): the ceiling for any such transfer. These two post through the
+executor's own ``TorchDistCommunicator`` (on gloo, straight to the group, no ``batch_isend_irecv``), so the
+ceiling keeps no posting overhead the executor avoids; ``raw`` stays ``batch_isend_irecv``, what a user
+would otherwise call. Both are real transfers: their result is checked bit for bit
+(``baselines_bit_exact``), and their messages are checked to be the executor's (``same_messages``). Each
+round runs every variant once, starting one variant later than the round before; each run starts after a
+barrier, and a run's time is the slowest rank's; the figures are medians over ``--repeats`` rounds. The
+weights are restored between runs outside the timed region, and each transfer variant's result is checked
+bit for bit once.
 
 ``transfer`` (the headline ratio) clears the executor's schedule cache before each
 run, so planning is timed as in a real rearrangement, whose maps are new;
@@ -65,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hidden_alias(parser, "--world", dest="ranks", type=int)
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
-    parser.add_argument("--slots-per-rank", type=int, default=8, metavar="S", help="slots per rank S (default 8)")
+    parser.add_argument("--slots-per-rank", type=int, default=8, metavar="S", help="slots per rank S >= 2 (default 8)")
     hidden_alias(parser, "--slots", dest="slots_per_rank", type=int)
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per variant (default 15)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random rearrangement (default 0)")
@@ -308,13 +306,14 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.bench.intervals import median_ratio_interval, rounded as rounded_interval, verdict
+    from eplb_fsm.bench.ranks import run_bench_ranks
     from eplb_fsm.config import MAX_SECONDS
-    from eplb_fsm.sim.launcher import run_ranks
 
     for ok, rule in ((args.ranks >= 2, f"--ranks must be >= 2, got {args.ranks}"),
                      (0 < args.mb < float("inf"), f"--mb must be > 0 and finite, got {args.mb}"),
                      (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
-                     (args.slots_per_rank >= 1, f"--slots-per-rank must be >= 1, got {args.slots_per_rank}"),
+                     (args.slots_per_rank >= 2,  # W * (S - 1) experts: with S = 1 there are none to move
+                      f"--slots-per-rank must be >= 2 (one slot per rank is redundant), got {args.slots_per_rank}"),
                      (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
                      (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
                      (0 < args.timeout <= MAX_SECONDS,  # inf overflowed gloo's timedelta on every rank
@@ -323,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"eplb-fsm bench transfer: {rule}")
     cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed,
            "repeats": args.repeats}
-    res = run_ranks(_bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
+    res = run_bench_ranks("transfer", _bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
     gbps = {name: res["moved_bytes"] / t / 1e9 for name, t in med.items()}
