@@ -7,6 +7,7 @@ the same engine loop as test_fsm_controller.py.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -62,30 +63,30 @@ def _plan(changed):
 
 
 def test_without_prefetch_each_changed_layer_is_one_job_into_the_main_buffer():
-    """prefetch off: start() submits only the layer asked for, always into the main buffer, counted from now."""
+    """prefetch off: start() submits only the layer asked for, always into the main buffer, never one ahead."""
     worker, mover = RecordingWorker(), RecordingMover()
     jobs = LayerJobs(worker, mover, prefetch=False)
     plan = _plan([True, True, True])
     for step, layer in ((5, 0), (9, 1), (12, 2)):
-        job, since = jobs.start(plan, layer, step)
-        assert since == step and len(worker.queue) == 1 and jobs.ahead is None
+        job, ahead = jobs.start(plan, layer, step)
+        assert not ahead and len(worker.queue) == 1 and jobs.ahead is None
         worker.run_next()
         assert job.result(0) == ("pending", layer, False)
     assert mover.calls == [(0, False), (1, False), (2, False)] and jobs.handed_over == 0
 
 
 def test_prefetch_submits_the_next_changed_layer_ahead_and_hands_it_over():
-    """prefetch on: layer 0 and the next changed layer (2) are queued; reaching 2 hands its job over, counted from its submission."""
+    """prefetch on: layer 0 and the next changed layer (2) are queued; reaching 2 hands its job over (ahead: True)."""
     worker, mover = RecordingWorker(), RecordingMover()
     jobs = LayerJobs(worker, mover, prefetch=True)
     plan = _plan([True, False, True, True])
-    first, since0 = jobs.start(plan, 0, step=7)
-    assert since0 == 7 and [j.layer for j in worker.queue] == [0, 2] and jobs.ahead_layer == 2
+    first, ahead0 = jobs.start(plan, 0, step=7)
+    assert not ahead0 and [j.layer for j in worker.queue] == [0, 2] and jobs.ahead_layer == 2
     worker.run_next()
     worker.run_next()                       # layer 2 moved while layer 0 awaits its commit
     ahead = jobs.ahead
-    job2, since2 = jobs.start(plan, 2, step=10)
-    assert job2 is ahead and since2 == 7 and jobs.handed_over == 1
+    job2, ahead2 = jobs.start(plan, 2, step=10)
+    assert job2 is ahead and ahead2 and jobs.handed_over == 1
     assert [j.layer for j in worker.queue] == [3] and jobs.ahead_layer == 3   # only the next one is new
     worker.run_next()
     job3, _ = jobs.start(plan, 3, step=12)
@@ -107,15 +108,15 @@ def test_a_job_ahead_of_a_failed_one_is_skipped_without_moving_anything():
 
 
 def test_drop_forgets_the_job_ahead_so_a_later_start_submits_afresh():
-    """After drop() (an abort), reaching the layer that was ahead submits a new job counted from now."""
+    """After drop() (an abort), reaching the layer that was ahead submits a new job, not one handed over."""
     worker, mover = RecordingWorker(), RecordingMover()
     jobs = LayerJobs(worker, mover, prefetch=True)
     plan = _plan([True, True])
     jobs.start(plan, 0, step=3)
     stale = jobs.drop()
     assert stale is not None and stale.layer == 1 and jobs.ahead is None and jobs.drop() is None
-    fresh, since = jobs.start(plan, 1, step=20)
-    assert fresh is not stale and since == 20
+    fresh, ahead = jobs.start(plan, 1, step=20)
+    assert fresh is not stale and not ahead
 
 
 def test_a_handed_over_job_times_out_from_its_hand_over_not_its_submission():
@@ -238,6 +239,46 @@ def test_a_transfer_error_with_a_layer_ahead_aborts_alike_and_the_next_rearrange
         assert aborted_bad == []                                            # layer 2's prefetch left no trace
     assert len(fault_steps) == 1
     assert np.array_equal(results[0][0].maps("main").phy2log, results[1][0].maps("main").phy2log)
+
+
+def test_prefetch_with_paced_transfers_commits_every_layer_counting_chunks_from_the_hand_over():
+    """2 ranks, async_prefetch + async_max_bytes_per_step: nothing is aborted as late, and each changed layer's
+    ready_step is its hand-over step count plus its chunks (one prefetched chunk: the hand-over itself)."""
+    target = _skewed(3, 64)
+
+    def body(rank, group):
+        model = ToyMoE(num_layers=3, num_experts=64, num_redundant=32, hidden=8, top_k=2, rank=rank, world_size=2)
+        ctl = EplbController(EplbConfig(window_size=8, step_interval=16, num_redundant_experts=32,
+                                        collective_timeout_s=1.0, use_async=True, async_prefetch=True,
+                                        async_max_bytes_per_step=1), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        model.set_load_target(target)
+        for s in range(300):
+            x = model.make_batch(s, 32)
+            assert torch.equal(model.forward(x, group), model.reference_forward(x)), f"output changed at step {s}"
+            ctl.step()
+            if ctl.history:
+                break
+            time.sleep(0.12)   # a healthy engine step: the paced chunks go one a step, slower than the timeout
+        ctl.close()
+        return ctl.history, ctl.trace.records, ctl.rearranger.layer_jobs.handed_over
+
+    results = run_threads(2, body, timeout=200)
+    for history, records, handed_over in results:
+        assert history[0]["outcome"] == "committed", history
+        assert not [r for r in records if r["event"] == "transition" and r["trigger"] == "fault"]
+        rows, handed, first = [], None, True
+        for r in records:
+            if r["event"] != "transition" or r["trigger"] not in ("plan_ready", "layer_done"):
+                continue
+            if r["trigger"] == "layer_done" and r.get("changed"):
+                rows.append((r["chunks"], r["ready_step"], handed, first))
+                first = False
+            handed = r["step"] + 1   # the shared step count of the step this record is on: the next hand-over
+        assert handed_over == len(rows) - 1 and any(chunks > 1 for chunks, _, _, first in rows if not first)
+        for chunks, ready_step, handed, first in rows:
+            assert ready_step == handed + (0 if chunks == 1 and not first else chunks), rows
+    assert [h["moves"] for h in results[0][0]] == [h["moves"] for h in results[1][0]]
 
 
 def test_profile_step_reserves_both_buffers_with_prefetch():

@@ -88,6 +88,51 @@ def test_a_transfer_interrupted_by_a_broken_group_leaks_nothing_into_the_next_on
         assert any(r["event"] == "transfer_group_reset" for r in ctl.trace.records)
 
 
+def test_a_paced_layer_aborted_as_late_drains_unpaced_and_the_machine_stays_collecting():
+    """async_max_bytes_per_step: a layer whose transfer starts only once the ranks called it late is drained at once
+    although no engine step paces it meanwhile: a recoverable fault, collecting, no worker_stuck, pacing back on."""
+    experts = 64
+    target = zipf_load(LAYERS, experts, exponent=1.2, tokens_per_layer=100_000, rng=3).astype(float) + 1
+
+    def body(rank, group):
+        model = ToyMoE(num_layers=LAYERS, num_experts=experts, num_redundant=experts // 2, hidden=8, top_k=2,
+                       rank=rank, world_size=2)
+        ctl = EplbController(EplbConfig(window_size=8, step_interval=16, num_redundant_experts=experts // 2,
+                                        collective_timeout_s=1.0, use_async=True, async_max_bytes_per_step=1),
+                             group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        model.set_load_target(target / target.sum(axis=1, keepdims=True))
+
+        def faulted() -> bool:
+            return any(r["event"] == "transition" and r["trigger"] == "fault" for r in list(ctl.trace.records))
+
+        held: list[int] = []
+
+        def hook(layer, name, local):
+            if not held:   # the worker reaches the layer late (a loaded host): only once the ranks aborted it
+                held.append(layer)
+                deadline = time.monotonic() + 60.0
+                while not faulted() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+        ctl.transfer_hooks.append(hook)
+        s = 0
+        while not faulted():
+            assert _step(ctl, model, group, s) and s < 400
+            s += 1
+        out = (ctl.state, [r["reason"] for r in ctl.trace.records if r["event"] == "transition"
+                           and r["trigger"] == "fault"],
+               [r for r in ctl.trace.records if r["event"] in ("worker_stuck", "transfer_group_reset")],
+               ctl.mover.closing.is_set())
+        ctl.close()
+        return out
+
+    for state, reasons, records, unpaced in run_threads(2, body, timeout=120):
+        assert state == "collecting" and len(reasons) == 1 and "ran past collective_timeout_s" in reasons[0], reasons
+        assert [r["event"] for r in records] == ["transfer_group_reset"]
+        assert not unpaced   # the next transfer is paced again
+
+
 def test_recover_refuses_while_the_worker_still_runs_a_job():
     """A worker that has not drained: RuntimeError, still failed, worker_stuck traced; once idle, recovered."""
     repaired = threading.Barrier(2)

@@ -280,3 +280,28 @@ def test_step_pacer_with_an_event_sleeps_until_the_engine_sets_it():
     timer.start()
     assert pacer.wait() is True and box["step"] == 1 and pacer.waits == 1
     timer.join()
+
+
+def test_unpaced_ends_a_pacer_wait_in_progress_and_restores_pacing_after():
+    """unpaced(): a chunk waiting for a step that never comes goes at once (no timeout); stop is cleared on the way
+    out, but stays set when it was set before (close)."""
+    from eplb_fsm.fsm.worker import StepPacer, unpaced
+
+    stop, advanced = threading.Event(), threading.Event()
+    pacer = StepPacer(lambda: 0, max_wait_s=30.0, advanced=advanced, stop=stop)   # the engine never steps
+    pacer.begin()
+    waiting = threading.Thread(target=pacer.wait, daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 20.0
+    while not pacer.waits and time.monotonic() < deadline:   # the chunk is waiting for the next step
+        time.sleep(0.001)
+    assert pacer.waits == 1
+    with unpaced(stop, advanced):
+        waiting.join(20.0)
+        assert not waiting.is_alive() and pacer.timeouts == 0
+        assert pacer.wait() is True and pacer.waits == 1      # later chunks don't wait either
+    assert not stop.is_set()
+    stop.set()
+    with unpaced(stop, advanced):
+        pass
+    assert stop.is_set()

@@ -23,8 +23,9 @@ from eplb_fsm.fsm.decide import ABORT, JOIN, POST, TAKE_PLAN, WAIT, decide_poll,
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, TRANSFERRING
 from eplb_fsm.fsm.reporting import Rearrangement
 from eplb_fsm.fsm.transfers import ready_flags as job_flags
+from eplb_fsm.fsm.worker import unpaced
 
-__all__ = ["ready_flags", "poll", "post_poll", "settle", "progress", "advance", "drain"]
+__all__ = ["ready_flags", "poll", "in_flight", "post_poll", "settle", "progress", "advance", "drain"]
 
 
 def ready_flags(r: Any) -> torch.Tensor:
@@ -49,13 +50,23 @@ def poll(r: Any, parts: dict, overlap: bool) -> None:
         if current is not None and current.job is not None and current.chunks > 1 and steps == current.ready_step:
             # a paced layer's last chunk can only have started now: its timeout counts from here
             current.job.waited_from = current.job.clock()
-        poll = decide_poll(r.machine.state, r.worker is not None and current is not None, overlap,
-                           bool(parts), fresh=current is not None and current.job_step == steps,
+        poll = decide_poll(r.machine.state, r.worker is not None and in_flight(r), overlap, bool(parts),
+                           # one handed over on this step can't be ready yet, unless its ready step says it
+                           # may be (a one-chunk job submitted ahead, async_prefetch)
+                           fresh=current is not None and current.job_step == steps != current.ready_step,
                            early=current is not None and steps < current.ready_step)
         if poll == POST:
             r.post_poll()
         elif poll == JOIN:
             parts["ready"] = r.ready_flags()
+
+
+def in_flight(r: Any) -> bool:
+    """Whether rearranger ``r`` has something to ask the ranks about: a plan or layer job handed over
+    (``job_step`` set, on the same step on every rank), or, in ``committing``, the last agreement.
+    Not on the due step: its planning all-reduce comes before the plan job exists."""
+    current = r.current
+    return current is not None and (current.job_step >= 0 or r.machine.state == COMMITTING)
 
 
 def post_poll(r: Any) -> None:
@@ -140,11 +151,14 @@ def advance(r: Any, state: str) -> None:
         layer = r.machine.layer
         if plan.changed[layer]:
             current = r.current
-            current.job, current.job_step = r.layer_jobs.start(plan, layer, r.counters.steps)
+            current.job, ahead = r.layer_jobs.start(plan, layer, r.counters.steps)
+            current.job_step, current.chunks = r.counters.steps, plan.chunks[layer]
             # chunk i starts once step job_step + i - 1 has begun (StepPacer; in practice as
-            # it returns), so flags taken before step job_step + chunks can't say ready
-            current.chunks = plan.chunks[layer]
-            current.ready_step = current.job_step + current.chunks
+            # it returns), so flags taken before step job_step + chunks can't say ready. A job
+            # submitted ahead started once the job before it ended, which the ranks agreed on by
+            # now: its chunks run no later than a fresh job's, and its lateness counts from the
+            # same step. Unchunked, it may be done already: its flags may go out at once.
+            current.ready_step = current.job_step + (0 if ahead and current.chunks == 1 else current.chunks)
             return
         state = r.commit_layer(layer, None).dest
     if state == COMMITTING:   # the rearrangement closes on the next flags, once every rank says it wrote all
@@ -159,6 +173,12 @@ def drain(r: Any) -> None:
 
 
 def _drain(r: Any) -> None:
+    # no engine step comes while the engine thread waits here: paced chunks go at once
+    with unpaced(r.mover.closing, r.mover.step_advanced):
+        _drain_unpaced(r)
+
+
+def _drain_unpaced(r: Any) -> None:
     r.settle()
     while r.current is not None and r.machine.state in (PLANNING, TRANSFERRING, COMMITTING):
         job = r.current.job

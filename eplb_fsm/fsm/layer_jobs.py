@@ -19,8 +19,9 @@ Why this is safe:
 - After an abort :meth:`drop` forgets the job ahead, so it is never handed over to a later
   rearrangement, and the buffers' generations make its pending layer uncommittable.
 
-Every value the ranks decide on (which layer, which step a job counts from) is a function
-of the shared plan and step counter, never of the worker's timing.
+Every value the ranks decide on (which layer, which step a job counts from: the step it is
+handed over on, submitted ahead or not) is a function of the shared plan and step counter,
+never of the worker's timing.
 """
 
 from __future__ import annotations
@@ -50,25 +51,27 @@ class LayerJobs:
         self.submitted = 0
         self.handed_over = 0   # jobs that had been submitted ahead when the machine reached them
 
-    def start(self, plan: Any, layer: int, step: int) -> tuple[Any, int]:
-        """The job of changed ``layer`` and the shared step it counts from (its ``job_step``).
+    def start(self, plan: Any, layer: int, step: int) -> tuple[Any, bool]:
+        """The job of changed ``layer``, and whether it was submitted ahead (then handed over now).
 
         ``plan``: the plan in flight (``changed``: (L,) flags, ``new_phy2log``); ``step``: the
-        shared step count now. With prefetch it also submits the next changed layer ahead.
+        shared step count now, the job's ``job_step`` either way (a job submitted ahead queued
+        behind the one before it, so its chunks could not start before that one ended).
+        With prefetch it also submits the next changed layer ahead.
         """
-        if self.ahead is not None and self.ahead_layer == layer:
-            since = self.ahead_step
+        ahead = self.ahead is not None and self.ahead_layer == layer
+        if ahead:
             job = self.drop()
             job.waited_from = job.clock()   # its timeout counts from now, not from behind layer k
             self.handed_over += 1
         else:
             self.drop()
-            job, since = self.submit(plan, layer, None), step
+            job = self.submit(plan, layer, None)
         if self.prefetch:
             following = next((k for k in range(layer + 1, len(plan.changed)) if plan.changed[k]), None)
             if following is not None:
                 self.ahead, self.ahead_layer, self.ahead_step = self.submit(plan, following, job), following, step
-        return job, since
+        return job, ahead
 
     def submit(self, plan: Any, layer: int, after: Any) -> Any:
         """Queue ``layer``'s transfer; ``after``: the job it was submitted behind (None: none)."""

@@ -3,8 +3,9 @@
 A transfer that fails part-way can leave messages a peer already posted queued in the
 transfer group, and gloo closes the pairs of a wait that timed out. Reusing that group
 would hand those old rows to the next rearrangement as if they were its own, or fail it.
-Both paths here therefore wait (bounded) for the background worker, drop the buffers'
-rows, and build a fresh transfer group, a collective every rank joins at the same point.
+Both paths here therefore wait (bounded) for the background worker (its paced chunks then
+go without waiting for engine steps), drop the buffers' rows, and build a fresh transfer
+group, a collective every rank joins at the same point.
 
 - :func:`reset_transfers`: right after a recoverable transfer fault, inside the step that
   found it; the ranks first agree in one all-reduce that every worker has drained.
@@ -32,6 +33,7 @@ import torch
 from eplb_fsm.fsm.collectives import GroupBroken, flags, resolve_group
 from eplb_fsm.fsm.decide import counts_equal
 from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.fsm.worker import unpaced
 
 __all__ = ["recover", "reset_transfers", "map_items", "digest_flags", "differing"]
 
@@ -173,8 +175,12 @@ def _check_slots(r: Any) -> None:
 
 def _drain(r: Any) -> bool:
     """Wait (bounded) for the worker's jobs, then drop the buffers' rows; a busy worker is traced
-    (``worker_stuck``). True when it finished."""
-    drained = r.worker is None or r.worker.wait_idle(r.timeout_s + 5.0)
+    (``worker_stuck``). True when it finished. The jobs' paced chunks go unpaced meanwhile: no
+    engine step comes while the engine thread waits here."""
+    drained = True
+    if r.worker is not None:
+        with unpaced(r.mover.closing, r.mover.step_advanced):
+            drained = r.worker.wait_idle(r.timeout_s + 5.0)
     if not drained:
         r.trace.emit("worker_stuck", pending=r.worker.pending)
     r.mover.invalidate_buffers()

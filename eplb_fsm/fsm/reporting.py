@@ -57,7 +57,8 @@ class Rearrangement:
     job: Any = None                   # async: the worker job in flight (plan or layer)
     job_step: int = -1                # async: the shared step count when that job was handed over
     chunks: int = 1                   # async: the chunks its layer job is cut into (async_max_bytes_per_step)
-    ready_step: int = -1              # async: the first step count its flags can say "ready" on
+    ready_step: int = -1              # async: job_step + chunks (one chunk submitted ahead: job_step); before
+    #                                   it no flags are posted for the layer job and only a failure aborts it
     layers_committed: int = 0
     broken: list = field(default_factory=list)   # this rank's writes that raised part-way (faults.broken_commit)
 

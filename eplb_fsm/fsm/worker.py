@@ -20,19 +20,21 @@ Two knobs bound what the worker takes from the engine on a CPU-bound host
 (``EplbConfig.async_worker_nice``, ``async_max_bytes_per_step``; docs/guide.md): the worker
 thread renices itself at start (:func:`renice_this_thread`), and so do the transfer group's own
 threads, started from a niced thread (:func:`run_niced`); a layer's transfer can go in chunks
-with a wait for the next engine step between them (:class:`StepPacer`).
+with a wait for the next engine step between them (:class:`StepPacer`), but none while the
+engine thread itself waits for the worker (:func:`unpaced`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -159,9 +161,10 @@ class StepPacer:
     ``advanced``: an event the engine thread sets after it moves the step on; the pacer then
     sleeps on it and wakes once per step. Without one it polls every ``poll_s``, and every
     poll wakes the worker, which then takes the GIL from the engine thread mid-step.
-    ``stop``: once set (the controller closing), no wait at all: the steps that paced the
-    chunks no longer come, and ``close()`` waits for the jobs already queued. Whoever sets it
-    sets ``advanced`` too, to wake a wait in progress.
+    ``stop``: while set (the controller closing, or the engine thread waiting for the worker
+    in a drain: :func:`unpaced`), no wait at all: the steps that paced the chunks do not
+    come while the engine thread waits. Whoever sets it sets ``advanced`` too, to wake a
+    wait in progress.
     """
 
     def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005,
@@ -205,6 +208,22 @@ class StepPacer:
                 time.sleep(self.poll_s)
         self.begin()
         return True
+
+
+@contextlib.contextmanager
+def unpaced(stop: threading.Event, advanced: threading.Event) -> Iterator[None]:
+    """While the engine thread waits for the worker (a drain after a fault, before a recovery or a switch),
+    a paced transfer's chunks go without waiting for engine steps: none come meanwhile, so the wait would
+    outlast every remaining chunk's ``max_wait_s``. ``stop``, ``advanced``: a :class:`StepPacer`'s events;
+    ``stop`` is cleared on the way out unless it was set before (``close()``: it stays unpaced)."""
+    was_set = stop.is_set()
+    stop.set()
+    advanced.set()   # a chunk waiting for the next step goes now
+    try:
+        yield
+    finally:
+        if not was_set:
+            stop.clear()
 
 
 class BackgroundWorker:
