@@ -177,3 +177,208 @@ def test_torch_dist_on_gloo_pairs_messages_by_tag_across_starts():
 
     _, received = run_ranks(_tagged_pairs_rank, 2, timeout=60.0)
     assert received == [[1.0] * 5, [11.0] * 5, [21.0] * 5]
+
+
+# which backend serves which device: "undefined" and per-device backend strings
+
+
+STUB = {"default_map": {"cpu": "gloo", "cuda": "nccl"}, "capability": {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}}
+
+
+@pytest.mark.parametrize("backend,config,accelerator,want", [
+    ("nccl", None, "cuda", {"cuda": "nccl"}),
+    ("gloo", None, "cpu", {"cpu": "gloo", "cuda": "gloo"}),
+    ("cpu:gloo,cuda:nccl", None, "cuda", {"cpu": "gloo", "cuda": "nccl"}),
+    ("CPU:Gloo, cuda:NCCL", None, "cpu", {"cpu": "gloo", "cuda": "nccl"}),
+    ("undefined", None, "cuda", {"cuda": "nccl"}),
+    ("undefined", None, "cpu", {"cpu": "gloo"}),
+    ("undefined", None, "tpu", {}),
+    ("undefined", "cpu:gloo,cuda:nccl", "cuda", {"cpu": "gloo", "cuda": "nccl"}),
+    ("undefined", "None", "cpu", {"cpu": "gloo"}),
+    ("ucc", None, "cpu", {"cpu": "ucc", "cuda": "ucc"}),
+])
+def test_backends_by_device_reads_every_form_torch_reports(backend, config, accelerator, want):
+    """One name, the per-device form and 'undefined' (the accelerator's default, or the group's config) per device."""
+    from eplb_fsm.transfer.communicator import backends_by_device
+
+    assert backends_by_device(backend, config, accelerator=accelerator, **STUB) == want
+
+
+def test_torch_backend_defaults_match_this_torch():
+    """This torch's tables reach backends_by_device: gloo for the CPU, NCCL for CUDA, the build's accelerator."""
+    from eplb_fsm.transfer.communicator import torch_backend_defaults
+
+    d = torch_backend_defaults()
+    assert d["default_map"]["cpu"] == "gloo" and d["default_map"]["cuda"] == "nccl"
+    assert "cpu" in d["capability"]["gloo"] and d["capability"]["nccl"] == ["cuda"]
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:  # a CPU build, as here
+        assert d["accelerator"] == "cpu"
+
+
+def _has_accelerator() -> bool:
+    """Whether torch builds a group without a named backend on an accelerator's backend, not gloo."""
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
+    return current() is not None if current is not None else torch.cuda.is_available()
+
+
+@pytest.fixture(params=[None, "cpu:gloo,cuda:gloo"])
+def gloo_named_otherwise(request):
+    """A 1-rank default group built with no backend named ('undefined') or with the per-device gloo string."""
+    from eplb_fsm.sim.launcher import find_free_port
+
+    if dist.is_initialized():
+        pytest.skip("a default group already exists in this process")
+    if request.param is None and _has_accelerator():
+        pytest.skip("with an accelerator, a group without a backend uses the accelerator's (NCCL for CUDA)")
+    dist.init_process_group(request.param, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    try:
+        yield request.param
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_gloo_group_by_another_name_gets_tags_and_the_host_memory_rule(gloo_named_otherwise, monkeypatch):
+    """A group reporting 'undefined' or 'cpu:gloo,cuda:gloo' is gloo: tags on, CPU only, no barrier; meta refused."""
+    from eplb_fsm.transfer import TransferBuffer, UnmovableWeightsError, rearrange_expert_weights_inplace
+
+    barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: barriers.append(kw))
+    comm = TorchDistCommunicator(timeout=5.0)
+    assert comm.backend == (gloo_named_otherwise or "undefined")
+    assert comm.supports_tags and comm.host_memory_only and not comm.cuda_memory_only
+    assert comm.device_backends["cpu"] == "gloo"
+    with pytest.raises(UnmovableWeightsError, match=r"is on meta, and the transfer group .* moves CPU tensors only|"
+                                                    r"is on meta, and the transfer group .* has no backend for meta"):
+        rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], [[torch.zeros(2, 3, device="meta")]], communicator=comm,
+                                         buffer=TransferBuffer())
+    w = torch.tensor([[1.0], [2.0]])
+    rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], [[w]], communicator=comm, buffer=TransferBuffer())
+    comm.start()
+    assert w.flatten().tolist() == [2.0, 1.0] and barriers == []
+
+
+def _mixed(monkeypatch, backend: str, config: str | None = None) -> TorchDistCommunicator:
+    """A communicator on the 1-rank gloo group that reports ``backend`` (and ``config``); barriers are recorded."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    if config is not None:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    comm = TorchDistCommunicator(timeout=5.0)
+    comm.barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: comm.barriers.append(kw))
+    return comm
+
+
+def test_a_mixed_group_follows_the_backend_of_the_weights_device(one_rank_group, monkeypatch):
+    """On 'cpu:gloo,cuda:nccl' CPU weights get gloo (tags, no barrier), CUDA ones NCCL (no tags, one barrier)."""
+    comm = _mixed(monkeypatch, "cpu:gloo,cuda:nccl")
+    assert comm.device_backends == {"cpu": "gloo", "cuda": "nccl"}
+    assert not comm.host_memory_only and not comm.cuda_memory_only and not comm.supports_tags  # device unknown yet
+    comm.use_device("cpu")
+    assert comm.supports_tags
+    comm.start()
+    assert comm.barriers == []
+    comm.use_device(torch.device("cuda", 1))
+    assert not comm.supports_tags
+    comm.start()
+    comm.start()
+    assert comm.barriers == [{"device_ids": [1]}]  # once, on the weights' GPU, which sets NCCL up
+    comm.supports_tags = False  # an explicit choice (the bench's A/B) wins over the backend
+    comm.use_device("cpu")
+    assert comm.supports_tags is False
+
+
+def test_a_mixed_group_moves_cpu_weights_and_refuses_a_device_it_has_no_backend_for(one_rank_group, monkeypatch):
+    """CPU weights on 'cpu:gloo,cuda:nccl' move (the executor tells it their device); meta weights are refused."""
+    from eplb_fsm.transfer import TransferBuffer, UnmovableWeightsError, rearrange_expert_weights_inplace
+
+    comm = _mixed(monkeypatch, "cpu:gloo,cuda:nccl")
+    w = torch.tensor([[1.0], [2.0]])
+    rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], [[w]], communicator=comm, buffer=TransferBuffer())
+    assert w.flatten().tolist() == [2.0, 1.0] and comm.supports_tags and comm.barriers == []
+    with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[0\]: is on meta, and the transfer group "
+                                                    r"\(cpu:gloo,cuda:nccl\) has no backend for meta tensors"):
+        rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], [[torch.zeros(2, 3, device="meta")]], communicator=comm,
+                                         buffer=TransferBuffer())
+
+
+def test_an_undefined_group_on_a_cuda_machine_is_nccl(one_rank_group, monkeypatch):
+    """'undefined' whose config says cuda:nccl moves CUDA memory only: CPU weights refused, no tags, a barrier."""
+    from eplb_fsm.transfer import TransferBuffer, UnmovableWeightsError, rearrange_expert_weights_inplace
+
+    comm = _mixed(monkeypatch, "undefined", "cuda:nccl")
+    assert comm.cuda_memory_only and not comm.host_memory_only and not comm.supports_tags
+    starts = []
+    real_start, comm.start = comm.start, lambda: starts.append(1)
+    w = torch.arange(4.0)[:, None]
+    with pytest.raises(UnmovableWeightsError, match=r"is on cpu, and the transfer group \(undefined\) moves CUDA"):
+        rearrange_expert_weights_inplace([[0, 1, 2, 3]], [[3, 2, 1, 0]], [[w]], communicator=comm,
+                                         buffer=TransferBuffer())
+    assert starts == [] and w.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    real_start()
+    assert comm.barriers == [{}]  # no weights' device told: torch's default device for the barrier
+
+
+class _DeviceSpy(InProcessCommunicator):
+    """Records use_device calls and the number of executes when each came."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.told: list[tuple[torch.device, int]] = []
+
+    def use_device(self, device) -> None:
+        self.told.append((device, self.executes))
+
+
+def test_the_executor_tells_the_communicator_the_weights_device_before_any_message():
+    """Both moving entry points call use_device once with the weights' device, before the first wave."""
+    from eplb_fsm.transfer import TransferBuffer, rearrange_expert_weights_inplace, transfer_layer_to_buffer
+
+    comm = _DeviceSpy(2)
+    w = [[[torch.tensor([[float(r)]])]] for r in range(2)]
+    rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], w, communicator=comm, buffer=TransferBuffer())
+    transfer_layer_to_buffer([0, 1], [1, 0], [x[0] for x in w], TransferBuffer(), communicator=comm)
+    assert comm.told == [(torch.device("cpu"), 0), (torch.device("cpu"), 1)] and comm.executes == 2
+
+
+def _unnamed_backend_rank(rank: int, world: int) -> tuple:
+    """Three layers whose rows all cross ranks, on a group made without naming a backend; counts start() calls."""
+    import numpy as np
+
+    from eplb_fsm.transfer import TransferBuffer, rearrange_expert_weights_inplace
+
+    comm = TorchDistCommunicator(timeout=30.0)
+    starts, real_start = [], comm.start
+    comm.start = lambda: (starts.append(1), real_start())
+    old = np.tile(np.arange(4), (3, 1))
+    new = np.roll(old, 2, axis=1)
+    w = [[torch.tensor([[float(e)] for e in old[k, 2 * rank : 2 * rank + 2]])] for k in range(3)]
+    rearrange_expert_weights_inplace(old, new, w, communicator=comm, buffer=TransferBuffer())
+    return str(dist.get_backend()), comm.supports_tags, len(starts), [x[0].flatten().tolist() for x in w]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_without_a_named_backend_post_in_two_phases_with_tags():
+    """On 2 CPU ranks of an 'undefined' (gloo) group the executor posts layers 1.. in two phases, bit-exact."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    if _has_accelerator():
+        pytest.skip("with an accelerator, a group without a backend uses the accelerator's (NCCL for CUDA)")
+    results = run_ranks(_unnamed_backend_rank, 2, timeout=60.0, backend=None)
+    for rank, (backend, tags, starts, rows) in enumerate(results):
+        assert backend == "undefined" and tags and starts == 1 + 2 * 2  # held receives: a second start per layer
+        assert rows == [[2.0 * (1 - rank), 2.0 * (1 - rank) + 1]] * 3
+
+
+@pytest.mark.parametrize("missing", ["raises", "absent"])
+def test_an_undefined_group_falls_back_to_the_accelerator_default_without_its_config(one_rank_group, monkeypatch,
+                                                                                     missing):
+    """If get_backend_config raises or this torch lacks it, 'undefined' is the accelerator's default backend."""
+    if _has_accelerator():
+        pytest.skip("the fallback is the accelerator's backend there, not gloo")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    if missing == "absent":
+        monkeypatch.delattr(dist, "get_backend_config")
+    else:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: (_ for _ in ()).throw(TypeError("none")))
+    comm = TorchDistCommunicator(timeout=5.0)
+    assert comm.device_backends == {"cpu": "gloo"} and comm.host_memory_only and comm.supports_tags

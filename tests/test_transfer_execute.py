@@ -185,6 +185,31 @@ def test_stale_pending_layer_is_refused():
     assert isinstance(second, PendingLayer) and second.moved_rows == 4
 
 
+
+def test_a_pending_layer_refuses_other_tensors_of_the_same_layout():
+    """Committing into another layer's tensors, a clone, or a same-shape view elsewhere is refused; nothing is written."""
+    old, new, _, _, lw = _swap_layer()
+    comm = InProcessCommunicator(2)
+    pending = transfer_layer_to_buffer(old, new, lw, TransferBuffer(), communicator=comm)
+    before = [[w.clone() for w in ws] for ws in lw]
+    wide = [[torch.zeros((4,) + tuple(w.shape[1:]), dtype=w.dtype) for w in ws] for ws in lw]
+    others = {
+        "another layer": [[torch.zeros_like(w) for w in ws] for ws in lw],
+        "a clone": [[w.clone() for w in ws] for ws in lw],
+        "an offset view": [[x[2:] for x in ws] for ws in wide],  # same shape and strides, storage offset 2
+        "a strided view": [[x[::2] for x in ws] for ws in wide],  # same shape, other strides
+    }
+    for what, tensors in others.items():
+        snap = [[w.clone() for w in ws] for ws in tensors]
+        with pytest.raises(ValueError, match=r"^layer_weights: rank 0's tensors differ from the ones transferred"):
+            commit_layer_from_buffer(pending, tensors)
+        assert all(torch.equal(_u8(a), _u8(b)) for xs, ys in zip(tensors, snap) for a, b in zip(xs, ys)), what
+    assert all(torch.equal(_u8(a), _u8(b)) for xs, ys in zip(lw, before) for a, b in zip(xs, ys))
+    assert not pending.committed
+    commit_layer_from_buffer(pending, lw)
+    assert all(torch.equal(_u8(a), _u8(b)) for xs, ys in zip(lw, before[::-1]) for a, b in zip(xs, ys))
+
+
 def test_profile_reserves_buffers_and_moves_nothing():
     """Profile mode allocates the worst-case buffer once, copies nothing; the real run allocates nothing."""
     old = np.array([[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]])

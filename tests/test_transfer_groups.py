@@ -11,7 +11,14 @@ import time
 import pytest
 import torch
 
-from eplb_fsm.transfer.groups import GroupBuildError, StoreGroup, StoreInfo, connect_store, host_store
+from eplb_fsm.transfer.groups import (
+    GroupBuildError,
+    StoreGroup,
+    StoreInfo,
+    check_namespace,
+    connect_store,
+    host_store,
+)
 
 
 def _in_threads(fns, timeout=30.0):
@@ -47,10 +54,21 @@ def test_store_info_validates_its_fields():
     """A bad host, port or namespace is a ValueError naming the field."""
     with pytest.raises(ValueError, match="port"):
         StoreInfo("127.0.0.1", 0)
-    with pytest.raises(ValueError, match="namespace"):
-        StoreInfo("127.0.0.1", 1234, namespace="a/b")
     with pytest.raises(ValueError, match="host"):
         StoreInfo("", 1234)
+
+
+@pytest.mark.parametrize("namespace", ["", None, 3])
+def test_store_info_refuses_an_empty_or_non_string_namespace(namespace):
+    """An empty, None or non-string namespace is a ValueError naming the store namespace and the rule."""
+    with pytest.raises(ValueError, match=r"^store namespace must be a non-empty string"):
+        StoreInfo("127.0.0.1", 1234, namespace=namespace)
+
+
+def test_store_info_takes_a_namespace_with_slashes_like_store_group():
+    """StoreInfo accepts "job/eplb" as StoreGroup and the joiner do (one rule, check_namespace)."""
+    info = StoreInfo("127.0.0.1", 1234, "job/eplb")
+    assert info.namespace == "job/eplb" and check_namespace(info.namespace) == "job/eplb"
 
 
 def test_two_members_all_reduce_exchange_messages_and_build_a_successor(store):

@@ -120,3 +120,37 @@ def test_a_one_layer_commit_outside_inference_mode_is_refused_before_writing():
     with torch.inference_mode():
         commit_layer_from_buffer(pending, lw)
     assert [lw[r][0][:, 0].tolist() for r in range(2)] == [[1, 0], [3, 2]]
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_lazy_conjugate_and_negative_views_are_refused_before_anything_moves(kind):
+    """t.conj() and torch._neg_view(t) weights are UnmovableWeightsError naming the tensor, before any message."""
+    from eplb_fsm.transfer import InProcessCommunicator
+
+    def make(r: int) -> torch.Tensor:
+        base = torch.arange(4.0).reshape(2, 2).to(torch.complex64) + 10 * r + 1j
+        return base.conj() if kind == "conj" else torch._neg_view(base.real.contiguous())
+
+    w = [[[make(r)]] for r in range(2)]
+    before = [x[0][0].resolve_conj().resolve_neg().clone() for x in w]
+    comm = InProcessCommunicator(2)
+    with pytest.raises(UnmovableWeightsError, match=r"^expert_weights\[0\]\[0\]\[0\]: is a lazy .* view") as info:
+        rearrange_expert_weights_inplace([[0, 1, 2, 3]], [[3, 2, 1, 0]], w, communicator=comm, buffer=TransferBuffer())
+    assert info.value.committed_layers == 0 and comm.total_messages == 0
+    assert all(torch.equal(w[r][0][0].resolve_conj().resolve_neg(), before[r]) for r in range(2))
+
+
+def test_the_one_layer_entry_point_refuses_a_conjugate_view_before_touching_the_buffer():
+    """A conjugate view is refused before the buffer's generation moves: a layer pending on it still commits."""
+    from eplb_fsm.transfer import InProcessCommunicator, commit_layer_from_buffer
+
+    comm, buf = InProcessCommunicator(2), TransferBuffer()
+    good = [[torch.tensor([[1.0]])], [torch.tensor([[2.0]])]]
+    pending = transfer_layer_to_buffer([0, 1], [1, 0], good, buf, communicator=comm)
+    generation = buf.generation
+    odd = [[torch.tensor([[1 + 1j]]).conj()], [torch.tensor([[2 + 2j]]).conj()]]
+    with pytest.raises(UnmovableWeightsError, match=r"^layer_weights\[0\]\[0\]: is a lazy conjugate view"):
+        transfer_layer_to_buffer([0, 1], [1, 0], odd, buf, layer=1, communicator=comm)
+    assert buf.generation == generation
+    commit_layer_from_buffer(pending, good)
+    assert [t[0].item() for t in good] == [2.0, 1.0]

@@ -74,3 +74,39 @@ def test_a_held_commit_that_raises_is_not_a_failure_of_the_wave():
         run_layer(prep, weights, buffers, comm, [], hold=hold)
     assert not isinstance(info.value, TransferError) and hold.done
     assert [buffers[r][0][1].item() for r in range(2)] == [-1.0, -1.0]  # the held rows were never received into
+
+
+def test_rows_of_a_one_row_vector_with_a_non_unit_stride_are_its_bytes():
+    """A (1,) tensor of stride 8 (column 0 of a (1, 8) matrix, which torch calls contiguous) gives its row's bytes."""
+    m = torch.arange(8, dtype=torch.float64).reshape(1, 8) + 3
+    t = m[:, 0]
+    assert t.is_contiguous() and t.stride() == (8,)
+    for for_recv in (False, True):
+        row = row_views({0: [t]}, for_recv)[0][0][0]
+        assert row.dtype == torch.uint8 and torch.equal(row, torch.tensor([3.0], dtype=torch.float64).view(torch.uint8))
+
+
+def test_one_row_weights_with_a_non_unit_stride_move_bit_exact():
+    """S = 1 vectors cut from wider matrices (stride 8) swap across ranks bit-exact, full and one-layer entry points."""
+    from eplb_fsm.transfer import (
+        InProcessCommunicator,
+        TransferBuffer,
+        commit_layer_from_buffer,
+        rearrange_expert_weights_inplace,
+        transfer_layer_to_buffer,
+    )
+
+    def bits(col: int) -> list[torch.Tensor]:  # (1, 1) slices have a unit last stride: viewable as bytes
+        return [m[:, col : col + 1].view(torch.uint8).clone() for m in mats]
+
+    mats = [torch.randn(1, 8, dtype=torch.float64) for _ in range(2)]
+    want = bits(0)[::-1]
+    w = [[[m[:, 0]]] for m in mats]  # 2 ranks, 1 layer, one (1,) tensor of stride 8
+    rearrange_expert_weights_inplace([[0, 1]], [[1, 0]], w, communicator=InProcessCommunicator(2),
+                                     buffer=TransferBuffer())
+    assert all(torch.equal(got, w_) for got, w_ in zip(bits(0), want))
+    want = bits(1)[::-1]
+    layer = [[m[:, 1]] for m in mats]
+    pending = transfer_layer_to_buffer([0, 1], [1, 0], layer, TransferBuffer(), communicator=InProcessCommunicator(2))
+    commit_layer_from_buffer(pending, layer)
+    assert all(torch.equal(got, w_) for got, w_ in zip(bits(1), want))

@@ -74,8 +74,6 @@ def test_rows_classified_on_a_two_rank_layer():
     assert p1.primary_rows.tolist() == [2] and p1.primary_experts.tolist() == [3]
     assert p1.duplicate_rows.tolist() == [3] and p1.duplicate_src_rows.tolist() == [2]
     assert list(zip(p1.send_peers.tolist(), p1.send_experts.tolist(), p1.send_rows.tolist())) == [(0, 4, 0)]
-    dst, src = p1.commit_rows()
-    assert dst.tolist() == [0, 1, 2, 3] and src.tolist() == [0, 1, 2, 2]
 
 
 def test_sender_uses_first_row_and_receiver_primary():

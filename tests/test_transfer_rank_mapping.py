@@ -79,6 +79,33 @@ def test_expand_scale_up_old_map():
 
 
 @pytest.mark.parametrize(
+    "group_of_rank,group_size,match",
+    [
+        ([1, 1], 2, r"^group_of_rank: the group ranks other than -1 must be distinct"),
+        ([0, 5], 2, r"^group_of_rank: entry 1 must be an int in \[-1, group_size=2\)"),
+        ([0, 2], 2, r"^group_of_rank: entry 1 must be an int in \[-1, group_size=2\)"),
+        ([0, -2], 2, r"^group_of_rank: entry 1 must be an int in \[-1, group_size=2\)"),
+        ([0, 1.0], 2, r"^group_of_rank: entry 1 must be an int"),
+        ([0, True], 2, r"^group_of_rank: entry 1 must be an int"),
+        ([], 2, r"^group_of_rank: must be a non-empty list"),
+        ([0, -1], 0, r"^group_size: must be a positive int"),
+        ([-1, -1], -1, r"^group_size: must be a positive int"),
+        ([0, 1], 2.0, r"^group_size: must be a positive int"),
+    ],
+)
+def test_expand_phy2log_refuses_a_bad_placement_by_name(group_of_rank, group_size, match):
+    """Duplicate or out-of-range group ranks and a non-positive group size are ValueErrors naming the field."""
+    with pytest.raises(ValueError, match=match):
+        expand_phy2log(np.array([0, 1, 2, 3]), group_of_rank, group_size)
+
+
+def test_expand_phy2log_takes_a_numpy_placement():
+    """A 1-D numpy array of group ranks places slots like the same list."""
+    old = np.array([[0, 1, 2, 3]])
+    assert expand_phy2log(old, np.array([2, 0]), 3).tolist() == expand_phy2log(old, [2, 0], 3).tolist()
+
+
+@pytest.mark.parametrize(
     "old,new,mapping,group,match",
     [
         (np.zeros((1, 6), int), np.zeros((1, 2), int), {0: 0, 1: -1, 2: -1, 3: -1}, 4, "divide by the 4 old ranks"),

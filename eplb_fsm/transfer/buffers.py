@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from eplb_fsm.transfer.inputs import Layout, layout
+from eplb_fsm.transfer.inputs import Placement, layout
 from eplb_fsm.transfer.plan import LayerPlan
 from eplb_fsm.transfer.schedule import Commit
 
@@ -84,7 +84,7 @@ class PendingLayer:
     plans: dict[int, LayerPlan]
     buffer: TransferBuffer
     generation: int
-    layouts: dict[int, Layout]
+    layouts: dict[int, Placement]   # per rank: which tensors (memory, not only layout) the commit must get
     communicator: Any = field(repr=False, default=None)
     committed: bool = False
     commits: dict[int, "Commit"] | None = field(repr=False, default=None)

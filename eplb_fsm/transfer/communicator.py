@@ -7,8 +7,9 @@ were queued on each side. The executor calls ``execute()`` (or ``start()``, then
 takes a ``tag`` per message and lets the executor ``start()`` a wave in two phases.
 
 - :class:`TorchDistCommunicator`: one rank of a ``torch.distributed`` process group;
-  ``execute`` issues one ``dist.batch_isend_irecv`` and waits on every request, with a
-  timeout where the backend honours one (gloo on CPU, NCCL on CUDA).
+  ``execute`` posts the messages (with gloo each straight to the group's ``send``/``recv``,
+  otherwise one ``dist.batch_isend_irecv``) and waits on every request, with a timeout.
+  The backend is the one the group uses for the weights' device (:func:`backends_by_device`).
 - :class:`InProcessCommunicator`: plays all G ranks of a group inside one process;
   ``execute`` matches the queued sends with the queued receives and copies. A mismatch
   (what would hang a real group) raises at once. It counts messages and bytes so tests
@@ -20,19 +21,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import Counter, defaultdict
-from typing import ContextManager, Protocol, Sequence, runtime_checkable
+from typing import ContextManager, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from eplb_fsm.maps import check_seconds
 
-__all__ = [
-    "Communicator",
-    "TorchDistCommunicator",
-    "InProcessCommunicator",
-    "TransferError",
-    "MessageMismatchError",
-]
+__all__ = ["Communicator", "TorchDistCommunicator", "InProcessCommunicator", "backends_by_device",
+           "torch_backend_defaults", "TransferError", "MessageMismatchError"]
 
 
 class TransferError(RuntimeError):
@@ -67,15 +63,17 @@ class Communicator(Protocol):
     Optional hooks the executor uses when present: ``start()`` and ``wait()`` (``execute``
     split in two, so that local copies and the next layer's planning overlap the messages
     in flight), ``stream_context()`` (a context manager the copies and messages run
-    under), ``finish()`` (called after a layer's commit) and ``discard()`` (drop queued or
-    started messages after a failure). ``supports_tags`` (attribute, default False): when
-    true, ``add_send``/``add_recv`` take a ``tag`` keyword, messages pair by (src, dst,
-    tag), and ``start()`` may run several times before ``wait()``; the executor then
-    posts a layer's first wave in two phases (see ``execute.HeldReceives``).
-    ``host_memory_only`` (attribute, default False): when true, the communicator moves CPU
-    tensors only (a gloo group), and weights on another device are refused before
-    anything moves. ``cuda_memory_only`` (attribute, default False): likewise for CUDA
-    tensors (an NCCL group): weights off CUDA are refused before anything moves.
+    under), ``finish()`` (once at the end of each executor call: the full rearrangement,
+    ``transfer_layer_to_buffer`` and ``commit_layer_from_buffer``), ``discard()`` (drop
+    queued or started messages after a failure), ``use_device(device)`` (once per call,
+    after the input checks, with the weights' device). ``supports_tags`` (attribute,
+    default False): when true, ``add_send``/``add_recv`` take a ``tag`` keyword, messages
+    pair by (src, dst, tag), and ``start()`` may run several times before ``wait()``; the
+    executor then posts a layer's first wave in two phases (see ``execute.HeldReceives``).
+    Weights a communicator cannot move are refused before anything moves: off the CPU
+    when ``host_memory_only`` (attribute, default False; gloo), off CUDA when
+    ``cuda_memory_only`` (NCCL), and with ``device_backends`` (``{device type: backend}``)
+    on a device none serves, off the CPU where gloo serves it, off CUDA where NCCL does.
     """
 
     world_size: int
@@ -90,27 +88,74 @@ class Communicator(Protocol):
     def execute(self) -> None: ...
 
 
+def backends_by_device(backend: str, config: str | None = None, *, default_map: Mapping[str, str],
+                       capability: Mapping[str, Sequence[str]], accelerator: str) -> dict[str, str]:
+    """Which backend a group uses for each device type, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
+
+    ``backend``: what ``dist.get_backend(group)`` reports: one name (``"gloo"``), the per-device
+    form (``"cpu:gloo,cuda:nccl"``) or ``"undefined"`` (no backend named). ``config``:
+    ``dist.get_backend_config(group)`` if known (the per-device form torch built the group
+    with); it settles ``"undefined"``, else that is ``default_map[accelerator]`` (torch's
+    choice: NCCL on a CUDA machine, gloo on a CPU-only one). One name serves the devices
+    ``capability[name]`` lists (cpu and cuda if none). Pure: :func:`torch_backend_defaults`
+    gives this torch's ``default_map``, ``capability`` and ``accelerator``.
+    """
+
+    def parse(text: str) -> dict[str, str]:
+        pairs = (pair.split(":") for pair in text.lower().split(","))
+        return {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2 and p[0].strip() and p[1].strip()}
+
+    name = str(backend).strip().lower()
+    if ":" in name:
+        return parse(name)
+    if name == "undefined":
+        known = parse(str(config)) if config is not None else {}
+        if known:
+            return known
+        default = default_map.get(accelerator)
+        return {accelerator: str(default).lower()} if default else {}
+    return {str(d): name for d in capability.get(name, ("cpu", "cuda"))}
+
+
+def torch_backend_defaults() -> dict:
+    """``default_map``, ``capability`` and ``accelerator`` for :func:`backends_by_device`, as this torch
+    sets them (``dist.Backend``'s tables, the build's accelerator); fixed fallbacks where a name is missing."""
+    import torch.distributed as dist
+
+    tables = getattr(dist, "Backend", None)
+    default_map = getattr(tables, "default_device_backend_map", None) or {"cpu": "gloo", "cuda": "nccl"}
+    capability = getattr(tables, "backend_capability", None) or {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)  # torch >= 2.6
+    device = current() if current is not None else torch.device("cuda") if torch.cuda.is_available() else None
+    return {"default_map": dict(default_map), "capability": dict(capability),
+            "accelerator": device.type if device is not None else "cpu"}
+
+
+def _backend_config(dist, group) -> str | None:
+    """``dist.get_backend_config(group)``, or None where this torch lacks it or cannot say."""
+    try:
+        return str(dist.get_backend_config(group))
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError):  # backends_by_device's defaults then
+        return None
+
+
 class TorchDistCommunicator:
     """This rank's side of a ``torch.distributed`` group (``group=None``: the default group).
 
     ``timeout`` (seconds) bounds each wait on a request (gloo honours it; with NCCL it
     makes the wait block the CPU until completion or timeout). ``stream``: an optional
     CUDA stream the executor runs its copies and the batched requests on; ``finish()``
-    then makes the caller's current stream wait for it. With NCCL the first ``execute`` on
-    a group runs a barrier first, because NCCL requires every rank to take part in the
-    first collective of a group and a wave may involve only some ranks.
+    then makes the caller's current stream wait for it. ``device_backends``: the backend
+    per device type; the one for the weights' device (``use_device``; before it, the
+    group's only backend) moves them. With NCCL the first ``start`` runs a barrier first,
+    because NCCL requires every rank to take part in the first collective of a group and
+    a wave may involve only some ranks; with gloo messages carry tags (``supports_tags``).
     """
 
     multi_rank = False
 
-    def __init__(
-        self,
-        group: "torch.distributed.ProcessGroup | None" = None,
-        *,
-        timeout: float | None = None,
-        stream: "torch.cuda.Stream | None" = None,
-        name: str = "world",
-    ) -> None:
+    def __init__(self, group: "torch.distributed.ProcessGroup | None" = None, *, timeout: float | None = None,
+                 stream: "torch.cuda.Stream | None" = None, name: str = "world") -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -125,21 +170,44 @@ class TorchDistCommunicator:
         self.world_size = dist.get_world_size(self.group)
         self.local_ranks = (self.rank,)
         self.backend = str(dist.get_backend(self.group)).lower()
+        # "undefined" or a per-device string says little by itself: what serves each device decides
+        config = _backend_config(dist, self.group) if self.backend == "undefined" else None
+        self.device_backends = backends_by_device(self.backend, config, **torch_backend_defaults())
         self.timeout = timeout
         self.stream = stream
         self.name = name
         self._ops: list = []
         self._works: list = []
-        self._warmed = self.backend != "nccl"
-        # add_send/add_recv honour ``tag`` and ``start`` may run several times before
-        # ``wait`` (the executor's two-phase posting). gloo pairs messages by (peer, tag);
-        # NCCL ignores tags and pairs by order, so it keeps one batch per wave.
-        self.supports_tags = self.backend == "gloo"
+        self._device: torch.device | None = None
+        self._tags: bool | None = None
+        self._warmed: set[str] = set()  # device types whose NCCL communicator a barrier set up
+        served = set(self.device_backends.values())
         # gloo's send and receive hand the tensor's address to its sockets as host memory,
-        # whatever its device: weights on a GPU must be refused before they are posted
-        self.host_memory_only = self.backend == "gloo"
-        # NCCL moves GPU memory only: weights off CUDA are refused before anything is posted
-        self.cuda_memory_only = self.backend == "nccl"
+        # whatever its device: on an all-gloo group weights on a GPU are refused before they are posted
+        self.host_memory_only = served == {"gloo"}
+        # NCCL moves GPU memory only: on an all-NCCL group weights off CUDA are refused likewise
+        self.cuda_memory_only = served == {"nccl"}
+
+    def use_device(self, device: "torch.device | str") -> None:
+        """The weights' device (the executor's call, before anything moves): picks the backend that moves them."""
+        self._device = torch.device(device)
+
+    def _serving(self) -> str | None:
+        """The backend moving the weights: the one for their device, else the group's only backend."""
+        if self._device is not None:
+            return self.device_backends.get(self._device.type)
+        served = set(self.device_backends.values())
+        return served.pop() if len(served) == 1 else None
+
+    @property
+    def supports_tags(self) -> bool:
+        """True when gloo moves the weights: it pairs messages by (peer, tag), so the executor may post a
+        wave in two phases. NCCL ignores tags and pairs by order: one batch per wave. Assignable (an A/B)."""
+        return self._tags if self._tags is not None else self._serving() == "gloo"
+
+    @supports_tags.setter
+    def supports_tags(self, value: bool) -> None:
+        self._tags = bool(value)
 
     def add_send(self, tensor: torch.Tensor, src: int, dst: int, tag: int = 0) -> None:
         if src != self.rank:
@@ -159,22 +227,26 @@ class TorchDistCommunicator:
         self._ops.extend(ops)
 
     def start(self) -> None:
-        """Issue the queued messages as one batch without waiting (see ``wait``).
+        """Post the queued messages without waiting (see ``wait``).
 
-        May be called several times before ``wait``: each call issues what was queued
-        since the last one (the executor's two-phase posting; tags pair the messages).
-        gloo has no coalescing, so ``batch_isend_irecv`` would post one message at a
-        time anyway; the messages go straight to the group's ``send``/``recv`` (group
-        ranks, same tags), which skips that function's per-message Python checks.
+        May be called several times before ``wait``: each call posts what was queued since
+        the last one (the executor's two-phase posting; tags pair the messages). Where gloo
+        serves the tensors' device they go straight to the group's ``send``/``recv`` (group
+        ranks, same tags): gloo cannot coalesce, so ``batch_isend_irecv`` would post them one
+        at a time anyway, after per-message Python checks. Otherwise: one ``batch_isend_irecv``.
         """
         ops, self._ops = self._ops, []
-        if not self._warmed:
-            # every rank starts every wave, so this barrier is collective
-            self._dist.barrier(group=self.group)
-            self._warmed = True
+        kind = self._device.type if self._device is not None else "cuda"
+        if self._serving() == "nccl" and kind not in self._warmed:
+            # every rank starts every wave, so this barrier is collective; on the weights'
+            # device, so that a group using gloo for the CPU still sets NCCL up
+            index = self._device.index if self._device is not None else None
+            self._dist.barrier(group=self.group, **({"device_ids": [index]} if index is not None else {}))
+            self._warmed.add(kind)
         if not ops:
             return
-        if self.backend == "gloo" and type(self.group) is self._dist.ProcessGroup:
+        gloo = self.device_backends.get(ops[0][1].device.type) == "gloo"
+        if gloo and type(self.group) is self._dist.ProcessGroup:
             send, recv, works = self.group.send, self.group.recv, self._works
             for is_send, tensor, peer, tag in ops:
                 works.append(send([tensor], peer, tag) if is_send else recv([tensor], peer, tag))
@@ -189,16 +261,12 @@ class TorchDistCommunicator:
     def wait(self) -> None:
         """Wait for every started request (each wait bounded by ``timeout``)."""
         works, self._works = self._works, []
-        if self.timeout is None:
-            for work in works:
-                work.wait()
-            return
-        timeout = datetime.timedelta(seconds=self.timeout)
+        timeout = None if self.timeout is None else datetime.timedelta(seconds=self.timeout)
         for work in works:
-            work.wait(timeout)
+            work.wait() if timeout is None else work.wait(timeout)
 
     def execute(self) -> None:
-        """Issue the queued messages as one batch and wait for all of them."""
+        """Post the queued messages (``start``) and wait for all of them (``wait``)."""
         self.start()
         self.wait()
 

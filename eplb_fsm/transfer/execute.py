@@ -44,14 +44,8 @@ from eplb_fsm.maps import as_count
 from eplb_fsm.transfer.buffers import PendingLayer, TransferBuffer
 from eplb_fsm.transfer.chunks import chunk_layer, row_bytes
 from eplb_fsm.transfer.communicator import Communicator
-from eplb_fsm.transfer.inputs import (
-    check_all_weights,
-    check_flag,
-    check_layer_weights,
-    layout,
-    resolve_communicator,
-    traces_for,
-)
+from eplb_fsm.transfer.inputs import (check_all_weights, check_flag, check_layer_weights, placement,
+                                      resolve_communicator, tell_device, traces_for)
 from eplb_fsm.transfer.messages import HeldReceives, copy_runs, row_views, run_layer
 from eplb_fsm.transfer.schedule import Commit, Schedule, prepare_maps
 
@@ -143,6 +137,7 @@ def rearrange_expert_weights_inplace(
     rows = p // comm.world_size
     weights = check_all_weights(comm, expert_weights, num_layers, rows)
     traces = traces_for(trace, comm)
+    tell_device(comm, next(iter(weights.values()))[0] if num_layers else ())
     if num_layers == 0:
         return
     buf = buffer if buffer is not None else _DEFAULT_BUFFER
@@ -323,6 +318,7 @@ def transfer_layer_to_buffer(
     rows = old.shape[1] // comm.world_size
     weights = check_layer_weights(comm, layer_weights, rows)
     traces = traces_for(trace, comm)
+    tell_device(comm, next(iter(weights.values())))
     buffers = {r: buffer.ensure(r, weights[r]) for r in comm.local_ranks}
     buffer.generation += 1
     prep = sched.layer(0)
@@ -346,7 +342,7 @@ def transfer_layer_to_buffer(
         plans=prep.plans,
         buffer=buffer,
         generation=buffer.generation,
-        layouts={r: layout(w) for r, w in weights.items()},
+        layouts={r: placement(w) for r, w in weights.items()},  # which tensors, not only their layout
         communicator=comm,
         commits=prep.commit,
     )
@@ -356,10 +352,11 @@ def transfer_layer_to_buffer(
 def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]) -> None:
     """Write a transferred layer into its weights: local, primary and duplicate rows.
 
-    ``layer_weights`` must be the tensors given to :func:`transfer_layer_to_buffer`
-    (same shapes; a list over ranks with a multi-rank communicator). Raises
-    ``ValueError`` if the buffer has since been reused or the pending layer was committed,
-    or if its commit already raised part-way (``pending.failed``: it cannot be retried).
+    ``layer_weights`` must be the tensors given to :func:`transfer_layer_to_buffer`: the
+    same memory (address, strides, storage offset), not only the same shapes and dtypes (a
+    list over ranks with a multi-rank communicator). Raises ``ValueError`` if they are not,
+    if the buffer has since been reused or the pending layer was committed, or if its
+    commit already raised part-way (``pending.failed``: it cannot be retried).
     """
     if not isinstance(pending, PendingLayer):
         raise ValueError(
@@ -380,8 +377,10 @@ def commit_layer_from_buffer(pending: PendingLayer, layer_weights: Sequence[Any]
     rows = next(iter(pending.plans.values())).slots_per_rank
     weights = check_layer_weights(comm, layer_weights, rows)
     for r, w in weights.items():
-        if layout(w) != pending.layouts[r]:
-            raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred")
+        if placement(w) != pending.layouts[r]:
+            raise ValueError(f"layer_weights: rank {r}'s tensors differ from the ones transferred (another "
+                             "tensor, address, strides or storage offset): commit into the tensors given to "
+                             f"transfer_layer_to_buffer for layer {pending.layer}")
     buffers = {r: pending.buffer.tensors(r) for r in pending.plans}
     try:
         with _stream(comm):

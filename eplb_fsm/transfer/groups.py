@@ -56,8 +56,7 @@ class StoreInfo:
             raise ValueError(f"store host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"store port must be an int in [1, 65535], got {self.port!r}")
-        if not isinstance(self.namespace, str) or not self.namespace or "/" in self.namespace:
-            raise ValueError(f"store namespace must be a non-empty string without '/', got {self.namespace!r}")
+        check_namespace(self.namespace, "store namespace")  # the rule StoreGroup and the joiner apply
 
 
 def check_namespace(namespace: Any, what: str = "namespace") -> str:

@@ -9,21 +9,25 @@ raises ``ValueError`` naming the argument and the rule.
 Weights the executor would move wrongly are refused before anything moves, with
 :class:`UnmovableWeightsError` (a ``ValueError`` and a ``TransferError`` with
 ``committed_layers = 0``): a tensor whose elements may share memory (a stride 0, as
-``expand`` makes, or overlapping strides), a last dimension of size 1 with a stride other
-than 1 (torch still calls such a tensor contiguous, but its rows cannot be viewed as
-bytes), and two tensors whose rows share memory (a weight listed twice, in two layers or
-for two ranks): moving one would overwrite the other. So are an inference tensor (made
-under ``torch.inference_mode()``) when the call runs outside inference mode (torch would
-copy into it, then raise, leaving a layer half written), weights off the CPU when the
-communicator moves host memory only (a gloo group: its send and receive take a CPU
-tensor's memory, and it cannot read a GPU's), and weights off CUDA when it moves CUDA
-memory only (an NCCL group).
+``expand`` makes, or overlapping strides), a tensor (S, ..., 1) whose last stride is not
+1 (torch still calls it contiguous, but its rows cannot be viewed as bytes; a (1,) vector
+of any stride moves row by row instead), and two tensors whose rows share memory (a
+weight listed twice, in two layers or for two ranks): moving one would overwrite the
+other. So are lazy conjugate and negative views (``t.conj()`` of a complex tensor,
+``is_conj()`` or ``is_neg()`` true: their memory does not hold the values they read as),
+an inference tensor (made under ``torch.inference_mode()``) when the call runs outside
+inference mode (torch would copy into it, then raise, leaving a layer half written),
+weights off the CPU when the communicator moves host memory only (a gloo group: its send
+and receive take a CPU tensor's memory, and it cannot read a GPU's), weights off CUDA
+when it moves CUDA memory only (an NCCL group), and, on a group with a backend per
+device, weights on a device none serves (the rules apply to the backend serving the
+weights' device).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ from eplb_fsm.transfer.communicator import Communicator, TorchDistCommunicator, 
 
 __all__ = [
     "Layout",
+    "Placement",
     "UnmovableWeightsError",
     "check_devices",
     "check_flag",
@@ -43,7 +48,9 @@ __all__ = [
     "check_layer_weights",
     "layout",
     "per_rank",
+    "placement",
     "resolve_communicator",
+    "tell_device",
     "traces_for",
 ]
 
@@ -52,6 +59,19 @@ Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
 
 def layout(tensors: Sequence[torch.Tensor]) -> Layout:
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+Placement = tuple[tuple[tuple[int, ...], torch.dtype, torch.device, int, tuple[int, ...], int], ...]
+
+
+def placement(tensors: Sequence[torch.Tensor]) -> Placement:
+    """Which memory each tensor (S, ...) is: its layout plus address, strides and storage offset.
+
+    A pending layer's commit compares it: another layer's tensors of the same layout would
+    otherwise be accepted and overwritten with this layer's experts.
+    """
+    return tuple((tuple(t.shape), t.dtype, t.device, t.data_ptr(), tuple(t.stride()), t.storage_offset())
+                 for t in tensors)
 
 
 def check_flag(value: Any, name: str) -> bool:
@@ -93,6 +113,13 @@ def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
             "inference mode, where torch refuses to write it in place (after copying into it, so a layer would be "
             "left half written); run the transfer under torch.inference_mode() (in the thread that calls it) "
             "or create the weights outside it", layer)
+    if t.is_conj() or t.is_neg():
+        # rows travel as bytes, and a lazy conjugate or negation has no byte view: the bits in
+        # memory are not the values the tensor reads as
+        raise UnmovableWeightsError(
+            f"{name}: is a lazy {'conjugate' if t.is_conj() else 'negative'} view (is_conj() or is_neg() is true); "
+            "its memory does not hold the values it reads as, so its rows cannot travel as bytes. Pass "
+            ".resolve_conj().resolve_neg() (a tensor whose memory holds its values)", layer)
     if t.is_contiguous() and (t.ndim < 2 or t.shape[-1] != 1):
         # the usual case, checked in one call: torch calls a tensor contiguous when every
         # dim of size > 1 has its row-major stride, so none is 0 and none overlaps; only
@@ -191,27 +218,43 @@ def find_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, 
 
 def check_devices(comm: Communicator, name: str, tensors: Sequence[torch.Tensor], layer: int | None = None) -> None:
     """Refuse tensors ``comm`` cannot move: off the CPU when it moves host memory only (gloo),
-    off CUDA when it moves CUDA memory only (NCCL).
+    off CUDA when it moves CUDA memory only (NCCL); with ``comm.device_backends`` (a group
+    whose backend depends on the device) the backend serving each tensor's device decides,
+    and a device no backend of the group serves is refused.
 
     ``tensors``: one layer's tensors (S, ...); the executor's layout check makes every
     layer and rank match them, so one layer speaks for all.
     """
-    if getattr(comm, "host_memory_only", False):
-        for t, w in enumerate(tensors):
+    backends = getattr(comm, "device_backends", None)
+    for t, w in enumerate(tensors):
+        serving = backends.get(w.device.type) if isinstance(backends, Mapping) else None
+        if getattr(comm, "host_memory_only", False) or serving == "gloo":
             if w.device.type != "cpu":
                 raise UnmovableWeightsError(
                     f"{name}[{t}]: is on {w.device}, and the transfer group "
                     f"({getattr(comm, 'backend', 'host memory only')}) moves CPU tensors only: gloo's send and "
                     "receive read and write a tensor's memory as host memory. Keep the expert weights on the CPU, "
                     f"or transfer over a group whose backend moves {w.device.type} tensors (NCCL for CUDA)", layer)
-    if getattr(comm, "cuda_memory_only", False):
-        for t, w in enumerate(tensors):
+        if getattr(comm, "cuda_memory_only", False) or serving == "nccl":
             if w.device.type != "cuda":
                 raise UnmovableWeightsError(
                     f"{name}[{t}]: is on {w.device}, and the transfer group "
                     f"({getattr(comm, 'backend', 'CUDA memory only')}) moves CUDA tensors only: NCCL sends and "
                     "receives GPU memory. Keep the expert weights on the GPU, or transfer CPU weights over a gloo "
                     "group", layer)
+        if isinstance(backends, Mapping) and serving is None:
+            raise UnmovableWeightsError(
+                f"{name}[{t}]: is on {w.device}, and the transfer group ({getattr(comm, 'backend', '?')}) has no "
+                f"backend for {w.device.type} tensors (it uses {dict(backends)}): move the weights to one of those "
+                "devices, or build the group with a backend for this one", layer)
+
+
+def tell_device(comm: Communicator, tensors: Sequence[torch.Tensor]) -> None:
+    """Give ``comm.use_device`` (when it has one) the device of ``tensors`` (one rank's layer, (S, ...) each),
+    after the checks and before anything moves: on a group with a backend per device it picks the one."""
+    use = getattr(comm, "use_device", None)
+    if use is not None and len(tensors):
+        use(tensors[0].device)
 
 
 def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,

@@ -62,7 +62,12 @@ def _row_bytes(t: torch.Tensor, for_recv: bool) -> "tuple[torch.Tensor, ...] | _
     tuple of views made in one call (indexing it costs no tensor op per message). A tensor
     with no elements (S, 0, ...) has an empty uint8 tensor per row, whatever its strides."""
     if t.is_contiguous() and t.ndim >= 1 and t.shape[0] > 0 and t[0].numel() > 0:
-        return t.view(t.shape[0], -1).view(torch.uint8).unbind(0)
+        rows = t.view(t.shape[0], -1)
+        # torch calls a (1,) tensor of any stride contiguous (column 0 of a (1, n) matrix:
+        # a 1-D weight with S = 1), but only a unit last stride can be viewed as bytes
+        if rows.stride(-1) == 1:
+            return rows.view(torch.uint8).unbind(0)
+        return _RowBytes(t, for_recv)
     if t.ndim >= 1 and t.numel() == 0:  # a stride other than 1 (a transposed (0, S)) cannot be viewed as bytes
         return (torch.empty(0, dtype=torch.uint8, device=t.device),) * t.shape[0]
     return _RowBytes(t, for_recv)

@@ -9,7 +9,9 @@ For one rank, every row falls in exactly one class:
 - *empty*: the new map leaves the slot empty (-1); its weights are left as they are;
 - *unchanged*: it keeps its expert;
 - *local*: its new expert is already on this rank in the old map; it is filled from the
-  first old row of this rank holding that expert (through the buffer);
+  first old row of this rank holding that expert. The executor copies it weights to
+  weights at commit, in an order that reads each row before overwriting it; only one row
+  per in-rank cycle has its source staged in the buffer (:mod:`.local_copies`);
 - *primary*: the first row of this rank needing an expert this rank does not hold; it
   receives that expert from one peer;
 - *duplicate*: a further row needing the same remote expert; it is copied from the
@@ -128,16 +130,6 @@ class LayerPlan:
             and self.duplicate_rows.size == 0
             and self.send_peers.size == 0
         )
-
-    def commit_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(weight rows to write, buffer rows to read), ascending by weight row.
-
-        Local and primary rows read their own buffer row; duplicates read their primary's.
-        """
-        dst = np.concatenate([self.local_rows, self.primary_rows, self.duplicate_rows])
-        src = np.concatenate([self.local_rows, self.primary_rows, self.duplicate_src_rows])
-        order = np.argsort(dst, kind="stable")
-        return dst[order], src[order]
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ old group; larger → new group; smaller is an error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -128,8 +128,25 @@ def expand_phy2log(phy2log: Any, group_of_rank: tuple[int, ...] | list[int], gro
     """Place each rank's S slots at its group rank's position; other group ranks get -1.
 
     ``phy2log``: (P,) or (L, P) over ``len(group_of_rank)`` ranks; ``group_of_rank[r]`` is
-    the group rank of rank r (-1: not in the group, its slots are dropped).
+    the group rank of rank r (-1: not in the group, its slots are dropped). Returns
+    (group_size * S,) or (L, group_size * S), S = P / len(group_of_rank).
+    Raises ``ValueError`` naming the argument: ``group_size`` not a positive int,
+    ``group_of_rank`` empty, an entry not an int in [-1, group_size), or two ranks
+    placed at one group rank (one would silently overwrite the other's slots).
     """
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+        raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
+    group_size = int(group_size)
+    if isinstance(group_of_rank, np.ndarray) and group_of_rank.ndim == 1:
+        group_of_rank = group_of_rank.tolist()
+    if isinstance(group_of_rank, (str, bytes)) or not isinstance(group_of_rank, Sequence) or not group_of_rank:
+        raise ValueError(f"group_of_rank: must be a non-empty list of group ranks, one per rank, got {group_of_rank!r}")
+    for r, gr in enumerate(group_of_rank):
+        if isinstance(gr, bool) or not isinstance(gr, (int, np.integer)) or not -1 <= gr < group_size:
+            raise ValueError(f"group_of_rank: entry {r} must be an int in [-1, group_size={group_size}), got {gr!r}")
+    kept = [int(gr) for gr in group_of_rank if gr != -1]
+    if len(set(kept)) != len(kept):
+        raise ValueError(f"group_of_rank: the group ranks other than -1 must be distinct, got {list(group_of_rank)}")
     arr = _as_maps("phy2log", phy2log)
     g = len(group_of_rank)
     p = arr.shape[-1]
