@@ -253,3 +253,55 @@ def test_transfer_nice_reaches_the_threads_gloo_starts_for_the_transfer_group():
             assert res["started"], "building a gloo group starts its own threads"
             assert res["started"] == [min(19, res["base"] + nice)] * len(res["started"])
             assert res["caller"] == res["base"] and res["sum"] == [2.0] * 4
+
+
+def _registered(group) -> bool:
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _replaced_transfer_groups(rank: int, world: int) -> dict:
+    """A transfer group rebuilt, then released: over every rank of the default group and over ranks 0 and 1 only."""
+    import torch.distributed as dist
+
+    out = {}
+    sub = dist.new_group(ranks=[0, 1])   # every rank of the default group takes part in this one
+    for name, group, members in (("world", dist.group.WORLD, world), ("sub", sub, 2)):
+        if rank >= members:
+            continue
+        coll = Collectives(group, rank, members, EventTrace(rank=rank, world=members), torch.device("cpu"), 20.0, "ep")
+        coll.new_transfer_group()
+        first = coll.transfer_group
+        coll.new_transfer_group()   # as after a transfer fault
+        second = coll.transfer_group
+        total = torch.ones(2)
+        dist.all_reduce(total, group=second)
+        releasable = coll.transfer_releasable
+        coll.release_transfers()    # as close() does
+        out[name] = {"releasable": releasable, "sum": total.tolist(), "names_differ":
+                     first.group_name != second.group_name, "first": _registered(first), "second": _registered(second),
+                     "after_release": (coll.transfer_group, coll.communicator)}
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_replaced_transfer_group_is_destroyed_only_where_torch_never_reuses_its_name():
+    """gloo world 3: over every rank the replaced and the released transfer groups are destroyed; over ranks 0-1 (a
+    locally synchronized group, named after how many groups exist) both stay registered, so no later build takes
+    the name, and the stale rendezvous addresses, of a destroyed one."""
+    results = run_ranks(_replaced_transfer_groups, 3, timeout=90)
+    for rank, out in enumerate(results):
+        world = out["world"]
+        assert world["releasable"] and world["sum"] == [3.0, 3.0] and world["names_differ"]
+        assert (world["first"], world["second"], world["after_release"]) == (False, False, (None, None))
+        if rank < 2:
+            sub = out["sub"]
+            assert not sub["releasable"] and sub["sum"] == [2.0, 2.0] and sub["names_differ"]
+            assert (sub["first"], sub["second"], sub["after_release"]) == (True, True, (None, None))
+        else:
+            assert "sub" not in out

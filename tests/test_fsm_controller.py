@@ -1028,3 +1028,72 @@ def test_ranks_refused_for_a_config_mismatch_can_construct_again_in_the_same_pro
     for rank in (0, 1):
         ends = [r for r in read_trace(tmp_path / f"rank{rank:05d}.jsonl")[0] if r["event"] == "end"]
         assert [e["how"] for e in ends] == ["exception", "closed"]
+
+
+def test_a_close_interrupted_in_its_wait_for_the_worker_still_ends_and_frees_the_trace(tmp_path):
+    """Ctrl-C (a KeyboardInterrupt raised where close() waits for the worker) goes on up with the trace ended and
+    closed: a second close() is a no-op and a new controller opens the same file."""
+    ctl = EplbController(cfg(use_async=True), trace_dir=str(tmp_path), liveness_interval_s=0.05)
+    ctl.add_model(ProtocolModel(), "main")
+    stop = ctl.worker.close
+
+    def interrupted(timeout):
+        raise KeyboardInterrupt   # what Python's SIGINT handler raises in the main thread's wait
+
+    ctl.worker.close = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ctl.close()
+        ctl.close()
+        assert ctl.trace.closed
+        records, bad = read_trace(tmp_path / "rank00000.jsonl")
+        assert bad == 0 and records[-1]["event"] == "end" and records[-1]["how"] == "closed"
+        EplbController(cfg(), trace_dir=str(tmp_path), liveness_interval_s=None).close()
+    finally:
+        stop(5.0)
+
+
+@pytest.mark.parametrize("counters, said", [
+    ({"steps": 50, "since": 7, "threshold": 9}, "count missing"),
+    ({}, "steps, since, threshold, count missing"),
+    ([50, 7, 9, 0], "steps, since, threshold, count missing"),
+    ({"steps": -5, "since": 0, "threshold": 4, "count": 0}, r"counters\['steps'\] must be >= 0"),
+    ({"steps": 5, "since": 1, "threshold": 0, "count": 0}, r"counters\['threshold'\] must be >= 1"),
+    ({"steps": 5, "since": 1.5, "threshold": 4, "count": 0}, r"counters\['since'\] must be an integer"),
+    ({"steps": 5, "since": 1, "threshold": 4, "count": True}, r"counters\['count'\] must be an integer"),
+])
+def test_restore_counters_refuses_bad_counters_naming_the_key_before_changing_any(counters, said):
+    """A missing key, a negative or non-integer value: ValueError naming the key, and every counter as it was."""
+    ctl = EplbController(cfg(), keep_trace=True, liveness_interval_s=None)
+    before = ctl.export_counters()
+    with pytest.raises(ValueError, match=said):
+        ctl.restore_counters(counters)
+    assert ctl.export_counters() == before
+    ctl.restore_counters({"steps": np.int64(50), "since": 7, "threshold": 9, "count": 2, "models": []})
+    assert ctl.export_counters() == {"steps": 50, "since": 7, "threshold": 9, "count": 2}
+    ctl.close()
+
+
+@pytest.mark.parametrize("raised, how, error", [
+    (None, "closed", None),
+    (ValueError("engine bug"), "exception", "ValueError: engine bug"),
+    (SystemExit(0), "closed", None),
+    (SystemExit(3), "exception", "SystemExit: 3"),
+])
+def test_a_with_block_ends_the_trace_as_the_block_ended(raised, how, error):
+    """An exception leaving `with EplbController(...)` ends the trace how=exception (replay: crashed), else closed."""
+    def body():
+        with EplbController(cfg(), keep_trace=True) as ctl:
+            ctl.step()
+            holder.append(ctl)
+            if raised is not None:
+                raise raised
+
+    holder: list = []
+    if raised is None:
+        body()
+    else:
+        with pytest.raises(type(raised)):
+            body()
+    end = holder[0].trace.records[-1]
+    assert (end["event"], end["how"], end.get("error")) == ("end", how, error)

@@ -221,6 +221,59 @@ def test_a_sigint_inside_a_rearrangement_leaves_it_failed_never_stuck(tmp_path, 
     assert report.illegal_transitions == [] and report.verdict == "healthy", report.summary
 
 
+# -- a KeyboardInterrupt in the reset that follows a transfer fault ---------------------------------------
+
+def _sigint_in_transfer_reset(rank: int, world: int, trace_dir: str) -> dict:
+    import eplb_fsm.fsm.recovery as recovery
+
+    _take_sigint()
+    ctl, model, group = _setup(rank, world, trace_dir, "sync", timeout=1.0)
+
+    def broken(layer, name, local):
+        if rank == 0 and layer == 1 and not ctl.history:
+            raise RuntimeError("injected: layer 1's transfer failed")
+
+    ctl.transfer_hooks.append(broken)
+    real_drain = recovery._drain
+
+    def drain(r):   # a real SIGINT as the reset begins (waiting for the worker, then for its peers)
+        recovery._drain = real_drain
+        _sigint()
+        return real_drain(r)
+
+    recovery._drain = drain
+    out: dict = {"errors": []}
+    s = 0
+    while "interrupted" not in out and s < 12:
+        try:
+            _step(ctl, model, group, s)
+        except KeyboardInterrupt:
+            out["interrupted"] = (ctl.state, ctl.transfer_group_name)
+        except Exception as exc:
+            out["errors"].append(f"{type(exc).__name__}: {exc}")
+        s += 1
+    ctl.recover()   # its reset never ran: recover() builds the fresh transfer group
+    out["recovered"] = (ctl.state, ctl.transfer_group_name)
+    out.update(_serve_on(ctl, model, group, s))
+    ctl.close()
+    return out
+
+
+def test_a_sigint_in_a_transfer_faults_reset_fails_the_machine_never_leaves_it_collecting(tmp_path):
+    """A real SIGINT while a transfer fault's reset drains (sync, both ranks): the recoverable fault is followed by a
+    traced non-recoverable one (failed, old transfer group named), then recover() rebuilds it and serving is exact."""
+    for rank, out in enumerate(run_ranks(_sigint_in_transfer_reset, 2, args=(str(tmp_path),), timeout=120)):
+        assert out["interrupted"] == ("failed", "ep_transfer") and out["errors"] == []
+        assert out["recovered"] == ("collecting", "ep_transfer.1")
+        assert out["state"] == "collecting" and out["exact"] and out["bad_rows"] == []
+        faults = _faults(str(tmp_path), rank)
+        assert [(f["source"], f["dest"], f["recoverable"], f.get("interrupted")) for f in faults] == [
+            ("transferring", "collecting", True, None), ("collecting", "failed", False, "KeyboardInterrupt")]
+        assert "reset interrupted" in faults[1]["reason"]
+    report = _verdict(str(tmp_path))
+    assert report.illegal_transitions == [], report.summary
+
+
 # -- a commit that raises on one rank only ----------------------------------------------------------------
 
 def _one_rank_breaks_a_commit(rank: int, world: int, trace_dir: str, mode: str) -> dict:

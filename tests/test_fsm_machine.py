@@ -354,3 +354,37 @@ def test_check_definition_finds_unknown_state_names():
     broken = list(TRANSITIONS) + [{"trigger": "switched", "source": "limbo", "dest": SCALING}]
     with pytest.raises(AssertionError, match="unknown states.*limbo"):
         check_definition(broken)
+
+
+@pytest.mark.parametrize("state, trigger, data, field, rule", [
+    (TRANSFERRING, "layer_done", {"layer": 0.9}, "layer", "must be an int"),
+    (TRANSFERRING, "layer_done", {"layer": True}, "layer", "must be an int"),
+    (TRANSFERRING, "layer_done", {"layer": None}, "layer", "must be an int"),
+    (TRANSFERRING, "layer_done", {"layer": "0"}, "layer", "must be an int"),
+    (COLLECTING, "step", {"due": "no"}, "due", "must be a bool"),
+    (COLLECTING, "step", {"due": 1}, "due", "must be a bool"),
+    (TRANSFERRING, "fault", {"recoverable": "False"}, "recoverable", "must be a bool"),
+    (TRANSFERRING, "fault", {"recoverable": None}, "recoverable", "must be a bool"),
+    (PLANNING, "plan_ready", {"moves": None, "worth": True}, "moves", "must be an int"),
+    (PLANNING, "plan_ready", {"moves": 3.0, "worth": True}, "moves", "must be an int"),
+    (PLANNING, "plan_ready", {"moves": 3, "worth": "false"}, "worth", "must be a bool"),
+])
+def test_event_data_of_the_wrong_type_is_refused_naming_it_before_anything_changes(state, trigger, data, field,
+                                                                                   rule):
+    """A datum a guard would coerce (0.9 as layer 0, "no" as due) is a ValueError naming it; state and layer stay."""
+    m = EplbMachine(num_layers=NUM_LAYERS, state=state, layer=0)
+    seen = []
+    m.listeners.append(seen.append)
+    with pytest.raises(ValueError, match=f"event data of the wrong type: {field} {rule}"):
+        m.fire(trigger, **data)
+    assert (m.state, m.layer, seen) == (state, 0, [])
+
+
+def test_numpy_integers_and_bools_are_event_data_of_the_right_type():
+    """What decisions may hand over (numpy scalars) is accepted as its Python counterpart."""
+    import numpy as np
+
+    m = EplbMachine(num_layers=NUM_LAYERS, state=PLANNING)
+    assert m.fire("plan_ready", moves=np.int64(3), worth=np.bool_(True)).dest == TRANSFERRING
+    assert m.fire("layer_done", layer=np.int32(0)).layer == 1
+    assert m.fire("fault", recoverable=np.bool_(False)).dest == FAILED

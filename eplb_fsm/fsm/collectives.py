@@ -1,22 +1,20 @@
 """The controller's collectives: which EP group it talks on, its all-reduce, its transfer group.
 
-Two kinds of group reach the controller: a ``torch.distributed`` process group (or
-``None``: the default group if one is initialized, else a single rank), or a *collective
-group* object with ``rank``, ``world_size``, ``all_reduce(tensor, timeout_s)`` and
-``transfer_communicator(timeout_s)`` (an engine's own communication layer, the elastic
-``transfer.groups.StoreGroup``, in-process ranks in tests).
+Two kinds of group reach the controller: a ``torch.distributed`` process group (or ``None``: the default group if one
+is initialized, else a single rank), or a *collective group* object with ``rank``, ``world_size``,
+``all_reduce(tensor, timeout_s)`` and ``transfer_communicator(timeout_s)`` (an engine's own communication layer, the
+elastic ``transfer.groups.StoreGroup``, in-process ranks in tests).
 
-The controller owns one :class:`Collectives` (``controller.collectives``). Every
-agreement between ranks goes through its :meth:`Collectives.all_reduce`: one
-float64 all-reduce (sum) of the named parts, concatenated, so a step that needs several
-shared values still issues a single collective. A failure or timeout there raises
-:class:`GroupBroken`: the EP group can no longer be trusted. Elastic EP moves the object
-to another group (:meth:`Collectives.switch`) or agrees once on a group it has not moved
-to yet (:meth:`Collectives.on`); fault injection wraps the object.
+The controller owns one :class:`Collectives` (``controller.collectives``). Every agreement between ranks goes through
+its :meth:`Collectives.all_reduce`: one float64 all-reduce (sum) of the named parts, concatenated, so a step that needs
+several shared values still issues a single collective. A failure or timeout there raises :class:`GroupBroken`: the EP
+group can no longer be trusted. Elastic EP moves the object to another group (:meth:`Collectives.switch`) or agrees
+once on a group it has not moved to yet (:meth:`Collectives.on`); fault injection wraps the object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Any, Callable
 
@@ -26,17 +24,8 @@ from eplb_fsm.fsm.worker import run_niced
 from eplb_fsm.run_identity import backend_grace, group_sum, start_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
 
-__all__ = [
-    "GROUP_NAME",
-    "TRANSFER_GROUP_NAME",
-    "LOCAL_GROUP_NAME",
-    "GroupBroken",
-    "PostedReduce",
-    "Collectives",
-    "flags",
-    "is_collective_group",
-    "resolve_group",
-]
+__all__ = ["GROUP_NAME", "TRANSFER_GROUP_NAME", "LOCAL_GROUP_NAME", "GroupBroken", "PostedReduce", "Collectives",
+           "flags", "is_collective_group", "resolve_group"]
 
 GROUP_NAME = "ep"                 # trace name of the EP group (the engine's)
 TRANSFER_GROUP_NAME = "ep_transfer"  # trace name of the controller's own transfer group
@@ -101,10 +90,9 @@ def resolve_group(group: Any) -> tuple[Any, int, int]:
 class Collectives:
     """This rank's EP group: the all-reduce every agreement goes through, and the transfer group.
 
-    ``group``: what :func:`resolve_group` returned (a torch group, a collective-group
-    object or None); ``trace``: the rank's trace (collectives are recorded there);
-    ``device``: the controller's device (an NCCL all-reduce runs there, else on the CPU);
-    ``timeout_s``: the transfer group's timeout; ``generation``: the group's number (elastic).
+    ``group``: what :func:`resolve_group` returned (a torch group, a collective-group object or None); ``trace``: the
+    rank's trace (collectives are recorded there); ``device``: the controller's device (an NCCL all-reduce runs there,
+    else on the CPU); ``timeout_s``: the transfer group's timeout; ``generation``: the group's number (elastic).
     """
 
     def __init__(self, group: Any, rank: int, world_size: int, trace: Any, device: torch.device,
@@ -119,14 +107,15 @@ class Collectives:
         self.generation = int(generation)
         self.custom = group is not None and is_collective_group(group)
         self.transfer_group = None          # torch groups only: the process group transfers run on
+        self.transfer_releasable = False    # whether it may be destroyed once replaced (_new_torch_group)
         self.communicator: Any = None       # what weight transfers use (``transfer.Communicator``)
         self.transfer_generation = -1       # how many times the transfer group was re-created
-        # async_worker_nice: the torch transfer group is built on a thread niced by this much, so
-        # the backend threads that move the weights yield to the engine as the worker does
+        # async_worker_nice: the torch transfer group is built on a thread niced by this much, so the backend
+        # threads that move the weights yield to the engine as the worker does
         self.transfer_nice = int(transfer_nice)
         self.comm_device = self._collective_device()
-        # elastic EP: caps every all-reduce's timeout by the time left before the scale's
-        # deadline (eplb_fsm.elastic.bounds); None outside a scale
+        # elastic EP: caps every all-reduce's timeout by the time left before the scale's deadline
+        # (eplb_fsm.elastic.bounds); None outside a scale
         self.cap: Callable[[float], float] | None = None
 
     def _collective_device(self) -> torch.device:
@@ -241,16 +230,15 @@ class Collectives:
     def new_transfer_group(self, wait_all: bool = True) -> None:
         """(Re)create the process group the weight transfers run on (collective over the EP ranks).
 
-        Each new group gets a new trace name, so its collective sequence (``cseq``) starts
-        from 0 on every rank whatever the old group saw. ``wait_all``: end with
-        :meth:`wait_all_built`; a joiner of a scale-up passes False, since its build pairs
-        with the serving ranks' in their handover, whose next all-reduce is that wait.
-        Nothing changes when it raises: the generation counts groups every rank built, so a
-        rank whose build failed names its retry as its peers name theirs.
+        Each new group gets a new trace name, so its collective sequence (``cseq``) starts from 0 on every rank
+        whatever the old group saw. ``wait_all``: end with :meth:`wait_all_built`; a joiner of a scale-up passes False,
+        since its build pairs with the serving ranks' in their handover, whose next all-reduce is that wait. Nothing
+        changes when it raises: the generation counts groups every rank built, so a rank whose build failed names its
+        retry as its peers name theirs.
         """
         old = self.transfer_generation
         self.transfer_generation = old + 1     # the name the new group is built under
-        transfer_group = None
+        transfer_group = releasable = None
         communicator: Any = None
         try:
             error: Exception | None = None
@@ -261,7 +249,7 @@ class Collectives:
                     communicator = self.group.transfer_communicator(self.timeout_s)
                     self.name_communicator(communicator)
                 else:
-                    transfer_group = self._new_torch_group()
+                    transfer_group, releasable = self._new_torch_group()
                     # no stream of its own: in async mode the worker already runs each job on its stream
                     communicator = TorchDistCommunicator(transfer_group, timeout=self.timeout_s,
                                                          name=self.transfer_group_name)
@@ -293,44 +281,60 @@ class Collectives:
                 if callable(abandon):
                     abandon()
             raise
-        if transfer_group is not None:
-            self.transfer_group = transfer_group
-        self.communicator = communicator
+        if transfer_group is not None:   # the callers agreed first that every worker drained: none uses the old one
+            self._drop_torch_group()
+            self.transfer_group, self.transfer_releasable = transfer_group, releasable
+        self.communicator = communicator   # a StoreGroup's old gloo group goes with its last reference
 
-    def _new_torch_group(self) -> Any:
+    def _new_torch_group(self) -> tuple[Any, bool]:
+        """A new process group over the EP ranks, and whether it may be destroyed once replaced: over a subset of
+        the default group it is locally synchronized, and torch names such a group after how many exist, so the
+        next build would take a destroyed one's name and read its stale rendezvous addresses in the store (connect
+        refused). Over every rank torch's group counter names it, never twice in a process."""
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.group)
-        # NCCL moves the weights on the GPU and binds its communicator to the calling
-        # thread's device: it is built here, unniced
+        local = len(ranks) < dist.get_world_size()
+        # NCCL binds its communicator to the building thread's device: an NCCL group is built here, unniced
         nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
-        return run_niced(
-            lambda: dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                   use_local_synchronization=True),
-            nice, self.timeout_s + 10.0)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return run_niced(lambda: dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=local), nice,
+                         self.timeout_s + 10.0), not local
+
+    def _drop_torch_group(self) -> None:
+        """Destroy the torch transfer group (its threads and sockets) where :meth:`_new_torch_group` allows it."""
+        import torch.distributed as dist
+
+        if self.transfer_group is not None and self.transfer_releasable and dist.is_initialized():
+            with contextlib.suppress(ValueError):   # not registered any more: it went with the default group
+                dist.destroy_process_group(self.transfer_group)
+
+    def release_transfers(self) -> None:
+        """Destroy the torch transfer group and drop the communicator (``close()``, once no job uses them)."""
+        self._drop_torch_group()
+        self.transfer_group = self.communicator = None
 
     def wait_all_built(self, failed: bool = False) -> int:
-        """Return once every rank has built its transfer group (or failed to): an untraced SUM all-reduce of one
-        flag, 1 where the build failed; returns how many ranks failed. Every rank joins it, built or not, so
-        a build that returned on some ranks only is everyone's failure, and the EP group's all-reduces stay
-        in step (a rank that skipped it would pair its next all-reduce with its peers' wait here).
+        """Return once every rank has built its transfer group (or failed to): an untraced SUM all-reduce of one flag,
+        1 where the build failed; returns how many ranks failed. Every rank joins it, built or not, so a build that
+        returned on some ranks only is everyone's failure, and the EP group's all-reduces stay in step (a rank that
+        skipped it would pair its next all-reduce with its peers' wait here).
 
-        Building a gloo group returns on a rank as soon as its own connections are up, while
-        a peer may still be reading the rendezvous store, which lives in one rank's process
-        (rank 0's for ``init_process_group``). Without this, a rank 0 that went on and exited
-        right after construction reset that peer inside its build ("Connection reset by
-        peer"). A rank enters this all-reduce only after its build returned, so none leaves
-        before all have. Untraced, like the run-identity agreement: ``cseq`` stays as it was.
-        Raises what the all-reduce raises (its timeout is the collective timeout, bounded in
-        the backend as :func:`eplb_fsm.run_identity.start_sum` says: a peer whose build failed never joins it).
+        Building a gloo group returns on a rank as soon as its own connections are up, while a peer may still be
+        reading the rendezvous store, which lives in one rank's process (rank 0's for ``init_process_group``). Without
+        this, a rank 0 that went on and exited right after construction reset that peer inside its build ("Connection
+        reset by peer"). A rank enters this all-reduce only after its build returned, so none leaves before all have.
+        Untraced, like the run-identity agreement: ``cseq`` stays as it was. Raises what the all-reduce raises (its
+        timeout is the collective timeout, bounded in the backend as :func:`eplb_fsm.run_identity.start_sum` says: a
+        peer whose build failed never joins it).
         """
         flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float64)
         group_sum(self.group, self.custom, self.timeout_s, self.comm_device)(flag)
         return int(round(float(flag[0])))
 
     def name_communicator(self, communicator: Any = None) -> None:
-        """Give ``communicator`` (default: the current one) the transfer group's trace name (one with a
-        fixed name keeps it)."""
+        """Give ``communicator`` (default: the current one) the transfer group's trace name (one with a fixed name
+        keeps it)."""
         try:
             (communicator if communicator is not None else self.communicator).name = self.transfer_group_name
         except AttributeError:
@@ -344,9 +348,9 @@ class Collectives:
 class PostedReduce:
     """One all-reduce of :meth:`Collectives.post`: issued, and read by :meth:`wait` (once).
 
-    ``names``, ``shapes``, ``sizes``: the parts; ``buf``: the (sum of sizes,) float64 tensor
-    being summed; ``work``: the backend's handle while it runs (None once finished, or for a
-    group without a non-blocking all-reduce); ``opened``: its open trace record.
+    ``names``, ``shapes``, ``sizes``: the parts; ``buf``: the (sum of sizes,) float64 tensor being summed; ``work``:
+    the backend's handle while it runs (None once finished, or for a group without a non-blocking all-reduce);
+    ``opened``: its open trace record.
     """
 
     def __init__(self, collectives: Collectives, names: list[str], shapes: list, sizes: list[int],

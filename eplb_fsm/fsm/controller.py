@@ -9,13 +9,12 @@ The engine calls ``step()`` once per engine step, on every rank, with the same f
         model.forward(batch)                     # adds routed tokens into load_pass
         controller.step(is_dummy=..., log_stats=...)
 
-This module is the step loop and the actions it executes; nothing decides here. What a
-step does comes from :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters and
-the step's all-reduced values), the transition from :mod:`~eplb_fsm.fsm.machine`, whose
-guards read those decisions as event data. Collaborators: ``collectives`` (the EP group's
-all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the weights),
-``reporter`` (``history``, seconds per state), ``rearranger`` (the rearrangement in
-flight), ``worker`` (async), ``watchdog``, ``counters`` (shared).
+This module is the step loop and the actions it executes; nothing decides here. What a step does comes from
+:mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters and the step's all-reduced values), the
+transition from :mod:`~eplb_fsm.fsm.machine`, whose guards read those decisions as event data. Collaborators:
+``collectives`` (the EP group's all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the
+weights), ``reporter`` (``history``, seconds per state), ``rearranger`` (the rearrangement in flight), ``worker``
+(async), ``watchdog``, ``counters`` (shared).
 
 Ranks can never disagree: decisions read counters that advance identically everywhere and all-reduces every rank
 issues on the same step (at most one of the controller's own per step, plus one agreement per layer and one after
@@ -53,16 +52,14 @@ __all__ = ["EplbController", "SharedTrace", "Plan", "ModelEntry", "GROUP_NAME", 
 class EplbController:
     """Drive the EPLB machine for one rank: load statistics, planning, transfers, commits.
 
-    ``config``: an :class:`EplbConfig` (equal on every rank). ``group``: the EP process
-    group (``None``: the default group if torch.distributed is initialized, else a single
-    rank), or any object with ``rank``, ``world_size``, ``all_reduce(tensor, timeout_s)``
-    and ``transfer_communicator(timeout_s)`` (an engine's own communication layer, the
-    elastic ``transfer.groups.StoreGroup``, in-process ranks in tests). With a torch group
-    the controller creates its own transfer group at construction (collective).
-    ``device``: where the load counters and maps live. ``trace_dir``: where this rank's
-    JSONL trace goes (``None``: no file; ``keep_trace=True`` keeps records in memory).
-    ``role``: ``"member"`` or ``"joiner"`` (elastic EP: use :meth:`join`), ``start_step``:
-    the engine step counter to start from. ``liveness_interval_s``: seconds between ``alive`` records (None: off).
+    ``config``: an :class:`EplbConfig` (equal on every rank). ``group``: the EP process group (``None``: the default
+    group if torch.distributed is initialized, else a single rank), or any object with ``rank``, ``world_size``,
+    ``all_reduce(tensor, timeout_s)`` and ``transfer_communicator(timeout_s)`` (an engine's own communication layer,
+    the elastic ``transfer.groups.StoreGroup``, in-process ranks in tests). With a torch group the controller creates
+    its own transfer group at construction (collective; :meth:`close` releases it). ``device``: where the load counters
+    and maps live. ``trace_dir``: where this rank's JSONL trace goes (``None``: no file; ``keep_trace=True`` keeps
+    records in memory). ``role``: ``"member"`` or ``"joiner"`` (elastic EP: use :meth:`join`), ``start_step``: the
+    engine step counter to start from. ``liveness_interval_s``: seconds between ``alive`` records (None: off).
 
     Every rank must construct the controller, add the same models in the same order,
     and call ``step`` / ``rearrange`` / ``recover`` the same number of times.
@@ -100,8 +97,7 @@ class EplbController:
                role: str, start_step: int) -> None:   # the construction once the trace is open
         self.collectives = Collectives(group, rank, world_size, self.trace, self.device, config.collective_timeout_s,
                                        name, generation, transfer_nice=config.use_async and config.async_worker_nice)
-        self.last_generation = generation   # the last one a scale request used up
-        self.scalings: list[dict] = []
+        self.last_generation, self.scalings = generation, []   # the last generation a scale request used up
         initial = SCALING if role == "joiner" else COLLECTING
         self.trace.set_context(state=initial, step=start_step)
         run_identity.write_header(  # issue 12: the run id agreed with rank 0, config checked, then the header
@@ -115,8 +111,7 @@ class EplbController:
         self.counters = Counters(steps=start_step, since=0, threshold=config.first_rearrangement_step)
         self.timeout_s = float(config.collective_timeout_s)
         self.reporter = Reporter(self.trace, rank)
-        # fault injection / instrumentation: hook(global_layer, model_name, model_layer) right
-        # before a layer's transfer, in the thread that runs it; raising = a transfer error
+        # hook(global_layer, model_name, model_layer) before a layer's transfer, in its thread; raising = its error
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
@@ -137,13 +132,12 @@ class EplbController:
     def add_model(self, model: Any, name: str, phy2log: Any = None) -> ModelEntry:
         """Balance ``model`` (MoE protocol, see model_protocol) under ``name``.
 
-        ``phy2log`` (L, P) is its current placement (default: the initial contiguous one
-        the weights were loaded in). Its layers join the machine's layer sequence after
-        the models added before. Only while collecting, before a rearrangement starts.
-        Refused (``ValueError``, nothing changed) when its expert weights share memory with
-        a model already added (or itself added twice), sit off the CPU while the transfer
-        group is gloo, or ``phy2log`` is not (L, S × G); an error from the model's own
-        ``set_eplb_state`` propagates with nothing added. Steps before the first model do not count.
+        ``phy2log`` (L, P) is its current placement (default: the initial contiguous one the weights were loaded in).
+        Its layers join the machine's layer sequence after the models added before. Only while collecting, before a
+        rearrangement starts. Refused (``ValueError``, nothing changed) when its expert weights share memory with a
+        model already added (or itself added twice), sit off the CPU while the transfer group is gloo, or ``phy2log``
+        is not (L, S × G); an error from the model's own ``set_eplb_state`` propagates with nothing added. Steps before
+        the first model do not count.
         """
         self._check_open("add_model")
         if not isinstance(name, str) or not name:
@@ -166,16 +160,6 @@ class EplbController:
 
     # ---------------------------------------------------------------- queries
     @property
-    def state(self) -> str:
-        """The machine's state: collecting, planning, transferring, committing, scaling or failed."""
-        return self.machine.state
-
-    @property
-    def layer(self) -> int:
-        """The machine's layer counter (the layer being transferred while transferring)."""
-        return self.machine.layer
-
-    @property
     def config(self) -> EplbConfig:
         return self._config
 
@@ -185,6 +169,10 @@ class EplbController:
         self._config = self.rearranger.config = self._config.check_replacement(value)
 
     # read-only views of the collaborators' state
+    state = property(lambda self: self.machine.state,
+                     doc="The machine's state: collecting, planning, transferring, committing, scaling or failed.")
+    layer = property(lambda self: self.machine.layer,
+                     doc="The machine's layer counter (the layer being transferred while transferring).")
     num_layers = property(lambda self: sum(e.num_layers for e in self.models), doc="MoE layers of the models added.")
     steps = property(lambda self: self.counters.steps, doc="Engine steps taken (profile steps excluded).")
     steps_until_due = property(lambda self: self.counters.until_due,
@@ -194,7 +182,8 @@ class EplbController:
     group = property(lambda self: self.collectives.group, doc="The EP group (see Collectives).")
     group_name = property(lambda self: self.collectives.name, doc="Trace name of the EP group.")
     generation = property(lambda self: self.collectives.generation, doc="Elastic EP: the group's generation.")
-    transfer_group = property(lambda self: self.collectives.transfer_group, doc="Torch group transfers run on.")
+    transfer_group = property(lambda self: self.collectives.transfer_group,
+                              doc="Torch group transfers run on (None with a collective-group object, after close()).")
     transfer_group_name = property(lambda self: self.collectives.transfer_group_name, doc="Its trace name.")
     history = property(lambda self: self.reporter.history, doc="One entry per rearrangement (Reporter).")
     balancedness_log = property(lambda self: self.reporter.balancedness_log, doc="(step, value) pairs.")
@@ -367,10 +356,14 @@ class EplbController:
         return {"steps": c.steps, "since": c.since, "threshold": c.threshold, "count": self.reporter.count}
 
     def restore_counters(self, counters: dict) -> None:
-        """Take the counters another rank exported (a joiner, before it adds its models)."""
-        c = self.counters
-        c.steps, c.since, c.threshold = (int(counters[key]) for key in ("steps", "since", "threshold"))
-        self.reporter.count = int(counters["count"])
+        """Take the counters another rank exported (a joiner, before it adds its models); ``ValueError`` naming
+        the key that is missing or not an int >= 0 (``threshold``: >= 1), before any counter changes."""
+        keys = ("steps", "since", "threshold", "count")
+        missing = [key for key in keys if key not in counters] if isinstance(counters, dict) else list(keys)
+        if missing:
+            raise ValueError(f"counters: {', '.join(missing)} missing (a dict as export_counters() returns)")
+        values = [as_count(counters[k], f"counters[{k!r}]", minimum=int(k == "threshold")) for k in keys]
+        self.counters.steps, self.counters.since, self.counters.threshold, self.reporter.count = values
         self.trace.set_context(step=self.counters.steps)
 
     def _check_open(self, call: str) -> None:
@@ -378,23 +371,30 @@ class EplbController:
             raise RuntimeError(f"{call}() on a closed EplbController (close() ran); build a new controller")
 
     def close(self) -> None:
-        """Stop the worker and the watchdog and close the trace (idempotent); later ``step``,
-        ``rearrange``, ``add_model``, ``request_scale`` and ``recover`` raise ``RuntimeError``."""
+        """Stop the worker and the watchdog, release the transfer group built for this controller and close the
+        trace (idempotent); later ``step``, ``rearrange``, ``add_model``, ``request_scale`` and ``recover`` raise
+        ``RuntimeError``. An interrupt (Ctrl-C) in its waits goes on up once the trace is ended and closed."""
         if self._closed:
             return
         self._closed = True
-        self.liveness.stop()  # issue 12
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        self.rearranger.settle(act=False)  # a posted all-reduce still open: its end record, no action
-        self.mover.stop_pacing()  # the worker's queued jobs pair with the peers': unpaced, they end in time
-        if self.worker is not None and not self.worker.close(timeout=self.timeout_s + 5.0):  # its last jobs run
-            self.trace.emit("worker_stuck", pending=self.worker.pending)
-        self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first
-        self.trace.close()
+        try:   # the trace holds its file (one writer per file): an interrupt must not leave it open
+            self.liveness.stop()
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            self.rearranger.settle(act=False)  # a posted all-reduce still open: its end record, no action
+            self.mover.stop_pacing()  # the worker's queued jobs pair with the peers': unpaced, they end in time
+            if self.worker is not None and not self.worker.close(timeout=self.timeout_s + 5.0):  # its last jobs run
+                self.trace.emit("worker_stuck", pending=self.worker.pending)   # its job may still use the group
+            else:
+                self.collectives.release_transfers()
+        finally:
+            self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first
+            self.trace.close()
 
     def __enter__(self) -> "EplbController":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if error is not None and not (isinstance(error, SystemExit) and error.code in (0, None)):
+            self.trace.end("exception", f"{type(error).__name__}: {error}")   # replay: crashed, not closed in order
         self.close()

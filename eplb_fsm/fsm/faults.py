@@ -6,7 +6,8 @@ of the same names:
 - :func:`abort`: fire ``fault``; committed layers stay new, the rest keep old maps and weights.
 - :func:`group_fault`: a collective on the EP group failed: ``failed`` (nothing left to agree over).
 - :func:`transfer_fault`: every rank learnt from an agreement that a transfer failed: a recoverable
-  fault, then a fresh transfer group.
+  fault, then a fresh transfer group; anything that escapes that reset (a ``KeyboardInterrupt``) first
+  sends the machine on to ``failed``, as :func:`interruptible` does.
 - :func:`broken_commit`: this rank's write of a layer raised part-way. Its peers do not know yet,
   so the rank does not fault alone (a peer's next all-reduce would pair with the engine's): it notes
   the layer as untrusted, gives its maps the new row its peers committed, and says ``broken`` in
@@ -84,7 +85,14 @@ def transfer_fault(r: Any, layer: int, error: BaseException | None, failed_ranks
     else:
         reason = f"transfer of layer {layer} failed on {failed_ranks} rank(s){detail}"
     dest = abort(r, reason, recoverable=True, layer=layer)
-    return r.reset_transfers() or dest
+    try:
+        return r.reset_transfers() or dest
+    except BaseException as exc:
+        # the machine is collecting by now, where interruptible() does not act: a reset cut short (a Ctrl-C in
+        # the drain or the agreement) left no fresh transfer group, so the machine must not serve on as if it had
+        reason = f"the transfer group's reset interrupted: {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+        abort(r, reason, recoverable=False, interrupted=type(exc).__name__)
+        raise
 
 
 def broken_commit(r: Any, layer: int, exc: BaseException) -> None:

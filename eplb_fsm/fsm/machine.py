@@ -16,9 +16,11 @@ the controller and its ``Rearranger``, which act on the destination ``fire()`` r
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 from transitions import Machine, MachineError
 
 COLLECTING = "collecting"
@@ -45,6 +47,10 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "salvaged": (),
     "resumed": (),
 }
+# what each datum must be: a guard that read "no" as True, 0.9 as layer 0 or None as a crash would
+# take a transition the trace could not explain (numpy scalars pass, as decisions may hand them over)
+FLAG_DATA = ("due", "worth", "recoverable")      # bool
+COUNT_DATA = ("layer", "moves")                  # int, not bool
 
 # The transition table (docs/machine.md explains every row). ``internal`` rows keep the state without exit/enter.
 # Order matters within a trigger: the first row whose guards pass wins.
@@ -115,8 +121,9 @@ class Fired:
 class EplbMachine:
     """The model the `transitions` Machine drives: the state plus the shared counters.
 
-    ``fire(trigger, **data)`` is the only way in: it checks the event data, runs the
-    transition and tells every listener (the trace, the watchdog) what happened.
+    ``fire(trigger, **data)`` is the only way in: it checks the event data (names and types,
+    ``ValueError`` before anything changes), runs the transition and tells every listener
+    (the trace, the watchdog) what happened.
     """
 
     def __init__(self, num_layers: int, state: str = INITIAL, layer: int = 0, scale_pending: bool = False):
@@ -190,6 +197,7 @@ class EplbMachine:
         unknown = set(data) - set(allowed)
         if unknown:
             raise ValueError(f"event {trigger!r} takes {list(allowed)}, got unexpected {sorted(unknown)}")
+        check_event_data(trigger, data)
         source = self.state
         layer_before = self.layer
         self._accepted = False
@@ -211,6 +219,20 @@ class EplbMachine:
     def snapshot(self) -> dict:
         return {"state": self.state, "layer": self.layer, "num_layers": self.num_layers,
                 "scale_pending": self.scale_pending}
+
+
+def check_event_data(trigger: str, data: dict) -> None:
+    """``ValueError`` naming the datum of ``data`` whose type its guard can't read (see ``FLAG_DATA``)."""
+    for key, value in data.items():
+        flag = isinstance(value, (bool, np.bool_))
+        if key in FLAG_DATA and not flag:
+            rule = "must be a bool"
+        elif key in COUNT_DATA and (flag or not isinstance(value, numbers.Integral)):
+            rule = "must be an int (not a bool)"
+        else:
+            continue
+        # the replay (inspect.model) shows this text as why the machine refused a record
+        raise ValueError(f"event {trigger!r} got event data of the wrong type: {key} {rule}, got {value!r}")
 
 
 def _sources(row: dict) -> set[str]:
