@@ -49,9 +49,17 @@ NAME_BITS = 4096   # buckets of the names' all-reduce: two names share one with 
 
 
 class ConfigMismatch(ValueError):
-    """This run's ranks were constructed with different configs; ``fields`` names where they differ."""
+    """This run's ranks were constructed with different configs; ``fields`` names where they differ.
 
-    def __init__(self, fields: list[str], counts: dict[str, int], mine: list[str], rank: int, world: int):
+    ``run_id``: the run id every rank agreed on before the comparison failed (the first all-reduce
+    carries it, whatever the configs), so every rank's header names one run; None when not known.
+    """
+
+    run_id: str | None = None
+
+    def __init__(self, fields: list[str], counts: dict[str, int], mine: list[str], rank: int, world: int,
+                 run_id: str | None = None):
+        self.run_id = run_id
         self.fields = list(fields)
         self.counts = dict(counts)
         self.mine = list(mine)
@@ -71,7 +79,8 @@ class FieldSetMismatch(ConfigMismatch):
     """
 
     def __init__(self, lacking: dict[str, int], unseen: int, sizes: tuple[int, int], matches_rank0: bool,
-                 rank: int, world: int):
+                 rank: int, world: int, run_id: str | None = None):
+        self.run_id = run_id
         self.fields, self.mine = sorted(lacking), sorted(lacking)
         self.counts = dict(lacking)
         named = ", ".join(f"{f!r} (missing on {lacking[f]} of {world} ranks)" for f in self.mine) or "none it can name"
@@ -144,7 +153,8 @@ def agree(config: dict, rank: int, world: int, reduce: Callable[[torch.Tensor], 
     ``t`` over the group in place, raising on failure or timeout. Raises
     :class:`FieldSetMismatch` on every rank when the ranks' field names differ (checked first,
     with vectors of one size on every rank), else :class:`ConfigMismatch` on every rank when
-    any rank's config differs from rank 0's.
+    any rank's config differs from rank 0's. Either carries the agreed ``run_id``: rank 0's id
+    travels in the first all-reduce, which has one size on every rank whatever its config.
     """
     names, hashes = field_hashes(config)
     run_id = new_run_id() if rank == 0 else "0" * 16
@@ -157,7 +167,7 @@ def agree(config: dict, rank: int, world: int, reduce: Callable[[torch.Tensor], 
     ranks, sums, squares = got[7], got[8:13], got[13:18]
     if any(ranks * sq != sm * sm for sm, sq in zip(sums, squares)):   # every rank reads the same sums
         lacking, unseen = name_bits(names, reduce, ranks)
-        raise FieldSetMismatch(lacking, unseen, (got[2], len(names)), got[2:7] == digest, rank, world)
+        raise FieldSetMismatch(lacking, unseen, (got[2], len(names)), got[2:7] == digest, rank, world, agreed_id)
     buf = torch.tensor(hashes if rank == 0 else [0] * len(hashes), dtype=torch.float64)
     reduce(buf)
     theirs = [int(v) for v in buf.tolist()]
@@ -167,7 +177,7 @@ def agree(config: dict, rank: int, world: int, reduce: Callable[[torch.Tensor], 
     counts = {n: int(c) for n, c in zip(names, flags.tolist()) if int(c) > 0}
     if counts:
         mine = [n for n, d in zip(names, differs) if d]
-        raise ConfigMismatch(sorted(counts), counts, mine, rank, world)
+        raise ConfigMismatch(sorted(counts), counts, mine, rank, world, agreed_id)
     return RunIdentity(agreed_id, agreed=True)
 
 
@@ -260,7 +270,9 @@ def for_controller(group: Any, custom: bool, rank: int, world: int, config: dict
     try:
         identity = agree(config, rank, world, group_sum(group, custom, timeout_s, device))
     except ConfigMismatch as exc:
-        return local_identity(), exc
+        # the id's all-reduce completed before the comparison failed: every rank's header names the one run,
+        # so a replay of the folder reads the mismatch instead of a folder of several runs
+        return (RunIdentity(exc.run_id, agreed=True) if exc.run_id else local_identity()), exc
     except Exception as exc:
         err = RuntimeError(f"run identity: the all-reduce agreeing on the run id failed on rank {rank} of "
                            f"{world} (every rank must construct its controller): {type(exc).__name__}: {exc}")
@@ -277,7 +289,10 @@ def write_header(trace: Any, collectives: Any, config: dict, role: str, /, **fie
     header's other fields. The header carries ``run_id`` (and ``config_hash``, from the
     trace). When the identity failed (a differing config, the all-reduce failed) the trace
     gets ``end how=exception`` and is closed, and the error is raised: on every rank at once
-    for a config mismatch, since every rank sees the same per-field counts.
+    for a config mismatch, since every rank sees the same per-field counts. A config mismatch
+    (field set or values) still writes the agreed run id, so a replay of the folder reads one
+    run and names the differing fields (verdict ``config_mismatch``); a failed all-reduce leaves
+    each rank an id of its own.
     """
     identity, error = for_controller(collectives.group, collectives.custom, collectives.rank,
                                      collectives.world_size, config, collectives.timeout_s,

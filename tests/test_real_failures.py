@@ -17,6 +17,7 @@ interval 8 (rearrangements due at steps 1, 9, 17), collective timeout 2 s.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -343,3 +344,108 @@ def test_signal_to_simulate_stops_every_rank(tmp_path, sig, code):
                 os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.communicate(timeout=10)
+
+
+# -- a rank late past the collective timeout (its engine stalls, its process never stops) -------------------------
+
+LATE_TIMEOUT_S, LATE_STALL_S = 1.0, 6.0   # the stall is many times the timeout: the start ts spread is unambiguous
+
+
+def _late_rank(rank: int, world: int, trace_dir: str, recover: bool) -> str:
+    """Rank 1's engine sleeps before its step 2; rank 0 reaches the due all-reduce and times out waiting in it.
+    ``recover``: both ranks then recover onto a new group and run on."""
+    import torch.distributed as dist
+
+    from eplb_fsm import EplbConfig, EplbController
+    from eplb_fsm.sim.model import ToyMoE
+
+    model = ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=8, rank=rank, world_size=world)
+    config = EplbConfig(window_size=4, step_interval=8, num_redundant_experts=4, collective_timeout_s=LATE_TIMEOUT_S)
+    ctl = EplbController(config, group=dist.group.WORLD, trace_dir=trace_dir)
+    ctl.add_model(model, "main")
+    for step in range(12):
+        if rank == 1 and step == 2:
+            time.sleep(LATE_STALL_S)
+        model.forward(model.make_batch(step, 48))
+        ctl.step()
+    if recover and ctl.state == "failed":
+        ctl.recover(group=dist.new_group(list(range(world))))
+        for step in range(12, 14):
+            model.forward(model.make_batch(step, 48))
+            ctl.step()
+    state = ctl.state
+    ctl.close()
+    return state
+
+
+def _late_run(factory, recover: bool) -> tuple[list[str], dict[int, list[dict]], object]:
+    """One real run per session and flag: (final states, the records by rank, replay_dir's report)."""
+    from eplb_fsm.inspect.replay import diagnose, replay_dir
+    from eplb_fsm.sim.launcher import run_ranks
+
+    key = ("late", recover)
+    if key not in _RUNS:
+        log_dir = factory.mktemp("late")
+        states = run_ranks(_late_rank, 2, args=(str(log_dir), recover), timeout=120)
+        _RUNS[key] = (states, {r: read_trace(log_dir / f"rank{r:05d}.jsonl")[0] for r in range(2)},
+                      replay_dir(log_dir))
+    states, records, report = _RUNS[key]
+    # the in-memory diagnosis of the same records says the same
+    again = diagnose(copy.deepcopy(records))
+    assert (again.verdict, again.culprit_ranks, again.aborted) == (report.verdict, report.culprit_ranks,
+                                                                  report.aborted)
+    return states, copy.deepcopy(records), report
+
+
+def test_a_rank_late_past_the_collective_timeout_is_the_culprit(tmp_path_factory):
+    """Rank 1 stalls 6 s, the timeout is 1 s, both ranks end failed: replay names rank 1 (lagging), rank 0 waited."""
+    from eplb_fsm.inspect.render import format_report
+
+    states, _, report = _late_run(tmp_path_factory, recover=False)
+    assert states == ["failed", "failed"]
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [1]), format_report(report)
+    assert report.collective["group"] == "ep" and "rank 1 came late to all_reduce" in report.summary
+    assert any(c.startswith("rank 0 gave up waiting") for c in report.consequences)
+    (aborted,) = report.aborted
+    assert aborted["late_ranks"] == [1] and "no rank was late" not in aborted["text"]
+
+
+def _shifted(records: dict[int, list[dict]], alive: bool) -> dict[int, list[dict]]:
+    """Rank 1's start of the failed all-reduce moved to 1 s after rank 0's (within clock noise); ``alive``: keep
+    the alive records (rank 1's show it at a lower step while rank 0 waited), else drop every rank's (a silence
+    while a peer writes alive records would read as a freeze)."""
+    def failed_start(r: int) -> dict:
+        return next(x for x in records[r] if x["event"] == "collective_start" and any(
+            e["event"] == "collective_error" and e["cseq"] == x["cseq"] and e["group"] == x["group"]
+            for e in records[r]))
+
+    failed_start(1)["ts"] = failed_start(0)["ts"] + 1.0
+    if not alive:
+        records = {r: [x for x in recs if x["event"] != "alive"] for r, recs in records.items()}
+    return records
+
+
+def test_a_start_spread_within_clock_noise_names_nobody_without_alive_evidence(tmp_path_factory):
+    """The failed run with rank 1's start moved 1 s after rank 0's: by the alive records alone rank 1 is still
+    late; with those dropped too, nothing shows lateness and the verdict stays `failed` on both ranks."""
+    from eplb_fsm.inspect.replay import diagnose
+
+    _, records, _ = _late_run(tmp_path_factory, recover=False)
+    by_alive = diagnose(_shifted(records, alive=True))
+    assert (by_alive.verdict, by_alive.culprit_ranks) == ("lagging", [1])
+    assert "alive records show it at step" in by_alive.summary and "started it" not in by_alive.summary
+    _, records, _ = _late_run(tmp_path_factory, recover=False)
+    neither = diagnose(_shifted(records, alive=False))
+    assert (neither.verdict, neither.culprit_ranks) == ("failed", [0, 1])
+
+
+def test_a_late_rank_the_job_recovered_from_is_named_in_the_healthy_verdict(tmp_path_factory):
+    """Rank 1 stalls 6 s (timeout 1 s), both recover onto a new group: healthy, the rollback names rank 1 as late."""
+    from eplb_fsm.inspect.render import format_report
+
+    states, _, report = _late_run(tmp_path_factory, recover=True)
+    assert states == ["collecting", "collecting"]
+    assert report.verdict == "healthy", format_report(report)
+    assert [(f.kind, f.culprits) for f in report.handled] == [("lagging", [1])]
+    (aborted,) = report.aborted
+    assert aborted["late_ranks"] == [1] and aborted["text"].endswith("after the first rank")

@@ -164,6 +164,62 @@ def test_gloo_ranks_with_different_configs_fail_at_construction(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_config_mismatch_folder_replays_as_one_run_with_verdict_config_mismatch(tmp_path):
+    """Two gloo ranks, window_size 4 vs 8: both headers carry rank 0's agreed run id, and replay names window_size."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.sim.launcher import run_ranks
+    from eplb_fsm.trace import read_trace, trace_path
+
+    run_ranks(_construct, 2, args=(str(tmp_path),), timeout=60)
+    ids = {read_trace(trace_path(tmp_path, r))[0][0]["run_id"] for r in range(2)}
+    report = replay_dir(tmp_path)
+    assert len(ids) == 1 and report.run_id == ids.pop()
+    assert report.verdict == "config_mismatch" and report.culprit_ranks == [1] and "window_size" in report.summary
+
+
+def test_a_mismatch_carries_the_run_id_every_rank_agreed_on():
+    """Differing values and differing field sets both raise with rank 0's run id on every rank."""
+    cfg = {"window_size": 4, "step_interval": 10}
+    values = _run(2, [cfg, dict(cfg, window_size=8)])
+    names = _run(2, [cfg, dict(cfg, extra_knob=1)])
+    for got, kind in ((values, ConfigMismatch), (names, FieldSetMismatch)):
+        assert all(type(g) is kind for g in got), got
+        assert got[0].run_id == got[1].run_id and len(got[0].run_id) == 16
+
+
+def _header_with_own_fields(rank: int, world: int, trace_dir: str) -> str:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from eplb_fsm.run_identity import write_header
+    from eplb_fsm.trace import EventTrace
+
+    cfg = {"a": 1, "b": 2} if rank == 0 else {"a": 1, "b": 2, "c": 3}
+    coll = SimpleNamespace(group=dist.group.WORLD, custom=False, rank=rank, world_size=world, timeout_s=20.0,
+                           comm_device="cpu")
+    trace = EventTrace(rank, world, trace_dir)
+    try:
+        write_header(trace, coll, cfg, "member", mode="sync")
+    except FieldSetMismatch as exc:
+        return type(exc).__name__
+    trace.close()
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_field_set_mismatch_folder_replays_as_one_run_naming_the_extra_field(tmp_path):
+    """Two gloo ranks whose configs differ in field names: one run id in both headers; replay names field c."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.sim.launcher import run_ranks
+
+    assert run_ranks(_header_with_own_fields, 2, args=(str(tmp_path),), timeout=60) == ["FieldSetMismatch"] * 2
+    report = replay_dir(tmp_path)
+    assert report.run_id is not None and report.verdict == "config_mismatch"
+    assert report.culprit_ranks == [1] and "c=3" in report.summary
+
+
+@pytest.mark.multiprocess
 def test_gloo_ranks_share_one_run_id_in_their_headers(tmp_path):
     """Two gloo ranks with equal configs write the same run_id and config_hash in their headers."""
     from eplb_fsm.sim.launcher import run_ranks

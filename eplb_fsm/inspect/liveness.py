@@ -320,9 +320,9 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
     The late rank is the member of the collective problem the rollback handled that never
     joined it, or else the one that started it last (late by the spread of the start ``ts``);
     a freeze found by the liveness records around that step is named too. The problem is the
-    latest since the previous rollback: a handled one, or else one of the unhandled ``hangs``
-    (the culprit never rolled back: it died or hangs). A fault in ``scaling`` is a scale abort,
-    listed with the scales, not here.
+    latest since the previous rollback: a handled one (a late rank's note, ``late``), else an unhandled
+    ``hang`` (its culprit died or hangs) or a cause about a collective (a late rank in a run left
+    ``failed``). A fault in ``scaling`` is a scale abort, listed with the scales, not here.
     """
     parts = cast.parts
     by_step: dict[int, list[Key]] = {}
@@ -336,7 +336,7 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
     for step, keys in sorted(by_step.items()):
         entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
                        "collective": None, "text": ""}
-        since = [h for h in [*handled, *hangs] if h.collective and type(h.step) is int and h.step <= step
+        since = [h for h in [*handled, *hangs, *causes] if h.collective and type(h.step) is int and h.step <= step
                  and (before is None or h.step > before)]
         f = max(since, key=lambda h: h.step, default=None)   # a handled one first at equal steps
         before = step

@@ -46,6 +46,7 @@ from eplb_fsm.inspect.elastic import (
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
+from eplb_fsm.inspect.late import add_late
 from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, signalled_in_hang, step_count_mismatch
 from eplb_fsm.inspect.records import trace_items
 from eplb_fsm.inspect.summary import (
@@ -228,6 +229,7 @@ def diagnose(
             ranks=[cast.position(k, "no_trace", "no trace file") for k in missing],
         ))
     findings.sort(key=Finding.sort_key)
+    add_late(cast, live, findings, handled)   # a rank late to a collective that failed everywhere: cause or note
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]

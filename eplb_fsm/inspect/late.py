@@ -1,0 +1,173 @@
+"""Stage 2 of the replay: the rank that came late to a collective that then failed on every rank.
+
+A rank that stalls in its own code past ``collective_timeout_s`` (a slow engine step, a
+long pause while its liveness thread still writes) leaves no hang and no dead rank: the ranks
+that waited for it give up (``collective_error``, a timeout), the late one starts the
+collective after they left and fails at once, and every rank ends it in error. Nothing
+in the collectives disagrees, so the records that show who was late are:
+
+- the start ``ts`` of that collective: a member that started it more than
+  ``CLOCK_NOISE_S`` after the first one did (clocks agree to well under that, see
+  docs/debugging-hangs.md) came late;
+- the ``alive`` records: a member whose alive records put it at a lower step than a peer's
+  that waited in that collective at the same time (within one interval) was behind.
+
+Such a member is reported as ``lagging`` (:func:`late_findings`). :func:`add_late` makes
+it the cause when the ranks did not come back (they end ``failed``) and the liveness
+records name no other cause, and a handled note when every member rolled back and went on
+(``recover()``), so that the aborted rearrangement names it. Waits that timed out are
+consequences, never culprits.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.findings import Finding, coll_text, short_error
+from eplb_fsm.inspect.liveness import DEFAULT_INTERVAL_S, MIN_GAP_S, Liveness
+from eplb_fsm.inspect.model import Collective
+
+__all__ = ["CLOCK_NOISE_S", "add_late", "late_findings"]
+
+CLOCK_NOISE_S = MIN_GAP_S   # start ts further apart than this is lateness, not two clocks disagreeing
+# findings that already explain a failed collective at or before their step: no late rank is sought after them
+_EXPLAINED_BY = ("illegal_transition", "decision_divergence", "step_divergence", "collective_mismatch", "hang",
+                 "lost_records")
+
+
+def _on(waiting: object, g: str, c: int) -> bool:
+    return isinstance(waiting, dict) and waiting.get("group") == g and waiting.get("cseq") == c
+
+
+def _behind(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> dict[Key, tuple[int, Key, int]]:
+    """Members alive at a lower step while a peer waited in ``(g, c)``: key -> (its step, the waiter, their step).
+
+    Only a member that started the collective after that waiter counts (it was behind, not ahead)."""
+    out: dict[Key, tuple[int, Key, int]] = {}
+    for w in sorted(entries):
+        waits = [(ts, step) for ts, step, _, on in cast.parts[w].alive
+                 if _on(on, g, c) and type(ts) in (int, float) and type(step) is int]
+        if not waits:
+            continue
+        lo, hi, top = waits[0][0], waits[-1][0], max(step for _, step in waits)
+        for m in sorted(entries):
+            if m == w or m in out or not _later(entries[m], entries[w]):
+                continue
+            span = cast.parts[m].alive_interval or DEFAULT_INTERVAL_S
+            seen = [step for ts, step, _, on in cast.parts[m].alive
+                    if type(ts) in (int, float) and lo - span <= ts <= hi + span and type(step) is int
+                    and step < top and not _on(on, g, c)]
+            if seen:
+                out[m] = (min(seen), w, top)
+    return out
+
+
+def _later(a: Collective, b: Collective) -> bool:
+    return type(a.ts) in (int, float) and type(b.ts) in (int, float) and a.ts > b.ts
+
+
+def _late_at(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> Finding | None:
+    starts = {k: e.ts for k, e in entries.items() if type(e.ts) in (int, float)}
+    first = min(starts, key=lambda k: (starts[k], k)) if starts else None
+    by_ts = {k: ts - starts[first] for k, ts in starts.items() if ts - starts[first] > CLOCK_NOISE_S}
+    behind = _behind(cast, g, c, entries)
+    late = sorted(set(by_ts) | set(behind))
+    if not late or len(late) == len(entries):
+        return None
+    waited = sorted(k for k in entries if k not in late)
+    ref = entries[first if first is not None else waited[0]]
+    evidence = []
+    for k in late:
+        said = []
+        if k in by_ts:
+            said.append(f"started it {by_ts[k]:.1f} s after {cast.label(first)}")
+        if k in behind:
+            step, w, top = behind[k]
+            said.append(f"its alive records show it at step {step} while {cast.label(w)} waited in it at step {top}")
+        evidence.append(f"{cast.label(k)} " + " and ".join(said))
+    gave_up = [k for k in waited if entries[k].status == "error"]
+    summary = (f"{cast.who(late)} came late to {coll_text(ref)} at step {ref.step}: " + "; ".join(evidence)
+               + (f"; {cast.who(gave_up)} gave up waiting ({short_error(entries[gave_up[0]].error)})" if gave_up
+                  else "; the collective failed"))
+    return Finding.of(
+        "lagging", ref.step if type(ref.step) is int else None, late, summary, state=ref.state, layer=ref.layer,
+        collective=ref.describe(), members=sorted(entries),
+        ranks=[cast.position(k, "late" if k in late else "waited", _note(k, entries[k], by_ts, behind),
+                             entries[k].step, entries[k].state, entries[k].layer) for k in sorted(entries)],
+    )
+
+
+def _note(k: Key, e: Collective, by_ts: dict, behind: dict) -> str:
+    if k in by_ts:
+        return f"started it {by_ts[k]:.1f} s after the first rank"
+    if k in behind:
+        return f"alive at step {behind[k][0]} while a peer waited in it"
+    return f"waited in it, then it failed: {short_error(e.error)}" if e.status == "error" else "finished it"
+
+
+def late_findings(cast: Cast, known: Iterable[Finding] = ()) -> list[Finding]:
+    """A ``lagging`` finding per collective every member started and none left open, that failed on some
+    member, and that a member came late to (see the module docstring); earliest step first.
+
+    ``known``: findings already about a collective (a hang, a mismatch): those collectives are left to them.
+    """
+    named = {(f.collective.get("group"), f.collective.get("cseq")) for f in known if f.collective}
+    out = []
+    for g in sorted({g for s in cast.parts.values() for g in s.collectives if isinstance(g, str)}):
+        members = [k for k in cast.members(g) if k in cast.parts]
+        if len(members) < 2:
+            continue
+        failed = set()
+        for k in members:
+            index = cast.parts[k].collectives.get(g, {})
+            failed.update(c for c, e in getattr(index, "one", index).items() if e.status == "error")
+        for c in sorted(x for x in failed if (g, x) not in named):
+            entries = {k: cast.parts[k].collectives.get(g, {}).get(c) for k in members}
+            if any(e is None or e.status == "open" for e in entries.values()):
+                continue
+            f = _late_at(cast, g, c, entries)
+            if f is not None:
+                out.append(f)
+    out.sort(key=lambda f: (f.step if type(f.step) is int else 1 << 62, f.culprits))
+    return out
+
+
+def _came_back(cast: Cast, f: Finding) -> bool:
+    """Every member rolled the rearrangement back (``fault``) at or after the step and went on: a fault
+    into ``collecting``, or one into ``failed`` that a later transition (``recover()``) left."""
+    since = f.step if type(f.step) is int else -1
+    for k in f.members:
+        after = [t for t in cast.parts[k].transitions if type(t.step) is int and t.step >= since]
+        fault = next((i for i, t in enumerate(after) if t.trigger == "fault"), None)
+        if fault is None:
+            return False
+        if after[fault].dest == FAILED and not any(t.source == FAILED for t in after[fault + 1:]):
+            return False
+    return True
+
+
+def add_late(cast: Cast, live: Liveness, findings: list[Finding], handled: list[Finding]) -> None:
+    """Late ranks into the diagnosis: a cause (``live.findings``, the waiters' failures as consequences) when
+    the ranks did not come back and nothing else explains it, else a ``handled`` note when they did.
+
+    A late rank the liveness records already name (it froze, it died) is left to that finding.
+    """
+    named = {k for f in live.findings for k in f.keys()}
+    for f in late_findings(cast, [*findings, *handled]):
+        if set(f.keys()) & named:
+            continue
+        if _came_back(cast, f):
+            handled.append(f)
+        elif not live.findings and not any(x.kind in _EXPLAINED_BY and type(x.step) is int
+                                           and (f.step is None or x.step <= f.step) for x in findings):
+            live.findings.append(f)
+            coll = f.collective or {}
+            for k in f.members:
+                e = cast.parts[k].collectives.get(coll.get("group"), {}).get(coll.get("cseq"))
+                if k in f.keys() or k in live.consequence_keys or e is None or e.status != "error":
+                    continue
+                live.consequences.append((k, f"{cast.label(k)} gave up waiting in {coll_text(coll)} at step "
+                                             f"{e.step}, {cast.who(f.keys())} not there yet: {short_error(e.error)}"))
+                live.consequence_keys.add(k)
