@@ -1,6 +1,8 @@
-"""Shared test settings: hypothesis profile sized for a 2-core CI machine; a 1-rank gloo group; a TCP store."""
+"""Shared test settings: hypothesis profile sized for a 2-core CI machine; temporary files under pytest's own
+root; a 1-rank gloo group; a TCP store."""
 
 import os
+import tempfile
 import uuid
 
 import pytest
@@ -17,6 +19,21 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_pytest(tmp_path_factory):
+    """Folders made with tempfile (``simulate`` keeps its traces in one when no --trace-dir is given) go under
+    pytest's temporary root, which pytest prunes, instead of staying in /tmp; subprocesses inherit TMPDIR."""
+    root = str(tmp_path_factory.mktemp("tmp"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = root, root
+    yield
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
 
 
 @pytest.fixture

@@ -1097,3 +1097,21 @@ def test_a_with_block_ends_the_trace_as_the_block_ended(raised, how, error):
             body()
     end = holder[0].trace.records[-1]
     assert (end["event"], end["how"], end.get("error")) == ("end", how, error)
+
+
+def test_records_close_writes_reach_the_file_before_the_end_of_a_with_block_that_raised(tmp_path):
+    """A record close() writes (worker_stuck, a posted read's end) lands in the file before the `end` how=exception."""
+    with pytest.raises(RuntimeError, match="engine down"):
+        with EplbController(cfg(), trace_dir=str(tmp_path)) as ctl:
+            ctl.step()
+            real_stop = ctl.liveness.stop
+
+            def stop_and_report():   # stands in for a record close() writes on its way out
+                ctl.trace.emit("worker_stuck", pending=1)
+                real_stop()
+
+            ctl.liveness.stop = stop_and_report
+            raise RuntimeError("engine down")
+    records = read_trace(tmp_path / "rank00000.jsonl")[0]
+    assert [r["event"] for r in records][-2:] == ["worker_stuck", "end"]
+    assert (records[-1]["how"], records[-1]["error"]) == ("exception", "RuntimeError: engine down")

@@ -31,3 +31,13 @@ def test_transition_key_with_a_list_as_source_is_hashable():
     """A transition whose source is a list keys like any other, and unlike the clean one."""
     damaged = Transition(9, "plan_ready", ["planning"], "transferring", [0], 4)
     assert hash(damaged.key()) and damaged.key() != Transition(9, "plan_ready", "planning", "transferring", 0, 4).key()
+
+
+def test_the_memo_keeps_data_of_different_types_apart():
+    """1, True and 1.0 hash alike: the memo still answers each by its own type (a refusal for the wrong ones)."""
+    oracle = MachineOracle()
+    assert isinstance(oracle.outcome("collecting", 0, 2, False, "step", {"due": 1}), str)
+    assert oracle.outcome("collecting", 0, 2, False, "step", {"due": True}) == ("planning", 0, False)
+    assert oracle.outcome("transferring", 0, 2, False, "layer_done", {"layer": 0}) == ("transferring", 1, False)
+    for wrong in (0.0, False):
+        assert "wrong type" in oracle.outcome("transferring", 0, 2, False, "layer_done", {"layer": wrong})

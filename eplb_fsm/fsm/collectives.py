@@ -14,7 +14,6 @@ once on a group it has not moved to yet (:meth:`Collectives.on`); fault injectio
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from typing import Any, Callable
 
@@ -107,7 +106,6 @@ class Collectives:
         self.generation = int(generation)
         self.custom = group is not None and is_collective_group(group)
         self.transfer_group = None          # torch groups only: the process group transfers run on
-        self.transfer_releasable = False    # whether it may be destroyed once replaced (_new_torch_group)
         self.communicator: Any = None       # what weight transfers use (``transfer.Communicator``)
         self.transfer_generation = -1       # how many times the transfer group was re-created
         # async_worker_nice: the torch transfer group is built on a thread niced by this much, so the backend
@@ -238,7 +236,7 @@ class Collectives:
         """
         old = self.transfer_generation
         self.transfer_generation = old + 1     # the name the new group is built under
-        transfer_group = releasable = None
+        transfer_group = None
         communicator: Any = None
         try:
             error: Exception | None = None
@@ -249,7 +247,7 @@ class Collectives:
                     communicator = self.group.transfer_communicator(self.timeout_s)
                     self.name_communicator(communicator)
                 else:
-                    transfer_group, releasable = self._new_torch_group()
+                    transfer_group = self._new_torch_group()
                     # no stream of its own: in async mode the worker already runs each job on its stream
                     communicator = TorchDistCommunicator(transfer_group, timeout=self.timeout_s,
                                                          name=self.transfer_group_name)
@@ -281,16 +279,16 @@ class Collectives:
                 if callable(abandon):
                     abandon()
             raise
-        if transfer_group is not None:   # the callers agreed first that every worker drained: none uses the old one
-            self._drop_torch_group()
-            self.transfer_group, self.transfer_releasable = transfer_group, releasable
+        if transfer_group is not None:
+            self.transfer_group = transfer_group
         self.communicator = communicator   # a StoreGroup's old gloo group goes with its last reference
 
-    def _new_torch_group(self) -> tuple[Any, bool]:
-        """A new process group over the EP ranks, and whether it may be destroyed once replaced: over a subset of
-        the default group it is locally synchronized, and torch names such a group after how many exist, so the
-        next build would take a destroyed one's name and read its stale rendezvous addresses in the store (connect
-        refused). Over every rank torch's group counter names it, never twice in a process."""
+    def _new_torch_group(self) -> Any:
+        """A new process group over the EP ranks. Over every rank of the default group it is named from torch's group
+        counter, the same on every rank whatever other groups each process built; over a subset it is locally
+        synchronized, named after how many groups the process holds. Never destroyed, when replaced or at close
+        (each keeps gloo's threads and sockets until the process ends): that count would shrink, and a later
+        locally synchronized group (the engine's own too) would take the name of a live one."""
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.group)
@@ -299,19 +297,11 @@ class Collectives:
         nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
         timeout = datetime.timedelta(seconds=self.timeout_s)
         return run_niced(lambda: dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=local), nice,
-                         self.timeout_s + 10.0), not local
-
-    def _drop_torch_group(self) -> None:
-        """Destroy the torch transfer group (its threads and sockets) where :meth:`_new_torch_group` allows it."""
-        import torch.distributed as dist
-
-        if self.transfer_group is not None and self.transfer_releasable and dist.is_initialized():
-            with contextlib.suppress(ValueError):   # not registered any more: it went with the default group
-                dist.destroy_process_group(self.transfer_group)
+                         self.timeout_s + 10.0)
 
     def release_transfers(self) -> None:
-        """Destroy the torch transfer group and drop the communicator (``close()``, once no job uses them)."""
-        self._drop_torch_group()
+        """Drop the references to the transfer group and communicator (``close()``, once no job uses them); a torch
+        group stays registered (see :meth:`_new_torch_group`), a collective-group object's goes with its reference."""
         self.transfer_group = self.communicator = None
 
     def wait_all_built(self, failed: bool = False) -> int:

@@ -370,10 +370,11 @@ class EplbController:
         if self._closed:  # its worker is stopped and its trace closed: nothing more would be traced
             raise RuntimeError(f"{call}() on a closed EplbController (close() ran); build a new controller")
 
-    def close(self) -> None:
-        """Stop the worker and the watchdog, release the transfer group built for this controller and close the
-        trace (idempotent); later ``step``, ``rearrange``, ``add_model``, ``request_scale`` and ``recover`` raise
-        ``RuntimeError``. An interrupt (Ctrl-C) in its waits goes on up once the trace is ended and closed."""
+    def close(self, error: str | None = None) -> None:
+        """Stop the worker and the watchdog, drop the transfer group and close the trace (idempotent; ``error``: why
+        the engine stops, the trace's ``end`` then how=exception); later ``step``, ``rearrange``, ``add_model``,
+        ``request_scale`` and ``recover`` raise ``RuntimeError``. An interrupt in its waits goes on up once the
+        trace is ended and closed."""
         if self._closed:
             return
         self._closed = True
@@ -388,13 +389,12 @@ class EplbController:
             else:
                 self.collectives.release_transfers()
         finally:
-            self.trace.end("closed")  # issue 12: no-op when an `end` (exception, signal) came first
+            self.trace.end("exception" if error else "closed", error or None)  # no-op after an `end` came first
             self.trace.close()
 
     def __enter__(self) -> "EplbController":
         return self
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        if error is not None and not (isinstance(error, SystemExit) and error.code in (0, None)):
-            self.trace.end("exception", f"{type(error).__name__}: {error}")   # replay: crashed, not closed in order
-        self.close()
+        crashed = error is not None and not (isinstance(error, SystemExit) and error.code in (0, None))
+        self.close(f"{type(error).__name__}: {error}" if crashed else None)   # replay: crashed, not closed in order

@@ -49,7 +49,9 @@ class MachineOracle:
     def outcome(self, state: str, layer: int, num_layers: int, pending: bool, trigger: str,
                 data: dict) -> tuple[str, int, bool] | str:
         try:
-            key = (state, layer, num_layers, pending, trigger, tuple(sorted(data.items())))
+            # the type is part of the key: 1 == True == 1.0 hash alike, but fire() takes only one of them
+            typed = tuple(sorted((k, type(v).__name__, v) for k, v in data.items()))
+            key = (state, layer, num_layers, pending, trigger, typed)
             hit = self._memo.get(key)
         except TypeError:  # unhashable event data: fire without the memo
             key, hit = None, None
