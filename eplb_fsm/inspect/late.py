@@ -114,13 +114,18 @@ def late_findings(cast: Cast, known: Iterable[Finding] = ()) -> list[Finding]:
     ``known``: findings already about a collective (a hang, a mismatch): those collectives are left to them.
     """
     named = {(f.collective.get("group"), f.collective.get("cseq")) for f in known if f.collective}
-    out = []
+    out: list[Finding] = []
+    erred = {k for k, part in cast.parts.items() if part.events.get("collective_error")}
+    if not erred:   # every way a collective is read counts its records: nothing failed, nothing to scan
+        return out
     for g in sorted({g for s in cast.parts.values() for g in s.collectives if isinstance(g, str)}):
         members = [k for k in cast.members(g) if k in cast.parts]
         if len(members) < 2:
             continue
         failed = set()
         for k in members:
+            if k not in erred:
+                continue
             index = cast.parts[k].collectives.get(g, {})
             failed.update(c for c, e in getattr(index, "one", index).items() if e.status == "error")
         for c in sorted(x for x in failed if (g, x) not in named):
