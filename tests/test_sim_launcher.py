@@ -269,7 +269,8 @@ def _blocked_rank_with_its_stdout_in_a_file(rank: int, world: int, log_dir: str)
 def test_a_stopped_rank_writes_the_stack_of_every_thread(tmp_path):
     """SIGTERM from the launcher: each rank's stdout gets every thread's stack, rank 0's main one in the barrier."""
     with pytest.raises(RanksTimeoutError):
-        run_ranks(_blocked_rank_with_its_stdout_in_a_file, 2, args=(str(tmp_path),), timeout=4.0)
+        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine (4 s was not)
+        run_ranks(_blocked_rank_with_its_stdout_in_a_file, 2, args=(str(tmp_path),), timeout=12.0)
     text = (tmp_path / "0.log").read_text()
     assert "eplb-signals: SIGTERM received" in text
     stacks = text.split("the stack of every thread follows", 1)[1]
