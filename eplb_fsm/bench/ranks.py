@@ -12,11 +12,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
-def _last_line(text: Any) -> str:
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no report"
-
-
 def run_bench_ranks(kind: str, fn: Callable[..., Any], world: int, **kwargs: Any) -> list:
     """``run_ranks(fn, world, **kwargs)``'s per-rank results, or ``SystemExit`` naming ``kind`` and what failed."""
     # looked up at call time: tests stand in for run_ranks on the launcher module
@@ -28,7 +23,7 @@ def run_bench_ranks(kind: str, fn: Callable[..., Any], world: int, **kwargs: Any
         others = len(exc.failures) - 1
         also = f" ({others} other rank(s) failed too)" if others else ""
         raise SystemExit(f"eplb-fsm bench {kind}: rank {exc.first} of {world} failed{also}: "
-                         f"{_last_line(exc.failures[exc.first])}") from None
+                         f"{launcher.last_line(exc.failures[exc.first])}") from None
     except launcher.RanksTimeoutError as exc:
         raise SystemExit(f"eplb-fsm bench {kind}: rank(s) {exc.pending} still running after --timeout "
                          f"{exc.timeout:g} s (killed)") from None

@@ -331,16 +331,14 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
             if t.trigger == "fault" and t.source != SCALING and type(t.step) is int \
                     and k not in by_step.get(t.step, []):
                 by_step.setdefault(t.step, []).append(k)
-    out = []
-    before = None   # the previous rollback's step: a hang at or before it is that one's
+    out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)
     for step, keys in sorted(by_step.items()):
         entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
                        "collective": None, "text": ""}
         since = [h for h in [*handled, *hangs, *causes] if h.collective and type(h.step) is int and h.step <= step
                  and (before is None or h.step > before)]
         f = max(since, key=lambda h: h.step, default=None)   # a handled one first at equal steps
-        before = step
-        late_text = "no rank was late by the records"
+        before, late_text = step, "no rank was late by the records"
         if f is not None and f.collective:
             g, c = f.collective.get("group"), f.collective.get("cseq")
             entry["collective"] = f.collective
@@ -352,9 +350,11 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
             if absent:
                 entry["late_ranks"] = sorted({k[0] for k in absent})
                 late_text = f"{cast.who(absent)} never joined {where}"
-            elif len(starts) > 1:
-                late = max(starts, key=starts.get)
-                entry["late_ranks"], entry["late_by_s"] = [late[0]], round(starts[late] - min(starts.values()), 3)
+            elif len(starts) > 1:   # a lagging finding weighed the alive records too: its culprits are the late ones
+                lagging = [k for k in f.keys() if k in starts] if f.kind == "lagging" else []
+                late = max(lagging or starts, key=starts.get)
+                entry["late_ranks"] = sorted({k[0] for k in lagging}) or [late[0]]
+                entry["late_by_s"] = round(starts[late] - min(starts.values()), 3)
                 late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
         # a rank that froze or died at or before that step is why the others gave up
         gone = [x for x in causes if x.kind in ("frozen", "rank_died") and type(x.step) is int and x.step <= step]

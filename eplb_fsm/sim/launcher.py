@@ -29,8 +29,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from eplb_fsm.maps import MAX_SECONDS, check_seconds
 
-__all__ = ["run_ranks", "check_timeout", "find_free_port", "process_context", "stop_processes", "RankFailedError",
-           "RanksTimeoutError", "EXIT_GRACE", "await_exit", "note_unreported_deaths", "settle_after_failure"]
+__all__ = ["run_ranks", "last_line", "check_timeout", "find_free_port", "process_context", "stop_processes",
+           "RankFailedError", "RanksTimeoutError", "EXIT_GRACE", "await_exit", "note_unreported_deaths",
+           "settle_after_failure"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -52,13 +53,14 @@ class RankFailedError(RuntimeError):
         self.values = dict(values or {})  # what the ranks that finished returned
         self.first = next(iter(self.failures))
         # every other failed rank named too, by the last line of its report (often the cause)
-        others = "".join(f"\nrank {r}: {_last_line(text)}" for r, text in self.failures.items() if r != self.first)
+        others = "".join(f"\nrank {r}: {last_line(text)}" for r, text in self.failures.items() if r != self.first)
         super().__init__(
             f"rank(s) {sorted(self.failures)} failed; first rank {self.first}:\n{self.failures[self.first]}{others}"
         )
 
 
-def _last_line(text: Any) -> str:
+def last_line(text: Any) -> str:
+    """The last non-blank line of a rank's report (a traceback's: the error itself), or ``?``."""
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "?"
 

@@ -27,13 +27,12 @@ faults are keyed by the ranks' current numbers.
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eplb_fsm.maps import as_count
+from eplb_fsm.maps import as_count, as_finite_float
 from eplb_fsm.testing.elastic import scale as _scale_job
 from eplb_fsm.testing.faults import STOP_POINTS, Faults, Stop, check_faults, hang_faults
 from eplb_fsm.testing.ranks import (GROUP, MAPS_FLAGS, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock,
@@ -89,8 +88,10 @@ class SyntheticJob:
                 raise ValueError(f"config_overrides[{r!r}] must be a mapping of config fields, "
                                  f"got {type(values).__name__}")
         # checked here, before any trace file exists: a bad clock would only fail (or write nan) later
-        step_s = _finite(step_s, "step_s", positive=True)
-        t0 = _finite(t0, "t0")
+        step_s = as_finite_float(step_s, "step_s", "a finite number > 0")
+        if step_s <= 0:
+            raise ValueError(f"step_s must be a finite number > 0, got {step_s!r}")
+        t0 = as_finite_float(t0, "t0")
         self.world = world
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -274,15 +275,6 @@ class SyntheticJob:
                 rank.trace.end("closed")
             rank.trace.close()
         self.closed = True
-
-
-def _finite(value: Any, name: str, positive: bool = False) -> float:
-    """``value`` as a float: a real number (not a bool), finite and, with ``positive``, > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
-            positive and value <= 0):
-        rule = "a finite number > 0" if positive else "a finite number"
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
-    return float(value)
 
 
 def write_traces(traces: dict[int, list[dict]], trace_dir: str | os.PathLike) -> dict[int, Path]:

@@ -182,6 +182,8 @@ class TorchDistCommunicator:
         self._tags: bool | None = None
         self._warmed: set[str] = set()  # device types whose NCCL communicator a barrier set up
         served = set(self.device_backends.values())
+        # the backend moving the weights: the group's only one until use_device() names their device's
+        self._serving: str | None = next(iter(served)) if len(served) == 1 else None
         # gloo's send and receive hand the tensor's address to its sockets as host memory,
         # whatever its device: on an all-gloo group weights on a GPU are refused before they are posted
         self.host_memory_only = served == {"gloo"}
@@ -191,19 +193,13 @@ class TorchDistCommunicator:
     def use_device(self, device: "torch.device | str") -> None:
         """The weights' device (the executor's call, before anything moves): picks the backend that moves them."""
         self._device = torch.device(device)
-
-    def _serving(self) -> str | None:
-        """The backend moving the weights: the one for their device, else the group's only backend."""
-        if self._device is not None:
-            return self.device_backends.get(self._device.type)
-        served = set(self.device_backends.values())
-        return served.pop() if len(served) == 1 else None
+        self._serving = self.device_backends.get(self._device.type)
 
     @property
     def supports_tags(self) -> bool:
         """True when gloo moves the weights: it pairs messages by (peer, tag), so the executor may post a
         wave in two phases. NCCL ignores tags and pairs by order: one batch per wave. Assignable (an A/B)."""
-        return self._tags if self._tags is not None else self._serving() == "gloo"
+        return self._tags if self._tags is not None else self._serving == "gloo"
 
     @supports_tags.setter
     def supports_tags(self, value: bool) -> None:
@@ -237,7 +233,7 @@ class TorchDistCommunicator:
         """
         ops, self._ops = self._ops, []
         kind = self._device.type if self._device is not None else "cuda"
-        if self._serving() == "nccl" and kind not in self._warmed:
+        if self._serving == "nccl" and kind not in self._warmed:
             # every rank starts every wave, so this barrier is collective; on the weights'
             # device, so that a group using gloo for the CPU still sets NCCL up
             index = self._device.index if self._device is not None else None
@@ -245,8 +241,8 @@ class TorchDistCommunicator:
             self._warmed.add(kind)
         if not ops:
             return
-        gloo = self.device_backends.get(ops[0][1].device.type) == "gloo"
-        if gloo and type(self.group) is self._dist.ProcessGroup:
+        backend = self._serving or self.device_backends.get(ops[0][1].device.type)   # no use_device(): the tensors'
+        if backend == "gloo" and type(self.group) is self._dist.ProcessGroup:
             send, recv, works = self.group.send, self.group.recv, self._works
             for is_send, tensor, peer, tag in ops:
                 works.append(send([tensor], peer, tag) if is_send else recv([tensor], peer, tag))

@@ -51,6 +51,12 @@ def _as_int(name: str, v: Any) -> int:
     return int(v)
 
 
+def _group_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"group_size: must be a positive int, got {value!r}")
+    return int(value)
+
+
 def validate_rank_mapping(rank_mapping: Mapping[int, int], group_size: int) -> RankMappingInfo:
     """Check ``rank_mapping`` fits a transfer group of ``group_size`` ranks; describe it.
 
@@ -64,9 +70,7 @@ def validate_rank_mapping(rank_mapping: Mapping[int, int], group_size: int) -> R
         raise ValueError(
             f"rank_mapping: must be a dict {{old_rank: new_rank or -1}}, got {type(rank_mapping).__name__}"
         )
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
-        raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
-    group_size = int(group_size)
+    group_size = _group_size(group_size)
     items = {_as_int("a key", k): _as_int("a value", v) for k, v in rank_mapping.items()}
     g_old = len(items)
     if g_old == 0:
@@ -134,9 +138,7 @@ def expand_phy2log(phy2log: Any, group_of_rank: tuple[int, ...] | list[int], gro
     ``group_of_rank`` empty, an entry not an int in [-1, group_size), or two ranks
     placed at one group rank (one would silently overwrite the other's slots).
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
-        raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
-    group_size = int(group_size)
+    group_size = _group_size(group_size)
     if isinstance(group_of_rank, np.ndarray) and group_of_rank.ndim == 1:
         group_of_rank = group_of_rank.tolist()
     if isinstance(group_of_rank, (str, bytes)) or not isinstance(group_of_rank, Sequence) or not group_of_rank:
