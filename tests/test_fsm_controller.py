@@ -994,14 +994,17 @@ def test_a_construction_failing_after_its_header_ends_the_trace_and_frees_the_fi
 
 
 def test_a_controller_dropped_without_close_frees_its_trace_file_and_ends_its_threads(tmp_path):
-    """Liveness and watchdog threads hold a dropped controller weakly: once collected its file opens again."""
+    """Liveness and watchdog threads hold a dropped controller weakly, its async worker stops once it is collected:
+    no thread outlives it, and its file opens again."""
     import gc
     import threading
 
     before = set(threading.enumerate())
-    ctl = EplbController(cfg(watchdog_deadline_s=1.0), trace_dir=str(tmp_path), liveness_interval_s=0.05)
-    threads = [t for t in threading.enumerate() if t not in before and t.name in ("eplb-liveness", "eplb-watchdog")]
-    assert len(threads) == 2
+    ctl = EplbController(cfg(watchdog_deadline_s=1.0, use_async=True), trace_dir=str(tmp_path),
+                         liveness_interval_s=0.05)
+    names = ("eplb-liveness", "eplb-watchdog", "eplb-worker-r0")
+    threads = [t for t in threading.enumerate() if t not in before and t.name in names]
+    assert len(threads) == 3
     del ctl
     gc.collect()
     again = EplbController(cfg(), trace_dir=str(tmp_path), liveness_interval_s=None)

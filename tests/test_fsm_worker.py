@@ -168,24 +168,6 @@ def test_nice_zero_leaves_the_priority_alone():
         assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def test_step_pacer_waits_for_the_next_step_and_gives_up_after_its_bound():
-    """wait() returns at once when the step moved since begin(), waits for it otherwise, and stops waiting at max_wait_s."""
-    from eplb_fsm.fsm.worker import StepPacer
-
-    box = {"step": 0}
-    pacer = StepPacer(lambda: box["step"], max_wait_s=30.0, poll_s=0.001)
-    pacer.begin()
-    box["step"] = 1
-    assert pacer.wait() is True and pacer.waits == 0          # moved already: no wait
-    timer = threading.Timer(0.05, lambda: box.update(step=2))
-    timer.start()
-    assert pacer.wait() is True and box["step"] == 2 and pacer.waits == 1
-    timer.join()
-    short = StepPacer(lambda: box["step"], max_wait_s=0.01, poll_s=0.001)
-    short.begin()
-    assert short.wait() is False and short.timeouts == 1      # the engine stopped stepping: go on anyway
-
-
 def test_a_job_waits_start_yield_before_its_code_runs_so_the_submitter_keeps_the_gil():
     """With start_yield_s, a submitted job's code has not run when submit returns; it runs after the pause."""
     ran = threading.Event()
@@ -252,56 +234,34 @@ def test_starting_a_worker_imports_numpy_ma_up_front():
     assert out.stdout.split() == ["False", "True"]
 
 
-def test_step_pacer_with_an_event_sleeps_until_the_engine_sets_it():
-    """With ``advanced``, wait() reads the step only when woken (no polling) and returns once the set step moved."""
-    from eplb_fsm.fsm.worker import StepPacer
+def test_a_worker_stops_once_its_owner_is_collected_after_the_jobs_already_queued():
+    """owner=: collecting the owner stops the thread (no close() call), and a job queued before still runs."""
+    import gc
 
-    box = {"step": 0, "reads": 0}
-
-    def step():
-        box["reads"] += 1
-        return box["step"]
-
-    advanced = threading.Event()
-    idle = StepPacer(step, max_wait_s=0.2, poll_s=0.0001, advanced=advanced)
-    idle.begin()
-    box["reads"] = 0
-    assert idle.wait() is False and idle.timeouts == 1
-    assert box["reads"] <= 5                                  # polling every 0.1 ms would read ~2000 times
-
-    def engine_steps():
-        box["step"] = 1
-        advanced.set()
-
-    pacer = StepPacer(step, max_wait_s=30.0, advanced=advanced)
-    pacer.begin()
-    advanced.set()                                            # a stale set (no new step) must not end the wait
-    timer = threading.Timer(0.05, engine_steps)
-    timer.start()
-    assert pacer.wait() is True and box["step"] == 1 and pacer.waits == 1
-    timer.join()
-
-
-def test_unpaced_ends_a_pacer_wait_in_progress_and_restores_pacing_after():
-    """unpaced(): a chunk waiting for a step that never comes goes at once (no timeout); stop is cleared on the way
-    out, but stays set when it was set before (close)."""
-    from eplb_fsm.fsm.worker import StepPacer, unpaced
-
-    stop, advanced = threading.Event(), threading.Event()
-    pacer = StepPacer(lambda: 0, max_wait_s=30.0, advanced=advanced, stop=stop)   # the engine never steps
-    pacer.begin()
-    waiting = threading.Thread(target=pacer.wait, daemon=True)
-    waiting.start()
-    deadline = time.monotonic() + 20.0
-    while not pacer.waits and time.monotonic() < deadline:   # the chunk is waiting for the next step
-        time.sleep(0.001)
-    assert pacer.waits == 1
-    with unpaced(stop, advanced):
-        waiting.join(20.0)
-        assert not waiting.is_alive() and pacer.timeouts == 0
-        assert pacer.wait() is True and pacer.waits == 1      # later chunks don't wait either
-    assert not stop.is_set()
-    stop.set()
-    with unpaced(stop, advanced):
+    class Owner:
         pass
-    assert stop.is_set()
+
+    owner, gate, ran = Owner(), threading.Event(), threading.Event()
+    worker = BackgroundWorker(owner=owner)
+    worker.submit(gate.wait, 10.0)
+    queued = worker.submit(ran.set)
+    del owner
+    gc.collect()
+    gate.set()
+    worker._thread.join(10.0)
+    assert not worker._thread.is_alive() and ran.is_set() and queued.ok()
+    with pytest.raises(RuntimeError, match="is not running"):
+        worker.submit(ran.set)
+
+
+def test_stop_soon_returns_without_waiting_and_close_after_it_joins():
+    """stop_soon() refuses new jobs at once and does not wait for a running job; close() then joins the thread."""
+    gate = threading.Event()
+    worker = BackgroundWorker()
+    job = worker.submit(gate.wait, 10.0)
+    worker.stop_soon()
+    assert worker._thread.is_alive() and not job.done()        # still running: stop_soon did not wait
+    with pytest.raises(RuntimeError, match="is not running"):
+        worker.submit(gate.set)
+    gate.set()
+    assert worker.close(10.0) and job.ok()

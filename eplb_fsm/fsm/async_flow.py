@@ -23,7 +23,7 @@ from eplb_fsm.fsm.decide import ABORT, JOIN, POST, TAKE_PLAN, WAIT, decide_poll,
 from eplb_fsm.fsm.machine import COMMITTING, PLANNING, TRANSFERRING
 from eplb_fsm.fsm.reporting import Rearrangement
 from eplb_fsm.fsm.transfers import ready_flags as job_flags
-from eplb_fsm.fsm.worker import unpaced
+from eplb_fsm.fsm.pacing import unpaced
 
 __all__ = ["ready_flags", "poll", "in_flight", "post_poll", "settle", "progress", "advance", "drain"]
 

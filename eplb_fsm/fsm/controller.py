@@ -111,15 +111,15 @@ class EplbController:
         self.counters = Counters(steps=start_step, since=0, threshold=config.first_rearrangement_step)
         self.timeout_s = float(config.collective_timeout_s)
         self.reporter = Reporter(self.trace, rank)
-        # hook(global_layer, model_name, model_layer) before a layer's transfer, in its thread; raising = its error
-        self.transfer_hooks: list[Callable[[int, str, int], None]] = []
+        self.transfer_hooks: list[Callable[[int, str, int], None]] = []  # f(layer, model, model_layer) pre-transfer
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
         self.liveness.start_on(self.trace)  # issue 12: `alive` records, from before the wait for the transfer group
         self.collectives.new_transfer_group(wait_all=role != "joiner")
         if config.use_async:
             from eplb_fsm.fsm.worker import BackgroundWorker
-            self.worker = BackgroundWorker(self.device, name=f"eplb-worker-r{rank}", nice=config.async_worker_nice)
+            self.worker = BackgroundWorker(self.device, f"eplb-worker-r{rank}", nice=config.async_worker_nice,
+                                           owner=self)   # a controller dropped without close() still stops it
         self.rearranger = Rearranger(machine=self.machine, fire=self.fire, config=config, policy=self.policy,
                                      models=self.models, counters=self.counters, collectives=self.collectives,
                                      mover=self.mover, reporter=self.reporter, worker=self.worker, trace=self.trace)

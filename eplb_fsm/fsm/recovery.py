@@ -33,7 +33,7 @@ import torch
 from eplb_fsm.fsm.collectives import GroupBroken, flags, resolve_group
 from eplb_fsm.fsm.decide import counts_equal
 from eplb_fsm.fsm.machine import FAILED
-from eplb_fsm.fsm.worker import unpaced
+from eplb_fsm.fsm.pacing import unpaced
 
 __all__ = ["recover", "reset_transfers", "map_items", "digest_flags", "differing"]
 

@@ -24,7 +24,7 @@ import torch
 
 from eplb_fsm.fsm.collectives import Collectives, flags
 from eplb_fsm.fsm.model_entry import ModelEntry
-from eplb_fsm.fsm.worker import StepPacer
+from eplb_fsm.fsm.pacing import StepPacer
 from eplb_fsm.maps import ExpertMaps
 from eplb_fsm.stats import RemapPlan
 from eplb_fsm.transfer import (TransferBuffer, commit_layer_from_buffer, rearrange_expert_weights_inplace,
@@ -103,7 +103,7 @@ class LayerMover:
     before a layer's transfer, in the thread that runs it (raising = a transfer error).
     ``max_bytes_per_step`` > 0 (async mode's ``async_max_bytes_per_step``): a layer's messages
     go in chunks of at most that many bytes, waiting for the next engine step (``trace.step``
-    advancing) between two (:class:`~eplb_fsm.fsm.worker.StepPacer`).
+    advancing) between two (:class:`~eplb_fsm.fsm.pacing.StepPacer`).
     """
 
     def __init__(self, models: list[ModelEntry], collectives: Collectives, trace: Any, batching: bool,

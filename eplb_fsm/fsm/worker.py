@@ -14,27 +14,27 @@ event after it; ``Job.done()`` is true only once that event has completed, and
 Without a GPU that path is never taken.
 
 Every wait here is bounded: ``result(timeout)``, ``wait_idle(timeout)``, ``close(timeout)``,
-and :class:`StepPacer`'s wait for the next engine step.
+and :class:`~eplb_fsm.fsm.pacing.StepPacer`'s wait for the next engine step.
 
 Two knobs bound what the worker takes from the engine on a CPU-bound host
 (``EplbConfig.async_worker_nice``, ``async_max_bytes_per_step``; docs/guide.md): the worker
 thread renices itself at start (:func:`renice_this_thread`), and so do the transfer group's own
 threads, started from a niced thread (:func:`run_niced`); a layer's transfer can go in chunks
-with a wait for the next engine step between them (:class:`StepPacer`), but none while the
-engine thread itself waits for the worker (:func:`unpaced`).
+with a wait for the next engine step between them (:mod:`eplb_fsm.fsm.pacing`), but none while the
+engine thread itself waits for the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -150,82 +150,6 @@ def run_niced(fn: Callable[[], Any], increment: int, timeout_s: float) -> Any:
     return outcome["value"]
 
 
-class StepPacer:
-    """Between two chunks of a transfer, wait until the engine has stepped since the previous chunk began.
-
-    ``step()``: the engine's current step (the controller's trace step, stored by every
-    ``step()`` call). :meth:`begin` notes the step a chunk starts at; :meth:`wait` returns once
-    the step differs from it, or after ``max_wait_s`` (an engine that stopped stepping, e.g. a
-    drain at close, must not hold the transfer forever). Returns True when the step advanced.
-
-    ``advanced``: an event the engine thread sets after it moves the step on; the pacer then
-    sleeps on it and wakes once per step. Without one it polls every ``poll_s``, and every
-    poll wakes the worker, which then takes the GIL from the engine thread mid-step.
-    ``stop``: while set (the controller closing, or the engine thread waiting for the worker
-    in a drain: :func:`unpaced`), no wait at all: the steps that paced the chunks do not
-    come while the engine thread waits. Whoever sets it sets ``advanced`` too, to wake a
-    wait in progress.
-    """
-
-    def __init__(self, step: Callable[[], int], max_wait_s: float = 0.5, poll_s: float = 0.0005,
-                 advanced: threading.Event | None = None, stop: threading.Event | None = None) -> None:
-        self.step = step
-        self.max_wait_s = max_wait_s
-        self.poll_s = poll_s
-        self.advanced = advanced
-        self.stop = stop
-        self.started_at: int | None = None
-        self.calls = 0           # chunk boundaries (a pure function of the plan and the byte cap)
-        self.waits = 0           # chunks that found the step not yet advanced
-        self.timeouts = 0        # waits that ended by max_wait_s
-
-    def begin(self) -> None:
-        self.started_at = self.step()
-
-    def wait(self) -> bool:
-        self.calls += 1
-        start = self.started_at
-        stop = self.stop
-        if start is None or self.step() != start or (stop is not None and stop.is_set()):
-            self.begin()
-            return True
-        self.waits += 1
-        deadline = time.monotonic() + self.max_wait_s
-        event = self.advanced
-        while True:
-            if event is not None:
-                event.clear()   # before the check: a step moved on after it sets the event again
-            if self.step() != start or (stop is not None and stop.is_set()):
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.timeouts += 1
-                self.begin()
-                return False
-            if event is not None:
-                event.wait(left)
-            else:
-                time.sleep(self.poll_s)
-        self.begin()
-        return True
-
-
-@contextlib.contextmanager
-def unpaced(stop: threading.Event, advanced: threading.Event) -> Iterator[None]:
-    """While the engine thread waits for the worker (a drain after a fault, before a recovery or a switch),
-    a paced transfer's chunks go without waiting for engine steps: none come meanwhile, so the wait would
-    outlast every remaining chunk's ``max_wait_s``. ``stop``, ``advanced``: a :class:`StepPacer`'s events;
-    ``stop`` is cleared on the way out unless it was set before (``close()``: it stays unpaced)."""
-    was_set = stop.is_set()
-    stop.set()
-    advanced.set()   # a chunk waiting for the next step goes now
-    try:
-        yield
-    finally:
-        if not was_set:
-            stop.clear()
-
-
 class BackgroundWorker:
     """A daemon thread with its own asyncio loop that runs submitted jobs one at a time.
 
@@ -236,10 +160,12 @@ class BackgroundWorker:
     that releases the GIL; the woken worker would take the GIL and start the job's Python,
     and the engine thread waited up to the switch interval (5 ms) to get it back. Sleeping
     first lets the submitter finish its step's Python before the job competes for the GIL.
+    ``owner``: an object whose collection stops the worker as :meth:`stop_soon` does (the
+    thread holds the worker, so a controller dropped without ``close()`` would leave it running).
     """
 
     def __init__(self, device: torch.device | str | None = None, name: str = "eplb-worker",
-                 start_timeout_s: float = 10.0, nice: int = 0, start_yield_s: float = 0.001) -> None:
+                 start_timeout_s: float = 10.0, nice: int = 0, start_yield_s: float = 0.001, owner: Any = None) -> None:
         if not 0 <= start_yield_s <= 1:
             raise ValueError(f"start_yield_s must be in 0..1 s, got {start_yield_s}")
         self.start_yield_s = float(start_yield_s)
@@ -268,6 +194,8 @@ class BackgroundWorker:
             raise RuntimeError(f"background worker {name!r} did not start within {start_timeout_s} s")
         if self._start_error is not None:
             raise RuntimeError(f"background worker {name!r} failed to start: {self._start_error}")
+        if owner is not None:
+            weakref.finalize(owner, self.stop_soon)
 
     # -- thread body -----------------------------------------------------
     def _main(self) -> None:
@@ -379,15 +307,19 @@ class BackgroundWorker:
         """Wait at most ``timeout`` seconds for every submitted job to finish; True if they did."""
         return self._idle.wait(timeout)
 
-    def close(self, timeout: float = 5.0) -> bool:
-        """Refuse new jobs, stop the loop once the jobs already submitted have run (they pair with the
-        peers'), and wait at most ``timeout`` seconds; True if the thread ended."""
+    def stop_soon(self) -> None:
+        """Refuse new jobs and stop the loop once the jobs already submitted have run (they pair with the
+        peers'), without waiting for the thread (idempotent)."""
         self._closing = True
         if self._thread.is_alive() and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._loop.stop)
             except RuntimeError:  # loop already closed
                 pass
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """:meth:`stop_soon`, then wait at most ``timeout`` seconds; True if the thread ended."""
+        self.stop_soon()
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

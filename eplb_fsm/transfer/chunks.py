@@ -2,7 +2,7 @@
 
 ``EplbConfig.async_max_bytes_per_step`` bounds what the async worker moves per engine step:
 the layer's messages go in chunks, the worker waiting for the next engine step between two
-(``eplb_fsm.fsm.worker.StepPacer``). Every rank must cut at the same messages, or a send of
+(``eplb_fsm.fsm.pacing.StepPacer``). Every rank must cut at the same messages, or a send of
 one chunk would meet a receive of another: the cuts follow from the layer's global message
 list alone (its waves in order, each wave's (src, dst) pairs in order, each pair's messages
 in order, one expert row each), which every rank derives alike from the replicated maps.
