@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from eplb_fsm.fsm.subgroups import pad_registered_groups
 from eplb_fsm.fsm.worker import run_niced
 from eplb_fsm.run_identity import backend_grace, group_sum, start_sum
 from eplb_fsm.transfer import InProcessCommunicator, TorchDistCommunicator
@@ -286,13 +287,17 @@ class Collectives:
     def _new_torch_group(self) -> Any:
         """A new process group over the EP ranks. Over every rank of the default group it is named from torch's group
         counter, the same on every rank whatever other groups each process built; over a subset it is locally
-        synchronized, named after how many groups the process holds. Never destroyed, when replaced or at close
+        synchronized, named after how many groups the process holds, which the members first make equal
+        (:func:`~eplb_fsm.fsm.subgroups.pad_registered_groups`). Never destroyed, when replaced or at close
         (each keeps gloo's threads and sockets until the process ends): that count would shrink, and a later
         locally synchronized group (the engine's own too) would take the name of a live one."""
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self.group)
         local = len(ranks) < dist.get_world_size()
+        if local:
+            pad_registered_groups(group_sum(self.group, False, self.timeout_s, self.comm_device), self.rank,
+                                  self.world_size)
         # NCCL binds its communicator to the building thread's device: an NCCL group is built here, unniced
         nice = 0 if self.comm_device.type == "cuda" else self.transfer_nice
         timeout = datetime.timedelta(seconds=self.timeout_s)
