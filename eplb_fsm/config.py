@@ -91,7 +91,9 @@ class EplbConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"policy must be a non-empty policy name, got {self.policy!r}")
-        from eplb_fsm.policy.registry import available_policies  # names only: no policy module is imported
+        # only names are read, but the import runs eplb_fsm.policy's __init__, which imports the
+        # built-in policy modules; a policy registered by path from elsewhere is not imported
+        from eplb_fsm.policy.registry import available_policies
 
         if self.policy not in available_policies():
             raise ValueError(f"policy must be one of {', '.join(available_policies())}, got {self.policy!r}")

@@ -112,6 +112,15 @@ def _as_int64(arr: np.ndarray, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=True)
 
 
+def checked_int64(value, name: str) -> np.ndarray:
+    """``value`` (a torch tensor, numpy array or nested lists of integers, any shape) as an int64 numpy copy.
+
+    ``ValueError`` naming ``name`` for a non-integer dtype, or for a uint64 entry past
+    2**63 - 1, which a plain ``astype(np.int64)`` would wrap (2**64 - 1 to -1, an empty slot).
+    """
+    return _as_int64(host_array(value, name), name)
+
+
 def _as_int64_2d(value, name: str) -> np.ndarray:
     arr = host_array(value, name)
     if arr.ndim != 2:

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from eplb_fsm.policy.base import checked_float32
+from eplb_fsm.policy.base import build_log2phy, check_rebalance_args, checked_float32
+from eplb_fsm.policy.bounds import rank_loads
 from eplb_fsm.policy.default import DefaultEplbPolicy
-from eplb_fsm.policy.movement import MovementAwarePolicy
+from eplb_fsm.policy.movement import MovementAwarePolicy, moved_mask, rank_membership
+from eplb_fsm.policy.movement.targets import align_rows
 from eplb_fsm.policy.reference import reference_rebalance_experts
 
 WEIGHT = torch.arange(16, dtype=torch.float32).reshape(2, 8) + 1
@@ -67,3 +69,43 @@ def test_negative_zero_loads_plan_like_the_reference_without_the_kernel(monkeypa
     weight[0, 0] = 50.0  # layer 0 has to change
     phy2log, _, count = MovementAwarePolicy.rebalance_experts(weight, *call, old_phy2log=old)
     assert phy2log.min() >= 0 and phy2log.max() < weight.shape[1] and (count >= 1).all()
+
+
+# slot 3 holds "expert 2**64 - 1": a plain astype(np.int64) would read it as -1, an empty slot
+_WRAPS = np.array([[0, 1, 1, 2**64 - 1]], dtype=np.uint64)
+_FULL = np.array([[0, 1, 1, 0]], dtype=np.int64)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: rank_loads(_WRAPS, np.array([[4.0, 2.0]]), 2), "phy2log"),
+    (lambda: build_log2phy(_WRAPS, 2, 3), "phy2log"),
+    (lambda: moved_mask(_FULL, _WRAPS, 2), "new_phy2log"),
+    (lambda: moved_mask(_WRAPS, _FULL, 2), "old_phy2log"),
+    (lambda: rank_membership(_WRAPS, 2, 2), "phy2log"),
+    (lambda: align_rows(_FULL, _WRAPS, 2), "new_phy2log"),
+])
+def test_a_uint64_entry_past_int64_is_refused_not_read_as_an_empty_slot(call, name):
+    """A uint64 2**64 - 1 in a placement raises ValueError naming the entry, as maps does, instead of becoming -1."""
+    with pytest.raises(ValueError, match=rf"^{name}\[0, 3\] = 18446744073709551615 is not an expert index"):
+        call()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("policy", [DefaultEplbPolicy, MovementAwarePolicy])
+@pytest.mark.parametrize("shape, replicas, match", [
+    ((1, 1), 2**31, r"num_replicas must be below 2\*\*31"),
+    ((1, 1), 2**62, r"num_replicas must be below 2\*\*31"),
+    ((1, 2**14), 2**15, r"num_replicas \(32768\) is too large for 1 layers of 16384 experts: log2phy"),
+    ((2**10, 2), 2**18, r"num_replicas \(262144\) is too large .* more than 2\*\*28"),
+], ids=["p_2_31", "p_2_62", "wide_log2phy", "deep_log2phy"])
+def test_num_replicas_too_large_is_refused_before_any_allocation(monkeypatch, native, policy, shape, replicas, match):
+    """P >= 2**31, or a log2phy past 2**28 entries, raises ValueError naming num_replicas on both paths."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", native)
+    with pytest.raises(ValueError, match=match):
+        policy.rebalance_experts(np.ones(shape, dtype=np.float32), replicas, 1, 1, 1)
+
+
+def test_num_replicas_at_the_log2phy_limit_is_accepted():
+    """A log2phy of exactly 2**28 entries is within the rule (checked on the arguments alone)."""
+    weight32, replicas, *_ = check_rebalance_args(np.ones((2**8, 1), np.float32), 2**20, 1, 1, 1)
+    assert replicas == 2**20 and tuple(weight32.shape) == (2**8, 1)

@@ -150,3 +150,27 @@ def test_counts_that_are_not_integers_are_refused_by_name(replicas, ranks, name)
         max_load_lower_bound(np.ones((1, 4)), replicas, ranks)
     with pytest.raises(ValueError, match="num_ranks must be an integer"):
         rank_loads(np.array([[0, 1, 2, 3]]), np.ones((1, 4)), 2.0)
+
+
+@pytest.mark.parametrize("weight", [
+    np.full((1, 4), 1e308),  # each load finite, the layer's total is not
+    np.full((2, 1), 1e308),  # each layer's total finite, their sum over layers is not
+])
+@pytest.mark.parametrize("call", [
+    lambda w: placement_balancedness(np.zeros((w.shape[0], 4), np.int64) + np.arange(4) % w.shape[1], w, 1),
+    lambda w: balancedness_per_layer(np.zeros((w.shape[0], 4), np.int64) + np.arange(4) % w.shape[1], w, 2),
+    lambda w: rank_loads(np.zeros((w.shape[0], 4), np.int64) + np.arange(4) % w.shape[1], w, 2),
+    lambda w: max_load_lower_bound(w, 4, 1),
+    lambda w: balancedness_bound(w, 4, 1),
+])
+def test_loads_whose_total_overflows_float64_are_refused_naming_weight(weight, call):
+    """Finite loads that sum past float64's range raise ValueError naming weight, never NaN, inf or another name."""
+    with pytest.raises(ValueError, match=r"^weight: .* must sum to a finite float64"):
+        call(weight)
+
+
+def test_loads_just_inside_float64_are_scored():
+    """Loads whose total is finite (two of 8e307) still give finite scores."""
+    weight = np.full((1, 2), 8e307)
+    assert balancedness_bound(weight, 2, 2) == 1.0
+    assert np.isfinite(max_load_lower_bound(weight, 2, 1)).all()

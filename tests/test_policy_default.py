@@ -1,4 +1,8 @@
-"""Tests for eplb_fsm.policy.default: the helpers, the policy, and agreement with the reference."""
+"""Tests for eplb_fsm.policy.default: the helpers, hand-computed plans and bad input.
+
+Agreement with the per-item reference on random problems, benchmark shapes and traces is
+in test_policy_default_reference.py.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy.base import build_log2phy, checked_float32
-from eplb_fsm.policy.bounds import balancedness_bound, placement_balancedness
+from eplb_fsm.policy import native
 from eplb_fsm.policy.default import (
     DefaultEplbPolicy,
     balanced_packing,
@@ -24,8 +28,6 @@ from eplb_fsm.policy.reference import (
     reference_rebalance_experts,
     reference_replicate_experts,
 )
-from eplb_fsm.sim.loads import esft_load_windows, load_matrix, load_scenarios, scenario_load
-
 
 
 def _same(a, b) -> bool:
@@ -255,143 +257,6 @@ def test_numpy_input_accepted():
     )
 
 
-# --------------------------------------------------------------------------- properties
-
-
-@st.composite
-def problems(draw):
-    """A valid (weight, P, groups, nodes, G) with small shapes and tie-prone loads."""
-    nodes = draw(st.sampled_from([1, 1, 2, 4]))
-    groups = nodes * draw(st.integers(1, 3))
-    if draw(st.booleans()) and nodes > 1:
-        groups = draw(st.integers(1, 6))  # may fall back to the global mode
-    group_size = draw(st.integers(1, 4))
-    num_experts = groups * group_size
-    ranks = nodes * draw(st.integers(1, 3)) if groups % nodes == 0 else draw(st.integers(1, 6))
-    slots_per_rank = draw(st.integers(1, 4))
-    while ranks * slots_per_rank < num_experts:
-        slots_per_rank += 1
-    num_replicas = ranks * slots_per_rank
-    layers = draw(st.integers(1, 4))
-    if draw(st.booleans()):
-        values = draw(st.lists(st.integers(0, 5), min_size=layers * num_experts, max_size=layers * num_experts))
-        weight = torch.tensor(values, dtype=torch.int64)
-    else:
-        size = layers * num_experts
-        values = draw(st.lists(st.floats(0, 1e6, allow_nan=False, width=32), min_size=size, max_size=size))
-        weight = torch.tensor(values, dtype=torch.float32)
-    return weight.reshape(layers, num_experts), num_replicas, groups, nodes, ranks
-
-
-def _check_invariants(weight, num_replicas, groups, nodes, ranks, out):
-    phy2log, log2phy, count = (t.numpy() for t in out)
-    num_layers, num_experts = weight.shape
-    assert phy2log.shape == (num_layers, num_replicas)
-    assert log2phy.shape == (num_layers, num_experts, num_replicas - num_experts + 1)
-    assert count.shape == (num_layers, num_experts)
-    assert (count >= 1).all(), "every expert has a replica"
-    assert (count.sum(axis=1) == num_replicas).all(), "replica counts sum to P"
-    assert ((phy2log >= 0) & (phy2log < num_experts)).all(), "every slot holds an expert"
-    slots_per_rank = num_replicas // ranks
-    for layer in range(num_layers):
-        assert (np.bincount(phy2log[layer], minlength=num_experts) == count[layer]).all()
-        for expert in range(num_experts):
-            row = log2phy[layer, expert]
-            slots = row[: count[layer, expert]]
-            assert (row[count[layer, expert] :] == -1).all(), "log2phy is -1 padded"
-            assert (np.diff(slots) > 0).all(), "log2phy slots ascend"
-            assert (phy2log[layer, slots] == expert).all(), "log2phy agrees with phy2log"
-        ranks_of = np.arange(num_replicas) // slots_per_rank
-        assert (np.bincount(ranks_of, minlength=ranks) == slots_per_rank).all()
-    if groups % nodes == 0 and nodes > 1:
-        group_size = num_experts // groups
-        slots_per_node = num_replicas // nodes
-        node_of_slot = np.arange(num_replicas) // slots_per_node
-        for layer in range(num_layers):
-            for group in range(groups):
-                in_group = (phy2log[layer] // group_size) == group
-                assert len(set(node_of_slot[in_group])) == 1, "a group's replicas stay on one node"
-
-
-@settings(max_examples=60, deadline=None)
-@given(problems())
-def test_policy_matches_reference_and_invariants(problem):
-    """On random small problems (ties included) the fast policy equals the reference and keeps every invariant."""
-    weight, num_replicas, groups, nodes, ranks = problem
-    out = DefaultEplbPolicy.rebalance_experts(weight, num_replicas, groups, nodes, ranks)
-    _check_invariants(weight, num_replicas, groups, nodes, ranks, out)
-    assert _same(out, reference_rebalance_experts(weight, num_replicas, groups, nodes, ranks))
-    assert placement_balancedness(out[0], weight, ranks) <= balancedness_bound(weight, num_replicas, ranks) + 1e-9
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.tuples(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4)), st.data())
-def test_balanced_packing_matches_reference(shape, data):
-    """Vectorised balanced packing equals the per-item reference row by row."""
-    packs, per_pack, rows = shape
-    values = data.draw(
-        st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 7.25, 1e-3]), min_size=rows * packs * per_pack,
-                 max_size=rows * packs * per_pack)
-    )
-    w = np.array(values, dtype=np.float32).reshape(rows, packs * per_pack)
-    pack, rank = balanced_packing(w, packs)
-    for r in range(rows):
-        assert (pack[r].tolist(), rank[r].tolist()) == reference_balanced_packing(list(w[r]), packs)
-        assert (np.bincount(pack[r], minlength=packs) == per_pack).all()
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_policy_matches_reference_fixed_seeds(seed):
-    """Medium random problems with fixed seeds (global and hierarchical) equal the reference."""
-    rng = np.random.default_rng(seed)
-    nodes = [1, 2, 4][seed % 3]
-    groups = nodes * int(rng.integers(1, 4))
-    num_experts = groups * int(rng.integers(2, 9))
-    ranks = nodes * int(rng.integers(1, 5))
-    num_replicas = ranks * -(-(num_experts + int(rng.integers(0, 20))) // ranks)
-    if seed % 2:
-        weight = torch.from_numpy(rng.zipf(1.5, (16, num_experts)).astype(np.int64))
-    else:
-        weight = torch.from_numpy(rng.lognormal(0, 2, (16, num_experts)))
-    out = DefaultEplbPolicy.rebalance_experts(weight, num_replicas, groups, nodes, ranks)
-    assert _same(out, reference_rebalance_experts(weight, num_replicas, groups, nodes, ranks))
-
-
-# --------------------------------------------------------------------------- benchmark shapes and traces
-
-
-SCENARIOS = load_scenarios()
-
-
-@pytest.mark.parametrize("name", list(SCENARIOS["shapes"]))
-def test_scenario_shapes_match_reference(name):
-    """Every scenarios.json shape with its zipf load gives the reference's placement exactly."""
-    s = SCENARIOS["shapes"][name]
-    weight = torch.from_numpy(scenario_load(name, SCENARIOS, rng=1))
-    args = (s["replicas"], s["groups"], s["nodes"], s["ranks"])
-    out = DefaultEplbPolicy.rebalance_experts(weight, *args)
-    assert _same(out, reference_rebalance_experts(weight, *args))
-
-
-@pytest.mark.parametrize("task", ["intent", "law", "summary", "translation"])
-@pytest.mark.parametrize("config", [(72, 1, 1, 8), (64, 1, 1, 8), (80, 8, 2, 8), (96, 4, 4, 16)])
-def test_esft_traces_match_reference(task, config):
-    """Real ESFT routing loads (per-task aggregates) give the reference's placement exactly."""
-    weight = torch.from_numpy(load_matrix(f"esft:{task}"))  # the traces bundled with the package
-    out = DefaultEplbPolicy.rebalance_experts(weight, *config)
-    assert _same(out, reference_rebalance_experts(weight, *config))
-
-
-def test_esft_batch_windows_match_reference():
-    """Per-batch ESFT windows (4 sequences each, stacked as layers) give the reference's placement."""
-    windows = esft_load_windows("esft:intent", 4)
-    weight = torch.from_numpy(windows.reshape(-1, windows.shape[-1]))
-    for config in [(72, 1, 1, 8), (80, 8, 2, 8)]:
-        assert _same(
-            DefaultEplbPolicy.rebalance_experts(weight, *config), reference_rebalance_experts(weight, *config)
-        )
-
-
 # --------------------------------------------------------------------------- perf-path helpers
 
 
@@ -461,3 +326,59 @@ def test_checked_float32_accepts_integers_and_floats_as_float32(dtype):
     out = checked_float32(weight)
     assert out.dtype == np.float32 and out.flags.c_contiguous and out.flags.writeable
     assert np.array_equal(out, weight.astype(np.float32))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: balanced_packing(np.ones((2, 4), np.float32), 2.0), "num_packs must be an integer, got 2.0"),
+    (lambda: balanced_packing(np.ones((2, 4), np.float32), True), "num_packs must be an integer, got True"),
+    (lambda: balanced_packing(np.ones((2, 4), np.float32), np.int64(0)), "num_packs must be >= 1"),
+    (lambda: replicate_experts(np.ones((2, 4), np.float32), 5.0), "num_slots must be an integer, got 5.0"),
+    (lambda: replicate_experts(np.ones((2, 1), np.float32), True), "num_slots must be an integer, got True"),
+])
+def test_helper_counts_must_be_integers(call, match):
+    """balanced_packing and replicate_experts refuse a float or bool count with ValueError naming it."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+_BAD_PLACEMENTS = {
+    "three slots, K=2": (np.array([[0, 0, 0, 1]]), 2, "more slots than max_replicas"),
+    "an empty slot": (np.array([[0, -1, 1, 1]]), 3, "every slot must hold an expert"),
+    "an id >= N": (np.array([[0, 1, 2, 1]]), 3, "every slot must hold an expert"),
+    "a missing expert": (np.array([[0, 0, 0, 0]]), 4, "at least one slot"),
+    "too many, then out of range": (np.array([[0, 0, 0, 5]]), 2, "more slots than max_replicas"),
+    "out of range, then too many": (np.array([[5, 0, 0, 0]]), 2, "every slot must hold an expert"),
+    "layer 0 misses, layer 1 out of range": (np.array([[0, 0, 0, 0], [0, 1, 9, 1]]), 4, "at least one slot"),
+}
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+@pytest.mark.parametrize("case", list(_BAD_PLACEMENTS))
+def test_slots_of_experts_names_the_same_rule_on_both_paths(monkeypatch, kernel, case):
+    """A bad placement (too many replicas, -1, id >= N, missing expert) raises the same ValueError in C and numpy."""
+    if kernel == "1" and not native.built():
+        pytest.skip("the C kernel is not built")
+    monkeypatch.setenv("EPLB_FSM_NATIVE", kernel)
+    phy2log, max_replicas, match = _BAD_PLACEMENTS[case]
+    with pytest.raises(ValueError, match=f"^slots_of_experts: .*{match}"):
+        slots_of_experts(phy2log.astype(np.int64), np.ones((phy2log.shape[0], 2), np.int64), max_replicas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 6), st.integers(1, 4), st.data())
+def test_slots_of_experts_errors_agree_with_the_kernel(layers, experts, slots, max_replicas, data):
+    """On random placements (ids in [-1, N], any counts) the numpy path gives C's log2phy or C's exact error."""
+    if not native.built():
+        pytest.skip("the C kernel is not built")
+    values = data.draw(st.lists(st.integers(-1, experts), min_size=layers * slots, max_size=layers * slots))
+    phy2log = np.array(values, dtype=np.int64).reshape(layers, slots)
+    count = np.ones((layers, experts), np.int64)
+    results = []
+    for kernel in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EPLB_FSM_NATIVE", kernel)
+            try:
+                results.append(slots_of_experts(phy2log, count, max_replicas).tolist())
+            except ValueError as exc:
+                results.append(str(exc))
+    assert results[0] == results[1]

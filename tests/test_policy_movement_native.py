@@ -54,7 +54,7 @@ def _plan(weight, old, call, flag: str, max_moves=None):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("integer", [False, True])
 def test_plans_are_the_same_with_and_without_the_kernel(shape, integer):
-    """Whole movement-aware plans (placement, moves, rounds) are identical on both paths, with and without a move limit."""
+    """Whole movement-aware plans (placement, moves, rounds) are identical on both paths, with and without a limit."""
     searched = 0
     for seed in range(4):
         weight, old, call = _problem(shape, seed, integer)
@@ -117,7 +117,8 @@ def _comparing(compared: dict):
         assert np.array_equal(found, want)
         if found.any():
             rows, a, b = applied[0]
-            assert np.array_equal(rows, lr[found]) and np.array_equal(a, slot_a[found]) and np.array_equal(b, slot_b[found])
+            assert np.array_equal(rows, lr[found])
+            assert np.array_equal(a, slot_a[found]) and np.array_equal(b, slot_b[found])
         compared["widened_swap"] += 1
         return want
 
@@ -132,7 +133,8 @@ def test_every_kernel_call_scores_as_numpy(shape):
     repoints, pair_swaps, widened_swap = _comparing(compared)
     python_loop = types.SimpleNamespace(usable=lambda st: False)  # search.run keeps its numpy loop
     with mock.patch.object(search, "native", python_loop), mock.patch.object(search, "repoints", repoints), \
-            mock.patch.object(search, "pair_swaps", pair_swaps), mock.patch.object(search, "widened_swap", widened_swap):
+            mock.patch.object(search, "pair_swaps", pair_swaps), \
+            mock.patch.object(search, "widened_swap", widened_swap):
         for seed in range(4):
             for integer in (False, True):
                 weight, old, call = _problem(shape, seed, integer)
@@ -232,7 +234,7 @@ def _same_state(a, b) -> None:
 
 @needs_kernel
 def test_count_pass_and_search_leave_the_same_state_in_c():
-    """From the policy's own starting states (every shape), the C replica-count pass and search leave every array as numpy's do."""
+    """From the policy's starting states (all shapes), C's count pass and search leave every array as numpy's do."""
     captured = []
     real_counts = search.rebalance_counts
 

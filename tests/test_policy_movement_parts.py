@@ -179,7 +179,8 @@ def test_search_state_stays_consistent(sigma, seed):
     """After a full search, every incrementally kept array equals its recomputation."""
     rng = np.random.default_rng(seed)
     layers, experts, ranks, per_rank = 6, 16, 4, 5
-    base = np.stack([rng.multinomial(20000, rng.permutation(1 / np.arange(1, experts + 1) / 3.38)) for _ in range(layers)])
+    probs = 1 / np.arange(1, experts + 1) / 3.38
+    base = np.stack([rng.multinomial(20000, rng.permutation(probs)) for _ in range(layers)])
     base = base.astype(np.float64) + 1.0
     call = (ranks * per_rank, 1, 1, ranks)
     old = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(base), *call)[0].numpy()

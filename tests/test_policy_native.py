@@ -90,8 +90,8 @@ def test_slots_of_experts_refuses_placements_it_cannot_map(phy2log, experts, wid
         native.slots_of_experts(np.array(phy2log, dtype=np.int64), experts, width)
 
 
-@pytest.mark.parametrize("shape", [(6, 32, 40, 4, 2, 8), (5, 16, 24, 1, 1, 4), (4, 24, 24, 6, 3, 6), (3, 8, 16, 2, 2, 16),
-                                   (4, 48, 64, 1, 1, 32), (3, 40, 60, 1, 1, 12)])
+@pytest.mark.parametrize("shape", [(6, 32, 40, 4, 2, 8), (5, 16, 24, 1, 1, 4), (4, 24, 24, 6, 3, 6),
+                                   (3, 8, 16, 2, 2, 16), (4, 48, 64, 1, 1, 32), (3, 40, 60, 1, 1, 12)])
 def test_the_policy_is_the_same_with_and_without_the_kernel(shape, monkeypatch):
     """EPLB_FSM_NATIVE=0 (numpy) and the C path give the reference's placement, hierarchical and global."""
     layers, experts, replicas, groups, nodes, ranks = shape

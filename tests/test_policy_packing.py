@@ -1,4 +1,5 @@
-"""Tests for eplb_fsm.policy.packing and keyed_packing: every packing path agrees with the one-item-at-a-time reference."""
+"""Tests for eplb_fsm.policy.packing and keyed_packing: every packing path agrees with the one-item-at-a-time
+reference."""
 
 from __future__ import annotations
 
@@ -194,7 +195,7 @@ def test_pack_pairs_equals_reference(packs, rows, data):
 
 
 def test_pack_pairs_declines_negative_or_float64_rows():
-    """pack_pairs returns None for a negative item in the first half or a float64 input; the second half's signs do not matter."""
+    """pack_pairs returns None for a negative first-half item or a float64 input; second-half signs do not matter."""
     assert pack_pairs(np.array([[5.0, -1.0, -2.0, -3.0]], dtype=np.float32)) is None
     pack, rank = pack_pairs(np.array([[5.0, 4.0, 3.0, -1.0, -2.0, -3.0]], dtype=np.float32))
     assert pack.tolist() == [[0, 1, 2, 2, 1, 0]] and rank.tolist() == [[0, 0, 0, 1, 1, 1]]
@@ -205,7 +206,7 @@ def test_pack_pairs_declines_negative_or_float64_rows():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 12), st.booleans(), st.data())
 def test_descending_keys_both_layouts_give_the_stable_descending_order(rows, items, signed, data):
-    """Non-negative rows (two-half keys) and rows with -0.0 or negatives (shifted keys) both sort to the stable descending order, index in the low 31 bits."""
+    """Rows >= 0 (two-half keys) or with -0.0 / negatives (shifted) sort stably descending, index in the low 31 bits."""
     w = _tie_rows(data, rows, items)
     if signed:
         w[0, 0] = data.draw(st.sampled_from([-0.0, -1.0]))

@@ -128,3 +128,54 @@ def test_same_lazy_path_again_after_a_lookup_is_a_no_op(clean_registry):
     assert get_policy("lazy_again") is DefaultEplbPolicy
     with pytest.raises(ValueError, match="already registered"):
         register_policy("lazy_again", f"{__name__}:_RoundRobin")
+
+
+class _Incomplete(AbstractEplbPolicy):
+    """Test class: forgets to implement rebalance_experts."""
+
+
+class _BaseMethod(AbstractEplbPolicy):
+    """Test class: takes the base's (abstract) rebalance_experts with the abstract flag cleared."""
+
+
+_BaseMethod.__abstractmethods__ = frozenset()
+
+
+@pytest.mark.parametrize("path", [
+    ".default:DefaultEplbPolicy",  # relative: importlib wants a package
+    ":DefaultEplbPolicy",  # no module
+    "eplb_fsm..policy:X",  # an empty module part
+    "eplb_fsm.policy.default:",  # no class
+    "eplb_fsm.policy.default:Default.Policy",  # not one identifier
+    "eplb_fsm.policy.default:a:b",
+    "eplb fsm:X",
+])
+def test_a_malformed_path_is_refused_at_registration(clean_registry, path):
+    """A path that is not 'absolute.module:Identifier' raises ValueError naming the policy when registered."""
+    with pytest.raises(ValueError, match=r"policy path for 'p' must look like 'package.module:ClassName'"):
+        register_policy("p", path)
+    assert "p" not in available_policies()
+
+
+@pytest.mark.parametrize("cls", [AbstractEplbPolicy, _Incomplete, _BaseMethod])
+def test_an_abstract_class_is_refused(clean_registry, cls):
+    """AbstractEplbPolicy, or a subclass without its own rebalance_experts, is no policy: ValueError at registration."""
+    with pytest.raises(ValueError, match="policy 'half' must implement rebalance_experts"):
+        register_policy("half", cls)
+    assert "half" not in available_policies()
+
+
+def test_a_lazy_path_to_an_abstract_class_fails_at_lookup(clean_registry):
+    """A path resolving to an abstract class raises ValueError naming the policy at lookup, not None from a call."""
+    register_policy("lazy_half", f"{__name__}:_Incomplete")
+    with pytest.raises(ValueError, match="policy 'lazy_half' must implement rebalance_experts"):
+        get_policy("lazy_half")
+
+
+def test_any_error_while_importing_a_lazy_path_is_a_value_error(clean_registry, tmp_path, monkeypatch):
+    """A module that raises any exception on import makes the lookup raise ValueError naming the policy and path."""
+    (tmp_path / "eplb_test_broken_policy.py").write_text("raise RuntimeError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register_policy("broken", "eplb_test_broken_policy:Policy")
+    with pytest.raises(ValueError, match=r"policy 'broken' could not be loaded from .*RuntimeError: broken on purpose"):
+        get_policy("broken")

@@ -6,8 +6,9 @@ A policy turns a logical load matrix into a placement:
 -> (phy2log, log2phy, replica_count)``
 
 - ``weight`` (L, N): tokens per logical expert per MoE layer, any real dtype, >= 0, finite.
-- ``num_replicas`` P (physical slots, P >= N, P % num_ranks == 0), ``num_groups`` (expert
-  groups of N / num_groups contiguous experts), ``num_nodes``, ``num_ranks`` G.
+- ``num_replicas`` P (physical slots, N <= P < 2**31, P % num_ranks == 0, and a log2phy of
+  at most 2**28 entries), ``num_groups`` (expert groups of N / num_groups contiguous
+  experts), ``num_nodes``, ``num_ranks`` G.
 - ``old_phy2log`` (L, P_old): the placement in use, for policies that care about moving
   as little as possible; the default policy ignores it.
 - ``phy2log`` (L, P) int64: logical expert held by each slot (slot p lives on rank p // (P / G)).
@@ -25,13 +26,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from eplb_fsm.maps import as_count, host_array
+from eplb_fsm.maps import as_count, checked_int64, host_array
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 # Pack totals are float32; keeping every layer's total below this keeps them finite.
 FLOAT32_TOTAL_LIMIT = float(2.0**126)
+# num_replicas must stay below this: the C placement kernels hold slot indices below 2**31.
+REPLICAS_LIMIT = 2**31
+# log2phy (L, N, P - N + 1) int64 may hold at most this many entries (2 GiB): about 500x
+# DeepSeek-V3's, and refused before any allocation rather than failing in one (its bound
+# also bounds phy2log's L * P, since N * (P - N + 1) >= P).
+LOG2PHY_ENTRIES_LIMIT = 2**28
 
 
 class AbstractEplbPolicy(abc.ABC):
@@ -140,6 +147,8 @@ def check_rebalance_args(
     import torch
 
     num_replicas = as_count(num_replicas, "num_replicas", minimum=None)  # its rule (>= N) needs the weight
+    if num_replicas >= REPLICAS_LIMIT:
+        raise ValueError(f"num_replicas must be below 2**31 (the placement kernels' slot indices), got {num_replicas}")
     num_groups = as_count(num_groups, "num_groups")
     num_nodes = as_count(num_nodes, "num_nodes")
     num_ranks = as_count(num_ranks, "num_ranks")
@@ -159,6 +168,12 @@ def check_rebalance_args(
     if num_replicas < num_experts:
         raise ValueError(
             f"num_replicas must be >= the number of experts ({num_experts}), got {num_replicas}"
+        )
+    entries = num_layers * num_experts * (num_replicas - num_experts + 1)
+    if entries > LOG2PHY_ENTRIES_LIMIT:
+        raise ValueError(
+            f"num_replicas ({num_replicas}) is too large for {num_layers} layers of {num_experts} experts: log2phy "
+            f"(layers, experts, num_replicas - experts + 1) would hold {entries} entries, more than 2**28"
         )
     if num_replicas % num_ranks != 0:
         raise ValueError(
@@ -204,7 +219,7 @@ def build_log2phy(phy2log: np.ndarray, num_experts: int, max_replicas: int) -> t
     ``e`` in ascending order, padded with -1. Raises ``ValueError`` for entries outside
     [-1, N) or an expert with more than ``max_replicas`` slots.
     """
-    phy2log = np.asarray(phy2log, dtype=np.int64)
+    phy2log = checked_int64(phy2log, "phy2log")  # a uint64 2**64 - 1 must not wrap to -1 (an empty slot)
     num_layers, num_slots = phy2log.shape
     if phy2log.size and (int(phy2log.min()) < -1 or int(phy2log.max()) >= num_experts):
         raise ValueError(f"phy2log entries must be in [-1, {num_experts})")

@@ -14,8 +14,9 @@ the largest w_e / c_e). ``balancedness_bound`` is sum(mean) / sum(that bound), a
 limit for the balancedness of any placement.
 
 All functions take numpy arrays or torch tensors and compute in float64 numpy. Loads
-must be finite and >= 0, counts (``num_ranks``, ``num_replicas``) integers >= 1:
-``ValueError`` naming the argument otherwise.
+must be finite and >= 0 and their total over all layers must be finite in float64 (so
+every layer's is), counts (``num_ranks``, ``num_replicas``) integers >= 1: ``ValueError``
+naming the argument otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb_fsm.maps import as_count, host_array
+from eplb_fsm.maps import as_count, checked_int64, host_array
 
 __all__ = [
     "balancedness_bound",
@@ -52,6 +53,13 @@ def _weight64(weight: Any) -> np.ndarray:
     fault = load_fault(w)
     if fault is not None:
         raise ValueError(f"weight must hold finite loads >= 0, got {fault}")
+    # rank loads, means and the sums over layers are all at most this total: a finite one
+    # keeps every result finite (1e308 per expert is finite, four of them are not)
+    with np.errstate(over="ignore"):  # an overflow is the error raised below, not a warning
+        total = w.sum(axis=1).sum()
+    if not np.isfinite(total):
+        raise ValueError("weight: the loads of each layer, and of all layers together, must sum to a finite "
+                         "float64 (below about 1.8e308)")
     return w
 
 
@@ -72,7 +80,7 @@ def rank_loads(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
     if num_slots % num_ranks != 0:
         raise ValueError(f"num_ranks ({num_ranks}) must divide the number of slots ({num_slots})")
     num_experts = w.shape[1]
-    p2l = p2l.astype(np.int64)
+    p2l = checked_int64(p2l, "phy2log")  # a uint64 2**64 - 1 must not wrap to -1 (an empty slot)
     if p2l.size and (p2l.min() < -1 or p2l.max() >= num_experts):
         raise ValueError(f"phy2log entries must be in [-1, {num_experts})")
     valid = p2l >= 0

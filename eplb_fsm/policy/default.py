@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb_fsm.maps import as_count
 from eplb_fsm.policy import native
 from eplb_fsm.policy.base import AbstractEplbPolicy, check_rebalance_args
 from eplb_fsm.policy.packing import (
@@ -57,7 +58,7 @@ def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarr
 
     Args:
         weight: (R, n) expert loads, numpy or torch (float dtype kept, others -> float32).
-        num_slots: p >= n.
+        num_slots: p >= n, an integer (not a float or bool: ``ValueError`` naming it).
 
     Returns:
         ``phy2log`` (R, p) int64: expert of each slot; ``replica_rank`` (R, p) int64: the
@@ -67,6 +68,7 @@ def replicate_experts(weight: Any, num_slots: int) -> tuple[np.ndarray, np.ndarr
     load / current replica count (computed in the weight's dtype; ties to the lowest
     expert index); the replica's rank is the expert's count before it was added.
     """
+    num_slots = as_count(num_slots, "num_slots")
     w = float_rows(weight)
     if num_slots < w.shape[1]:
         raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({w.shape[1]})")
@@ -146,11 +148,16 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     Every slot holds an expert (no -1) and every expert has a slot (``replica_count``
     >= 1), so the slots of each expert, ascending, are one sort of (expert, slot) keys per
     layer away; the -1 padding is the only write that scales with the output's size.
+    ``ValueError`` if a slot holds no expert in [0, N), an expert has no slot or more than
+    ``max_replicas``: the C and numpy paths name the same rule (the first one the C scan
+    meets, layer by layer and slot by slot).
     """
     num_layers, num_slots = phy2log.shape
     num_experts = replica_count.shape[1]
     if native.available():  # one pass over the slots in C (policy/cnative.c)
         return native.slots_of_experts(phy2log, num_experts, max_replicas)
+    if phy2log.size and (phy2log.min() < 0 or phy2log.max() >= num_experts):
+        _raise_bad_placement(phy2log, num_experts, max_replicas)
     # key = (layer * N + expert) << bits | slot: a row's sort groups it by expert, slots
     # ascending, and the high bits are the expert's flat (layer, expert) index. int32 when
     # it fits: numpy sorts that ~2x faster than int64.
@@ -171,8 +178,10 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     starts[0] = True
     np.not_equal(expert[1:], expert[:-1], out=starts[1:])
     first = np.flatnonzero(starts)  # (L * N,)
-    if first.size != num_layers * num_experts:
-        raise ValueError("slots_of_experts: every expert needs at least one slot")
+    if first.size != num_layers * num_experts or (
+        max_replicas < num_slots and int(np.diff(first, append=key.size).max()) > max_replicas
+    ):
+        _raise_bad_placement(phy2log, num_experts, max_replicas)
     # The k-th sorted slot is replica k - first[expert] of its expert: its destination is
     # start[expert] + k with start = (layer * N + expert) * max_replicas - first.
     start = np.arange(0, num_layers * num_experts * max_replicas, max_replicas, dtype=np.int64)
@@ -186,6 +195,32 @@ def slots_of_experts(phy2log: np.ndarray, replica_count: np.ndarray, max_replica
     log2phy.view(np.uint8).fill(0xFF)
     log2phy[dest] = slot
     return log2phy.reshape(num_layers, num_experts, max_replicas)
+
+
+def _raise_bad_placement(phy2log: np.ndarray, num_experts: int, max_replicas: int) -> None:
+    """Raise the ``ValueError`` the C ``slots_of_experts`` raises for this bad placement.
+
+    C scans layer by layer, each layer's slots in order, and stops at the first slot that
+    holds no expert in [0, N) or is an expert's replica number ``max_replicas + 1``; a
+    layer it scans through, with some expert left without a slot, stops it there.
+    """
+    for row in np.asarray(phy2log):
+        in_range = (row >= 0) & (row < num_experts)
+        expert = np.where(in_range, row, num_experts)  # out-of-range slots apart, as one pseudo-expert
+        order = np.argsort(expert, kind="stable")
+        ranked = expert[order]
+        is_start = np.r_[True, ranked[1:] != ranked[:-1]]
+        start = np.maximum.accumulate(np.where(is_start, np.arange(row.size), 0))
+        replica = np.empty(row.size, dtype=np.int64)
+        replica[order] = np.arange(row.size) - start  # copies of the slot's expert in earlier slots
+        bad = ~in_range | (replica >= max_replicas)
+        if bad.any():
+            if not in_range[bad.argmax()]:
+                raise ValueError("slots_of_experts: every slot must hold an expert in [0, experts)")
+            raise ValueError("slots_of_experts: an expert has more slots than max_replicas")
+        if np.bincount(row, minlength=num_experts).min() == 0:
+            raise ValueError("slots_of_experts: every expert needs at least one slot")
+    raise AssertionError("slots_of_experts: a placement failed the check, yet no layer breaks a rule")
 
 
 def rebalance_hierarchical(

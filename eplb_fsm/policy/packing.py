@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb_fsm.maps import host_array
+from eplb_fsm.maps import as_count, host_array
 from eplb_fsm.policy.keyed_packing import finite_non_negative, keyed_packing_applies, pack_per_item_keyed
 from eplb_fsm.policy.plain_packing import pack_per_item
 
@@ -125,7 +125,7 @@ def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarra
     Args:
         weight: (R, n) item weights, numpy or torch, no NaN; R independent rows. Float
             inputs keep their dtype (the policy passes float32), others are cast to float32.
-        num_packs: m, a divisor of n.
+        num_packs: m, an integer (not a float or bool: ``ValueError`` naming it) dividing n.
 
     Returns:
         ``pack_index`` (R, n) int64: the pack of each item, and ``rank_in_pack`` (R, n)
@@ -134,6 +134,7 @@ def balanced_packing(weight: Any, num_packs: int) -> tuple[np.ndarray, np.ndarra
     Totals are accumulated one item at a time in the weight's dtype. With n / m == 1
     every item gets its own pack (identity); with m == 1 the rank is the visiting position.
     """
+    num_packs = as_count(num_packs, "num_packs")
     w = float_rows(weight)
     num_rows, num_items = w.shape
     flat_order, chosen, arrival = pack_visited(w, num_packs)

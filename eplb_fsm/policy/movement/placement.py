@@ -24,8 +24,8 @@ Inputs (settings, the old placement, and where a search may start):
 - :func:`group_spans_nodes`: layers whose old placement breaks the hierarchical rule
   (a group on more than one node); the search cannot start from those.
 - :func:`fill_empty_slots`: an empty slot (-1, elastic scale-up) gets the expert with
-  the largest load per replica (under a move limit: among those already on its rank),
-  so the search starts from a full placement.
+  the largest load per replica (under a move limit or in hierarchical mode: among those
+  already on its rank), so the search starts from a full placement.
 - :class:`ClassOrInstanceMethod`: how ``rebalance_experts`` finds its settings (the
   class defaults, or an instance's).
 
@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from eplb_fsm.maps import host_array
+from eplb_fsm.maps import checked_int64, host_array
 from eplb_fsm.policy.movement import native
 
 __all__ = [
@@ -138,7 +138,7 @@ def moves_per_layer(held: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 def rank_membership(phy2log: np.ndarray, num_ranks: int, num_experts: int) -> np.ndarray:
     """``(L, P) -> (L, G, N)`` bool: ``out[l, g, e]`` when some slot of rank g holds e in layer l."""
-    phy2log = np.asarray(phy2log, dtype=np.int64)
+    phy2log = checked_int64(phy2log, "phy2log")
     return membership(phy2log, num_experts, num_ranks).transpose(0, 2, 1)
 
 
@@ -147,8 +147,9 @@ def moved_mask(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
 
     Empty new slots (-1) are never moved.
     """
-    old = np.asarray(old_phy2log, dtype=np.int64)
-    new = np.asarray(new_phy2log, dtype=np.int64)
+    # checked: a uint64 2**64 - 1 must not wrap to -1 (an empty slot, never moved)
+    old = checked_int64(old_phy2log, "old_phy2log")
+    new = checked_int64(new_phy2log, "new_phy2log")
     if old.shape != new.shape or old.ndim != 2:
         raise ValueError(f"old and new placements must have the same 2-D shape, got {old.shape} and {new.shape}")
     num_layers, num_slots = new.shape

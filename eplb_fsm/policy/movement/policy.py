@@ -126,8 +126,8 @@ def plan_movement(
 
     Arguments are those of ``rebalance_experts`` plus ``target`` (fraction of the default's
     balancedness to reach, in (0, 1]), ``max_moves`` (moved slots allowed per layer, None
-    for no limit; when the limit and the target disagree, the limit wins; two kinds of
-    layer must move past it, see :class:`MovementAwarePolicy`) and
+    for no limit; when the limit and the target disagree, the limit wins; the layers
+    that move past it are listed in :class:`MovementAwarePolicy`) and
     ``diagnostics`` (compute ``moved`` / ``default_moved`` for every layer; when False,
     layers that did not need them hold -1). With ``old_phy2log=None`` the plan is the
     default's. Raises ``ValueError`` naming the argument for bad input.
@@ -160,13 +160,19 @@ def plan_movement(
     budget = float(d_max.sum()) / target * (1 - _BUDGET_MARGIN)
 
     has_empty = (old < 0).any(1)
-    # layers the search cannot start from (hierarchical mode): a group spread over nodes,
-    # or empty slots, which only a node-aware fill could place
-    forced = (group_spans_nodes(old, num_experts, groups, nodes) | has_empty) if nodes > 1 else none.copy()
+    forced = none.copy()
+    if nodes > 1:
+        # layers the search cannot start from (hierarchical mode): a group spread over nodes
+        # (no repair is searched for), or a rank with no expert at all, whose fill could pick
+        # any group; an empty slot on a rank that holds experts copies one (same node)
+        empty_rank = (old.reshape(shape) < 0).all(-1).any(-1)
+        forced = group_spans_nodes(old, num_experts, groups, nodes) | empty_rank
     cur, cur_count = old.copy(), old_count
     if has_empty.any():
-        # under a move limit, an empty slot takes an expert its rank already holds (no move)
-        fill_empty_slots(cur, w, rows[has_empty & ~forced], None if max_moves is None else num_ranks)
+        # under a move limit, or to keep groups on their node, an empty slot takes an expert
+        # its rank already holds (no move)
+        local = max_moves is not None or nodes > 1
+        fill_empty_slots(cur, w, rows[has_empty & ~forced], num_ranks if local else None)
         cur_count = expert_counts(cur, num_experts)
     cur_slot_loads = slot_loads(w, cur, cur_count)  # (L, P)
     cur_loads = cur_slot_loads.reshape(shape).sum(-1)  # (L, G)
@@ -234,8 +240,8 @@ def plan_movement(
         renumbered, fb_moved = renumbered_default(old[fb], held[fb], d_phy[fb], num_ranks, nodes)
         if max_moves is not None:
             # a fallback that breaks the move limit is not taken, unless the layer is forced: its old
-            # placement spreads a group over nodes or has empty slots, and the (renumbered)
-            # default is the only node-valid placement this policy has for it
+            # placement spreads a group over nodes or has a rank with no expert, and the policy
+            # searches no node-valid repair for those: the (renumbered) default is all it has
             over = (fb_moved > max_moves) & ~forced[fb]
             fallback[fb[over]] = False
             renumbered, fb = renumbered[~over], fb[~over]
@@ -309,12 +315,15 @@ class MovementAwarePolicy(AbstractEplbPolicy):
         max_moves: at most this many moved slots per layer (None: no limit; else an integer
             in [0, 2**63 - 1], ``ValueError`` naming it otherwise). A layer that
             cannot reach its goal within it keeps its best repair, and the target may then
-            be missed: the limit wins. Two exceptions, where validity needs the moves: in
-            hierarchical mode (``num_groups % num_nodes == 0``, more than one node) a layer
-            whose old placement puts a group on more than one node, or has empty slots,
-            takes the renumbered default whatever it moves; and an empty slot on a rank
-            that held no expert (a new rank) gets an expert new to it. Other empty slots
-            take an expert already on their rank.
+            be missed: the limit wins. Two exceptions: in hierarchical mode
+            (``num_groups % num_nodes == 0``, more than one node) a layer whose old
+            placement puts a group on more than one node, or has a rank whose slots are all
+            empty (a new rank), takes the renumbered default whatever it moves. The policy
+            does not search those layers for a node-valid repair (one within the limit may
+            exist, e.g. swapping two slots back); it takes the one node-valid placement it
+            has. In flat mode, an empty slot on a rank that held no expert gets an expert
+            new to it. Every other empty slot, in either mode, takes an expert already on
+            its rank (no move, and its group stays on its node).
 
     ``MovementAwarePolicy.rebalance_experts(...)`` (on the class) uses the defaults;
     ``MovementAwarePolicy(target=0.95).rebalance_experts(...)`` uses its own settings.

@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from eplb_fsm.maps import checked_int64
 from eplb_fsm.policy.movement import native
 from eplb_fsm.policy.movement.placement import membership, moves_per_layer, rank_index
 
@@ -263,7 +264,7 @@ def relabel_ranks(
     nodes' blocks of ranks), the contents of each block unchanged. The matching is
     greedy (:func:`_greedy_assignment`), not an optimal assignment.
     """
-    new = np.asarray(new_phy2log, dtype=np.int64)
+    new = checked_int64(new_phy2log, "new_phy2log")
     num_layers, num_slots = new.shape
     slots_per_rank = num_slots // num_ranks
     ranks_per_node = num_ranks // num_nodes
@@ -322,8 +323,8 @@ def align_rows(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
     gathers for all ranks at once; ranks with a repeated expert are matched row by row,
     the k-th old copy to the k-th new copy.
     """
-    old = np.asarray(old_phy2log, dtype=np.int64)
-    new = np.asarray(new_phy2log, dtype=np.int64)
+    old = checked_int64(old_phy2log, "old_phy2log")  # a uint64 2**64 - 1 must not wrap to -1 (empty)
+    new = checked_int64(new_phy2log, "new_phy2log")
     num_layers, num_slots = new.shape
     slots_per_rank = num_slots // num_ranks
     old_rows = old.reshape(-1, slots_per_rank)  # (B, S), B = L * G rank blocks
