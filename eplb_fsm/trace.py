@@ -25,7 +25,6 @@ forked child (:mod:`eplb_fsm.trace_owners`). The library never calls ``structlog
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -39,7 +38,7 @@ from eplb_fsm.trace_runs import DUMMY, StepRun
 from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
 from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
     END_HOWS, SCHEMA_VERSION, OpenCollective, alive_fields, collective_fields, config_hash, continued_fields,
-    end_fields, exception_text, header_fields, json_default, machine_after,
+    encode_record, end_fields, exception_text, header_fields, json_default, machine_after, trace_path,
 )
 
 
@@ -50,14 +49,6 @@ COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 # without a liveness thread loses at most this many steps when killed
 MAX_RUN = 1 << 16
 END_LOCK_WAIT_S = 1.0   # end() from a signal handler: past this the lock is its own thread's; defer
-def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> Path:
-    """``rank<NNNNN>.jsonl`` (zero-padded); a joiner of generation g writes its own
-    ``rank<NNNNN>.g<g>.jsonl`` (docs/elastic.md)."""
-    return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
-
-
-def _dumps(record: dict, **_: Any) -> str:
-    return json.dumps(record, default=json_default, separators=(",", ":"))
 
 
 class EventTrace:
@@ -112,6 +103,7 @@ class EventTrace:
         self._owner: int | None = None           # the thread inside _locked()
         self._run: StepRun | None = None
         self._header: dict = {}         # the header's own fields, repeated at the top of each new segment
+        self._headed = False            # the header record was made: from then on a new live file repeats it
         # the machine's layer and scale_pending after the last transition written (machine_after)
         self._machine: dict = {"layer": 0, "scale_pending": False}
         self._file = self._disk = None           # TraceFile: while open, and the last one (its error count)
@@ -209,8 +201,7 @@ class EventTrace:
 
     def _run_record(self) -> dict | None:
         """The pending run as a ``steps`` record (lock held), or None; a live file opened again gets its header first"""
-        if self._sink is not None and self._sink.check():   # before any record is made: lines stay in seq order
-            self._continue()
+        self._check_file()   # before any record is made: lines stay in seq order
         run = self._run
         if run is None:
             return None
@@ -228,16 +219,16 @@ class EventTrace:
     def _write_run(self) -> dict | None:
         record = self._run_record()
         if record is not None and self._sink is not None:
-            self._write(_dumps(record))
+            self._write(encode_record(record))
         return record
 
     def _emit_locked(self, event: str, fields: dict) -> dict:
         run = self._run_record()
         record = self._record(event, fields)
         if self._sink is not None:
-            line = _dumps(record)
+            line = encode_record(record)
             # the run and the record in one write call
-            self._write(line if run is None else _dumps(run) + "\n" + line)
+            self._write(line if run is None else encode_record(run) + "\n" + line)
         return record
 
     def _write(self, text: str) -> None:
@@ -249,12 +240,20 @@ class EventTrace:
             if self._sink.empty:       # a new segment (not one that failed to open: check() reopens it)
                 self._continue()
 
+    def _check_file(self, force: bool = False) -> None:
+        """Open the live file again if it was lost (``force``: look now, not at most once per ``CHECK_S``)."""
+        if self._sink is not None and self._sink.check(force):
+            self._continue()
+
     def _continue(self) -> None:
         """Start a new live file (rolled, or opened again; lock held) with the header, ``continued: true``, alone:
-        always the segment's first line (steps counted meanwhile, lock-free, follow it with a later ``seq``)."""
+        always the segment's first line (steps counted meanwhile, lock-free, follow it with a later ``seq``).
+        Not before the header is made: a copy ahead of the real one would read as a run of its own."""
+        if not self._headed:
+            return
         machine = {**self._machine, "state": self.state}
         record = self._record("header", continued_fields(self._header, self.rotations, machine, self.cseq))
-        self._sink.write(_dumps(record))   # never rolls: a segment that holds only its header does not
+        self._sink.write(encode_record(record))   # never rolls: a segment that holds only its header does not
 
     def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
         """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
@@ -264,7 +263,10 @@ class EventTrace:
         self._header = dict(fields)
         if isinstance(extra.get("machine"), dict):   # a joiner's starting point
             self._machine.update(extra["machine"])
-        return self.emit("header", **fields)
+        with self._locked():
+            self._check_file()   # a file lost before the header is only opened again: the header comes first
+            self._headed = True  # a roll that this very record brings about starts its segment with the copy
+            return self._emit_locked("header", fields)
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
@@ -345,6 +347,7 @@ class EventTrace:
             if self.ended:
                 return None
             self.ended = True   # before the write: the `end` line never rolls the file
+            self._check_file(force=True)   # a file lost since the last look takes no `end` with it
             errors = self.write_errors   # the trace's own failures, where a reader of the file sees them
             record = self._emit_locked("end", {**fields, "write_errors": errors} if errors else fields)
             self._sink = None   # the file stays open until close(); no record follows `end`
@@ -365,6 +368,9 @@ class EventTrace:
         """Write the pending ``steps`` run (unless ended) and close the file (another trace may open it then)."""
         trace_owners.release(self)
         with self._locked():
+            run = self._run
+            if run is not None and run.packed != run.written:   # the last write: into the file at the path
+                self._check_file(force=True)
             self._write_run()
             if self._file is not None:
                 self._file.close()
@@ -389,8 +395,3 @@ class EventTrace:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def encode_record(record: dict) -> str:
-    """One record as the JSON text of its trace line (no newline), as :class:`EventTrace` writes it."""
-    return _dumps(record)

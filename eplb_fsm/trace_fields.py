@@ -1,6 +1,7 @@
 """The fields of trace records beyond the base fields: header, collectives, ``end``, ``alive``.
 
-Pure builders (no I/O); :mod:`eplb_fsm.trace` re-exports each of them and writes the
+Pure builders (no I/O): the fields, a record's line (:func:`encode_record`) and a rank's
+file name (:func:`trace_path`); :mod:`eplb_fsm.trace` re-exports each of them and writes the
 records. docs/events.md documents every field.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, NamedTuple
 
 SCHEMA_VERSION = 1
@@ -52,6 +54,18 @@ def continued_fields(header: dict, segment: int, machine: dict, cseq: dict) -> d
     """The fields of the header copy atop a rotated segment: the header's, ``continued``, ``segment``, where the
     machine is (``machine``) and each group's next collective number (``next_cseq``)."""
     return {**header, "continued": True, "segment": segment, "machine": dict(machine), "next_cseq": dict(cseq)}
+
+
+def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> Path:
+    """``rank<NNNNN>.jsonl`` (zero-padded); a joiner of generation g writes its own
+    ``rank<NNNNN>.g<g>.jsonl`` (docs/elastic.md)."""
+    return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
+
+
+def encode_record(record: dict) -> str:
+    """One record as the JSON text of its trace line (no newline), as :class:`~eplb_fsm.trace.EventTrace` writes
+    it: compact, values JSON does not know through :func:`json_default`."""
+    return json.dumps(record, default=json_default, separators=(",", ":"))
 
 
 def json_default(value: Any) -> Any:

@@ -13,9 +13,12 @@
 - **A lost live file is opened again.** Writes to a file that was removed (or whose folder
   was) succeed and reach nothing. At most every :data:`CHECK_S` seconds, before a record,
   :meth:`TraceFile.check` compares the open file with the one at ``path``; when they differ
-  it counts an error, logs it and opens the path again. A live file that is not open (a
-  roll whose reopen failed, or that a signal's exception interrupted) is opened again the
-  same way, until it opens; the owner starts each such file with a continued header.
+  it counts an error, logs it and opens the path again. Before a trace's last write (its
+  ``end``, or a close's pending steps) it looks whatever the time: no later record would find
+  the loss. A live file that is not open (a roll whose reopen failed, or that a signal's
+  exception interrupted) is opened again the same way, until it opens; the owner starts
+  each such file with a continued header once its own header is out (before that, the
+  header itself is the new file's first line).
 - **A new session starts on a line of its own.** A file whose last line was torn (a rank
   killed mid-write, a full disk) gets a newline before anything is appended, so a restarted
   job's header is not glued to the broken line and lost.
@@ -127,11 +130,14 @@ class TraceFile:
         hold = self._roll_hold   # a roll failed: not again at every record, but after a while or another segment
         return hold is None or self.bytes > hold[1] or clock() >= hold[0]
 
-    def check(self) -> bool:
+    def check(self, force: bool = False) -> bool:
         """At most every :data:`CHECK_S` seconds: open the live file again when it is not open or is no longer the
-        file at ``path`` (removed, its folder removed or replaced). True when a live file was opened again."""
+        file at ``path`` (removed, its folder removed or replaced). True when a live file was opened again.
+
+        ``force``: look now, whatever the last look (a trace's last write, its ``end``: nothing comes after it
+        to find the loss, so a file removed since the last look would take that record with it)."""
         now = clock()
-        if now < self._next_check:
+        if now < self._next_check and not force:
             return False
         self._next_check = now + CHECK_S
         file = self._file

@@ -3,15 +3,19 @@
 A rank writes ``rank<NNNNN>.jsonl`` (the live segment; a joiner its own
 ``rank<NNNNN>.g<g>.jsonl``, rolled the same way). Once it holds more than ``max_bytes``,
 the writer rolls it: ``.jsonl`` becomes ``.jsonl.1``, ``.jsonl.1`` becomes ``.jsonl.2``
-and so on, the oldest beyond ``max_segments - 1`` rotated segments is deleted, and a new
-live segment starts with a copy of the header marked ``"continued": true``
-(docs/events.md, "Rotation"). A trace file therefore keeps at most ``max_segments``
+and so on, the oldest beyond ``max_segments - 1`` rotated segments is deleted (with every
+older one a run with a larger ``max_segments`` left in the folder), and a new live segment
+starts with a copy of the header marked ``"continued": true`` (docs/events.md,
+"Rotation"). A trace file therefore keeps at most ``max_segments``
 segments, each of at most ``max_bytes`` plus the one write that took it past (a record, or
 a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write).
 
 Oldest first, a rank's segments are ``.jsonl.<K-1>``, ..., ``.jsonl.1``, ``.jsonl``;
-:func:`read_trace` reads them in that order. :func:`record_steps` says which engine steps
-a record stands for (a ``steps`` run stands for ``count`` of them).
+:func:`read_trace` reads them in that order. A running writer may roll the file while it is
+read (names move on between the listing and the reads): a reader lists the segments again
+after reading them, and reads again when another file took a name (at most
+:data:`READ_ATTEMPTS` times; the last read is returned as it is). :func:`record_steps` says
+which engine steps a record stands for (a ``steps`` run stands for ``count`` of them).
 """
 
 from __future__ import annotations
@@ -21,13 +25,20 @@ import glob
 import json
 import os
 import re
+import stat
+import time
 from pathlib import Path
 
-__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "check_rotation", "read_rank_segments",
-           "read_rank_text", "read_trace", "record_steps", "rotate", "segment_line", "segment_paths"]
+__all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "READ_ATTEMPTS", "check_rotation",
+           "read_rank_segments", "read_rank_text", "read_segments", "read_trace", "record_steps", "rotate",
+           "segment_line", "segment_paths"]
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024   # a segment rolls at the first write past this size
 DEFAULT_MAX_SEGMENTS = 4               # segments kept per trace file, the live one included
+# reads of a rank's segments while its writer rolls them, at most (a roll takes microseconds; a read that keeps
+# meeting one is returned as it is after this many), and the wait before the n-th retry (n x this)
+READ_ATTEMPTS = 6
+READ_RETRY_S = 0.002
 
 _ROTATED = re.compile(r"\.(\d+)$")
 
@@ -48,13 +59,17 @@ def rotated_path(path: Path, index: int) -> Path:
 def rotate(path: Path, max_segments: int) -> None:
     """Shift the segments of ``path`` by one (the caller has closed the live file).
 
-    Deletes the segment that would become the ``max_segments``-th; with ``max_segments == 1``
-    the live file itself is deleted (the new segment starts empty).
+    Deletes the segment that would become the ``max_segments``-th, and every higher-numbered
+    one (a folder reused with a smaller ``max_segments`` holds them: kept, they would pass the
+    cap and read as this run's oldest history); with ``max_segments == 1`` the live file
+    itself is deleted too (the new segment starts empty).
     """
+    for index, old in _numbered(path):
+        if index >= max_segments - 1 and not (old.is_dir() and not old.is_symlink()):
+            old.unlink(missing_ok=True)
     if max_segments <= 1:
         path.unlink(missing_ok=True)
         return
-    rotated_path(path, max_segments - 1).unlink(missing_ok=True)
     for index in range(max_segments - 2, 0, -1):
         older = rotated_path(path, index)
         if older.exists():
@@ -70,20 +85,41 @@ def segment_paths(path: str | os.PathLike) -> list[Path]:
     one (``.jsonl.2`` and ``.jsonl.3`` moved on, ``.jsonl.1`` not yet there, or no live
     file), and every segment left is still that rank's history, in that order.
     """
-    path = Path(path)
-    rotated = []
+    return [one for one, _ in _listing(Path(path))]
+
+
+def _numbered(path: Path) -> list[tuple[int, Path]]:
+    """``(n, path)`` for every ``<name>.<n>`` next to ``path`` (n decimal digits), in no order."""
     try:
         siblings = list(path.parent.glob(f"{glob.escape(path.name)}.*"))
     except OSError:
-        siblings = []
+        return []
+    out = []
     for other in siblings:
         m = _ROTATED.search(other.name)
-        if m and other.name == f"{path.name}.{m.group(1)}" and other.is_file():
-            rotated.append((int(m.group(1)), other))
-    out = [p for _, p in sorted(rotated, reverse=True)]
-    if path.is_file():
-        out.append(path)
+        if m and other.name == f"{path.name}.{m.group(1)}":
+            out.append((int(m.group(1)), other))
     return out
+
+
+def _listing(path: Path) -> list[tuple[Path, os.stat_result]]:
+    """:func:`segment_paths` with each segment's ``stat`` (what a reader compares after reading)."""
+    rotated = []
+    for index, other in _numbered(path):
+        if (st := _regular(other)) is not None:
+            rotated.append((index, other.name, other, st))
+    out = [(one, st) for _, _, one, st in sorted(rotated, key=lambda e: e[:2], reverse=True)]
+    if (st := _regular(path)) is not None:
+        out.append((path, st))
+    return out
+
+
+def _regular(path: Path) -> os.stat_result | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def is_rotated_segment(path: str | os.PathLike) -> bool:
@@ -122,12 +158,11 @@ def read_rank_text(path: str | os.PathLike) -> str:
 def read_rank_segments(path: str | os.PathLike) -> tuple[str, list[tuple[str, int]]]:
     """:func:`read_rank_text`, with where each segment begins: ``(file name, lines of the text before it)``
     per segment, oldest first (:func:`segment_line` turns a line of the text into its file and line)."""
-    paths = [Path(path)] if is_rotated_segment(path) else segment_paths(path) or [Path(path)]
+    path = Path(path)
+    texts = [(path, _read(path))] if is_rotated_segment(path) else read_segments(path) or [(path, _read(path))]
     parts, starts, before = [], [], 0
-    for one in paths:
-        with open(one, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-        parts.append(text if not text or text.endswith("\n") or one == paths[-1] else text + "\n")
+    for i, (one, text) in enumerate(texts):
+        parts.append(text if not text or text.endswith("\n") or i == len(texts) - 1 else text + "\n")
         starts.append((one.name, before))
         before += parts[-1].count("\n")
     text = "".join(parts)
@@ -153,22 +188,84 @@ def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dic
     killed mid-write) or a line of bytes that are not UTF-8 (a damaged disk block) is
     counted, not fatal.
     """
-    paths = segment_paths(path) if segments and not is_rotated_segment(path) else [Path(path)]
-    if not paths:
+    path = Path(path)
+    texts = read_segments(path) if segments and not is_rotated_segment(path) else [(path, _read(path))]
+    if not texts:
         raise FileNotFoundError(f"no trace file at {path}")
     records: list[dict] = []
     bad = 0
-    for one in paths:
-        with open(one, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                if DAMAGED in line:
-                    bad += 1
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    bad += 1
+    for _, text in texts:
+        for line in text.split("\n"):
+            line = line.strip()
+            if not line:
+                continue
+            if DAMAGED in line:
+                bad += 1
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
     return records, bad
+
+
+def read_segments(path: str | os.PathLike) -> list[tuple[Path, str]]:
+    """``(segment, its text)`` for every segment of the live file ``path``, oldest first (``[]``: none there).
+
+    The segments as they stood at one moment of a running writer: they are listed, read, and
+    listed again, and read again (after a short wait) when a roll came in between: a listed
+    file gone, or a name that another file took (not the same ``(st_dev, st_ino)``, a size
+    that shrank, or a rotated segment whose size or ``st_mtime_ns`` changed). The live file
+    growing is not a change. After :data:`READ_ATTEMPTS` reads that each met a roll, the last
+    one is returned as it is (what was there to read; a listed file gone is left out).
+    """
+    path = Path(path)
+    texts: list[tuple[Path, str]] | None = []
+    for attempt in range(READ_ATTEMPTS):
+        last = attempt == READ_ATTEMPTS - 1
+        listed = _listing(path)
+        texts = _read_listed(listed, as_is=last)
+        if texts is not None and (last or _unchanged(listed, _listing(path), path)):
+            break
+        time.sleep(READ_RETRY_S * (attempt + 1))
+    return texts or []
+
+
+def _read(path: Path) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
+def _read_listed(listed: list[tuple[Path, os.stat_result]], as_is: bool) -> list[tuple[Path, str]] | None:
+    """The text of each listed segment; None as soon as one is gone or is another file (unless ``as_is``)."""
+    texts = []
+    for one, listed_stat in listed:
+        try:
+            fh = open(one, encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            if as_is:
+                continue
+            return None
+        with fh:
+            if not as_is and not _same_file(listed_stat, os.fstat(fh.fileno())):
+                return None
+            texts.append((one, fh.read()))
+    return texts
+
+
+def _same_file(before: os.stat_result, now: os.stat_result) -> bool:
+    # segments only grow (the live one) or keep their bytes (a rotated one) under one name while that name holds them
+    return (before.st_dev, before.st_ino) == (now.st_dev, now.st_ino) and now.st_size >= before.st_size
+
+
+def _unchanged(before: list[tuple[Path, os.stat_result]], after: list[tuple[Path, os.stat_result]],
+               live: Path) -> bool:
+    """True when no roll came between the two listings (module docstring: what counts as one)."""
+    if [one for one, _ in before] != [one for one, _ in after]:
+        return False
+    for (one, was), (_, now) in zip(before, after):
+        if not _same_file(was, now):
+            return False
+        if one != live and (was.st_size, was.st_mtime_ns) != (now.st_size, now.st_mtime_ns):
+            return False
+    return True
