@@ -56,6 +56,19 @@ def test_each_wait_gets_the_time_left_before_the_deadline():
     assert dl.describe() == {"deadline_s": 11.0, "bound_s": 18.0}
 
 
+def test_the_prepare_waits_leave_scale_ready_its_room_before_the_forward_deadline():
+    """Answers, scale_check and builds end T + GRACE_S before the forward deadline; scale_ready gets that room."""
+    clock = FakeClock()
+    dl = ScaleDeadline(4.0, 1.0, clock=clock)   # forward 11 s, room 6 s: the builds end 5 s in
+    assert dl.ready_room_s == 1.0 + GRACE_S
+    assert dl.before_ready(4.0) == 4.0          # the answers' own T_f fits
+    clock.now += 3.5                            # a late answer: the build gets what is left before 5 s
+    assert dl.before_ready(4.0) == pytest.approx(1.5)
+    assert dl.left(13.0) == pytest.approx(7.5)  # scale_ready after it: at least the room
+    clock.now += 2.0
+    assert dl.before_ready(4.0) == MIN_WAIT_S and dl.left(13.0) == pytest.approx(5.5)
+
+
 class _RecordingGroup:
     """A collective-group object that records the timeout each all-reduce was given."""
 

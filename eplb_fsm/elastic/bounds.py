@@ -1,15 +1,20 @@
 """Elastic EP: one deadline for a whole scale, so a stalled rank is detected in bounded time.
 
-A scale runs several waits in sequence (the new group forming, the ``scale_ready``
-agreement, the joiners' ``scale_go`` and handover, the scale's planning all-reduce, each
-layer's transfer and agreement, then a salvage, partial-switch or rollback agreement after a fault).
+A scale runs several waits in sequence (the joiners' answers, the ``scale_check``
+agreement, the new group forming, the ``scale_ready`` agreement, the joiners'
+``scale_go`` and handover, the scale's planning all-reduce, each layer's transfer and
+agreement, then a salvage, partial-switch or rollback agreement after a fault).
 Each has its own timeout, and a stalled rank used to make every one of them run out in
 turn (T_f + 2T + 4T + 5 s, then the caller's own deadline). Here every wait of one scale
 gets the time left before one deadline instead (pure arithmetic; the clock is injected):
 
-- ``forward_s = T_f + 2 T + 5``: forming the group (T_f, the request's ``timeout_s``,
-  default T = ``collective_timeout_s``), then every agreement, handover and transfer of the
-  scale's rearrangement; a wait that starts later than that fails at once (after
+- ``forward_s = T_f + 2 T + 5``: the prepare phase (the joiners' answers within T_f,
+  T_f the request's ``timeout_s``, default T = ``collective_timeout_s``; the ``scale_check``
+  agreement and forming the new group by ``forward_s - (T + 5)``, so that the
+  ``scale_ready`` agreement, which decides between an abort on the intact old group and a
+  failure, always has :attr:`ScaleDeadline.ready_room_s` = T + 5 s left for a peer whose
+  build ran to its own cap), then every agreement, handover and transfer of the scale's
+  rearrangement; a wait that starts later than that fails at once (after
   :data:`MIN_WAIT_S`). A message already in flight at the deadline still has its own
   T (the transfer communicator's per-message timeout).
 - ``bound_s = forward_s + 2 T + 5 = T_f + 4 T + 10``: the salvage (scale-down) or
@@ -69,10 +74,22 @@ class ScaleDeadline:
     def end(self) -> float:
         return self.started + self.bound_s
 
+    @property
+    def ready_room_s(self) -> float:
+        """What the prepare phase keeps of the forward deadline for its ``scale_ready`` agreement:
+        T + :data:`GRACE_S`, so that ranks whose requests came up to that far apart all reach it."""
+        return self.timeout_s + GRACE_S
+
     def left(self, own_timeout_s: float, recovery: bool = False) -> float:
         """What a wait with its own ``own_timeout_s`` gets now: never past the deadline
         (the recovery one with ``recovery``), never less than :data:`MIN_WAIT_S`."""
         end = self.end if recovery else self.forward_end
+        return max(min(float(own_timeout_s), end - self.clock()), MIN_WAIT_S)
+
+    def before_ready(self, own_timeout_s: float) -> float:
+        """:meth:`left` for the prepare phase's waits before ``scale_ready`` (the ``scale_check``
+        agreement, the builds): they end :attr:`ready_room_s` before the forward deadline."""
+        end = self.forward_end - self.ready_room_s
         return max(min(float(own_timeout_s), end - self.clock()), MIN_WAIT_S)
 
     def describe(self) -> dict:

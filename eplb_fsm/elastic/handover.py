@@ -8,7 +8,8 @@ writes its last ``group_switch`` record with :func:`leave`.
 The handover to joiners: rank 0 of the old group publishes :func:`handover_state` (maps,
 counters, config, each model's layout and weight specs) in the store before the new group
 forms; a joiner that does not match it refuses before the group forms and says why under
-:func:`refusal_key`, one that matches says so under :func:`accepted_key`, and the serving
+:func:`refusal_key` and :func:`any_refusal_key` (so does a process started with a rank that
+is not a joiner's), one that matches says so under :func:`accepted_key`, and the serving
 ranks build the new group only once every joiner has accepted (:func:`await_joiners`: a
 refusal aborts the scale at once instead of after the group build's timeout); once
 the group has formed, every rank of it runs :func:`join_handshake`: one "go" all-reduce,
@@ -32,6 +33,7 @@ from eplb_fsm.elastic.scale_plan import ScalePlan, place_lost, remap_columns, re
 
 __all__ = [
     "accepted_key",
+    "any_refusal_key",
     "await_joiners",
     "expert_specs",
     "handover_state",
@@ -179,11 +181,21 @@ def refusal_key(namespace: str, generation: int, rank: int) -> str:
     return f"{namespace}/g{generation}/refused/{rank}"
 
 
-def publish_refusal(store: Any, key: str, reason: str) -> None:
-    """A joiner that refuses the handover says why (best effort: the joiner's own ValueError is what
-    counts, so a store that fails here changes nothing but the serving ranks' reason)."""
+def any_refusal_key(namespace: str, generation: int) -> str:
+    """The store key the serving ranks poll for a refusal by any process that read the handover of
+    ``generation``: a joiner, or one started with a rank that is not a joiner's (whose own
+    :func:`refusal_key` they would never read). It holds the whole sentence their reason quotes."""
+    return f"{namespace}/g{generation}/refused/any"
+
+
+def publish_refusal(store: Any, namespace: str, generation: int, rank: int, who: str, reason: str) -> None:
+    """A process that refuses the handover says why, under its :func:`refusal_key` and then under
+    :func:`any_refusal_key` as ``"<who> refused: <reason>"`` (``who``: ``joiner rank 2``, or what
+    the process was started as). Best effort: the process's own ValueError is what counts, so a
+    store that fails here changes nothing but the serving ranks' reason."""
     try:
-        store.set(key, reason.encode())
+        store.set(refusal_key(namespace, generation, rank), reason.encode())
+        store.set(any_refusal_key(namespace, generation), f"{who} refused: {reason}".encode())
     except Exception:  # noqa: BLE001 - see the docstring
         pass
 
@@ -204,17 +216,22 @@ def publish_accepted(store: Any, key: str) -> None:
 
 def await_joiners(ctl: Any, sp: ScalePlan, timeout_s: float, poll_s: float = 0.02) -> str | None:
     """A serving rank of a scale-up, before it builds the new group: wait until every joiner has
-    accepted (None) or one has refused (``"joiner rank j refused: why"``, without waiting for the
-    rest), or ``timeout_s`` passes (a reason naming the joiners that never answered). The gloo build
-    that follows cannot be interrupted, so this is where a refusal can end the scale early.
+    accepted (None) or a process that read the handover has refused (``"joiner rank j refused: why"``;
+    ``"a process joining as rank r of W refused: why"`` for one started with a rank that is not a
+    joiner's), without waiting for the rest, or ``timeout_s`` passes (a reason naming the joiners
+    that never answered). The gloo build that follows cannot be interrupted, so this is where a
+    refusal can end the scale early.
     A store error propagates (the caller's prepare phase records it)."""
     store, namespace = ctl.group.store, ctl.group.namespace
     pending = list(sp.joiners)
+    anyone = any_refusal_key(namespace, sp.generation)
     end = time.monotonic() + float(timeout_s)
     while True:
+        if store.check([anyone]):
+            return store.get(anyone).decode(errors="replace")
         for j in list(pending):
             key = refusal_key(namespace, sp.generation, j)
-            if store.check([key]):
+            if store.check([key]):  # a joiner writes this one first
                 return f"joiner rank {j} refused: {store.get(key).decode(errors='replace')}"
             if store.check([accepted_key(namespace, sp.generation, j)]):
                 pending.remove(j)
@@ -226,14 +243,19 @@ def await_joiners(ctl: Any, sp: ScalePlan, timeout_s: float, poll_s: float = 0.0
 
 
 def read_refusals(ctl: Any, sp: ScalePlan) -> list[str]:
-    """``"joiner rank j refused: why"`` for each joiner of the scale that published a refusal (no wait:
-    read once the new group failed to form, which a refusing joiner causes)."""
-    found = []
-    for j in sp.joiners:
-        key = refusal_key(ctl.group.namespace, sp.generation, j)
+    """The refusal published under :func:`any_refusal_key` and ``"joiner rank j refused: why"`` for each
+    joiner of the scale that published one, without duplicates (no wait: read once the scale is
+    aborting, which a refusing process causes even where this rank did not see it in time)."""
+    store, namespace = ctl.group.store, ctl.group.namespace
+    keys = [(any_refusal_key(namespace, sp.generation), "")] + \
+        [(refusal_key(namespace, sp.generation, j), f"joiner rank {j} refused: ") for j in sp.joiners]
+    found: list[str] = []
+    for key, prefix in keys:
         try:
-            if ctl.group.store.check([key]):
-                found.append(f"joiner rank {j} refused: {ctl.group.store.get(key).decode(errors='replace')}")
+            if store.check([key]):
+                text = prefix + store.get(key).decode(errors="replace")
+                if text not in found:
+                    found.append(text)
         except Exception:  # noqa: BLE001 - a store that fails now only costs the reason its detail
             pass
     return found

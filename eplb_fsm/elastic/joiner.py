@@ -33,7 +33,6 @@ from eplb_fsm.elastic.handover import (
     non_expert_tensors,
     publish_accepted,
     publish_refusal,
-    refusal_key,
     resize_models,
 )
 from eplb_fsm.maps import as_count, check_seconds
@@ -85,15 +84,18 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
     except Exception as exc:
         raise ScaleAborted(f"no handover for generation {generation} within {timeout:g} s: {exc}") from exc
     sp = make_scale_plan(state["old_world"], state["new_world"], state["rank_mapping"], generation)
+    is_joiner = sp.kind == "scale_up" and world_size == sp.new_world and rank in sp.joiners
     try:
-        if sp.kind != "scale_up" or world_size != sp.new_world or rank not in sp.joiners:
+        if not is_joiner:
             raise ValueError(f"rank {rank} of {world_size} is not a joiner of generation {generation} "
                              f"({sp.old_world} -> {sp.new_world} ranks, joiners {list(sp.joiners)})")
         _check_matches(config, named, state)
     except ValueError as exc:
         # the serving ranks wait for every joiner's answer before they build the new group:
-        # a refusal ends their scale at once, and its reason goes into their scale_aborted record
-        publish_refusal(store, refusal_key(namespace, generation, rank), str(exc))
+        # a refusal ends their scale at once, and its reason goes into their scale_aborted record;
+        # a process started with a wrong rank is heard too (any_refusal_key), not taken for a silent joiner
+        who = f"joiner rank {rank}" if is_joiner else f"a process joining as rank {rank} of {world_size}"
+        publish_refusal(store, namespace, generation, rank, who, str(exc))
         raise
     publish_accepted(store, accepted_key(namespace, generation, rank))  # the serving ranks build only now
     # from the handover on, the joiner's waits share one deadline, as the serving ranks' do

@@ -4,7 +4,8 @@ The machine (``fsm.machine``) has the rows; this module performs them for the co
 
 Scale-down, G -> G' < G (default: the highest ranks leave)::
 
-    collecting --scale_requested--> scaling      survivors build the new group (G' ranks);
+    collecting --scale_requested--> scaling      all G check their maps agree (scale_check);
+                                                  survivors build the new group (G' ranks);
                                                   all G agree on it in the old group
     scaling --groups_ready--> planning            plan over the survivors: P' = S * G'
     planning --plan_ready--> transferring ...     in the OLD group: leaving ranks' new slots
@@ -15,8 +16,10 @@ Scale-down, G -> G' < G (default: the highest ranks leave)::
 Scale-up, G -> G' > G (default: old ranks keep their numbers, joiners take the rest)::
 
     collecting --scale_requested--> scaling      rank 0 publishes the handover (maps,
-                                                  counters) in the store; all G' build the
-                                                  new group; the old G agree in the old group;
+                                                  counters) in the store; the old G wait for
+                                                  the joiners' answers and agree on them and
+                                                  on their maps (scale_check); all G' build
+                                                  the new group; the old G agree on it;
                                                   joiners get the non-expert weights (split
                                                   over the old ranks, point to point)
     scaling --groups_ready--> planning            in the NEW group: joiners' old slots empty
@@ -41,6 +44,7 @@ The trace gets ``group_switch`` (a rank's collectives move to another group),
 
 This module is the serving ranks' flow (:func:`request_scale`). The pieces, below it:
 :mod:`~eplb_fsm.elastic.request` (the request, its checks, a broken scale's end),
+:mod:`~eplb_fsm.elastic.prepare` (the old group agrees to go on, builds the new one),
 :mod:`~eplb_fsm.elastic.scale_plan` (pure: rank mapping, slot columns, resized maps and
 windows), :mod:`~eplb_fsm.elastic.handover` (group swap, handover to joiners),
 :mod:`~eplb_fsm.elastic.records` (the scale's rearrangement and records) and
@@ -51,7 +55,6 @@ the controller's public port only (:mod:`eplb_fsm.elastic.port`).
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import Any, Mapping
 
@@ -65,13 +68,10 @@ from eplb_fsm.maps import check_seconds
 from eplb_fsm.elastic.joiner import ScaleAborted, join
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.elastic.handover import (
-    await_joiners,
-    handover_state,
     join_handshake,
     late_timeout,
     leave,
     project_back,
-    read_refusals,
     reduce_on,
     resize_models,
     set_space,
@@ -89,6 +89,7 @@ from eplb_fsm.elastic.scale_plan import (
     resize_window,
     slot_columns,
 )
+from eplb_fsm.elastic.prepare import prepare
 from eplb_fsm.elastic.records import rearrange_for_scale, tag_history
 
 __all__ = [
@@ -151,47 +152,6 @@ def request_scale(ctl: Any, new_world_size: int, rank_mapping: Mapping[int, int]
         ctl.collectives.cap = None
 
 
-def _prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | None]:
-    """In the old group: build this rank's part of the new group, then all old ranks agree on it.
-
-    On a scale-up rank 0 first publishes the handover the joiners start from; a leaving
-    rank builds nothing. Returns ``(new_group, its transfer communicator, None)`` to go
-    on, or ``(None, None, this rank's scaling entry)`` when the scale ends here.
-    """
-    sp = req.sp
-    new_group = new_comm = error = None
-    try:
-        if sp.kind == "scale_up":
-            if req.old_rank == 0:
-                ctl.group.store.set(ctl.group.key("handover", sp.generation), pickle.dumps(handover_state(ctl, sp)))
-            # a refusal ends the scale here: the gloo build below cannot be interrupted
-            error = await_joiners(ctl, sp, req.deadline.left(req.timeout))
-        if error is None and req.new_rank >= 0:
-            new_group = ctl.group.successor(sp.generation, req.new_rank, sp.new_world,
-                                            req.deadline.left(req.timeout))
-            new_comm = new_group.transfer_communicator(ctl.timeout_s, req.deadline.left(req.timeout))
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        new_group = None
-    try:
-        agreed = ctl.collectives.all_reduce({"scale_ready": flags(1.0 if error else 0.0)}, 2 * req.timeout + 5.0)
-    except Exception as exc:
-        ctl.rearranger.group_fault(exc)
-        return None, None, req.record(ctl, role, "failed", reason=str(exc), phase="prepare")
-    failed = int(round(float(agreed["scale_ready"][0])))
-    if not failed:
-        return new_group, new_comm, None
-    if new_group is not None:
-        new_group.close()
-    reason = (f"new group of generation {sp.generation} ({sp.new_world} ranks) was not complete on "
-              f"{failed} rank(s)" + (f": {error}" if error else ""))
-    if sp.kind == "scale_up":  # a refusal this rank did not see itself (it timed out first) still says why
-        reason = "; ".join([reason, *[r for r in read_refusals(ctl, sp) if r not in reason]])
-    ctl.trace.emit("scale_aborted", generation=sp.generation, phase="prepare", reason=reason, lost_experts=[])
-    ctl.fire("fault", extra={"reason": reason, "scale": sp.generation}, recoverable=True)
-    return None, None, req.record(ctl, "member", "aborted", reason=reason, phase="prepare")
-
-
 # ---------------------------------------------------------------------------------------
 # scale-down: transfer in the old group, then the survivors switch
 
@@ -205,7 +165,7 @@ def _scale_down(ctl: Any, req: ScaleRequest) -> dict:
     sp = req.sp
     leaving = req.new_rank < 0
     role = "leaving" if leaving else "survivor"
-    new_group, new_comm, ended = _prepare(ctl, req, role)
+    new_group, new_comm, ended = prepare(ctl, req, role)
     if ended is not None:
         return ended
     S = ctl.models[0].num_local
@@ -282,7 +242,7 @@ def _salvage_down(ctl: Any, req: ScaleRequest, new_group: Any, new_comm: Any, fr
 def _scale_up(ctl: Any, req: ScaleRequest) -> dict:
     sp = req.sp
     old = ctl.collectives.save()
-    new_group, new_comm, ended = _prepare(ctl, req, "member")
+    new_group, new_comm, ended = prepare(ctl, req, "member")
     if ended is not None:
         return ended
     S = ctl.models[0].num_local

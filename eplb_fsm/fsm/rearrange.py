@@ -115,9 +115,7 @@ class Rearranger:
         differ = recovery.differing(recovery.map_items(self.models), reduced["maps"].tolist(),
                                     self.collectives.world_size) if "maps" in reduced else []
         if differ:
-            self.abort(f"the ranks hold different maps: {', '.join(differ)} (add_model must be given the same "
-                       "phy2log on every rank; restart the ranks from one placement)", recoverable=False,
-                       kind="rejected")
+            self.abort(recovery.different_maps(differ), recoverable=False, kind="rejected")
             return
         flat_loads = reduced["loads"]
         bad = bad_load_reason(flat_loads)
@@ -174,7 +172,10 @@ class Rearranger:
 
         All-reduces the load (bad statistics: plan on zero load), plans with ``make_plan``
         (per-model (L, N) loads -> Plan), fires ``plan_ready`` with ``moves`` = every slot
-        whose content changes; with none the machine goes straight on to ``scaling``.
+        whose content changes; with none the machine goes straight on to ``scaling``. Unlike
+        :meth:`planning_parts` it carries no maps digest: the serving ranks compared their maps
+        in the scale's ``scale_check`` agreement before anything was built, and joiners start
+        from rank 0's (``eplb_fsm.elastic.scaling``).
         """
         loads = self.local_loads()
         self.begin(self.counters.steps, forced=True)

@@ -19,7 +19,8 @@ group, a collective every rank joins at the same point.
   timed out cannot be used again).
 
 :func:`map_items`, :func:`digest_flags` and :func:`differing` compare every model's maps
-across ranks in one SUM all-reduce; the planning all-reduce carries them too.
+across ranks in one SUM all-reduce; the planning all-reduce carries them too, and so does an
+elastic scale's ``scale_check`` agreement (:func:`different_maps` is the reason both give).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from eplb_fsm.fsm.decide import counts_equal
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.fsm.pacing import unpaced
 
-__all__ = ["recover", "reset_transfers", "map_items", "digest_flags", "differing"]
+__all__ = ["recover", "reset_transfers", "map_items", "digest_flags", "differing", "different_maps"]
 
 
 def reset_transfers(r: Any) -> str | None:
@@ -241,3 +242,10 @@ def differing(items: list[tuple[str, np.ndarray]], summed: Any, world: int) -> l
     sums, squares = list(summed[:n]), list(summed[n:2 * n])
     return [name for i, (name, _) in enumerate(items)
             if not all(counts_equal(sums[k], squares[k], world) for k in range(i * _PIECES, (i + 1) * _PIECES))]
+
+
+def different_maps(differ: list[str]) -> str:
+    """Why ranks whose maps :func:`differing` names in ``differ`` must not move anything (a rearrangement's
+    planning refuses them, and so does an elastic scale before it builds its new group)."""
+    return (f"the ranks hold different maps: {', '.join(differ)} (add_model must be given the same phy2log on "
+            "every rank; restart the ranks from one placement)")
