@@ -83,7 +83,7 @@ def test_aborted_scale_up_is_healthy_with_the_abort_noted():
     assert report.verdict == "healthy", report.summary
     (scale,) = report.scales
     assert (scale["generation"], scale["outcome"], scale["to_ranks"]) == (1, "aborted", 3)
-    assert "aborted" in report.summary and "joiners did not connect" in report.summary
+    assert "aborted" in report.summary and "did not answer the handover" in report.summary
 
 
 def test_leaving_rank_that_dies_before_its_experts_are_out_is_named():

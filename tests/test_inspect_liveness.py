@@ -568,3 +568,74 @@ def test_each_aborted_rearrangement_names_its_own_late_rank():
     assert report.verdict == "hang" and report.culprit_ranks == [2], format_report(report)
     assert [(a["step"], a["late_ranks"]) for a in report.aborted] == [(19, [1]), (39, [2])]
     assert report.aborted[1]["collective"] == report.collective
+
+
+# the error texts gloo, torch and the controller write when a peer is gone or a wait ran out (from real runs)
+GLOO_CLOSED = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+               "by peer [127.0.0.1]:20891. This is typically caused by a remote worker crashing.")
+WAIT_TEXTS = [
+    GLOO_CLOSED,
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:15261: Connection "
+    "reset by peer. This is typically caused by a remote worker hanging or bugs in the application.",
+    "TransferError: layer 1, wave 0/1: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+    "waiting 2000ms for recv operation to complete",
+    "RuntimeError: Operation timed out!",
+    "GroupBroken: all_reduce of ['ready'] failed: RuntimeError: Operation timed out!",
+]
+ENGINE_TEXTS = [
+    "RuntimeError: KeyError: request_timeout missing from sampling params",
+    "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error; Cuda failure: an illegal memory "
+    "access was encountered",
+    "ValueError: gloo_rank_map has no entry for expert 7",
+]
+
+
+def _ends(first: str, second: str) -> list[Rank]:
+    """Rank 1 ends at step 40 with ``first``; rank 0 waits 5 s, then ends with ``second``."""
+    ranks = [Rank(r, world=2).steps(40) for r in range(2)]
+    ranks[1].end("exception", error=first)
+    ranks[0].steps(41, alive=False).wait(5).end("exception", error=second)
+    return ranks
+
+
+@pytest.mark.parametrize("text", ENGINE_TEXTS, ids=["timeout-word", "nccl-word", "gloo-word"])
+def test_an_engine_error_naming_timeout_nccl_or_gloo_is_a_crash(tmp_path, text):
+    """An error that only mentions "timeout", "NCCL" or "gloo" is the engine's own crash, not a failed wait."""
+    report = replay_dir(write(tmp_path, _ends(text, GLOO_CLOSED)))
+    assert (report.verdict, report.culprit_ranks) == ("crashed", [1]), format_report(report)
+    assert any(c.startswith("rank 0 gave up waiting") for c in report.consequences)
+
+
+@pytest.mark.parametrize("text", WAIT_TEXTS, ids=["closed", "reset", "recv-timeout", "wait-timeout", "group-broken"])
+def test_exceptions_that_are_all_failed_waits_name_the_first_rank_to_fail(tmp_path, capsys, text):
+    """Every rank ended with a failed wait and nothing else explains it: not healthy; the first exception is named
+    (crashed, exit 1) and the later one is printed as a consequence."""
+    report = replay_dir(write(tmp_path, _ends(text, GLOO_CLOSED)))
+    assert (report.verdict, report.culprit_ranks) == ("crashed", [1]), format_report(report)
+    assert "the first rank to end with an exception" in report.summary and "no trace shows a cause" in report.summary
+    assert report.consequences == [c for c in report.consequences if c.startswith("rank 0 gave up waiting")] != []
+    assert main(["replay", str(tmp_path)]) == 1
+    assert "consequences (not culprits)" in capsys.readouterr().out
+
+
+def test_a_rank_that_closed_while_its_peer_still_ran_left_early(tmp_path):
+    """Rank 1 closed in order at step 40 while rank 0 went on and then failed waiting: left_early rank 1."""
+    ranks = [Rank(r, world=2).steps(40) for r in range(2)]
+    ranks[1].end()
+    ranks[0].steps(41, alive=False).wait(3).end("exception", error=GLOO_CLOSED)
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("left_early", [1], 40), format_report(report)
+    assert report.exit_code == 1 and any(c.startswith("rank 0 gave up waiting") for c in report.consequences)
+
+
+def test_two_ranks_killed_together_are_one_death(tmp_path):
+    """Ranks 2 and 3 stop at step 30 without an end; ranks 0-1 end 0.5 s later with failed waits: one rank_died
+    finding naming ranks 2-3 (their traces stop before the survivors' first end), never the survivors."""
+    ranks = [Rank(r).steps(30) for r in range(WORLD)]
+    for rk in ranks[:2]:
+        rk.ts += 0.5
+        rk.end("exception", error=GLOO_CLOSED)
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("rank_died", [2, 3], 30), format_report(report)
+    assert report.summary.startswith("ranks 2-3 died (SIGKILL?) at step 30 in collecting: no end record on any")
+    assert len(report.consequences) == 2

@@ -20,14 +20,14 @@ def test_scale_down_leaving_rank_ends_with_its_switch():
     job.scale(2)
     recs = job.records()[3]
     assert _events(recs, 12) == [
-        "scale_requested", "collective_start", "groups_ready", "collective_start", "plan_ready",
+        "scale_requested", "collective_start", "collective_start", "groups_ready", "collective_start", "plan_ready",
         "collective_start", "collective_start", "layer_done", "collective_start", "collective_start", "layer_done",
         "collective_start", "committed", "rearrangement", "switched", "group_switch", "scaling", "end"]
     # the forced plan all-reduces the loads only; each ready agreement is [ready, failed, late, broken]
     agreements = [(r["parts"], r["shape"], r.get("layer")) for r in recs
                   if r["event"] == "collective_start" and r["op"] == "all_reduce" and r["step"] == 12]
-    assert agreements == [(["scale_ready"], [1], None), (["loads"], [16], None), (["ready"], [4], 0),
-                          (["ready"], [4], 1), (["ready"], [4], None)]
+    assert agreements == [(["scale_check"], [17], None), (["scale_ready"], [1], None), (["loads"], [16], None),
+                          (["ready"], [4], 0), (["ready"], [4], 1), (["ready"], [4], None)]
     switch = recs[-3]
     assert (switch["role"], switch["new_group"], switch["new_rank"], switch["old_world"]) == ("leaving", None, -1, 4)
     assert recs[-2]["rank"] == -1 and recs[-2]["outcome"] == "left"

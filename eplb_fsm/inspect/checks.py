@@ -3,8 +3,9 @@
 Headers (configuration), illegal transitions, the order of state changes (the n-th state
 change is the same event at the same step everywhere; a joiner's sequence starts at the
 others' ``groups_ready`` of its generation; one shifted by state changes its trace lost is
-``lost_records``, ``lost``), traces that stop early, ranks left ``failed``, watchdog
-reports. The collectives are checked in ``collective_checks``.
+``lost_records``, ``lost``), traces that stop early, ranks that all closed at different
+steps (``step_count_mismatch``), ranks left ``failed``, watchdog reports. The collectives are
+checked in ``collective_checks``.
 Participants, labels and group membership come from ``elastic.Cast``.
 """
 
@@ -350,4 +351,34 @@ def check_stuck(cast: Cast) -> list[Finding]:
         state=first.get("state"), layer=first.get("layer"),
         collective=first.get("last_collective") if isinstance(first.get("last_collective"), dict) else None,
         ranks=[cast.position(k, "stuck", last_seen(cast.parts[k]), cast.parts[k].last_step) for k in stuck],
+    )]
+
+
+def step_count_mismatch(cast: Cast) -> list[Finding]:
+    """Every participant closed in order but their final steps differ: the odd ones skipped or added steps.
+
+    The reference is the final step most participants reached; in a tie, the one whose participants' own
+    step numbers run on unbroken (``stepseq``), then the higher."""
+    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
+    if len(parts) < 2 or any((s.end or {}).get("how") != "closed" for s in parts.values()):
+        return []
+    by_step: dict = {}
+    for k, s in parts.items():
+        by_step.setdefault(s.last_step, []).append(k)
+    if len(by_step) < 2:
+        return []
+    ref = max(by_step, key=lambda v: (len(by_step[v]), not any(own_steps_broken(parts[k]) for k in by_step[v]),
+                                      v is not None and v))
+    odd = sorted(k for v, ks in by_step.items() if v != ref for k in ks)
+    steps = ", ".join(f"{cast.who(ks)} at step {v}" for v, ks in sorted(by_step.items(), key=lambda kv: str(kv[0]))
+                      if v != ref)
+    first = cast.parts[odd[0]]
+    return [Finding.of(
+        "step_count_mismatch", first.last_step, odd,
+        f"every rank closed in order, but {steps} where {cast.who(by_step[ref])} ended at step {ref}: "
+        "a rank skipped or added engine steps",
+        state=first.final_state,
+        ranks=[cast.position(k, "odd" if k in odd else "reference", f"closed at step {parts[k].last_step}",
+                             parts[k].last_step) for k in sorted(parts)],
+        details=[f"{cast.label(k)}: {text}" for k in odd if (text := step_break_text(parts[k]))],
     )]

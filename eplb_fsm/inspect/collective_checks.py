@@ -367,8 +367,12 @@ def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective]
     Every member with a trace that did not issue (g, c) has a sequence in ``g`` that ends
     before it, and they outnumber the ones that did: those issued one collective more than
     the rest (``log_stats`` or ``rearrange()`` called on one rank alone), so they are the
-    culprits, never the ranks that went on without it.
+    culprits, never the ranks that went on without it. A trace that just stops (no ``end``, not left on
+    purpose, its last record before they started (g, c)) casts no vote: dead ranks must not outvote a survivor.
     """
+    first = min((e.ts for e in entries.values() if type(e.ts) in (int, float)), default=None)
+    absent = [k for k in absent if first is None or (s := cast.parts[k]).end is not None or s.ended_on_purpose
+              or s.last_ts is None or s.last_ts >= first]
     if not entries or len(absent) <= len(entries):
         return None
     if any(cast.parts[k].max_cseq(g) >= c for k in absent):

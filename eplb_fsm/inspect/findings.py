@@ -27,7 +27,9 @@ KINDS = (
     "hang",                   # a collective started and never ended on some ranks
     "rank_died",              # a rank's trace stops while the others went on (liveness: no end, silent)
     "frozen",                 # a rank wrote no alive record for a long time while the others did
-    "crashed",                # a rank ended with an exception that was not a wait timing out
+    "crashed",                # a rank ended with an exception that was not a failed wait (or, with no other
+                              # cause found, the first rank whose exception ended one)
+    "left_early",             # a rank closed in order while a peer still ran, which then failed waiting for it
     "signalled",              # ranks were stopped by a signal before anything else went wrong
     "lagging",                # alive ranks stalled, some at a lower step: the others wait for them
     "step_count_mismatch",    # every rank closed in order but their final steps differ
@@ -42,7 +44,7 @@ KINDS = (
     "lost_records",           # a hang or mismatch read from a trace whose lost lines (seq gap) held its evidence
 )
 # liveness causes: ordered by when they happened, ahead of everything they lead to
-PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "signalled", "lagging")
+PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "left_early", "signalled", "lagging")
 INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "out_of_order", "lost_records")
 # at the same step the more causal kind is the verdict: a decision taken differently (or at
 # another step) comes before the collectives it leads to, and those before the hang

@@ -17,19 +17,22 @@ it the cause when the ranks did not come back (they end ``failed``) and the live
 records name no other cause, and a handled note when every member rolled back and went on
 (``recover()``), so that the aborted rearrangement names it. Waits that timed out are
 consequences, never culprits.
+
+The late rank of every rolled-back rearrangement (:func:`aborted_rearrangements`) and a job
+stopped from outside while a hang lasted (:func:`signalled_in_hang`) are told here too.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from eplb_fsm.fsm.machine import FAILED
+from eplb_fsm.fsm.machine import FAILED, SCALING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.liveness import DEFAULT_INTERVAL_S, MIN_GAP_S, Liveness
 from eplb_fsm.inspect.model import Collective
 
-__all__ = ["CLOCK_NOISE_S", "add_late", "late_findings"]
+__all__ = ["CLOCK_NOISE_S", "aborted_rearrangements", "add_late", "late_findings", "signalled_in_hang"]
 
 CLOCK_NOISE_S = MIN_GAP_S   # start ts further apart than this is lateness, not two clocks disagreeing
 # findings that already explain a failed collective at or before their step: no late rank is sought after them
@@ -176,3 +179,90 @@ def add_late(cast: Cast, live: Liveness, findings: list[Finding], handled: list[
                 live.consequences.append((k, f"{cast.label(k)} gave up waiting in {coll_text(coll)} at step "
                                              f"{e.step}, {cast.who(f.keys())} not there yet: {short_error(e.error)}"))
                 live.consequence_keys.add(k)
+
+
+def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Finding],
+                           hangs: Sequence[Finding] = ()) -> list[dict]:
+    """Every rearrangement the ranks rolled back (a ``fault`` transition), with the rank that was late.
+
+    The late rank is the member of the collective problem the rollback handled that never
+    joined it, or else the one that started it last (late by the spread of the start ``ts``);
+    a freeze found by the liveness records around that step is named too. The problem is the
+    latest since the previous rollback: a handled one (a late rank's note, ``late``), else an unhandled
+    ``hang`` (its culprit died or hangs) or a cause about a collective (a late rank in a run left
+    ``failed``). A fault in ``scaling`` is a scale abort, listed with the scales, not here.
+    """
+    parts = cast.parts
+    by_step: dict[int, list[Key]] = {}
+    for k, s in parts.items():
+        for t in s.transitions:
+            if t.trigger == "fault" and t.source != SCALING and type(t.step) is int \
+                    and k not in by_step.get(t.step, []):
+                by_step.setdefault(t.step, []).append(k)
+    out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)
+    for step, keys in sorted(by_step.items()):
+        entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
+                       "collective": None, "text": ""}
+        since = [h for h in [*handled, *hangs, *causes] if h.collective and type(h.step) is int and h.step <= step
+                 and (before is None or h.step > before)]
+        f = max(since, key=lambda h: h.step, default=None)   # a handled one first at equal steps
+        before, late_text = step, "no rank was late by the records"
+        if f is not None and f.collective:
+            g, c = f.collective.get("group"), f.collective.get("cseq")
+            entry["collective"] = f.collective
+            members = f.members or sorted(parts)
+            starts = {k: e.ts for k in members if k in parts
+                      and (e := parts[k].collectives.get(g, {}).get(c)) is not None and type(e.ts) in (int, float)}
+            absent = [k for k in members if k in parts and parts[k].collectives.get(g, {}).get(c) is None]
+            where = coll_text(f.collective)
+            if absent:
+                entry["late_ranks"] = sorted({k[0] for k in absent})
+                late_text = f"{cast.who(absent)} never joined {where}"
+            elif len(starts) > 1:   # a lagging finding weighed the alive records too: its culprits are the late ones
+                lagging = [k for k in f.keys() if k in starts] if f.kind == "lagging" else []
+                late = max(lagging or starts, key=starts.get)
+                entry["late_ranks"] = sorted({k[0] for k in lagging}) or [late[0]]
+                entry["late_by_s"] = round(starts[late] - min(starts.values()), 3)
+                late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
+        # a rank that froze or died at or before that step is why the others gave up
+        gone = [x for x in causes if x.kind in ("frozen", "rank_died") and type(x.step) is int and x.step <= step]
+        if gone:
+            late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + gone[-1].summary.split(":")[0]
+            entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
+        entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
+        out.append(entry)
+    return out
+
+
+def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liveness) -> bool:
+    """A job stopped from outside (SIGTERM, Ctrl-C, a launcher's deadline) while a hang lasted: the hang is the cause.
+
+    An operator usually ends a hung job before its collective timeout fires, so every rank's
+    trace ends with ``signal`` and nothing failed before it. When a signalled rank was still
+    inside the collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not
+    inside it, the signal only ended what the hang had already stopped. Then the signal goes
+    into that finding's details and the waiters' consequences, and True says ``cause`` was
+    folded. A job stopped while every rank was inside the same collective stays ``signalled``.
+    """
+    if cause.kind != "signalled":
+        return False
+    for f in rest:
+        if f.kind not in ("hang", "collective_mismatch") or not f.collective:
+            continue
+        coll = (f.collective.get("group"), f.collective.get("cseq"))
+        inside = [k for k in cause.keys() if k in cast.parts
+                  and coll in {(c.group, c.cseq) for c in cast.parts[k].open_collectives()}]
+        if not inside or set(inside) & set(f.keys()):
+            continue
+        f.details.insert(0, cause.summary.split(" while no rank had failed")[0] + ", while this hang lasted: "
+                         "stopped from outside, not its cause")
+        for k in inside:
+            end = cast.parts[k].end or {}
+            ts = end.get("ts")
+            when = f" at t+{ts - live.t0:.1f} s" if type(ts) in (int, float) and live.t0 is not None else ""
+            live.consequences.append((k, f"{cast.label(k)} was stopped by {end.get('signal') or 'a signal'}{when} "
+                                         f"while waiting inside {f.collective.get('op')} (group {coll[0]}, cseq "
+                                         f"{coll[1]}), which the hang's culprit never joined"))
+            live.consequence_keys.add(k)
+        return True
+    return False

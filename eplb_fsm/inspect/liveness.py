@@ -5,20 +5,26 @@ exception with its message, signal with its name); a background thread writes an
 record about once per ``interval_s`` with the rank's step, state and the collective it waits
 in (docs/events.md). From those, per participant (``elastic.Cast``):
 
-- **died**: no ``end``, and its last record is older than the others' last records by more
-  than ``DEAD_FACTOR`` intervals: the process was killed (SIGKILL, a crash of the
-  interpreter) or froze for good.
+- **died**: no ``end``, and either its last record is older than the others' last records by
+  more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that
+  ended (the participants of its current group that did not leave on purpose): the process was
+  killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within
+  ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness).
-- **crashed**: ``end`` with ``how: exception`` whose error is not a wait that timed out.
+- **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``_WAIT_ERROR``:
+  the forms gloo, torch and the controller write when a peer is gone or a wait timed out).
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than
   the other stalled ranks (they wait for it in the engine's own collective).
 
 The earliest of these events (by ``ts``) is the cause. Everything that happened after it to
-the other ranks (an exception from a wait that timed out, a SIGTERM from the launcher, alive
-records whose step stopped advancing) is a consequence and never a culprit. Traces without
+the other ranks (an exception from a wait that failed, a SIGTERM from the launcher, alive
+records whose step stopped advancing) is a consequence and never a culprit. When there is no
+cause but a rank ended with an exception, ``Liveness.unexplained`` names the first to go: a rank
+that closed in order while a peer still ran and then failed (``left_early``), else the first
+exception (``crashed``); the replay reports it when nothing else is found. Traces without
 ``end`` or ``alive`` records (older writers) give no liveness finding; the step-based checks
 (``checks.check_ends``) still apply to them.
 """
@@ -27,22 +33,27 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from eplb_fsm.fsm.machine import SCALING
+from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
-from eplb_fsm.inspect.stepseq import own_steps_broken, step_break_text
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
 FROZEN_FACTOR = 2.5        # a gap of this many intervals between alive records: frozen
 MIN_GAP_S = 2.0            # never less than this (a loaded machine delays a thread by a second or so)
-# an exception that ends a wait (a collective or the engine's own) is how a rank notices another's death
-_WAIT_ERROR = re.compile(r"GroupBroken|timed? ?out|timeout|connection ?(reset|closed|refused)|closed by peer|"
-                         r"read error|gloo|NCCL|broken pipe|TransferError", re.I)
-PRIMARY = ("rank_died", "frozen", "crashed", "signalled", "lagging")
+# how a rank notices that a peer is gone or a wait ran out: gloo's pair and buffer errors, torch's Work.wait
+# and store timeouts, NCCL's watchdog and remote errors, the controller's GroupBroken and its transfer that "ran
+# past collective_timeout_s", the simulator's RankFault (a rank stopping after its controller handled a fault).
+# A word alone ("timeout", "NCCL") is no such form: an engine's KeyError about request_timeout or a CUDA fault
+# is a crash of its own
+_WAIT_ERROR = re.compile(
+    r"\bGroupBroken\b|Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused|"
+    r"Timed out waiting \d+ ?ms for (?:send|recv)|Operation timed out!|Socket Timeout|wait timeout after|"
+    r"Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError|"
+    r"remote process exiting prematurely|timed out waiting for rank|ran past collective_timeout_s|"
+    r"^RankFault: .* its controller fired fault", re.I)
 
 
 @dataclass
@@ -55,6 +66,7 @@ class Liveness:
     consequence_keys: set = field(default_factory=set)   # participants that only reacted
     endings: dict = field(default_factory=dict)   # key -> one line on how it ended
     t0: float | None = None
+    unexplained: Finding | None = None            # no cause, yet a rank ended with an exception: the first to go
 
 
 def _interval(s) -> float:
@@ -93,8 +105,31 @@ def _end_ts(s) -> float:
     return ts if type(ts) in (int, float) else (s.last_ts if s.last_ts is not None else float("inf"))
 
 
-def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | None]]:
-    """(from ts, to ts, step, state) for each freeze of ``key``: a silence (no record of any kind)
+def _entries(s) -> list:
+    """Every collective the participant read one by one (a bulk run holds only ones that ended alike)."""
+    return [e for index in s.collectives.values() for e in getattr(index, "one", index).values()]
+
+
+def _layer_at(s, silence: tuple) -> int | None:
+    """The layer in flight when ``silence`` began (``None`` outside transferring).
+
+    A silence that carries it (a fifth field) says so; else the first collective the participant issued
+    after the silence at that step in transferring (a stopped process goes on where it stood), else the
+    last one before it."""
+    if len(silence) > 4:
+        return silence[4]
+    a, b, step, state = silence[:4]
+    if state != TRANSFERRING:
+        return None
+    seen = sorted((e.ts, e.layer) for e in _entries(s) if e.step == step and e.state == TRANSFERRING
+                  and type(e.layer) is int and type(e.ts) in (int, float))
+    after = [layer for ts, layer in seen if ts >= b]
+    before = [layer for ts, layer in seen if ts <= a]
+    return after[0] if after else (before[-1] if before else None)
+
+
+def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | None, int | None]]:
+    """(from ts, to ts, step, state, layer) for each freeze of ``key``: a silence (no record of any kind)
     longer than the limit while another rank wrote alive records inside it."""
     s = cast.parts[key]
     if not s.alive and s.end is None:
@@ -103,12 +138,13 @@ def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | No
     others = [sorted(a[0] for a in o.alive if type(a[0]) in (int, float))
               for k, o in cast.parts.items() if k != key]
     out = []
-    for a, b, step, state in s.silences:
+    for silence in s.silences:
+        a, b, step, state = silence[:4]
         if b - a <= limit:
             continue
         # somebody else kept writing inside the gap: this rank, not the machine, stood still
         if any(bisect.bisect_right(ts, a) < bisect.bisect_left(ts, b) for ts in others):
-            out.append((a, b, step, state))
+            out.append((a, b, step, state, _layer_at(s, silence)))
     return out
 
 
@@ -133,6 +169,65 @@ def _waits_on_peer(cast: Cast, key: Key) -> bool:
     return False
 
 
+def _failed_wait_first(s) -> bool:
+    """Its latest collective failed on a wait (a peer gone, a timeout) at the step it ended with an exception:
+    the engine raised because the controller had failed (e.g. a ``failed`` state after a broken group)."""
+    errors = [e for e in _entries(s) if e.status == "error" and type(e.ts) in (int, float)]
+    last = max(errors, key=lambda e: e.ts, default=None)
+    return last is not None and last.step == (s.end or {}).get("step", s.last_step) \
+        and bool(_WAIT_ERROR.search(str(last.error or "")))
+
+
+def _peers(cast: Cast, key: Key) -> list[Key]:
+    """The other participants of ``key``'s current group that did not end on purpose (leave in a scale)."""
+    gen = cast.final_gen.get(key)
+    return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
+
+
+def _death(cast: Cast, key: Key, lasts: dict, at) -> tuple[str, str | None] | None:
+    """Why ``key`` died (its reason, without its name, and a detail line), or None: see the module docstring."""
+    s = cast.parts[key]
+    if s.end is not None or s.ended_on_purpose or key not in lasts:
+        return None
+    others_last = max((v for o, v in lasts.items() if o != key), default=None)
+    if others_last is not None and others_last - lasts[key] > _limit(s, DEAD_FACTOR):
+        what = "last alive" if s.alive and s.alive[-1][0] == lasts[key] else "last record"
+        return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {_waiting_text(s)}",
+                f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
+    peers = _peers(cast, key)
+    ended = [o for o in peers if cast.parts[o].end is not None]
+    # killed before those peers stopped; one the launcher killed after they had ended is a consequence
+    if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
+        return None
+    if len(ended) == len(peers):
+        return "while every other rank wrote its end record", None
+    first = min(ended, key=lambda o: _end_ts(cast.parts[o]))
+    end = _end_ts(cast.parts[first])
+    return (f"trace stops {end - lasts[key]:.2f} s before {cast.label(first)} ended "
+            f"({cast.parts[first].end.get('how')}, at {at(end)})", None)
+
+
+def _died_finding(cast: Cast, dead: list[tuple]) -> Finding:
+    """One ``rank_died`` finding for participants that died together (``dead``: (last ts, key, (why, detail)),
+    earliest first)."""
+    keys = [d[1] for d in dead]
+    s = cast.parts[keys[0]]
+    step = s.last_step
+    why = dead[0][2][0]
+    if not why.startswith("while") and (len(keys) > 1 or why.startswith("trace")):   # whose: the first to stop
+        why = ("its " if len(keys) == 1 else f"{cast.label(keys[0])}'s ") + why
+    return Finding.of(
+        "rank_died", step, keys,
+        f"{cast.who(keys)} died (SIGKILL?) at step {step} in {s.final_state}: no end record"
+        + (" on any of them" if len(keys) > 1 else "") + f", {why}",
+        state=s.final_state, layer=s.final_layer,
+        ranks=[cast.position(k, "died", last_seen(cast.parts[k]), cast.parts[k].last_step,
+                             cast.parts[k].final_state, cast.parts[k].final_layer) for k in keys],
+        details=[f"{cast.label(k)}: {reason[1]} (a process frozen for good looks the same)" for _, k, reason in dead
+                 if reason[1]],
+    )
+
+
 def check_liveness(cast: Cast) -> Liveness:
     """Cause findings from ``end`` and ``alive`` records, earliest first; see the module docstring."""
     parts = cast.parts
@@ -150,50 +245,27 @@ def check_liveness(cast: Cast) -> Liveness:
     events: list[tuple[float, str, Key, Finding]] = []
     late_exceptions: list[tuple[float, Key]] = []
     signals: list[tuple[float, Key]] = []
+    dead = sorted((lasts[k], k, why) for k in sorted(parts) if (why := _death(cast, k, lasts, at)) is not None)
+    while dead:   # ranks that died within the dead limit of the first are one finding: killed together
+        limit = _limit(parts[dead[0][1]], DEAD_FACTOR)
+        together = [d for d in dead if d[0] - dead[0][0] <= limit]
+        events.append((dead[0][0], "rank_died", dead[0][1], _died_finding(cast, together)))
+        dead = dead[len(together):]
     for k, s in sorted(parts.items()):
         out.endings[k] = _ending(s)
         label = cast.label(k)
-        # died: no end record and silent well before the others stopped writing
-        others_last = max((v for o, v in lasts.items() if o != k), default=None)
-        if (s.end is None and not s.ended_on_purpose and k in lasts and others_last is not None
-                and others_last - lasts[k] > _limit(s, DEAD_FACTOR)):
-            silent = others_last - lasts[k]
-            what = "last alive" if s.alive and s.alive[-1][0] == lasts[k] else "last record"
-            step = s.last_step
-            events.append((lasts[k], "rank_died", k, Finding.of(
-                "rank_died", step, [k],
-                f"{label} died (SIGKILL?) at step {step} in {s.final_state}: no end record, {what} "
-                f"{silent:.1f} s before the others' last record; {_waiting_text(s)}",
-                state=s.final_state, layer=s.final_layer,
-                ranks=[cast.position(k, "died", last_seen(s), step, s.final_state, s.final_layer)],
-                details=[f"{label}: last record at {at(lasts[k])}, the others wrote until {at(others_last)} "
-                         "(a process frozen for good looks the same)"],
-            )))
-        elif (s.end is None and not s.ended_on_purpose and len(parts) > 1 and k in lasts
-              and all(o.end is not None for o2, o in parts.items() if o2 != k)
-              # killed before the others stopped; one the launcher killed after they had ended is a consequence
-              and lasts[k] < min(_end_ts(o) for o2, o in parts.items() if o2 != k)):
-            # everyone else stopped in order and this one left no end record: killed near the end
-            step = s.last_step
-            events.append((lasts.get(k, 0.0), "rank_died", k, Finding.of(
-                "rank_died", step, [k],
-                f"{label} died (SIGKILL?) at step {step} in {s.final_state}: no end record, while every other "
-                "rank wrote its end record",
-                state=s.final_state, layer=s.final_layer,
-                ranks=[cast.position(k, "died", last_seen(s), step, s.final_state, s.final_layer)],
-            )))
-        for a, b, step, state in _gaps(cast, k):
+        for a, b, step, state, layer in _gaps(cast, k):
             events.append((a, "frozen", k, Finding.of(
                 "frozen", step, [k],
-                f"{label} froze for {b - a:.1f} s at step {step} in {state} (SIGSTOP?): no record from "
-                f"{at(a)} to {at(b)} while the other ranks kept writing",
-                state=state, ranks=[cast.position(k, "frozen", f"silent {b - a:.1f} s from {at(a)}", step, state)],
+                f"{label} froze for {b - a:.1f} s at step {step} in {state}"
+                + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no record from "
+                f"{at(a)} to {at(b)} while the other ranks kept writing", state=state, layer=layer,
+                ranks=[cast.position(k, "frozen", f"silent {b - a:.1f} s from {at(a)}", step, state, layer)],
             )))
         end = s.end or {}
         ts = end.get("ts") if type(end.get("ts")) in (int, float) else lasts.get(k)
         if end.get("how") == "exception" and ts is not None:
-            waited = _WAIT_ERROR.search(str(end.get("error") or "")) or _waits_on_peer(cast, k)
-            if waited:
+            if _WAIT_ERROR.search(str(end.get("error") or "")) or _waits_on_peer(cast, k) or _failed_wait_first(s):
                 late_exceptions.append((ts, k))
             else:
                 events.append((ts, "crashed", k, Finding.of(
@@ -242,6 +314,10 @@ def check_liveness(cast: Cast) -> Liveness:
             events.append((0.0, "lagging", lag.keys()[0], lag))
     events.sort(key=lambda e: (e[0], e[2]))
     out.findings = [e[3] for e in events]
+    # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
+    first = None if events else next((e for e in sorted(late_exceptions) if _peers(cast, e[1])), None)
+    if first is not None:
+        out.unexplained = _first_to_go(cast, first, at)
     culprits = {k for e in events for k in e[3].keys()}
     # ranks still alive at the end whose step stopped advancing waited for the cause
     for k, s in sorted(parts.items()):
@@ -252,6 +328,39 @@ def check_liveness(cast: Cast) -> Liveness:
                                     f"(alive, its step no longer advancing; {_waiting_text(s)})"))
             out.consequence_keys.add(k)
     return out
+
+
+def _first_to_go(cast: Cast, first: tuple[float, Key], at) -> Finding:
+    """No cause, yet ``first`` (ts, key) ended with an exception from a failed wait: what it waited for is the
+    first peer of its group that closed in order before it (returned or exited while the others still needed
+    it: ``left_early``), else nobody the traces show, and it is named (``crashed``, the first to fail)."""
+    ts, k = first
+    s, parts = cast.parts[k], cast.parts
+    step = s.end.get("step", s.last_step)
+    closed = [o for o in _peers(cast, k) if (parts[o].end or {}).get("how") == "closed" and _end_ts(parts[o]) < ts
+              and not (type(parts[o].last_step) is int and type(step) is int and parts[o].last_step > step)]
+    if closed:
+        o = min(closed, key=lambda x: (_end_ts(parts[x]), x))
+        left = parts[o]
+        return Finding.of(
+            "left_early", left.last_step, [o],
+            f"{cast.label(o)} closed in order at step {left.last_step} in {left.final_state} (at {at(_end_ts(left))}) "
+            f"while {cast.label(k)} still ran; {cast.label(k)} then failed waiting at {at(ts)}: "
+            f"{short_error(s.end.get('error'))}",
+            state=left.final_state,
+            ranks=[cast.position(o, "left_early", f"closed at {at(_end_ts(left))}", left.last_step, left.final_state),
+                   cast.position(k, "gave_up", f"ended with an exception at {at(ts)}", step, s.end.get("state"))],
+            details=[f"{cast.label(o)}'s engine loop stopped early (a return or sys.exit inside the controller's "
+                     "`with`) while its peers still needed it"],
+        )
+    return Finding.of(
+        "crashed", step, [k],
+        f"{cast.label(k)} was the first rank to end with an exception, at step {step} in {s.end.get('state')} "
+        f"({at(ts)}): {short_error(s.end.get('error'))}; it reads as a failed wait, but no trace shows a cause "
+        "(a peer without a trace, one outside these groups, or the network)",
+        state=s.end.get("state"),
+        ranks=[cast.position(k, "crashed", str(s.end.get("error")), step, s.end.get("state"))],
+    )
 
 
 def _lagging(cast: Cast) -> Finding | None:
@@ -281,120 +390,3 @@ def _lagging(cast: Cast) -> Finding | None:
                              f"alive at step {stalled[k]}, {_waiting_text(cast.parts[k])}", stalled[k])
                for k in sorted(stalled)],
     )
-
-
-def step_count_mismatch(cast: Cast) -> list[Finding]:
-    """Every participant closed in order but their final steps differ: the odd ones skipped or added steps.
-
-    The reference is the final step most participants reached; in a tie, the one whose participants' own
-    step numbers run on unbroken (``stepseq``), then the higher."""
-    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
-    if len(parts) < 2 or any((s.end or {}).get("how") != "closed" for s in parts.values()):
-        return []
-    by_step: dict = {}
-    for k, s in parts.items():
-        by_step.setdefault(s.last_step, []).append(k)
-    if len(by_step) < 2:
-        return []
-    ref = max(by_step, key=lambda v: (len(by_step[v]), not any(own_steps_broken(parts[k]) for k in by_step[v]),
-                                      v is not None and v))
-    odd = sorted(k for v, ks in by_step.items() if v != ref for k in ks)
-    steps = ", ".join(f"{cast.who(ks)} at step {v}" for v, ks in sorted(by_step.items(), key=lambda kv: str(kv[0]))
-                      if v != ref)
-    first = cast.parts[odd[0]]
-    return [Finding.of(
-        "step_count_mismatch", first.last_step, odd,
-        f"every rank closed in order, but {steps} where {cast.who(by_step[ref])} ended at step {ref}: "
-        "a rank skipped or added engine steps",
-        state=first.final_state,
-        ranks=[cast.position(k, "odd" if k in odd else "reference", f"closed at step {parts[k].last_step}",
-                             parts[k].last_step) for k in sorted(parts)],
-        details=[f"{cast.label(k)}: {text}" for k in odd if (text := step_break_text(parts[k]))],
-    )]
-
-
-def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Finding],
-                           hangs: Sequence[Finding] = ()) -> list[dict]:
-    """Every rearrangement the ranks rolled back (a ``fault`` transition), with the rank that was late.
-
-    The late rank is the member of the collective problem the rollback handled that never
-    joined it, or else the one that started it last (late by the spread of the start ``ts``);
-    a freeze found by the liveness records around that step is named too. The problem is the
-    latest since the previous rollback: a handled one (a late rank's note, ``late``), else an unhandled
-    ``hang`` (its culprit died or hangs) or a cause about a collective (a late rank in a run left
-    ``failed``). A fault in ``scaling`` is a scale abort, listed with the scales, not here.
-    """
-    parts = cast.parts
-    by_step: dict[int, list[Key]] = {}
-    for k, s in parts.items():
-        for t in s.transitions:
-            if t.trigger == "fault" and t.source != SCALING and type(t.step) is int \
-                    and k not in by_step.get(t.step, []):
-                by_step.setdefault(t.step, []).append(k)
-    out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)
-    for step, keys in sorted(by_step.items()):
-        entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
-                       "collective": None, "text": ""}
-        since = [h for h in [*handled, *hangs, *causes] if h.collective and type(h.step) is int and h.step <= step
-                 and (before is None or h.step > before)]
-        f = max(since, key=lambda h: h.step, default=None)   # a handled one first at equal steps
-        before, late_text = step, "no rank was late by the records"
-        if f is not None and f.collective:
-            g, c = f.collective.get("group"), f.collective.get("cseq")
-            entry["collective"] = f.collective
-            members = f.members or sorted(parts)
-            starts = {k: e.ts for k in members if k in parts
-                      and (e := parts[k].collectives.get(g, {}).get(c)) is not None and type(e.ts) in (int, float)}
-            absent = [k for k in members if k in parts and parts[k].collectives.get(g, {}).get(c) is None]
-            where = coll_text(f.collective)
-            if absent:
-                entry["late_ranks"] = sorted({k[0] for k in absent})
-                late_text = f"{cast.who(absent)} never joined {where}"
-            elif len(starts) > 1:   # a lagging finding weighed the alive records too: its culprits are the late ones
-                lagging = [k for k in f.keys() if k in starts] if f.kind == "lagging" else []
-                late = max(lagging or starts, key=starts.get)
-                entry["late_ranks"] = sorted({k[0] for k in lagging}) or [late[0]]
-                entry["late_by_s"] = round(starts[late] - min(starts.values()), 3)
-                late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
-        # a rank that froze or died at or before that step is why the others gave up
-        gone = [x for x in causes if x.kind in ("frozen", "rank_died") and type(x.step) is int and x.step <= step]
-        if gone:
-            late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + gone[-1].summary.split(":")[0]
-            entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
-        entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
-        out.append(entry)
-    return out
-
-
-def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liveness) -> bool:
-    """A job stopped from outside (SIGTERM, Ctrl-C, a launcher's deadline) while a hang lasted: the hang is the cause.
-
-    An operator usually ends a hung job before its collective timeout fires, so every rank's
-    trace ends with ``signal`` and nothing failed before it. When a signalled rank was still
-    inside the collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not
-    inside it, the signal only ended what the hang had already stopped. Then the signal goes
-    into that finding's details and the waiters' consequences, and True says ``cause`` was
-    folded. A job stopped while every rank was inside the same collective stays ``signalled``.
-    """
-    if cause.kind != "signalled":
-        return False
-    for f in rest:
-        if f.kind not in ("hang", "collective_mismatch") or not f.collective:
-            continue
-        coll = (f.collective.get("group"), f.collective.get("cseq"))
-        inside = [k for k in cause.keys() if k in cast.parts
-                  and coll in {(c.group, c.cseq) for c in cast.parts[k].open_collectives()}]
-        if not inside or set(inside) & set(f.keys()):
-            continue
-        f.details.insert(0, cause.summary.split(" while no rank had failed")[0] + ", while this hang lasted: "
-                         "stopped from outside, not its cause")
-        for k in inside:
-            end = cast.parts[k].end or {}
-            ts = end.get("ts")
-            when = f" at t+{ts - live.t0:.1f} s" if type(ts) in (int, float) and live.t0 is not None else ""
-            live.consequences.append((k, f"{cast.label(k)} was stopped by {end.get('signal') or 'a signal'}{when} "
-                                         f"while waiting inside {f.collective.get('op')} (group {coll[0]}, cseq "
-                                         f"{coll[1]}), which the hang's culprit never joined"))
-            live.consequence_keys.add(k)
-        return True
-    return False

@@ -23,17 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from eplb_fsm.inspect.checks import (
-    DIED_SLACK_STEPS,
-    align_transitions,
-    check_ends,
-    check_failed,
-    check_headers,
-    check_illegal,
-    check_stuck,
-    kept_transitions,
-    world_groups,
-)
+from eplb_fsm.inspect.checks import (DIED_SLACK_STEPS, align_transitions, check_ends, check_failed, check_headers,
+                                    check_illegal, check_stuck, kept_transitions, step_count_mismatch, world_groups)
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
 from eplb_fsm.inspect.elastic import (
     build_cast,
@@ -46,8 +37,8 @@ from eplb_fsm.inspect.elastic import (
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
-from eplb_fsm.inspect.late import add_late
-from eplb_fsm.inspect.liveness import aborted_rearrangements, check_liveness, signalled_in_hang, step_count_mismatch
+from eplb_fsm.inspect.late import aborted_rearrangements, add_late, signalled_in_hang
+from eplb_fsm.inspect.liveness import check_liveness
 from eplb_fsm.inspect.records import trace_items
 from eplb_fsm.inspect.summary import (
     Collective,
@@ -235,6 +226,8 @@ def diagnose(
     rest = [f for f in findings if f.kind != "config_mismatch"]
     causes = [f for f in live.findings if not (_died_waiting(f, rest, cast) or signalled_in_hang(f, rest, cast, live))]
     findings = config + [_with_collective(f, rest, cast) for f in causes] + rest
+    if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
+        findings = [live.unexplained]
     scales = scale_notes(cast)
     for f in findings:  # what a culprit's stop or number means in an elastic job
         if f.kind in ("hang", "rank_died", "collective_mismatch"):

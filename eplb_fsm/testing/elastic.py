@@ -4,20 +4,20 @@
 serving rank, record for record as ``eplb_fsm.elastic.scaling`` traces it (sync mode, records
 stamped with the step that follows the request, docs/events.md "Elastic EP"):
 
-- scale-down: ``scale_requested``, the ``scale_ready`` agreement on the old group,
+- scale-down: ``scale_requested``, the ``scale_check`` and ``scale_ready`` agreements on the old group,
   ``groups_ready``, the scale's rearrangement in the OLD group (loads, then per layer a
   transfer wave and a ready all-reduce, then one more ready all-reduce in committing),
   ``committed`` -> scaling; survivors then switch to ``ep@g`` (``group_switch`` phase
   switch, ``switched``); leaving ranks fire
   ``switched``, write their leaving ``group_switch`` and ``scaling`` record, and stop;
-- scale-up: the same request and agreement, then old ranks move to ``ep@g`` (``group_switch``
+- scale-up: the same request and agreements, then old ranks move to ``ep@g`` (``group_switch``
   phase prepare) and each joiner starts a new session in the file of the rank it takes (a
   header with ``role: joiner``, ``generation`` and ``machine``: scaling, scale pending,
   then its own ``group_switch``); all members agree (``scale_go``), hand the non-expert
   weights over (a ``handover`` wave), rearrange in the NEW group and switch.
 
-Faults: ``absent=True`` (scale-up: the joiners never arrive; every old rank aborts with a
-``scale_aborted`` of phase prepare and a recoverable ``fault``), ``die={rank: layer}``
+Faults: ``absent=True`` (scale-up: the joiners never answer; every old rank aborts after
+``scale_check`` with a ``scale_aborted`` of phase prepare and a recoverable ``fault``), ``die={rank: layer}``
 (scale-down: those leaving ranks stop before their transfer of ``layer``, one layer for
 all; the old group breaks, the others fail, and the survivors salvage on the new group as
 the controller does when every expert still has a replica: ``fault`` -> failed, the ``salvage`` agreement on
@@ -32,7 +32,8 @@ from typing import Any
 
 from eplb_fsm.fsm.machine import SCALING, EplbMachine
 from eplb_fsm.maps import as_count
-from eplb_fsm.testing.ranks import GROUP, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock, SyntheticRank
+from eplb_fsm.testing.ranks import (GROUP, MAPS_FLAGS, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock,
+                                    SyntheticRank)
 
 __all__ = ["TIMEOUT_S", "scale"]
 
@@ -96,8 +97,12 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
         rank.clock.at_least(job.t0 + step * job.step_s)
         rank.trace.set_context(step=step)
         rank.fire("scale_requested", extra=request)
-        rank.collective("all_reduce", group=rank.group, shape=[1], dtype="torch.float64",
-                        parts=["scale_ready"], sizes=[1])
+        # scale_check: [no go-ahead, the model's maps digest]; absent joiners end the scale after it
+        rank.collective("all_reduce", group=rank.group, shape=[1 + MAPS_FLAGS], dtype="torch.float64",
+                        parts=["scale_check"], sizes=[1 + MAPS_FLAGS])
+        if not absent:
+            rank.collective("all_reduce", group=rank.group, shape=[1], dtype="torch.float64",
+                            parts=["scale_ready"], sizes=[1])
     if kind == "scale_down":
         return _scale_down(job, old, mapping, request, die or {})
     return _scale_up(job, old, mapping, request, absent)
@@ -246,7 +251,7 @@ def _scale_up(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int], 
     gen, step, new_world = request["generation"], job.step_no, request["to_ranks"]
     if absent:
         reason = (f"new group of generation {gen} ({new_world} ranks) was not complete on {len(old)} rank(s): "
-                  f"GroupBuildError: the joiners did not connect within {TIMEOUT_S:g} s")
+                  f"joiner rank(s) {request['joiners']} did not answer the handover within {TIMEOUT_S:g} s")
         for r, rank in old.items():
             rank.trace.emit("scale_aborted", generation=gen, phase="prepare", reason=reason, lost_experts=[])
             rank.fire("fault", extra={"reason": reason, "scale": gen}, recoverable=True)

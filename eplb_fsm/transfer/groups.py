@@ -10,6 +10,8 @@ a ``TCPStore`` the launcher (or rank 0) hosts, under a per-generation key prefix
     <namespace>/g<generation>/handover      the state a joiner starts from (elastic.scaling)
     <namespace>/g<generation>/refused/<r>   why joiner r refused that state (elastic.handover)
     <namespace>/g<generation>/accepted/<r>  joiner r checked that state and builds the group next
+    <namespace>/g<generation>/refused/any   the latest refusal by any process that read the handover
+                                            (one started with a rank that is not a joiner's too)
 
 Generation 0 is the job's first group; every scale request uses the next number, even
 one that aborts, so no prefix is ever reused. Nothing here needs
