@@ -138,5 +138,5 @@ def test_a_freeze_inside_a_stretch_is_kept_with_its_own_time_and_step(tmp_path):
     fast = sm.summarize_text(text, 0)
     slow = sm.summarize_rank(trace.records, 0)
     assert fast.silences == slow.silences and len(fast.silences) == 1
-    a, b, step, state = fast.silences[0]
-    assert (round(b - a, 6), step, state) == (10.0, 699, "collecting")
+    a, b, step, state, layer = fast.silences[0]
+    assert (round(b - a, 6), step, state, layer) == (10.0, 699, "collecting", None)

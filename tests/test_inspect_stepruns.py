@@ -179,7 +179,7 @@ def test_a_silence_inside_a_step_run_is_kept_where_it_was(lines):
     fast, slow = both(changed)
     assert comparable(fast) == comparable(slow)
     before, after = json.loads(changed[i]), json.loads(changed[i + 1])
-    assert fast.silences == [(before["ts"], after["ts"], before["step"], before["state"])]
+    assert fast.silences == [(before["ts"], after["ts"], before["step"], before["state"], None)]
 
 
 def _late_after_steps() -> list[dict]:

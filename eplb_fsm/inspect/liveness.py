@@ -13,6 +13,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness).
+  A silence inside lines the rank's own ``seq`` shows lost is no freeze (it wrote, the lines went):
+  it is ``lost_records`` (``Liveness.lost``; ``lost.LostRecords.silent``), once per gap.
 - **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``_WAIT_ERROR``:
   the forms gloo, torch and the controller write when a peer is gone or a wait timed out).
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
+from eplb_fsm.inspect.lost import LostRecords, lost_gap
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -67,6 +70,7 @@ class Liveness:
     endings: dict = field(default_factory=dict)   # key -> one line on how it ended
     t0: float | None = None
     unexplained: Finding | None = None            # no cause, yet a rank ended with an exception: the first to go
+    lost: list[Finding] = field(default_factory=list)   # silences in lost lines: lost_records, not causes
 
 
 def _interval(s) -> float:
@@ -89,8 +93,7 @@ def _waiting_text(s) -> str:
 
 
 def _ending(s) -> str:
-    end = s.end
-    if end is None:
+    if (end := s.end) is None:
         return "no end record"
     how = end.get("how")
     if how == "exception":
@@ -128,9 +131,9 @@ def _layer_at(s, silence: tuple) -> int | None:
     return after[0] if after else (before[-1] if before else None)
 
 
-def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | None, int | None]]:
-    """(from ts, to ts, step, state, layer) for each freeze of ``key``: a silence (no record of any kind)
-    longer than the limit while another rank wrote alive records inside it."""
+def _gaps(cast: Cast, key: Key) -> list[tuple]:
+    """(from ts, to ts, step, state, layer, gap) per silence of ``key`` (no record at all) over the limit while
+    another rank wrote alive records inside it: a freeze if ``gap`` is None, else the lost lines s.gaps[gap]."""
     s = cast.parts[key]
     if not s.alive and s.end is None:
         return []  # a writer without liveness records is silent whenever nothing happens
@@ -144,7 +147,7 @@ def _gaps(cast: Cast, key: Key) -> list[tuple[float, float, int | None, str | No
             continue
         # somebody else kept writing inside the gap: this rank, not the machine, stood still
         if any(bisect.bisect_right(ts, a) < bisect.bisect_left(ts, b) for ts in others):
-            out.append((a, b, step, state, _layer_at(s, silence)))
+            out.append((a, b, step, state, _layer_at(s, silence), lost_gap(s, a, b)))
     return out
 
 
@@ -251,10 +254,14 @@ def check_liveness(cast: Cast) -> Liveness:
         together = [d for d in dead if d[0] - dead[0][0] <= limit]
         events.append((dead[0][0], "rank_died", dead[0][1], _died_finding(cast, together)))
         dead = dead[len(together):]
+    lost = LostRecords(cast)
     for k, s in sorted(parts.items()):
         out.endings[k] = _ending(s)
         label = cast.label(k)
-        for a, b, step, state, layer in _gaps(cast, k):
+        for a, b, step, state, layer, gap in _gaps(cast, k):
+            if gap is not None:   # it wrote there, the lines went: lost_records, unless a finding told the gap
+                out.lost += filter(None, [lost.silent(k, (a, b, step, state, layer), gap, at)])
+                continue
             events.append((a, "frozen", k, Finding.of(
                 "frozen", step, [k],
                 f"{label} froze for {b - a:.1f} s at step {step} in {state}"

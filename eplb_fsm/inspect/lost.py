@@ -26,6 +26,12 @@ the finding would have been. One ``lost_records`` is told per gap: a later findi
 rests on the same gap is dropped (``qualify`` answers False), and ``check_collectives``
 goes on with the group after it.
 
+A silence is read the same way (``liveness``): a rank that wrote nothing for longer than the
+frozen limit while the others wrote is ``frozen``, unless the silence lies in a gap (its
+records either side bound the gap, whose ``from_ts``/``to_ts`` they are; ``lost_gap``):
+the rank wrote there and the lines went (a rotated segment removed, a live file deleted and
+opened again), so it is ``lost_records`` (``LostRecords.silent``), told once per gap.
+
 State changes lost with the lines shift the rank's n-th state change against the others'
 (``checks.align_transitions``). ``LostRecords.shifted`` tells a divergence at state change
 #n as ``lost_records`` for a participant whose state change there follows a gap (after its
@@ -48,7 +54,7 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
 from eplb_fsm.inspect.model import Collective, RankSummary, Transition
 
-__all__ = ["LOST_RECORDS", "SKEW_S", "LostRecords", "gap_text", "held_around"]
+__all__ = ["LOST_RECORDS", "SKEW_S", "LostRecords", "gap_text", "held_around", "lost_gap"]
 
 LOST_RECORDS = "lost_records"
 SKEW_S = 2.0    # clocks of different hosts agree to well under this (docs/debugging-hangs.md, liveness)
@@ -67,6 +73,17 @@ def held_around(s: RankSummary, group: str, seq: int) -> tuple[float, float]:
              + [r.last for r in runs if type(r.template.seq) is int and r.template.seq < seq], default=-1)
     hi = min([c for c in one if c > lo] + [max(r.first, lo + 1) for r in runs if r.last > lo], default=float("inf"))
     return lo, hi
+
+
+def lost_gap(s: RankSummary, a: float, b: float) -> int | None:
+    """The index in ``s.gaps`` of the stretch of lost lines that the silence from ``a`` to ``b`` lies in (its
+    records either side are the ones around the gap, or a gap widened past ``seqcheck.MAX_GAPS`` spans it), or
+    None: the rank's own ``seq`` shows nothing missing there."""
+    for i, gap in enumerate(s.gaps):
+        x, y = gap.get("from_ts"), gap.get("to_ts")
+        if type(x) in (int, float) and type(y) in (int, float) and x < b and y > a:
+            return i
+    return None
 
 
 def gap_text(cast: Cast, key: Key, gap: dict) -> str:
@@ -118,6 +135,24 @@ class LostRecords:
         f.summary += f"; but {text}, so this may be the gap, not the rank{ended}"
         f.culprits, f.sessions = sorted({k[0] for k in keys}), [list(k) for k in keys]
         return True
+
+    def silent(self, key: Key, silence: tuple, i: int, at) -> Finding | None:
+        """``lost_records`` for a silence of ``key`` that would read as ``frozen`` (``silence``: (from ts, to ts,
+        step, state, layer)) but lies in its gap #``i``; None when that gap was told before. ``at`` formats a ts."""
+        if (key, i) in self.told:
+            return None
+        self.told.add((key, i))
+        a, b, step, state, layer = silence
+        label = self.cast.label(key)
+        text, ended = self._texts([(key, i)])
+        return Finding.of(
+            LOST_RECORDS, step, [key],
+            f"{label} wrote nothing readable for {b - a:.1f} s at step {step} in {state} (from {at(a)} to {at(b)}) "
+            f"while the other ranks kept writing; but {text}, so this may be the gap, not the rank{ended}",
+            state=state, layer=layer,
+            ranks=[self.cast.position(key, "silent", f"no readable record for {b - a:.1f} s from {at(a)}",
+                                      step, state, layer)],
+            details=[f"read as it stands: frozen, culprit {label}"])
 
     def _texts(self, hits: list[tuple[Key, int]]) -> tuple[str, str]:
         """The gaps ``hits`` name, and ``; R then ended in order ...`` for those of them that wrote their end."""

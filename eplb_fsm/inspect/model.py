@@ -289,9 +289,9 @@ class RankSummary:
     end: dict | None = None                   # compact `end`: how, error, signal, ts, step, state, seq
     alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on) per `alive` record
     alive_interval: float | None = None       # the `interval_s` its alive records announce
+    write_errors: int = 0                     # the largest `write_errors` its alive/end records carry
     injected: list[dict] = field(default_factory=list)  # `fault_injected` records (simulator only)
-    # (from ts, to ts, step, state): times the session wrote nothing for over ``records.SILENCE_S``
-    silences: list[tuple] = field(default_factory=list)
+    silences: list[tuple] = field(default_factory=list)   # (from ts, to ts, step, state[, layer]): see Walker.saw
     # input problems found while reading, each with the file line: seq going backwards, wrong field types
     disorder: list[dict] = field(default_factory=list)
     # stretches of lines lost by seq (``seqcheck.SeqCheck.gaps``): the seqs lost, the step and ts either side

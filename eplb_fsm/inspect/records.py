@@ -91,7 +91,7 @@ def start_from_header(w: "Walker", header: dict) -> None:
 
 
 def keep_silence(s: RankSummary, silence: tuple) -> None:
-    """Keep ``(from ts, to ts, step, state)`` if it is a long one: past ``MAX_SILENCES`` the shortest goes."""
+    """Keep ``(from ts, to ts, step, state[, layer])`` if it is a long one: past ``MAX_SILENCES`` the shortest goes."""
     if s.alive_interval is not None and silence[1] - silence[0] <= SILENCE_INTERVALS * s.alive_interval:
         return
     if len(s.silences) < MAX_SILENCES:
@@ -120,17 +120,26 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
         s.stuck.append(compact_record(rec) | {k: rec.get(k) for k in ("seconds", "last_collective") if k in rec})
         s.progress_after_stuck = False
     elif ev == "alive":
+        _count_write_errors(s, rec)
         waiting = rec.get("waiting_on")
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)
     elif ev == "end":
+        _count_write_errors(s, rec)
         s.end = {k: rec.get(k) for k in _END_KEYS if k in rec}
     elif ev == "fault_injected":
         s.injected.append({k: rec.get(k) for k in _INJECTED_KEYS if k in rec})
     elif ev == "fault":
         s.faults.append(compact_record(rec) | {k: rec.get(k) for k in ("error", "reason") if k in rec})
+
+
+def _count_write_errors(s: RankSummary, rec: dict) -> None:
+    """The largest ``write_errors`` the session's alive and end records carry (the writer's count only grows)."""
+    n = rec.get("write_errors")
+    if type(n) is int and n > s.write_errors:
+        s.write_errors = n
 
 
 def parse_line(line: str) -> dict | None:

@@ -184,6 +184,9 @@ def diagnose(
     cast = build_cast(summaries, world, later)
     for k, s in cast.parts.items():
         warnings.extend(f"{cast.label(k)}: {w}" for w in s.warnings)
+        if s.write_errors:   # failures its own writer counted: lines it dropped, or a file lost with its lines
+            warnings.append(f"{cast.label(k)}'s writer reported {s.write_errors} trace write failure(s) "
+                            "(`write_errors` on its alive/end records): records may be lost")
     for r, s in summaries.items():
         if s.truncated and not any(w.startswith(f"rank {r}: last line") for w in warnings):
             warnings.append(f"rank {r}: last line truncated; skipped it")
@@ -207,7 +210,7 @@ def diagnose(
     findings += step_count_mismatch(cast)
     findings += check_failed(cast)
     findings += check_stuck(cast)
-    findings += list(input_findings)
+    findings += live.lost + list(input_findings)
     findings += _disorder(cast)
     findings += _world_mismatch(cast, world, summaries)
     missing = sorted(cast.missing)

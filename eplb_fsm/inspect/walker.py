@@ -96,10 +96,9 @@ class Walker:
     def _new_session(self, header: dict) -> None:
         """A later header: another controller appended to this file.
 
-        A joiner's header (``role: joiner``) continues the same job: the session before it
-        is real (a rank that left, whose number the joiner took) and is kept as its own
-        participant. Any other header starts a new job: what came before is stale and only
-        the last run is replayed.
+        A joiner's header (``role: joiner``) continues the same job: the session before it is real (a rank
+        that left, whose number the joiner took) and is kept as its own participant. Any other header starts
+        a new job: what came before is stale and only the last run is replayed.
         """
         old = self.s
         self.sessions += 1
@@ -162,13 +161,16 @@ class Walker:
         return True
 
     def saw(self, ts, step, state) -> None:
-        """A record written at ``ts``: a silence longer than ``SILENCE_S`` before it is kept (``keep_silence``: a
-        frozen process writes nothing at all; ``liveness`` decides whether the others wrote meanwhile)."""
+        """A record written at ``ts``: a silence over ``SILENCE_S`` before it is kept (``keep_silence``; ``liveness``
+        judges it), with the replayed layer (not yet moved by this record: the one in flight as it began; None out
+        of transferring) unless the replay does not know it (layer unknown, or the record before stamped another)."""
         if type(ts) is not float and type(ts) is not int:
             return
         before = self.seen_at
         if before is not None and ts - before[0] > SILENCE_S:
-            keep_silence(self.s, (before[0], ts, before[1], before[2]))
+            known = self.layer_known and self.state == before[2]
+            layer = (self.layer if self.state == TRANSFERRING else None,) if known else ()
+            keep_silence(self.s, (before[0], ts, before[1], before[2]) + layer)
         self.seen_at = (ts, step, state)
 
     def saw_line(self, line: str) -> None:
