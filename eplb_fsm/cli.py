@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # verb -> (module, one-line help). Bench verbs are dispatched by eplb_fsm.bench.
@@ -46,10 +47,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (``PROG: error: ...; see PROG --help``), exit 2."""
+    """An argument parser whose usage errors are one line (``PROG: error: ...; see PROG --help``), exit 2.
+
+    Every parser here refuses the arguments it does not know itself, even through
+    ``parse_known_args``: argparse runs a verb's parser that way and would hand its leftovers
+    up to the top parser, whose error would then read ``eplb-fsm: error:`` and not name the verb.
+    """
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:  # the innermost parser that saw them says so: `eplb-fsm bench policy: error: ...`
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
 
 
 def hidden_alias(parser, *names: str, dest: str, **kwargs) -> None:
@@ -84,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.add_arguments(p)
     return parser
+
+
+def print_stdout(text: str) -> None:
+    """Print ``text`` to stdout, tolerating a reader that stops early (``eplb-fsm plan ... | head -1``).
+
+    A closed pipe ends the output quietly: stdout is pointed at /dev/null so that later prints
+    and the interpreter's final flush do not raise ``BrokenPipeError`` (Python's documented recipe).
+    """
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:

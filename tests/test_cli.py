@@ -134,3 +134,43 @@ def test_bench_without_json_prints_text_and_with_json_one_object(capsys, tmp_pat
     assert not text.lstrip().startswith("{") and "shape:" in text and "  layers: 2" in text
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shape"]["layers"] == 2
+
+
+@pytest.mark.parametrize("argv, prog", [(["simulate", "--bogus"], "eplb-fsm simulate"),
+                                        (["plan", "--ranks", "4", "--slots", "8", "extra"], "eplb-fsm plan"),
+                                        (["replay", "somewhere", "--nope", "1"], "eplb-fsm replay"),
+                                        (["diagram", "--out", "x", "--nope"], "eplb-fsm diagram"),
+                                        (["bench", "policy", "--bogus"], "eplb-fsm bench policy")])
+def test_an_unknown_option_is_refused_by_the_verb_it_was_given_to(capsys, argv, prog):
+    """An argument no parser knows: one line `eplb-fsm VERB: error: unrecognized arguments: ...`, exit 2."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    extra = argv[-2:] if argv[-2] == "--nope" else argv[-1:]
+    assert capsys.readouterr().err == (f"{prog}: error: unrecognized arguments: {' '.join(extra)}; "
+                                       f"see {prog} --help\n")
+
+
+@pytest.mark.parametrize("argv", [["plan", "--ranks", "4", "--slots", "64"],
+                                  ["plan", "--ranks", "4", "--slots", "64", "--json"],
+                                  ["diagram", "--out", "{tmp}/d"],
+                                  ["diagram", "--out", "{tmp}/fresh", "--check"],
+                                  ["simulate", "--ranks", "1", "--steps", "3", "--interval", "2", "--window", "1",
+                                   "--no-png", "--no-progress", "--trace-dir", "{tmp}/t"]])
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path, argv):
+    """stdout closed by its reader before the output comes (`eplb-fsm plan ... | head -0`): no BrokenPipeError,
+    the verb's own exit code."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    expected = 1 if "--check" in argv else 0  # a --check of an empty folder: stale
+    proc = subprocess.Popen([sys.executable, "-m", "eplb_fsm", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before anything was written: every write gets EPIPE
+    try:
+        err = proc.stderr.read()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert "BrokenPipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+    assert code == expected, err

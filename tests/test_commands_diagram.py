@@ -135,3 +135,58 @@ def test_check_hint_regenerates_the_folder_checked(tmp_path, capsys):
     assert f"regenerate with: eplb-fsm diagram --out {shlex.quote(str(out))}\n" in capsys.readouterr().out
     assert main(["diagram", "--out", str(out)]) == 0
     assert main(["diagram", "--out", str(out), "--check"]) == 0
+
+
+def test_a_folder_where_a_file_goes_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--out holding a folder named eplb_machine.dot: one error line naming --out and that path, exit 2, and
+    eplb_machine.mmd is not written either (no half-written output)."""
+    (tmp_path / "eplb_machine.dot").mkdir()
+    assert main(["diagram", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"eplb-fsm diagram: error: --out: {tmp_path / 'eplb_machine.dot'} exists and is not a file " \
+                  "(move or remove it)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eplb_machine.dot"]
+
+
+def test_a_write_the_file_system_refuses_is_one_line_and_leaves_the_old_files(tmp_path):
+    """A real failed write (the process may write at most 100 bytes a file: EFBIG) is one `--out: cannot write`
+    line, exit 2; the files already there keep their content and no temp file is left."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "eplb_machine.mmd").write_text("old mermaid\n")
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))  # Python ignores SIGXFSZ: the write fails with EFBIG
+
+    run = subprocess.run([sys.executable, "-m", "eplb_fsm", "diagram", "--out", str(out)], capture_output=True,
+                         text=True, timeout=120, preexec_fn=small_files)
+    assert run.returncode == 2, run
+    assert run.stderr == f"eplb-fsm diagram: error: --out: cannot write {out / 'eplb_machine.mmd'}: File too large\n"
+    assert sorted(p.name for p in out.iterdir()) == ["eplb_machine.mmd"]
+    assert (out / "eplb_machine.mmd").read_text() == "old mermaid\n"
+
+
+def test_files_are_replaced_whole_with_their_mode_kept(tmp_path):
+    """A rewrite goes through a temp file renamed over the old one: new content, the old file's mode, no temp left."""
+    out = tmp_path / "d"
+    assert main(["diagram", "--out", str(out)]) == 0
+    (out / "eplb_machine.dot").write_text("stale\n")
+    os.chmod(out / "eplb_machine.dot", 0o640)
+    assert main(["diagram", "--out", str(out)]) == 0
+    assert (out / "eplb_machine.dot").read_text() == diagrams.render_dot()
+    assert (os.stat(out / "eplb_machine.dot").st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in out.iterdir()) == ["eplb_machine.dot", "eplb_machine.mmd"]
+
+
+def test_a_doc_behind_a_symlink_is_refreshed_through_the_link(tmp_path):
+    """--doc naming a symlink: the page it points to gets the fresh block and the link stays a link."""
+    page = tmp_path / "real.md"
+    page.write_text(f"# page\n{diagrams.DOC_BEGIN}\nold\n{diagrams.DOC_END}\n")
+    link = tmp_path / "link.md"
+    link.symlink_to(page)
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(link)]) == 0
+    assert link.is_symlink() and diagrams.render_mermaid() in page.read_text()

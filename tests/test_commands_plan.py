@@ -285,3 +285,26 @@ def test_plan_redundant_errors_name_redundant(capsys, redundant, rule):
     """Slot rules broken through --redundant name --redundant and the sum, not the --slots the user did not give."""
     assert main(["plan", "--ranks", "8", "--redundant", redundant]) == 2
     assert capsys.readouterr().err == f"eplb-fsm plan: error: --redundant: {rule}\n"
+
+
+@pytest.mark.parametrize("big, layer", [(1e300, 1), (1e38, 2)])
+def test_a_layer_total_past_float32_is_refused_naming_load_file_and_layer(tmp_path, capsys, big, layer):
+    """Loads the policies cannot plan in float32 (a layer's total at or past 2**126): one line naming --load,
+    the file and the layer, exit 2, before the policy runs."""
+    load = np.ones((3, 8))
+    load[layer, :] = big
+    path = tmp_path / "big.npy"
+    np.save(path, load)
+    assert main(["plan", "--ranks", "4", "--slots", "8", "--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb-fsm plan: error: --load: {path}: layer {layer}'s loads sum to ") and "2**126" in err
+    assert err.count("\n") == 1 and "--slots" not in err, err
+
+
+def test_a_layer_total_just_below_the_float32_limit_is_planned(tmp_path, capsys):
+    """The check is the policy's own bound: a total just below 2**126 is still planned."""
+    load = np.ones((2, 8))
+    load[0, :] = 2.0**126 / 8 * 0.99
+    path = tmp_path / "edge.npy"
+    np.save(path, load)
+    assert main(["plan", "--ranks", "4", "--slots", "8", "--load", str(path)]) == 0

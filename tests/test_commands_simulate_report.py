@@ -207,3 +207,31 @@ def test_ranks_that_returned_early_or_left_are_not_finished():
     exc.values = {0: _returned(0, steps=50), 1: _returned(1, steps=80, left=True)}
     status = {e["process"]: (e["status"], e["reason"]) for e in build_failed_report(opts, exc, 1.0)["ranks"]}
     assert status[0] == ("stopped", "returned after 50 of 120 steps") and status[1] == ("left", None)
+
+
+def test_ranks_whose_run_ids_differ_are_reported_as_a_failed_agreement_not_a_missing_rank(tmp_path):
+    """Headers with different run ids (the run-identity all-reduce failed: each rank kept its own id): the replay
+    verdict says the agreement failed and names each id and its rank, and blames no rank as missing."""
+    import tempfile
+    from pathlib import Path
+
+    from eplb_fsm.commands.simulate_checks import TraceDir
+    from eplb_fsm.commands.simulate_report import format_report, replay_verdict
+    from eplb_fsm.testing import SyntheticJob, write_traces
+
+    job = SyntheticJob(world=2)
+    job.run(4)
+    records = job.records()
+    records[0][0]["run_id"], records[1][0]["run_id"] = "a" * 16, "b" * 16
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in write_traces(records, tmp).values():
+            (Path(tmp_path) / path.name).write_bytes(path.read_bytes())
+    verdict = replay_verdict(TraceDir(str(tmp_path), {}))
+    assert verdict["culprit_ranks"] == [] and verdict["verdict"] == "unavailable", verdict
+    assert verdict["summary"].startswith("the run-identity agreement failed: this run's traces carry 2 different "
+                                         f"run ids ({'a' * 16}: rank 0; {'b' * 16}: rank 1)"), verdict
+    report = _failed_report([])
+    report["failed_ranks"], report["replay"] = [0, 1], verdict
+    text = format_report(report)
+    assert "the run failed: rank(s) 0, 1" in text and "missing" not in text
+    assert text.splitlines()[-1] == f"replay: unavailable: {verdict['summary']}"

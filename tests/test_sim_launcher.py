@@ -396,3 +396,28 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+
+
+def _print_then_block(rank: int, world: int) -> int:
+    """Prints a line; rank 1 then sleeps, so rank 0 blocks in a gloo barrier until the launcher stops both."""
+    import torch.distributed as dist
+
+    print(f"rank {rank} is running", flush=True)
+    if rank == 1:
+        time.sleep(120)
+    dist.barrier()
+    return rank
+
+
+def test_rank_logs_take_each_ranks_stdout_from_its_start(tmp_path, capfd):
+    """run_ranks(rank_logs=DIR): a rank's stdout is DIR/rank<NNNNN>.log from before it joins the group (the header
+    line first), so the stacks a stopped rank dumps land there and nothing reaches the launcher's stdout."""
+    with pytest.raises(RanksTimeoutError):
+        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine
+        run_ranks(_print_then_block, 2, timeout=12.0, rank_logs=tmp_path)
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank:05d}.log").read_text().splitlines()
+        assert lines[0].startswith("===== eplb-fsm rank process ") and f"rank {rank} is running" in lines
+        assert any(line.startswith("eplb-signals: SIGTERM received") for line in lines)
+    out = capfd.readouterr().out
+    assert "is running" not in out and "eplb-signals" not in out

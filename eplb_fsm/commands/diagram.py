@@ -10,16 +10,25 @@ exits 1 when a file (or the embedded block) is stale.
 ``--out`` (a folder, created if missing) and ``--doc`` (an existing markdown file with
 the generated block) are checked before anything is written: a bad one prints one
 ``eplb-fsm diagram: error: ...`` line and exits 2. So does ``--check`` with nothing to
-compare: no mermaid or dot in ``--format`` and no ``--doc`` (images are not compared).
+compare: no mermaid or dot in ``--format`` and no ``--doc`` (images are not compared), and
+a folder where an output file goes. Every file (the ``--doc`` page too) is written to a
+temporary file beside it first, and all are renamed over their targets at the end: a write
+that fails (a full disk) is one ``eplb-fsm diagram: error: --out: cannot write ...`` line,
+exit 2, and leaves the files already there as they were.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import stat
 import sys
+import tempfile
 from pathlib import Path
+
+from eplb_fsm.cli import print_stdout
 
 
 def _formats(text: str) -> list[str]:
@@ -50,10 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_paths(out: Path, doc: str | None, check: bool) -> str | None:
+def _check_paths(out: Path, doc: str | None, check: bool, formats: list[str]) -> str | None:
     """Why ``--out`` / ``--doc`` cannot be used (one line, naming the option), or None."""
+    from eplb_fsm.inspect.diagrams import BASENAME, EXTENSIONS
+
     if out.exists() and not out.is_dir():
         return f"--out: {out} exists and is not a folder"
+    for fmt in formats:  # a folder where a file goes: found before anything is written
+        target = out / f"{BASENAME}.{EXTENSIONS[fmt]}"
+        if target.exists() and not target.is_file():
+            return f"--out: {target} exists and is not a file (move or remove it)"
     if not check:
         probe = out
         while not probe.exists():  # the nearest folder that exists must accept new entries
@@ -83,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         problem = (f"--check compares only mermaid and dot files (and the --doc block); --format "
                    f"{','.join(args.formats)} selects neither: add mermaid or dot, or give --doc")
     else:
-        problem = _check_paths(out, args.doc, args.check)
+        problem = _check_paths(out, args.doc, args.check, args.formats)
     if problem is None and args.doc:
         try:  # the block must be there before any file is written
             diagrams.embed_in_markdown(Path(args.doc).read_text(encoding="utf-8"))
@@ -96,15 +111,15 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         stale = diagrams.stale_files(out, args.doc, text_formats)
         for item in stale:
-            print(f"stale: {item}")
+            print_stdout(f"stale: {item}")
         if stale:
             hint = ["eplb-fsm", "diagram", "--out", args.out]  # the folder checked, so the hint rewrites it
             if text_formats and text_formats != ["mermaid", "dot"]:
                 hint += ["--format", ",".join(text_formats)]
             hint += ["--doc", args.doc] if args.doc else []
-            print("regenerate with: " + shlex.join(hint))
+            print_stdout("regenerate with: " + shlex.join(hint))
             return 1
-        print("diagrams are up to date")
+        print_stdout("diagrams are up to date")
         return 0
 
     try:  # the checks above cannot foresee every refusal (a read-only or virtual file system)
@@ -112,20 +127,76 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"eplb-fsm diagram: error: --out: cannot create {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    for path, text in diagrams.expected_files(out, text_formats).items():
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}")
-    dot_text = diagrams.render_dot()
-    for fmt in image_formats:
-        path = out / f"{diagrams.BASENAME}.{diagrams.EXTENSIONS[fmt]}"
-        try:
-            diagrams.render_image(fmt, path, dot_text)
-        except diagrams.GraphvizUnavailable as exc:
-            print(f"skipped {fmt}: {exc}", file=sys.stderr)
-            continue
-        print(f"wrote {path}")
-    if args.doc:
-        doc = Path(args.doc)
-        doc.write_text(diagrams.embed_in_markdown(doc.read_text(encoding="utf-8")), encoding="utf-8")
-        print(f"updated {doc}")
+    # (temp file, file it replaces, option, path as given): renamed over the targets at the end
+    staged: list[tuple[Path, Path, str, Path]] = []
+    try:
+        for path, text in diagrams.expected_files(out, text_formats).items():
+            _stage(staged, path, "--out", lambda temp, text=text: temp.write_text(text, encoding="utf-8"))
+        dot_text = diagrams.render_dot()
+        for fmt in image_formats:
+            path = out / f"{diagrams.BASENAME}.{diagrams.EXTENSIONS[fmt]}"
+            try:
+                _stage(staged, path, "--out", lambda temp, fmt=fmt: diagrams.render_image(fmt, temp, dot_text))
+            except diagrams.GraphvizUnavailable as exc:
+                print(f"skipped {fmt}: {exc}", file=sys.stderr)
+        if args.doc:
+            doc = Path(args.doc)
+            try:
+                page = diagrams.embed_in_markdown(doc.read_text(encoding="utf-8"))
+            except OSError as exc:  # read fine a moment ago, in the checks: still one line, not a traceback
+                raise _WriteError("--doc", doc, exc, "read") from None
+            _stage(staged, doc, "--doc", lambda temp: temp.write_text(page, encoding="utf-8"))
+        while staged:  # every file was written in full: only now is any target replaced
+            temp, real, option, path = staged[0]
+            try:
+                os.replace(temp, real)
+            except OSError as exc:
+                raise _WriteError(option, path, exc) from None
+            staged.pop(0)
+            print_stdout(f"updated {path}" if option == "--doc" else f"wrote {path}")
+    except _WriteError as exc:
+        print(f"eplb-fsm diagram: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for temp, *_ in staged:  # whatever was not renamed: no temp file is left behind
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
     return 0
+
+
+class _WriteError(Exception):
+    """A file of the run could not be written (or the page re-read): ``OPTION: cannot write PATH: why``, one line."""
+
+    def __init__(self, option: str, path: Path, exc: OSError, doing: str = "write") -> None:
+        super().__init__(f"{option}: cannot {doing} {path}: {exc.strerror or exc}")
+
+
+def _stage(staged: list[tuple[Path, Path, str, Path]], target: Path, option: str, write) -> None:
+    """Write ``target``'s new content with ``write(temp)`` into a temp file beside it, recorded in ``staged``.
+
+    Beside the file ``target`` names (through a symlink: the file it points to is replaced, not
+    the link), so that the final rename stays on one file system; with the mode that file has (or a
+    new file would get). An OSError becomes a :class:`_WriteError` naming ``option`` and ``target``.
+    """
+    real = Path(os.path.realpath(target))
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=f".tmp{real.suffix}", dir=real.parent)
+        staged.append((Path(name), real, option, target))
+        try:
+            mode = stat.S_IMODE(os.stat(real).st_mode)
+        except FileNotFoundError:
+            mask = os.umask(0o022)
+            os.umask(mask)
+            mode = 0o666 & ~mask
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        try:
+            write(Path(name))
+        except BaseException:  # pygraphviz missing, an OSError, Ctrl-C: this temp file is not to be renamed
+            staged.pop()
+            Path(name).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise _WriteError(option, target, exc) from None

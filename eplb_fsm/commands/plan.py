@@ -132,6 +132,24 @@ def _check_options(args: argparse.Namespace, num_layers: int, num_experts: int) 
         )
 
 
+def _check_float32_totals(load, source: str) -> None:
+    """Every policy plans on float32 loads: each layer's total, summed from its float32 loads, must stay
+    below ``policy.base.FLOAT32_TOTAL_LIMIT``. ``load``: (L, N) float64. A layer past it is a usage error
+    naming ``--load``, the file and the layer, found before the policy runs."""
+    import numpy as np
+
+    from eplb_fsm.policy.base import FLOAT32_TOTAL_LIMIT
+
+    with np.errstate(over="ignore"):  # an entry past float32's range becomes inf: reported below
+        totals = load.astype(np.float32).sum(axis=1, dtype=np.float64)
+    over = np.flatnonzero(~(totals < FLOAT32_TOTAL_LIMIT))
+    if over.size:
+        layer = int(over[0])
+        raise _UsageError(f"--load: {source}: layer {layer}'s loads sum to {float(load[layer].sum()):.4g}, past "
+                          f"what the policies plan in float32 (each layer's total must be below 2**126, about "
+                          f"{FLOAT32_TOTAL_LIMIT:.3g}; scale the loads down: only their ratios matter)")
+
+
 def _check_out(out_arg: str | None) -> Path | None:
     """``--out`` must be a .npz/.pt/.json file (not a directory) in an existing directory that takes new files.
 
@@ -233,10 +251,9 @@ def run(args: argparse.Namespace) -> int:
     except _UsageError as exc:
         print(f"eplb-fsm plan: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(_report_text(report))
+    from eplb_fsm.cli import print_stdout
+
+    print_stdout(json.dumps(report) if args.json else _report_text(report))  # `| head -1` ends it quietly
     return 0
 
 
@@ -268,6 +285,7 @@ def _plan_into(args: argparse.Namespace, temp: Path | None) -> dict:
         load = load_matrix(args.load)
     except ValueError as exc:
         raise _UsageError(f"--load: {exc}") from None
+    _check_float32_totals(load, str(args.load))
     num_layers, num_experts = load.shape
     _check_options(args, num_layers, num_experts)
 

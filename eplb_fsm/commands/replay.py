@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from eplb_fsm.cli import hidden_alias
+from eplb_fsm.cli import hidden_alias, print_stdout
 
 
 EXIT_CODES = """exit status:
@@ -72,13 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _out(text: str) -> None:
     """Print, tolerating a reader that stops early (``eplb-fsm replay DIR --rank 3 | head``)."""
-    try:
-        print(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # the documented recipe: point stdout at devnull so the interpreter's final flush is quiet
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    print_stdout(text)
 
 
 def _unusable(args: argparse.Namespace, error: str) -> int:

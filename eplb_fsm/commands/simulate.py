@@ -10,8 +10,11 @@ balancedness over steps next to them (when matplotlib is installed).
 
 Every option and output path is checked before any process starts (``--trace-dir`` must be
 a writable directory or creatable, ``--png`` a ``.png`` file in an existing, writable
-directory); a bad one prints one ``eplb-fsm simulate: error: ...`` line and exits 2. A
-plot that still cannot be written is reported as a note: the report is never lost.
+directory); a bad one prints one ``eplb-fsm simulate: error: ...`` line and exits 2, as do
+sizes over the limits: ``--ranks`` and each ``--scale`` size at most 64 (``sim.elastic.MAX_RANKS``),
+load targets at most 256 MiB (``sim.targets``; a drifting load's phases past 1024 are reused).
+A plot that still cannot be written is reported as a note: the report is never lost. SIGTERM
+and Ctrl-C exit 143 / 130 wherever they land, the report's replay and plot included.
 
 The command lives here (arguments, options, exit codes); the run is
 ``eplb_fsm.commands.simulate_run``, the report ``eplb_fsm.commands.simulate_report``, the
@@ -90,7 +93,7 @@ CONFIG_OPTIONS = {"window_size": "--window", "step_interval": "--interval", "num
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("shape")
-    g.add_argument("--ranks", type=int, default=4, help="EP ranks (local gloo processes), default 4")
+    g.add_argument("--ranks", type=int, default=4, help="EP ranks (local gloo processes, at most 64), default 4")
     g.add_argument("--layers", type=int, default=4, help="MoE layers, default 4")
     g.add_argument("--experts", type=int, default=32, help="logical experts per layer, default 32")
     g.add_argument("--redundant", type=int, default=8,
@@ -137,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="make a rank misbehave (repeatable; the kinds are listed below)")
     r.add_argument("--scale", action="append", default=None, metavar="STEP:RANKS",
                    help="elastic EP (repeatable): at step STEP the serving ranks scale the EP group to RANKS "
-                        "(leaving ranks exit, joiners start as new processes; slots per rank stay fixed). "
+                        "(RANKS at most 64; leaving ranks exit, joiners start as new processes; slots per rank stay "
+                        "fixed). "
                         "STEP:RANKS:absent never starts the joiners (the scale must abort); STEP:RANKS:late "
                         "starts them after the abort (they end not joined, no failure). See docs/elastic.md")
     r.add_argument("--join-timeout", type=float, default=None, metavar="S",
@@ -182,11 +186,14 @@ def _hook_specs(args: argparse.Namespace) -> list:
 
 def build_options(args: argparse.Namespace):
     """Check the arguments and build the ``SimOptions`` every rank runs with (load targets included)."""
+    from eplb_fsm.sim.elastic import MAX_RANKS
     from eplb_fsm.sim.run import SimOptions, load_targets
 
     for name in ("ranks", "layers", "experts", "hidden", "top_k", "tokens", "steps", "interval", "window"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.ranks > MAX_RANKS:  # a process per rank on this machine
+        raise ValueError(f"--ranks must be <= {MAX_RANKS} (each rank is a local process), got {args.ranks}")
     if args.redundant < 0:
         raise ValueError(f"--redundant must be >= 0, got {args.redundant}")
     if (args.experts + args.redundant) % args.ranks:
@@ -263,8 +270,12 @@ def build_options(args: argparse.Namespace):
 
 
 
-class Interrupted(Exception):
-    """SIGTERM reached ``eplb-fsm simulate``: raised in the main thread so the launcher stops its ranks."""
+class Interrupted(BaseException):
+    """SIGTERM reached ``eplb-fsm simulate``: raised in the main thread so the launcher stops its ranks.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the ``except Exception`` that keeps a
+    report coming out when its plot or replay fails must not swallow a stop request.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -273,11 +284,15 @@ class Interrupted(Exception):
 
 @contextlib.contextmanager
 def _interruptible():
-    """SIGTERM raises :class:`Interrupted` (once; Ctrl-C already raises KeyboardInterrupt) while running."""
+    """SIGTERM raises :class:`Interrupted` (once; Ctrl-C already raises KeyboardInterrupt) while running.
+
+    Yields the list of the signals that arrived: should a SIGTERM's exception still be
+    swallowed on its way up, the caller sees it there and exits as interrupted all the same.
+    """
+    fired: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield fired
         return
-    fired = []
 
     def on_term(signum, frame):
         if not fired:  # a second SIGTERM while the ranks are being stopped changes nothing
@@ -286,9 +301,22 @@ def _interruptible():
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield fired
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(opts, name: str) -> int:
+    """Say that the run was stopped and where its traces are; the exit code of ``name`` (143 / 130)."""
+    from eplb_fsm.commands.simulate_checks import this_runs_traces
+
+    # the launcher's `finally` has stopped every rank process (each wrote its `end` record)
+    if this_runs_traces(opts.log_dir):
+        kept = f"traces kept in {opts.log_dir} (eplb-fsm replay {opts.log_dir})"
+    else:  # stopped while the ranks were starting: nothing to replay
+        kept = f"no rank had written a trace yet (trace folder {opts.log_dir})"
+    print(f"\neplb-fsm simulate: interrupted by {name}: every rank process was stopped; {kept}", file=sys.stderr)
+    return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -301,15 +329,15 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(f"eplb-fsm simulate: {note}", file=sys.stderr)
     try:
-        with _interruptible():
+        with _interruptible() as fired:
             report = run_simulation(opts, progress=not args.no_progress, timeout=args.timeout, png=args.png,
                                     want_png=not args.no_png)
-    except (KeyboardInterrupt, Interrupted) as exc:
-        # the launcher's `finally` has stopped every rank process (each wrote its `end` record)
-        name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
-        print(f"\neplb-fsm simulate: interrupted by {name}: every rank process was stopped; "
-              f"traces kept in {opts.log_dir} (eplb-fsm replay {opts.log_dir})", file=sys.stderr)
-        return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
+    except KeyboardInterrupt:
+        return _interrupted(opts, "SIGINT")
+    except Interrupted as exc:
+        return _interrupted(opts, exc.name)
+    if fired:  # a SIGTERM whose exception something swallowed: still a stopped run, not a report
+        return _interrupted(opts, signal.Signals(fired[0]).name)
     if note:
         report["load_note"] = note
     # a reused --trace-dir: the report, replay and injection check read this run's sessions only
@@ -317,8 +345,7 @@ def run(args: argparse.Namespace) -> int:
     report["earlier_traces"] = bool(getattr(opts.log_dir, "start", None))
     if report.get("png_note"):
         print(f"eplb-fsm simulate: {report['png_note']}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(format_report(report))
+    from eplb_fsm.cli import print_stdout
+
+    print_stdout(json.dumps(report) if args.json else format_report(report))  # `| head` ends it quietly
     return 0 if report["ok"] else 1

@@ -23,8 +23,9 @@ import json
 import tempfile
 from pathlib import Path
 
-__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "load_error", "load_note", "prepare_progress",
-           "prepare_trace_dir", "run_id_after", "serving_spans", "trace_sizes"]
+__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "header_run_ids", "load_error", "load_note",
+           "prepare_progress", "prepare_trace_dir", "run_id_after", "serving_spans", "this_runs_traces",
+           "trace_sizes"]
 
 RANK0_FILE = "rank00000.jsonl"  # eplb_fsm.trace.trace_path(dir, 0).name, without importing torch
 PROGRESS_DIR = "progress"       # eplb_fsm.sim.run.progress_path's folder, without importing torch
@@ -60,6 +61,45 @@ def run_id_after(directory: str | Path, start: dict[str, int]) -> str | None:
         except OSError:
             continue
     return None
+
+
+def this_runs_traces(directory: str | Path) -> list[Path]:
+    """The trace files (``*.jsonl``) this run wrote to: grown past their size before it (``directory.start``,
+    a :class:`TraceDir`'s; a plain path: every non-empty one)."""
+    start = getattr(directory, "start", None) or {}
+    found = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        try:
+            if path.stat().st_size > start.get(path.name, 0):
+                found.append(path)
+        except OSError:
+            continue
+    return found
+
+
+def header_run_ids(directory: str | Path) -> dict[str, tuple[int | None, str]]:
+    """File name -> (rank, run id) of the first session header this run wrote in each trace file
+    (past ``directory.start``): ranks that agreed on their run identity all show one id."""
+    start = getattr(directory, "start", None) or {}
+    found: dict[str, tuple[int | None, str]] = {}
+    for path in this_runs_traces(directory):
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(start.get(path.name, 0))
+                for raw in fh:
+                    if b'"header"' not in raw:
+                        continue
+                    try:
+                        rec = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and rec.get("event") == "header" and rec.get("run_id"):
+                        rank = rec.get("rank")
+                        found[path.name] = (rank if isinstance(rank, int) else None, str(rec["run_id"]))
+                        break
+        except OSError:
+            continue
+    return found
 
 
 class TraceDir(str):
@@ -174,7 +214,7 @@ def load_note(opts) -> str | None:
         return None
     if opts.load == "esft":
         from eplb_fsm.sim.loads import esft_layers
-        from eplb_fsm.sim.run import default_esft_dir
+        from eplb_fsm.sim.targets import default_esft_dir
 
         layers, experts, what = len(esft_layers(default_esft_dir())), 64, "the ESFT intent traces have"
     else:
@@ -200,7 +240,7 @@ def load_note(opts) -> str | None:
 def load_error(load: str, exc: Exception) -> ValueError:
     """The usage error for a ``--load`` that cannot be read: ``--load: <why>``, and what it takes if no such path."""
     text = str(exc)
-    if text.startswith("--load"):  # already names the option (--load esft: ...)
+    if text.startswith("--"):  # already names its option (--load esft: ..., --layers x --experts: ...)
         return ValueError(text)
     if load not in ("zipf", "esft") and not Path(load).exists():  # a typo of zipf or esft reads as a file
         text += ("; --load takes zipf, esft, example, esft:<task> or a load file (.npy, .npz, .pt, .json, "

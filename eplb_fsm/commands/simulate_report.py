@@ -132,6 +132,9 @@ def replay_verdict(log_dir: str, run_id: str | None = None) -> dict:
         if run_id is None:
             return {"verdict": "unavailable", "summary": f"this run wrote no trace header in {log_dir}",
                     "culprit_ranks": []}
+        split = _split_run_ids(log_dir)
+        if split:  # a replay of rank 0's id would call every other rank missing: say what happened instead
+            return {"verdict": "unavailable", "summary": split, "culprit_ranks": []}
     try:
         from eplb_fsm.inspect.replay import replay_dir
 
@@ -141,6 +144,21 @@ def replay_verdict(log_dir: str, run_id: str | None = None) -> dict:
     return {"verdict": rep.verdict, "summary": rep.summary, "culprit_ranks": rep.culprit_ranks, "step": rep.step,
             "state": rep.state, "layer": rep.layer, "collective": rep.collective,
             "illegal_transitions": len(rep.illegal_transitions)}
+
+
+def _split_run_ids(log_dir: str) -> str | None:
+    """When this run's trace headers carry different run ids (the ranks' run-identity agreement failed,
+    so each wrote an id of its own): one line naming each id and its ranks; else None."""
+    from eplb_fsm.commands.simulate_checks import header_run_ids
+
+    by_id: dict[str, list[str]] = {}
+    for name, (rank, run_id) in sorted(header_run_ids(log_dir).items()):
+        by_id.setdefault(run_id, []).append(str(rank) if rank is not None else name)
+    if len(by_id) < 2:
+        return None
+    ids = "; ".join(f"{run_id}: rank {', '.join(ranks)}" for run_id, ranks in by_id.items())
+    return (f"the run-identity agreement failed: this run's traces carry {len(by_id)} different run ids ({ids}), "
+            "so they cannot be replayed as one run; each rank's end record says why")
 
 
 def _mean(values: list[float]) -> float | None:

@@ -40,7 +40,8 @@ def run_simulation(opts, progress: bool = True, stream: TextIO | None = None, ti
             from eplb_fsm.sim.elastic_launcher import run_elastic
 
             return run_elastic(opts, timeout=timeout)
-        return run_ranks(run_rank, opts.ranks, args=(opts,), timeout=timeout)
+        logs = opts.log_dir if opts.log_dir and opts.redirect_output else None  # each rank's log from its start
+        return run_ranks(run_rank, opts.ranks, args=(opts,), timeout=timeout, rank_logs=logs)
 
     t0 = time.perf_counter()
     try:
@@ -91,7 +92,7 @@ def _write_plot(opts, report: dict, results: list[dict], png: str | None) -> tup
         return plot_balancedness(results[0]["balancedness"], report["rearrangements"], path, title=title,
                                  phase_start=opts.phase_start if drifts else None, phase_steps=opts.phase_steps,
                                  window=opts.window, scalings=report.get("scalings", ()), ranks=opts.ranks)
-    except Exception as exc:  # noqa: BLE001 - a plot problem must not cost the report
+    except Exception as exc:  # noqa: BLE001 - a plot problem must not cost the report (a stop request is no Exception)
         return None, f"the plot could not be written to {path}: {type(exc).__name__}: {exc}"
 
 

@@ -44,10 +44,13 @@ from typing import Any, Sequence
 from eplb_fsm.sim import signals
 
 __all__ = ["ScaleEvent", "parse_scale_specs", "scale_events", "spawn_key", "outcome_key", "run_elastic_rank",
-           "JOINER_ID", "NOT_JOINED"]
+           "rank_log_name", "JOINER_ID", "NOT_JOINED", "MAX_RANKS"]
 
 # process ids of joiners: JOINER_ID * (scale index + 1) + new rank (first ranks: their rank)
 JOINER_ID = 1000
+#: most ranks a simulated EP group may have (--ranks, each --scale size): every rank is a local process
+#: (a torch import, a model, a gloo group), and a joiner's process id needs a rank below JOINER_ID
+MAX_RANKS = 64
 NOT_JOINED = "not_joined"  # the status of a joiner whose scale aborted (it never served)
 
 
@@ -68,7 +71,7 @@ class ScaleEvent:
 def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int, redundant: int) -> list[ScaleEvent]:
     """``["100:2", "200:4"]`` (or ScaleEvents) -> validated events; ValueError naming ``--scale`` and the rule.
 
-    Steps must increase and lie in [1, steps); each size needs P' = S * RANKS >= experts
+    Steps must increase and lie in [1, steps); RANKS in [1, MAX_RANKS]; each size needs P' = S * RANKS >= experts
     (S = (experts + redundant) / ranks slots per rank stay fixed).
     """
     events: list[ScaleEvent] = []
@@ -90,8 +93,9 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
             raise ValueError(f"--scale {event.spec}: STEP must be in [1, --steps={steps})")
         if events and event.step <= events[-1].step:
             raise ValueError(f"--scale {event.spec}: steps must increase (after {events[-1].step})")
-        if event.ranks < 1:
-            raise ValueError(f"--scale {event.spec}: RANKS must be >= 1")
+        if not 1 <= event.ranks <= MAX_RANKS:
+            raise ValueError(f"--scale {event.spec}: RANKS must be in [1, {MAX_RANKS}] (each rank is a local "
+                             "process)")
         if per_rank * event.ranks < experts:
             raise ValueError(f"--scale {event.spec}: {event.ranks} ranks x {per_rank} slots per rank = "
                              f"{per_rank * event.ranks} slots cannot hold {experts} experts")
@@ -102,6 +106,11 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
 def scale_events(opts: Any) -> list[ScaleEvent]:
     """The validated ``--scale`` events a run's options carry (``opts.extra["scale"]``)."""
     return parse_scale_specs(opts.extra.get("scale") or (), opts.ranks, opts.steps, opts.experts, opts.redundant)
+
+
+def rank_log_name(rank: int, join: dict | None = None) -> str:
+    """The file a process's stdout goes to in the trace folder: ``rank<NNNNN>.log``, a joiner's ``.g<gen>.log``."""
+    return f"rank{rank:05d}.log" if join is None else f"rank{rank:05d}.g{join['generation']}.log"
 
 
 def spawn_key(index: int) -> str:
@@ -141,8 +150,7 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     events = scale_events(opts)
     join_timeout = float(opts.extra.get("join_timeout_s") or opts.collective_timeout_s)
     if opts.log_dir and opts.redirect_output:
-        name = f"rank{rank:05d}.log" if join is None else f"rank{rank:05d}.g{join['generation']}.log"
-        signals.log_to(Path(opts.log_dir) / name)
+        signals.log_to(Path(opts.log_dir) / rank_log_name(rank, join))
     slots = (opts.experts + opts.redundant) // opts.ranks
     config = EplbConfig(
         window_size=opts.window, step_interval=opts.interval, num_redundant_experts=slots * world - opts.experts,

@@ -19,11 +19,11 @@ import time
 import traceback
 from typing import Any
 
-from eplb_fsm.sim.elastic import JOINER_ID, outcome_key, run_elastic_rank, scale_events, spawn_key
+from eplb_fsm.sim.elastic import JOINER_ID, outcome_key, rank_log_name, run_elastic_rank, scale_events, spawn_key
 # the fixed-size launcher's bookkeeping: a dead or failed process stops the run the same way in both
 from eplb_fsm.sim.launcher import (
     RankFailedError, RanksTimeoutError, await_exit, check_timeout, note_unreported_deaths, process_context,
-    settle_after_failure, stop_processes,
+    settle_after_failure, start_process, stop_processes,
 )
 
 __all__ = ["run_elastic", "settle_after_failure"]
@@ -32,8 +32,16 @@ __all__ = ["run_elastic", "settle_after_failure"]
 def _process_main(role: str, rank: int, world: int, opts: Any, store_info: Any, join: dict | None,
                   pid_key: int, results: Any) -> None:
     """One child process: run its rank and put ``(pid_key, "ok" | "error", result | traceback)`` on ``results``."""
+    from pathlib import Path
+
     from eplb_fsm.sim import signals
 
+    if opts.log_dir and opts.redirect_output:
+        try:  # first (no thread yet): a process stopped while it starts dumps its stacks in its log, not on a terminal
+            signals.redirect_stdout(Path(opts.log_dir) / rank_log_name(rank, join))
+        except OSError:
+            results.put((pid_key, "error", traceback.format_exc()))
+            return
     signals.install()  # issue 12 wiring: own process group, SIGTERM -> `end how=signal` (sim/signals.py)
     try:
         import torch
@@ -69,7 +77,7 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
         key = rank if join is None else JOINER_ID * (join["index"] + 1) + rank
         p = ctx.Process(target=_process_main, args=(role, rank, world, opts, info, join, key, results_q),
                         name=f"eplb-elastic-{key}", daemon=True)
-        p.start()
+        start_process(p)  # a Ctrl-C waits for the pid: the stop below must reach every process started
         procs[key] = p
 
     def poll_spawns() -> None:

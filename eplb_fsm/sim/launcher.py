@@ -21,17 +21,20 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from eplb_fsm.maps import MAX_SECONDS, check_seconds
 
 __all__ = ["run_ranks", "last_line", "check_timeout", "find_free_port", "process_context", "stop_processes",
            "RankFailedError", "RanksTimeoutError", "EXIT_GRACE", "await_exit", "note_unreported_deaths",
-           "settle_after_failure"]
+           "settle_after_failure", "start_process", "rank_log_path"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -96,11 +99,18 @@ def _rank_main(
     torch_threads: int | None,
     env: dict[str, str] | None,
     results: Any,
+    log_path: str | None = None,
 ) -> None:
     """Body of one rank process: join the group, run ``fn``, report, leave."""
     from eplb_fsm.sim import signals
 
-    # first, while this process has one thread: own process group, SIGTERM/SIGINT -> `end` + exit
+    if log_path is not None:
+        try:  # before anything can print: a rank stopped while it starts dumps its stacks here, not on a terminal
+            signals.redirect_stdout(Path(log_path))
+        except OSError:
+            results.put((rank, "setup_error", traceback.format_exc()))
+            return
+    # then, while this process has one thread: own process group, SIGTERM/SIGINT -> `end` + exit
     signals.install()
     try:
         if env:
@@ -131,6 +141,46 @@ def _rank_main(
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     results.put((rank, "ok", value))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM back (main thread only) until the block ends, then deliver them as they came.
+
+    While ``Process.start()`` runs, the child may already exist while its pid is not yet known
+    here: an exception raised there (Ctrl-C) would leave a child no stop can reach, which then
+    fails to unpickle its queue once this process has let go of it (a traceback on the
+    terminal) or runs on alone. Held back, the signal acts once ``start()`` has returned.
+    """
+    stops = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or any(signal.getsignal(s) is None for s in stops):
+        yield  # only the main thread gets signals; a handler set outside Python cannot be put back
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):  # the handler that was in place runs now (KeyboardInterrupt, ...)
+            signal.raise_signal(s)
+
+
+def start_process(process: mp.process.BaseProcess) -> None:
+    """``process.start()`` with SIGINT/SIGTERM held back until it returns (:func:`_signals_held`), so that
+    a started process always has a known pid and the launcher's stop reaches it.
+
+    With a forkserver, the first start also waits for the server to import torch: a Ctrl-C
+    then acts after those few seconds.
+    """
+    with _signals_held():
+        process.start()
+
+
+def rank_log_path(log_dir: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank``'s stdout goes with ``run_ranks(..., rank_logs=log_dir)``: ``rank<NNNNN>.log``."""
+    return Path(log_dir) / f"rank{rank:05d}.log"
 
 
 def process_context(start_method: str | None) -> mp.context.BaseContext:
@@ -205,6 +255,7 @@ def _launch_once(
     host: str,
     torch_threads: int | None,
     env: dict[str, str] | None,
+    rank_logs: str | None = None,
 ) -> tuple[list[Any] | None, dict[int, str], bool, dict[int, Any]]:
     """One launch attempt: (results or None, failures, whether set-up hit a taken port, values so far)."""
     port = find_free_port(host)
@@ -213,7 +264,8 @@ def _launch_once(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, tuple(args), init_method, backend, timeout, torch_threads, env, results_q),
+            args=(fn, rank, world_size, tuple(args), init_method, backend, timeout, torch_threads, env, results_q,
+                  None if rank_logs is None else str(rank_log_path(rank_logs, rank))),
             name=f"eplb-rank{rank}",
             daemon=True,
         )
@@ -226,7 +278,7 @@ def _launch_once(
     port_taken = False
     try:
         for p in procs:
-            p.start()
+            start_process(p)
         while len(values) + len(failures) < world_size:
             now = time.monotonic()
             if now >= deadline:
@@ -247,7 +299,7 @@ def _launch_once(
     finally:
         if len(values) == world_size:
             await_exit(procs)
-        stop_processes(procs)
+        stop_processes(procs)  # every started process is joined: none still needs the queue's semaphores
         results_q.close()
         results_q.join_thread()
     if failures:
@@ -280,6 +332,7 @@ def run_ranks(
     torch_threads: int | None = 1,
     env: dict[str, str] | None = None,
     retries: int = 2,
+    rank_logs: str | os.PathLike | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the values by rank.
 
@@ -288,7 +341,9 @@ def run_ranks(
     ``timeout`` bounds the whole call (start-up included). ``torch_threads`` sets
     ``torch.set_num_threads`` in each rank (1 by default: ranks share few cores).
     ``env`` is added to each rank's environment. A rendezvous port taken between the
-    probe and the bind is retried up to ``retries`` times with a new port.
+    probe and the bind is retried up to ``retries`` times with a new port. With ``rank_logs``
+    (a folder), each rank's stdout goes to :func:`rank_log_path` from the process's start, before it
+    joins the group: a rank stopped while starting dumps its stacks there, not on the caller's terminal.
 
     Raises :class:`RankFailedError` if any rank raises or dies, :class:`RanksTimeoutError`
     at the deadline, ``ValueError`` on bad arguments. Every child is stopped before return.
@@ -301,7 +356,8 @@ def run_ranks(
     ctx = process_context(start_method)
     for attempt in range(retries + 1):
         values, failures, port_taken, partial = _launch_once(
-            ctx, fn, world_size, tuple(args), float(timeout), backend, host, torch_threads, env
+            ctx, fn, world_size, tuple(args), float(timeout), backend, host, torch_threads, env,
+            None if rank_logs is None else str(rank_logs),
         )
         if values is not None:
             return values

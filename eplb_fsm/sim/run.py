@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 from eplb_fsm.sim import signals
+# re-exported: the load targets every rank is built with (eplb_fsm.sim.targets, numpy only)
+from eplb_fsm.sim.targets import default_esft_dir, load_targets, target_at
 from eplb_fsm.stats import balancedness, rank_loads_physical
 
 __all__ = [
@@ -152,86 +154,6 @@ def call_hooks(hooks: list[Any], name: str, *args: Any) -> list[Any]:
         if method is not None:
             out.append(method(*args))
     return out
-
-
-# --------------------------------------------------------------------------- load targets
-
-
-def default_esft_dir() -> Path | str:
-    """Where the ESFT 'intent' traces are: ``$EPLB_FSM_ESFT_DIR``, else ``"esft:intent"`` (bundled with the package)."""
-    env = os.environ.get("EPLB_FSM_ESFT_DIR")
-    return Path(env) if env else "esft:intent"
-
-
-def _fit(matrix: np.ndarray, layers: int, experts: int) -> np.ndarray:
-    """Adapt a (L', N') load to (layers, experts): layers cycle, experts fold (e mod N) or repeat."""
-    m = np.asarray(matrix, dtype=np.float64)
-    m = m[np.arange(layers) % m.shape[0]]
-    n = m.shape[1]
-    if n >= experts:
-        out = np.zeros((layers, experts))
-        for e in range(n):
-            out[:, e % experts] += m[:, e]
-    else:
-        out = m[:, np.arange(experts) % n]
-        with np.errstate(over="ignore"):  # repeated loads can overflow where the file's own sums did not
-            if not np.isfinite(out.sum(axis=1)).all():
-                raise ValueError(f"repeated to {experts} experts, a layer's loads sum past the largest float; "
-                                 "scale them down")
-    return out
-
-
-def _normalise(p: np.ndarray) -> np.ndarray:
-    p = np.asarray(p, dtype=np.float64) + 1e-12
-    return p / p.sum(axis=-1, keepdims=True)
-
-
-def load_targets(opts: SimOptions) -> SimOptions:
-    """Fill ``opts.targets`` / ``phase_*`` from ``opts.load`` (run once, in the parent).
-
-    ``zipf``: a zipf skew that drifts (lognormal, sigma = ``drift``) once per interval, at
-    mid-interval so each rearrangement plans on one phase. ``esft``: real per-batch routing of the
-    ESFT 'intent' traces (4 sequences per batch), one batch per step, cycling. A file path, ``example``
-    or ``esft:<task>`` (the task's whole-trace token counts, not per batch): that (L, N) load, drifting.
-    """
-    from eplb_fsm.sim import loads
-
-    rng = np.random.default_rng(opts.seed)
-    first = max(1, opts.interval // 4)
-    if opts.load == "esft":
-        directory = default_esft_dir()
-        if isinstance(directory, Path) and not directory.is_dir():
-            raise ValueError(f"--load esft: ESFT traces not found at {directory} (EPLB_FSM_ESFT_DIR)")
-        available = loads.esft_layers(directory)
-        chosen = [available[i % len(available)] for i in range(min(opts.layers, len(available)))]
-        windows = loads.esft_load_windows(directory, 4, num_experts=64, layers=chosen)
-        targets = np.stack([_normalise(_fit(w, opts.layers, opts.experts)) for w in windows])
-        opts.targets, opts.phase_start, opts.phase_steps = targets, 1, 1
-        return opts
-    if opts.load == "zipf":
-        base = loads.zipf_load(opts.layers, opts.experts, exponent=opts.zipf_exponent,
-                               tokens_per_layer=1_000_000, rng=rng)
-    else:
-        base = _fit(loads.load_matrix(opts.load), opts.layers, opts.experts)
-    phases = 1 + max(0, (opts.steps - first - opts.interval // 2) // opts.interval + 1)
-    current = _normalise(base)
-    targets = [current]
-    for _ in range(phases - 1):
-        current = _normalise(loads.drift(current, opts.drift, rng))
-        targets.append(current)
-    opts.targets = np.stack(targets)
-    opts.phase_start = first + opts.interval // 2
-    opts.phase_steps = opts.interval
-    return opts
-
-
-def target_at(opts: SimOptions, step: int) -> np.ndarray:
-    """The routing target of ``step``: (L, N)."""
-    targets = opts.targets
-    if step < opts.phase_start:
-        return targets[0]
-    phase = 1 + (step - opts.phase_start) // opts.phase_steps
-    return targets[phase % len(targets)]
 
 
 # --------------------------------------------------------------------------- the rank body

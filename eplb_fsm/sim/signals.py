@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["STOP_SIGNALS", "INTERPRETER_WATCH_S", "install", "on_signal", "clear", "dump_stacks",
-           "watch_interpreter", "log_to", "die_with_launcher", "kill_self", "freeze_self", "stop_groups"]
+           "watch_interpreter", "redirect_stdout", "log_to", "die_with_launcher", "kill_self", "freeze_self",
+           "stop_groups"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # a rank whose Python threads make no progress for this long dumps their stacks into its log
@@ -45,6 +46,8 @@ INTERPRETER_WATCH_S = 10.0
 _callbacks: list[Callable[[str], None]] = []
 _helpers: list[subprocess.Popen] = []
 _installed = False
+_log_path: Path | None = None   # where this process's stdout goes (redirect_stdout), None: where it started
+_watching = False
 
 
 def on_signal(callback: Callable[[str], None]) -> None:
@@ -96,6 +99,26 @@ def watch_interpreter(timeout_s: float, period_s: float = 1.0) -> threading.Thre
     return thread
 
 
+def redirect_stdout(path: Path) -> None:
+    """Append this process's stdout (fd 1) to ``path``, starting with a line naming the process; once per path.
+
+    Starts no thread, so a rank process may call it before :func:`install` (which must run while
+    the process has one thread): from then on whatever the process prints, the stacks a stop
+    makes it dump included, lands in its log and not on the launcher's terminal.
+    """
+    global _log_path
+    path = Path(path)
+    if _log_path == path:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+    _log_path = path
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    os.write(1, f"===== eplb-fsm rank process {os.getpid()} started {started} =====\n".encode())
+
+
 def log_to(path: Path) -> None:
     """Append this rank process's stdout (structlog's default sink) to ``path``, and watch its threads there.
 
@@ -103,18 +126,17 @@ def log_to(path: Path) -> None:
     stack dumps) as it keeps their traces. Each process first writes
     ``===== eplb-fsm rank process <pid> started <UTC time> =====``; the ``pid`` is the one
     in the header of the trace this process writes, so a log part is matched to its run
-    (``eplb-fsm replay --run-id``) by it.
+    (``eplb-fsm replay --run-id``) by it. A process already sent there (:func:`redirect_stdout`,
+    done by the launcher before the rank joined its group) is not sent again.
 
     A rank whose Python threads all stop for :data:`INTERPRETER_WATCH_S` (a C call holding
     the GIL, a real freeze) leaves their stacks in that file (:func:`watch_interpreter`).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.close(fd)
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.write(1, f"===== eplb-fsm rank process {os.getpid()} started {started} =====\n".encode())
-    watch_interpreter(INTERPRETER_WATCH_S)
+    global _watching
+    redirect_stdout(path)
+    if not _watching:
+        _watching = True
+        watch_interpreter(INTERPRETER_WATCH_S)
 
 
 def _handle(signum: int) -> None:
