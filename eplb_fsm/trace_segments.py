@@ -28,6 +28,7 @@ import re
 import stat
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 __all__ = ["DAMAGED", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_SEGMENTS", "READ_ATTEMPTS", "check_rotation",
            "read_rank_segments", "read_rank_text", "read_segments", "read_trace", "record_steps", "rotate",
@@ -189,28 +190,43 @@ def read_trace(path: str | os.PathLike, segments: bool = True) -> tuple[list[dic
     counted, not fatal.
     """
     path = Path(path)
-    texts = read_segments(path) if segments and not is_rotated_segment(path) else [(path, _read(path))]
-    if not texts:
+    if segments and not is_rotated_segment(path):
+        parsed = read_segments(path, _parse_lines)
+    else:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            parsed = [(path, _parse_lines(fh))]
+    if not parsed:
         raise FileNotFoundError(f"no trace file at {path}")
+    records = [record for _, (some, _bad) in parsed for record in some]
+    return records, sum(bad for _, (_some, bad) in parsed)
+
+
+def _parse_lines(lines: Any) -> tuple[list[dict], int]:
+    """The records of an open segment, line by line (never its whole text at once), and its unreadable lines."""
     records: list[dict] = []
     bad = 0
-    for _, text in texts:
-        for line in text.split("\n"):
-            line = line.strip()
-            if not line:
-                continue
-            if DAMAGED in line:
-                bad += 1
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                bad += 1
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if DAMAGED in line:
+            bad += 1
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad += 1
     return records, bad
 
 
-def read_segments(path: str | os.PathLike) -> list[tuple[Path, str]]:
-    """``(segment, its text)`` for every segment of the live file ``path``, oldest first (``[]``: none there).
+def _whole(fh: Any) -> str:
+    return fh.read()
+
+
+def read_segments(path: str | os.PathLike, read: Callable[[Any], Any] = _whole) -> list[tuple[Path, Any]]:
+    """``(segment, its text)`` for every segment of the live file ``path``, oldest first (``[]``: none there);
+    ``read(open file)`` gives what is kept of each segment instead of its text (a parser that goes line by line
+    keeps no segment's whole text).
 
     The segments as they stood at one moment of a running writer: they are listed, read, and
     listed again, and read again (after a short wait) when a roll came in between: a listed
@@ -220,11 +236,11 @@ def read_segments(path: str | os.PathLike) -> list[tuple[Path, str]]:
     one is returned as it is (what was there to read; a listed file gone is left out).
     """
     path = Path(path)
-    texts: list[tuple[Path, str]] | None = []
+    texts: list[tuple[Path, Any]] | None = []
     for attempt in range(READ_ATTEMPTS):
         last = attempt == READ_ATTEMPTS - 1
         listed = _listing(path)
-        texts = _read_listed(listed, as_is=last)
+        texts = _read_listed(listed, last, read)
         if texts is not None and (last or _unchanged(listed, _listing(path), path)):
             break
         time.sleep(READ_RETRY_S * (attempt + 1))
@@ -236,8 +252,9 @@ def _read(path: Path) -> str:
         return fh.read()
 
 
-def _read_listed(listed: list[tuple[Path, os.stat_result]], as_is: bool) -> list[tuple[Path, str]] | None:
-    """The text of each listed segment; None as soon as one is gone or is another file (unless ``as_is``)."""
+def _read_listed(listed: list[tuple[Path, os.stat_result]], as_is: bool,
+                 read: Callable[[Any], Any]) -> list[tuple[Path, Any]] | None:
+    """``read`` of each listed segment; None as soon as one is gone or is another file (unless ``as_is``)."""
     texts = []
     for one, listed_stat in listed:
         try:
@@ -249,7 +266,7 @@ def _read_listed(listed: list[tuple[Path, os.stat_result]], as_is: bool) -> list
         with fh:
             if not as_is and not _same_file(listed_stat, os.fstat(fh.fileno())):
                 return None
-            texts.append((one, fh.read()))
+            texts.append((one, read(fh)))
     return texts
 
 

@@ -265,3 +265,11 @@ def test_stop_soon_returns_without_waiting_and_close_after_it_joins():
         worker.submit(gate.set)
     gate.set()
     assert worker.close(10.0) and job.ok()
+
+
+def test_an_owner_that_cannot_be_weakly_referenced_is_refused_before_the_thread_starts():
+    """owner=(1, 2): ValueError naming owner, and no worker thread is left running."""
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="owner must be weakly referenceable, got a tuple"):
+        BackgroundWorker(name="w-refused", owner=(1, 2))
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "w-refused"]

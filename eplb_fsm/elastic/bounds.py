@@ -77,7 +77,9 @@ class ScaleDeadline:
     @property
     def ready_room_s(self) -> float:
         """What the prepare phase keeps of the forward deadline for its ``scale_ready`` agreement:
-        T + :data:`GRACE_S`, so that ranks whose requests came up to that far apart all reach it."""
+        T + :data:`GRACE_S`, so that ranks that reached ``scale_check`` together all reach ``scale_ready``
+        however long a peer's build ran. Requests must come within T of each other, as for any collective:
+        ``scale_check`` waits at least that long for a late peer."""
         return self.timeout_s + GRACE_S
 
     def left(self, own_timeout_s: float, recovery: bool = False) -> float:

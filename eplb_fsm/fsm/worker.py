@@ -168,6 +168,11 @@ class BackgroundWorker:
                  start_timeout_s: float = 10.0, nice: int = 0, start_yield_s: float = 0.001, owner: Any = None) -> None:
         if not 0 <= start_yield_s <= 1:
             raise ValueError(f"start_yield_s must be in 0..1 s, got {start_yield_s}")
+        if owner is not None:
+            try:   # before the thread starts: a refused owner leaves nothing running
+                weakref.ref(owner)
+            except TypeError:
+                raise ValueError(f"owner must be weakly referenceable, got a {type(owner).__name__}") from None
         self.start_yield_s = float(start_yield_s)
         # numpy 2's unique (the planners') imports numpy.ma on first use: ~12-20 ms of Python
         # under the GIL, which would land in the engine's steps during the first rearrangement
