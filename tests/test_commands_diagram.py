@@ -190,3 +190,15 @@ def test_a_doc_behind_a_symlink_is_refreshed_through_the_link(tmp_path):
     link.symlink_to(page)
     assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(link)]) == 0
     assert link.is_symlink() and diagrams.render_mermaid() in page.read_text()
+
+
+def test_the_doc_page_is_rewritten_in_place_keeping_its_inode_and_hard_links(tmp_path):
+    """--doc: the page keeps its inode, so a hard link to it shows the fresh block (a rename would leave it stale)."""
+    page = tmp_path / "page.md"
+    page.write_text(f"# page\n{diagrams.DOC_BEGIN}\nold\n{diagrams.DOC_END}\n")
+    twin = tmp_path / "twin.md"
+    os.link(page, twin)
+    inode = page.stat().st_ino
+    assert main(["diagram", "--out", str(tmp_path / "d"), "--doc", str(page)]) == 0
+    assert page.stat().st_ino == inode and page.stat().st_nlink == 2
+    assert diagrams.render_mermaid() in twin.read_text()

@@ -89,7 +89,7 @@ state = {"launches": 0, "armed": False}
 
 def launch(self, process_obj):
     state["launches"] += 1
-    state["armed"] = state["launches"] == 2  # the second rank's start
+    state["armed"] = state["launches"] == int(os.environ.get("ARM_LAUNCH", "2"))  # by default the second start
     try:
         return real_launch(self, process_obj)
     finally:
@@ -108,11 +108,15 @@ sys.exit(main(argv))
 """
 
 
-def test_ctrl_c_while_a_rank_starts_leaves_no_child_behind_and_no_traceback(tmp_path):
-    """SIGINT inside a rank's start: exit 130, no child traceback or stack dump on the terminal, no replay hint
-    for a folder without traces."""
+@pytest.mark.parametrize("launcher", ["fixed", "elastic"])
+def test_ctrl_c_while_a_rank_starts_leaves_no_child_behind_and_no_traceback(tmp_path, launcher):
+    """SIGINT inside a rank's start (the fixed-size and the elastic launcher): exit 130, no child traceback or stack
+    dump on the terminal, no replay hint for a folder without traces."""
     traces = tmp_path / "traces"
-    proc = subprocess.Popen([sys.executable, "-c", _START_CHILD, *RUN, "--no-png", "--trace-dir", str(traces)],
+    scale = ["--scale", "6:3"] if launcher == "elastic" else []
+    env = {**os.environ, "ARM_LAUNCH": "1" if launcher == "elastic" else "2"}   # elastic: its first start
+    proc = subprocess.Popen([sys.executable, "-c", _START_CHILD, *RUN, *scale, "--no-png", "--trace-dir", str(traces)],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # EOF on both pipes: every process that holds them (the ranks, the forkserver) has exited too

@@ -11,10 +11,12 @@ exits 1 when a file (or the embedded block) is stale.
 the generated block) are checked before anything is written: a bad one prints one
 ``eplb-fsm diagram: error: ...`` line and exits 2. So does ``--check`` with nothing to
 compare: no mermaid or dot in ``--format`` and no ``--doc`` (images are not compared), and
-a folder where an output file goes. Every file (the ``--doc`` page too) is written to a
-temporary file beside it first, and all are renamed over their targets at the end: a write
-that fails (a full disk) is one ``eplb-fsm diagram: error: --out: cannot write ...`` line,
-exit 2, and leaves the files already there as they were.
+a folder where an output file goes. Every ``--out`` file is written to a temporary file
+beside it first, and all are renamed over their targets at the end: a write that fails (a
+full disk) is one ``eplb-fsm diagram: error: --out: cannot write ...`` line, exit 2, and
+leaves the files already there as they were. The ``--doc`` page, computed in full before,
+is rewritten in place last (it keeps its owner, mode and hard links; its folder need not
+accept new files).
 """
 
 from __future__ import annotations
@@ -145,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
                 page = diagrams.embed_in_markdown(doc.read_text(encoding="utf-8"))
             except OSError as exc:  # read fine a moment ago, in the checks: still one line, not a traceback
                 raise _WriteError("--doc", doc, exc, "read") from None
-            _stage(staged, doc, "--doc", lambda temp: temp.write_text(page, encoding="utf-8"))
         while staged:  # every file was written in full: only now is any target replaced
             temp, real, option, path = staged[0]
             try:
@@ -153,7 +154,13 @@ def run(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise _WriteError(option, path, exc) from None
             staged.pop(0)
-            print_stdout(f"updated {path}" if option == "--doc" else f"wrote {path}")
+            print_stdout(f"wrote {path}")
+        if args.doc:   # in place, last: the page keeps its owner, mode and hard links (a rename would not)
+            try:
+                doc.write_text(page, encoding="utf-8")
+            except OSError as exc:
+                raise _WriteError("--doc", doc, exc) from None
+            print_stdout(f"updated {doc}")
     except _WriteError as exc:
         print(f"eplb-fsm diagram: error: {exc}", file=sys.stderr)
         return 2

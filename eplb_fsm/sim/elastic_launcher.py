@@ -77,8 +77,8 @@ def run_elastic(opts: Any, timeout: float = 300.0, start_method: str | None = No
         key = rank if join is None else JOINER_ID * (join["index"] + 1) + rank
         p = ctx.Process(target=_process_main, args=(role, rank, world, opts, info, join, key, results_q),
                         name=f"eplb-elastic-{key}", daemon=True)
+        procs[key] = p    # first: a Ctrl-C held through the start acts as it returns, and the stop must see p
         start_process(p)  # a Ctrl-C waits for the pid: the stop below must reach every process started
-        procs[key] = p
 
     def poll_spawns() -> None:
         for index, event in enumerate(events):
