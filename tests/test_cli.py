@@ -156,7 +156,9 @@ def test_an_unknown_option_is_refused_by_the_verb_it_was_given_to(capsys, argv, 
                                   ["diagram", "--out", "{tmp}/d"],
                                   ["diagram", "--out", "{tmp}/fresh", "--check"],
                                   ["simulate", "--ranks", "1", "--steps", "3", "--interval", "2", "--window", "1",
-                                   "--no-png", "--no-progress", "--trace-dir", "{tmp}/t"]])
+                                   "--no-png", "--no-progress", "--trace-dir", "{tmp}/t"],
+                                  ["bench", "step", "--steps", "200", "--rounds", "1"],
+                                  ["bench", "step", "--steps", "200", "--rounds", "1", "--json"]])
 def test_a_reader_that_stops_early_gets_no_traceback(tmp_path, argv):
     """stdout closed by its reader before the output comes (`eplb-fsm plan ... | head -0`): no BrokenPipeError,
     the verb's own exit code."""

@@ -105,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
             message = prefix + "error: " + message[len(prefix):]
         print(message, file=sys.stderr)
         return 2
+    from eplb_fsm.cli import print_stdout   # a reader that stops early (| head) ends the output quietly
+
     if args.json:
-        print(json.dumps(json_safe(result), sort_keys=False, allow_nan=False))
+        print_stdout(json.dumps(json_safe(result), sort_keys=False, allow_nan=False))
     else:
-        print("\n".join(format_text(result)))
+        print_stdout("\n".join(format_text(result)))
     return 0
