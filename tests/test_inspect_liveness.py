@@ -639,3 +639,26 @@ def test_two_ranks_killed_together_are_one_death(tmp_path):
     assert (report.verdict, report.culprit_ranks, report.step) == ("rank_died", [2, 3], 30), format_report(report)
     assert report.summary.startswith("ranks 2-3 died (SIGKILL?) at step 30 in collecting: no end record on any")
     assert len(report.consequences) == 2
+
+
+def test_a_crash_then_the_launcher_killing_the_others_blames_the_crash(tmp_path):
+    """Rank 0 ends with an engine error at step 30; ranks 1-3 stop 0.2 s before without an end (the launcher killed
+    them after the crash, their last records a moment older): crashed rank 0, never rank_died for the others."""
+    ranks = [Rank(r).steps(30) for r in range(WORLD)]
+    ranks[0].ts += 0.2
+    ranks[0].end("exception", error="RuntimeError: engine bug: index out of range")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("crashed", [0], 30), format_report(report)
+    assert "rank_died" not in format_report(report)
+
+
+def test_waits_that_gloo_and_torch_end_with_read_as_failed_waits():
+    """The pair closure, client-socket and store-key timeouts and a niced build that did not return are waits."""
+    from eplb_fsm.inspect.endings import WAIT_ERROR
+
+    for text in ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused "
+                 "pair closure", "DistStoreError: The client socket has timed out after 5000ms",
+                 "RuntimeError: Timeout waiting for key: default_pg/0//cpu//0", "TimeoutError: niced call "
+                 "'build' did not return within 15.0 s"):
+        assert WAIT_ERROR.search(text), text
+    assert not WAIT_ERROR.search("KeyError: request_timeout missing from sampling params")

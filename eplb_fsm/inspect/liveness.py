@@ -15,7 +15,7 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness).
   A silence inside lines the rank's own ``seq`` shows lost is no freeze (it wrote, the lines went):
   it is ``lost_records`` (``Liveness.lost``; ``lost.LostRecords.silent``), once per gap.
-- **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``_WAIT_ERROR``:
+- **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``endings.WAIT_ERROR``:
   the forms gloo, torch and the controller write when a peer is gone or a wait timed out).
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than
@@ -34,11 +34,11 @@ exception (``crashed``); the replay reports it when nothing else is found. Trace
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass, field
 
 from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
 
@@ -46,17 +46,6 @@ DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
 FROZEN_FACTOR = 2.5        # a gap of this many intervals between alive records: frozen
 MIN_GAP_S = 2.0            # never less than this (a loaded machine delays a thread by a second or so)
-# how a rank notices that a peer is gone or a wait ran out: gloo's pair and buffer errors, torch's Work.wait
-# and store timeouts, NCCL's watchdog and remote errors, the controller's GroupBroken and its transfer that "ran
-# past collective_timeout_s", the simulator's RankFault (a rank stopping after its controller handled a fault).
-# A word alone ("timeout", "NCCL") is no such form: an engine's KeyError about request_timeout or a CUDA fault
-# is a crash of its own
-_WAIT_ERROR = re.compile(
-    r"\bGroupBroken\b|Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused|"
-    r"Timed out waiting \d+ ?ms for (?:send|recv)|Operation timed out!|Socket Timeout|wait timeout after|"
-    r"Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError|"
-    r"remote process exiting prematurely|timed out waiting for rank|ran past collective_timeout_s|"
-    r"^RankFault: .* its controller fired fault", re.I)
 
 
 @dataclass
@@ -108,11 +97,6 @@ def _end_ts(s) -> float:
     return ts if type(ts) in (int, float) else (s.last_ts if s.last_ts is not None else float("inf"))
 
 
-def _entries(s) -> list:
-    """Every collective the participant read one by one (a bulk run holds only ones that ended alike)."""
-    return [e for index in s.collectives.values() for e in getattr(index, "one", index).values()]
-
-
 def _layer_at(s, silence: tuple) -> int | None:
     """The layer in flight when ``silence`` began (``None`` outside transferring).
 
@@ -124,7 +108,7 @@ def _layer_at(s, silence: tuple) -> int | None:
     a, b, step, state = silence[:4]
     if state != TRANSFERRING:
         return None
-    seen = sorted((e.ts, e.layer) for e in _entries(s) if e.step == step and e.state == TRANSFERRING
+    seen = sorted((e.ts, e.layer) for e in entries(s) if e.step == step and e.state == TRANSFERRING
                   and type(e.layer) is int and type(e.ts) in (int, float))
     after = [layer for ts, layer in seen if ts >= b]
     before = [layer for ts, layer in seen if ts <= a]
@@ -151,36 +135,6 @@ def _gaps(cast: Cast, key: Key) -> list[tuple]:
     return out
 
 
-def _waits_on_peer(cast: Cast, key: Key) -> bool:
-    """Whether the participant sat in a collective some other member had not finished (its error ended a wait).
-
-    A collective every other member finished is no wait: an async rank's posted all-reduce stays
-    open from one step to the next, so a rank that raises in its own code in between (a crash)
-    leaves one open that its peers had long read.
-    """
-    s = cast.parts[key]
-    opened = [(c.group, c.cseq) for c in s.open_collectives()]
-    waiting = s.alive[-1][3] if s.alive else None
-    if waiting:
-        opened.append((waiting.get("group"), waiting.get("cseq")))
-    for g, c in opened:
-        for m in cast.members(g) if isinstance(g, str) else []:
-            peer = cast.parts.get(m)
-            entry = peer.collectives.get(g, {}).get(c) if peer is not None else None
-            if m != key and (entry is None or entry.status != "ended"):
-                return True
-    return False
-
-
-def _failed_wait_first(s) -> bool:
-    """Its latest collective failed on a wait (a peer gone, a timeout) at the step it ended with an exception:
-    the engine raised because the controller had failed (e.g. a ``failed`` state after a broken group)."""
-    errors = [e for e in _entries(s) if e.status == "error" and type(e.ts) in (int, float)]
-    last = max(errors, key=lambda e: e.ts, default=None)
-    return last is not None and last.step == (s.end or {}).get("step", s.last_step) \
-        and bool(_WAIT_ERROR.search(str(last.error or "")))
-
-
 def _peers(cast: Cast, key: Key) -> list[Key]:
     """The other participants of ``key``'s current group that did not end on purpose (leave in a scale)."""
     gen = cast.final_gen.get(key)
@@ -198,7 +152,9 @@ def _death(cast: Cast, key: Key, lasts: dict, at) -> tuple[str, str | None] | No
         return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {_waiting_text(s)}",
                 f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
     peers = _peers(cast, key)
-    ended = [o for o in peers if cast.parts[o].end is not None]
+    # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed or
+    # was signalled explains the stop itself, and the ranks a launcher killed after it are its consequences
+    ended = [o for o in peers if cast.parts[o].end is not None and ended_in_reaction(cast, o)]
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
     if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
         return None
@@ -272,7 +228,7 @@ def check_liveness(cast: Cast) -> Liveness:
         end = s.end or {}
         ts = end.get("ts") if type(end.get("ts")) in (int, float) else lasts.get(k)
         if end.get("how") == "exception" and ts is not None:
-            if _WAIT_ERROR.search(str(end.get("error") or "")) or _waits_on_peer(cast, k) or _failed_wait_first(s):
+            if WAIT_ERROR.search(str(end.get("error") or "")) or waits_on_peer(cast, k) or failed_wait_first(s):
                 late_exceptions.append((ts, k))
             else:
                 events.append((ts, "crashed", k, Finding.of(

@@ -1,0 +1,75 @@
+"""How a participant's ``end`` reads to replay: a reaction to what happened to others, or a cause.
+
+A rank that notices a peer gone or a wait run out ends with one of a few error forms
+(:data:`WAIT_ERROR`), or sat in a collective a peer never finished (:func:`waits_on_peer`), or
+had its own last collective fail that way at the step it ended (:func:`failed_wait_first`):
+those exceptions are consequences. :func:`ended_in_reaction` adds an orderly close. Anything
+else a rank ended with (an engine error, a signal) explains itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+from eplb_fsm.inspect.elastic import Cast, Key
+
+__all__ = ["WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "waits_on_peer"]
+
+# how a rank notices that a peer is gone or a wait ran out: gloo's pair and buffer errors, torch's Work.wait
+# and store timeouts, NCCL's watchdog and remote errors, the controller's GroupBroken and its transfer that "ran
+# past collective_timeout_s", the simulator's RankFault (a rank stopping after its controller handled a fault).
+# A word alone ("timeout", "NCCL") is no such form: an engine's KeyError about request_timeout or a CUDA fault
+# is a crash of its own
+WAIT_ERROR = re.compile(
+    r"\bGroupBroken\b|Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused|"
+    r"Timed out waiting \d+ ?ms for (?:send|recv)|Operation timed out!|Socket Timeout|wait timeout after|"
+    r"Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError|"
+    r"remote process exiting prematurely|timed out waiting for rank|ran past collective_timeout_s|"
+    r"Application timeout caused pair closure|client socket has timed out|Timeout waiting for key|"
+    r"niced call .* did not return within|"
+    r"^RankFault: .* its controller fired fault", re.I)
+
+
+def entries(s) -> list:
+    """Every collective the participant read one by one (a bulk run holds only ones that ended alike)."""
+    return [e for index in s.collectives.values() for e in getattr(index, "one", index).values()]
+
+
+def waits_on_peer(cast: Cast, key: Key) -> bool:
+    """Whether the participant sat in a collective some other member had not finished (its error ended a wait).
+
+    A collective every other member finished is no wait: an async rank's posted all-reduce stays
+    open from one step to the next, so a rank that raises in its own code in between (a crash)
+    leaves one open that its peers had long read.
+    """
+    s = cast.parts[key]
+    opened = [(c.group, c.cseq) for c in s.open_collectives()]
+    waiting = s.alive[-1][3] if s.alive else None
+    if waiting:
+        opened.append((waiting.get("group"), waiting.get("cseq")))
+    for g, c in opened:
+        for m in cast.members(g) if isinstance(g, str) else []:
+            peer = cast.parts.get(m)
+            entry = peer.collectives.get(g, {}).get(c) if peer is not None else None
+            if m != key and (entry is None or entry.status != "ended"):
+                return True
+    return False
+
+
+def failed_wait_first(s) -> bool:
+    """Its latest collective failed on a wait (a peer gone, a timeout) at the step it ended with an exception:
+    the engine raised because the controller had failed (e.g. a ``failed`` state after a broken group)."""
+    errors = [e for e in entries(s) if e.status == "error" and type(e.ts) in (int, float)]
+    last = max(errors, key=lambda e: e.ts, default=None)
+    return last is not None and last.step == (s.end or {}).get("step", s.last_step) \
+        and bool(WAIT_ERROR.search(str(last.error or "")))
+
+
+def ended_in_reaction(cast: Cast, key: Key) -> bool:
+    """``key``'s ``end`` is closed, or an exception from a failed wait (the rule ``check_liveness`` applies)."""
+    s = cast.parts[key]
+    how = s.end.get("how")
+    if how == "closed":
+        return True
+    return how == "exception" and bool(
+        WAIT_ERROR.search(str(s.end.get("error") or "")) or waits_on_peer(cast, key) or failed_wait_first(s))
