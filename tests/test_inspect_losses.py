@@ -64,12 +64,14 @@ def start_ranks(folder: Path, args: dict[int, tuple]) -> list[subprocess.Popen]:
     return procs
 
 
-def finish(procs: list[subprocess.Popen]) -> None:
-    """Let every rank run to its end; none is left behind."""
+def finish(procs: list[subprocess.Popen], meanwhile=None) -> None:
+    """Let every rank run to its end (``meanwhile()`` runs once they started); none is left behind."""
     try:
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
+        if meanwhile is not None:
+            meanwhile()
         for p in procs:
             assert p.wait(timeout=120) == 0
     finally:
@@ -128,21 +130,14 @@ def test_a_live_file_deleted_and_reopened_is_lost_records_not_a_freeze(tmp_path)
     """Rank 1's live file (all it wrote since its roll) deleted mid-run and reopened by its writer: the stretch it
     lost is lost_records with the write failure warned, not a freeze of rank 1."""
     procs = start_ranks(tmp_path, {0: (600, 1 << 26, 0, 0, 0), 1: (600, 1 << 14, 0, 0, 1)})
-    try:
-        live = tmp_path / "rank00001.jsonl"
+    live = tmp_path / "rank00001.jsonl"
+
+    def remove_live_file() -> None:
         assert (tmp_path / "rank00001.jsonl.1").exists() and live.exists()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
         time.sleep(3.5)              # rank 1 writes into its live file meanwhile: all of it is lost with the file
         live.unlink()
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+
+    finish(procs, remove_live_file)
     assert sorted(p.name for p in tmp_path.glob("rank00001.*")) == ["rank00001.jsonl", "rank00001.jsonl.1"]
     kept = read_trace(tmp_path / "rank00001.jsonl.1", segments=False)[0][-1]["ts"]
     reopened = read_trace(live, segments=False)[0]

@@ -46,20 +46,28 @@ def run_id_after(directory: str | Path, start: dict[str, int]) -> str | None:
     """The run id of the first session header written past ``start`` (file name -> size), rank 0's file first."""
     paths = sorted(Path(directory).glob("*.jsonl"), key=lambda p: (p.name != RANK0_FILE, p.name))
     for path in paths:
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(start.get(path.name, 0))
-                for raw in fh:
-                    if b'"header"' not in raw:
-                        continue
-                    try:
-                        rec = json.loads(raw)
-                    except ValueError:
-                        continue
-                    if isinstance(rec, dict) and rec.get("event") == "header" and rec.get("run_id"):
-                        return str(rec["run_id"])
-        except OSError:
-            continue
+        rec = _first_header(path, start.get(path.name, 0))
+        if rec is not None:
+            return str(rec["run_id"])
+    return None
+
+
+def _first_header(path: Path, offset: int) -> dict | None:
+    """The first session header with a run id in ``path`` past byte ``offset`` (None: none, or unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            for raw in fh:
+                if b'"header"' not in raw:
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("event") == "header" and rec.get("run_id"):
+                    return rec
+    except OSError:
+        pass
     return None
 
 
@@ -83,22 +91,10 @@ def header_run_ids(directory: str | Path) -> dict[str, tuple[int | None, str]]:
     start = getattr(directory, "start", None) or {}
     found: dict[str, tuple[int | None, str]] = {}
     for path in this_runs_traces(directory):
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(start.get(path.name, 0))
-                for raw in fh:
-                    if b'"header"' not in raw:
-                        continue
-                    try:
-                        rec = json.loads(raw)
-                    except ValueError:
-                        continue
-                    if isinstance(rec, dict) and rec.get("event") == "header" and rec.get("run_id"):
-                        rank = rec.get("rank")
-                        found[path.name] = (rank if isinstance(rank, int) else None, str(rec["run_id"]))
-                        break
-        except OSError:
-            continue
+        rec = _first_header(path, start.get(path.name, 0))
+        if rec is not None:
+            rank = rec.get("rank")
+            found[path.name] = (rank if isinstance(rank, int) else None, str(rec["run_id"]))
     return found
 
 
