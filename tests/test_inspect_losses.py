@@ -109,7 +109,7 @@ def alive_between(folder: Path, rank: int, a: float, b: float) -> int:
 def test_a_removed_middle_segment_is_lost_records_not_a_freeze(tmp_path, coll_every):
     """Two healthy real ranks; rank 1's rotated segments of a 3 s stretch removed: lost_records on rank 1, never
     frozen (with collectives the gap is told once, by the collective it held; without, by the silence)."""
-    procs = start_ranks(tmp_path, {0: (500, 1 << 26, coll_every, 0, 0), 1: (500, 2048, coll_every, 150, 0)})
+    procs = start_ranks(tmp_path, {0: (500, 1 << 26, coll_every, 0, 0), 1: (500, 16384, coll_every, 150, 0)})
     finish(procs)
     assert replay_dir(tmp_path).verdict == "healthy"
     before, after = remove_middle_segments(tmp_path, 1, 3.0)
