@@ -253,32 +253,6 @@ def test_rank_failed_error_names_every_failed_rank():
     assert "rank 0: process exited with code 3" in str(err)
 
 
-def _blocked_rank_with_its_stdout_in_a_file(rank: int, world: int, log_dir: str) -> int:
-    """Each rank sends its stdout to <log_dir>/<rank>.log; rank 1 sleeps, so rank 0 blocks in a gloo barrier."""
-    import torch.distributed as dist
-
-    fd = os.open(os.path.join(log_dir, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.close(fd)
-    if rank == 1:
-        time.sleep(120)
-    dist.barrier()
-    return rank
-
-
-def test_a_stopped_rank_writes_the_stack_of_every_thread(tmp_path):
-    """SIGTERM from the launcher: each rank's stdout gets every thread's stack, rank 0's main one in the barrier."""
-    with pytest.raises(RanksTimeoutError):
-        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine (4 s was not)
-        run_ranks(_blocked_rank_with_its_stdout_in_a_file, 2, args=(str(tmp_path),), timeout=12.0)
-    text = (tmp_path / "0.log").read_text()
-    assert "eplb-signals: SIGTERM received" in text
-    stacks = text.split("the stack of every thread follows", 1)[1]
-    assert "_blocked_rank_with_its_stdout_in_a_file" in stacks and "barrier" in stacks
-    assert "_wait_loop" in stacks  # the signal thread's own stack is there too
-    assert "_blocked_rank_with_its_stdout_in_a_file" in (tmp_path / "1.log").read_text()  # rank 1, in its sleep
-
-
 def test_interpreter_watch_dumps_stacks_when_no_python_thread_runs(tmp_path):
     """A C call that holds the GIL for longer than the watch's timeout: faulthandler's thread writes the stacks."""
     import subprocess
@@ -409,15 +383,21 @@ def _print_then_block(rank: int, world: int) -> int:
     return rank
 
 
-def test_rank_logs_take_each_ranks_stdout_from_its_start(tmp_path, capfd):
+def test_rank_logs_take_each_ranks_stdout_from_its_start_with_the_stack_of_every_thread(tmp_path, capfd):
     """run_ranks(rank_logs=DIR): a rank's stdout is DIR/rank<NNNNN>.log from before it joins the group (the header
-    line first), so the stacks a stopped rank dumps land there and nothing reaches the launcher's stdout."""
+    line first); the launcher's SIGTERM makes each rank write every thread's stack there (rank 0's main one in the
+    barrier, the signal thread's own), and nothing reaches the launcher's stdout."""
     with pytest.raises(RanksTimeoutError):
-        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine
+        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine (4 s was not)
         run_ranks(_print_then_block, 2, timeout=12.0, rank_logs=tmp_path)
     for rank in (0, 1):
-        lines = (tmp_path / f"rank{rank:05d}.log").read_text().splitlines()
+        text = (tmp_path / f"rank{rank:05d}.log").read_text()
+        lines = text.splitlines()
         assert lines[0].startswith("===== eplb-fsm rank process ") and f"rank {rank} is running" in lines
         assert any(line.startswith("eplb-signals: SIGTERM received") for line in lines)
+        stacks = text.split("the stack of every thread follows", 1)[1]
+        assert "_print_then_block" in stacks and "_wait_loop" in stacks   # rank 1: in its sleep
+    rank0_stacks = (tmp_path / "rank00000.log").read_text().split("the stack of every thread follows", 1)[1]
+    assert "barrier" in rank0_stacks
     out = capfd.readouterr().out
     assert "is running" not in out and "eplb-signals" not in out
