@@ -204,7 +204,8 @@ def test_a_lost_file_whose_seq_shows_nothing_is_still_warned_by_write_errors(tmp
 
 
 def test_the_largest_write_errors_of_a_session_is_warned(tmp_path):
-    """alive records carry 1 then 3, the end 3 (a count that only grows): one warning, with 3; none without."""
+    """alive records carry 1 then 3, the end 3 (a count that only grows): one warning, with 3, and the JSON's
+    per-rank write_errors; none without."""
     job = SyntheticJob(world=2, num_layers=2, trace_dir=tmp_path, interval=5).run(12)
     job.close()
     records = job.records()
@@ -221,6 +222,7 @@ def test_the_largest_write_errors_of_a_session_is_warned(tmp_path):
     assert [w for w in report.warnings if "writer reported" in w] == [
         "rank 1's writer reported 3 trace write failure(s) (`write_errors` on its alive/end records): records may "
         "be lost"]
+    assert [r["write_errors"] for r in report.to_dict()["ranks"]] == [0, 3]   # the JSON's ranks carry it too
 
 
 def test_a_freeze_names_the_layer_in_flight_when_it_began(tmp_path):

@@ -334,8 +334,7 @@ class RankSummary:
 
     def to_dict(self) -> dict:
         return {
-            "rank": self.rank,
-            "path": self.path,
+            "rank": self.rank, "path": self.path,
             "records": self.records,
             "bad_lines": self.bad_lines,
             "truncated": self.truncated,
@@ -360,6 +359,7 @@ class RankSummary:
             "end": self.end,
             "alive_records": len(self.alive),
             "last_ts": self.last_ts,
+            "write_errors": self.write_errors,
             "run_id": (self.header or {}).get("run_id"),
         }
 
