@@ -65,7 +65,8 @@ def test_a_failed_all_reduce_raises_group_broken_when_read():
 
 
 def test_resolve_device_and_group_name_what_they_refuse():
-    """A device torch cannot parse, or a group that is neither a process group nor a collective group, is a ValueError."""
+    """A device torch cannot parse, or a group that is neither a process group nor a collective group, is a
+    ValueError."""
     assert resolve_device(None) == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device: 'gpu0' is not a torch device"):
         resolve_device("gpu0")

@@ -244,6 +244,71 @@ def test_profile_step_is_refused_while_a_rearrangement_may_use_the_buffers():
     ctl.close()
 
 
+@pytest.mark.parametrize("flag", ["is_dummy", "is_profile", "log_stats"])
+@pytest.mark.parametrize("value", ["False", "no", 1, 0, None, np.array(True), torch.tensor(False)])
+def test_a_step_flag_that_is_not_a_bool_is_refused_before_anything_counts(flag, value):
+    """step(is_profile="False") or is_dummy="no" (once read by truth value): a ValueError naming the flag, nothing
+    counted, windowed or traced."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(log_balancedness=True), keep_trace=True)
+    entry = ctl.add_model(model, "main")
+    model.load_pass += 5
+    records = len(ctl.trace.records)
+    with pytest.raises(ValueError, match=f"step\\(\\): {flag} must be a bool"):
+        ctl.step(**{flag: value})
+    assert (ctl.steps, ctl.state, entry.window.filled, len(ctl.trace.records)) == (0, "collecting", 0, records)
+    ctl.step()   # the refused call left nothing half-done: the next step counts as the first
+    assert (ctl.steps, entry.window.filled) == (1, 1)
+    ctl.close()
+    assert [(r["event"], r["step"]) for r in events(ctl) if r["event"] in ("step", "steps")] == [("step", 0)]
+
+
+def test_numpy_bools_are_step_flags_like_python_bools():
+    """A numpy bool_ (an engine's mask reduced with .all()) is read as the bool it holds, for each flag."""
+    model = ProtocolModel()
+    ctl = EplbController(cfg(log_balancedness=True), keep_trace=True)
+    entry = ctl.add_model(model, "main")
+    assert ctl.step(is_profile=np.bool_(True)) == "collecting" and ctl.steps == 0 and events(ctl, "profile")
+    model.load_pass += 5
+    ctl.step(is_dummy=np.bool_(True), is_profile=np.bool_(False), log_stats=np.bool_(False))
+    assert (ctl.steps, entry.window.filled, ctl.balancedness_log) == (1, 0, [])
+    ctl.step(is_dummy=np.bool_(False), log_stats=np.bool_(True))
+    assert (ctl.steps, entry.window.filled, [s for s, _ in ctl.balancedness_log]) == (2, 1, [1])
+
+
+def test_a_failed_machine_all_reduces_no_balancedness_until_recovered():
+    """In failed, steps with log_stats=True at the interval issue no all-reduce on the broken group (no
+    collective_error per interval); once recovered they log again."""
+    import threading
+
+    repaired = threading.Barrier(2)
+
+    def body(rank, group):
+        model = _toy(rank, 2, layers=2)
+        ctl = EplbController(cfg(step_interval=8, collective_timeout_s=0.5, log_balancedness=True,
+                                 log_balancedness_interval=1), group=group, keep_trace=True)
+        ctl.add_model(model, "main")
+        group.fail_all_reduce = rank == 0
+        ctl.step()
+        ctl.step()   # due: the planning all-reduce fails -> failed
+        assert ctl.state == "failed"
+        starts, errors = len(events(ctl, "collective_start")), len(events(ctl, "collective_error"))
+        for _ in range(3):
+            assert ctl.step(log_stats=True) == "failed"
+        quiet = (len(events(ctl, "collective_start")) - starts, len(events(ctl, "collective_error")) - errors)
+        repaired.wait(30)
+        group.fail_all_reduce = False
+        if rank == 0:
+            group.w.barrier.reset()
+        repaired.wait(30)
+        ctl.recover()
+        logged = len(ctl.balancedness_log)
+        ctl.step(log_stats=True)
+        return quiet, len(ctl.balancedness_log) - logged
+
+    assert run_threads(2, body) == [((0, 0), 1), ((0, 0), 1)]
+
+
 def test_negative_load_is_rejected_and_nothing_moves():
     """A negative all-reduced load becomes a recoverable fault: back to collecting, maps unchanged."""
     model = ProtocolModel()
@@ -886,7 +951,8 @@ def test_steps_before_the_first_model_do_not_make_a_rearrangement_due():
 
 
 def test_async_worker_nice_also_builds_the_transfer_group_niced_in_async_mode_only():
-    """async_worker_nice=3: an async controller builds its transfer group niced by 3 (and niced its worker); a sync one by 0."""
+    """async_worker_nice=3: an async controller builds its transfer group niced by 3 (and niced its worker); a sync one
+    by 0."""
     with EplbController(cfg(use_async=True, async_worker_nice=3)) as ctl:
         assert ctl.collectives.transfer_nice == 3 and ctl.worker.nice == 3
     with EplbController(cfg(use_async=False, async_worker_nice=3)) as ctl:
@@ -894,7 +960,8 @@ def test_async_worker_nice_also_builds_the_transfer_group_niced_in_async_mode_on
 
 
 def test_add_model_on_a_gloo_group_refuses_weights_off_the_cpu(one_rank_group):
-    """On a real 1-rank gloo group, add_model refuses a model with meta weights and adds nothing; CPU weights are added."""
+    """On a real 1-rank gloo group, add_model refuses a model with meta weights and adds nothing; CPU weights are
+    added."""
     with EplbController(cfg()) as ctl:
         model = ToyMoE(num_layers=2, num_experts=8, num_redundant=4, hidden=4, top_k=2, seed=0)
         model.expert_weights = [[t.to("meta") for t in layer] for layer in model.expert_weights]

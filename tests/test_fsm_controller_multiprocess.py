@@ -127,7 +127,8 @@ SCENARIOS_2 = [
 
 
 def test_world2_sync_async_drafter_and_injected_faults():
-    """World 2: sync, async and async with prefetch, with a drafter, rearrange exactly; injected errors abort consistently."""
+    """World 2: sync, async and async with prefetch, with a drafter, rearrange exactly; injected errors abort
+    consistently."""
     results = run_ranks(_world_body, 2, args=(SCENARIOS_2,), timeout=200)
     names = ["sync", "async", "sync+fault", "async+fault", "prefetch", "prefetch+fault"]
     sync, async_, sync_fault, async_fault, prefetch, prefetch_fault = _check_agreement(results, names)
@@ -245,7 +246,8 @@ def _prefetch_vs_not(rank: int, world: int) -> list[dict]:
 
 
 def test_prefetched_layers_on_gloo_end_bit_exact_with_the_same_placement():
-    """World 2, async_prefetch (whole and chunked): next layers are moved ahead, same placement, exact weights and outputs."""
+    """World 2, async_prefetch (whole and chunked): next layers are moved ahead, same placement, exact weights and
+    outputs."""
     results = run_ranks(_prefetch_vs_not, 2, timeout=150)
     for plain, ahead, chunked in results:
         _assert_committed_alike(plain, ahead)
@@ -287,7 +289,8 @@ def test_a_chunked_layer_is_not_polled_before_its_last_chunk_can_have_started():
 
 
 def test_chunked_async_transfer_ends_bit_exact_with_the_same_placement():
-    """World 2, async_max_bytes_per_step = 2 rows: the same placement, exact weights, outputs unchanged, a step per chunk."""
+    """World 2, async_max_bytes_per_step = 2 rows: the same placement, exact weights, outputs unchanged, a step per
+    chunk."""
     results = run_ranks(_chunked_vs_whole, 2, timeout=150)
     for whole, chunked in results:
         _assert_committed_alike(whole, chunked)

@@ -74,6 +74,13 @@ def test_a_step_logs_only_when_asked():
     assert decide_step(COLLECTING, 10, 10, True, False) == StepDecision(due=True, log=False)
 
 
+def test_a_failed_machine_logs_no_balancedness():
+    """In failed a logging step does not all-reduce its balancedness over the group that broke; elsewhere it does."""
+    assert decide_step(FAILED, 1, 10, True, True) == StepDecision(due=False, log=False)
+    for state in (COLLECTING, PLANNING, TRANSFERRING, COMMITTING, SCALING):
+        assert decide_step(state, 1, 10, True, True).log, state
+
+
 @pytest.mark.parametrize("summed, state, action", [
     ([4, 0, 0, 0], PLANNING, TAKE_PLAN),
     ([4, 0, 0, 0], TRANSFERRING, COMMIT_LAYER),

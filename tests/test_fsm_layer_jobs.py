@@ -97,7 +97,8 @@ def test_prefetch_submits_the_next_changed_layer_ahead_and_hands_it_over():
 
 
 def test_a_job_ahead_of_a_failed_one_is_skipped_without_moving_anything():
-    """The layer queued behind a transfer that failed on this rank raises TransferSkipped and never reaches the mover."""
+    """The layer queued behind a transfer that failed on this rank raises TransferSkipped and never reaches the
+    mover."""
     worker, mover = RecordingWorker(), RecordingMover(fail_layers={0})
     jobs = LayerJobs(worker, mover, prefetch=True)
     jobs.start(_plan([True, True]), 0, step=1)
@@ -120,7 +121,8 @@ def test_drop_forgets_the_job_ahead_so_a_later_start_submits_afresh():
 
 
 def test_a_handed_over_job_times_out_from_its_hand_over_not_its_submission():
-    """age() of a job submitted ahead counts from when the machine reached it, so queueing behind layer k is not lateness."""
+    """age() of a job submitted ahead counts from when the machine reached it, so queueing behind layer k is not
+    lateness."""
     now = [100.0]
     worker = RecordingWorker(clock=lambda: now[0])
     jobs = LayerJobs(worker, RecordingMover(), prefetch=True)
@@ -161,7 +163,8 @@ def _controller(rank, group, prefetch=True, **kw):
 
 
 def test_prefetch_commits_every_layer_exactly_with_the_plain_async_placement():
-    """2 ranks: with async_prefetch the rearrangement commits the same placement as without, weights and outputs exact."""
+    """2 ranks: with async_prefetch the rearrangement commits the same placement as without, weights and outputs
+    exact."""
     target = _skewed(3, 8)
 
     def body(rank, group):
@@ -193,7 +196,8 @@ def test_prefetch_commits_every_layer_exactly_with_the_plain_async_placement():
 
 
 def test_a_transfer_error_with_a_layer_ahead_aborts_alike_and_the_next_rearrangement_commits():
-    """Rank 1 fails layer 1 with layer 2 ahead: one fault on both ranks, layer 0 new, 1.. old, exact; layer 2 never ran there."""
+    """Rank 1 fails layer 1 with layer 2 ahead: one fault on both ranks, layer 0 new, 1.. old, exact; layer 2 never ran
+    there."""
     target = _skewed(3, 8)
 
     def body(rank, group):

@@ -32,14 +32,15 @@ NUM_LAYERS = 3
 
 # the event data each trigger is tried with: guards pass for some, fail for others
 DATA_VARIANTS: dict[str, list[dict]] = {
-    "step": [{"due": True}, {"due": False}, {}],
-    "plan_ready": [{"moves": 3, "worth": True}, {"moves": 0, "worth": True}, {"moves": 3, "worth": False}],
+    "step": [{"due": True}, {"due": False}],
+    "plan_ready": [{"moves": 3, "worth": True}, {"moves": 0, "worth": True}, {"moves": 3, "worth": False},
+                   {"moves": 0, "worth": False}],
     "layer_done": [{"layer": k} for k in (0, 1, 2, 7)],
     "committed": [{}],
     "scale_requested": [{}],
     "groups_ready": [{}],
     "switched": [{}],
-    "fault": [{"recoverable": True}, {"recoverable": False}, {}],
+    "fault": [{"recoverable": True}, {"recoverable": False}],
     "recovered": [{}],
     "salvaged": [{}],
     "resumed": [{}],
@@ -49,13 +50,13 @@ DATA_VARIANTS: dict[str, list[dict]] = {
 CONTEXTS = list(itertools.product(range(NUM_LAYERS), (False, True)))
 
 GUARD_SPEC = {
-    "is_due": lambda ctx, data: bool(data.get("due", False)),
-    "is_worth_moving": lambda ctx, data: data.get("moves", 0) > 0 and data.get("worth", True),
-    "is_current_layer": lambda ctx, data: data.get("layer", -1) == ctx["layer"],
+    "is_due": lambda ctx, data: data["due"],
+    "is_worth_moving": lambda ctx, data: data["moves"] > 0 and data["worth"],
+    "is_current_layer": lambda ctx, data: data["layer"] == ctx["layer"],
     "has_more_layers": lambda ctx, data: ctx["layer"] < NUM_LAYERS - 1,
     "is_last_layer": lambda ctx, data: ctx["layer"] == NUM_LAYERS - 1,
     "is_scale_pending": lambda ctx, data: ctx["scale_pending"],
-    "is_recoverable": lambda ctx, data: bool(data.get("recoverable", True)),
+    "is_recoverable": lambda ctx, data: data["recoverable"],
 }
 
 EFFECT_SPEC = {
@@ -205,7 +206,7 @@ def test_guards_pick_the_first_passing_row():
 def test_layer_done_for_the_wrong_layer_is_illegal():
     """A layer_done naming a layer other than the current one (skipped or repeated) is refused."""
     m = EplbMachine(NUM_LAYERS, state=TRANSFERRING, layer=1)
-    for wrong in (0, 2, -1):
+    for wrong in (0, 2):
         with pytest.raises(IllegalTransition, match=r"layer 1"):
             m.fire("layer_done", layer=wrong)
     assert (m.state, m.layer) == (TRANSFERRING, 1)
@@ -251,7 +252,8 @@ def test_scale_with_nothing_to_move_goes_from_planning_to_the_switch():
     assert m.fire("plan_ready", moves=0, worth=True).dest == COLLECTING
 
 
-@pytest.mark.parametrize("recoverable, after_fault, event", [(False, FAILED, "salvaged"), (True, COLLECTING, "resumed")])
+@pytest.mark.parametrize("recoverable, after_fault, event",
+                         [(False, FAILED, "salvaged"), (True, COLLECTING, "resumed")])
 def test_a_broken_scale_goes_on_to_its_switch_through_its_own_event(recoverable, after_fault, event):
     """A scale-down broken mid-way (failed) is salvaged, a scale-up cut short (collecting) resumed: to scaling, then
     switched to collecting; neither event leads anywhere from the other's state."""
@@ -316,6 +318,62 @@ def test_constructor_validates_arguments():
         EplbMachine(0)
     with pytest.raises(ValueError, match="state must be one of"):
         EplbMachine(2, state="sleeping")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_layers": 2.9}, "num_layers must be an integer, got 2.9"),
+    ({"num_layers": True}, "num_layers must be an integer"),
+    ({"num_layers": "3"}, "num_layers must be an integer"),
+    ({"num_layers": 2, "layer": -7}, "layer must be >= 0, got -7"),
+    ({"num_layers": 2, "layer": 1.5}, "layer must be an integer, got 1.5"),
+])
+def test_constructor_takes_num_layers_and_layer_only_as_counts(kwargs, message):
+    """num_layers=2.9 is not truncated to 2 and layer=-7 is not kept: a ValueError naming the field and rule."""
+    with pytest.raises(ValueError, match=message):
+        EplbMachine(**kwargs)
+    import numpy as np
+
+    m = EplbMachine(np.int64(3), layer=np.int32(2), state=TRANSFERRING)
+    assert (type(m.num_layers), type(m.layer), m.num_layers, m.layer) == (int, int, 3, 2)
+
+
+@pytest.mark.parametrize("state, trigger, data, missing", [
+    (COLLECTING, "step", {}, "due"),
+    (PLANNING, "step", {}, "due"),
+    (TRANSFERRING, "fault", {}, "recoverable"),
+    (FAILED, "fault", {}, "recoverable"),
+    (PLANNING, "plan_ready", {"worth": True}, "moves"),
+    (PLANNING, "plan_ready", {"moves": 5}, "worth"),
+    (PLANNING, "plan_ready", {}, "moves, worth"),
+    (TRANSFERRING, "layer_done", {}, "layer"),
+])
+def test_event_data_a_guard_reads_is_required_not_defaulted(state, trigger, data, missing):
+    """A fault without recoverable (once read as recoverable), plan_ready without moves or worth (once 0 and True):
+    a ValueError naming what is missing, before anything changes."""
+    m = EplbMachine(num_layers=NUM_LAYERS, state=state, layer=1)
+    seen: list = []
+    m.listeners.append(seen.append)
+    before = m.snapshot()
+    with pytest.raises(ValueError, match=f"event '{trigger}' needs {missing} "):
+        m.fire(trigger, **data)
+    assert (m.snapshot(), seen) == (before, [])
+
+
+@pytest.mark.parametrize("state, trigger, data, field", [
+    (PLANNING, "plan_ready", {"moves": -3, "worth": True}, "moves"),
+    (PLANNING, "plan_ready", {"moves": -1, "worth": False}, "moves"),
+    (TRANSFERRING, "layer_done", {"layer": -1}, "layer"),
+])
+def test_a_negative_count_in_event_data_is_refused_before_anything_changes(state, trigger, data, field):
+    """moves=-3 (once read as nothing to move) or layer -1 is a ValueError naming the datum and the rule."""
+    import numpy as np
+
+    m = EplbMachine(num_layers=NUM_LAYERS, state=state, layer=0)
+    with pytest.raises(ValueError, match=f"event data out of range: {field} must be an int >= 0, got -"):
+        m.fire(trigger, **data)
+    with pytest.raises(ValueError, match=f"{field} must be an int >= 0"):
+        m.fire(trigger, **{k: np.int64(v) if k == field else v for k, v in data.items()})
+    assert (m.state, m.layer) == (state, 0)
 
 
 def test_illegal_transition_message_names_state_layer_and_data():

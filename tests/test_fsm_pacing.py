@@ -9,7 +9,8 @@ from eplb_fsm.fsm.pacing import StepPacer, unpaced
 
 
 def test_step_pacer_waits_for_the_next_step_and_gives_up_after_its_bound():
-    """wait() returns at once when the step moved since begin(), waits for it otherwise, and stops waiting at max_wait_s."""
+    """wait() returns at once when the step moved since begin(), waits for it otherwise, and stops waiting at
+    max_wait_s."""
     box = {"step": 0}
     pacer = StepPacer(lambda: box["step"], max_wait_s=30.0, poll_s=0.001)
     pacer.begin()

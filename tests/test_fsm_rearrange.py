@@ -70,7 +70,8 @@ def test_a_scale_with_nothing_to_move_replays_without_illegal_transitions(tmp_pa
 
 
 def test_a_log_line_that_cannot_be_written_never_stops_the_engine(tmp_path):
-    """stdout (structlog's default sink) on /dev/full: rearrangements commit or skip, their log lines fail, step() goes on."""
+    """stdout (structlog's default sink) on /dev/full: rearrangements commit or skip, their log lines fail, step() goes
+    on."""
     import subprocess
     import sys
 
@@ -111,7 +112,8 @@ def _scale_whose_policy_raises(tmp_path, error: BaseException):
 
 
 def test_a_scale_policy_error_stays_recoverable_but_an_interrupt_fails_the_machine(tmp_path):
-    """run_forced: a policy that raises is a recoverable fault; a KeyboardInterrupt there faults to failed, re-raised."""
+    """run_forced: a policy that raises is a recoverable fault; a KeyboardInterrupt there faults to failed,
+    re-raised."""
     ctl, run = _scale_whose_policy_raises(tmp_path / "error", ValueError("no plan"))
     try:
         assert run() == COLLECTING and ctl.history[-1]["reason"] == "scale policy failed: ValueError: no plan"

@@ -148,7 +148,8 @@ def test_cuda_jobs_run_on_the_worker_stream():
 
 
 def test_nice_is_applied_to_the_worker_thread_only():
-    """nice=5: the worker thread's own priority (read back by its native id) is the process's + 5; the caller's is unchanged."""
+    """nice=5: the worker thread's own priority (read back by its native id) is the process's + 5; the caller's is
+    unchanged."""
     import os
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -185,7 +186,8 @@ def test_start_yield_out_of_range_is_refused_naming_the_field():
 
 
 def test_run_niced_passes_its_nice_to_the_threads_the_call_starts():
-    """run_niced(fn, 3): fn and a thread it starts run at the caller's nice + 3; the caller keeps its own; the value comes back."""
+    """run_niced(fn, 3): fn and a thread it starts run at the caller's nice + 3; the caller keeps its own; the value
+    comes back."""
     import os
 
     mine = os.getpriority(os.PRIO_PROCESS, 0)

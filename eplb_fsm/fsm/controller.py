@@ -9,7 +9,8 @@ The engine calls ``step()`` once per engine step, on every rank, with the same f
         model.forward(batch)                     # adds routed tokens into load_pass
         controller.step(is_dummy=..., log_stats=...)
 
-This module is the step loop and the actions it executes; nothing decides here. What a step does comes from
+This module is the step loop and the actions it executes; nothing decides here (the check of ``step()``'s flags
+and a step past the hot path are in :mod:`~eplb_fsm.fsm.step_flags`). What a step does comes from
 :mod:`~eplb_fsm.fsm.decide` (pure functions of the shared counters and the step's all-reduced values), the
 transition from :mod:`~eplb_fsm.fsm.machine`, whose guards read those decisions as event data. Collaborators:
 ``collectives`` (the EP group's all-reduce, the transfer group), ``mover`` (a layer into the buffer, then the
@@ -34,14 +35,16 @@ import torch
 
 from eplb_fsm import liveness, run_identity
 from eplb_fsm.config import EplbConfig
+from eplb_fsm.fsm import faults
 from eplb_fsm.fsm.collectives import (GROUP_NAME, LOCAL_GROUP_NAME, TRANSFER_GROUP_NAME, Collectives, resolve_device,
                                       resolve_group)
-from eplb_fsm.fsm.decide import Counters, decide_step
+from eplb_fsm.fsm.decide import Counters
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING, EplbMachine, Fired
 from eplb_fsm.fsm.model_entry import ModelEntry, build_model_entry
 from eplb_fsm.fsm.planning import Plan
 from eplb_fsm.fsm.rearrange import Rearranger
 from eplb_fsm.fsm.reporting import Reporter, SharedTrace, abandon_trace
+from eplb_fsm.fsm.step_flags import check_step_flags, decided_step, profile_step
 from eplb_fsm.fsm.transfers import LayerMover
 from eplb_fsm.maps import ExpertMaps, as_count
 from eplb_fsm.policy import get_policy
@@ -210,15 +213,17 @@ class EplbController:
         ``is_dummy``: a padding step without real tokens (counts toward the interval,
         its load does not enter the window). ``is_profile``: the engine's profile run, while
         collecting: reserve transfer buffers, change no state or counter. ``log_stats``: log the
-        balancedness of this pass (with ``config.log_balancedness``, at its interval).
+        balancedness of this pass (with ``config.log_balancedness``, at its interval; not in ``failed``).
+        Each flag must be a bool (a numpy ``bool_`` passes): ``ValueError`` naming it otherwise, nothing counted.
         """
         if self._closed:  # the hot path pays one attribute read, not a call
             self._check_open("step")
-        if is_profile:
-            if self.machine.state != COLLECTING or self.rearranger.current is not None:  # its buffers may be in use
-                raise ValueError(f"is_profile needs state collecting and no rearrangement; state is {self.state!r}")
-            self.trace.emit("profile", buffer_bytes=self.mover.reserve(spare=self.rearranger.layer_jobs.prefetch))
-            return self.machine.state
+        # identity compares keep the hot path cheap; anything but False/True (a profile step too) is checked there
+        if is_profile is not False or (is_dummy is not False and is_dummy is not True) or \
+                (log_stats is not False and log_stats is not True):
+            is_dummy, is_profile, log_stats = check_step_flags(is_dummy, is_profile, log_stats)
+            if is_profile:
+                return profile_step(self)
         counters = self.counters
         step = counters.steps
         counters.count_step(bool(self.models))  # the interval counts from the first add_model
@@ -233,42 +238,9 @@ class EplbController:
                 entry.window.record_pass(is_dummy)
             trace.count_step(is_dummy)
             return state
-        state = self._decided_step(step, state, is_dummy, log_now)
+        state = decided_step(self, step, state, is_dummy, log_now)
         self.mover.step_advanced.set()  # now, not mid-step: a paced chunk (async) starts as the engine runs on
         return state
-
-    def _decided_step(self, step: int, state: str, is_dummy: bool, log_now: bool) -> str:
-        """A step that may all-reduce: :func:`decide_step`'s answer, then :meth:`Rearranger.poll`'s."""
-        counters = self.counters
-        rearranger = self.rearranger
-        decision = decide_step(state, counters.since, counters.threshold, bool(self.models), log_now)
-        parts: dict[str, torch.Tensor] = {}
-        if decision.log:
-            parts["balancedness"] = torch.cat([e.window.load_pass.reshape(-1) for e in self.models]) \
-                if self.models else torch.zeros(0)
-        for entry in self.models:
-            entry.window.record_pass(is_dummy)
-        if decision.due:
-            parts.update(rearranger.planning_parts())  # first: an error here leaves the machine collecting
-            self.restart_interval()
-            self.fire("step", extra={"dummy": True} if is_dummy else None, due=True)
-            rearranger.begin(step, forced=False)
-        else:
-            self.trace.count_step(is_dummy)
-        # after this step's pass is in the window, so a commit re-expresses it in the new placement
-        rearranger.poll(parts, self.config.async_overlap_poll)
-        if not parts:
-            return self.machine.state
-        reduced = rearranger.all_reduce_or_fail(parts, self.timeout_s)
-        if reduced is None:
-            return self.machine.state
-        if "balancedness" in reduced:
-            self.reporter.log_pass_balancedness(step, reduced["balancedness"], self.models, self.world_size)
-        if "loads" in reduced:
-            rearranger.plan(reduced)
-        elif "ready" in reduced:
-            rearranger.progress(reduced["ready"])
-        return self.machine.state
 
     def rearrange(self) -> dict | None:
         """Rearrange now, on demand (every rank must call it at the same point).
@@ -288,11 +260,12 @@ class EplbController:
         self.restart_interval()
         count = len(self.history)
         self.trace.set_context(step=self.steps)  # as a due step's records: the index of the next engine step
-        self.fire("step", extra={"forced": True}, due=True)
-        self.rearranger.begin(self.steps, forced=True)
-        reduced = self.rearranger.all_reduce_or_fail(parts, self.timeout_s)
-        if reduced is not None:
-            self.rearranger.plan(reduced)
+        with faults.interruptible(self.rearranger, "rearrange()"):  # as a due step's, from the transition on
+            self.fire("step", extra={"forced": True}, due=True)
+            self.rearranger.begin(self.steps, forced=True)
+            reduced = self.rearranger.all_reduce_or_fail(parts, self.timeout_s)
+            if reduced is not None:
+                self.rearranger.plan(reduced)
         return self.history[-1] if len(self.history) > count else None
 
     def request_scale(self, new_world_size: int, rank_mapping: dict[int, int] | None = None, *,

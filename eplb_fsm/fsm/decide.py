@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, PLANNING, TRANSFERRING
+from eplb_fsm.fsm.machine import COLLECTING, COMMITTING, FAILED, PLANNING, TRANSFERRING
 
 __all__ = [
     "Counters",
@@ -73,10 +73,14 @@ def decide_step(state: str, since: int, threshold: int, has_models: bool, log_no
     """The step's decision from shared counters.
 
     ``since``: steps since the interval restarted with a model added, this one included
-    (see :meth:`Counters.count_step`); ``threshold``: steps it needs.
+    (see :meth:`Counters.count_step`); ``threshold``: steps it needs. ``log_now``: the
+    engine asked for balancedness and the logging interval is reached. In ``failed``
+    nothing is logged until ``recover()``: the all-reduce would go over an EP group that
+    broke (each interval another timeout and ``collective_error``), or one where a peer
+    that is not failed issues other collectives.
     """
     due = state == COLLECTING and since >= threshold and has_models
-    return StepDecision(due=due, log=bool(log_now))
+    return StepDecision(due=due, log=bool(log_now) and state != FAILED)
 
 
 def decide_poll(state: str, in_flight: bool, overlap: bool, joined: bool, fresh: bool = False,

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import numpy as np
 from transitions import Machine, MachineError
 
+from eplb_fsm.maps import as_count
+
 COLLECTING = "collecting"
 PLANNING = "planning"
 TRANSFERRING = "transferring"
@@ -47,10 +49,11 @@ EVENT_DATA: dict[str, tuple[str, ...]] = {
     "salvaged": (),
     "resumed": (),
 }
-# what each datum must be: a guard that read "no" as True, 0.9 as layer 0 or None as a crash would
-# take a transition the trace could not explain (numpy scalars pass, as decisions may hand them over)
+# what each datum must be: a guard that read "no" as True, 0.9 as layer 0, None as a crash or a missing
+# datum as a default would take a transition the trace could not explain (numpy scalars pass, as decisions
+# may hand them over). Every datum a trigger takes is required: its guards read each one.
 FLAG_DATA = ("due", "worth", "recoverable")      # bool
-COUNT_DATA = ("layer", "moves")                  # int, not bool
+COUNT_DATA = ("layer", "moves")                  # int >= 0, not bool
 
 # The transition table (docs/machine.md explains every row). ``internal`` rows keep the state without exit/enter.
 # Order matters within a trigger: the first row whose guards pass wins.
@@ -121,18 +124,19 @@ class Fired:
 class EplbMachine:
     """The model the `transitions` Machine drives: the state plus the shared counters.
 
-    ``fire(trigger, **data)`` is the only way in: it checks the event data (names and types,
-    ``ValueError`` before anything changes), runs the transition and tells every listener
-    (the trace, the watchdog) what happened.
+    ``fire(trigger, **data)`` is the only way in: it checks the event data (every datum of
+    ``EVENT_DATA`` present, of its type, counts >= 0; ``ValueError`` before anything changes),
+    runs the transition and tells every listener (the trace, the watchdog) what happened.
+    ``num_layers`` (>= 1) and ``layer`` (>= 0) must be ints (``ValueError`` naming them).
     """
 
     def __init__(self, num_layers: int, state: str = INITIAL, layer: int = 0, scale_pending: bool = False):
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        num_layers = as_count(num_layers, "num_layers", minimum=1)   # 2.9 layers is an error, not 2
+        layer = as_count(layer, "layer", minimum=0)
         if state not in STATES:
             raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
-        self.num_layers = int(num_layers)
-        self.layer = int(layer)
+        self.num_layers = num_layers
+        self.layer = layer
         self.scale_pending = bool(scale_pending)
         self.listeners: list[Callable[[Fired], None]] = []
         # a queued Machine's trigger() returns True even when every guard refused the
@@ -153,15 +157,15 @@ class EplbMachine:
     def _note_result(self, event) -> None:
         self._accepted = bool(event.result)
 
-    # -- guards (event data and shared counters only) --------------------
+    # -- guards (event data and shared counters only; fire() made sure each datum is there) --
     def is_due(self, event) -> bool:
-        return bool(event.kwargs.get("due", False))
+        return bool(event.kwargs["due"])
 
     def is_worth_moving(self, event) -> bool:
-        return int(event.kwargs.get("moves", 0)) > 0 and bool(event.kwargs.get("worth", True))
+        return int(event.kwargs["moves"]) > 0 and bool(event.kwargs["worth"])
 
     def is_current_layer(self, event) -> bool:
-        return int(event.kwargs.get("layer", -1)) == self.layer
+        return int(event.kwargs["layer"]) == self.layer
 
     def has_more_layers(self, event) -> bool:
         return self.layer < self.num_layers - 1
@@ -173,7 +177,7 @@ class EplbMachine:
         return self.scale_pending
 
     def is_recoverable(self, event) -> bool:
-        return bool(event.kwargs.get("recoverable", True))
+        return bool(event.kwargs["recoverable"])
 
     # -- counter updates (part of the transition, not actions) -----------
     def start_first_layer(self, event) -> None:
@@ -197,6 +201,9 @@ class EplbMachine:
         unknown = set(data) - set(allowed)
         if unknown:
             raise ValueError(f"event {trigger!r} takes {list(allowed)}, got unexpected {sorted(unknown)}")
+        missing = [key for key in allowed if key not in data]
+        if missing:   # a guard would read a default in its place, which the trace could not show
+            raise ValueError(f"event {trigger!r} needs {', '.join(missing)} (every datum it takes: {list(allowed)})")
         check_event_data(trigger, data)
         source = self.state
         layer_before = self.layer
@@ -222,17 +229,21 @@ class EplbMachine:
 
 
 def check_event_data(trigger: str, data: dict) -> None:
-    """``ValueError`` naming the datum of ``data`` whose type its guard can't read (see ``FLAG_DATA``)."""
+    """``ValueError`` naming the datum of ``data`` whose type its guard can't read, or a negative count
+    (see ``FLAG_DATA``, ``COUNT_DATA``)."""
     for key, value in data.items():
         flag = isinstance(value, (bool, np.bool_))
+        what = "of the wrong type"
         if key in FLAG_DATA and not flag:
             rule = "must be a bool"
         elif key in COUNT_DATA and (flag or not isinstance(value, numbers.Integral)):
             rule = "must be an int (not a bool)"
+        elif key in COUNT_DATA and value < 0:   # no layer -1, no -3 moves: a count
+            what, rule = "out of range", "must be an int >= 0"
         else:
             continue
         # the replay (inspect.model) shows this text as why the machine refused a record
-        raise ValueError(f"event {trigger!r} got event data of the wrong type: {key} {rule}, got {value!r}")
+        raise ValueError(f"event {trigger!r} got event data {what}: {key} {rule}, got {value!r}")
 
 
 def _sources(row: dict) -> set[str]:
