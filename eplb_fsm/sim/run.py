@@ -163,12 +163,23 @@ def progress_path(log_dir: str | os.PathLike, rank: int) -> Path:
     return Path(log_dir) / "progress" / f"rank{rank:05d}.json"
 
 
+_progress_failed: set[Path] = set()   # the progress files this process could not write (warned once each)
+
+
 def _write_progress(path: Path | None, payload: dict) -> None:
+    """Best effort, as the trace is: a full disk or a file-size limit must not stop the engine for a file that only
+    feeds the parent's live line (the first failure of each file is printed to the rank's log)."""
     if path is None:
         return
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, path)
+    except OSError as exc:
+        if path not in _progress_failed:
+            _progress_failed.add(path)
+            print(f"eplb-fsm simulate: progress file {path} not written ({type(exc).__name__}: {exc}); the rank "
+                  "runs on without it", flush=True)
 
 
 def _maps_agree(phy2log: np.ndarray, group: Any, world: int) -> bool:
