@@ -46,7 +46,8 @@ def test_in_process_size_mismatch_raises():
         comm.execute()
 
 
-@pytest.mark.parametrize("src,dst,match", [(0, 0, "cannot message itself"), (0, 2, "dst: rank 2"), (-1, 0, "src: rank -1")])
+@pytest.mark.parametrize("src,dst,match",
+                         [(0, 0, "cannot message itself"), (0, 2, "dst: rank 2"), (-1, 0, "src: rank -1")])
 def test_in_process_rejects_bad_ranks(src, dst, match):
     """Out-of-group and self messages are rejected when queued."""
     with pytest.raises(ValueError, match=match):
@@ -172,7 +173,8 @@ def _tagged_pairs_rank(rank: int, world: int) -> list[list[float]]:
 
 @pytest.mark.multiprocess
 def test_torch_dist_on_gloo_pairs_messages_by_tag_across_starts():
-    """On 2 gloo ranks, receives posted in a later start() (via add_ops) and out of order still get the send with their tag."""
+    """On 2 gloo ranks, receives posted in a later start() (via add_ops) and out of order still get the send with
+    their tag."""
     from eplb_fsm.sim.launcher import run_ranks
 
     _, received = run_ranks(_tagged_pairs_rank, 2, timeout=60.0)
@@ -382,3 +384,59 @@ def test_an_undefined_group_falls_back_to_the_accelerator_default_without_its_co
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None: (_ for _ in ()).throw(TypeError("none")))
     comm = TorchDistCommunicator(timeout=5.0)
     assert comm.device_backends == {"cpu": "gloo"} and comm.host_memory_only and comm.supports_tags
+
+
+# the batched path (NCCL and any backend but gloo): P2POp in the form every supported torch takes
+
+
+class _P2POpOfTorch24:
+    """torch 2.4's ``P2POp``: ``peer`` is a global rank; there is no ``group_peer`` keyword (added in 2.6)."""
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0):
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+def test_the_batched_path_builds_p2pops_with_a_global_peer_as_torch_2_4_takes(one_rank_group, monkeypatch):
+    """Off gloo each message is P2POp(op, tensor, global rank of the peer, group=, tag=), no group_peer keyword."""
+    comm = _mixed(monkeypatch, "nccl")  # no NCCL run: the barrier is recorded, the batch captured
+    monkeypatch.setattr(dist, "P2POp", _P2POpOfTorch24)
+    lookups, batches = [], []
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: lookups.append(group) or r + 10)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [])
+    sent, got = torch.ones(3), torch.zeros(3)
+    comm.add_send(sent, 0, 0, tag=5)
+    comm.add_recv(got, 0, 0, tag=6)
+    comm.start()
+    comm.add_send(sent, 0, 0, tag=7)
+    comm.start()
+    first, second = batches  # one batch per start()
+    assert [(op.op, op.tensor is t, op.peer, op.group, op.tag) for op, t in zip(first, (sent, got))] == [
+        (dist.isend, True, 10, comm.group, 5), (dist.irecv, True, 10, comm.group, 6)]
+    assert [op.peer for op in second] == [10] and lookups == [comm.group]  # global ranks looked up once
+
+
+def _subgroup_batch_rank(rank: int, world: int) -> list[float] | None:
+    """Global ranks 0 and 2 form a subgroup (group ranks 0 and 1) and post a message through batch_isend_irecv."""
+    sub = dist.new_group([0, 2])  # collective: every rank makes it
+    if rank == 1:
+        return None
+    comm = TorchDistCommunicator(sub, timeout=30.0)
+    comm.device_backends["cpu"] = "batched"  # any backend but gloo: the path NCCL takes, on gloo underneath
+    comm.use_device("cpu")
+    me = comm.rank
+    out = torch.zeros(4)
+    if me == 0:
+        comm.add_send(torch.arange(4.0) + 100 * rank, 0, 1)
+    else:
+        comm.add_recv(out, 0, 1)
+    comm.execute()
+    return out.tolist()
+
+
+@pytest.mark.multiprocess
+def test_the_batched_path_reaches_the_right_peer_in_a_subgroup():
+    """In a subgroup whose group ranks differ from the global ones, group rank 1 (global 2) gets group rank 0's row."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    results = run_ranks(_subgroup_batch_rank, 3, timeout=90.0)
+    assert results == [[0.0] * 4, None, [0.0, 1.0, 2.0, 3.0]]

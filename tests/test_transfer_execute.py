@@ -187,7 +187,8 @@ def test_stale_pending_layer_is_refused():
 
 
 def test_a_pending_layer_refuses_other_tensors_of_the_same_layout():
-    """Committing into another layer's tensors, a clone, or a same-shape view elsewhere is refused; nothing is written."""
+    """Committing into another layer's tensors, a clone, or a same-shape view elsewhere is refused; nothing is
+    written."""
     old, new, _, _, lw = _swap_layer()
     comm = InProcessCommunicator(2)
     pending = transfer_layer_to_buffer(old, new, lw, TransferBuffer(), communicator=comm)
@@ -568,7 +569,8 @@ class _PhaseSpy(InProcessCommunicator):
 
     def start(self):
         committed = all(
-            torch.equal(_u8(w), _u8(x)) for r in range(self.world_size) for w, x in zip(self.weights[r][0], self.layer0_new[r])
+            torch.equal(_u8(w), _u8(x))
+            for r in range(self.world_size) for w, x in zip(self.weights[r][0], self.layer0_new[r])
         )
         self.starts.append((sum(map(len, self._sends.values())), sum(map(len, self._recvs.values())), committed))
         super().start()
@@ -661,7 +663,8 @@ UNMOVABLE = [
 
 @pytest.mark.parametrize("name,make,match", UNMOVABLE, ids=[u[0] for u in UNMOVABLE])
 def test_unmovable_layout_is_refused_before_any_layer_moves(name, make, match):
-    """A layer-1 view the executor would move wrongly raises TransferError with 0 committed layers; layer 0 stays old."""
+    """A layer-1 view the executor would move wrongly raises TransferError with 0 committed layers; layer 0 stays
+    old."""
     weights = _unmovable(make)
     snapshot = _clone_tree(weights)
     comm = InProcessCommunicator(G)
@@ -689,8 +692,9 @@ SHARED = [
         torch.zeros(2, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[0\]\[1\]\[0\]"),
     ("one tensor for two ranks", lambda: (lambda t: [[[t], [torch.zeros(2, 3)]], [[t], [torch.ones(2, 3)]]])(
         torch.zeros(2, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[1\]\[0\]\[0\]"),
-    ("overlapping row slices", lambda: (lambda big: [[[big[0:2]], [big[1:3]]], [[torch.zeros(2, 3)], [torch.ones(2, 3)]]])(
-        torch.zeros(3, 3)), r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[0\]\[1\]\[0\]"),
+    ("overlapping row slices",
+     lambda: (lambda big: [[[big[0:2]], [big[1:3]]], [[torch.zeros(2, 3)], [torch.ones(2, 3)]]])(torch.zeros(3, 3)),
+     r"expert_weights\[0\]\[0\]\[0\] and expert_weights\[0\]\[1\]\[0\]"),
 ]
 
 

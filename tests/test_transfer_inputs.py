@@ -20,7 +20,8 @@ def _layer(device: str, rows: int = 4) -> list[torch.Tensor]:
 
 
 def test_off_cpu_weights_on_a_host_memory_group_name_the_tensor_device_and_rule():
-    """A host-memory-only communicator refuses a tensor off the CPU, naming it, its device, the backend and the way out."""
+    """A host-memory-only communicator refuses a tensor off the CPU, naming it, its device, the backend and the way
+    out."""
     tensors = [torch.zeros(4, 3), torch.zeros(4, 2, device="meta")]
     with pytest.raises(UnmovableWeightsError, match=r"expert_weights\[0\]\[1\]: is on meta, and the transfer group "
                                                     r"\(gloo\) moves CPU tensors only") as info:
@@ -41,7 +42,8 @@ def test_the_executor_refuses_off_cpu_weights_on_gloo_before_posting(one_rank_gr
     old = np.array([[0, 1, 2, 3], [0, 1, 2, 3]])
     new = np.array([[3, 2, 1, 0], [1, 0, 3, 2]])
     weights = [_layer("meta"), _layer("meta")]
-    with pytest.raises(TransferError, match=r"expert_weights\[0\]\[0\]: is on meta.*\(gloo\) moves CPU tensors only") as info:
+    with pytest.raises(TransferError,
+                       match=r"expert_weights\[0\]\[0\]: is on meta.*\(gloo\) moves CPU tensors only") as info:
         rearrange_expert_weights_inplace(old, new, weights, buffer=TransferBuffer(), timeout=5.0)
     assert isinstance(info.value, ValueError) and info.value.committed_layers == 0
     with pytest.raises(ValueError, match=r"layer_weights\[0\]: is on meta"):
@@ -63,7 +65,8 @@ def test_the_one_layer_entry_point_refuses_tensors_that_share_memory():
 
     w = torch.arange(3.0)[:, None].repeat(1, 2)
     before = w.clone()
-    with pytest.raises(UnmovableWeightsError, match=r"layer_weights\[0\]\[0\] and layer_weights\[0\]\[1\]: share memory"):
+    with pytest.raises(UnmovableWeightsError,
+                       match=r"layer_weights\[0\]\[0\] and layer_weights\[0\]\[1\]: share memory"):
         transfer_layer_to_buffer(np.array([0, 1, 2]), np.array([1, 2, 0]), [[w, w]], TransferBuffer(),
                                  communicator=InProcessCommunicator(1))
     assert torch.equal(w, before)

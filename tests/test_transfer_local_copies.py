@@ -95,7 +95,8 @@ def test_bad_input_is_rejected(dst, src, match):
 @settings(max_examples=400, deadline=None)
 @given(st.data())
 def test_random_local_copies_are_exact_and_stage_one_row_per_cycle(data):
-    """Any set of local copies ends with every row holding its source's old contents, staging exactly one copy per cycle."""
+    """Any set of local copies ends with every row holding its source's old contents, staging exactly one copy per
+    cycle."""
     num_rows = data.draw(st.integers(1, 12))
     dst = data.draw(st.lists(st.integers(0, num_rows - 1), unique=True, max_size=num_rows))
     src = [data.draw(st.integers(0, num_rows - 1).filter(lambda s, d=d: s != d)) if num_rows > 1 else 0 for d in dst]
@@ -138,7 +139,8 @@ def test_in_rank_permutations_are_bit_exact_and_buffer_only_the_staged_rows(perm
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_pipelined_layers_with_cycles_and_remote_rows_are_bit_exact(seed):
-    """Several layers mixing in-rank cycles, chains and remote rows stay bit-exact through the pipelined commit split."""
+    """Several layers mixing in-rank cycles, chains and remote rows stay bit-exact through the pipelined commit
+    split."""
     rng = np.random.default_rng(seed)
     g, s, num_layers = 3, 6, 4
     p = g * s

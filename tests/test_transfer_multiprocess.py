@@ -165,7 +165,8 @@ def _scenario_one_layer(rank: int, world: int) -> list[str]:
     old, new = _random_maps(31, 1, world * s, world * s - 2)
     weights = _weights(rank, old, s)
     comm = TorchDistCommunicator(timeout=30.0)
-    pending = transfer_layer_to_buffer(old[0], new[0], weights[0], TransferBuffer(), communicator=comm, migration_batching=True)
+    pending = transfer_layer_to_buffer(old[0], new[0], weights[0], TransferBuffer(), communicator=comm,
+                                       migration_batching=True)
     bad = _problems("before commit", rank, weights, old, s)
     commit_layer_from_buffer(pending, weights[0])
     return bad + _problems("after commit", rank, weights, new, s)
@@ -239,11 +240,13 @@ def _check(results: list[dict]) -> None:
 
 @pytest.mark.timeout(90)
 def test_world_4_gloo():
-    """4 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, scale 4->2 and 2->4."""
+    """4 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, scale
+    4->2 and 2->4."""
     _check(run_ranks(_world_main, 4, timeout=80.0))
 
 
 @pytest.mark.timeout(90)
 def test_world_2_gloo():
-    """2 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, a traced timeout."""
+    """2 gloo ranks: random rearrangements (batching, a two-layer buffer), one-layer API, two-phase posting, a traced
+    timeout."""
     _check(run_ranks(_world_main, 2, timeout=80.0))

@@ -78,7 +78,8 @@ def test_random_maps_plan_the_same_in_c_and_python(monkeypatch, seed):
 
 
 def test_deepseek_v3_sized_maps_plan_the_same(monkeypatch):
-    """58 layers of 288 slots on 32 ranks (full maps, permuted replicas): rank 5's schedule is the same in C and Python."""
+    """58 layers of 288 slots on 32 ranks (full maps, permuted replicas): rank 5's schedule is the same in C and
+    Python."""
     rng = np.random.default_rng(7)
     layers, g, experts, p = 58, 32, 256, 288
 
@@ -100,7 +101,8 @@ def test_unchanged_and_empty_layers(monkeypatch):
 
 
 def test_maps_valid_agrees_with_numpy(monkeypatch):
-    """The C check accepts and rejects the same maps as the numpy one: ids out of range, a needed expert held by no rank."""
+    """The C check accepts and rejects the same maps as the numpy one: ids out of range, a needed expert held by no
+    rank."""
     rng = np.random.default_rng(3)
     cases = [_random_maps(rng, 3, 4, 3) for _ in range(50)]
     cases += [(np.array([[0, 1, 2, 3]]), np.array([[0, 1, 2, 4]])),  # id >= P

@@ -154,7 +154,8 @@ def test_every_remote_need_received_once_from_a_holder(case):
     assert got == want
     for src, e, row in zip(t.src.tolist(), t.expert.tolist(), t.src_row.tolist()):
         assert old[src * s + row] == e
-    assert moved_slots(old, new, g) == sum(p.primary_rows.size + p.duplicate_rows.size for p in plan_layer_all_ranks(old, new, g))
+    assert moved_slots(old, new, g) == sum(p.primary_rows.size + p.duplicate_rows.size
+                                           for p in plan_layer_all_ranks(old, new, g))
     # sends of every plan mirror the receives of its peers
     plans = plan_layer_all_ranks(old, new, g)
     sends = sorted((p.rank, int(q), int(e)) for p in plans for q, e in zip(p.send_peers, p.send_experts))

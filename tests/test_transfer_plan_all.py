@@ -168,3 +168,39 @@ def test_hypothesis_matches_per_layer(case):
     """Many small random multi-layer cases agree with the per-layer functions for every rank."""
     old, new, g = case
     _check(old, new, g)
+
+
+# all_layer_transfers checks its maps by check_layer_maps' rules (in C where built, else numpy)
+
+BAD_MAPS = [
+    ("P % G", [[0, 1, 2, 3]], [[1, 1, 2, 3]], 3, r"^phy2log: P=4 slots must divide by world_size=3"),
+    ("id >= P", [[0, 1, 2, 3]], [[5, 1, 2, 3]], 2,
+     r"^new_phy2log\[0\]: expert ids must be -1 \(empty\) or in \[0, P=4\), found 5"),
+    ("id < -1", [[0, 1, 2, -2]], [[0, 1, 2, 3]], 2, r"^old_phy2log\[0\]: expert ids must be -1"),
+    ("held by nobody", [[0, 1, 2, 3], [0, 1, 2, 2]], [[0, 1, 2, 3], [0, 1, 2, 3]], 2,
+     r"^new_phy2log\[1\]: expert 3 is needed but held by no rank in old_phy2log"),
+    ("shapes", [[0, 1]], [[0, 1, 1, 0]], 2, r"^new_phy2log: shape \(1, 4\) must equal old_phy2log's \(1, 2\)"),
+    ("ndim", [0, 1], [0, 1], 2, r"^old_phy2log: must be an integer array of shape \(L, P\)"),
+    ("dtype", [[0.0, 1.0]], [[0, 1]], 2, r"^old_phy2log: must be an integer array of shape \(L, P\), got float64"),
+    ("world_size", [[0, 1]], [[0, 1]], 0, r"^world_size: must be a positive int, got 0"),
+]
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("what,old,new,g,match", BAD_MAPS, ids=[c[0] for c in BAD_MAPS])
+def test_all_layer_transfers_refuses_bad_maps_by_name_and_rule(monkeypatch, native, what, old, new, g, match):
+    """A wrong P % G, an id out of range or held by nobody, bad shapes/dtypes/world_size raise ValueError by name."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", native)
+    with pytest.raises(ValueError, match=match):
+        all_layer_transfers(np.array(old), np.array(new), g)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_all_layer_transfers_accepts_valid_maps_with_empty_slots(monkeypatch, native):
+    """Empty slots (-1) in new where old has none pass the check, and validate=False plans the same maps alike."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", native)
+    old, new = np.array([[0, 1, 2, 3], [3, 2, 1, 0]]), np.array([[3, -1, 0, 3], [-1, -1, -1, -1]])
+    got = all_layer_transfers(old, new, 2)
+    for a, b in zip(got, all_layer_transfers(old, new, 2, validate=False)):
+        _assert_same(a, b)
+    assert got[0].expert.tolist() == [0, 3] and got[1].expert.size == 0  # by src: rank 0 sends 0, rank 1 sends 3

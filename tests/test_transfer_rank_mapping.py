@@ -140,7 +140,8 @@ def test_scale_down_4_to_2_in_process():
     mapping = {0: -1, 1: 0, 2: 1, 3: -1}
     weights = _world(old, 4)
     comm = InProcessCommunicator(4)
-    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, rank_mapping=mapping, buffer=TransferBuffer())
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, rank_mapping=mapping,
+                                     buffer=TransferBuffer())
     assert weights[1][0][0].tolist() == [0.0, 3.0]  # new rank 0 = old rank 1: 0 from leaving rank 0
     assert weights[2][0][0].tolist() == [1.0, 2.0]  # new rank 1 = old rank 2: 2 from rank 1
     assert weights[0][0][0].tolist() == [0.0, 1.0]  # leaving ranks are not written
@@ -154,6 +155,7 @@ def test_scale_up_2_to_4_in_process():
     mapping = {0: 0, 1: 1}
     weights = _world(np.array([[0, 1, 2, 3, -1, -1, -1, -1]]), 4)
     comm = InProcessCommunicator(4)
-    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, rank_mapping=mapping, buffer=TransferBuffer())
+    rearrange_expert_weights_inplace(old, new, weights, communicator=comm, rank_mapping=mapping,
+                                     buffer=TransferBuffer())
     assert [weights[r][0][0].tolist() for r in range(4)] == [[0, 1], [2, 3], [1, 3], [0, 2]]
     assert comm.messages[(0, 2)] == 1 and comm.messages[(1, 2)] == 1 and comm.total_messages == 4

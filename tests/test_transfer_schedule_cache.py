@@ -27,8 +27,10 @@ def _world(m: np.ndarray):
     return [
         [
             [
-                torch.tensor([[k * 100 + e + 0.25 * j for j in range(4)] for e in m[k, r * s : (r + 1) * s]], dtype=torch.float32),
-                torch.tensor([[(k * 7 + e * 3 + j) % 127 for j in range(3)] for e in m[k, r * s : (r + 1) * s]], dtype=torch.int8),
+                torch.tensor([[k * 100 + e + 0.25 * j for j in range(4)] for e in m[k, r * s : (r + 1) * s]],
+                             dtype=torch.float32),
+                torch.tensor([[(k * 7 + e * 3 + j) % 127 for j in range(3)] for e in m[k, r * s : (r + 1) * s]],
+                             dtype=torch.int8),
             ]
             for k in range(m.shape[0])
         ]
@@ -82,13 +84,15 @@ def test_batching_and_group_size_have_their_own_plans():
     for batching in (False, True, False):
         weights = _world(OLD)
         comm = InProcessCommunicator(G)
-        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, migration_batching=batching, buffer=TransferBuffer())
+        rearrange_expert_weights_inplace(OLD, NEW, weights, communicator=comm, migration_batching=batching,
+                                         buffer=TransferBuffer())
         assert _same(weights, _world(NEW))
         execs.append(comm.executes)
     assert execs[0] == execs[2] == OLD.shape[0] and execs[1] > execs[0]  # waves with batching
     # the same maps in a group whose size does not divide P are still rejected
     with pytest.raises(ValueError, match="P % G"):
-        rearrange_expert_weights_inplace(OLD, NEW, [[]] * 4, communicator=InProcessCommunicator(4), buffer=TransferBuffer())
+        rearrange_expert_weights_inplace(OLD, NEW, [[]] * 4, communicator=InProcessCommunicator(4),
+                                         buffer=TransferBuffer())
 
 
 def test_cache_does_not_alias_the_callers_maps():
@@ -103,7 +107,8 @@ def test_cache_does_not_alias_the_callers_maps():
     bad = NEW.copy()
     bad[0, 0] = 99
     with pytest.raises(ValueError, match="expert ids"):
-        rearrange_expert_weights_inplace(OLD, bad, _world(OLD), communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+        rearrange_expert_weights_inplace(OLD, bad, _world(OLD), communicator=InProcessCommunicator(G),
+                                         buffer=TransferBuffer())
 
 
 def test_one_layer_entry_points_share_the_cache_and_keep_their_label():
@@ -111,7 +116,8 @@ def test_one_layer_entry_points_share_the_cache_and_keep_their_label():
     for label in (0, 5):
         weights = _world(OLD)
         layer_w = [weights[r][1] for r in range(G)]
-        pending = transfer_layer_to_buffer(OLD[1], NEW[1], layer_w, TransferBuffer(), layer=label, communicator=InProcessCommunicator(G))
+        pending = transfer_layer_to_buffer(OLD[1], NEW[1], layer_w, TransferBuffer(), layer=label,
+                                           communicator=InProcessCommunicator(G))
         assert pending.layer == label
         commit_layer_from_buffer(pending, layer_w)
         want = _world(NEW)
@@ -127,13 +133,15 @@ def test_cache_is_bounded():
         want = _world(np.where(new >= 0, new, OLD))  # an empty new slot keeps its old weights
         for _ in range(2):  # cold, then a cache hit
             weights = _world(OLD)
-            rearrange_expert_weights_inplace(OLD, new, weights, communicator=InProcessCommunicator(G), buffer=TransferBuffer())
+            rearrange_expert_weights_inplace(OLD, new, weights, communicator=InProcessCommunicator(G),
+                                             buffer=TransferBuffer())
             assert _same(weights, want)
     assert len(schedule._SCHEDULES) <= schedule._SCHEDULE_CACHE_SIZE
 
 
 def test_messages_alone_equal_the_full_layers_and_are_reused(monkeypatch):
-    """With the Python planner, a messages-only layer has the full layer's waves and ops, no plans or commit, and the full layer reuses them."""
+    """With the Python planner, a messages-only layer has the full layer's waves and ops, no plans or commit, and the
+    full layer reuses them."""
     monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
     for batching in (False, True):
         schedule.clear_schedule_cache()
@@ -170,7 +178,8 @@ class _FirstStartSpy(InProcessCommunicator):
 
 
 def test_new_maps_post_layer_0_before_planning_it_and_stay_bit_exact(monkeypatch):
-    """With the Python planner and new maps, layer 0's messages go out before its plans and commit order exist; cached maps start fully planned; both bit-exact."""
+    """With the Python planner and new maps, layer 0's messages go out before its plans and commit order exist;
+    cached maps start fully planned; both bit-exact."""
     monkeypatch.setenv("EPLB_FSM_NATIVE", "0")
     schedule.clear_schedule_cache()
     spy = _FirstStartSpy(G, (OLD, NEW))

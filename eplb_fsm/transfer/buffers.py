@@ -43,6 +43,8 @@ class TransferBuffer:
         self.generation = 0
 
     def ensure(self, rank: int, layer_weights: Sequence[torch.Tensor], index: int = 0) -> list[torch.Tensor]:
+        """``rank``'s buffer layer ``index``: a tensor (S, ...) like each of ``layer_weights``, reallocated
+        (advancing ``generation``) only when their layout changed; call it after the input checks."""
         halves = self._by_rank.setdefault(rank, [None] * self.layers)
         current = halves[index]
         if current is not None and layout(current) == layout(layer_weights):
@@ -55,6 +57,7 @@ class TransferBuffer:
         return tensors
 
     def tensors(self, rank: int, index: int = 0) -> list[torch.Tensor]:
+        """``rank``'s buffer layer ``index`` as allocated (tensors (S, ...)); ``KeyError`` if it has none."""
         tensors = self._by_rank[rank][index]
         if tensors is None:
             raise KeyError(f"rank {rank} has no buffer layer {index}")

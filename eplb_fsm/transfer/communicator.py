@@ -181,6 +181,7 @@ class TorchDistCommunicator:
         self._device: torch.device | None = None
         self._tags: bool | None = None
         self._warmed: set[str] = set()  # device types whose NCCL communicator a barrier set up
+        self._global_ranks: tuple[int, ...] | None = None  # group rank -> global rank, at the first batch
         served = set(self.device_backends.values())
         # the backend moving the weights: the group's only one until use_device() names their device's
         self._serving: str | None = next(iter(served)) if len(served) == 1 else None
@@ -248,8 +249,12 @@ class TorchDistCommunicator:
                 works.append(send([tensor], peer, tag) if is_send else recv([tensor], peer, tag))
             return
         dist = self._dist
+        if self._global_ranks is None:
+            # P2POp takes a global rank as ``peer`` in every torch (``group_peer`` only from 2.6); once per group
+            self._global_ranks = tuple(dist.get_global_rank(self.group, r) for r in range(self.world_size))
+        glob = self._global_ranks
         p2p = [
-            dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=self.group, group_peer=peer, tag=tag)
+            dist.P2POp(dist.isend if is_send else dist.irecv, tensor, glob[peer], group=self.group, tag=tag)
             for is_send, tensor, peer, tag in ops
         ]
         self._works.extend(dist.batch_isend_irecv(p2p) or ())

@@ -1,31 +1,32 @@
 """Checks of the executor's inputs: every one runs before the first copy or message.
 
 Weights come per layer as a list of tensors shaped ``(S, ...)`` (S = P / G rows, one per
-local slot); every layer must have the first layer's :data:`Layout` (shapes, dtypes,
-devices), since one buffer serves every layer. A communicator that plays several ranks
-takes a list over its local ranks wherever one rank takes a single value. Bad input
-raises ``ValueError`` naming the argument and the rule.
+local slot), every layer with the first layer's :data:`Layout` (shapes, dtypes, devices:
+one buffer serves every layer). A communicator that plays several ranks takes a list over
+its local ranks wherever one rank takes a single value. Bad input raises ``ValueError``
+naming the argument and the rule.
 
 Weights the executor would move wrongly are refused before anything moves, with
 :class:`UnmovableWeightsError` (a ``ValueError`` and a ``TransferError`` with
-``committed_layers = 0``): a tensor whose elements may share memory (a stride 0, as
-``expand`` makes, or overlapping strides), a tensor (S, ..., 1) whose last stride is not
-1 (torch still calls it contiguous, but its rows cannot be viewed as bytes; a (1,) vector
-of any stride moves row by row instead), and two tensors whose rows share memory (a
-weight listed twice, in two layers or for two ranks): moving one would overwrite the
-other. So are lazy conjugate and negative views (``t.conj()`` of a complex tensor,
-``is_conj()`` or ``is_neg()`` true: their memory does not hold the values they read as),
-an inference tensor (made under ``torch.inference_mode()``) when the call runs outside
-inference mode (torch would copy into it, then raise, leaving a layer half written),
-weights off the CPU when the communicator moves host memory only (a gloo group: its send
-and receive take a CPU tensor's memory, and it cannot read a GPU's), weights off CUDA
-when it moves CUDA memory only (an NCCL group), and, on a group with a backend per
-device, weights on a device none serves (the rules apply to the backend serving the
-weights' device).
+``committed_layers = 0``): elements that may share memory (a stride 0, as ``expand``
+makes, or overlapping strides); a tensor (S, ..., 1) whose last stride is not 1 (torch
+calls it contiguous, but its rows have no byte view; a (1,) vector moves row by row);
+two tensors whose rows share memory (a weight listed twice: moving one would overwrite
+the other); rows with no byte view or that torch cannot copy (sparse, MKL-DNN or nested
+layouts, quantized tensors, whose scales would not travel either, and dtypes this torch
+cannot view as bytes or ``copy_`` on that device, like the sub-byte ``torch.uint4``);
+weights on the ``meta`` device (no memory: nothing would move); lazy conjugate and
+negative views (``is_conj()`` or ``is_neg()``: their memory does not hold the values
+they read as); an inference tensor when the call runs outside inference mode (torch
+would copy into it, then raise, leaving a layer half written); weights off the CPU when
+the communicator moves host memory only (gloo reads a tensor's memory as host memory),
+off CUDA when it moves CUDA memory only (NCCL), and, on a group with a backend per
+device, on a device none serves (the backend serving the weights' device decides).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -58,6 +59,7 @@ Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
 
 
 def layout(tensors: Sequence[torch.Tensor]) -> Layout:
+    """(shape, dtype, device) of each tensor (S, ...): what one buffer layer must match."""
     return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
@@ -82,6 +84,7 @@ def check_flag(value: Any, name: str) -> bool:
 
 
 def resolve_communicator(group: Any, communicator: Communicator | None, timeout: float | None) -> Communicator:
+    """The ``communicator`` given (checked for the protocol's members), else one over ``group`` with ``timeout``."""
     if communicator is not None:
         if group is not None:
             raise ValueError("group: give a process group or a communicator, not both")
@@ -105,8 +108,36 @@ class UnmovableWeightsError(TransferError, ValueError):
         super().__init__(message, layer=layer, committed_layers=0)
 
 
+_PLAIN = frozenset({  # dtypes every torch copies and views as bytes on any device: weights skip the probe
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+    torch.int64, torch.bool, torch.complex64, torch.complex128})
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_copyable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch copies (2,) tensors of ``dtype`` on ``device`` and views them as bytes (asked, not listed:
+    the dtypes lacking a copy kernel, such as the sub-byte ones, vary with torch and device)."""
+    try:
+        probe = torch.empty(2, dtype=dtype, device=device)
+        probe[:1].copy_(probe[1:]).view(torch.uint8)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
     """Refuse a tensor (S, ...) whose layout the executor would move wrongly (see the module doc)."""
+    if t.layout is not torch.strided or t.is_nested or t.dtype not in _PLAIN:  # first: the rules below read strides
+        if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+            kind = (f"a quantized tensor ({t.dtype}; its scales would not travel either)" if t.is_quantized
+                    else f"a {'nested' if t.is_nested else str(t.layout)} tensor")
+            raise UnmovableWeightsError(
+                f"{name}: is {kind}; rows travel as bytes, and only a dense strided, unquantized tensor's rows can "
+                "be viewed as bytes: pass .to_dense(), or a quantized tensor's .int_repr() and its scales apart", layer)
+        if not _byte_copyable(t.dtype, t.device):
+            raise UnmovableWeightsError(
+                f"{name}: has dtype {t.dtype}, which this torch cannot view as bytes or copy_ on {t.device.type} "
+                "(rows travel as bytes and land with copy_): pack the weights into a uint8 tensor", layer)
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise UnmovableWeightsError(
             f"{name}: is an inference tensor (made under torch.inference_mode()) and this call runs outside "
@@ -114,16 +145,14 @@ def check_movable(name: str, t: torch.Tensor, layer: int | None = None) -> None:
             "left half written); run the transfer under torch.inference_mode() (in the thread that calls it) "
             "or create the weights outside it", layer)
     if t.is_conj() or t.is_neg():
-        # rows travel as bytes, and a lazy conjugate or negation has no byte view: the bits in
-        # memory are not the values the tensor reads as
+        # rows travel as bytes, and a lazy conjugate or negation has none: its bits are not the values it reads as
         raise UnmovableWeightsError(
             f"{name}: is a lazy {'conjugate' if t.is_conj() else 'negative'} view (is_conj() or is_neg() is true); "
             "its memory does not hold the values it reads as, so its rows cannot travel as bytes. Pass "
             ".resolve_conj().resolve_neg() (a tensor whose memory holds its values)", layer)
     if t.is_contiguous() and (t.ndim < 2 or t.shape[-1] != 1):
-        # the usual case, checked in one call: torch calls a tensor contiguous when every
-        # dim of size > 1 has its row-major stride, so none is 0 and none overlaps; only
-        # a last dim of size 1 may then carry another stride (the rule below)
+        # the usual case, checked in one call: torch calls a tensor contiguous when every dim of size > 1 has its
+        # row-major stride, so none is 0 and none overlaps; only a last dim of size 1 may carry another (below)
         return
     dims = [(st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1]
     if any(st == 0 for st, _ in dims):
@@ -159,11 +188,10 @@ def _row_ranges(t: torch.Tensor) -> tuple[tuple, np.ndarray, np.ndarray]:
 
 
 def _lattice_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when no element of ``a`` can share an address with one of ``b``: every element of
-    either lies at its base plus a multiple of g, the gcd of both tensors' strides (elements,
-    dims of size > 1), and the bases differ by no multiple of g. Views interleaved along a
-    dimension (a fused gate/up projection as ``f[:, 0::2]`` and ``f[:, 1::2]``) pass; their
-    byte ranges meet but their elements do not."""
+    """True when no element of ``a`` can share an address with one of ``b``: every element of either lies at
+    its base plus a multiple of g, the gcd of both tensors' strides (elements, dims of size > 1), and the bases
+    differ by no multiple of g. Views interleaved along a dimension (a fused gate/up projection as
+    ``f[:, 0::2]`` and ``f[:, 1::2]``) pass; their byte ranges meet but their elements do not."""
     size = a.element_size()
     gap = b.data_ptr() - a.data_ptr()
     if b.element_size() != size or gap % size:
@@ -249,6 +277,14 @@ def check_devices(comm: Communicator, name: str, tensors: Sequence[torch.Tensor]
                 "devices, or build the group with a backend for this one", layer)
 
 
+def _refuse_meta(name: str, tensors: Sequence[torch.Tensor], layer: int | None = None) -> None:
+    """Refuse one layer's tensors (S, ...) (every layer's layout) on the meta device: nothing would move."""
+    for t, w in enumerate(tensors):
+        if w.is_meta:
+            raise UnmovableWeightsError(f"{name}[{t}]: is on the meta device, which holds no data: nothing would "
+                                        "move. Materialize the weights (.to_empty(), then load them) first", layer)
+
+
 def tell_device(comm: Communicator, tensors: Sequence[torch.Tensor]) -> None:
     """Give ``comm.use_device`` (when it has one) the device of ``tensors`` (one rank's layer, (S, ...) each),
     after the checks and before anything moves: on a group with a backend per device it picks the one."""
@@ -259,17 +295,16 @@ def tell_device(comm: Communicator, tensors: Sequence[torch.Tensor]) -> None:
 
 def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
                         layer: int | None = None) -> list[torch.Tensor]:
+    """``tensors`` as a list of movable tensors (S=``rows``, ...), of layout ``ref`` when given."""
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise ValueError(f"{name}: must be a list of tensors shaped (S, ...)")
     out = list(tensors)
     for t, w in enumerate(out):
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{name}[{t}]: must be a torch.Tensor, got {type(w).__name__}")
+        check_movable(f"{name}[{t}]", w, layer)  # first: a nested tensor has no shape to read
         if w.ndim < 1 or w.shape[0] != rows:
-            raise ValueError(
-                f"{name}[{t}]: has shape {tuple(w.shape)}; its first dim must be S = P / G = {rows} rows"
-            )
-        check_movable(f"{name}[{t}]", w, layer)
+            raise ValueError(f"{name}[{t}]: has shape {tuple(w.shape)}; its first dim must be S = P / G = {rows} rows")
     if ref is not None and layout(out) != ref:
         raise ValueError(
             f"{name}: tensors {[(tuple(s), str(d)) for s, d, _ in layout(out)]} must match the first layer's "
@@ -288,12 +323,11 @@ def refuse_shared_memory(named: Sequence[tuple[str, torch.Tensor]]) -> None:
 
 
 def per_rank(comm: Communicator, value: Any, name: str) -> dict[int, Any]:
+    """``{local rank: value}``: ``value`` is a list over the local ranks when ``comm`` plays several."""
     ranks = tuple(comm.local_ranks)
     if getattr(comm, "multi_rank", False):
         if isinstance(value, torch.Tensor) or not isinstance(value, Sequence) or len(value) != len(ranks):
-            raise ValueError(
-                f"{name}: with a communicator that plays {len(ranks)} ranks, give a list over those ranks"
-            )
+            raise ValueError(f"{name}: with a communicator that plays {len(ranks)} ranks, give a list over those ranks")
         return dict(zip(ranks, value))
     return {ranks[0]: value}
 
@@ -301,6 +335,7 @@ def per_rank(comm: Communicator, value: Any, name: str) -> dict[int, Any]:
 def check_all_weights(
     comm: Communicator, expert_weights: Any, num_layers: int, rows: int
 ) -> dict[int, list[list[torch.Tensor]]]:
+    """Every check of the full rearrangement's weights: ``{rank: L lists of tensors (S=rows, ...)}``."""
     by_rank = per_rank(comm, expert_weights, "expert_weights")
     ref: Layout | None = None
     out: dict[int, list[list[torch.Tensor]]] = {}
@@ -319,6 +354,7 @@ def check_all_weights(
     first_rank, first = next(iter(out.items()))
     if first:
         check_devices(comm, f"expert_weights{f'[{first_rank}]' if multi else ''}[0]", first[0], 0)
+        _refuse_meta(f"expert_weights{f'[{first_rank}]' if multi else ''}[0]", first[0], 0)
     refuse_shared_memory([
         (f"expert_weights{f'[{r}]' if multi else ''}[{k}][{t}]", w)
         for r, layers in out.items() for k, tensors in enumerate(layers) for t, w in enumerate(tensors)
@@ -329,6 +365,7 @@ def check_all_weights(
 def check_layer_weights(
     comm: Communicator, layer_weights: Any, rows: int
 ) -> dict[int, list[torch.Tensor]]:
+    """Every check of one layer's weights: ``{rank: tensors (S=rows, ...)}``."""
     by_rank = per_rank(comm, layer_weights, "layer_weights")
     ref: Layout | None = None
     out = {}
@@ -338,6 +375,7 @@ def check_layer_weights(
         if ref is None:
             ref = layout(out[r])
             check_devices(comm, name, out[r])
+            _refuse_meta(name, out[r])
     multi = getattr(comm, "multi_rank", False)
     refuse_shared_memory([(f"layer_weights{f'[{r}]' if multi else ''}[{t}]", w)
                           for r, tensors in out.items() for t, w in enumerate(tensors)])

@@ -25,6 +25,7 @@ __all__ = ["copy_runs", "row_views", "run_layer"]
 
 
 def copy_runs(dst: list[torch.Tensor], src: list[torch.Tensor], runs: Sequence[Run]) -> None:
+    """For each run (a, b, n): rows a..a+n-1 of every ``dst[t]`` (S, ...) from rows b..b+n-1 of ``src[t]``."""
     if not runs:
         return
     for d_t, s_t in zip(dst, src):

@@ -264,8 +264,8 @@ class Schedule:
 
     def _all_transfers(self) -> list[LayerTransfers]:
         if self._transfers is None:
-            # every layer's transfers in one vectorised pass (plan_all)
-            self._transfers = all_layer_transfers(self.old, self.new, self.world_size)
+            # every layer's transfers in one vectorised pass (plan_all); schedule_for checked the maps
+            self._transfers = all_layer_transfers(self.old, self.new, self.world_size, validate=False)
         return self._transfers
 
     def plans(self) -> dict[int, list[LayerPlan]]:
