@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -99,12 +100,26 @@ def test_bad_arguments(argv, message):
         movement.run(_args(*argv, "--esft-dir", "none"))
 
 
-def test_missing_traces_are_skipped(tmp_path: Path):
-    """A trace directory without the ESFT tasks is reported as skipped, not an error."""
-    result = movement.run(
-        _args("--shapes", "v2lite_ep8", "--sigmas", "0.05", "--repeats", "1", "--esft-dir", str(tmp_path))
-    )
-    assert "skipped" in result["esft"]
+def test_missing_traces_under_the_environment_default_are_skipped(tmp_path: Path, monkeypatch):
+    """$EPLB_FSM_ESFT_DIR (the default, nobody named it on the command line) without the ESFT tasks: the trace parts
+    are reported as skipped, not an error."""
+    monkeypatch.setenv(movement.ESFT_DIR_ENV, str(tmp_path))
+    result = movement.run(_args("--shapes", "v2lite_ep8", "--sigmas", "0.05", "--repeats", "1"))
+    assert result["esft"] == {"skipped": f"no ESFT traces at {tmp_path}"}
+
+
+@pytest.mark.parametrize("folder", ["nonexistent", "empty", "intent-only"])
+def test_an_esft_dir_given_by_name_without_traces_is_refused(folder, tmp_path: Path, monkeypatch):
+    """--esft-dir naming a folder that is missing, empty or lacks law/ is refused by name before anything is timed
+    (it ran to exit 0 with the trace parts quietly skipped)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "intent-only" / "intent").mkdir(parents=True)
+    monkeypatch.setattr(movement, "_synthetic", lambda *a, **k: pytest.fail("timed before the check"))
+    path = tmp_path / folder
+    rule = (f"eplb-fsm bench movement: --esft-dir: {path} is not a folder of ESFT traces (it needs intent/ and law/ "
+            "folders); pass --esft-dir none")
+    with pytest.raises(SystemExit, match=re.escape(rule)):
+        movement.run(_args("--shapes", "v2lite_ep8", "--sigmas", "0.05", "--repeats", "1", "--esft-dir", str(path)))
 
 
 @pytest.mark.parametrize("estimator", ["window_sum", "decayed_sum", "subwindow_max"])

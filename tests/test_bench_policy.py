@@ -138,7 +138,7 @@ def test_bench_policy_warms_the_baseline_up_before_timing_it(capsys, monkeypatch
 
 @pytest.mark.parametrize("option, value, rule", [
     ("--seed", "-1", "--seed must be >= 0"),  # was numpy's ValueError traceback
-    ("--torch-threads", "0", "--torch-threads must be >= 1"),
+    ("--torch-threads", "0", "--torch-threads must be in 1..1024 (threads), got 0"),
     ("--scaling-repeats", "0", "--scaling-repeats must be >= 1"),
     ("--target-speedup", "-1", "--target-speedup must be > 0 and finite, got -1.0"),  # every shape "met" it
     ("--target-speedup", "0", "--target-speedup must be > 0 and finite, got 0.0"),
@@ -152,6 +152,33 @@ def test_bench_policy_refuses_bad_values_by_name(option, value, rule, capsys):
     assert main([*argv, option, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("eplb-fsm bench policy: error: ") and rule in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("threads", ["1025", "20000", "100000"])
+def test_bench_policy_refuses_a_thread_count_past_the_cap_before_setting_it(threads, capsys, monkeypatch):
+    """--torch-threads past 1024 is one usage-error line naming the option and its rule, and torch's thread count is
+    never set (100000 crashed the process in OpenMP, 20000 failed to start its threads)."""
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"torch set to {n} threads before the check"))
+    argv = ["bench", "policy", "--shapes", "v2lite_ep8", "--no-scaling", "--repeats", "1", "--reference-repeats", "1"]
+    assert main([*argv, "--torch-threads", threads]) == 2
+    err = capsys.readouterr().err
+    assert err == f"eplb-fsm bench policy: error: --torch-threads must be in 1..1024 (threads), got {threads}\n"
+
+
+def test_bench_policy_refuses_scaling_repeats_whose_loads_cannot_fit_in_memory(capsys, monkeypatch):
+    """--scaling-repeats so large that one series' loads outgrow the machine's memory is refused by name before
+    anything is timed (its loads were drawn until the allocation failed)."""
+    from eplb_fsm.bench import policy as bench_policy
+
+    monkeypatch.setattr(bench_policy, "_scaling", lambda *a, **k: pytest.fail("the scaling table ran"))
+    monkeypatch.setattr(bench_policy, "_measure", lambda *a, **k: pytest.fail("the shapes were timed"))
+    argv = ["bench", "policy", "--shapes", "v2lite_ep8", "--repeats", "1", "--reference-repeats", "1"]
+    assert main([*argv, "--scaling-repeats", str(10**9)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eplb-fsm bench policy: error: --scaling-repeats 1000000000 (the scaling series' loads) "
+                          "needs at least ") and "of memory, more than this machine's" in err
 
 
 def test_bench_policy_custom_scenarios(capsys, tmp_path):

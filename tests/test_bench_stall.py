@@ -143,12 +143,11 @@ def test_ratios_and_targets_follow_from_the_medians(result):
             continue
         low, high = intervals[name]
         assert low - 2e-4 <= point <= high + 2e-4
-        # judged unrounded: a printed figure on the target may go either way, any other reads as it prints
-        if point != target:
-            assert result["meets_target"][name] == (point <= target)
-        if target not in (low, high):
-            assert result["target_verdict"][name] == ("met" if high <= target else "missed" if low > target
-                                                      else "unresolved")
+        # 0.5 MB over 2 layers: smaller than the layers of tens of MB the targets name, so no verdict is given
+        assert result["meets_target"][name] is None and result["target_verdict"][name] is None
+    assert result["at_target_size"] is False and result["target_size"] == {"min_mb_per_layer": 10.0}
+    assert result["judged_on"] == {"statistic": "median", "runs": 2, "option": "--repeats", "method_runs": 7,
+                                   "follows_method": False}
     per_repeat = ratio["longest_extra_per_repeat"]
     assert len(per_repeat) == 2 and ratio["longest_extra_worst_repeat"] == max(per_repeat)
     load = result["uptime_load_average"]
@@ -202,6 +201,13 @@ def test_commit_floor_is_async_commits_over_the_sync_stall(result):
     # one expert a rank, no replica: every rank raised "rearrangement ended 'skipped'" (a RankFailedError traceback)
     (["--experts", "2", "--redundant", "0"], "--experts 2 with --redundant 0 on --ranks 2 is one expert a rank: "
                                              "nothing to rearrange"),
+    (["--ranks", "0"], "--ranks must be in 2..4, got 0"),   # was a ZeroDivisionError building the rules
+    # past the cap: every rank failed to start its threads ("process exited with code 1 without reporting")
+    (["--engine-threads", "100000"], "--engine-threads must be in 1..1024 (threads), got 100000"),
+    (["--engine-threads", "1025"], "--engine-threads must be in 1..1024 (threads), got 1025"),
+    (["--engine-threads", "0"], "--engine-threads must be in 1..1024 (threads), got 0"),
+    # each rank's three matmul matrices alone: 3 x 4e12 bytes, past any machine's memory
+    (["--matmul", "1000000"], "three --matmul 1000000 square float32 matrices) needs at least"),
     (["--ranks", "4", "--experts", "4", "--redundant", "0"], "--experts 4 with --redundant 0 on --ranks 4"),
 ])
 def test_bad_settings_are_refused_before_any_rank_starts(argv, message, capsys, monkeypatch):
@@ -258,7 +264,7 @@ def _fake_ranks(async_extra: list[float], sync_extra: float = 0.100, sync_cpu: f
     return run_ranks
 
 
-def _stall_with(monkeypatch, async_extra: list[float], sync_cpu: float = 0.0) -> dict:
+def _stall_with(monkeypatch, async_extra: list[float], sync_cpu: float = 0.0, argv: tuple = ()) -> dict:
     import argparse
 
     import eplb_fsm.sim.launcher as launcher
@@ -267,7 +273,7 @@ def _stall_with(monkeypatch, async_extra: list[float], sync_cpu: float = 0.0) ->
     monkeypatch.setattr(launcher, "run_ranks", _fake_ranks(async_extra, sync_cpu=sync_cpu))
     parser = argparse.ArgumentParser()
     stall.add_arguments(parser)
-    return stall.run(parser.parse_args(["--repeats", str(len(async_extra))]))
+    return stall.run(parser.parse_args(["--repeats", str(len(async_extra)), *argv]))
 
 
 def test_single_step_is_judged_on_the_median_repeat_with_the_worst_printed_beside_it(monkeypatch):
@@ -277,6 +283,19 @@ def test_single_step_is_judged_on_the_median_repeat_with_the_worst_printed_besid
     assert ratio["longest_extra"] == 0.01 and out["meets_target"]["single_step"] is True
     assert ratio["longest_extra_worst_repeat"] == 0.3
     assert ratio["longest_extra_per_repeat"] == [0.01, 0.01, 0.01, 0.3, 0.01, 0.01, 0.01]
+
+
+def test_verdicts_are_null_below_the_layer_size_the_targets_name(monkeypatch):
+    """Layers under 10 MB (--mb 8 over --layers 1 at the edge, --mb 1 over 2) get no verdict: the same ratios that meet
+    both targets on 20 MB layers give null meets_target and target_verdict, with at_target_size false."""
+    for argv, at_size in ((("--mb", "1", "--layers", "2"), False), (("--mb", "9.99", "--layers", "1"), False),
+                          (("--mb", "10", "--layers", "1"), True), ((), True)):
+        out = _stall_with(monkeypatch, [0.001] * 7, argv=argv)
+        assert out["at_target_size"] is at_size and out["async_over_sync"]["longest_extra"] == 0.01
+        names = ("single_step", "total", "total_no_engine_credit")
+        assert out["meets_target"] == dict.fromkeys(names, True if at_size else None)
+        assert out["target_verdict"] == dict.fromkeys(names, "met" if at_size else None)
+        assert out["judged_on"]["runs"] == 7 and out["judged_on"]["follows_method"] is True
 
 
 def test_targets_are_judged_on_the_unrounded_ratios(monkeypatch):

@@ -67,7 +67,7 @@ def test_bench_transfer_intervals_hold_the_ratios_and_judge_the_target(capsys):
 
 def test_bench_transfer_rejects_a_world_of_one():
     """A single rank has nobody to send to: the command refuses it (exit 2), under --ranks or its alias --world."""
-    with pytest.raises(SystemExit, match="--ranks must be >= 2"):
+    with pytest.raises(SystemExit, match=r"--ranks must be in 2\.\.64 \(processes\), got 1"):
         bench_transfer.run(build_parser().parse_args(["bench", "transfer", "--ranks", "1"]))
     assert main(["bench", "transfer", "--world", "1"]) == 2  # the old spelling still parses; exit 2 as a usage error
 
@@ -84,7 +84,10 @@ def test_bench_transfer_rejects_a_world_of_one():
      ("--timeout", "inf", r"--timeout must be in \(0, 1e\+06\] seconds, got inf"),
      ("--timeout", "2e6", r"--timeout must be in \(0, 1e\+06\] seconds, got 2"),
      ("--mb", "inf", "--mb must be > 0 and finite, got inf"),  # was an OverflowError inside the ranks
-     ("--seed", "-1", r"--seed must be >= 0 \(a numpy seed\), got -1")],  # was a ValueError inside the ranks
+     ("--seed", "-1", r"--seed must be >= 0 \(a numpy seed\), got -1"),  # was a ValueError inside the ranks
+     ("--ranks", "65", r"--ranks must be in 2\.\.64 \(processes\), got 65"),  # every rank a process of its own
+     # each rank holds its weights three times: 3 x 4 x 1e9 MB, past any machine's memory
+     ("--mb", "1e9", r"--ranks 4 x 3 x --mb 1e\+09 \(at least 8 bytes a row\) needs at least .* of memory")],
 )
 def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule, monkeypatch):
     """A size, repeat count or deadline out of range is refused by name before any rank starts (it crashed or ran 1)."""
@@ -93,6 +96,38 @@ def test_bench_transfer_refuses_sizes_it_cannot_time(option, value, rule, monkey
     monkeypatch.setattr(launcher, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
     with pytest.raises(SystemExit, match=rule):
         bench_transfer.run(build_parser().parse_args(["bench", "transfer", option, value]))
+
+
+def test_bench_transfer_refuses_a_seed_whose_rearrangement_moves_nothing(monkeypatch, capsys):
+    """--seed 5 on 2 ranks x 2 slots x 1 layer draws maps that keep every expert on its rank: with no byte to move the
+    throughputs divided by zero (a ZeroDivisionError traceback after the ranks ran); now one usage-error line naming
+    the options, before any rank starts."""
+    import eplb_fsm.sim.launcher as launcher
+
+    monkeypatch.setattr(launcher, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
+    argv = ["--ranks", "2", "--mb", "0.01", "--layers", "1", "--slots-per-rank", "2", "--repeats", "2"]
+    assert main(["bench", "transfer", "--json", *argv, "--seed", "5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("eplb-fsm bench transfer: error: --seed 5 draws a rearrangement that moves no row "
+                                 "across ranks (--ranks 2, --layers 1, --slots-per-rank 2): nothing to time; use "
+                                 "another --seed, or more --layers or --slots-per-rank\n")
+
+
+def test_bench_transfer_lets_a_seed_that_moves_rows_start_the_ranks(monkeypatch):
+    """The same options with --seed 0 move rows: the check lets them through to the ranks (stood in for here)."""
+    import eplb_fsm.sim.launcher as launcher
+
+    started = []
+
+    def stand_in(fn, world, args=(), timeout=None):
+        started.append(world)
+        raise launcher.RanksTimeoutError([0, 1], 1.0)
+
+    monkeypatch.setattr(launcher, "run_ranks", stand_in)
+    argv = ["bench", "transfer", "--ranks", "2", "--mb", "0.01", "--layers", "1", "--slots-per-rank", "2"]
+    with pytest.raises(SystemExit, match="still running after --timeout"):
+        bench_transfer.run(build_parser().parse_args([*argv, "--seed", "0"]))
+    assert started == [2]
 
 
 @pytest.mark.parametrize("failure, line", [

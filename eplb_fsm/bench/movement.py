@@ -19,7 +19,8 @@ Three parts, all measured in one run:
     (what the policies take): checked on the drawn loads before anything is timed.
 ``esft``
     Real routing traces (ESFT, DeepSeek-V2-Lite, bundled with the package) on the v2lite
-    shape: consecutive batches of ``--sequences`` sequences are the windows. Each policy
+    shape (a ``--esft-dir`` without them is refused; ``$EPLB_FSM_ESFT_DIR`` without them
+    skips this part): consecutive batches of ``--sequences`` sequences are the windows. Each policy
     keeps its own placement and re-plans on every window i; scored on window i and
     i + 1, moves counted against its own previous placement. ``intent`` uses all 26
     layers; ``intent->law`` starts from a plan on intent (layers 1, 13, 26, the only ones
@@ -92,8 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--esft-dir",
         default=None,
         metavar="DIR",
-        help="directory of ESFT routing trace folders intent/ and law/ (default: $EPLB_FSM_ESFT_DIR, else the "
-        "traces bundled with the package); 'none' skips the trace parts",
+        help="directory of ESFT routing trace folders intent/ and law/, refused if it has none (default: "
+        "$EPLB_FSM_ESFT_DIR, skipped if it has none, else the traces bundled with the package); 'none' skips the "
+        "trace parts",
     )
     parser.add_argument("--sequences", type=int, default=2, metavar="N",
                         help="sequences per trace window; the traces must make 3 intent and 2 law windows (default 2)")
@@ -250,9 +252,13 @@ def run(args: argparse.Namespace) -> dict:
     bad = [s for s in sigmas if not (s >= 0 and math.isfinite(s))]
     if bad:  # inf drifted every load to inf or NaN
         raise SystemExit(f"eplb-fsm bench movement: --sigmas must be finite and >= 0, got {bad[0]}")
+    directory = _esft_dir(args.esft_dir)
+    if args.esft_dir is not None and directory is not None and not _has_traces(directory):
+        # asked for by name: a missing or mistyped folder must not pass as a run without its trace parts
+        raise SystemExit(f"eplb-fsm bench movement: --esft-dir: {args.esft_dir} is not a folder of ESFT traces (it "
+                         "needs intent/ and law/ folders); pass --esft-dir none to skip the trace parts")
     # every input checked before anything is timed: the drifted loads, then the trace windows
     cases = _drifted(args.seed, scenarios, names, sigmas)
-    directory = _esft_dir(args.esft_dir)
     skipped = None
     if directory is None:
         skipped = "--esft-dir none"

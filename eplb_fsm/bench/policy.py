@@ -9,8 +9,8 @@ in background load hits both alike:
 - ``reference_ms``: median of the baseline
   (:func:`eplb_fsm.policy.reference.reference_rebalance_experts`, vLLM 0.12's structure)
   over ``--reference-repeats`` runs (after one untimed warm-up run), and ``speedup`` =
-  reference_ms / default_ms. The run sets torch to ``--torch-threads`` (1) threads,
-  reported as ``torch_threads`` and ``reference_threads``, and restores the count after;
+  reference_ms / default_ms. The run sets torch to ``--torch-threads`` (1; at most 1024)
+  threads, reported as ``torch_threads`` and ``reference_threads``, restored after;
 - ``*_best_ms`` and ``speedup_best``: the same from the fastest run of each, and
   ``*_cpu_ms``, ``speedup_cpu``: medians of the calling thread's CPU time, both steadier
   when other jobs share the CPU; ``cores_busy`` is the whole machine's over the pair;
@@ -57,6 +57,8 @@ import os
 import statistics
 import time
 
+from eplb_fsm.bench.options import MAX_THREADS, memory_rule, refuse, thread_rule
+
 # Shapes the >= 20x target applies to (the four DeepSeek-V3-sized ones).
 TARGET_SHAPES = ("dsv3_ep32_hier", "dsv3_ep32_global", "dsv3_ep64_global", "qwen3_ep16")
 SCALING_LAYERS = (1, 2, 4, 8, 16, 32, 64, 128, 232)
@@ -71,16 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-repeats", type=int, default=21, metavar="N",
                         help="timed runs of the baseline (default 21)")
     parser.add_argument("--shapes", default=None, metavar="A,B", help="comma-separated shape names (default: all)")
-    parser.add_argument("--scenarios", default=None, metavar="FILE",
-                        help="scenarios.json to use (default: the bundled one)")
+    parser.add_argument("--scenarios", default=None, metavar="FILE", help="scenarios.json to use (default: bundled)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads, >= 0 (default 0)")
     parser.add_argument("--target-speedup", type=float, default=20.0, metavar="X",
                         help="speed-up target on TARGET_SHAPES, > 0 and finite (20)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     parser.add_argument("--torch-threads", type=int, default=1, metavar="N",
-                        help="torch.set_num_threads(N) while the run times, restored after (default 1: the "
-                        "baseline's fastest, as its torch ops wait for a second core on a loaded machine; the "
-                        "default policy uses no torch pool)")
+                        help=f"torch.set_num_threads(N), N in 1..{MAX_THREADS}, while the run times, restored after "
+                        "(default 1: the baseline's fastest, as its torch ops wait for a second core on a loaded "
+                        "machine; the default policy uses no torch pool)")
     parser.add_argument("--scaling-repeats", type=int, default=201, metavar="N",
                         help="timed runs per scaling point, each on a load of its own (default 201)")
     parser.add_argument("--cold-cache", action="store_true",
@@ -283,14 +284,15 @@ def run(args: argparse.Namespace) -> dict:
 
     from eplb_fsm.sim.loads import load_scenarios
 
-    for ok, rule in ((min(args.repeats, args.reference_repeats, args.scaling_repeats) >= 1,
-                      "--repeats, --reference-repeats and --scaling-repeats must be >= 1"),
-                     (args.torch_threads >= 1, f"--torch-threads must be >= 1, got {args.torch_threads}"),
-                     (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
-                     (0 < args.target_speedup < math.inf,  # -1 was "met", nan and inf printed invalid JSON
-                      f"--target-speedup must be > 0 and finite, got {args.target_speedup}")):
-        if not ok:
-            raise SystemExit(f"eplb-fsm bench policy: {rule}")
+    scaling_bytes = 8 * (args.scaling_repeats + 1) * (256 * sum(SCALING_LAYERS) + 58 * sum(SCALING_EXPERTS))
+    refuse("policy", ((min(args.repeats, args.reference_repeats, args.scaling_repeats) >= 1,
+                       "--repeats, --reference-repeats and --scaling-repeats must be >= 1"),
+                      thread_rule("--torch-threads", args.torch_threads),  # 100000 crashed torch's OpenMP pool
+                      (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
+                      (0 < args.target_speedup < math.inf,  # -1 was "met", nan and inf printed invalid JSON
+                       f"--target-speedup must be > 0 and finite, got {args.target_speedup}"),
+                      memory_rule(0 if args.no_scaling else scaling_bytes,  # int64 loads, all held at once
+                                  f"--scaling-repeats {args.scaling_repeats} (the scaling series' loads)")))
     try:
         scenarios = load_scenarios(args.scenarios)
     except ValueError as exc:

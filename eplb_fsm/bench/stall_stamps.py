@@ -24,16 +24,18 @@ only calls made on the engine thread (the async worker's transfer runs elsewhere
 its own baseline: on the worst steps of the rearrangement (over the baseline median, as the
 longest step's extra) and in total (over the baseline mean, as the total extra, so the
 parts add up to it; eplb_fsm.bench.stall_metrics.run_metrics says why).
+:func:`cpu_marks` and :func:`cpu_span` take a run's wall and CPU clocks over a span of steps.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["PARTS", "StepStamps", "breakdown", "breakdown_flat", "noop", "unflatten"]
+__all__ = ["PARTS", "StepStamps", "breakdown", "breakdown_flat", "cpu_marks", "cpu_span", "noop", "unflatten"]
 
 ENGINE_PARTS = ("compute", "route", "engine_all_reduce")
 CONTROLLER_PARTS = ("ready_all_reduce", "commit_weights", "commit_maps", "transfer")
@@ -152,3 +154,15 @@ def unflatten(flat: dict) -> dict:
         where, k = key.split(".", 1)
         out.setdefault(where, {})[k] = v
     return out
+
+
+def cpu_marks() -> tuple[float, float, float]:
+    """(wall, engine-thread CPU, whole-process CPU) seconds now; call it on the engine thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), time.thread_time(), usage.ru_utime + usage.ru_stime
+
+
+def cpu_span(start: tuple, end: tuple) -> dict[str, float]:
+    """The seconds between two :func:`cpu_marks`, each clock apart."""
+    wall, engine, process = (b - a for a, b in zip(start, end))
+    return {"wall_s": wall, "engine_cpu_s": engine, "process_cpu_s": process}

@@ -15,7 +15,8 @@ Side by side in one process (world 1, trace file on), on a realistic shape (defa
 
 Rounds alternate bare and controller runs so drift in machine speed hits both alike;
 each figure is the median over rounds of the per-step mean. The overhead is
-controller minus bare; the target is <= 3 us (issue 14).
+controller minus bare; the target is <= 3 us (issue 14) at 58 layers x 288 slots: ``meets_target``
+(and ``within_target``) judge it at that shape only (``at_target_size``), and are null at any other.
 
 Disk: the bytes the controller's file grew by over the timed steps, per million steps
 (target <= 10 MB). At this benchmark's pace (tens of thousands of steps a second) that is
@@ -37,6 +38,7 @@ from pathlib import Path
 
 
 TARGET_OVERHEAD_US = 3.0
+TARGET_SHAPE = {"layers": 58, "slots": 288}   # the shape the overhead target is stated for (issue 14)
 TARGET_BYTES_PER_MILLION = 10_000_000
 PACED_SECONDS = 300.0     # simulated seconds at 10 steps/s: ten heartbeats
 PACED_RATE = 10           # steps per second
@@ -118,11 +120,21 @@ def run(args: argparse.Namespace) -> dict:
     from eplb_fsm.stats import LoadWindow
     from eplb_fsm.trace import EventTrace
 
+    from eplb_fsm.bench.options import memory_rule, refuse
+    from eplb_fsm.config import MAX_WINDOW_SIZE
+
     for name in ("layers", "slots", "experts", "window", "steps", "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"eplb-fsm bench step: --{name} must be >= 1")
     if args.slots < args.experts:
         raise SystemExit("eplb-fsm bench step: --slots must be >= --experts")
+    # the config's own limit, named by this option (the config's error named its field, window_size);
+    # the bare window and the controller's each hold (window + 1) passes of (layers, slots) int64 counts
+    refuse("step", ((args.window <= MAX_WINDOW_SIZE, f"--window must be <= {MAX_WINDOW_SIZE} (the config's "
+                     f"window_size limit), got {args.window}"),
+                    memory_rule(2 * (args.window + 1) * args.layers * args.slots * 8,
+                                f"--window {args.window} x --layers {args.layers} x --slots {args.slots} (two load "
+                                "windows of int64 counts)")))
     if args.trace_dir is not None:  # a file where the folder (or one above it) should be: refused before any trace
         folder = Path(args.trace_dir)
         try:
@@ -192,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
     c = statistics.median(ctl_us)
     f = statistics.median(full_us)
     overhead = c - b
+    at_size = {"layers": L, "slots": P} == TARGET_SHAPE
+    met = overhead <= TARGET_OVERHEAD_US if at_size else None
     per_million = bytes_per_step * 1e6
     interval = controller.liveness.interval_s or 1.0
     at_10 = paced_bytes / max(1, paced_steps) * 1e6
@@ -212,8 +226,11 @@ def run(args: argparse.Namespace) -> dict:
         "paired_overhead_us": round(statistics.median(c_ - b_ for c_, b_ in zip(ctl_us, bare_us)), 3),
         "trace_bytes_per_step": round(bytes_per_step, 3),
         "target_overhead_us": TARGET_OVERHEAD_US,
-        "within_target": overhead <= TARGET_OVERHEAD_US,
-        "meets_target": overhead <= TARGET_OVERHEAD_US,  # unrounded: a printed 3.0 may be 3.0004, a miss
+        # judged at the target's shape only (null elsewhere), unrounded: a printed 3.0 may be 3.0004, a miss
+        "target_size": TARGET_SHAPE,
+        "at_target_size": at_size,
+        "within_target": met,
+        "meets_target": met,
         "disk": {
             "bytes_per_million_steps": round(per_million),
             "target_bytes_per_million_steps": TARGET_BYTES_PER_MILLION,

@@ -2,7 +2,8 @@
 
 W local gloo ranks each hold ``--mb`` MB of expert weights (two tensors per layer, float32 and bfloat16) in
 S = ``--slots-per-rank`` slots: W * (S - 1) experts and one redundant slot per rank, so S >= 2. One random
-rearrangement (all experts plus random replicas, old and new drawn independently) is executed with
+rearrangement (all experts plus random replicas, old and new drawn independently from ``--seed``; one that
+moves no row across ranks is refused before any rank starts: nothing to time) is executed with
 ``rearrange_expert_weights_inplace``, with and without migration batching; the baseline is a raw
 ``dist.batch_isend_irecv`` of exactly the same messages (same peers, sizes and order, one batch per layer,
 buffers allocated up front). A second baseline, ``raw_commit``, sends the same messages from the weights and
@@ -50,16 +51,20 @@ import statistics
 import time
 from typing import Any
 
+from eplb_fsm.bench.options import at_least, memory_rule, positive_finite, refuse, seed_rule, timeout_rule
+
 # transfer / raw_commit_overlap (the ceiling that keeps old weights until the exchange succeeded)
 TARGET_VS_CEILING = 0.9
 # transfer / raw (the earlier target; out of reach while raw keeps every core busy, docs/transfer.md)
 TARGET_VS_RAW = 0.8
+# local processes, one per rank
+MAX_RANKS = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eplb_fsm.cli import hidden_alias
 
-    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks to start (default 4)")
+    parser.add_argument("--ranks", type=int, default=4, help=f"gloo ranks to start, 2..{MAX_RANKS} (default 4)")
     hidden_alias(parser, "--world", dest="ranks", type=int)
     parser.add_argument("--mb", type=float, default=32.0, help="MB of expert weights per rank (default 32)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
@@ -221,15 +226,10 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
         # the cache first, outside the timing, so these maps are planned inside the run as a
         # real rearrangement's new maps would be (and freeing the old schedules is not timed:
         # a real one leaves them in the LRU)
+        how = {"timeout": 60.0} if communicator is None else {"communicator": communicator}
+
         def go() -> None:
-            if communicator is None:
-                rearrange_expert_weights_inplace(
-                    old_t, new_t, weights, buffer=buffer, migration_batching=batching, timeout=60.0
-                )
-            else:
-                rearrange_expert_weights_inplace(
-                    old_t, new_t, weights, buffer=buffer, migration_batching=batching, communicator=communicator
-                )
+            rearrange_expert_weights_inplace(old_t, new_t, weights, buffer=buffer, migration_batching=batching, **how)
 
         return go
 
@@ -307,21 +307,21 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from eplb_fsm.bench.intervals import median_ratio_interval, rounded as rounded_interval, verdict
     from eplb_fsm.bench.ranks import run_bench_ranks
-    from eplb_fsm.config import MAX_SECONDS
+    from eplb_fsm.transfer.plan import received_rows
 
-    for ok, rule in ((args.ranks >= 2, f"--ranks must be >= 2, got {args.ranks}"),
-                     (0 < args.mb < float("inf"), f"--mb must be > 0 and finite, got {args.mb}"),
-                     (args.layers >= 1, f"--layers must be >= 1, got {args.layers}"),
-                     (args.slots_per_rank >= 2,  # W * (S - 1) experts: with S = 1 there are none to move
-                      f"--slots-per-rank must be >= 2 (one slot per rank is redundant), got {args.slots_per_rank}"),
-                     (args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}"),
-                     (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
-                     (0 < args.timeout <= MAX_SECONDS,  # inf overflowed gloo's timedelta on every rank
-                      f"--timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.timeout}")):
-        if not ok:  # before any process starts
-            raise SystemExit(f"eplb-fsm bench transfer: {rule}")
-    cfg = {"layers": args.layers, "slots": args.slots_per_rank, "mb": args.mb, "seed": args.seed,
-           "repeats": args.repeats}
+    world, s = args.ranks, args.slots_per_rank   # every check before any process starts, in stages
+    refuse("transfer", ((2 <= world <= MAX_RANKS, f"--ranks must be in 2..{MAX_RANKS} (processes), got {world}"),
+                        positive_finite("--mb", args.mb), at_least("--layers", args.layers, 1),
+                        (s >= 2, f"--slots-per-rank must be >= 2 (one slot per rank is redundant), got {s}"),
+                        at_least("--repeats", args.repeats, 1), seed_rule(args.seed), timeout_rule(args.timeout)))
+    rows = args.layers * s  # each rank holds its weights three times: pristine, working, expected
+    refuse("transfer", [memory_rule(3 * world * rows * max(8, args.mb * 2**20 / rows),
+                                    f"--ranks {world} x 3 x --mb {args.mb:g} (at least 8 bytes a row)")])
+    old, new = _maps(args.seed, args.layers, world * s, world * (s - 1))   # what the ranks will draw
+    refuse("transfer", [(received_rows(old, new, world) > 0, f"--seed {args.seed} draws a rearrangement that moves "
+                         f"no row across ranks (--ranks {world}, --layers {args.layers}, --slots-per-rank {s}): "
+                         "nothing to time; use another --seed, or more --layers or --slots-per-rank")])
+    cfg = {"layers": args.layers, "slots": s, "mb": args.mb, "seed": args.seed, "repeats": args.repeats}
     res = run_bench_ranks("transfer", _bench_rank, args.ranks, args=(cfg,), timeout=args.timeout)[0]
     med = {name: statistics.median(ts) for name, ts in res["times"].items()}
     cpu = {name: statistics.median(cs) for name, cs in res["cpu"].items()}
@@ -339,11 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     interval = median_ratio_interval(ceiling_times, res["times"]["transfer"])
     two_interval = median_ratio_interval(ceiling_times, res["times"]["transfer_two_layers"])
     return {
-        "bench": "transfer",
-        "backend": "gloo",
-        "world": args.ranks,
-        "layers": args.layers,
-        "slots_per_rank": args.slots_per_rank,
+        "bench": "transfer", "backend": "gloo", "world": world, "layers": args.layers, "slots_per_rank": s,
         "weight_mb_per_rank": round(res["weight_bytes_per_rank"] / 2**20, 2),
         "moved_slots": res["moved_slots"],
         "moved_mb_total": round(res["moved_bytes"] / 2**20, 2),
