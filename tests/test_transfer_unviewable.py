@@ -102,3 +102,23 @@ def test_every_byte_viewable_dtype_still_passes_and_moves_bit_exact(dtype):
     rearrange_expert_weights_inplace([[0, 1, 2, 3]], [[2, 3, 0, 1]], w, communicator=InProcessCommunicator(2),
                                      buffer=TransferBuffer())
     assert all(torch.equal(x[0][0].view(torch.uint8), y) for x, y in zip(w, want))
+
+
+def test_a_transient_oom_in_the_dtype_probe_is_raised_and_not_remembered(monkeypatch):
+    """The probe's allocation meets an OOM once (a full GPU; raised here on CPU): it goes up as the OOM, and the next
+    check of float8 weights probes again and accepts them (a cached "no" would refuse them for the process's life)."""
+    from eplb_fsm.transfer import inputs
+
+    inputs._byte_copyable.cache_clear()
+    real_empty = torch.empty
+
+    def oom_once(*args, **kwargs):
+        monkeypatch.setattr(torch, "empty", real_empty)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    monkeypatch.setattr(torch, "empty", oom_once)
+    weights = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        inputs.check_movable("w", weights)
+    inputs.check_movable("w", weights)   # probed again: accepted
+    assert inputs._byte_copyable.cache_info().currsize == 1

@@ -108,19 +108,19 @@ class UnmovableWeightsError(TransferError, ValueError):
         super().__init__(message, layer=layer, committed_layers=0)
 
 
-_PLAIN = frozenset({  # dtypes every torch copies and views as bytes on any device: weights skip the probe
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
-    torch.int64, torch.bool, torch.complex64, torch.complex128})
+_PLAIN = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
+                    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128})  # any torch copies these
 
 
 @functools.lru_cache(maxsize=None)
 def _byte_copyable(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether torch copies (2,) tensors of ``dtype`` on ``device`` and views them as bytes (asked, not listed:
-    the dtypes lacking a copy kernel, such as the sub-byte ones, vary with torch and device)."""
+    """Whether torch copies (2,) tensors of ``dtype`` on ``device`` and views them as bytes (asked, not listed: the
+    dtypes lacking a copy kernel vary with torch and device). An OOM is raised: not the dtype's, so never cached."""
     try:
         probe = torch.empty(2, dtype=dtype, device=device)
-        probe[:1].copy_(probe[1:]).view(torch.uint8)
-        return True
+        return probe[:1].copy_(probe[1:]).view(torch.uint8) is not None
+    except torch.cuda.OutOfMemoryError:
+        raise
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
