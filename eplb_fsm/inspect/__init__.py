@@ -4,12 +4,13 @@ This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine
 ``summary`` (one rank file re-driven through the machine: ``walker``, ``model``,
 ``records``, and ``bulk`` for stretches read without parsing them), ``replay``
 (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, ``liveness``
-for ranks that died, froze, crashed or lagged, ``lost`` for findings that rest on lines a
-trace lost (``lost_records``), ``stepseq`` for a session's own step numbers (they break
-``step_count_mismatch`` ties), ``identity`` for run ids and misnamed or duplicated files,
-and ``elastic`` for group swaps, joiners and leaving ranks) and ``render`` (text report,
-timeline). The synthetic-trace writer it re-exports (``SyntheticJob``, ``Faults``, ...)
-lives in :mod:`eplb_fsm.testing`.
+for ranks that died, froze, crashed or lagged (``signal_death``: a death the launcher
+answered with SIGTERM), ``lost`` for findings that rest on lines a trace lost
+(``lost_records``; ``torn`` for traces whose writing stopped mid-line), ``stepseq`` for a
+session's own step numbers (they break ``step_count_mismatch`` ties), ``identity`` for run ids
+and misnamed or duplicated files, and ``elastic`` for group swaps, joiners and leaving ranks)
+and ``render`` (text report, timeline). The synthetic-trace writer it re-exports
+(``SyntheticJob``, ``Faults``, ...) lives in :mod:`eplb_fsm.testing`.
 """
 
 from eplb_fsm.inspect.diagrams import machine_edges, render_dot, render_mermaid, stale_files

@@ -7,8 +7,10 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 
 - **died**: no ``end``, and either its last record is older than the others' last records by
   more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that
-  ended (the participants of its current group that did not leave on purpose): the process was
-  killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within
+  ended (the participants of its current group that did not leave on purpose) in order, giving up a wait,
+  or by a signal that came after its last record and before any crash (``signal_death``: a launcher's
+  SIGTERM to the survivors once a rank is gone): the process was killed (SIGKILL, a crash of the
+  interpreter) or froze for good. Ranks that died within
   ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
@@ -41,6 +43,7 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
+from eplb_fsm.inspect.signal_death import signal_death, stopped_after
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -152,16 +155,21 @@ def _death(cast: Cast, key: Key, lasts: dict, at) -> tuple[str, str | None] | No
         return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {_waiting_text(s)}",
                 f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
     peers = _peers(cast, key)
-    # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed or
-    # was signalled explains the stop itself, and the ranks a launcher killed after it are its consequences
+    # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed
+    # explains the stop itself, and the ranks a launcher killed after it are its consequences
     ended = [o for o in peers if cast.parts[o].end is not None and ended_in_reaction(cast, o)]
+    # and peers stopped by a signal before any crash: a launcher stops the survivors once a rank is gone
+    signalled = stopped_after(cast, key, peers)
+    ended += signalled
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
     if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
         return None
-    if len(ended) == len(peers):
-        return "while every other rank wrote its end record", None
     first = min(ended, key=lambda o: _end_ts(cast.parts[o]))
     end = _end_ts(cast.parts[first])
+    if first in signalled:
+        return signal_death(cast, key, signalled, lasts[key], at)
+    if len(ended) == len(peers):
+        return "while every other rank wrote its end record", None
     return (f"trace stops {end - lasts[key]:.2f} s before {cast.label(first)} ended "
             f"({cast.parts[first].end.get('how')}, at {at(end)})", None)
 

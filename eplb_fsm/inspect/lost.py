@@ -40,7 +40,8 @@ did not start from the replayed state: ``transition_replay.settle_lost_changes``
 ``state_from``/``state_to``), or whose steps span every state change that others, at least
 as many as share the rank's own state change #n, took from #n up to one equal to the
 rank's (the same event at the same step): a whole cycle lost, which leaves the replayed
-state as it was (a lone rank that diverged is no reference for the others). The alignment
+state as it was (a lone rank that diverged is no reference for the others, unless its own trace lost nothing
+between its state changes #n-1 and #n: a whole record of those steps against a broken one). The alignment
 goes on without that participant. The gaps told are shared by every ``LostRecords`` of one
 ``Cast`` (one diagnosis): the collectives do not tell a gap the alignment told.
 """
@@ -191,19 +192,15 @@ class LostRecords:
             return None
         mine, j = rest[k]
         t = mine[j]
-        # the state change before it in the whole session (``mine`` may start where every kept history starts)
-        before = mine[j - 1] if j else next((s.transitions[n - 1] for n in range(1, len(s.transitions))
-                                              if s.transitions[n] is t), None)
-        lo = before.seq if before is not None and type(before.seq) is int else -1
-        hi = t.seq if type(t.seq) is int else math.inf
-        near = [n for n, g in enumerate(s.gaps) if g["last"] > lo and g["first"] < hi]
+        near = self._near(k, rest)
         marked = [n for n in near if "state_to" in s.gaps[n]]
         if marked or not near:
             return marked[-1] if marked else None
         here = {q: (theirs[jq].key(), theirs[jq].step) for q, (theirs, jq) in rest.items()}
         size = Counter(here.values())
-        # those it diverges from, as many as its own kind at least: a lone odd one is the others' reference
-        refs = [q for q in rest if here[q] != here[k] and size[here[q]] >= size[here[k]]]
+        # those it diverges from, as many as its own kind at least (a lone odd one is the others' reference), or
+        # fewer whose own trace lost nothing there: their record of those steps is whole, its is not
+        refs = [q for q in rest if here[q] != here[k] and (size[here[q]] >= size[here[k]] or not self._near(q, rest))]
         for n in reversed(near):
             g = s.gaps[n]
             a = g["from_step"] if type(g["from_step"]) is int else -math.inf
@@ -217,6 +214,18 @@ class LostRecords:
                     if type(u.step) is not int or not a <= u.step <= b:
                         break
         return None
+
+    def _near(self, k: Key, rest: dict[Key, tuple[list[Transition], int]]) -> list[int]:
+        """The gaps of ``k``'s trace between its state change #i and the one before it (in the whole session:
+        ``rest``'s list may start where every kept history starts)."""
+        s = self.cast.parts[k]
+        mine, j = rest[k]
+        t = mine[j]
+        before = mine[j - 1] if j else next((s.transitions[n - 1] for n in range(1, len(s.transitions))
+                                              if s.transitions[n] is t), None)
+        lo = before.seq if before is not None and type(before.seq) is int else -1
+        hi = t.seq if type(t.seq) is int else math.inf
+        return [n for n, g in enumerate(s.gaps) if g["last"] > lo and g["first"] < hi]
 
     def _hits(self, keys, g: str, c: int, first_start: float | None) -> list[tuple[Key, int]]:
         """(participant, gap index) for each of ``keys`` whose lost lines would hold its missing record of (g, c);

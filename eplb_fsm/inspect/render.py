@@ -106,8 +106,11 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
     unended = report.unended_ranks
     if report.healthy and unended:
         # the ranks agree up to where their traces stop, which says nothing of why they stop
-        lines.append(f"  no end record on {'rank' if len(unended) == 1 else 'ranks'} {ranks_text(unended)}: still "
-                     "running when read, or stopped together (killed, or frozen with no rank left to compare)")
+        torn = all(r.get("truncated") for r in ranks if not r.get("end"))
+        lines.append(f"  no end record on {'rank' if len(unended) == 1 else 'ranks'} {ranks_text(unended)}: "
+                     + ("each trace ends in a half-written line: the writers stopped (a full disk? a file-size "
+                        "limit?) or the job was killed as a whole" if torn else "still running when read, or "
+                        "stopped together (killed, or frozen with no rank left to compare)"))
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
 from eplb_fsm.inspect.late import aborted_rearrangements, add_late, signalled_in_hang
 from eplb_fsm.inspect.liveness import check_liveness
 from eplb_fsm.inspect.records import trace_items
+from eplb_fsm.inspect.torn import qualify_torn
 from eplb_fsm.inspect.summary import (
     Collective,
     MachineOracle,
@@ -228,7 +229,7 @@ def diagnose(
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
     causes = [f for f in live.findings if not (_died_waiting(f, rest, cast) or signalled_in_hang(f, rest, cast, live))]
-    findings = config + [_with_collective(f, rest, cast) for f in causes] + rest
+    findings = qualify_torn(cast, config + [_with_collective(f, rest, cast) for f in causes] + rest, warnings)
     if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
         findings = [live.unexplained]
     scales = scale_notes(cast)

@@ -317,7 +317,7 @@ def load_rank_file(r: int, path: Path, oracle: MachineOracle | None = None, temp
     if not summary.records:
         return r, None, [f"rank {r}: {path.name} has no readable record" + (f" ({bad} bad lines)" if bad else "")]
     if summary.truncated:
-        warnings.append(f"rank {r}: last line of {path.name} is truncated (the rank died mid-write?); skipped it")
+        warnings.append(f"rank {r}: last line of {path.name} is truncated (killed, or a failed write?); skipped it")
         if bad > 1:
             warnings.append(f"rank {r}: {bad - 1} more unreadable line(s) in {path.name} skipped")
     elif bad:

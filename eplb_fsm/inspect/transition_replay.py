@@ -6,7 +6,9 @@ state (``state``, ``layer``, ``pending``, ``num_layers``) and its summary.
 A record whose recorded source (or stamped state) is not the replayed state, right after lines
 the trace lost (a stretch of ``seq`` in ``RankSummary.gaps`` that lies after the session's previous
 transition record, or lines lost just before a step record), is explained by them: they held the
-state change(s) in between. The walk goes on from the recorded state as for any such record;
+state change(s) in between. So is a ``transferring`` record whose source agrees but whose layer does not,
+after such lines (they spanned the rest of one rearrangement and the start of the next). The walk goes on
+from the recorded state (and layer) as for any such record;
 ``settle_lost_changes`` (at the end of the session) takes the mismatch out of ``illegal`` and keeps
 on the gap what it must have held (``state_from``, ``state_to``), once the gap is known to be lines
 lost (not a foreign line or a swap, which ``seqcheck`` takes back). A record the machine refuses
@@ -112,6 +114,13 @@ def replay_transition(w: "Walker", rec: dict) -> None:
         w.state = src
         if src == TRANSFERRING and isinstance(rec_layer, int) and lost_since(w):
             w.layer = rec_layer   # the lost lines held the layer's changes too: as where a trace starts
+    elif src == TRANSFERRING and isinstance(rec_layer, int) and rec_layer != w.layer and lost_since(w):
+        # lines lost since the last transition record spanned whole state changes back into transferring (the rest
+        # of one rearrangement and the start of another): the source agrees, the layer does not; without lost
+        # lines such a record stays one the machine refuses
+        reasons.append(f"recorded layer {rec_layer} but the replayed layer is {w.layer}")
+        w.layer = rec_layer
+    resynced = bool(reasons)    # the one reason so far: the walk took the record's source (and layer) on trust
     nl = w.num_layers
     if nl is None:
         if trig == "layer_done" and dst == COMMITTING and isinstance(data.get("layer"), int):
@@ -134,7 +143,7 @@ def replay_transition(w: "Walker", rec: dict) -> None:
         reasons.append(f"the machine is at layer {out[1]} after it, the trace says {layer_after}")
     if reasons:
         w.illegal(rec, "; ".join(reasons), replayed)
-    if not reasons or (len(reasons) == 1 and src != replayed):
+    if not reasons or (len(reasons) == 1 and resynced):
         if reasons:    # legal from the recorded source: lines lost since the previous transition may hold the rest
             lost_change(w, rec, w.s.illegal[-1])
         # legal, or legal from the recorded source (records lost before it left the replay behind): the machine's

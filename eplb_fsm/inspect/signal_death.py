@@ -1,0 +1,70 @@
+"""A rank with no ``end`` record whose trace stops before its peers were stopped by a signal: it went first.
+
+A launcher (torchrun, ``eplb-fsm simulate``) sends SIGTERM to the ranks still running once one of them is
+gone, and each of those writes ``end how=signal``. The rank that was gone wrote no ``end`` (SIGKILL, a crash
+of the interpreter, the OOM killer): its trace stops before the first of those ends. Read without it, the
+signals look like a job stopped from outside (``signalled``, naming the survivors). So ``liveness._death``
+counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) when
+
+- it comes after the last record of the rank without an end (a signal before that stop is no reaction to
+  it: the rank still wrote after it), and
+- no participant had crashed (an ``end`` with an exception that is no failed wait,
+  ``endings.ended_in_reaction``) at or before it: a crash explains the launcher's signals itself, and a
+  rank left without an end among them is one the launcher killed after it.
+
+A stop from outside while no rank had failed leaves an ``end how=signal`` on every rank that was running,
+so it still reads ``signalled``.
+
+What the traces cannot tell apart: a rank frozen (SIGSTOP, a stalled host) when the job was stopped from
+outside, without a SIGCONT, writes no ``end`` either, and its trace stops before the others' signal ends
+too: every thread of a stopped process stops, as of a killed one, and nothing it wrote before differs. (The
+stop of ``eplb-fsm simulate`` sends SIGCONT with SIGTERM, so a rank of its own writes its ``end`` and reads
+``frozen``.) Such a rank is named ``rank_died`` as well, and the finding's detail says that a frozen process
+looks the same. It is the safer reading: that rank was no longer running when the others were stopped, so it
+is where to look either way, while ``signalled`` would name only ranks that did nothing wrong and leave the
+dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed.
+"""
+
+from __future__ import annotations
+
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.endings import ended_in_reaction
+
+__all__ = ["signal_death", "stopped_after"]
+
+
+def _end_ts(cast: Cast, key: Key) -> float | None:
+    ts = (cast.parts[key].end or {}).get("ts")
+    return ts if type(ts) in (int, float) else None
+
+
+def stopped_after(cast: Cast, key: Key, peers: list[Key]) -> list[Key]:
+    """The ``peers`` of ``key`` (a participant with no ``end``) that a signal stopped after ``key``'s last
+    record and before any participant crashed (see the module docstring)."""
+    last = cast.parts[key].last_ts
+    if type(last) not in (int, float):
+        return []
+    later = {o: ts for o in peers if (cast.parts[o].end or {}).get("how") == "signal"
+             and (ts := _end_ts(cast, o)) is not None and ts > last}
+    if not later:
+        return []   # the usual case (no signal, or none after it): no need to read every end for a crash
+    crashes = [ts for o, s in cast.parts.items() if o != key and (s.end or {}).get("how") == "exception"
+               and (ts := _end_ts(cast, o)) is not None and not ended_in_reaction(cast, o)]
+    first_crash = min(crashes, default=float("inf"))
+    return [o for o, ts in later.items() if ts < first_crash]
+
+
+def signal_death(cast: Cast, key: Key, stopped: list[Key], last: float, at) -> tuple[str, str]:
+    """Why ``key`` died, as ``liveness._death`` words it (its reason and a detail line): its trace, last
+    record at ``last``, stops before ``stopped`` (peers from :func:`stopped_after`) were stopped by a signal.
+    ``at`` formats a ts."""
+    first = min(stopped, key=lambda o: (_end_ts(cast, o), o))
+    end = _end_ts(cast, first)
+    sigs = sorted({str(cast.parts[o].end.get("signal") or "a signal") for o in stopped})
+    sig = " or ".join(sigs)
+    who = cast.who(sorted(stopped))
+    were = "were" if len(stopped) > 1 else "was"
+    return (f"trace stops {end - last:.2f} s before {who} {were} stopped by {sig} (first at {at(end)}): a "
+            "launcher stops the ranks still running once one is gone",
+            f"last record at {at(last)}; {who} {were} stopped by {sig} from {at(end)} and wrote "
+            f"{'their end records' if len(stopped) > 1 else 'its end record'}")

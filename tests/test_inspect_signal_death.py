@@ -1,0 +1,99 @@
+"""A rank with no ``end`` whose trace stops before its peers' signal ``end``: it died, the signals followed.
+
+The records are those of a real 3-rank run (``eplb-fsm simulate --ranks 3 --scale 12:4``) whose rank 0 was
+SIGKILLed right after its ``scale_requested`` transition: ranks 1-2 waited for the joiner (``alive`` records,
+no controller collective), and the launcher stopped them with SIGTERM 1.6 s later. Replay once named ranks 1-2
+``signalled`` ("stopped from outside"). The other cases check what must not change: a stop from outside with
+every rank's ``end``, a crash that explains the launcher's signals, a signal before the rank's own stop.
+"""
+
+from __future__ import annotations
+
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.replay import diagnose
+
+T0 = 1_796_575_261.0
+SCALE = {"trigger": "scale_requested", "source": "collecting", "dest": "scaling", "layer": 1, "num_layers": 2,
+         "layer_after": 1, "kind": "scale_up", "generation": 1, "from_ranks": 3, "to_ranks": 4,
+         "rank_mapping": {"0": 0, "1": 1, "2": 2}, "joiners": [3], "leaving": [], "timeout_s": 20.0}
+
+
+def rank_records(rank: int, tail: list[tuple[float, str, dict]]) -> list[dict]:
+    """A rank's records: header, 11 quiet steps, the scale request at step 12 (t+0.9 s), then ``tail``
+    ((t, event, fields) each, in the scaling state at step 12)."""
+    head = [(0.0, "header", {"schema": 1, "run_id": "e330720c1e104627", "mode": "sync", "group": "ep",
+                             "transfer_group": "ep_transfer", "config": {"num_layers": 2}}),
+            (0.5, "steps", {"count": 11, "dummy": 0, "step": 1, "state": "collecting"}),
+            (0.9, "transition", dict(SCALE, state="scaling"))]
+    out = []
+    for seq, (t, event, fields) in enumerate(head + tail):
+        rec = {"ts": round(T0 + t, 6), "rank": rank, "world": 3, "event": event, "state": "scaling", "step": 12,
+               "seq": seq}
+        rec.update(fields)
+        rec.setdefault("step", 12)
+        out.append(rec)
+    out[0].update(state="collecting", step=0)
+    return out
+
+
+def waited_then(end: dict | None, end_t: float = 2.5) -> list[tuple[float, str, dict]]:
+    """Alive records of a wait at step 12 (t+1.3, t+2.3 s), then ``end`` at ``end_t`` (None: no end record)."""
+    tail = [(1.3, "alive", {"interval_s": 1.0, "steps_seen": None, "waiting_on": None}),
+            (2.3, "alive", {"interval_s": 1.0, "steps_seen": 12, "waiting_on": None})]
+    return tail + ([(end_t, "end", end)] if end is not None else [])
+
+
+SIGTERM = {"how": "signal", "signal": "SIGTERM"}
+
+
+def killed_during_scale() -> dict[int, list[dict]]:
+    """Rank 0's trace stops at its scale request (SIGKILL); ranks 1-2 wait, then end by the launcher's SIGTERM."""
+    return {0: rank_records(0, []), 1: rank_records(1, waited_then(SIGTERM)), 2: rank_records(2, waited_then(SIGTERM))}
+
+
+def test_a_rank_killed_before_the_launcher_sigterms_the_others_died():
+    """Rank 0 without an end, its trace stopping before ranks 1-2's SIGTERM ends: rank_died rank 0, the SIGTERMs
+    are consequences (was: signalled, ranks 1-2)."""
+    report = diagnose(killed_during_scale())
+    assert (report.verdict, report.culprit_ranks) == ("rank_died", [0]), format_report(report)
+    assert "before ranks 1-2 were stopped by SIGTERM" in report.summary
+    assert any(c.startswith("rank 1 was stopped by SIGTERM") for c in report.consequences)
+    assert any(c.startswith("rank 2 was stopped by SIGTERM") for c in report.consequences)
+    # a rank frozen (SIGSTOP, no SIGCONT) when the job was stopped from outside leaves these very records: the
+    # detail says so (docs/debugging-hangs.md: the traces cannot tell the two apart)
+    assert report.findings[0].details == [
+        "rank 0: last record at t+0.9 s; ranks 1-2 were stopped by SIGTERM from t+2.5 s and wrote their end "
+        "records (a process frozen for good looks the same)"]
+    assert not [f for f in report.findings if f.kind == "signalled"]
+
+
+def test_every_rank_stopped_by_sigterm_is_still_signalled():
+    """The same job stopped from outside, rank 0 writing its SIGTERM end too: signalled, ranks 0-2."""
+    records = killed_during_scale()
+    records[0] = rank_records(0, waited_then(SIGTERM))
+    report = diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1, 2]), format_report(report)
+
+
+def test_a_crash_before_the_signals_is_still_the_cause():
+    """Rank 2 crashes (an engine error) at t+1.5 s, the launcher SIGTERMs rank 1 and kills rank 0 (no end, its
+    last record after the crash): crashed, rank 2; rank 0 is no culprit."""
+    records = killed_during_scale()
+    records[0] = rank_records(0, [(1.6, "alive", {"interval_s": 1.0, "steps_seen": 12, "waiting_on": None})])
+    records[2] = rank_records(2, [(1.5, "end", {"how": "exception", "error": "RuntimeError: engine boom"})])
+    report = diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("crashed", [2]), format_report(report)
+    assert not [f for f in report.findings if f.kind == "rank_died"]
+
+
+def test_a_signal_before_the_rank_stopped_writing_is_no_reaction_to_it():
+    """Ranks 1-2 are stopped by SIGTERM at t+1.0 s while rank 0 writes on until t+2.3 s (then no end): the signals
+    came first, so the verdict is signalled, ranks 1-2, and rank 0 did not die before them."""
+    records = killed_during_scale()
+    records[0] = rank_records(0, waited_then(None))
+    records[1] = rank_records(1, [(1.0, "end", SIGTERM)])
+    records[2] = rank_records(2, [(1.0, "end", SIGTERM)])
+    report = diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
+    assert not [f for f in report.findings if f.kind == "rank_died"]
+
