@@ -115,7 +115,8 @@ def test_one_name_per_idea_with_old_spellings_hidden(capsys):
     assert parser.parse_args(["simulate", "--log-dir", "x"]).log_dir == "x"
     assert parser.parse_args(["simulate", "--trace-dir", "y"]).log_dir == "y"
     assert parser.parse_args(["plan", "--ranks", "8", "--replicas", "72"]).slots == 72
-    for argv, shown, hidden in ((["bench", "transfer"], "--ranks", "--world"), (["bench", "replay"], "--repeats", "--repeat"),
+    for argv, shown, hidden in ((["bench", "transfer"], "--ranks", "--world"),
+                                (["bench", "replay"], "--repeats", "--repeat"),
                                 (["simulate"], "--trace-dir", "--log-dir"), (["plan"], "--slots", "--replicas")):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])

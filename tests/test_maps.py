@@ -104,7 +104,8 @@ def test_slots_of_rank_are_the_rank_s_consecutive_slots_and_nothing_outside():
     """slots_of_rank gives S consecutive slots per rank and refuses a rank outside [0, G) by name."""
     m = ExpertMaps.initial(1, 4, 6)
     assert [m.slots_of_rank(r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
-    for rank, message in ((3, "rank must be < world_size"), (-1, "rank must be >= 0"), (1.0, "rank must be an integer")):
+    for rank, message in ((3, "rank must be < world_size"), (-1, "rank must be >= 0"),
+                          (1.0, "rank must be an integer")):
         with pytest.raises(ValueError, match=message):
             m.slots_of_rank(rank, 3)
     with pytest.raises(ValueError, match="divisible by world_size"):

@@ -230,6 +230,12 @@ def test_no_line_over_the_length_limit():
     assert long_lines(FILES) == {}
 
 
+def test_no_test_line_over_the_length_limit():
+    """No line of any test file is longer than 120 characters (the tests are read as often as the package)."""
+    tests = {p.name: p for p in sorted(Path(__file__).resolve().parent.glob("*.py"))}
+    assert len(tests) > 50 and long_lines(tests) == {}
+
+
 def test_c_sources_exist_and_none_is_over_the_line_limit():
     """Every C source and header of the package (the extensions' kernels) has at most 400 lines."""
     assert {"eplb_fsm/policy/cnative.c", "eplb_fsm/policy/movement/csearch.c"} <= set(C_FILES)
