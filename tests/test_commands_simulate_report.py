@@ -131,6 +131,26 @@ def test_a_run_stopped_by_its_own_deadline_blames_no_rank():
     assert "the run did not finish in time: caused by rank(s) 1: hang" in format_report(hang)
 
 
+def test_a_deadline_report_does_not_blame_a_rank_the_launcher_found_running():
+    """Replay reads rank_died for rank 0 (its trace stopped early) but the launcher killed it still running at
+    its --timeout deadline: the deadline headline, no 'caused by rank' (was: caused by rank(s) 0: rank_died)."""
+    from eplb_fsm.commands.simulate_report import format_report
+
+    running = [{"rank": r, "status": "timed_out", "last_step": 9, "last_state": "collecting", "last_event": "end",
+                "reason": "still running at the 7 s deadline (killed)"} for r in (0, 1)]
+    report = dict(_failed_report([0]), error="timeout", deadline_s=7.0, failed_ranks=[0, 1], ranks=running,
+                  replay={"verdict": "rank_died", "summary": "rank 0 died (SIGKILL?) at step 9 in collecting",
+                          "culprit_ranks": [0]})
+    text = format_report(report)
+    assert ("the run did not finish in time: the --timeout deadline (7 s) stopped every rank; no rank had "
+            "failed before it") in text
+    assert "caused by rank" not in text
+    assert "replay reads rank_died for rank(s) 0, but the launcher found them still running" in text
+    # a rank the launcher saw exit before the deadline did die: it stays the cause
+    died = [dict(running[0], status="died", reason="process exited with code -9"), running[1]]
+    assert "caused by rank(s) 0: rank_died" in format_report(dict(report, ranks=died))
+
+
 def test_a_joiner_whose_scale_aborted_is_not_joined_not_failed():
     """A not_joined joiner's result is listed as such in a failed run's report (not failed), and in the text."""
     from types import SimpleNamespace

@@ -83,3 +83,67 @@ def test_a_lone_rank_that_skipped_a_step_is_still_the_culprit_against_ranks_with
     records = SyntheticJob(world=3).run(45, Faults(skip_count={0: 12})).records()
     report = diagnose(records)
     assert (report.verdict, report.culprit_ranks) == ("step_divergence", [0]), format_report(report)
+
+
+def repeated_layer_done(lose_alive: bool) -> dict[int, list[dict]]:
+    """Rank 0 reports step 19's layer-0 layer_done a second time after layer 1 began (a genuine bug), with an
+    ``alive`` line just before the repeat; ``lose_alive``: that one line is lost (a seq gap of 1, same step)."""
+    records = SyntheticJob(world=3, num_layers=3).run(45).records()
+    r0 = records[0]
+    i0 = next(i for i, r in enumerate(r0) if r.get("trigger") == "layer_done" and r["step"] == 19 and r["layer"] == 0)
+    i1 = next(i for i, r in enumerate(r0) if r.get("trigger") == "layer_done" and r["step"] == 19 and r["layer"] == 1)
+    dup = dict(r0[i0], ts=r0[i1]["ts"] - 0.001)
+    alive = {"ts": dup["ts"] - 0.001, "rank": 0, "world": 3, "event": "alive", "state": "transferring", "step": 19,
+             "interval_s": 1.0, "steps_seen": 19, "waiting_on": None}
+    new = r0[:i1] + [alive, dup] + r0[i1:]
+    for n, rec in enumerate(new):
+        rec["seq"] = n
+    records[0] = [rec for rec in new if not (lose_alive and rec is alive)]
+    return records
+
+
+def test_one_lost_line_does_not_excuse_a_repeated_layer_done():
+    """One lost alive line before rank 0's repeated layer_done(layer 0) cannot hold the state changes back into
+    transferring at layer 0: illegal_transition, rank 0, as without the gap (was: lost_records, rank 0)."""
+    for lose in (False, True):
+        report = diagnose(repeated_layer_done(lose))
+        assert kinds(report)[0] == ("illegal_transition", [0]), format_report(report)
+        assert "not allowed in state 'transferring' (layer 1) with {'layer': 0}" in \
+            report.illegal_transitions[0]["reason"]
+        assert not [f for f in report.findings if f.kind == "lost_records"]
+
+
+def lone_extra_rearrangement(lose_steps: bool) -> dict[int, list[dict]]:
+    """Rank 0 alone runs a rearrangement at step 19 (ranks 1-2's step 19 is a quiet step: their records from
+    step 9's commit to step 29's due step are one ``steps`` run); ``lose_steps``: ranks 1-2 each lost that one
+    line (steps 10..28)."""
+    records = SyntheticJob(world=3, compact_steps=True).run(45).records()
+    for r in (1, 2):
+        rs = records[r]
+        a, b = seq_of(rs, 9, "committed"), seq_of(rs, 29, "step")
+        middle = [x for x in rs if a < x["seq"] < b]
+        runs = [x for x in middle if x["event"] == "steps"]
+        dropped = [x for x in middle if x["step"] == 19 or x["event"] == "steps"]
+        merged = dict(runs[0], count=sum(x["count"] for x in runs) + 1)
+        gone: dict[str, set] = {}
+        for x in dropped:
+            if x["event"] == "collective_start":
+                gone.setdefault(x["group"], set()).add(x["cseq"])
+        new = ([x for x in rs if x["seq"] <= a] + [x for x in middle if x not in dropped] + [merged]
+               + [x for x in rs if x["seq"] >= b])
+        for n, x in enumerate(new):
+            x["seq"] = n
+            if x.get("cseq") is not None and x.get("group") in gone and x["step"] > 19:
+                x["cseq"] -= sum(1 for c in gone[x["group"]] if c < x["cseq"])
+        records[r] = [x for x in new if not (lose_steps and x is merged)]
+    return records
+
+
+def test_one_lost_steps_line_cannot_hold_the_rearrangement_a_lone_rank_shows():
+    """Ranks 1-2 each lost one steps line over steps 10..28, where rank 0 alone rearranged at step 19: one line
+    cannot hold that rearrangement's state changes, so rank 0 stays the step_divergence culprit (was:
+    lost_records, ranks 1-2)."""
+    for lose in (False, True):
+        report = diagnose(lone_extra_rearrangement(lose))
+        assert (report.verdict, report.culprit_ranks) == ("step_divergence", [0]), format_report(report)
+        assert not [f for f in report.findings if f.kind == "lost_records"]

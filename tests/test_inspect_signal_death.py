@@ -97,3 +97,28 @@ def test_a_signal_before_the_rank_stopped_writing_is_no_reaction_to_it():
     assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
     assert not [f for f in report.findings if f.kind == "rank_died"]
 
+
+
+def test_a_live_rank_whose_end_was_lost_does_not_die_before_the_signals():
+    """A healthy job stopped from outside: every rank waits (alive at t+1.3, t+2.3 s), ranks 1-2 write their SIGTERM
+    end at t+2.5 s, rank 0's end is lost (failing writes, or SIGKILL after the grace). Rank 0 missed no liveness
+    tick of its peers, so the verdict is signalled, ranks 1-2 (was: rank_died, rank 0, 0.20 s before them)."""
+    records = killed_during_scale()
+    records[0] = rank_records(0, waited_then(None))
+    report = diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
+    assert not [f for f in report.findings if f.kind == "rank_died"]
+
+
+def test_a_tick_missed_against_alive_records_without_an_interval_uses_the_default():
+    """The killed rank of the first test, its peers' alive records carrying no interval_s: the default interval
+    (1 s) is the tick they made after rank 0's last record (t+0.9 s; alive at t+2.3 s): rank_died, rank 0."""
+    records = killed_during_scale()
+    for r in (1, 2):
+        for rec in records[r]:
+            rec.pop("interval_s", None)
+    report = diagnose(records)
+    assert (report.verdict, report.culprit_ranks) == ("rank_died", [0]), format_report(report)
+    records[0] = rank_records(0, [(1.6, "alive", {"steps_seen": 12, "waiting_on": None})])
+    report = diagnose(records)   # rank 0's last record at t+1.6 s: the peers' t+2.3 s alive is no missed tick
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)

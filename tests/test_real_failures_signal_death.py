@@ -3,16 +3,19 @@
 Three real processes write their traces with the real ``EventTrace`` and ``Liveness`` thread, and turn
 SIGTERM into ``end how=signal`` as simulated ranks do (``eplb_fsm.sim.signals``). Ranks 1-2 then wait
 outside any collective (as for a scale-up's joiner), rank 0 SIGKILLs itself, and the test, acting as the
-launcher, SIGTERMs ranks 1-2 once it sees rank 0 gone. Nothing in ranks 1-2's traces tells of rank 0's
-death (no collective with it failed): only the order of the stops does.
+launcher, SIGTERMs ranks 1-2 once it sees rank 0 gone and their liveness threads ticked after it. Nothing in
+ranks 1-2's traces tells of rank 0's death (no collective with it failed): only the order of the stops does, with
+the tick rank 0 missed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,17 @@ while True:
 '''
 
 
+def records(path: Path) -> list[dict]:
+    """The whole JSON lines of a trace written so far (a line being written is skipped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 def test_a_rank_sigkilled_then_the_survivors_sigtermed_is_rank_died(tmp_path):
     """Rank 0 SIGKILLed, then ranks 1-2 SIGTERMed by the launcher: rank_died, rank 0; ranks 1-2 are consequences
     (was: signalled, ranks 1-2, "stopped from outside")."""
@@ -64,6 +78,14 @@ def test_a_rank_sigkilled_then_the_survivors_sigtermed_is_rank_died(tmp_path):
         procs[0].stdin.write("go\n")
         procs[0].stdin.flush()
         assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        # the launcher notices the dead rank within its poll period, by when the survivors' liveness threads
+        # ticked past rank 0's last record (what names rank 0: it missed that tick)
+        last0 = records(tmp_path / "rank00000.jsonl")[-1]["ts"]
+        deadline = time.monotonic() + 30
+        while not all(any(r["event"] == "alive" and r["ts"] > last0 + r.get("interval_s", 1.0)
+                          for r in records(tmp_path / f"rank{k:05d}.jsonl")) for k in (1, 2)):
+            assert time.monotonic() < deadline, "the survivors wrote no alive record after rank 0's death"
+            time.sleep(0.1)
         for p in procs[1:]:    # the launcher stops the survivors once a rank is gone
             p.send_signal(signal.SIGTERM)
         for p in procs[1:]:

@@ -252,10 +252,19 @@ def _format_failed(report: dict) -> list[str]:
     rep = report.get("replay") or {}
     culprits = rep.get("culprit_ranks") or []
     stopped = ', '.join(map(str, report['failed_ranks'])) or '-'
-    if report.get("error") == "timeout" and rep.get("verdict") == "signalled":
+    # a rank the launcher killed at its deadline because it was still running did not die before it: its trace
+    # stopped early (writes failing: a full disk, a file-size limit), not the rank
+    running = {e["rank"] for e in report["ranks"] if e["status"] == "timed_out"}
+    alive_dead = rep.get("verdict") == "rank_died" and bool(culprits) and set(culprits) <= running
+    if report.get("error") == "timeout" and (rep.get("verdict") == "signalled" or alive_dead):
         # the launcher's own deadline sent those signals: no rank is to blame
         lines += ["", f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s) "
                       "stopped every rank; no rank had failed before it", f"ranks that stopped: {stopped}"]
+        if alive_dead:
+            who = ", ".join(map(str, culprits))
+            lines.append(f"replay reads rank_died for rank(s) {who}, but the launcher found them still running at "
+                         "the deadline: their traces stopped early (writes failing?), not the ranks: "
+                         f"{rep['summary']}")
     elif culprits:
         # the cause first (what replay blames), then every rank that stopped as a consequence
         lines += ["", f"the run {what}: caused by rank(s) {', '.join(map(str, culprits))}: "

@@ -8,9 +8,9 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **died**: no ``end``, and either its last record is older than the others' last records by
   more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that
   ended (the participants of its current group that did not leave on purpose) in order, giving up a wait,
-  or by a signal that came after its last record and before any crash (``signal_death``: a launcher's
-  SIGTERM to the survivors once a rank is gone): the process was killed (SIGKILL, a crash of the
-  interpreter) or froze for good. Ranks that died within
+  or by a signal that came after its last record and before any crash, once a peer's liveness thread ticked
+  a full interval after that record (``signal_death``: a launcher's SIGTERM to the survivors once a rank is
+  gone): the process was killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within
   ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes

@@ -41,7 +41,9 @@ did not start from the replayed state: ``transition_replay.settle_lost_changes``
 as many as share the rank's own state change #n, took from #n up to one equal to the
 rank's (the same event at the same step): a whole cycle lost, which leaves the replayed
 state as it was (a lone rank that diverged is no reference for the others, unless its own trace lost nothing
-between its state changes #n-1 and #n: a whole record of those steps against a broken one). The alignment
+between its state changes #n-1 and #n: a whole record of those steps against a broken one). Either way the
+rank's lost lines must be at least as many as those state changes of the others (one line each): one lost
+``steps`` line cannot hold a whole rearrangement that a lone rank shows. The alignment
 goes on without that participant. The gaps told are shared by every ``LostRecords`` of one
 ``Cast`` (one diagnosis): the collectives do not tell a gap the alignment told.
 """
@@ -201,6 +203,7 @@ class LostRecords:
         # those it diverges from, as many as its own kind at least (a lone odd one is the others' reference), or
         # fewer whose own trace lost nothing there: their record of those steps is whole, its is not
         refs = [q for q in rest if here[q] != here[k] and (size[here[q]] >= size[here[k]] or not self._near(q, rest))]
+        room = sum(s.gaps[n]["lost"] for n in near)   # one line per state change: no more can have gone
         for n in reversed(near):
             g = s.gaps[n]
             a = g["from_step"] if type(g["from_step"]) is int else -math.inf
@@ -210,6 +213,8 @@ class LostRecords:
                 for m in range(jq, len(theirs)):
                     u = theirs[m]
                     if m > jq and (u.key(), u.step) == (t.key(), t.step):
+                        if m - jq > room:
+                            break   # the others' state changes in between are more than the lost lines could hold
                         return n    # the others' state changes before this one all lie in the gap's steps
                     if type(u.step) is not int or not a <= u.step <= b:
                         break

@@ -7,28 +7,39 @@ signals look like a job stopped from outside (``signalled``, naming the survivor
 counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) when
 
 - it comes after the last record of the rank without an end (a signal before that stop is no reaction to
-  it: the rank still wrote after it), and
+  it: the rank still wrote after it),
 - no participant had crashed (an ``end`` with an exception that is no failed wait,
   ``endings.ended_in_reaction``) at or before it: a crash explains the launcher's signals itself, and a
-  rank left without an end among them is one the launcher killed after it.
+  rank left without an end among them is one the launcher killed after it, and
+- the rank missed a liveness tick its peers made: a signalled peer wrote an ``alive`` record more than one
+  of its intervals (``interval_s``; ``eplb_fsm.liveness.DEFAULT_INTERVAL_S`` when none was announced) after
+  the rank's last record, and before its own signal ``end``. A live rank in the same state would have ticked
+  too; a rank that merely wrote nothing for a while (a quiet collecting rank writes a ``steps`` run every 1.5
+  intervals and an ``alive`` record every ``HEARTBEAT_S``) did not miss anything the traces show.
 
-A stop from outside while no rank had failed leaves an ``end how=signal`` on every rank that was running,
-so it still reads ``signalled``.
+A job stopped from outside while no rank had failed leaves an ``end how=signal`` on every rank whose trace
+could still be written. A live rank whose ``end`` is missing (its writes failing: a full disk, a file-size
+limit; or SIGKILLed by the launcher after its SIGTERM grace) stops just before the others' signal ends, with
+no tick missed: that still reads ``signalled``, naming the ranks that wrote their ends. The rule cannot tell a
+rank killed less than one interval before the launcher's SIGTERM (or killed while its peers wrote no
+``alive`` record: ranks making progress write one only every ``HEARTBEAT_S``) from such a live rank whose end
+was lost: both read ``signalled``.
 
-What the traces cannot tell apart: a rank frozen (SIGSTOP, a stalled host) when the job was stopped from
-outside, without a SIGCONT, writes no ``end`` either, and its trace stops before the others' signal ends
-too: every thread of a stopped process stops, as of a killed one, and nothing it wrote before differs. (The
+What the traces cannot tell apart either: a rank frozen (SIGSTOP, a stalled host) when the job was stopped
+from outside, without a SIGCONT, writes no ``end``, and its trace stops before the others' signal ends too:
+every thread of a stopped process stops, as of a killed one, and nothing it wrote before differs. (The
 stop of ``eplb-fsm simulate`` sends SIGCONT with SIGTERM, so a rank of its own writes its ``end`` and reads
-``frozen``.) Such a rank is named ``rank_died`` as well, and the finding's detail says that a frozen process
-looks the same. It is the safer reading: that rank was no longer running when the others were stopped, so it
-is where to look either way, while ``signalled`` would name only ranks that did nothing wrong and leave the
-dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed.
+``frozen``.) Such a rank is named ``rank_died`` as well (once it missed a tick), and the finding's detail says
+that a frozen process looks the same. It is the safer reading: that rank was no longer running when the
+others were stopped, so it is where to look either way, while ``signalled`` would name only ranks that did
+nothing wrong and leave the dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed.
 """
 
 from __future__ import annotations
 
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import ended_in_reaction
+from eplb_fsm.liveness import DEFAULT_INTERVAL_S
 
 __all__ = ["signal_death", "stopped_after"]
 
@@ -46,12 +57,20 @@ def stopped_after(cast: Cast, key: Key, peers: list[Key]) -> list[Key]:
         return []
     later = {o: ts for o in peers if (cast.parts[o].end or {}).get("how") == "signal"
              and (ts := _end_ts(cast, o)) is not None and ts > last}
-    if not later:
+    if not later or not any(_missed_tick(cast, o, last, ts) for o, ts in later.items()):
         return []   # the usual case (no signal, or none after it): no need to read every end for a crash
     crashes = [ts for o, s in cast.parts.items() if o != key and (s.end or {}).get("how") == "exception"
                and (ts := _end_ts(cast, o)) is not None and not ended_in_reaction(cast, o)]
     first_crash = min(crashes, default=float("inf"))
     return [o for o, ts in later.items() if ts < first_crash]
+
+
+def _missed_tick(cast: Cast, peer: Key, last: float, end: float) -> bool:
+    """``peer`` wrote an ``alive`` record more than one of its intervals after ``last`` and before its signal
+    ``end`` at ``end``: its liveness thread ticked where the silent rank's, had it been running, would have."""
+    s = cast.parts[peer]
+    interval = s.alive_interval or DEFAULT_INTERVAL_S
+    return any(type(ts) in (int, float) and last + interval < ts < end for ts, *_ in s.alive)
 
 
 def signal_death(cast: Cast, key: Key, stopped: list[Key], last: float, at) -> tuple[str, str]:

@@ -7,8 +7,10 @@ A record whose recorded source (or stamped state) is not the replayed state, rig
 the trace lost (a stretch of ``seq`` in ``RankSummary.gaps`` that lies after the session's previous
 transition record, or lines lost just before a step record), is explained by them: they held the
 state change(s) in between. So is a ``transferring`` record whose source agrees but whose layer does not,
-after such lines (they spanned the rest of one rearrangement and the start of the next). The walk goes on
-from the recorded state (and layer) as for any such record;
+after such lines when there are at least as many of them as the state changes in between (layer_done forward, or
+the rest of one rearrangement and the start of the next: ``CYCLE_CHANGES`` and more); one lost ``alive`` line
+before a repeated ``layer_done`` explains nothing. The walk goes on from the recorded state (and layer) as for
+any such record;
 ``settle_lost_changes`` (at the end of the session) takes the mismatch out of ``illegal`` and keeps
 on the gap what it must have held (``state_from``, ``state_to``), once the gap is known to be lines
 lost (not a foreign line or a swap, which ``seqcheck`` takes back). A record the machine refuses
@@ -57,6 +59,19 @@ def lost_since(w: "Walker") -> list[dict]:
     """The session's stretches of lost lines after its last transition record (any, before the first one)."""
     lo = -1 if w.trans_seq is None else w.trans_seq
     return [g for g in w.s.gaps if g["last"] > lo]
+
+
+# the fewest state changes from transferring back into transferring at layer 0 through a new plan: fault, recovered,
+# step, plan_ready (the rest of the rearrangement, layer_done ... committed, then step and plan_ready, is longer)
+CYCLE_CHANGES = 4
+
+
+def _could_hold(w: "Walker", layer: int) -> bool:
+    """Lines lost since the session's last transition record are enough to hold the state changes that take the
+    replayed layer ``w.layer`` in transferring to ``layer`` (one line per state change): ``layer - w.layer``
+    layer_done forward, else ``CYCLE_CHANGES + layer`` through a new plan."""
+    need = layer - w.layer if layer > w.layer else CYCLE_CHANGES + layer
+    return sum(g["lost"] for g in lost_since(w)) >= need
 
 
 def lost_change(w: "Walker", rec: dict, entry: dict) -> None:
@@ -114,10 +129,10 @@ def replay_transition(w: "Walker", rec: dict) -> None:
         w.state = src
         if src == TRANSFERRING and isinstance(rec_layer, int) and lost_since(w):
             w.layer = rec_layer   # the lost lines held the layer's changes too: as where a trace starts
-    elif src == TRANSFERRING and isinstance(rec_layer, int) and rec_layer != w.layer and lost_since(w):
+    elif src == TRANSFERRING and isinstance(rec_layer, int) and rec_layer != w.layer and _could_hold(w, rec_layer):
         # lines lost since the last transition record spanned whole state changes back into transferring (the rest
         # of one rearrangement and the start of another): the source agrees, the layer does not; without lost
-        # lines such a record stays one the machine refuses
+        # lines enough for those changes such a record stays one the machine refuses
         reasons.append(f"recorded layer {rec_layer} but the replayed layer is {w.layer}")
         w.layer = rec_layer
     resynced = bool(reasons)    # the one reason so far: the walk took the record's source (and layer) on trust
