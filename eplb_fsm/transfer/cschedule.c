@@ -1,6 +1,6 @@
 /* A rearrangement's schedule for some local ranks, every layer in one call (optional C path).
  *
- * maps_valid(old, new, layers, slots) -> bool: schedule._maps_valid's rules.
+ * maps_valid(old, new, layers, slots) -> bool: plan_all.maps_valid's rules.
  *
  * rank_layers(old, new, layers, slots, world, ranks)
  *     old, new   (layers, slots) int64 phy2log, validated (ids in [-1, slots), every
@@ -235,7 +235,7 @@ done:
     return result;
 }
 
-/* schedule._maps_valid: ids in [-1, P) and every needed expert held in its layer */
+/* plan_all.maps_valid: ids in [-1, P) and every needed expert held in its layer */
 static PyObject *maps_valid(PyObject *self, PyObject *args)
 {
     Py_buffer ob, nb;

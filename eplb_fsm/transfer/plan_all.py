@@ -26,7 +26,7 @@ from eplb_fsm.maps import host_array
 from eplb_fsm.transfer import native_schedule
 from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, as_int64, check_layer_maps, read_only
 
-__all__ = ["all_layer_transfers", "plans_for_rank"]
+__all__ = ["all_layer_transfers", "check_held", "maps_valid", "plans_for_rank"]
 
 
 def _first_per_key(
@@ -41,6 +41,32 @@ def _first_per_key(
     # np.unique's return_index is the first occurrence (stable sort): the lowest row
     uniq, first = np.unique(key, return_index=True)
     return uniq, slot[first] % s
+
+
+def maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
+    """All layers at once: ids in [-1, P) and every needed expert held in its layer.
+
+    ``old``/``new``: (L, P) C-contiguous int64 of the same shape, P % G == 0 already checked.
+    """
+    num_layers, p = old.shape
+    if old.size == 0:
+        return True
+    if native_schedule.available():  # one C pass: a few µs where numpy takes ~0.1 ms at L=58, P=288
+        return native_schedule.maps_valid(old, new)
+    if min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
+        return False
+    held = np.zeros((num_layers, p + 1), dtype=bool)  # column p: the empty slot (-1)
+    layer = np.arange(num_layers)[:, None]
+    held[layer, old] = True
+    return bool(held[layer, new][new >= 0].all())
+
+
+def check_held(old: np.ndarray, new: np.ndarray, world_size: int, name_layers: bool) -> None:
+    """:func:`maps_valid` on ``old``/``new`` (L, P); where it fails, the per-layer check raises a ``ValueError``
+    naming the first layer (``[k]`` after the argument, when ``name_layers``) and the rule that fails."""
+    if not maps_valid(old, new):
+        for k in range(old.shape[0]):
+            check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if name_layers else "")
 
 
 def _check_maps(old: Any, new: Any, world_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,20 +91,7 @@ def _check_maps(old: Any, new: Any, world_size: int) -> tuple[np.ndarray, np.nda
     if p % world_size:
         raise ValueError(f"phy2log: P={p} slots must divide by world_size={world_size} (P % G == 0)")
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
-    if not old.size:
-        ok = True
-    elif native_schedule.available():  # one C pass: a few µs where numpy takes ~0.1 ms at L=58, P=288
-        ok = native_schedule.maps_valid(old, new)
-    elif min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
-        ok = False
-    else:
-        held = np.zeros((num_layers, p + 1), dtype=bool)  # column p (index -1): the empty slot
-        layer = np.arange(num_layers)[:, None]
-        held[layer, old] = True
-        ok = bool(held[layer, new][new >= 0].all())
-    if not ok:  # the per-layer check names the first layer and rule that fail
-        for k in range(num_layers):
-            check_layer_maps(old[k], new[k], world_size, what=f"[{k}]")
+    check_held(old, new, world_size, name_layers=True)
     return old, new
 
 

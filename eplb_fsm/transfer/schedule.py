@@ -24,8 +24,8 @@ from eplb_fsm.maps import host_array
 from eplb_fsm.transfer import native_schedule
 from eplb_fsm.transfer.batching import Wave, plan_waves, single_wave
 from eplb_fsm.transfer.local_copies import order_local_copies
-from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, as_int64, check_layer_maps
-from eplb_fsm.transfer.plan_all import all_layer_transfers, plans_for_rank
+from eplb_fsm.transfer.plan import LayerPlan, LayerTransfers, as_int64
+from eplb_fsm.transfer.plan_all import all_layer_transfers, check_held, plans_for_rank
 from eplb_fsm.transfer.rank_mapping import expand_maps
 from eplb_fsm.transfer.schedule_types import Commit, PreparedLayer, Run, WaveOps, row_runs
 
@@ -92,34 +92,13 @@ def prepare_maps(
         if sched is not None:
             _SCHEDULES.move_to_end(key)
     if sched is None:
-        if not _maps_valid(old, new):
-            # the per-layer check names the first layer and rule that fails
-            for k in range(old.shape[0]):
-                check_layer_maps(old[k], new[k], world_size, what=f"[{k}]" if ndim == 2 else "")
+        check_held(old, new, world_size, name_layers=ndim == 2)
         sched = Schedule(old, new, int(world_size), tuple(local_ranks), bool(migration_batching))
         with _SCHEDULES_LOCK:
             _SCHEDULES[key] = sched
             while len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
                 _SCHEDULES.popitem(last=False)
     return sched.old, sched.new, sched
-
-
-def _maps_valid(old: np.ndarray, new: np.ndarray) -> bool:
-    """All layers at once: ids in [-1, P) and every needed expert held in its layer.
-
-    ``old``/``new``: (L, P) int64 of the same shape, P % G == 0 already checked.
-    """
-    num_layers, p = old.shape
-    if old.size == 0:
-        return True
-    if native_schedule.available():
-        return native_schedule.maps_valid(old, new)
-    if min(old.min(), new.min()) < -1 or max(old.max(), new.max()) >= p:
-        return False
-    held = np.zeros((num_layers, p + 1), dtype=bool)  # column p: the empty slot (-1)
-    layer = np.arange(num_layers)[:, None]
-    held[layer, old] = True
-    return bool(held[layer, new][new >= 0].all())
 
 
 def _commit_of(plan: LayerPlan) -> tuple[Commit, tuple[Run, ...], np.ndarray]:
