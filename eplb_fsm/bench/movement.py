@@ -59,6 +59,7 @@ from eplb_fsm.bench.movement_traces import (
     trace_parts,
     verdicts,
 )
+from eplb_fsm.bench.options import refuse, seed_rule
 
 #: estimate_logical lives in bench/movement_traces.py and is part of this module's API too
 __all__ = ["ESFT_DIR_ENV", "TIME_RATIO_TARGET", "add_arguments", "estimate_logical", "run"]
@@ -234,8 +235,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("eplb-fsm bench movement: --sequences must be >= 1")
     if args.history < 1:
         raise SystemExit(f"eplb-fsm bench movement: --history must be >= 1 (windows), got {args.history}")
-    if args.seed < 0:  # numpy's generators take no negative seed
-        raise SystemExit(f"eplb-fsm bench movement: --seed must be >= 0, got {args.seed}")
+    refuse("movement", [seed_rule(args.seed)])
     try:
         scenarios = load_scenarios(args.scenarios)
     except ValueError as exc:

@@ -57,7 +57,7 @@ import os
 import statistics
 import time
 
-from eplb_fsm.bench.options import MAX_THREADS, memory_rule, refuse, thread_rule
+from eplb_fsm.bench.options import MAX_THREADS, memory_rule, refuse, seed_rule, thread_rule
 
 # Shapes the >= 20x target applies to (the four DeepSeek-V3-sized ones).
 TARGET_SHAPES = ("dsv3_ep32_hier", "dsv3_ep32_global", "dsv3_ep64_global", "qwen3_ep16")
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
     refuse("policy", ((min(args.repeats, args.reference_repeats, args.scaling_repeats) >= 1,
                        "--repeats, --reference-repeats and --scaling-repeats must be >= 1"),
                       thread_rule("--torch-threads", args.torch_threads),  # 100000 crashed torch's OpenMP pool
-                      (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
+                      seed_rule(args.seed),
                       (0 < args.target_speedup < math.inf,  # -1 was "met", nan and inf printed invalid JSON
                        f"--target-speedup must be > 0 and finite, got {args.target_speedup}"),
                       memory_rule(0 if args.no_scaling else scaling_bytes,  # int64 loads, all held at once

@@ -76,7 +76,7 @@ import sys
 import time
 from typing import Any
 
-from eplb_fsm.bench.options import MAX_THREADS, judged_on, memory_rule, refuse, thread_rule
+from eplb_fsm.bench.options import MAX_THREADS, judged_on, memory_rule, refuse, seed_rule, thread_rule, timeout_rule
 from eplb_fsm.bench.stall_metrics import (
     TARGET_LAYER_MB,
     TARGET_SINGLE_STEP,
@@ -91,7 +91,6 @@ from eplb_fsm.bench.stall_metrics import (
     run_metrics,
 )
 from eplb_fsm.cli import hidden_alias
-from eplb_fsm.config import MAX_SECONDS  # --timeout's cap: inf overflowed gloo's timedelta on every rank
 
 MODES = ("sync", "async")
 PLAIN = "plain"             # the noise floor: the same steps as the async run, no rearrangement
@@ -159,8 +158,8 @@ def _check(args: argparse.Namespace) -> int:
         (0 <= args.switch_interval <= 1, f"--switch-interval must be in 0..1 s, got {args.switch_interval}"),
         (0 <= args.worker_nice <= 19, f"--worker-nice must be in 0..19, got {args.worker_nice}"),
         (args.max_bytes_per_step >= 0, f"--max-bytes-per-step must be >= 0, got {args.max_bytes_per_step}"),
-        (0 < args.timeout <= MAX_SECONDS, f"--timeout must be in (0, {MAX_SECONDS:g}] seconds, got {args.timeout}"),
-        (args.seed >= 0, f"--seed must be >= 0 (a numpy seed), got {args.seed}"),
+        timeout_rule(args.timeout),
+        seed_rule(args.seed),
     ]
     refuse("stall", rules)
     slots = (args.experts + args.redundant) // args.world
