@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from eplb_fsm.maps import as_count
+from eplb_fsm.maps import as_count, as_finite_float, host_array
 
-__all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "load_fault",
-           "rank_loads_physical"]
+__all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "checked_loads64",
+           "load_fault", "rank_loads_physical"]
 
 ESTIMATORS = ("window_sum", "decayed_sum", "subwindow_max")
 
@@ -88,8 +88,11 @@ class LoadWindow:
         """
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be a number in (0, 1] (config.load_decay's rule), got {decay!r}")
+        rule = "a number in (0, 1] (config.load_decay's rule)"
+        # as the config reads it: numpy floats pass, a bool or 10**400 is a ValueError, not a TypeError
+        decay = as_finite_float(decay, "decay", rule)
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be {rule}, got {decay!r}")
         subwindows = as_count(subwindows, "subwindows")
         passes = self.passes_oldest_first().to(torch.float64)
         if passes.shape[0] == 0:
@@ -215,7 +218,11 @@ def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical
 
 
 def rank_loads_physical(physical: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Per-rank load (L, G) from a per-slot load (L, P): each rank's S = P / G slots summed."""
+    """Per-rank load (L, G) from a per-slot load (L, P): each rank's S = P / G slots summed.
+
+    ``ValueError`` naming ``world_size`` unless it is an integer >= 1 (not a bool or 2.0) dividing P.
+    """
+    world_size = as_count(world_size, "world_size")
     L, P = physical.shape
     if world_size < 1 or P % world_size:
         raise ValueError(f"slots ({P}) must be divisible by world_size ({world_size})")
@@ -227,25 +234,44 @@ def balancedness(rank_loads: Any) -> float:
     divided by sum over layers of the max rank load (1.0 = perfect; no load at all = 1.0).
 
     ``rank_loads``: ``(L, G)`` per-rank loads of L layers, or ``(G,)`` for one layer; a
-    numpy array, torch tensor or nested list, computed in float64. Means and maxima are
-    taken over ranks (the last axis) per layer, then summed over layers, so a heavy layer
-    weighs more than a light one. Several models sharing the ranks: concatenate their
-    ``(L_m, G)`` loads along the layer axis. ``ValueError`` naming ``rank_loads`` for any
-    other shape, and for a NaN, infinite or negative load.
+    numpy array, torch tensor or nested list of real numbers, computed in float64. Means
+    and maxima are taken over ranks (the last axis) per layer, then summed over layers, so
+    a heavy layer weighs more than a light one. Several models sharing the ranks:
+    concatenate their ``(L_m, G)`` loads along the layer axis. ``ValueError`` naming
+    ``rank_loads`` for any other shape, and for what :func:`checked_loads64` refuses.
     """
-    if isinstance(rank_loads, torch.Tensor):
-        rank_loads = rank_loads.detach().cpu().numpy()
-    loads = np.asarray(rank_loads, dtype=np.float64)
+    loads = checked_loads64(rank_loads, "rank_loads")
     if loads.ndim == 1:
         loads = loads[None, :]
     if loads.ndim != 2 or loads.shape[1] < 1:
         raise ValueError(f"rank_loads must be shaped (G,) or (L, G) with G >= 1 ranks, got shape {loads.shape}")
-    fault = load_fault(loads)
-    if fault is not None:
-        raise ValueError(f"rank_loads must hold finite loads >= 0, got {fault}")
     total_max = float(loads.max(axis=1).sum())
     return float(loads.mean(axis=1).sum() / total_max) if total_max > 0 else 1.0
 
+
+def checked_loads64(values: Any, name: str) -> np.ndarray:
+    """``values`` (a numpy array, torch tensor or nested lists, any shape) as a float64 numpy array of loads.
+
+    ``ValueError`` naming ``name`` unless the dtype is a real number type (not bool, complex,
+    strings or objects), every load is finite and >= 0 (:func:`load_fault`), and the total
+    of all loads (summed along the last axis, then over the rest) is finite in float64.
+    Any sum, mean or maximum over some of the loads is at most that total, so a finite one
+    keeps them finite: two loads of 1e308 are each finite but their sum is not, and their
+    balancedness would come out inf or NaN.
+    """
+    arr = host_array(values, name)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+        raise ValueError(f"{name} must hold real numbers (not bools), got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    fault = load_fault(arr)
+    if fault is not None:
+        raise ValueError(f"{name} must hold finite loads >= 0, got {fault}")
+    with np.errstate(over="ignore"):  # an overflow is the error raised below, not a warning
+        total = arr.sum(axis=-1).sum() if arr.ndim else arr
+    if not np.isfinite(total):
+        raise ValueError(f"{name}: the loads of each row, and of all rows together, must sum to a finite "
+                         f"float64 (below about 1.8e308)")
+    return arr
 
 
 def load_fault(loads: Any) -> str | None:

@@ -174,3 +174,72 @@ def test_loads_just_inside_float64_are_scored():
     weight = np.full((1, 2), 8e307)
     assert balancedness_bound(weight, 2, 2) == 1.0
     assert np.isfinite(max_load_lower_bound(weight, 2, 1)).all()
+
+
+def _greedy_lower_bound(weight, num_replicas, num_ranks):
+    """The bound as first written: one greedy replication step per redundant slot, from one replica each."""
+    w = np.asarray(weight, dtype=np.float64)
+    count = np.ones_like(w)
+    per_replica = w.copy()
+    rows = np.arange(w.shape[0])
+    for _ in range(num_replicas - w.shape[1]):
+        expert = per_replica.argmax(axis=1)
+        count[rows, expert] += 1
+        per_replica[rows, expert] = w[rows, expert] / count[rows, expert]
+    return np.maximum(w.sum(axis=1) / num_ranks, per_replica.max(axis=1, initial=0.0))
+
+
+def _random_loads(rng, kind, shape):
+    """Loads of one of eight kinds: uniform, small integers (ties), subnormal, huge, 0/1, zipf, wide, tiny."""
+    if kind == 0:
+        return rng.random(shape)
+    if kind == 1:
+        return rng.integers(0, 5, shape).astype(np.float64)
+    if kind == 2:
+        return 5e-324 * rng.integers(0, 50, shape)
+    if kind == 3:
+        return rng.random(shape) * 1e307 / shape[1]
+    if kind == 4:
+        return (rng.random(shape) < 0.3).astype(np.float64)
+    if kind == 5:
+        return rng.zipf(1.5, shape).astype(np.float64)
+    if kind == 6:
+        return np.exp(rng.normal(0.0, 30.0, shape))
+    return rng.random(shape) * 2.0**-1020
+
+
+def test_lower_bound_equals_one_greedy_step_per_slot_on_random_loads():
+    """The head-started greedy returns bit for bit what one step per redundant slot returns, ties and subnormals too."""
+    rng = np.random.default_rng(7)
+    for case in range(800):
+        layers, experts = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        replicas, ranks = experts + int(rng.integers(0, 300)), int(rng.integers(1, 5))
+        weight = _random_loads(rng, case % 8, (layers, experts))
+        want = _greedy_lower_bound(weight, replicas, ranks)
+        assert np.array_equal(max_load_lower_bound(weight, replicas, ranks), want), (case, weight, replicas)
+        total = float((weight.sum(axis=1) / ranks).sum())
+        expected = total / float(want.sum()) if want.sum() > 0 else 1.0
+        assert balancedness_bound(weight, replicas, ranks) == expected
+
+
+@pytest.mark.timeout(30)
+def test_lower_bound_with_a_billion_slots_is_exact_without_a_step_per_slot():
+    """P = 3 * 2**29: the optimum (2**29 and 2**30 replicas of loads 1, 2) comes back at once, not in 1.6e9 steps."""
+    replicas = 3 * 2**29
+    assert max_load_lower_bound(np.array([[1.0, 2.0]]), replicas, 2**31 - 1).tolist() == [2.0**-29]
+    assert max_load_lower_bound(np.array([[2.0**-1000]]), 2**31 - 1, 2**31 - 1).tolist() == [2.0**-1000 / (2**31 - 1)]
+
+
+@pytest.mark.timeout(30)
+def test_num_replicas_at_the_policies_limit_is_refused():
+    """num_replicas >= 2**31, which every policy refuses, is a ValueError naming it rather than a very long loop."""
+    for call in (max_load_lower_bound, balancedness_bound):
+        with pytest.raises(ValueError, match=r"^num_replicas must be below 2\*\*31"):
+            call(np.ones((1, 2)), 2**31, 1)
+
+
+@pytest.mark.parametrize("weight", [np.ones((1, 2), dtype=bool), np.array([["1", "2"]]), np.ones((1, 2)) * 1j])
+def test_weight_that_is_not_real_numbers_is_refused(weight):
+    """Bools, strings and complex loads are a ValueError naming weight, as the policies and stats.balancedness do."""
+    with pytest.raises(ValueError, match=r"^weight must hold real numbers"):
+        max_load_lower_bound(weight, 2, 1)

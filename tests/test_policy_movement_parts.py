@@ -5,6 +5,8 @@ Each fast (vectorised) helper is checked against a slow, obvious version on rand
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_fsm.policy.default import DefaultEplbPolicy
+from eplb_fsm.policy.movement import MovementAwarePolicy
 from eplb_fsm.policy.movement.targets import lagrange_levels, water_level
 from eplb_fsm.policy.movement.placement import (
-    expert_counts, fill_empty_slots, membership, moved_mask, moves_per_layer, rank_counts, slot_loads,
+    check_target, expert_counts, fill_empty_slots, membership, moved_mask, moves_per_layer, rank_counts,
+    rank_membership, slot_loads,
 )
 from eplb_fsm.policy.movement.targets import _first_come_rows, _greedy_assignment, align_rows, renumbered_default
 from eplb_fsm.policy.movement.policy import plan_movement
@@ -216,3 +220,56 @@ def test_search_round_keeps_repoint_and_swaps_within_the_move_limit(monkeypatch,
     plan = plan_movement(LIMIT_CASE["weight"], *LIMIT_CASE["call"], old, target=target, max_moves=1)
     assert plan.repaired.all() and plan.rounds >= 3
     assert moved_mask(old, plan.phy2log, 4).sum() <= 1
+
+
+_OLD6 = np.array([[0, 1, 2, 3, 0, 1]])
+_NEW6 = np.array([[1, 0, 2, 3, 0, 1]])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: moved_mask(_OLD6, _NEW6, 4), r"num_ranks \(4\) must divide the number of slots \(6\)"),
+    (lambda: moved_mask(_OLD6, _NEW6, 5), r"num_ranks \(5\) must divide"),
+    (lambda: moved_mask(_OLD6, _NEW6, 0), "num_ranks must be >= 1"),
+    (lambda: moved_mask(_OLD6, _NEW6, 2.0), "num_ranks must be an integer"),
+    (lambda: moved_mask(_OLD6, _NEW6, True), "num_ranks must be an integer"),
+    (lambda: moved_mask(_OLD6, np.array([[-5, 0, 2, 3, 0, 1]]), 2), "new_phy2log entries must be >= -1"),
+    (lambda: moved_mask(np.array([[-2, 1, 2, 3, 0, 1]]), _NEW6, 2), "old_phy2log entries must be >= -1"),
+    (lambda: moved_mask(_OLD6[0], _NEW6[0], 2), "old_phy2log must be 2-D"),
+    (lambda: rank_membership(_OLD6, 4, 4), r"num_ranks \(4\) must divide"),
+    (lambda: rank_membership(_OLD6, 0, 4), "num_ranks must be >= 1"),
+    (lambda: rank_membership(_OLD6, 2, 2), r"phy2log entries must be in \[-1, num_experts\) = \[-1, 2\)"),
+    (lambda: rank_membership(np.array([[-3, 1]]), 2, 4), r"phy2log entries must be in \[-1, num_experts\)"),
+    (lambda: rank_membership(_OLD6, 2, 0), "num_experts must be >= 1"),
+    (lambda: rank_membership(_OLD6, 2, 4.0), "num_experts must be an integer"),
+])
+def test_moved_mask_and_rank_membership_refuse_bad_ranks_and_entries(call, match):
+    """A rank count that is no integer >= 1 dividing P, or an entry outside the range, is a ValueError by name."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_moved_mask_with_valid_ranks_still_counts_only_cross_rank_moves():
+    """Swaps inside a rank move nothing; the checks leave valid calls as they were."""
+    assert moved_mask(_OLD6, _NEW6, 2).tolist() == [[False] * 6]
+    assert moved_mask(_OLD6, _NEW6, 6).tolist() == [[True, True, False, False, False, False]]
+    assert rank_membership(_OLD6, 3, 4).tolist() == [[[True, True, False, False], [False, False, True, True],
+                                                      [True, True, False, False]]]
+
+
+@pytest.mark.parametrize("target", [10**400, Fraction(10**400, 3), -(10**400), True, "0.9", float("nan")],
+                         ids=["10**400", "Fraction(10**400, 3)", "-10**400", "True", "str", "nan"])
+def test_check_target_refuses_values_float_cannot_take_by_name(target):
+    """10**400 or a huge Fraction is a ValueError naming target (OverflowError before), as the config's rule."""
+    with pytest.raises(ValueError, match=r"^target must be a number in \(0, 1\]"):
+        check_target(target)
+    with pytest.raises(ValueError, match=r"^target must be a number in \(0, 1\]"):
+        MovementAwarePolicy(target=target)
+
+
+def test_check_target_takes_numpy_and_fraction_targets_in_range():
+    """Any real in (0, 1] passes as a float: numpy float32, a Fraction, the int 1."""
+    assert check_target(np.float32(0.5)) == 0.5
+    assert check_target(Fraction(1, 4)) == 0.25
+    assert check_target(1) == 1.0
+    with pytest.raises(ValueError, match=r"target must be a number in \(0, 1\], got 0"):
+        check_target(0)

@@ -11,6 +11,7 @@ from eplb_fsm.stats import (
     RemapPlan,
     aggregate_logical,
     balancedness,
+    checked_loads64,
     load_fault,
     rank_loads_physical,
 )
@@ -318,3 +319,52 @@ def test_load_fault_names_the_first_rule_broken(loads, reason):
     """load_fault: None for finite loads >= 0 (numpy or torch), else NaN, then infinite, then negative."""
     assert load_fault(np.array(loads)) == reason
     assert load_fault(torch.tensor(loads, dtype=torch.float64)) == reason
+
+
+@pytest.mark.parametrize("loads, scaled", [([[1e308, 1e308]], 1.0), ([[1e308, 0.0], [1e308, 0.0]], 0.5),
+                                            ([1e308, 1e308, 1e308], 1.0)])
+def test_balancedness_refuses_loads_whose_total_overflows_float64(loads, scaled):
+    """Finite rank loads that sum past float64 raise ValueError naming rank_loads (inf or 0.0 came back before)."""
+    with pytest.raises(ValueError, match=r"^rank_loads: .* must sum to a finite float64"):
+        balancedness(loads)
+    assert balancedness(np.array(loads) / 1e10) == scaled  # the same loads scaled down are scored as before
+
+
+@pytest.mark.parametrize("loads", [["1", "2"], [True, False], np.array([1 + 0j, 2]), np.array([None, 1.0])])
+def test_balancedness_refuses_strings_bools_and_complex_loads(loads):
+    """Only real numbers are loads: strings, bools, complex or object arrays are a ValueError naming rank_loads."""
+    with pytest.raises(ValueError, match=r"^rank_loads must hold real numbers \(not bools\), got dtype"):
+        balancedness(loads)
+
+
+def test_checked_loads64_gives_float64_of_any_real_dtype_and_names_the_argument():
+    """Integer, float32 and torch loads come back as float64 copies; a bad one names the given argument."""
+    assert checked_loads64(np.array([[1, 2]], np.int32), "x").dtype == np.float64
+    assert checked_loads64(torch.tensor([0.5], dtype=torch.bfloat16), "x").tolist() == [0.5]
+    with pytest.raises(ValueError, match="^weight must hold finite loads >= 0, got negative load"):
+        checked_loads64([-1.0], "weight")
+
+
+def test_estimate_takes_a_numpy_float_decay_as_the_config_does():
+    """np.float32(0.9), which EplbConfig.load_decay accepts, weighs passes as float(np.float32(0.9)) does."""
+    w = LoadWindow(1, 2, 4)
+    _feed(w, [[[1, 2]], [[3, 4]], [[5, 6]]])
+    got = w.estimate("decayed_sum", np.float32(0.9))
+    assert torch.equal(got, w.estimate("decayed_sum", float(np.float32(0.9))))
+    assert torch.equal(w.estimate("decayed_sum", np.float64(1.0)), w.estimate("window_sum"))
+
+
+@pytest.mark.parametrize("decay", [10**400, np.float32(1.5), True, "0.9", float("nan")])
+def test_estimate_refuses_a_decay_outside_the_rule_by_name(decay):
+    """A bool, a string, NaN, 10**400 (OverflowError in float()) or a value past 1 is a ValueError naming decay."""
+    w = LoadWindow(1, 1, 2)
+    with pytest.raises(ValueError, match=r"^decay must be a number in \(0, 1\]"):
+        w.estimate("decayed_sum", decay)
+
+
+@pytest.mark.parametrize("world_size", [2.0, True, "2", None])
+def test_rank_loads_physical_refuses_a_world_size_that_is_no_integer(world_size):
+    """2.0 (a torch TypeError before) and True (read as 1 before) are a ValueError naming world_size."""
+    with pytest.raises(ValueError, match="^world_size must be an integer"):
+        rank_loads_physical(torch.ones(1, 4), world_size)
+    assert rank_loads_physical(torch.ones(1, 4), np.int64(2)).tolist() == [[2.0, 2.0]]

@@ -15,8 +15,9 @@ limit for the balancedness of any placement.
 
 All functions take numpy arrays or torch tensors and compute in float64 numpy. Loads
 must be finite and >= 0 and their total over all layers must be finite in float64 (so
-every layer's is), counts (``num_ranks``, ``num_replicas``) integers >= 1: ``ValueError``
-naming the argument otherwise.
+every layer's is), counts (``num_ranks``, ``num_replicas``) integers >= 1, and
+``num_replicas`` below 2**31 (``REPLICAS_LIMIT``, as the policies): ``ValueError`` naming
+the argument otherwise. The load rules are :func:`eplb_fsm.stats.checked_loads64`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from eplb_fsm.maps import as_count, checked_int64, host_array
+from eplb_fsm.policy.base import REPLICAS_LIMIT
 
 __all__ = [
     "balancedness_bound",
@@ -44,23 +46,10 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
 
 
 def _weight64(weight: Any) -> np.ndarray:
-    from eplb_fsm.stats import load_fault   # here, not at the top: stats imports torch, `eplb-fsm --help` must not
+    """``weight`` (L, N) as float64; ``ValueError`` naming ``weight`` for what ``checked_loads64`` refuses."""
+    from eplb_fsm.stats import checked_loads64   # here, not at the top: stats imports torch, `eplb-fsm --help` must not
 
-    w = _to_numpy(weight, "weight")
-    if not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_) or np.iscomplexobj(w):
-        raise ValueError(f"weight must hold real numbers, got dtype {w.dtype}")
-    w = w.astype(np.float64)
-    fault = load_fault(w)
-    if fault is not None:
-        raise ValueError(f"weight must hold finite loads >= 0, got {fault}")
-    # rank loads, means and the sums over layers are all at most this total: a finite one
-    # keeps every result finite (1e308 per expert is finite, four of them are not)
-    with np.errstate(over="ignore"):  # an overflow is the error raised below, not a warning
-        total = w.sum(axis=1).sum()
-    if not np.isfinite(total):
-        raise ValueError("weight: the loads of each layer, and of all layers together, must sum to a finite "
-                         "float64 (below about 1.8e308)")
-    return w
+    return checked_loads64(_to_numpy(weight, "weight"), "weight")
 
 
 def rank_loads(phy2log: Any, weight: Any, num_ranks: int) -> np.ndarray:
@@ -117,22 +106,61 @@ def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.n
     """Lowest max rank load any placement of ``num_replicas`` slots on ``num_ranks`` ranks can reach.
 
     ``weight (L, N) -> (L,)`` float64: ``max(total / G, best max per-replica load)``, the
-    latter from greedy replication (optimal for minimising max_e w_e / c_e).
+    latter from greedy replication (optimal for minimising max_e w_e / c_e). ``num_replicas``
+    must be in [N, 2**31), the policies' range. The greedy starts from :func:`_head_start`,
+    so it takes about 3 N steps per layer rather than P - N; the result is the same.
     """
     w = _weight64(weight)
     num_layers, num_experts = w.shape
     num_replicas = as_count(num_replicas, "num_replicas")
+    if num_replicas >= REPLICAS_LIMIT:
+        raise ValueError(f"num_replicas must be below 2**31 (the policies' limit), got {num_replicas}")
     num_ranks = as_count(num_ranks, "num_ranks")
     if num_replicas < num_experts:
         raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of experts ({num_experts})")
-    count = np.ones_like(w)
-    per_replica = w.copy()
-    rows = np.arange(num_layers)
-    for _ in range(num_replicas - num_experts):
-        expert = per_replica.argmax(axis=1)
+    count = _head_start(w, num_replicas)
+    per_replica = w / count
+    # counts are integers below 2**31 and their sums below 2**53: exact in float64
+    left = num_replicas - count.sum(axis=1).astype(np.int64)
+    rows = np.arange(num_layers) if num_experts else np.arange(0)
+    for step in range(int(left.max(initial=0))):
+        rows = rows[left[rows] > step]
+        expert = per_replica[rows].argmax(axis=1)
+        # a row whose largest per-replica load is 0 is at its optimum already: its max cannot fall further
+        busy = per_replica[rows, expert] > 0
+        rows, expert = rows[busy], expert[busy]
+        if rows.size == 0:
+            break
         count[rows, expert] += 1
         per_replica[rows, expert] = w[rows, expert] / count[rows, expert]
     return np.maximum(w.sum(axis=1) / num_ranks, per_replica.max(axis=1, initial=0.0))
+
+
+def _head_start(w: np.ndarray, num_replicas: int) -> np.ndarray:
+    """``(L, N)`` float64 replica counts >= 1 from which greedy replication reaches the same optimum.
+
+    Greedy (one slot at a time to an expert with the largest ``fl(w_e / c_e)``) ends at the
+    optimum v* from any start whose counts are at most ``need_e(v*)``, the fewest replicas
+    that bring expert e to v* or below: until the max reaches v*, every step raises a count
+    still below its need, and after ``P - sum(start)`` steps all needs are met. The start is
+    a lower bound of ``need_e(v_hi) <= need_e(v*)``, where ``v_hi >= v*`` is the max of a
+    proportional allocation that fits in P slots. ``fl(x) >= x (1 - 2**-53) - 2**-1075``
+    (rounding, also among subnormals), so ``need_e(v) >= w_e (1 - 2**-53) / (v + 2**-1075)``;
+    the start takes ``floor(w_e / d) - 1`` with ``d = v_hi (1 + 1e-9) + 2**-1074`` above that
+    denominator, clipped to [1, P]. The counts left to place are then about 3 N per layer.
+    """
+    num_experts = w.shape[1]
+    extra = num_replicas - num_experts
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        total = w.sum(axis=1, keepdims=True)
+        share = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
+        alloc = 1.0 + np.floor(share * (extra * (1.0 - 1e-9)))
+        # the margin keeps the rounded allocation within P; a row it does not is given one each
+        alloc = np.where(alloc.sum(axis=1, keepdims=True) <= num_replicas, alloc, 1.0)
+        v_hi = (w / alloc).max(axis=1, keepdims=True, initial=0.0)
+        start = np.clip(np.floor(w / (v_hi * (1.0 + 1e-9) + 2.0**-1074)) - 1.0, 1.0, float(num_replicas))
+    # never taken when v_hi >= v*, as above; a row that still overflowed would start from one each
+    return np.where(start.sum(axis=1, keepdims=True) <= num_replicas, start, 1.0)
 
 
 def balancedness_bound(weight: Any, num_replicas: int, num_ranks: int) -> float:

@@ -35,14 +35,13 @@ Placements that cost less (rank renumbering, row alignment) are in
 
 from __future__ import annotations
 
-import math
 import numbers
 import types
 from typing import Any, Callable
 
 import numpy as np
 
-from eplb_fsm.maps import checked_int64, host_array
+from eplb_fsm.maps import as_count, as_finite_float, checked_int64, host_array
 from eplb_fsm.policy.movement import native
 
 __all__ = [
@@ -136,21 +135,44 @@ def moves_per_layer(held: np.ndarray, new: np.ndarray) -> np.ndarray:
     return moved.sum(1)
 
 
+def _checked_placement(value: Any, name: str, num_ranks: Any, num_experts: int | None = None) -> tuple[np.ndarray, int]:
+    """``value`` as an (L, P) int64 placement and ``num_ranks`` as an int; ``ValueError`` naming the
+    argument unless ``num_ranks`` is an integer >= 1 dividing P and every entry is -1 (empty) or an
+    expert >= 0 (below ``num_experts`` when given)."""
+    arr = checked_int64(value, name)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (layers, slots), got shape {arr.shape}")
+    num_ranks = as_count(num_ranks, "num_ranks")
+    if arr.shape[1] % num_ranks:
+        raise ValueError(f"num_ranks ({num_ranks}) must divide the number of slots ({arr.shape[1]})")
+    if arr.size and (arr.min() < -1 or (num_experts is not None and arr.max() >= num_experts)):
+        rule = f"in [-1, num_experts) = [-1, {num_experts})" if num_experts is not None else ">= -1"
+        raise ValueError(f"{name} entries must be {rule} (-1: an empty slot)")
+    return arr, num_ranks
+
+
 def rank_membership(phy2log: np.ndarray, num_ranks: int, num_experts: int) -> np.ndarray:
-    """``(L, P) -> (L, G, N)`` bool: ``out[l, g, e]`` when some slot of rank g holds e in layer l."""
-    phy2log = checked_int64(phy2log, "phy2log")
+    """``(L, P) -> (L, G, N)`` bool: ``out[l, g, e]`` when some slot of rank g holds e in layer l.
+
+    ``ValueError`` naming the argument unless ``num_ranks`` and ``num_experts`` are integers
+    >= 1, ``num_ranks`` divides P and every entry is in [-1, ``num_experts``).
+    """
+    num_experts = as_count(num_experts, "num_experts")
+    phy2log, num_ranks = _checked_placement(phy2log, "phy2log", num_ranks, num_experts)
     return membership(phy2log, num_experts, num_ranks).transpose(0, 2, 1)
 
 
 def moved_mask(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
     """``(L, P)`` bool: slots whose new expert was not on their rank in the old placement.
 
-    Empty new slots (-1) are never moved.
+    Empty new slots (-1) are never moved. ``ValueError`` naming the argument unless both
+    placements have one 2-D shape with entries >= -1 and ``num_ranks`` is an integer >= 1
+    dividing P (slot p is on rank p // (P / G)).
     """
     # checked: a uint64 2**64 - 1 must not wrap to -1 (an empty slot, never moved)
-    old = checked_int64(old_phy2log, "old_phy2log")
-    new = checked_int64(new_phy2log, "new_phy2log")
-    if old.shape != new.shape or old.ndim != 2:
+    old, num_ranks = _checked_placement(old_phy2log, "old_phy2log", num_ranks)
+    new, _ = _checked_placement(new_phy2log, "new_phy2log", num_ranks)
+    if old.shape != new.shape:
         raise ValueError(f"old and new placements must have the same 2-D shape, got {old.shape} and {new.shape}")
     num_layers, num_slots = new.shape
     num_experts = max(int(max(old.max(initial=-1), new.max(initial=-1))) + 1, 1)
@@ -161,12 +183,16 @@ def moved_mask(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
 
 
 def check_target(target: Any) -> float:
-    """``target`` as a float; any real number but a bool (numpy's float32 too), in (0, 1]."""
-    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not math.isfinite(target):
-        raise ValueError(f"target must be a number in (0, 1], got {target!r}")
-    if not 0.0 < float(target) <= 1.0:
-        raise ValueError(f"target must be in (0, 1], got {target}")
-    return float(target)
+    """``target`` as a float; any real number but a bool (numpy's float32 too), in (0, 1].
+
+    Read as the config reads ``movement_balancedness_target``: 10**400 or a huge Fraction is a
+    ``ValueError`` naming ``target``, not the OverflowError ``float()`` raises on it.
+    """
+    rule = "a number in (0, 1]"
+    value = as_finite_float(target, "target", rule)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"target must be {rule}, got {target!r}")
+    return value
 
 
 def check_max_moves(max_moves: Any) -> int | None:
