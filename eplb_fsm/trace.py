@@ -18,8 +18,10 @@ steps: :meth:`EventTrace.count_step` only counts, and the counted steps reach th
 one ``steps`` run record (first step, count, dummies) right before the next other record,
 at every :meth:`EventTrace.flush` (the liveness thread flushes every 1.5 intervals while
 steps advance) and at ``end``/close (docs/events.md, "Runs of quiet steps"). Files roll by
-size (:mod:`eplb_fsm.trace_segments`). One open trace per file and process, none written from a
-forked child (:mod:`eplb_fsm.trace_owners`). The library never calls ``structlog.configure()``.
+size (:mod:`eplb_fsm.trace_segments`). One open trace per file, across processes too (a lock
+file), none written from a forked child (:mod:`eplb_fsm.trace_owners`). A record is encoded
+before anything is counted, and a value JSON cannot hold never raises (:mod:`eplb_fsm.trace_encode`).
+The library never calls ``structlog.configure()``.
 """
 
 from __future__ import annotations
@@ -36,22 +38,23 @@ from eplb_fsm.trace_file import TraceFile
 from eplb_fsm.trace_owners import end_open_traces  # noqa: F401  (re-exported: a signal handler's call)
 from eplb_fsm.trace_runs import DUMMY, StepRun
 from eplb_fsm.trace_segments import read_trace, record_steps  # noqa: F401  (re-exported)
+from eplb_fsm.trace_encode import check_fields
 from eplb_fsm.trace_fields import (  # noqa: F401  (re-exported: the trace's public names)
-    END_HOWS, SCHEMA_VERSION, OpenCollective, alive_fields, collective_fields, config_hash, continued_fields,
-    encode_record, end_fields, exception_text, header_fields, json_default, machine_after, trace_path,
+    COLLECTIVE_FIELDS, END_HOWS, SCHEMA_VERSION, CollectiveBrackets, OpenCollective, alive_fields, check_identity,
+    collective_fields, config_hash, continued_fields, encode_record, end_fields, exception_text, header_fields,
+    json_default, machine_after, trace_path,
 )
 
 
 # record keys every reader may rely on (docs/events.md documents each)
 BASE_FIELDS = ("ts", "rank", "world", "event", "state", "step", "seq")
-COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 # a run of counted steps is written once it holds this many, flusher or not: a rank
 # without a liveness thread loses at most this many steps when killed
 MAX_RUN = 1 << 16
 END_LOCK_WAIT_S = 1.0   # end() from a signal handler: past this the lock is its own thread's; defer
 
 
-class EventTrace:
+class EventTrace(CollectiveBrackets):
     """The trace writer of one rank; its methods are safe from several threads.
 
     ``state`` and ``step`` are context the owner updates (``set_context``) so that
@@ -82,8 +85,7 @@ class EventTrace:
         exclusive: bool = True,
     ) -> None:
         self.max_bytes, self.max_segments = trace_segments.check_rotation(max_bytes, max_segments)
-        self.rank = int(rank)
-        self.world = int(world)
+        self.rank, self.world, generation = check_identity(rank, world, generation, clock)
         self.clock = clock
         self.state: str | None = None
         self.step = 0
@@ -113,6 +115,8 @@ class EventTrace:
             key = trace_owners.claim(path, self) if exclusive else None   # refused before anything is made
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
+                if key is not None:
+                    trace_owners.lock(key, self)   # another process writing this file: refused here
                 # append: a rank that re-creates its trace (e.g. after a group swap) keeps history
                 self._disk = self._file = self._sink = TraceFile(path, self.max_bytes, self.max_segments)
             except BaseException as exc:
@@ -186,22 +190,18 @@ class EventTrace:
             return self._write_run()
 
     def emit(self, event: str, **fields: Any) -> dict:
-        """Write one record (after the pending ``steps`` run, if any); returns it. Explicit ``state``/``step`` win."""
+        """Write one record (after the pending ``steps`` run, if any); returns it. Explicit ``state``/``step`` win;
+        a field named like another base field (``ts``, ``rank``, ``world``, ``seq``) is a ValueError."""
+        check_fields(fields, f"emit({event!r})")
         with self._locked():
             return self._emit_locked(event, fields)
 
-    def _record(self, event: str, fields: dict) -> dict:
-        record = {"ts": self.clock(), "rank": self.rank, "world": self.world, "event": event, "state": self.state,
-                  "step": self.step, "seq": self.seq}
-        record.update(fields)
-        self.seq += 1
-        if self.records is not None:
-            self.records.append(record)
-        return record
+    def _record(self, event: str, fields: dict, seq: int) -> dict:
+        return {"ts": self.clock(), "rank": self.rank, "world": self.world, "event": event, "state": self.state,
+                "step": self.step, "seq": seq, **fields}
 
-    def _run_record(self) -> dict | None:
-        """The pending run as a ``steps`` record (lock held), or None; a live file opened again gets its header first"""
-        self._check_file()   # before any record is made: lines stay in seq order
+    def _pending_run(self) -> tuple[str, dict, int] | None:
+        """The pending run as (``step``/``steps``, its fields, the ``packed`` it covers), or None; changes nothing."""
         run = self._run
         if run is None:
             return None
@@ -210,35 +210,60 @@ class EventTrace:
         if not delta:
             return None
         first = run.first + run.written % DUMMY
-        run.written = packed
         count, dummy = delta % DUMMY, delta // DUMMY
         if count == 1:   # a run of one step is the classic `step` record (shorter, and what readers bulk-read)
-            return self._record("step", {"state": run.state, "step": first, **({"dummy": True} if dummy else {})})
-        return self._record("steps", {"state": run.state, "step": first, "count": count, "dummy": dummy})
+            return "step", {"state": run.state, "step": first, **({"dummy": True} if dummy else {})}, packed
+        return "steps", {"state": run.state, "step": first, "count": count, "dummy": dummy}, packed
+
+    def _make(self, run: tuple | None, event: str | None, fields: dict | None) -> tuple[list[dict], str | None]:
+        """The records (the run's, then ``event``'s) numbered from ``seq``, and their text (None: no file)."""
+        records = [self._record(run[0], run[1], self.seq)] if run is not None else []
+        if event is not None:
+            records.append(self._record(event, fields, self.seq + len(records)))
+        if self._sink is None or not records:
+            return records, None
+        text = encode_record(records[0]) if len(records) == 1 else "\n".join(map(encode_record, records))
+        return records, text
 
     def _write_run(self) -> dict | None:
-        record = self._run_record()
-        if record is not None and self._sink is not None:
-            self._write(encode_record(record))
-        return record
+        return self._emit_locked(None, None)
 
-    def _emit_locked(self, event: str, fields: dict) -> dict:
-        run = self._run_record()
-        record = self._record(event, fields)
-        if self._sink is not None:
-            line = encode_record(record)
-            # the run and the record in one write call
-            self._write(line if run is None else encode_record(run) + "\n" + line)
-        return record
+    def _emit_locked(self, event: str | None, fields: dict | None, commit: Callable[[], None] | None = None):
+        """Write the pending run and ``event`` (None: the run alone) in one write call; returns the last record.
+        Encoded before anything changes; ``commit`` (the caller's own change of state) runs before the write."""
+        self._check_file()   # before any record is made: lines stay in seq order
+        run = self._pending_run()
+        records, text = self._make(run, event, fields)
+        if text is not None and self.max_segments == 1 and not self.ended and self._sink.roll_first(len(text)):
+            self._roll()   # one segment: the roll comes first, so that it never deletes what this write carries
+            records, text = self._make(run, event, fields)
+        if not records:
+            return None
+        if run is not None:
+            self._run.written = run[2]
+        if commit is not None:
+            commit()
+        self._keep(records)
+        if text is not None:
+            self._write(text)
+        return records[-1]
+
+    def _keep(self, records: list[dict]) -> None:
+        self.seq += len(records)
+        if self.records is not None:
+            self.records.extend(records)
 
     def _write(self, text: str) -> None:
         # not after `end` (nothing follows it), nor when the segment holds only its header
         # (a header over max_bytes would roll for ever)
         if self._sink.write(text) and not self.ended and self._sink.lines > 1:
-            if self._sink.roll():      # False: the move failed and the same segment goes on (no header)
-                self.rotations += 1
-            if self._sink.empty:       # a new segment (not one that failed to open: check() reopens it)
-                self._continue()
+            self._roll()
+
+    def _roll(self) -> None:
+        if self._sink.roll():      # False: the move failed and the same segment goes on (no header)
+            self.rotations += 1
+        if self._sink.empty:       # a new segment (not one that failed to open: check() reopens it)
+            self._continue()
 
     def _check_file(self, force: bool = False) -> None:
         """Open the live file again if it was lost (``force``: look now, not at most once per ``CHECK_S``)."""
@@ -252,13 +277,16 @@ class EventTrace:
         if not self._headed:
             return
         machine = {**self._machine, "state": self.state}
-        record = self._record("header", continued_fields(self._header, self.rotations, machine, self.cseq))
-        self._sink.write(encode_record(record))   # never rolls: a segment that holds only its header does not
+        record = self._record("header", continued_fields(self._header, self.rotations, machine, self.cseq), self.seq)
+        line = encode_record(record)
+        self._keep([record])
+        self._sink.write(line)   # never rolls: a segment that holds only its header does not
 
     def header(self, config: dict | None = None, run_id: str | None = None, **extra: Any) -> dict:
         """The first record of a run: schema, versions, rank, world, config (:func:`header_fields`),
         ``run_id`` (shared by every rank of the run, :mod:`eplb_fsm.run_identity`) and
         ``config_hash`` (:func:`config_hash` of ``config``). Repeated at the top of each rotated segment."""
+        check_fields(extra, "header")
         fields = header_fields(config, run_id=run_id, config_hash=config_hash(config or {}), **extra)
         self._header = dict(fields)
         if isinstance(extra.get("machine"), dict):   # a joiner's starting point
@@ -270,44 +298,13 @@ class EventTrace:
 
     def transition(self, trigger: str, source: str, dest: str, **fields: Any) -> dict:
         """A machine transition: ``event="transition"``, the trigger, source and dest."""
-        with self._locked():   # the state a continued header repeats changes with the record, never apart
-            self.state = dest
-            self._machine = machine_after(self._machine, trigger, dest, fields)
-            return self._emit_locked("transition", dict(trigger=trigger, source=source, dest=dest, state=dest,
-                                                         **fields))
+        check_fields(fields, "transition")
+        record = dict(trigger=trigger, source=source, dest=dest, state=dest, **fields)
 
-    @contextlib.contextmanager
-    def collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
-                   **fields: Any) -> Iterator[dict]:
-        """Bracket one collective with start/end records; an exception writes ``collective_error``.
-
-        The yielded dict is the start record; the group's ``cseq`` advances once per call,
-        so the n-th collective of a group has the same ``cseq`` on every rank that issues it.
-        """
-        opened = self.open_collective(op, group, shape, dtype, **fields)
-        try:
-            yield opened.start
-        except BaseException as exc:
-            self.close_collective(opened, exc)
-            raise
-        self.close_collective(opened)
-
-    def open_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
-                        **fields: Any) -> "OpenCollective":
-        """Write a ``collective_start`` and note the collective as open (what ``alive`` reports). For one
-        waited on later than issued (a posted all-reduce read next step): :meth:`close_collective` ends it."""
-        start = self.start_collective(op, group, shape, dtype, **fields)
-        info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
-        key = (threading.get_ident(), group)
-        self.open_collectives[key] = {"op": op, "group": group, "cseq": start["cseq"]}
-        return OpenCollective(start, info, key, time.perf_counter())
-
-    def close_collective(self, opened: "OpenCollective", error: BaseException | None = None) -> dict:
-        """Write the ``collective_end`` (``duration_s`` since it opened) or, with ``error``, ``collective_error``."""
-        self.open_collectives.pop(opened.key, None)
-        if error is not None:
-            return self.emit("collective_error", error=exception_text(error), **opened.info)
-        return self.emit("collective_end", duration_s=round(time.perf_counter() - opened.t0, 6), **opened.info)
+        def commit() -> None:   # the state a continued header repeats changes with the record, never apart
+            self.state, self._machine = dest, machine_after(self._machine, trigger, dest, fields)
+        with self._locked():
+            return self._emit_locked("transition", record, commit)
 
     def start_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
                          **fields: Any) -> dict:
@@ -316,18 +313,13 @@ class EventTrace:
         :meth:`collective` brackets with it; a caller recording a rank that never leaves
         the collective (a hang) writes just this.
         """
-        cseq = self.cseq.get(group, 0)
-        self.cseq[group] = cseq + 1
-        start = self.emit("collective_start", **collective_fields(op, group, cseq, shape, dtype, **fields))
-        self.last_collective = dict(start)
+        check_fields(fields, "start_collective")
+        with self._locked():   # the number, the record and the count a continued header repeats: together
+            cseq = self.cseq.get(group, 0)
+            start = self._emit_locked("collective_start", collective_fields(op, group, cseq, shape, dtype, **fields),
+                                      lambda: self.cseq.__setitem__(group, cseq + 1))
+            self.last_collective = dict(start)
         return start
-
-    def waiting_on(self) -> dict | None:
-        """The oldest collective started and not ended (``{"op", "group", "cseq"}``), or None."""
-        try:
-            return next(iter(list(self.open_collectives.values())), None)
-        except RuntimeError:  # changed size while copied (another thread): report nothing this time
-            return None
 
     # -- endings and liveness --------------------------------------------
     def end(self, how: str, error: str | None = None, signal: str | None = None) -> dict | None:

@@ -1,16 +1,23 @@
 """The fields of trace records beyond the base fields: header, collectives, ``end``, ``alive``.
 
-Pure builders (no I/O): the fields, a record's line (:func:`encode_record`) and a rank's
+Pure builders (no I/O; :class:`CollectiveBrackets` writes through the trace's own methods): the
+fields, a record's line (:func:`encode_record`, from :mod:`eplb_fsm.trace_encode`) and a rank's
 file name (:func:`trace_path`); :mod:`eplb_fsm.trace` re-exports each of them and writes the
 records. docs/events.md documents every field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
+
+from eplb_fsm.maps import as_count
+from eplb_fsm.trace_encode import encode_record, json_default  # noqa: F401  (public here since the start)
 
 SCHEMA_VERSION = 1
 END_HOWS = ("closed", "exception", "signal")
@@ -18,6 +25,7 @@ END_HOWS = ("closed", "exception", "signal")
 # keeps them equal): the trace tracks the flag from its own transition records, without importing the machine
 PENDING_SET = frozenset({"scale_requested", "groups_ready", "salvaged", "resumed"})
 PENDING_CLEARED = frozenset({"switched", "fault"})
+COLLECTIVE_FIELDS = ("op", "group", "cseq", "shape", "dtype")
 
 
 class OpenCollective(NamedTuple):
@@ -27,6 +35,53 @@ class OpenCollective(NamedTuple):
     info: dict           # the fields its end or error record repeats
     key: tuple           # (thread id, group): its entry in ``open_collectives``
     t0: float            # perf_counter at the start
+
+
+class CollectiveBrackets:
+    """:class:`~eplb_fsm.trace.EventTrace`'s collective brackets, built on its ``start_collective`` and ``emit``
+    and its ``open_collectives`` dict (what ``alive`` records report)."""
+
+    open_collectives: dict
+
+    @contextlib.contextmanager
+    def collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
+                   **fields: Any) -> Iterator[dict]:
+        """Bracket one collective with start/end records; an exception writes ``collective_error``.
+
+        The yielded dict is the start record; the group's ``cseq`` advances once per call,
+        so the n-th collective of a group has the same ``cseq`` on every rank that issues it.
+        """
+        opened = self.open_collective(op, group, shape, dtype, **fields)
+        try:
+            yield opened.start
+        except BaseException as exc:
+            self.close_collective(opened, exc)
+            raise
+        self.close_collective(opened)
+
+    def open_collective(self, op: str, group: str = "world", shape: Any = None, dtype: Any = None,
+                        **fields: Any) -> "OpenCollective":
+        """Write a ``collective_start`` and note the collective as open (what ``alive`` reports). For one
+        waited on later than issued (a posted all-reduce read next step): :meth:`close_collective` ends it."""
+        start = self.start_collective(op, group, shape, dtype, **fields)
+        info = {key: start[key] for key in (*COLLECTIVE_FIELDS, *fields)}  # what end/error repeat
+        key = (threading.get_ident(), group)
+        self.open_collectives[key] = {"op": op, "group": group, "cseq": start["cseq"]}
+        return OpenCollective(start, info, key, time.perf_counter())
+
+    def close_collective(self, opened: "OpenCollective", error: BaseException | None = None) -> dict:
+        """Write the ``collective_end`` (``duration_s`` since it opened) or, with ``error``, ``collective_error``."""
+        self.open_collectives.pop(opened.key, None)
+        if error is not None:
+            return self.emit("collective_error", error=exception_text(error), **opened.info)
+        return self.emit("collective_end", duration_s=round(time.perf_counter() - opened.t0, 6), **opened.info)
+
+    def waiting_on(self) -> dict | None:
+        """The oldest collective started and not ended (``{"op", "group", "cseq"}``), or None."""
+        try:
+            return next(iter(list(self.open_collectives.values())), None)
+        except RuntimeError:  # changed size while copied (another thread): report nothing this time
+            return None
 
 
 def machine_after(machine: dict, trigger: Any, dest: Any, fields: dict) -> dict:
@@ -56,25 +111,24 @@ def continued_fields(header: dict, segment: int, machine: dict, cseq: dict) -> d
     return {**header, "continued": True, "segment": segment, "machine": dict(machine), "next_cseq": dict(cseq)}
 
 
+def check_identity(rank: Any, world: Any, generation: Any, clock: Any) -> tuple[int, int, int]:
+    """``(rank, world, generation)`` as ints, checked before a trace makes anything: integers (numpy's too; not
+    bools or floats), ``world >= 1``, ``0 <= rank < world``, ``generation >= 0``, and ``clock`` callable.
+    ValueError naming the field and the rule otherwise."""
+    world = as_count(world, "EventTrace world", minimum=1)
+    rank = as_count(rank, "EventTrace rank", minimum=0)
+    if rank >= world:
+        raise ValueError(f"EventTrace rank must be < world ({world}), got {rank}")
+    generation = as_count(generation, "EventTrace generation", minimum=0)
+    if not callable(clock):
+        raise ValueError(f"EventTrace clock must be a callable that returns seconds (like time.time), got {clock!r}")
+    return rank, world, generation
+
+
 def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> Path:
     """``rank<NNNNN>.jsonl`` (zero-padded); a joiner of generation g writes its own
     ``rank<NNNNN>.g<g>.jsonl`` (docs/elastic.md)."""
     return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
-
-
-def encode_record(record: dict) -> str:
-    """One record as the JSON text of its trace line (no newline), as :class:`~eplb_fsm.trace.EventTrace` writes
-    it: compact, values JSON does not know through :func:`json_default`."""
-    return json.dumps(record, default=json_default, separators=(",", ":"))
-
-
-def json_default(value: Any) -> Any:
-    """How values JSON does not know are written: numpy / torch scalars and shapes, sets, tuples."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return str(value)
 
 
 def end_fields(how: str, error: str | None = None, signal: str | None = None) -> dict:

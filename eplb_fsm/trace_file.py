@@ -27,7 +27,9 @@
   the same live file is opened again and goes on growing past ``max_bytes``: no record is
   dropped, no new segment (nor continued header) is started, and :meth:`TraceFile.roll`
   says so. The roll is tried again once :data:`CHECK_S` seconds have passed or the file
-  has grown by another ``max_bytes``; each failed try is counted in ``errors``.
+  has grown by another ``max_bytes``; each failed try is counted in ``errors``. With
+  ``max_segments == 1`` a roll deletes the live file, so it comes before the write that would
+  pass ``max_bytes`` (:meth:`TraceFile.roll_first`), never after: the record is in the new file.
 """
 
 from __future__ import annotations
@@ -119,7 +121,15 @@ class TraceFile:
                 self.bytes += done
                 self._torn = data[done - 1] != 0x0A
         self.lines += 1
-        return self.bytes > self.max_bytes and self._roll_due()
+        # one segment rolls before the write instead (roll_first): a roll after it would delete this very line
+        return self.max_segments > 1 and self.bytes > self.max_bytes and self._roll_due()
+
+    def roll_first(self, size: int) -> bool:
+        """With ``max_segments == 1`` only: True when a write of ``size`` characters would take the live segment
+        past ``max_bytes`` and it holds more than its first line; the owner rolls (deleting the segment) before
+        that write, so the write lands in the new segment instead of being deleted by the roll it brings about."""
+        return (self.max_segments == 1 and self._file is not None and self.lines > 1
+                and self.bytes + size + 2 > self.max_bytes and self._roll_due())
 
     @property
     def empty(self) -> bool:

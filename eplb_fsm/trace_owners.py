@@ -10,6 +10,15 @@
   first collects garbage and looks again. A controller's liveness and watchdog threads hold
   it weakly, so a controller dropped without ``close()`` lets its file go once collected, and
   one whose construction raised has closed its trace.
+- **One writer per file across processes.** The writer also holds an advisory lock
+  (``fcntl.flock``, exclusive) on ``.<file name>.lock`` in the trace's folder (hidden, and
+  no reader takes it for a trace) from the moment its file opens until ``close()``; a trace
+  in another process (a second run started on the same folder, the same rank twice) that
+  finds it held is refused with a ``ValueError`` naming the trace file and the holder's pid.
+  The lock file never moves (rotation renames the live file, not it); ``close()`` removes it
+  (a writer killed leaves it behind, unlocked: the next writer takes it).
+  Where ``fcntl`` is missing or the file system refuses locks, only the check within the
+  process holds.
 - **A signal handler ends what is open.** :func:`end_open_traces` writes ``end`` to every
   trace of this process that is open and not ended (the simulator's signal thread; a host's
   SIGTERM handler).
@@ -22,17 +31,26 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
 
-__all__ = ["claim", "end_open_traces", "opened", "release"]
+try:
+    import fcntl
+except ImportError:   # not a POSIX system: the one-writer check stays within the process
+    fcntl = None
+
+__all__ = ["claim", "end_open_traces", "lock", "lock_path", "opened", "release"]
 
 _lock = threading.Lock()
 _open: "weakref.WeakSet[Any]" = weakref.WeakSet()   # traces with a file and no `end` yet
 _paths: dict[str, "weakref.ref[Any]"] = {}          # resolved file path -> the trace holding it open
+_locks: dict[str, Any] = {}                         # resolved file path -> its open lock file (flock held)
+LOCK_ATTEMPTS = 5   # opens of a lock file that a writer letting go removed meanwhile, at most
 
 
 def _holder(key: str) -> Any:
@@ -63,6 +81,92 @@ def claim(path: str | os.PathLike, trace: Any) -> str:
                      "cap and its seq order)")
 
 
+def lock_path(path: str | os.PathLike) -> Path:
+    """The lock file of the trace file ``path``: ``.<name>.lock`` next to it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+def lock(key: str, trace: Any) -> None:
+    """Take the cross-process lock of the trace file ``key`` (a :func:`claim` key; its folder exists) for
+    ``trace`` until :func:`release` with that key, or until ``trace`` is collected.
+
+    ValueError naming the file and the holder's pid when another process holds it. A lock the
+    file system cannot give (no ``fcntl``, a file system without locks) is not taken.
+    """
+    if fcntl is None:
+        return
+    with _lock:
+        if key in _locks:   # taken by a trace of this process that is gone now: this one holds it on
+            weakref.finalize(trace, _unlock, key, _locks[key])
+            return
+    path = lock_path(key)
+    for _ in range(LOCK_ATTEMPTS):
+        try:
+            fh = open(path, "a+", encoding="ascii")
+        except OSError:
+            return   # the trace file's own open reports an unwritable folder
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            held = exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+            holder = _read_pid(fh) if held else ""
+            fh.close()
+            if not held:
+                return   # no locks on this file system (ENOLCK, EINVAL): the in-process check only
+            raise ValueError(f"trace file {key} is already written by another process (pid {holder or '?'} "
+                             f"holds {path}): one writer per rank file; give each run its own trace_dir, or stop "
+                             "the other writer first (two writers interleave their records, and replay misreads "
+                             "them)") from None
+        if _same(fh, path):
+            break
+        fh.close()   # a writer that let go removed the file between our open and our lock: take the new one
+    else:
+        return
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))   # for the refusal message of a later writer
+        fh.flush()
+    except OSError:
+        pass   # the lock is held all the same
+    with _lock:
+        _locks[key] = fh
+    weakref.finalize(trace, _unlock, key, fh)
+
+
+def _same(fh: Any, path: Path) -> bool:
+    try:
+        mine, there = os.fstat(fh.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _read_pid(fh: Any) -> str:
+    try:
+        fh.seek(0)
+        return fh.read(32).strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _let_go(key: str, fh: Any) -> None:
+    """Remove the lock file (still ours: only its holder removes it) and close it, which lets the lock go."""
+    try:
+        os.unlink(lock_path(key))
+    except OSError:
+        pass   # gone already, or a folder that refuses: the lock goes with the descriptor all the same
+    fh.close()
+
+
+def _unlock(key: str, fh: Any) -> None:
+    """A collected trace's lock, unless another trace of this process holds it on."""
+    if _locks.get(key) is fh and _holder(key) is None:
+        _locks.pop(key, None)
+        _let_go(key, fh)
+
+
 def opened(trace: Any) -> None:
     """``trace`` has its file open and no ``end``: :func:`end_open_traces` will end it."""
     _open.add(trace)
@@ -76,6 +180,9 @@ def release(trace: Any, key: str | None = None) -> None:
             ref = _paths.get(key)
             if ref is not None and ref() in (None, trace):
                 del _paths[key]
+            fh = _locks.pop(key, None) if key not in _paths else None
+        if fh is not None:
+            _let_go(key, fh)
 
 
 def end_open_traces(how: str, error: str | None = None, signal: str | None = None) -> int:
@@ -92,6 +199,9 @@ def _after_fork_in_child() -> None:
     traces = {id(t): t for t in [*list(_open), *(ref() for ref in list(_paths.values()))] if t is not None}
     _open.clear()
     _paths.clear()
+    for fh in _locks.values():
+        fh.close()   # the child's descriptor only: the lock stays the parent's (it is the open file's, not the fd's)
+    _locks.clear()
     for trace in traces.values():
         trace.detach_in_child()
 

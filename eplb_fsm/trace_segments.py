@@ -8,7 +8,9 @@ older one a run with a larger ``max_segments`` left in the folder), and a new li
 starts with a copy of the header marked ``"continued": true`` (docs/events.md,
 "Rotation"). A trace file therefore keeps at most ``max_segments``
 segments, each of at most ``max_bytes`` plus the one write that took it past (a record, or
-a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write).
+a ``steps`` run and its record): with the defaults 4 x (64 MiB + that write). With
+``max_segments == 1`` the roll deletes the live file, so it comes before the write that would
+pass ``max_bytes`` (:meth:`eplb_fsm.trace_file.TraceFile.roll_first`): that write opens the new file.
 
 Oldest first, a rank's segments are ``.jsonl.<K-1>``, ..., ``.jsonl.1``, ``.jsonl``;
 :func:`read_trace` reads them in that order. A running writer may roll the file while it is
