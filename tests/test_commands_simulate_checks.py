@@ -133,7 +133,8 @@ def test_serving_spans_follow_the_scales():
     # engine steps: a leaving rank leaves at the start of its scale's step, before its engine step
     assert serving_spans(2, 40, _events("10:1", "20:3"), engine=True) == (
         {0: [(0, 39)], 1: [(0, 9), (20, 39)], 2: [(20, 39)]}, None)
-    assert serving_spans(2, 40, _events("10:2", "15:3:absent", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
+    assert serving_spans(2, 40, _events("10:1", "12:2", "15:3:absent", "20:4")) == (
+        {0: [(0, 15)], 1: [(0, 10), (12, 15)]}, 15)
     assert serving_spans(2, 40, _events("15:3:late", "20:4")) == ({0: [(0, 15)], 1: [(0, 15)]}, 15)
 
 

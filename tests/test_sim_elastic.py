@@ -178,6 +178,63 @@ def test_scale_specs_are_validated():
             parse_scale_specs(bad, 4, 20, 8, 8)
 
 
+@pytest.mark.parametrize("specs, match", [
+    (["5:4"], r"--scale 5:4: RANKS must differ from the group's size at that step \(4 ranks\)"),
+    (["5:2", "9:2"], r"--scale 9:2: RANKS must differ .* \(2 ranks after --scale 5:2\)"),
+    (["5:6:absent", "9:4"], r"--scale 9:4: RANKS must differ .* \(4 ranks after --scale 5:6:absent, an :absent "
+                            r"or :late scale aborting\)"),
+    (["5:2:absent"], r"--scale 5:2:absent: :absent and :late name a scale-up's joiners, and this is a scale-down "
+                     r"\(4 -> 2 ranks\)"),
+    (["6:3", "9:4:absent", "12:2:late"], r"--scale 12:2:late: :absent and :late .* scale-down \(3 -> 2 ranks"),
+])
+def test_scale_specs_follow_the_world_size(specs, match):
+    """Sizes are followed through the specs (:absent / :late ones abort): a scale to the size the group has by
+    then, or :absent / :late on a scale-down, is a ValueError naming the spec and the rule."""
+    with pytest.raises(ValueError, match=match):
+        parse_scale_specs(specs, 4, 20, 8, 8)
+
+
+def test_scale_specs_after_an_aborting_scale_start_from_the_size_before_it():
+    """5:2 then 9:4:late (aborts: the group stays at 2): 12:3 is a scale-up from 2 and parses."""
+    assert parse_scale_specs(["5:2", "9:4:late", "12:3:late"], 4, 20, 8, 8)[-1] == ScaleEvent(12, 3, late=True)
+
+
+def test_a_scale_to_the_current_size_exits_2_before_any_process(tmp_path, capsys):
+    """simulate --ranks 2 --scale 10:2 is a usage error (exit 2) naming the spec; no rank process starts."""
+    code = main(["simulate", *SHAPE, "--ranks", "2", "--redundant", "0", "--steps", "20", "--scale", "10:2",
+                 "--no-png", "--no-progress", "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--scale 10:2: RANKS must differ from the group's size at that step (2 ranks)" in err, err
+    assert not list(tmp_path.glob("logs/rank*"))
+
+
+def _result(rank: int, scalings: list, checks: list) -> dict:
+    """A first rank's result as run_elastic_rank returns it, serving every step (only what the report reads)."""
+    return {"process": rank, "role": "initial", "rank": rank, "left": False, "start_step": 0, "steps": 20,
+            "scalings": scalings, "checks": checks, "history": [], "mismatches": 0, "output_checks": 3,
+            "weights_exact": True, "trace": None, "stop_reason": None, "final_state": "collecting"}
+
+
+def test_a_skipped_scale_reports_the_same_keys_as_one_that_ran():
+    """4 -> 2 aborted, so --scale 9:4 finds 4 ranks and is skipped; a scale past the run's end is not_reached.
+    Their entries still carry every key of one that ran (docs/elastic.md lists each outcome)."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.sim.elastic_report import elastic_report
+
+    opts = SimpleNamespace(extra={"scale": ["5:2", "9:4", "15:2"]}, ranks=4, steps=20, experts=8, redundant=8)
+    aborted = {"generation": 1, "step": 5, "kind": "scale_down", "from_ranks": 4, "to_ranks": 4,
+               "requested_ranks": 2, "outcome": "aborted", "moved_slots": 0, "moved_bytes": 0, "seconds": 0.1,
+               "reason": "scale-down aborted: transfer of layer 0 failed", "lost_experts": []}
+    skipped = {"at": "skipped", "step": 9, "generation": 2, "reason": "already 4 ranks"}
+    results = [_result(r, [dict(aborted, rank=r)], [skipped]) for r in range(4)]
+    report = elastic_report(opts, results, {"maps_agree": True, "final_states": ["collecting"] * 4})
+    ran, skip, late = report["scalings"]
+    assert (ran["outcome"], skip["outcome"], late["outcome"]) == ("aborted", "skipped", "not_reached")
+    assert set(skip) == set(late) == set(ran) | {"requested_ranks"} == set(ran)
+    assert skip["reason"] == "the group already had that many ranks (an earlier scale did not switch)"
+    assert (skip["kind"], skip["lost_experts"], skip["agree"]) == (None, [], True)
+
 
 @pytest.mark.multiprocess
 def test_a_job_that_starts_on_one_rank_scales_up_as_one_run(tmp_path):
@@ -188,15 +245,6 @@ def test_a_job_that_starts_on_one_rank_scales_up_as_one_run(tmp_path):
     assert result["ok"], result
     runs = {r["run_id"] for recs in _records(tmp_path).values() for r in recs if r["event"] == "header"}
     assert len(runs) == 1 and replay_dir(tmp_path).verdict == "healthy"
-
-
-@pytest.mark.multiprocess
-def test_a_skipped_scale_reports_the_same_keys_as_one_that_ran(tmp_path):
-    """A scale to the current size is skipped; its entry still has kind, reason and lost_experts (docs/elastic.md)."""
-    result = _simulate(["--ranks", "2", "--redundant", "0", "--steps", "20", "--scale", "10:2"], tmp_path)
-    entry = result["scalings"][0]
-    assert entry["outcome"] == "skipped" and entry["kind"] is None and entry["lost_experts"] == []
-    assert entry["reason"] == "the group already has that many ranks"
 
 
 @pytest.mark.multiprocess

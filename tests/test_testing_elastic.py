@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from eplb_fsm.testing import SyntheticJob
@@ -26,7 +28,8 @@ def test_scale_down_leaving_rank_ends_with_its_switch():
     # the forced plan all-reduces the loads only; each ready agreement is [ready, failed, late, broken]
     agreements = [(r["parts"], r["shape"], r.get("layer")) for r in recs
                   if r["event"] == "collective_start" and r["op"] == "all_reduce" and r["step"] == 12]
-    assert agreements == [(["scale_check"], [17], None), (["scale_ready"], [1], None), (["loads"], [16], None),
+    # scale_check: [no go-ahead, the request's digest (3 x 16), the maps' digest (16)]
+    assert agreements == [(["scale_check"], [65], None), (["scale_ready"], [1], None), (["loads"], [16], None),
                           (["ready"], [4], 0), (["ready"], [4], 1), (["ready"], [4], None)]
     switch = recs[-3]
     assert (switch["role"], switch["new_group"], switch["new_rank"], switch["old_world"]) == ("leaving", None, -1, 4)
@@ -174,3 +177,67 @@ def test_a_closed_elastic_job_replays_healthy_with_every_rank_ended(tmp_path):
     report = replay_dir(tmp_path)
     assert report.verdict == "healthy"
     assert report.to_dict()["unended_ranks"] == []
+
+
+def _real_scale_down_records(info) -> dict[int, list[dict]]:
+    """Each rank's trace records of a real 2 -> 1 scale-down (gloo ranks as threads of this process)."""
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+    from eplb_fsm.sim.model import ToyMoE
+    from eplb_fsm.transfer.groups import StoreGroup
+
+    config = EplbConfig(window_size=4, step_interval=1000, num_redundant_experts=4, collective_timeout_s=2.0)
+    outs: dict = {}
+
+    def rank(r):
+        try:
+            ctl = EplbController(config, group=StoreGroup.connect(info, 0, r, 2, 30.0), keep_trace=True)
+            ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
+            ctl.step()
+            outs[r] = ctl.request_scale(1, timeout_s=5.0)
+            outs[("records", r)] = list(ctl.trace.records)
+            ctl.close()
+        except BaseException as exc:  # reported to the test
+            outs[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    assert not any(t.is_alive() for t in threads), "a rank did not return"
+    assert outs[0]["outcome"] == "switched" and outs[1]["outcome"] == "left", outs
+    return {r: outs[("records", r)] for r in range(2)}
+
+
+def test_synthetic_scale_records_carry_the_fields_of_the_real_ones(store):
+    """scale_requested and scaling written by scale() have the key sets a real request_scale writes, and an
+    absent joiner's abort says phase prepare as the controller's does."""
+    real = _real_scale_down_records(store)[0]
+    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job.run(3)
+    job.scale(1)
+    synthetic = job.records()[0]
+
+    def first(recs, pick):
+        return next(r for r in recs if pick(r))
+
+    for pick in (lambda r: r["event"] == "scaling", lambda r: r.get("trigger") == "scale_requested"):
+        assert set(first(synthetic, pick)) == set(first(real, pick))
+    request = first(synthetic, lambda r: r.get("trigger") == "scale_requested")
+    # scale_bounds(20, 60): forward = 20 + 2 * 60 + 5, bound = forward + 2 * 60 + 5
+    assert (request["deadline_s"], request["bound_s"]) == (145.0, 270.0)
+    absent = SyntheticJob(world=2, num_layers=2, interval=10)
+    absent.run(3)
+    absent.scale(3, absent=True)
+    record = first(absent.records()[0], lambda r: r["event"] == "scaling")
+    assert (record["outcome"], record["phase"], record["partial"]) == ("aborted", "prepare", False)
+
+
+def test_a_real_leaving_rank_s_scaling_record_says_new_rank_minus_one_and_keeps_its_own_rank(store):
+    """The controller's scaling record of a rank that left says new_rank -1 and is stamped with the rank it wrote
+    as (the trace stamps rank itself), as the end record its close writes is; controller.scalings says rank -1."""
+    leaving = _real_scale_down_records(store)[1]
+    scaling = next(r for r in leaving if r["event"] == "scaling")
+    assert (scaling["outcome"], scaling["new_rank"], scaling["old_rank"], scaling["rank"]) == ("left", -1, 1, 1)
+    assert leaving[-1]["event"] == "end" and leaving[-1]["rank"] == 1

@@ -4,9 +4,10 @@ Every old rank, in order (:func:`prepare`):
 
 1. scale-up: rank 0 publishes the handover; every rank waits for each joiner's answer
    (``handover.await_joiners``: all accepted, a refusal, or none within ``timeout_s``);
-2. ``scale_check``: one all-reduce of whether it has the go-ahead (every joiner accepted)
-   and a digest of every model's maps. Unless every rank has it and the maps agree, every
-   rank ends the scale ``aborted`` here: nothing built, nothing moved;
+2. ``scale_check``: one all-reduce of whether it has the go-ahead (every joiner accepted),
+   a digest of the request (new world size, rank mapping, generation) and one of every
+   model's maps. Unless every rank has it and the requests and maps agree, every rank ends
+   the scale ``aborted`` here: nothing built, nothing moved;
 3. each rank that stays builds its part of the new group and its transfer communicator;
 4. ``scale_ready``: one all-reduce of whether each built; any failure aborts on every rank.
 
@@ -21,10 +22,12 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 
 from eplb_fsm.elastic.handover import await_joiners, handover_state, read_refusals
 from eplb_fsm.elastic.request import ScaleRequest
+from eplb_fsm.elastic.scale_plan import ScalePlan
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.recovery import different_maps, differing, digest_flags, map_items
 
@@ -81,15 +84,19 @@ def prepare(ctl: Any, req: ScaleRequest, role: str) -> tuple[Any, Any, dict | No
 
 def _check(ctl: Any, req: ScaleRequest, role: str, error: str | None) -> dict | None:
     """``scale_check``, one SUM all-reduce on the old group before anything is built: each rank's
-    ``[1 if it has no go-ahead (``error``: a joiner refused or did not answer in time), digest of
-    every model's maps (16 per model, ``fsm.recovery.digest_flags``)]``. Every rank builds the new
-    group, or none does (ranks that disagree on the answers would otherwise build alone and wait
-    out the forward deadline), and ranks whose maps differ move nothing: a plan over maps a rank
-    does not share writes the wrong expert's weights. Returns None to go on, else this rank's
-    scaling entry (``aborted`` on the old group; ``failed`` if the agreement itself failed)."""
+    ``[1 if it has no go-ahead (``error``: a joiner refused or did not answer in time), digest of the
+    request (16 per :func:`_request_items` entry), digest of every model's maps (16 per model)]``, the
+    digests as ``fsm.recovery.digest_flags``. Every rank builds the new group, or none does (ranks that
+    disagree on the answers would otherwise build alone and wait out the forward deadline); ranks that
+    asked for different scales move nothing (they would build different groups, or switch disagreeing
+    on who left); ranks whose maps differ move nothing either: a plan over maps a rank does not share
+    writes the wrong expert's weights. Returns None to go on, else this rank's scaling entry
+    (``aborted`` on the old group; ``failed`` if the agreement itself failed)."""
     sp = req.sp
+    asked = _request_items(sp)
     items = map_items(ctl.models)
-    mine = torch.cat([flags(1.0 if error else 0.0), digest_flags(items)])
+    asked_flags = digest_flags(asked)
+    mine = torch.cat([flags(1.0 if error else 0.0), asked_flags, digest_flags(items)])
     try:
         summed = ctl.collectives.all_reduce({"scale_check": mine},
                                             req.deadline.before_ready(2 * ctl.timeout_s + 5.0))["scale_check"]
@@ -97,15 +104,35 @@ def _check(ctl: Any, req: ScaleRequest, role: str, error: str | None) -> dict | 
         ctl.rearranger.group_fault(exc)
         return req.record(ctl, role, "failed", reason=str(exc), phase="prepare")
     missing = int(round(float(summed[0])))
-    differ = differing(items, summed[1:].tolist(), ctl.world_size)
-    if not missing and not differ:
+    cut = 1 + asked_flags.numel()
+    request_differs = differing(asked, summed[1:cut].tolist(), ctl.world_size)
+    differ = differing(items, summed[cut:].tolist(), ctl.world_size)
+    if not missing and not differ and not request_differs:
         return None
-    reasons = [different_maps(differ)] if differ else []
+    reasons = [_different_requests(sp, request_differs)] if request_differs else []
+    reasons += [different_maps(differ)] if differ else []
     if missing:
         # the wording of a group that did not form: to the engine, that is what a missing answer means
         reasons.append(f"new group of generation {sp.generation} ({sp.new_world} ranks) was not complete on "
                        f"{missing} rank(s)" + (f": {error}" if error else ""))
     return _abort_prepare(ctl, req, "; ".join(reasons))
+
+
+def _request_items(sp: ScalePlan) -> list[tuple[str, np.ndarray]]:
+    """(name, array) of what every old rank must have asked alike; the kind follows from the sizes, and the
+    old world size is the group's own. ``rank_mapping``: (old_world,) new rank (or -1) of each old rank."""
+    return [("new_world_size", np.array([sp.new_world], dtype=np.int64)),
+            ("rank_mapping", np.array([sp.new_rank(r) for r in range(sp.old_world)], dtype=np.int64)),
+            ("generation", np.array([sp.generation], dtype=np.int64))]
+
+
+def _different_requests(sp: ScalePlan, differ: list[str]) -> str:
+    """Why ranks that asked for different scales (``differ``: the fields that differ) must not go on."""
+    return (f"ranks disagree on the scale request (new_world_size / rank_mapping / generation): "
+            f"{' and '.join(differ)} differ{'s' if len(differ) == 1 else ''}; this rank asked "
+            f"new_world_size={sp.new_world}, rank_mapping={sp.rank_mapping}, generation={sp.generation} "
+            "(every old rank must call "
+            "request_scale with the same arguments)")
 
 
 def _abort_prepare(ctl: Any, req: ScaleRequest, reason: str) -> dict:

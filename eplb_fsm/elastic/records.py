@@ -85,5 +85,7 @@ def scaling_record(ctl: Any, sp: ScalePlan, role: str, outcome: str, started: fl
         "state": ctl.state,
     }
     ctl.scalings.append(entry)
-    ctl.trace.emit("scaling", **{k: v for k, v in entry.items() if k != "state"})
+    # the trace stamps the record's own rank (the one this rank writes as); the rank it has after the scale,
+    # -1 when it left, is the record's new_rank
+    ctl.trace.emit("scaling", new_rank=entry["rank"], **{k: v for k, v in entry.items() if k not in ("state", "rank")})
     return entry

@@ -4,7 +4,8 @@ The machine (``fsm.machine``) has the rows; this module performs them for the co
 
 Scale-down, G -> G' < G (default: the highest ranks leave)::
 
-    collecting --scale_requested--> scaling      all G check their maps agree (scale_check);
+    collecting --scale_requested--> scaling      all G check their requests and maps agree
+                                                  (scale_check);
                                                   survivors build the new group (G' ranks);
                                                   all G agree on it in the old group
     scaling --groups_ready--> planning            plan over the survivors: P' = S * G'
@@ -17,9 +18,10 @@ Scale-up, G -> G' > G (default: old ranks keep their numbers, joiners take the r
 
     collecting --scale_requested--> scaling      rank 0 publishes the handover (maps,
                                                   counters) in the store; the old G wait for
-                                                  the joiners' answers and agree on them and
-                                                  on their maps (scale_check); all G' build
-                                                  the new group; the old G agree on it;
+                                                  the joiners' answers and agree on them, on
+                                                  the request and on their maps (scale_check);
+                                                  all G' build the new group; the old G agree
+                                                  on it;
                                                   joiners get the non-expert weights (split
                                                   over the old ranks, point to point)
     scaling --groups_ready--> planning            in the NEW group: joiners' old slots empty

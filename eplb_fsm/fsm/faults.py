@@ -49,6 +49,8 @@ def abort(r: Any, reason: str, recoverable: bool, layer: int | None = None, kind
     extra: dict = {"reason": reason, **fields}
     if current is not None:
         extra["layers_committed"] = current.layers_committed
+        if current.scale is not None:
+            extra["scale"] = current.scale
         if current.job is not None and not current.job.done():
             extra["job_running"] = current.job.kind
         current.job = None

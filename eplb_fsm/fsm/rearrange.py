@@ -84,9 +84,9 @@ class Rearranger:
         for entry in self.models:
             entry.window.pass_open = True
 
-    def begin(self, step: int, forced: bool) -> None:
-        """Open the record of a rearrangement starting at ``step``."""
-        self.current = self.reporter.begin(step, forced)
+    def begin(self, step: int, forced: bool, scale: int | None = None) -> None:
+        """Open the record of a rearrangement starting at ``step`` (``scale``: the generation it serves)."""
+        self.current = self.reporter.begin(step, forced, scale)
 
     def finish(self, outcome: str, reason: str | None = None) -> None:
         """Close the rearrangement in flight (a ``history`` entry and a ``rearrangement`` record)."""
@@ -175,10 +175,10 @@ class Rearranger:
         whose content changes; with none the machine goes straight on to ``scaling``. Unlike
         :meth:`planning_parts` it carries no maps digest: the serving ranks compared their maps
         in the scale's ``scale_check`` agreement before anything was built, and joiners start
-        from rank 0's (``eplb_fsm.elastic.scaling``).
+        from rank 0's (``eplb_fsm.elastic.scaling``). Its ``fault`` records carry ``scale``.
         """
         loads = self.local_loads()
-        self.begin(self.counters.steps, forced=True)
+        self.begin(self.counters.steps, forced=True, scale=scale)
         with faults.interruptible(self, "the scale's rearrangement"):
             return self._run_forced(make_plan, fields, scale, loads)
 

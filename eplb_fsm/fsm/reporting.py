@@ -61,6 +61,7 @@ class Rearrangement:
     #                                   it no flags are posted for the layer job and only a failure aborts it
     layers_committed: int = 0
     broken: list = field(default_factory=list)   # this rank's writes that raised part-way (faults.broken_commit)
+    scale: int | None = None          # the elastic scale's generation it serves: its fault names the scale
 
 
 class Reporter:
@@ -93,10 +94,11 @@ class Reporter:
         out[state] = out.get(state, 0.0) + time.perf_counter() - self._entered
         return out
 
-    def begin(self, step: int, forced: bool) -> Rearrangement:
-        """Open the record of a rearrangement that starts at engine step ``step``."""
+    def begin(self, step: int, forced: bool, scale: int | None = None) -> Rearrangement:
+        """Open the record of a rearrangement that starts at engine step ``step`` (``scale``: the generation of
+        the elastic scale it serves, None for the policy's own)."""
         self.count += 1
-        return Rearrangement(index=self.count, step=step, forced=forced, started=time.perf_counter())
+        return Rearrangement(index=self.count, step=step, forced=forced, started=time.perf_counter(), scale=scale)
 
     @staticmethod
     def summary_fields(current: Rearrangement, steps: int) -> dict:

@@ -190,13 +190,15 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
     a freeze found by the liveness records around that step is named too. The problem is the
     latest since the previous rollback: a handled one (a late rank's note, ``late``), else an unhandled
     ``hang`` (its culprit died or hangs) or a cause about a collective (a late rank in a run left
-    ``failed``). A fault in ``scaling`` is a scale abort, listed with the scales, not here.
+    ``failed``). A fault in ``scaling``, or one naming a ``scale`` (the scale's own transfer failed), is a
+    scale abort, listed with the scales, not here.
     """
     parts = cast.parts
     by_step: dict[int, list[Key]] = {}
     for k, s in parts.items():
+        of_scales = {f.get("seq") for f in s.faults if f.get("scale") is not None}
         for t in s.transitions:
-            if t.trigger == "fault" and t.source != SCALING and type(t.step) is int \
+            if t.trigger == "fault" and t.source != SCALING and t.seq not in of_scales and type(t.step) is int \
                     and k not in by_step.get(t.step, []):
                 by_step.setdefault(t.step, []).append(k)
     out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)

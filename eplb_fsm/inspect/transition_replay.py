@@ -185,7 +185,9 @@ def replay_transition(w: "Walker", rec: dict) -> None:
         s.transitions.append(Transition(rec.get("step"), trig, src, dst, rec_layer, rec.get("seq"),
                                         rec.get("generation") if trig in SCALE_TRIGGERS else None))
         if trig == "fault":
-            s.faults.append(compact_record(rec))
+            # an elastic scale's own fault (its transfer failed) names the scale: late.py lists it with the scales
+            s.faults.append(dict(compact_record(rec), scale=rec["scale"]) if rec.get("scale") is not None
+                            else compact_record(rec))
         elif trig == "scale_requested":
             s.scale_requests.append({k: rec.get(k) for k in REQUEST_KEYS})
         s.progress_after_stuck = True

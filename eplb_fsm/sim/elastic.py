@@ -72,9 +72,12 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
     """``["100:2", "200:4"]`` (or ScaleEvents) -> validated events; ValueError naming ``--scale`` and the rule.
 
     Steps must increase and lie in [1, steps); RANKS in [1, MAX_RANKS]; each size needs P' = S * RANKS >= experts
-    (S = (experts + redundant) / ranks slots per rank stay fixed).
+    (S = (experts + redundant) / ranks slots per rank stay fixed). The world size is followed through the specs,
+    each earlier scale taken to switch (an ``:absent`` / ``:late`` one to abort): RANKS must differ from the size
+    the group has by then, and ``:absent`` / ``:late`` name joiners, so they need a scale-up.
     """
     events: list[ScaleEvent] = []
+    world = ranks   # the group's size when the next spec comes, if every earlier scale went as expected
     if (experts + redundant) % ranks:
         raise ValueError(f"--experts + --redundant ({experts + redundant}) must be divisible by --ranks ({ranks})")
     per_rank = (experts + redundant) // ranks
@@ -99,6 +102,16 @@ def parse_scale_specs(specs: Sequence[Any], ranks: int, steps: int, experts: int
         if per_rank * event.ranks < experts:
             raise ValueError(f"--scale {event.spec}: {event.ranks} ranks x {per_rank} slots per rank = "
                              f"{per_rank * event.ranks} slots cannot hold {experts} experts")
+        after = "" if not events else f" after --scale {' '.join(e.spec for e in events)}" + (
+            ", an :absent or :late scale aborting" if any(e.absent or e.late for e in events) else "")
+        if event.ranks == world:
+            raise ValueError(f"--scale {event.spec}: RANKS must differ from the group's size at that step "
+                             f"({world} ranks{after}): a scale to the same size changes nothing")
+        if (event.absent or event.late) and event.ranks < world:
+            raise ValueError(f"--scale {event.spec}: :absent and :late name a scale-up's joiners, and this is a "
+                             f"scale-down ({world} -> {event.ranks} ranks{after})")
+        if not (event.absent or event.late):  # an :absent / :late scale aborts: the group keeps its size
+            world = event.ranks
         events.append(event)
     return events
 

@@ -26,8 +26,11 @@ def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
 
     ``scalings``: one entry per ``--scale`` (``step``, ``from_ranks``, ``to_ranks``,
     ``moved_slots``, ``moved_bytes``, ``seconds`` (slowest rank), ``outcome``, ``generation``,
-    ``kind``, ``agree``); ``outputs_unchanged`` and ``weights_exact`` cover every process,
-    leaving ones included, and the checks after every scale; ``processes`` lists them, each with
+    ``kind``, ``agree``; ``outcome`` is the ranks' common one: ``switched``, ``aborted`` or
+    ``failed``, else ``mixed``; ``skipped`` when the group had that size already, an earlier scale
+    having aborted; ``not_reached`` when the run ended first); ``outputs_unchanged`` and
+    ``weights_exact`` cover every process, leaving ones included, and the checks after every
+    scale; ``processes`` lists them, each with
     ``status`` (``finished``, ``left``, or ``not_joined`` with its ``reason``: a joiner of a scale that
     aborted, ok only when its scale's outcome is ``aborted``).
     """
@@ -43,8 +46,10 @@ def elastic_report(opts: Any, results: Sequence[dict], base: dict) -> dict:
             scalings.append({"step": event.step, "generation": gen, "kind": None, "requested_ranks": event.ranks,
                              "outcome": "skipped" if skipped else "not_reached", "from_ranks": None,
                              "to_ranks": None, "moved_slots": 0, "moved_bytes": 0, "seconds": 0.0,
-                             "reason": ("the group already has that many ranks" if skipped else
-                                        "the run ended before this step"),
+                             # parse_scale_specs refuses a size the group would already have: only an
+                             # earlier scale that aborted instead of switching leads here
+                             "reason": ("the group already had that many ranks (an earlier scale did not switch)"
+                                        if skipped else "the run ended before this step"),
                              "lost_experts": [], "agree": True})
             continue
         outcomes = {s["outcome"] for s in entries} - {"left"}

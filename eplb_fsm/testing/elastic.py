@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from eplb_fsm.config import EplbConfig
+from eplb_fsm.elastic.bounds import scale_bounds
 from eplb_fsm.fsm.machine import SCALING, EplbMachine
 from eplb_fsm.maps import as_count
 from eplb_fsm.testing.ranks import (GROUP, MAPS_FLAGS, READY_FLAGS, SLOT_BYTES, TRANSFER_GROUP, SyntheticClock,
@@ -38,6 +40,8 @@ from eplb_fsm.testing.ranks import (GROUP, MAPS_FLAGS, READY_FLAGS, SLOT_BYTES, 
 __all__ = ["TIMEOUT_S", "scale"]
 
 TIMEOUT_S = 20.0
+# the request's digest in scale_check (elastic.prepare): new world size, rank mapping, generation, 16 each
+REQUEST_FLAGS = 3 * MAPS_FLAGS
 
 
 def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = None, absent: bool = False,
@@ -49,7 +53,10 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
     faults described in the module docstring. A request that could not happen as asked (a
     job that simulates only some ranks, a serving rank a fault stopped, a mapping value other
     than -1 or a new rank, ``die`` at a layer the model lacks or at more than one layer,
-    ``absent`` on a scale-down) is a ``ValueError`` before any record.
+    ``absent`` on a scale-down) is a ``ValueError`` before any record. Slot capacity is not
+    checked: the job gives each rank ``ceil(num_experts / world)`` slots with no redundancy,
+    so a scale-down the controller refuses (``slots_per_rank * new_world < num_experts``)
+    still writes its records here.
     """
     old_world = job.world
     new_world = as_count(new_world, "new_world")
@@ -87,19 +94,24 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
                          "the old group, so no rank reaches a later layer to die at")
     if absent and kind != "scale_up":
         raise ValueError("absent=True names a scale-up's joiners; a scale-down has none")
+    timeout = float(job.config.get("collective_timeout_s", EplbConfig.collective_timeout_s))
+    forward_s, bound_s = scale_bounds(TIMEOUT_S, timeout)
     job.generation += 1  # used up even if the scale aborts
     gen, step = job.generation, job.step_no
     request = {"kind": kind, "generation": gen, "from_ranks": old_world, "to_ranks": new_world,
                "rank_mapping": {str(r): n for r, n in sorted(mapping.items())}, "joiners": joiners,
-               "leaving": leaving, "timeout_s": TIMEOUT_S}
+               "leaving": leaving, "timeout_s": TIMEOUT_S, "deadline_s": round(forward_s, 6),
+               "bound_s": round(bound_s, 6)}
     old = dict(sorted(job.ranks.items()))
     for rank in old.values():
         rank.clock.at_least(job.t0 + step * job.step_s)
         rank.trace.set_context(step=step)
         rank.fire("scale_requested", extra=request)
-        # scale_check: [no go-ahead, the model's maps digest]; absent joiners end the scale after it
-        rank.collective("all_reduce", group=rank.group, shape=[1 + MAPS_FLAGS], dtype="torch.float64",
-                        parts=["scale_check"], sizes=[1 + MAPS_FLAGS])
+        # scale_check: [no go-ahead, the request's digest, the model's maps digest]; absent joiners end
+        # the scale after it
+        check = 1 + REQUEST_FLAGS + MAPS_FLAGS
+        rank.collective("all_reduce", group=rank.group, shape=[check], dtype="torch.float64",
+                        parts=["scale_check"], sizes=[check])
         if not absent:
             rank.collective("all_reduce", group=rank.group, shape=[1], dtype="torch.float64",
                             parts=["scale_ready"], sizes=[1])
@@ -109,15 +121,16 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
 
 
 def _scaling(rank: SyntheticRank, request: dict, role: str, outcome: str, old_rank: int, **extra: Any) -> None:
-    """The ``scaling`` summary record of one rank."""
+    """The ``scaling`` summary record of one rank, with the fields of ``elastic.records.scaling_record``."""
     fields = {"generation": request["generation"], "kind": request["kind"], "from_ranks": request["from_ranks"],
               "to_ranks": request["to_ranks"] if outcome in ("switched", "left") else
               (request["from_ranks"] if outcome == "aborted" else None),
               "requested_ranks": request["to_ranks"], "role": role, "outcome": outcome, "old_rank": old_rank,
               "moved_slots": 0, "moved_bytes": 0, "layers_committed": 0, "seconds": 0.01, "reason": None,
-              "lost_experts": [], "degraded": False}
+              "lost_experts": [], "degraded": False, "partial": False, "phase": None,
+              "deadline_s": request["deadline_s"], "bound_s": request["bound_s"]}
     fields.update(extra)
-    rank.trace.emit("scaling", **fields)
+    rank.trace.emit("scaling", new_rank=-1 if outcome == "left" else rank.trace.rank, **fields)
 
 
 def _switch(rank: SyntheticRank, request: dict, new_rank: int, *, role: str, phase: str) -> None:
@@ -255,7 +268,7 @@ def _scale_up(job: Any, old: dict[int, SyntheticRank], mapping: dict[int, int], 
         for r, rank in old.items():
             rank.trace.emit("scale_aborted", generation=gen, phase="prepare", reason=reason, lost_experts=[])
             rank.fire("fault", extra={"reason": reason, "scale": gen}, recoverable=True)
-            _scaling(rank, request, "member", "aborted", r, reason=reason)
+            _scaling(rank, request, "member", "aborted", r, reason=reason, phase="prepare")
         return {"generation": gen, "kind": "scale_up", "outcome": "aborted", "reason": reason}
     for r, rank in old.items():
         _switch(rank, request, mapping[r], role="member", phase="prepare")
