@@ -308,3 +308,49 @@ def test_a_layer_total_just_below_the_float32_limit_is_planned(tmp_path, capsys)
     path = tmp_path / "edge.npy"
     np.save(path, load)
     assert main(["plan", "--ranks", "4", "--slots", "8", "--load", str(path)]) == 0
+
+
+@pytest.mark.parametrize("tiny, layer, everywhere", [
+    (1e-60, 1, True),         # becomes 0 in float32: the layer would be planned as if it had no load
+    (1e-40, 0, True),         # becomes a subnormal: its ratios lose precision
+    (2.0**-127, 2, False),    # one subnormal load among normal ones
+    (1e-300, 1, False),
+])
+def test_nonzero_loads_below_float32s_normal_range_are_refused(tmp_path, capsys, monkeypatch, tiny, layer, everywhere):
+    """A nonzero load that float32 holds only as 0 or a subnormal (below 2**-126): one line naming --load,
+    the file, the layer and the rule, saying a power-of-2 scale-up keeps the placement; exit 2, no policy run."""
+    def no_policy(*args, **kwargs):
+        raise AssertionError("the policy ran")
+
+    monkeypatch.setattr(DefaultEplbPolicy, "rebalance_experts", no_policy)
+    load = np.ones((3, 8))
+    load[layer, :] = np.arange(1, 9) * tiny if everywhere else load[layer, :]
+    load[layer, 5] = tiny
+    path = tmp_path / "tiny.npy"
+    np.save(path, load)
+    assert main(["plan", "--ranks", "4", "--slots", "8", "--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb-fsm plan: error: --load: {path}: layer {layer}'s nonzero loads underflow float32"), err
+    assert "2**-126" in err and "power of 2" in err and err.count("\n") == 1, err
+
+
+def test_the_smallest_normal_float32_load_and_zeros_are_planned(tmp_path, capsys):
+    """The rule is float32's normal range: loads of exactly 2**-126, beside zeros, are still planned."""
+    load = np.full((2, 8), 2.0**-126)
+    load[1, ::2] = 0.0
+    path = tmp_path / "edge.npy"
+    np.save(path, load)
+    assert main(["plan", "--ranks", "4", "--slots", "12", "--load", str(path)]) == 0
+
+
+def test_a_power_of_2_scale_up_keeps_the_default_policys_placement(tmp_path, capsys):
+    """What the underflow message advises holds: the same ratios scaled by 2**100 plan the same placement."""
+    ratios = np.array([[1, 1, 1, 1, 1, 1, 1, 50.0], [3, 1, 4, 1, 5, 9, 2, 6]]) * 2.0**-100
+    maps = []
+    for scale in (1.0, 2.0**100):
+        np.save(tmp_path / "load.npy", ratios * scale)
+        out = tmp_path / f"maps{len(maps)}.json"
+        assert main(["plan", "--ranks", "4", "--slots", "12", "--load", str(tmp_path / "load.npy"),
+                     "--out", str(out)]) == 0
+        maps.append(json.loads(out.read_text())["phy2log"])
+    assert maps[0] == maps[1]

@@ -99,3 +99,52 @@ def test_load_targets_over_the_memory_limit_are_refused_before_they_are_built(tm
     assert err.startswith("eplb-fsm simulate: error: --layers x --experts: 1024 drift phases") and "512 MiB" in err
     assert f"limit of {MAX_TARGET_BYTES >> 20} MiB" in err and err.count("\n") == 1, err
     assert not (tmp_path / "t").exists()
+
+
+def _never_run(*args, **kwargs):
+    raise AssertionError("the run started: the size check must come before any process")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--hidden", "100000"], "--hidden 100000 / --tokens 128: 2 rank process(es)"),
+    (["--tokens", str(10**13)], f"--hidden 16 / --tokens {10**13}: 2 rank process(es)"),
+    (["--hidden", "1" + "0" * 400], "--hidden 1000000000"),   # past float's range: still one usage line
+])
+def test_model_sizes_past_this_machines_memory_are_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, named):
+    """A --hidden / --tokens whose toy model cannot fit in memory: one line naming them and the memory rule,
+    exit 2, no rank started and no trace folder made."""
+    import eplb_fsm.commands.simulate as simulate
+
+    monkeypatch.setattr(simulate, "run_simulation", _never_run)
+    base = ["--ranks", "2", "--layers", "2", "--experts", "4", "--redundant", "2", "--steps", "4", "--no-png",
+            "--no-progress", "--trace-dir", str(tmp_path / "t")]
+    assert main(["simulate", *base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eplb-fsm simulate: error: {named}"), err
+    assert "needs at least" in err and "of memory, more than this machine's" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_model_bytes_per_rank_counts_weights_reference_buffer_and_products():
+    """The per-rank estimate is slots + one buffered layer + the reference's two copies of every expert
+    (float64 (d, d) + (d,) each), one layer's (max(N, S), T, d) products and the (T, d) batch."""
+    from eplb_fsm.commands.simulate_checks import model_bytes_per_rank
+
+    # L=2, N=4, S=3, d=10, T=5: (2*3 + 3) * 110 + 2*2*4*110 + 4*5*10 + 5*10 = 3000 float64
+    assert model_bytes_per_rank(2, 4, 3, 10, 5) == 8 * 3000
+
+
+def test_model_memory_counts_the_largest_scaled_group(tmp_path, monkeypatch):
+    """With --scale the check counts the largest group's processes: a model that fits 2 ranks but not 4
+    passes without the scale and is refused (naming 4 processes) with a scale to 4."""
+    import eplb_fsm.bench.options as bench_options
+    from eplb_fsm.commands.simulate_checks import model_bytes_per_rank
+
+    per_rank = model_bytes_per_rank(4, 8, 4, 16, 128)   # the shape below: 8 experts, 4 slots a rank
+    monkeypatch.setattr(bench_options, "physical_memory", lambda: int(per_rank * 3))
+    argv = ["--ranks", "2", "--layers", "4", "--experts", "8", "--redundant", "0", "--steps", "20"]
+    assert _options(tmp_path, *argv).ranks == 2
+    with pytest.raises(ValueError, match=re.escape("--hidden 16 / --tokens 128: 4 rank process(es)")):
+        build_options(build_parser().parse_args(["simulate", *argv, "--scale", "5:4", "--trace-dir",
+                                                 str(tmp_path / "t2")]))
+    assert not (tmp_path / "t2").exists()

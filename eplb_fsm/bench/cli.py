@@ -6,6 +6,12 @@ has neither) and as indented ``key: value`` text otherwise (the same choice ever
 offers). A benchmark refuses bad options by raising ``SystemExit("eplb-fsm bench KIND:
 ...")``; that message goes to stderr on one line and the command exits 2, like every
 other usage error (a failed rank of a multi-process benchmark too: bench/ranks.py).
+
+SIGTERM and Ctrl-C unwind the benchmark (``commands.simulate.interruptible``: SIGTERM raises in the
+main thread, as Ctrl-C does) instead of ending the process where it stands, so its ``with`` and
+``finally`` blocks run: the temporary folders of ``replay`` (hundreds of MB of traces) and ``step`` are
+removed and the ranks of ``transfer`` / ``stall`` are stopped. It then says so on stderr and exits
+143 / 130, like ``simulate``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import importlib
 import json
 import math
+import signal
 import sys
 from typing import Any
 
@@ -89,13 +96,26 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def _interrupted(kind: str, name: str) -> int:
+    """Say the benchmark was stopped (its clean-up has run); the exit code of ``name`` (143 / 130)."""
+    print(f"eplb-fsm bench {kind}: interrupted by {name}; its temporary files were removed", file=sys.stderr)
+    return 128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_bench_missing", False):
         print(f"eplb-fsm bench: error: benchmark {args.kind!r} is not available in this build", file=sys.stderr)
         return 2
+    from eplb_fsm.commands.simulate import Interrupted, interruptible
+
     module = importlib.import_module(args.bench_module)
     try:
-        result = module.run(args)
+        with interruptible() as fired:
+            result = module.run(args)
+    except KeyboardInterrupt:
+        return _interrupted(args.kind, "SIGINT")
+    except Interrupted as exc:
+        return _interrupted(args.kind, exc.name)
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise
@@ -105,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             message = prefix + "error: " + message[len(prefix):]
         print(message, file=sys.stderr)
         return 2
+    if fired:  # a SIGTERM whose exception something swallowed: still a stopped run, not a result
+        return _interrupted(args.kind, signal.Signals(fired[0]).name)
     from eplb_fsm.cli import print_stdout   # a reader that stops early (| head) ends the output quietly
 
     if args.json:

@@ -17,8 +17,10 @@ in all (the policy takes a few seconds at those sizes; larger ones are refused, 
 keeps a table of that size), and every policy at most :data:`MAX_LOG2PHY_CELLS` entries of
 ``log2phy`` (layers x experts x (P - N + 1)).
 
-Bad input (unreadable file, wrong shape, negative or NaN loads, P % G != 0, P < N,
-G % nodes != 0, sizes over the limits, an ``--out`` folder that takes no new file, ...)
+Bad input (unreadable file, wrong shape, negative or NaN loads, a layer whose total reaches
+2**126 or with a nonzero load below 2**-126 (the policies plan in float32, where a smaller load
+becomes a subnormal or 0), P % G != 0, P < N, G % nodes != 0, sizes over the limits, an
+``--out`` folder that takes no new file, ...)
 prints ``eplb-fsm plan: error: --OPTION: why`` on stderr and exits with status 2, before
 the policy runs. ``--out`` is written to a temporary file in its folder, then renamed
 over the target: a write that fails (a full disk) leaves the previous file as it was.
@@ -132,22 +134,42 @@ def _check_options(args: argparse.Namespace, num_layers: int, num_experts: int) 
         )
 
 
-def _check_float32_totals(load, source: str) -> None:
-    """Every policy plans on float32 loads: each layer's total, summed from its float32 loads, must stay
-    below ``policy.base.FLOAT32_TOTAL_LIMIT``. ``load``: (L, N) float64. A layer past it is a usage error
-    naming ``--load``, the file and the layer, found before the policy runs."""
+def _check_float32_range(load, source: str) -> None:
+    """Every policy plans on float32 loads (``policy.base.checked_float32``), so each layer must keep its
+    ratios there. ``load``: (L, N) float64, already checked finite and >= 0. Two rules, found before
+    the policy runs, each a usage error naming ``--load``, the file and the first layer that breaks it:
+
+    - a layer's total, summed from its float32 loads, must stay below ``policy.base.FLOAT32_TOTAL_LIMIT``
+      (2**126);
+    - every nonzero load must stay a normal float32, >= 2**-126 (``np.finfo(np.float32).tiny``): below it
+      a load is rounded to a subnormal or to 0, and the layer is planned on other ratios than the given
+      ones (all zero: as if it had no load). The loads are not rescaled here: a placement is the policy's
+      on the loads given. Scaling a layer by a power of 2 keeps its float32 ratios exact, and so the
+      default policy's placement (``movement_aware`` also has absolute tolerances).
+    """
     import numpy as np
 
     from eplb_fsm.policy.base import FLOAT32_TOTAL_LIMIT
 
-    with np.errstate(over="ignore"):  # an entry past float32's range becomes inf: reported below
-        totals = load.astype(np.float32).sum(axis=1, dtype=np.float64)
+    with np.errstate(over="ignore", under="ignore"):  # an entry past float32's range becomes inf: reported below
+        load32 = load.astype(np.float32)
+    totals = load32.sum(axis=1, dtype=np.float64)
     over = np.flatnonzero(~(totals < FLOAT32_TOTAL_LIMIT))
     if over.size:
         layer = int(over[0])
         raise _UsageError(f"--load: {source}: layer {layer}'s loads sum to {float(load[layer].sum()):.4g}, past "
                           f"what the policies plan in float32 (each layer's total must be below 2**126, about "
                           f"{FLOAT32_TOTAL_LIMIT:.3g}; scale the loads down: only their ratios matter)")
+    tiny = np.finfo(np.float32).tiny
+    lost = (load > 0) & (load32 < tiny)
+    under = np.flatnonzero(lost.any(axis=1))
+    if under.size:
+        layer = int(under[0])
+        smallest = float(load[layer][lost[layer]].min())
+        raise _UsageError(f"--load: {source}: layer {layer}'s nonzero loads underflow float32 (the smallest is "
+                          f"{smallest:.4g}; every nonzero load must be at least 2**-126, about {float(tiny):.3g}, "
+                          f"the smallest normal float32, which the policies plan in; scale the layer up by a "
+                          f"power of 2: that keeps its float32 ratios, and so the default policy's placement)")
 
 
 def _check_out(out_arg: str | None) -> Path | None:
@@ -285,7 +307,7 @@ def _plan_into(args: argparse.Namespace, temp: Path | None) -> dict:
         load = load_matrix(args.load)
     except ValueError as exc:
         raise _UsageError(f"--load: {exc}") from None
-    _check_float32_totals(load, str(args.load))
+    _check_float32_range(load, str(args.load))
     num_layers, num_experts = load.shape
     _check_options(args, num_layers, num_experts)
 

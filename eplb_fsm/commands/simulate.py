@@ -12,7 +12,9 @@ Every option and output path is checked before any process starts (``--trace-dir
 a writable directory or creatable, ``--png`` a ``.png`` file in an existing, writable
 directory); a bad one prints one ``eplb-fsm simulate: error: ...`` line and exits 2, as do
 sizes over the limits: ``--ranks`` and each ``--scale`` size at most 64 (``sim.elastic.MAX_RANKS``),
-load targets at most 256 MiB (``sim.targets``; a drifting load's phases past 1024 are reused).
+load targets at most 256 MiB (``sim.targets``; a drifting load's phases past 1024 are reused), and a
+``--hidden`` / ``--tokens`` whose ranks' toy models could not fit in this machine's memory
+(``simulate_checks.check_model_memory``).
 A plot that still cannot be written is reported as a note: the report is never lost. SIGTERM
 and Ctrl-C exit 143 / 130 wherever they land, the report's replay and plot included.
 
@@ -35,13 +37,13 @@ import sys
 import threading
 
 from eplb_fsm.commands.simulate_checks import (
-    check_injections_serve, check_png_path, load_error, load_note, prepare_trace_dir,
+    check_injections_serve, check_model_memory, check_png_path, load_error, load_note, prepare_trace_dir,
 )
 from eplb_fsm.commands.simulate_report import build_failed_report, build_report, format_report, replay_verdict
 from eplb_fsm.commands.simulate_run import run_simulation
 
 __all__ = ["add_arguments", "build_options", "run_simulation", "build_report", "build_failed_report", "replay_verdict",
-           "format_report", "run"]
+           "format_report", "run", "Interrupted", "interruptible"]
 
 
 _INJECT_HELP = """\
@@ -143,7 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(RANKS at most 64; leaving ranks exit, joiners start as new processes; slots per rank stay "
                         "fixed). "
                         "STEP:RANKS:absent never starts the joiners (the scale must abort); STEP:RANKS:late "
-                        "starts them after the abort (they end not joined, no failure). See docs/elastic.md")
+                        "starts them after the abort (they end not joined, no failure). RANKS must differ from the "
+                        "group's size at STEP (earlier scales counted as switched, :absent/:late ones as aborted), "
+                        "and :absent/:late need a scale-up. See docs/elastic.md")
     r.add_argument("--join-timeout", type=float, default=None, metavar="S",
                    help="seconds a scale waits for its new group (joiners arriving), default: the collective "
                         "timeout")
@@ -239,6 +243,9 @@ def build_options(args: argparse.Namespace):
                              "the fixed torch.distributed group)")
         if events:  # a joiner before it joins, a rank after it left: the fault would never fire
             check_injections_serve(injections, args.ranks, args.steps, events)
+    # before the load targets are built and any rank starts: a model too big for this machine
+    check_model_memory(args.ranks, args.layers, args.experts, args.redundant, args.hidden, args.tokens,
+                       max([args.ranks] + [e.ranks for e in events]))
     opts = SimOptions(
         ranks=args.ranks, layers=args.layers, experts=args.experts, redundant=args.redundant, hidden=args.hidden,
         top_k=args.top_k, tokens=args.tokens, steps=args.steps, interval=args.interval, window=args.window,
@@ -271,7 +278,8 @@ def build_options(args: argparse.Namespace):
 
 
 class Interrupted(BaseException):
-    """SIGTERM reached ``eplb-fsm simulate``: raised in the main thread so the launcher stops its ranks.
+    """SIGTERM reached ``eplb-fsm simulate`` (or ``bench``): raised in the main thread so the launcher stops its
+    ranks and every ``with`` / ``finally`` on the way up runs (a benchmark's temporary folder is removed).
 
     A ``BaseException``, like ``KeyboardInterrupt``: the ``except Exception`` that keeps a
     report coming out when its plot or replay fails must not swallow a stop request.
@@ -283,7 +291,7 @@ class Interrupted(BaseException):
 
 
 @contextlib.contextmanager
-def _interruptible():
+def interruptible():
     """SIGTERM raises :class:`Interrupted` (once; Ctrl-C already raises KeyboardInterrupt) while running.
 
     Yields the list of the signals that arrived: should a SIGTERM's exception still be
@@ -329,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(f"eplb-fsm simulate: {note}", file=sys.stderr)
     try:
-        with _interruptible() as fired:
+        with interruptible() as fired:
             report = run_simulation(opts, progress=not args.no_progress, timeout=args.timeout, png=args.png,
                                     want_png=not args.no_png)
     except KeyboardInterrupt:

@@ -15,6 +15,10 @@ run's would show as ranks of this one.
 With ``--scale``, :func:`check_injections_serve` refuses an ``--inject`` fault on a rank
 that provably does not run at its step (a joiner before it joins, a rank after it left, or
 at its leaving scale's step for a fault without ``layer=``: it leaves before that engine step).
+
+:func:`check_model_memory` refuses a ``--hidden`` / ``--tokens`` whose toy model could not fit in this
+machine's memory (``eplb_fsm.bench.options.memory_rule``): without it every rank started and each
+failed on its first allocation.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import json
 import tempfile
 from pathlib import Path
 
-__all__ = ["TraceDir", "check_injections_serve", "check_png_path", "header_run_ids", "load_error", "load_note",
-           "prepare_progress", "prepare_trace_dir", "run_id_after", "serving_spans", "this_runs_traces",
-           "trace_sizes"]
+__all__ = ["TraceDir", "check_injections_serve", "check_model_memory", "check_png_path", "header_run_ids",
+           "load_error", "load_note", "model_bytes_per_rank", "prepare_progress", "prepare_trace_dir", "run_id_after",
+           "serving_spans", "this_runs_traces", "trace_sizes"]
 
 RANK0_FILE = "rank00000.jsonl"  # eplb_fsm.trace.trace_path(dir, 0).name, without importing torch
 PROGRESS_DIR = "progress"       # eplb_fsm.sim.run.progress_path's folder, without importing torch
+_SIZE_CAP = 1 << 62              # sizes are capped before the float estimate: 10**400 would not convert
 
 
 def trace_sizes(directory: str | Path) -> dict[str, int]:
@@ -311,3 +316,36 @@ def check_injections_serve(injections, ranks: int, steps: int, events) -> None:
                                  f"step {inj.step} or later while the rank runs, so it cannot fire")
         elif not any(a <= inj.step <= b for a, b in runs):
             raise ValueError(f"--inject {inj.spec!r}: {where}, so the fault at step {inj.step} cannot fire")
+
+
+def model_bytes_per_rank(layers: int, experts: int, slots_per_rank: int, hidden: int, tokens: int) -> float:
+    """A lower bound on the bytes one rank's toy model allocates (``sim.model.ToyMoE``, float64 throughout).
+
+    Its slots' weights, (L, S, d, d) + (L, S, d); one layer of transfer buffer like them, (S, d, d) + (S, d);
+    the reference's every logical expert, cached and then stacked, 2 x (L, N, d, d) + (L, N, d); one layer's
+    expert products, (max(N, S), T, d); and the batch, (T, d).
+    """
+    L, N, S, d, T = (float(min(int(v), _SIZE_CAP)) for v in (layers, experts, slots_per_rank, hidden, tokens))
+    expert = d * d + d
+    return 8.0 * ((L * S + S) * expert + 2.0 * L * N * expert + max(N, S) * T * d + T * d)
+
+
+def check_model_memory(ranks: int, layers: int, experts: int, redundant: int, hidden: int, tokens: int,
+                       processes: int | None = None) -> None:
+    """``ValueError`` naming ``--hidden`` / ``--tokens`` when ``processes`` ranks (default ``ranks``; with
+    ``--scale``, the largest group) of the toy model could not fit in this machine's memory.
+
+    Every rank is a local process holding ``(experts + redundant) / ranks`` slots; the bound is
+    :func:`model_bytes_per_rank` times the processes, a lower bound, so a refused run could not have run.
+    """
+    from eplb_fsm.bench.options import memory_rule
+
+    processes = ranks if processes is None else processes
+    per_rank = model_bytes_per_rank(layers, experts, (experts + redundant) // ranks, hidden, tokens)
+    ok, rule = memory_rule(per_rank * processes,
+                           f"--hidden {hidden} / --tokens {tokens}: {processes} rank process(es) of the toy model "
+                           f"({layers} layers, {experts} experts, {(experts + redundant) // ranks} slots per rank; "
+                           f"each holds its slots' and every expert's {hidden} x {hidden} float64 weights, and a "
+                           f"{tokens} x {hidden} product per expert of a layer)")
+    if not ok:
+        raise ValueError(rule)

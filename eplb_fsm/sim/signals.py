@@ -5,8 +5,9 @@ A rank process calls :func:`install` first thing, before any other thread exists
 - it moves into a process group of its own (``setpgid``), so that the launcher can stop
   the rank and everything it started (a freeze helper) with one ``killpg``, and so that a
   Ctrl-C in the terminal reaches the launcher only (the launcher stops the ranks);
-- it watches its launcher and sends itself SIGTERM once the launcher is gone
-  (:func:`die_with_launcher`), so no rank outlives a launcher that was killed outright;
+- it watches its launcher and sends itself SIGTERM once the launcher is gone, dead or a
+  zombie not reaped yet (:func:`die_with_launcher`), so no rank outlives a launcher that was
+  killed outright;
 - it blocks SIGTERM and SIGINT in every thread and starts one thread that waits for
   them (``sigwait``). That thread runs the registered callbacks, writes ``end how=signal``
   to every trace of the process still open (``trace.end_open_traces``: the controller's),
@@ -161,32 +162,71 @@ def _wait_loop() -> None:
     _handle(signum)
 
 
+def _pid_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs: no such process, or a zombie (state Z or X in ``/proc``).
+
+    ``kill(pid, 0)`` alone succeeds on a zombie: a launcher SIGKILLed but not yet reaped by its
+    own parent would count as alive for as long as that parent does not wait on it.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:   # alive, owned by someone else: its state is still readable below
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:   # reaped between the two looks
+        return True
+    except OSError:   # no /proc (not Linux): kill() said it exists
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()   # the name in (...) may hold spaces and parentheses
+    return bool(fields) and fields[0] in (b"Z", b"X")
+
+
 def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
     """End this rank (SIGTERM to itself) once the process that launched it is gone.
 
     The launcher is ``multiprocessing.parent_process()`` (with a forkserver, the process
     that asked for the rank, not the forkserver, which outlives it). A launcher killed
     outright (SIGKILL, a crash: it stops no one) so no longer leaves its ranks running and
-    waiting on each other: within ``period_s`` each ends through the signal thread, with
-    its ``end how=signal`` record. Returns the watching thread (None: no launcher known).
+    waiting on each other: each ends through the signal thread, with its ``end how=signal``
+    record. Returns the watching thread (None: no launcher known).
+
+    Gone means either of two signs. First the launcher's end of the pipe multiprocessing
+    started this process through (its ``sentinel``): with a forkserver or spawn only the
+    launcher holds the write end, so end-of-file comes the moment it dies, zombie or not.
+    Then, every ``period_s``, its pid: no such process, or a zombie its own parent has not
+    reaped yet (``kill(pid, 0)`` succeeds on one, so ``/proc/<pid>/stat`` is read too). The pid
+    check covers the fork start method, where sibling ranks inherit copies of the write end.
     """
     import multiprocessing
+    from multiprocessing.connection import wait
 
     parent = multiprocessing.parent_process()
     if parent is None or parent.pid is None:
         return None
     launcher = parent.pid
+    try:
+        sentinel = parent.sentinel
+    except (AttributeError, ValueError):   # a parent object without one: the pid check alone
+        sentinel = None
 
     def watch() -> None:
+        use_pipe = sentinel is not None
         while True:
-            try:
-                os.kill(launcher, 0)
-            except ProcessLookupError:
+            gone = False
+            if use_pipe:
+                try:
+                    gone = bool(wait([sentinel], timeout=period_s))
+                except (OSError, ValueError):   # the fd was closed under us: its number may be reused, drop it
+                    use_pipe = False
+            if not use_pipe:
+                time.sleep(period_s)
+            if gone or _pid_gone(launcher):
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            except PermissionError:   # alive, owned by someone else
-                pass
-            time.sleep(period_s)
 
     thread = threading.Thread(target=watch, name="eplb-launcher-watch", daemon=True)
     thread.start()
