@@ -152,8 +152,11 @@ def test_rank_died_via_files(tmp_path, capsys):
 
 
 def down_up_job(trace_dir=None) -> SyntheticJob:
-    """A closed 4 -> 2 -> 4 job: 12 steps, the scale-down, 6 steps, the scale-up, 5 steps."""
-    job = SyntheticJob(world=WORLD, num_layers=2, interval=10, trace_dir=trace_dir)
+    """A closed 4 -> 2 -> 4 job: 12 steps, the scale-down, 6 steps, the scale-up, 5 steps.
+
+    4 slots a rank, so the 8 experts still fit on 2 ranks (``request_scale`` refuses a scale-down without room).
+    """
+    job = SyntheticJob(world=WORLD, num_layers=2, interval=10, trace_dir=trace_dir, slots_per_rank=4)
     job.run(12)
     job.scale(2)
     job.run(6)

@@ -1,8 +1,9 @@
 """Replay of elastic-EP traces: group swaps, joiner sessions, leaving ranks, renumbered ranks.
 
 The traces come from ``SyntheticJob.scale`` (``eplb_fsm.testing.elastic``), which writes a scale
-record for record as the controller does; interval 10, 2 layers, 8 experts. Faults after a
-swap are ordinary ``Faults`` keyed by the ranks' new numbers.
+record for record as the controller does; interval 10, 2 layers, 8 experts. A job that scales
+down to 2 ranks holds ``SPARE`` (4) slots a rank, so its 8 experts fit there as ``request_scale``
+requires. Faults after a swap are ordinary ``Faults`` keyed by the ranks' new numbers.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from eplb_fsm.inspect.elastic import build_cast, group_base
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.testing import Faults, SyntheticJob, hang_faults, write_traces
 
+SPARE = 4   # slots a rank: 8 experts fit on 2 ranks (the default 8 / world leaves none spare for a scale-down)
+
 
 def down_up(faults: Faults | None = None, steps_after: int = 10, **kwargs) -> SyntheticJob:
     """4 ranks, scale-down to 2 at step 15, scale-up back to 4 at step 25 (joiners take ranks 2, 3)."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10, **kwargs)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE, **kwargs)
     job.run(15)
     job.scale(2)
     job.run(10)
@@ -88,7 +91,7 @@ def test_aborted_scale_up_is_healthy_with_the_abort_noted():
 
 def test_leaving_rank_that_dies_before_its_experts_are_out_is_named():
     """Leaving rank 3 stops before layer 1's transfer: hang naming rank 3, and why it matters."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2, die={3: 1})
     job.run(10)
@@ -118,7 +121,7 @@ def test_hang_inside_the_new_group_after_a_scale_up_names_the_joiner():
 
 def test_hang_inside_the_survivors_group_after_a_scale_down():
     """After 4 -> 2, rank 1 never reaches ep@1's all-reduce: culprit rank 1; the ranks that left are not members."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(15)
     job.scale(2)
     job.run(20, hang_faults(2, culprit=1, step=24))
@@ -130,7 +133,7 @@ def test_hang_inside_the_survivors_group_after_a_scale_down():
 
 def test_renumbered_ranks_match_by_group_and_cseq():
     """Mapping {0: -1, 1: 0, 2: 1}: healthy; a hang of ep@1's rank 0 names file rank 1 and says it was renumbered."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2, rank_mapping={0: -1, 1: 0, 2: 1})
     job.run(6)
@@ -143,7 +146,7 @@ def test_renumbered_ranks_match_by_group_and_cseq():
 
 def test_joiner_taking_the_file_of_a_rank_still_writing(tmp_path):
     """A renumbered rank keeps writing rank00002.jsonl while a joiner appends there too: both sessions replay."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10, trace_dir=tmp_path, keep=False)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, trace_dir=tmp_path, keep=False, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2, rank_mapping={0: -1, 1: 0, 2: 1})  # old rank 2 is now rank 1, still in rank00002.jsonl
     job.run(10)

@@ -701,7 +701,7 @@ def test_docs_give_the_json_findings_cap():
 def test_the_healthy_summary_counts_ranks_not_files(tmp_path):
     """4 -> 2 -> 4 with each joiner in its own rank<N>.g2.jsonl: 6 files, 6 sessions, 4 ranks. The summary
     says "4 ranks (6 sessions)", not "4 rank files" (what it counts is rank numbers, not the files read)."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=4)   # 8 experts fit on 2 ranks
     job.run(15)
     job.scale(2)
     job.run(10)

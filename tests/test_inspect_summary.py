@@ -212,7 +212,8 @@ def test_transfer_group_resets_are_collected():
 
 
 def _down_up_records() -> dict[int, list[dict]]:
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    # 4 slots a rank: the 8 experts still fit on 2 ranks, as request_scale requires of a scale-down
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=4)
     job.run(12)
     job.scale(2)
     job.run(6)
@@ -246,7 +247,7 @@ def test_two_session_text_gives_the_same_summaries_as_records():
 
 def test_interleaved_sessions_are_told_apart_by_seq():
     """Two sessions writing one file at once (a renumbered rank and a joiner) are routed record by record."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, slots_per_rank=4)   # 8 experts fit on 2 ranks
     job.run(12)
     job.scale(2, rank_mapping={0: -1, 1: 0, 2: 1})
     job.run(6)

@@ -9,6 +9,10 @@ import pytest
 from eplb_fsm.testing import SyntheticJob
 from eplb_fsm.trace import read_trace, trace_path
 
+# slots a rank: the default job's 8 experts then fit on 2 ranks, so it can scale 4 -> 2 (or 3 -> 2) as a real
+# controller would let it (the default, ceil(8 / world), leaves no spare slot)
+SPARE = 4
+
 
 def _events(recs: list[dict], step: int) -> list[str]:
     return [r.get("trigger", r["event"]) for r in recs if r["step"] == step and r["event"] not in (
@@ -17,7 +21,7 @@ def _events(recs: list[dict], step: int) -> list[str]:
 
 def test_scale_down_leaving_rank_ends_with_its_switch():
     """A leaving rank sends its layers in the old group, fires switched, writes group_switch (-1), scaling, end."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2)
     recs = job.records()[3]
@@ -41,7 +45,7 @@ def test_scale_down_leaving_rank_ends_with_its_switch():
 
 def test_survivors_move_to_the_new_group_with_new_rank_and_world():
     """Survivors' group_switch names ep@1 / ep_transfer@1; their later records carry world 2 and use ep@1."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2, rank_mapping={0: -1, 1: -1, 2: 0, 3: 1})
     job.run(12)
@@ -55,7 +59,7 @@ def test_survivors_move_to_the_new_group_with_new_rank_and_world():
 
 def test_joiner_appends_a_session_to_the_file_of_the_rank_it_takes(tmp_path):
     """Scale-up: the joiner's header (role joiner, generation, machine) follows the leaver's records in rank00003."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2)
     job.run(5)
@@ -85,7 +89,7 @@ def test_absent_joiners_abort_the_scale_up():
 
 def test_dying_leaving_rank_breaks_the_old_group_and_survivors_salvage():
     """die={2: 0}: rank 2 stops before layer 0; the others fail, then survivors fire salvaged and switch (degraded)."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12)
     assert job.scale(2, die={2: 0})["degraded"]
     records = job.records()
@@ -100,7 +104,7 @@ def test_dying_leaving_rank_breaks_the_old_group_and_survivors_salvage():
 
 def test_die_at_two_layers_is_refused_since_the_first_death_ends_every_transfer():
     """die={2: 0, 3: 1}: rank 3 could never reach layer 1 once rank 2's death broke the group: ValueError, no record."""
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(4)
     before = {r: len(recs) for r, recs in job.records().items()}
     with pytest.raises(ValueError, match=r"die must name one layer for every dying rank"):
@@ -115,7 +119,7 @@ def test_die_at_two_layers_is_refused_since_the_first_death_ends_every_transfer(
 
 def test_scale_of_a_job_that_simulates_some_ranks_is_refused_up_front():
     """SyntheticJob(world=4, ranks=[0]).scale(2): a ValueError naming the simulated ranks, not rank_mapping."""
-    job = SyntheticJob(world=4, ranks=[0], num_layers=2, interval=10)
+    job = SyntheticJob(world=4, ranks=[0], num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(4)
     before = len(job.records()[0])
     for kwargs in ({}, {"rank_mapping": {0: 0}}):
@@ -127,7 +131,7 @@ def test_scale_of_a_job_that_simulates_some_ranks_is_refused_up_front():
 
 def test_bad_scale_requests_are_rejected():
     """Same size, a mapping that misses a rank or collides, or die on a rank that stays: ValueError."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, slots_per_rank=SPARE)
     for kwargs, match in [({"new_world": 3}, "differ"), ({"new_world": 2, "rank_mapping": {0: 0}}, "every"),
                           ({"new_world": 2, "rank_mapping": {0: 0, 1: 0, 2: -1}}, "distinct"),
                           ({"new_world": 2, "die": {0: 1}}, "die")]:
@@ -137,7 +141,7 @@ def test_bad_scale_requests_are_rejected():
 
 def test_scale_arguments_that_could_not_take_effect_are_refused_before_any_record():
     """A bool world, a mapping of -5, a layer the model lacks, absent on a scale-down: ValueError, nothing written."""
-    job = SyntheticJob(world=3, num_layers=2, interval=10)
+    job = SyntheticJob(world=3, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(4)
     before = {r: len(recs) for r, recs in job.records().items()}
     for kwargs, match in [({"new_world": True}, "new_world must be an integer"),
@@ -152,11 +156,31 @@ def test_scale_arguments_that_could_not_take_effect_are_refused_before_any_recor
     assert job.generation == 0 and job.world == 3
 
 
+def test_a_scale_that_leaves_an_expert_without_a_slot_is_refused_before_any_record():
+    """8 experts, 2 slots a rank: 4 -> 2 or 4 -> 3 is request_scale's "every expert needs a slot" ValueError, nothing
+    written; with 4 slots a rank the same 4 -> 2 goes through and down to 1 rank is refused."""
+    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job.run(12)
+    before = job.records()
+    for new_world, slots in ((2, 4), (3, 6)):
+        with pytest.raises(ValueError, match=rf"^new_world {new_world} gives model 'main' {slots} slots \(2 per rank\) "
+                                             r"for 8 experts: every expert needs a slot$"):
+            job.scale(new_world)
+    assert job.records() == before
+    assert (job.generation, job.world, sorted(job.ranks)) == (0, 4, [0, 1, 2, 3])
+    spare = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
+    spare.run(12)
+    assert spare.scale(2)["outcome"] == "switched" and spare.world == 2
+    with pytest.raises(ValueError, match=r"new_world 1 gives model 'main' 4 slots \(4 per rank\) for 8 experts"):
+        spare.scale(1)
+    assert spare.generation == 1
+
+
 def test_a_rank_a_fault_stopped_cannot_take_part_in_a_scale():
     """scale() after a Stop fault names the stopped rank instead of writing records for a dead process."""
     from eplb_fsm.testing import Faults, Stop
 
-    job = SyntheticJob(world=4, num_layers=2, interval=10)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, slots_per_rank=SPARE)
     job.run(12, Faults(stop={3: Stop(5)}))
     with pytest.raises(ValueError, match=r"ranks \[3\] have stopped"):
         job.scale(2)
@@ -167,7 +191,7 @@ def test_a_closed_elastic_job_replays_healthy_with_every_rank_ended(tmp_path):
     """4 -> 2 -> 4 then close(): every session ends (leaving ranks at their scale), replay has no unended rank."""
     from eplb_fsm.inspect import replay_dir
 
-    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path, keep=False)
+    job = SyntheticJob(world=4, num_layers=2, interval=10, trace_dir=tmp_path, keep=False, slots_per_rank=SPARE)
     job.run(12)
     job.scale(2)
     job.run(12)
@@ -214,7 +238,7 @@ def test_synthetic_scale_records_carry_the_fields_of_the_real_ones(store):
     """scale_requested and scaling written by scale() have the key sets a real request_scale writes, and an
     absent joiner's abort says phase prepare as the controller's does."""
     real = _real_scale_down_records(store)[0]
-    job = SyntheticJob(world=2, num_layers=2, interval=10)
+    job = SyntheticJob(world=2, num_layers=2, interval=10, slots_per_rank=8)   # one rank holds all 8 experts
     job.run(3)
     job.scale(1)
     synthetic = job.records()[0]

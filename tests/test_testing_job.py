@@ -214,3 +214,33 @@ def test_a_world_that_does_not_divide_the_experts_gets_redundant_slots():
     added = recs[1]
     assert (added["logical"], added["physical"], added["local"]) == (10, 12, 3)
     assert recs[0]["config"]["num_redundant_experts"] == 2
+
+
+def test_slots_per_rank_gives_spare_slots_that_a_joiner_keeps():
+    """slots_per_rank=4, 8 experts, 4 ranks: 16 physical, 8 redundant; a joiner of 4 -> 2 -> 4 has 4 a rank too."""
+    job = SyntheticJob(world=4, num_experts=8, interval=10, slots_per_rank=4)
+    recs = job.records()[0]
+    assert (recs[1]["logical"], recs[1]["physical"], recs[1]["local"]) == (8, 16, 4)
+    assert recs[0]["config"]["num_redundant_experts"] == 8
+    job.run(12)
+    job.scale(2)
+    assert job.records()[0][0]["config"]["num_redundant_experts"] == 8   # the first header is not rewritten
+    job.scale(4)
+    joiner = job.records()[3]
+    header = max(i for i, r in enumerate(joiner) if r["event"] == "header")
+    added = joiner[header + 1]
+    assert (added["physical"], added["local"], joiner[header]["config"]["num_redundant_experts"]) == (16, 4, 8)
+
+
+@pytest.mark.parametrize("value, match", [
+    (1, r"slots_per_rank must be >= 2 \(world=4 ranks hold 8 experts: every expert needs a slot\), got 1"),
+    (0, "slots_per_rank must be >= 1, got 0"),
+    (True, "slots_per_rank must be an integer, got True"),
+    (2.0, "slots_per_rank must be an integer, got 2.0"),
+    ("4", "slots_per_rank must be an integer, got '4'"),
+])
+def test_bad_slots_per_rank_is_refused_before_any_file_is_created(tmp_path, value, match):
+    """slots_per_rank that is no integer or too few for every expert: a ValueError naming it; no trace file made."""
+    with pytest.raises(ValueError, match=match):
+        SyntheticJob(world=4, num_experts=8, trace_dir=tmp_path, slots_per_rank=value)
+    assert list(tmp_path.iterdir()) == []

@@ -53,10 +53,9 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
     faults described in the module docstring. A request that could not happen as asked (a
     job that simulates only some ranks, a serving rank a fault stopped, a mapping value other
     than -1 or a new rank, ``die`` at a layer the model lacks or at more than one layer,
-    ``absent`` on a scale-down) is a ``ValueError`` before any record. Slot capacity is not
-    checked: the job gives each rank ``ceil(num_experts / world)`` slots with no redundancy,
-    so a scale-down the controller refuses (``slots_per_rank * new_world < num_experts``)
-    still writes its records here.
+    ``absent`` on a scale-down, a ``new_world`` whose ``job.slots_per_rank * new_world``
+    slots cannot hold the ``num_experts`` experts, which ``request_scale`` refuses too) is a
+    ``ValueError`` before any record.
     """
     old_world = job.world
     new_world = as_count(new_world, "new_world")
@@ -65,6 +64,11 @@ def scale(job: Any, new_world: int, *, rank_mapping: dict[int, int] | None = Non
     if sorted(job.ranks) != list(range(old_world)):
         raise ValueError(f"scale needs every rank of the world simulated: this job simulates ranks "
                          f"{sorted(job.ranks)} of world={old_world} (SyntheticJob(ranks=...))")
+    # the controller's check_request, in its words: a scale keeps the slots per rank
+    slots = job.slots_per_rank * new_world
+    if slots < job.num_experts:
+        raise ValueError(f"new_world {new_world} gives model 'main' {slots} slots ({job.slots_per_rank} per rank) "
+                         f"for {job.num_experts} experts: every expert needs a slot")
     stopped = sorted(r for r, rank in job.ranks.items() if rank.stopped)
     if stopped:
         raise ValueError(f"scale: ranks {stopped} have stopped (a fault); a scale needs every serving rank")

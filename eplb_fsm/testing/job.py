@@ -50,8 +50,14 @@ class SyntheticJob:
     ``config_overrides`` gives some ranks different values. ``compact_steps``: quiet steps
     are counted into ``steps`` runs as the controller's hot path does
     (``EventTrace.count_step``) instead of one ``step`` record each. ``t0`` (the first
-    step's time) and ``step_s`` (> 0, seconds a step) are finite numbers. A bad argument
-    is a ``ValueError`` naming it, raised before any trace file is created.
+    step's time) and ``step_s`` (> 0, seconds a step) are finite numbers. ``slots_per_rank``
+    is the expert slots each rank holds: at least ``ceil(num_experts / world)``, the fewest
+    that hold every expert, which is the default; the spare ones, ``slots_per_rank * world -
+    num_experts``, are the default config's ``num_redundant_experts``. A scale keeps it, so
+    ``scale(new_world)`` needs ``slots_per_rank * new_world >= num_experts``: give a job you
+    scale down spare slots (``SyntheticJob(world=4, slots_per_rank=4)`` can go down to 2
+    ranks). A bad argument is a ``ValueError`` naming it, raised before any trace file is
+    created.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class SyntheticJob:
         t0: float = 1_700_000_000.0,
         step_s: float = 0.05,
         compact_steps: bool = False,
+        slots_per_rank: int | None = None,
     ) -> None:
         world = as_count(world, "world")
         num_layers = as_count(num_layers, "num_layers")
@@ -92,6 +99,13 @@ class SyntheticJob:
         if step_s <= 0:
             raise ValueError(f"step_s must be a finite number > 0, got {step_s!r}")
         t0 = as_finite_float(t0, "t0")
+        # every rank holds the same number of slots, so a world that does not divide the
+        # experts gets redundant slots (physical >= logical), as a real placement would
+        fewest = math.ceil(num_experts / world)
+        slots_per_rank = fewest if slots_per_rank is None else as_count(slots_per_rank, "slots_per_rank")
+        if slots_per_rank < fewest:
+            raise ValueError(f"slots_per_rank must be >= {fewest} (world={world} ranks hold {num_experts} experts: "
+                             f"every expert needs a slot), got {slots_per_rank}")
         self.world = world
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -101,9 +115,7 @@ class SyntheticJob:
         self.step_no = 0
         self.compact_steps = compact_steps
         self.trace_dir = trace_dir
-        # every rank holds the same number of slots, so a world that does not divide the
-        # experts gets redundant slots (physical >= logical), as a real placement would
-        self.slots_per_rank = math.ceil(num_experts / world)
+        self.slots_per_rank = slots_per_rank
         physical = self.slots_per_rank * world
         if config is None:
             from eplb_fsm.config import EplbConfig
