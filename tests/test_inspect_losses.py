@@ -54,33 +54,6 @@ t.close()
 '''
 
 
-def start_ranks(folder: Path, args: dict[int, tuple]) -> list[subprocess.Popen]:
-    """One process per rank (``args``: rank -> (steps, max_bytes, collective_every, fill, roll_first)), each ready."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(r), *map(str, a)], env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for r, a in sorted(args.items())]
-    for p in procs:
-        assert p.stdout.readline() == "ready\n"
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], meanwhile=None) -> None:
-    """Let every rank run to its end (``meanwhile()`` runs once they started); none is left behind."""
-    try:
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        if meanwhile is not None:
-            meanwhile()
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-
-
 def first_last_ts(path: Path) -> tuple[float, float]:
     recs = read_trace(path, segments=False)[0]
     return recs[0]["ts"], recs[-1]["ts"]
@@ -106,11 +79,12 @@ def alive_between(folder: Path, rank: int, a: float, b: float) -> int:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("coll_every", [0, 10])
-def test_a_removed_middle_segment_is_lost_records_not_a_freeze(tmp_path, coll_every):
+def test_a_removed_middle_segment_is_lost_records_not_a_freeze(lossy_runs, coll_every):
     """Two healthy real ranks; rank 1's rotated segments of a 3 s stretch removed: lost_records on rank 1, never
     frozen (with collectives the gap is told once, by the collective it held; without, by the silence)."""
-    procs = start_ranks(tmp_path, {0: (500, 1 << 26, coll_every, 0, 0), 1: (500, 16384, coll_every, 150, 0)})
-    finish(procs)
+    folders, codes, _ = lossy_runs
+    tmp_path = folders[f"segments{coll_every}"]
+    assert codes[f"segments{coll_every}"] == [0, 0]
     assert replay_dir(tmp_path).verdict == "healthy"
     before, after = remove_middle_segments(tmp_path, 1, 3.0)
     assert after - before > 3.0 and alive_between(tmp_path, 0, before, after) >= 2   # a silence the others wrote in
@@ -126,18 +100,13 @@ def test_a_removed_middle_segment_is_lost_records_not_a_freeze(tmp_path, coll_ev
 
 
 @pytest.mark.multiprocess
-def test_a_live_file_deleted_and_reopened_is_lost_records_not_a_freeze(tmp_path):
+def test_a_live_file_deleted_and_reopened_is_lost_records_not_a_freeze(lossy_runs):
     """Rank 1's live file (all it wrote since its roll) deleted mid-run and reopened by its writer: the stretch it
     lost is lost_records with the write failure warned, not a freeze of rank 1."""
-    procs = start_ranks(tmp_path, {0: (600, 1 << 26, 0, 0, 0), 1: (600, 1 << 14, 0, 0, 1)})
+    folders, codes, rolled = lossy_runs
+    tmp_path = folders["live_file"]
     live = tmp_path / "rank00001.jsonl"
-
-    def remove_live_file() -> None:
-        assert (tmp_path / "rank00001.jsonl.1").exists() and live.exists()
-        time.sleep(3.5)              # rank 1 writes into its live file meanwhile: all of it is lost with the file
-        live.unlink()
-
-    finish(procs, remove_live_file)
+    assert codes["live_file"] == [0, 0] and rolled   # rank 1 had rolled once when it started
     assert sorted(p.name for p in tmp_path.glob("rank00001.*")) == ["rank00001.jsonl", "rank00001.jsonl.1"]
     kept = read_trace(tmp_path / "rank00001.jsonl.1", segments=False)[0][-1]["ts"]
     reopened = read_trace(live, segments=False)[0]
@@ -175,25 +144,57 @@ t.close()
 '''
 
 
-@pytest.mark.multiprocess
-def test_a_lost_file_whose_seq_shows_nothing_is_still_warned_by_write_errors(tmp_path):
-    """Rank 1's file (header and first 10 steps) removed mid-run: no seq gap is left to see, but its end record's
-    write_errors is warned about (the verdict stays healthy: the job did nothing wrong the traces show)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", WRITE_ERRORS, str(tmp_path), str(r)], env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for r in (0, 1)]
+# the real-process runs (rank -> (steps, max_bytes, collective_every, fill, roll_first)); each test reads one
+RANK_RUNS = {
+    "segments0": {0: (500, 1 << 26, 0, 0, 0), 1: (500, 16384, 0, 150, 0)},
+    "segments10": {0: (500, 1 << 26, 10, 0, 0), 1: (500, 16384, 10, 150, 0)},
+    "live_file": {0: (600, 1 << 26, 0, 0, 0), 1: (600, 1 << 14, 0, 0, 1)},   # rank 1 rolls once before it is ready
+}
+
+
+def spawn(folder: Path, script: str, argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, str(folder), *argv], env=dict(os.environ, PYTHONPATH=ROOT),
+                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def lossy_runs(tmp_path_factory):
+    """Every real-process run of this file, all at once (each mostly sleeps on its own clock, ~20% of a core): the
+    folders and exit codes by scenario, and whether rank 1 of ``live_file`` had rolled when its live file went.
+    ``write_errors``: rank 1's file removed once both wrote 10 steps; ``live_file``: rank 1's live file removed
+    3.5 s into the steps (rank 1 writes into it meanwhile: all of it is lost with the file)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in (*RANK_RUNS, "write_errors")}
+    procs: dict[str, list[subprocess.Popen]] = {}
     try:
-        for p in procs:
+        for name, ranks in RANK_RUNS.items():
+            procs[name] = [spawn(folders[name], RANK, [str(r), *map(str, a)]) for r, a in sorted(ranks.items())]
+        procs["write_errors"] = [spawn(folders["write_errors"], WRITE_ERRORS, [str(r)]) for r in (0, 1)]
+        for p in (p for ps in procs.values() for p in ps):
             assert p.stdout.readline() == "ready\n"
-        (tmp_path / "rank00001.jsonl").unlink()
-        for p in procs:
-            p.communicate("go\n", timeout=60)
-            assert p.returncode == 0
+        (folders["write_errors"] / "rank00001.jsonl").unlink()
+        for p in (p for ps in procs.values() for p in ps):
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        live = folders["live_file"] / "rank00001.jsonl"
+        rolled = (folders["live_file"] / "rank00001.jsonl.1").exists() and live.exists()
+        time.sleep(3.5)
+        live.unlink()
+        codes = {name: [p.wait(timeout=120) for p in ps] for name, ps in procs.items()}
     finally:
-        for p in procs:
+        for p in (p for ps in procs.values() for p in ps):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    return folders, codes, rolled
+
+
+@pytest.mark.multiprocess
+def test_a_lost_file_whose_seq_shows_nothing_is_still_warned_by_write_errors(lossy_runs):
+    """Rank 1's file (header and first 10 steps) removed mid-run: no seq gap is left to see, but its end record's
+    write_errors is warned about (the verdict stays healthy: the job did nothing wrong the traces show)."""
+    folders, codes, _ = lossy_runs
+    tmp_path = folders["write_errors"]
+    assert codes["write_errors"] == [0, 0]
     recs = read_trace(tmp_path / "rank00001.jsonl")[0]
     assert recs[0]["seq"] > 0 and recs[-1]["event"] == "end" and recs[-1]["write_errors"] == 1
     report = replay_dir(tmp_path)

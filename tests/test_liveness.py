@@ -415,8 +415,12 @@ if __name__ == "__main__":
         time.sleep(0.1)
         os.kill(procs[1].pid, signal.SIGSTOP)
         time.sleep(FREEZE)
+        written = len(events(1))         # nothing comes from a stopped rank
         os.kill(procs[1].pid, signal.SIGCONT)
-        time.sleep(2.0)
+        deadline = time.monotonic() + 60
+        while len(events(1)) == written:   # rank 1 runs on: its next record ends the silence, not its `end`
+            assert time.monotonic() < deadline, "rank 1 wrote nothing after its SIGCONT"
+            time.sleep(0.01)
         stop.set()
         for p in procs:
             p.join(60)

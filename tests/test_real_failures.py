@@ -261,8 +261,13 @@ def test_replay_names_a_rank_killed_from_outside():
 
 def test_a_hung_job_stopped_at_its_deadline_is_replayed_as_the_hang(tmp_path_factory):
     """Rank 1 stalls its layer-2 transfer; the run's deadline SIGTERMs both ranks: replay names rank 1's hang."""
+    from eplb_fsm.sim.launcher import run_ranks
+
+    # the launcher's forkserver (it imports torch once: seconds on a loaded machine) is up before the timed run:
+    # its ranks then start in a fork, and rank 1 stalls ~1 s in (the first rearrangement, due at step 1)
+    assert run_ranks(_rank_and_world, 2, timeout=60) == [(0, 2), (1, 2)]
     code, report, log_dir = simulate(tmp_path_factory, 2, "sync", 24, "--inject", "stall-layer:rank=1,layer=2",
-                                     "--collective-timeout", "60", "--timeout", "8")
+                                     "--collective-timeout", "60", "--timeout", "6")
     assert code == 1 and report["error"] == "timeout"
     # the real signal reached both ranks before any collective timed out
     assert all(ending(rs)["how"] == "signal" for rs in traces(log_dir).values())
@@ -280,6 +285,10 @@ def test_an_injection_that_never_fires_fails_the_run(tmp_path_factory):
     assert code == 1 and not report["ok"]
     assert report["inject_unfired"] == [spec]
     assert all(ending(rs)["how"] == "closed" for rs in traces(tmp_path).values())
+
+
+def _rank_and_world(rank: int, world: int) -> tuple[int, int]:
+    return rank, world
 
 
 def _rank_pids(log_dir: Path) -> list[int]:
@@ -348,7 +357,8 @@ def test_signal_to_simulate_stops_every_rank(tmp_path, sig, code):
 
 # -- a rank late past the collective timeout (its engine stalls, its process never stops) -------------------------
 
-LATE_TIMEOUT_S, LATE_STALL_S = 1.0, 6.0   # the stall is many times the timeout: the start ts spread is unambiguous
+# the stall is 4 timeouts and twice replay's clock noise (2 s): the start ts spread is unambiguous
+LATE_TIMEOUT_S, LATE_STALL_S = 1.0, 4.0
 
 
 def _late_rank(rank: int, world: int, trace_dir: str, recover: bool) -> str:
@@ -398,7 +408,7 @@ def _late_run(factory, recover: bool) -> tuple[list[str], dict[int, list[dict]],
 
 
 def test_a_rank_late_past_the_collective_timeout_is_the_culprit(tmp_path_factory):
-    """Rank 1 stalls 6 s, the timeout is 1 s, both ranks end failed: replay names rank 1 (lagging), rank 0 waited."""
+    """Rank 1 stalls 4 s, the timeout is 1 s, both ranks end failed: replay names rank 1 (lagging), rank 0 waited."""
     from eplb_fsm.inspect.render import format_report
 
     states, _, report = _late_run(tmp_path_factory, recover=False)
@@ -440,7 +450,7 @@ def test_a_start_spread_within_clock_noise_names_nobody_without_alive_evidence(t
 
 
 def test_a_late_rank_the_job_recovered_from_is_named_in_the_healthy_verdict(tmp_path_factory):
-    """Rank 1 stalls 6 s (timeout 1 s), both recover onto a new group: healthy, the rollback names rank 1 as late."""
+    """Rank 1 stalls 4 s (timeout 1 s), both recover onto a new group: healthy, the rollback names rank 1 as late."""
     from eplb_fsm.inspect.render import format_report
 
     states, _, report = _late_run(tmp_path_factory, recover=True)

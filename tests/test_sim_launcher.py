@@ -93,9 +93,10 @@ def test_a_failing_rank_raises_and_stops_the_others(tmp_path):
 
 def test_timeout_kills_stragglers(tmp_path):
     """A rank still running at the deadline is killed and RanksTimeoutError names it."""
+    _forkserver_up()
     t0 = time.monotonic()
     with pytest.raises(RanksTimeoutError) as info:
-        run_ranks(_sleep_on_rank_1, 2, args=(str(tmp_path),), timeout=3.0)
+        run_ranks(_sleep_on_rank_1, 2, args=(str(tmp_path),), timeout=2.0)
     assert 1 in info.value.pending
     assert time.monotonic() - t0 < 15
     _assert_gone(str(tmp_path))
@@ -213,8 +214,9 @@ def _rank_with_a_child(rank: int, world: int, pid_dir: str) -> int:
 
 def test_stopping_a_rank_stops_what_it_started(tmp_path):
     """Ranks run in process groups of their own: the launcher's stop also ends their children."""
+    _forkserver_up()
     with pytest.raises(RanksTimeoutError):
-        run_ranks(_rank_with_a_child, 2, args=(str(tmp_path),), timeout=4.0)
+        run_ranks(_rank_with_a_child, 2, args=(str(tmp_path),), timeout=2.0)
     deadline = time.monotonic() + 10
     for name in ("child0.pid", "child1.pid"):
         pid = int((tmp_path / name).read_text())
@@ -227,6 +229,12 @@ def test_stopping_a_rank_stops_what_it_started(tmp_path):
                 break
             assert time.monotonic() < deadline, f"child {pid} of a stopped rank is still running"
             time.sleep(0.05)
+
+
+def _forkserver_up() -> None:
+    """Start the launcher's forkserver before a run with a short deadline: it imports torch once (seconds on a loaded
+    2-core machine), and a rank then starts in a fork and a rendezvous (~0.25 s)."""
+    assert [v[:3] for v in run_ranks(_sum_ranks, 2, args=(0,), timeout=60)] == [(0, 2, 1), (1, 2, 1)]
 
 
 def _frozen_rank_reports_the_wall_time(rank: int, world: int) -> tuple:
@@ -387,9 +395,9 @@ def test_rank_logs_take_each_ranks_stdout_from_its_start_with_the_stack_of_every
     """run_ranks(rank_logs=DIR): a rank's stdout is DIR/rank<NNNNN>.log from before it joins the group (the header
     line first); the launcher's SIGTERM makes each rank write every thread's stack there (rank 0's main one in the
     barrier, the signal thread's own), and nothing reaches the launcher's stdout."""
+    _forkserver_up()   # 5 s then leave rank 0 ample time to reach its barrier
     with pytest.raises(RanksTimeoutError):
-        # long enough for rank 0 to import torch and reach the barrier on a loaded 2-core machine (4 s was not)
-        run_ranks(_print_then_block, 2, timeout=12.0, rank_logs=tmp_path)
+        run_ranks(_print_then_block, 2, timeout=5.0, rank_logs=tmp_path)
     for rank in (0, 1):
         text = (tmp_path / f"rank{rank:05d}.log").read_text()
         lines = text.splitlines()
