@@ -255,3 +255,50 @@ def test_ranks_whose_run_ids_differ_are_reported_as_a_failed_agreement_not_a_mis
     text = format_report(report)
     assert "the run failed: rank(s) 0, 1" in text and "missing" not in text
     assert text.splitlines()[-1] == f"replay: unavailable: {verdict['summary']}"
+
+
+def _append(path, *records) -> None:
+    import json
+
+    with open(path, "a") as fh:
+        fh.writelines(json.dumps(rec) + "\n" for rec in records)
+
+
+def test_a_rank_refused_its_trace_shows_no_record_of_the_run_writing_it(tmp_path):
+    """Ranks refused the trace lock (another run still appending to the files) show no trace of their own,
+    not the other run's last record; a rank of this run that did write shows its own last record."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.commands.simulate_checks import TraceDir, trace_sizes
+    from eplb_fsm.commands.simulate_report import build_failed_report, format_report
+
+    other, mine = "a" * 16, "b" * 16
+    for rank in (0, 1):   # run A: writing both files when this run starts
+        _append(tmp_path / f"rank{rank:05d}.jsonl", {"event": "header", "run_id": other, "rank": rank, "step": 0},
+                {"event": "balancedness", "step": 400, "state": "collecting"})
+    trace_dir = TraceDir(str(tmp_path), trace_sizes(tmp_path))
+    refused = "ValueError: trace file rank00000.jsonl is already written by another process (pid 1)"
+    _append(tmp_path / "rank00000.jsonl", {"event": "balancedness", "step": 425, "state": "collecting"})
+    _append(tmp_path / "rank00001.jsonl", {"event": "balancedness", "step": 425, "state": "collecting"})
+    opts = SimpleNamespace(ranks=2, log_dir=trace_dir, extra={}, config_dict=lambda: {})
+    exc = RuntimeError("rank failed")
+    exc.failures = {0: refused, 1: refused}
+    report = build_failed_report(opts, exc, 1.0)
+    assert [(e["last_step"], e["last_event"], e["trace"]) for e in report["ranks"]] == [(None, None, None)] * 2
+    assert report["traces"] == []
+    # rank 1's file: this run's own session (after A's writer let go of it), then A's records again
+    _append(tmp_path / "rank00001.jsonl", {"event": "header", "run_id": mine, "rank": 1, "step": 0},
+            {"event": "step", "step": 7, "state": "collecting"},
+            {"event": "header", "run_id": other, "rank": 1, "step": 425},
+            {"event": "balancedness", "step": 430, "state": "collecting"})
+    opts.log_dir = TraceDir(str(tmp_path), trace_dir.start)
+    exc.failures = {0: refused, 1: "RuntimeError: Connection reset by peer"}
+    report = build_failed_report(opts, exc, 1.0)
+    assert [(e["last_step"], e["last_event"]) for e in report["ranks"]] == [(None, None), (7, "step")]
+    assert report["traces"] == [str(tmp_path / "rank00001.jsonl")]
+    report["config"] = {"ranks": 2, "layers": 2, "experts": 8, "redundant": 2, "steps": 60, "interval": 20,
+                        "window": 40, "mode": "sync", "load": "zipf"}
+    lines = format_report(report).splitlines()
+    assert next(ln for ln in lines if ln.startswith("  rank 0:")).startswith("  rank 0: failed    no trace; ")
+    assert next(ln for ln in lines if ln.startswith("  rank 1:")).startswith(
+        "  rank 1: failed    last record: step 7, collecting (step)")

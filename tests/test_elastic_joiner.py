@@ -199,16 +199,19 @@ def test_the_wait_for_the_transfer_group_is_covered_by_liveness(tmp_path, monkey
     ("namespace", dict(raw=True, namespace=3)),
     ("device", dict(device="bogus")),
     ("trace_dir", dict(trace_dir=5)),
+    ("setup", dict(setup="hooks")),
 ])
 def test_store_namespace_device_and_trace_dir_are_checked_before_any_wait(store, label, bad):
-    """A str store, a raw store's None/''/3 namespace, a bogus device, a non-path trace_dir: ValueError at once."""
+    """A str store, a raw store's None/''/3 namespace, a bogus device, a non-path trace_dir, a setup that is not
+    callable: ValueError at once."""
     bad = dict(bad)
     target = connect_store(store, WAIT_S) if bad.pop("raw", False) else bad.pop("store", store)
     exc = _bounded(lambda: _join(target, **bad))   # a wait would end in ScaleAborted (no handover comes)
     rules = {"store": "store must be a StoreInfo or a torch.distributed.Store",
              "namespace": "namespace must be a non-empty string",
              "device": "device: 'bogus' is not a torch device",
-             "trace_dir": "trace_dir must be a non-empty path"}
+             "trace_dir": "trace_dir must be a non-empty path",
+             "setup": "setup must be None or a callable taking the joiner's controller, got 'hooks'"}
     assert type(exc) is ValueError and rules[label] in str(exc), exc
 
 
@@ -320,3 +323,24 @@ def test_a_joiner_that_raises_after_its_controller_is_built_ends_its_trace_crash
     report = replay_dir(str(tmp_path))
     assert report.verdict == "crashed" and sorted(report.culprit_ranks) == [1], report.summary
     assert "RuntimeError: injected: the handshake broke" in report.summary, report.summary
+
+
+def test_setup_installs_transfer_hooks_that_run_in_the_joiners_own_scale(store):
+    """join(setup=...) adds a transfer hook before the scale: it runs for each layer the scale moves to the joiner,
+    in transferring, at the serving rank's step count (what --inject's step >= S compares with)."""
+    calls: list = []
+    joined: list = []
+
+    def setup(ctl):
+        joined.append(ctl)
+        ctl.transfer_hooks.append(lambda layer, name, local: calls.append((layer, name, local, ctl.state, ctl.steps)))
+
+    exc, out, serving = _scale_up_beside(store, ToyMoE(2, 4, 12, 4, 2, 1, 2), setup=setup)
+    try:
+        assert exc is None and out["outcome"] == "switched", (exc, out)
+        assert calls == [(0, "main", 0, "transferring", 1), (1, "main", 1, "transferring", 1)], calls
+        assert len(joined) == 1 and joined[0].state == "collecting" and joined[0].world_size == 2
+    finally:
+        serving.close()
+        for ctl in joined:
+            ctl.close()

@@ -311,3 +311,23 @@ def test_survivors_that_salvaged_a_killed_leaving_rank_are_not_failed(tmp_path, 
         triggers = [r["trigger"] for r in records if r["event"] == "transition" and r["trigger"] != "step"]
         assert triggers[triggers.index("fault"):][:3] == ["fault", "salvaged", "switched"], triggers
         assert not any("RankFault" in str(r.get("error")) for r in records if r["event"] == "end"), records[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_layer_kill_aimed_at_a_joiner_fires_in_its_own_scale(tmp_path, capsys):
+    """kill:rank=2,step=6,layer=0 with --scale 6:3 SIGKILLs the joiner before its scale's layer-0 transfer (it
+    never fired: the joiner's hooks came after its scale); the report and replay name rank 2."""
+    log_dir = tmp_path / "logs"
+    code = main(["simulate", "--layers", "2", "--experts", "8", "--redundant", "2", "--hidden", "8", "--tokens", "32",
+                 "--window", "8", "--interval", "10", "--collective-timeout", "2", "--ranks", "2", "--steps", "12",
+                 "--scale", "6:3", "--inject", "kill:rank=2,step=6,layer=0", "--json", "--no-png", "--no-progress",
+                 "--log-dir", str(log_dir), "--timeout", "120"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not report.get("inject_unfired") and code == 1 and report["error"] == "ranks_failed", report
+    joiner = next(e for e in report["ranks"] if e["process"] == JOINER_ID + 2)
+    assert (joiner["status"], joiner["last_event"], joiner["last_step"]) == ("died", "fault_injected", 6), joiner
+    assert report["replay"]["culprit_ranks"] == [2], report["replay"]
+    records = read_trace(log_dir / "rank00002.g1.jsonl")[0]
+    (fired,) = [r for r in records if r["event"] == "fault_injected"]
+    assert (fired["at_step"], fired["layer"], fired["state_at"]) == (6, 0, "transferring"), fired
+    assert not any(r["event"] == "transition" and r["trigger"] == "switched" for r in records)  # still in its scale

@@ -10,31 +10,58 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 __all__ = ["build_report", "build_failed_report", "replay_verdict", "format_report", "format_scalings"]
 
 
-def _last_record(path: Path, start: int = 0) -> dict | None:
+def _last_record(path: Path, start: int = 0, run_id: str | None = None) -> dict | None:
     """The last readable record of a trace file past byte ``start`` (where this run began appending; a
-    half-written last line is skipped); None when the run wrote nothing there."""
+    half-written last line is skipped); None when the run wrote nothing there. ``run_id``: only records
+    of a session whose header carries it count, as another process may append past ``start`` too (a run
+    already writing the file when this one began: this run's ranks were refused it)."""
+    tail: deque[bytes] = deque(maxlen=16)   # the last lines that count: the very last may be half-written
+    mine = run_id is None
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            size = fh.tell()
-            fh.seek(max(start, size - 65536))
-            lines = fh.read().decode("utf-8", "replace").splitlines()
+            fh.seek(start)
+            for raw in fh:
+                if run_id is not None and b'"header"' in raw:
+                    rec = _record(raw)
+                    if rec is not None and rec.get("event") == "header":
+                        mine = rec.get("run_id") == run_id   # a header opens a session, this run's or not
+                if mine:
+                    tail.append(raw)
     except OSError:
         return None
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            return rec
-    return None
+    return next((rec for rec in map(_record, reversed(tail)) if rec is not None), None)
+
+
+def _record(raw: bytes) -> dict | None:
+    """One trace line as a dict, or None (not JSON, or not an object)."""
+    try:
+        rec = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _own_run_ids(log_dir: Any) -> dict[str, str] | None:
+    """Trace file name -> the run id of this run's sessions in it (a file left out has none); None for a
+    plain path. A ``TraceDir``'s run id (the one replay reads); when the ranks' run-identity agreement
+    failed, each file's first header past ``start`` (its rank's own id)."""
+    if getattr(log_dir, "start", None) is None:
+        return None
+    from eplb_fsm.commands.simulate_checks import header_run_ids
+
+    run_id = log_dir.run_id
+    if run_id is None:
+        return {}
+    if _split_run_ids(log_dir):
+        return {name: first for name, (_, first) in header_run_ids(log_dir).items()}
+    return {path.name: run_id for path in Path(log_dir).glob("*.jsonl")}
 
 
 def _reason(text: str) -> str:
@@ -76,13 +103,15 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     # first ranks by rank, then the joiners of --scale by process id (JOINER_ID * (scale + 1) + rank)
     started = set(getattr(exc, "processes", []) or [])  # elastic runs: every process the launcher started
     joiners = sorted(k for k in set(failures) | set(values) | pending | started if k >= opts.ranks)
+    own = _own_run_ids(opts.log_dir)  # None: a plain path, every record past `start` counts
     for r in list(range(opts.ranks)) + joiners:
         process = r
         r = r % JOINER_ID if process >= opts.ranks else r
         # a joiner of the i-th --scale (process JOINER_ID * (i + 1) + rank) writes its own file, generation i + 1
         path = trace_path(opts.log_dir, r, process // JOINER_ID if process >= opts.ranks else 0)
         start = getattr(opts.log_dir, "start", {}).get(path.name, 0)  # a reused --trace-dir: this run's part
-        last = _last_record(path, start) if path.is_file() else None
+        run_id = None if own is None else own.get(path.name)
+        last = _last_record(path, start, run_id) if path.is_file() and (own is None or run_id) else None
         if process in values and values[process].get("status") == NOT_JOINED:  # its scale aborted: no failure
             status, reason = NOT_JOINED, values[process].get("reason")
         elif process in values:
@@ -94,6 +123,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
             status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):g} s deadline (killed)"
         else:
             status, reason = "stopped", "stopped by the launcher after another rank failed"
+        # a plain path: any growth past `start`; a TraceDir: a session of this run's in the file
+        wrote = bool(last) if own is not None else path.is_file() and path.stat().st_size > start
         if last and last.get("event") == "rearrangement":  # its `step` is the due step
             last = dict(last, step=last.get("end_step", last.get("step")))
         ranks.append({"rank": r, "process": process, "role": "joiner" if process >= opts.ranks else "initial",
@@ -101,7 +132,7 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
                       "last_step": last.get("step") if last else None,
                       "last_state": last.get("state") if last else None,
                       "last_event": last.get("event") if last else None,
-                      "trace": str(path) if path.is_file() and path.stat().st_size > start else None})
+                      "trace": str(path) if wrote else None})
     report = {
         "config": opts.config_dict(),
         "ok": False,

@@ -49,7 +49,7 @@ class ScaleAborted(RuntimeError):
 
 def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
          trace_dir: str | None = None, device: Any = None, timeout_s: float | None = None,
-         keep_trace: bool = False, namespace: str = "eplb"):
+         keep_trace: bool = False, namespace: str = "eplb", setup: Any = None):
     """Start a joiner's controller: wait for the handover, build the group, take part in the scale.
 
     See ``EplbController.join``. Returns the controller in ``collecting`` (serving in the
@@ -59,6 +59,11 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
     new group forms; such a refusal is also published for the serving ranks
     (``handover.publish_refusal``). An error other than ``ScaleAborted`` once the controller
     exists ends its trace ``end`` how=exception before it is closed.
+
+    ``setup``: None or ``setup(controller)``, called once the controller holds the handover's
+    models, maps and counters (``controller.steps``: the serving ranks' step count at the
+    scale) and before the scale's first transfer, so that what it installs (``transfer_hooks``,
+    machine listeners) sees the joiner's own scale. An error from it ends the join as above.
     """
     from eplb_fsm.transfer.groups import StoreGroup, StoreInfo, connect_store
 
@@ -71,6 +76,8 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
     if not isinstance(config, EplbConfig):
         raise ValueError(f"config must be an EplbConfig, got {type(config).__name__}")
     timeout = check_seconds(config.collective_timeout_s if timeout_s is None else timeout_s, "timeout_s")
+    if setup is not None and not callable(setup):
+        raise ValueError(f"setup must be None or a callable taking the joiner's controller, got {setup!r}")
     named = _check_models(models, world_size)
     namespace = _check_arguments(store, namespace, device, trace_dir)
     if isinstance(store, StoreInfo):
@@ -120,6 +127,8 @@ def join(cls: type, config: Any, models: Any, *, store: Any, generation: int, ra
     ctl.collectives.cap = deadline.left
     try:
         _take_handover(ctl, sp, named, state)
+        if setup is not None:
+            setup(ctl)   # the handshake and the scale's layer transfers come next: what it installs sees them
         step = ctl.steps
         history_len = len(ctl.history)
         faulted = join_handshake(ctl, sp)  # None: handed over; else (where its fault led, why)

@@ -280,12 +280,14 @@ class EplbController:
     @classmethod
     def join(cls, config: EplbConfig, models: Any, *, store: Any, generation: int, rank: int, world_size: int,
              trace_dir: str | None = None, device: torch.device | str | None = None, timeout_s: float | None = None,
-             keep_trace: bool = False, namespace: str = "eplb") -> "EplbController":
+             keep_trace: bool = False, namespace: str = "eplb", setup: Any = None) -> "EplbController":
         """Start the controller of a process joining a serving group (scale-up; :func:`eplb_fsm.elastic.joiner.join`,
-        ``namespace``: the serving group's store prefix, for a raw store). ``collecting`` or ``ScaleAborted``."""
+        ``namespace``: the serving group's store prefix, for a raw store; ``setup(controller)``: called before the
+        scale's first transfer, e.g. to add ``transfer_hooks``). ``collecting`` or ``ScaleAborted``."""
         from eplb_fsm.elastic.joiner import join
         return join(cls, config, models, store=store, generation=generation, rank=rank, world_size=world_size,
-                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace, namespace=namespace)
+                    trace_dir=trace_dir, device=device, timeout_s=timeout_s, keep_trace=keep_trace, namespace=namespace,
+                    setup=setup)
 
     def recover(self, reloaded: Any = False, group: Any = None) -> None:
         """Leave ``failed``, every rank together; ``reloaded``/``group``: see fsm/recovery.py (raises, if not)."""

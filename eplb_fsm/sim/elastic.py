@@ -174,11 +174,21 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
     model = ToyMoE(opts.layers, opts.experts, slots * world - opts.experts, opts.hidden, opts.top_k, rank, world,
                    seed=opts.seed, gate_strength=opts.gate_strength)
     store = connect_store(store_info, max(join_timeout, opts.collective_timeout_s) + 30.0)
+    hooks = build_hooks(opts.hooks)
+    started: list = []   # the hooks' RankContext, once on_start ran
+
+    def start_hooks(ctl: Any) -> None:
+        ctx = RankContext(rank, world, opts, model, ctl, ctl.group, step=ctl.steps)
+        ctx.extra["role"] = role
+        started.append(ctx)
+        call_hooks(hooks, "on_start", ctx)
+
     if join is None:
         group = StoreGroup(store, 0, rank, world, opts.collective_timeout_s, namespace=store_info.namespace,
                            info=store_info)
         controller = EplbController(config, group=group, trace_dir=opts.log_dir)
         controller.add_model(model, "main")
+        start_hooks(controller)
         first_event = 0
     else:
         # a fresh process has no weights: prove that everything it serves with arrives
@@ -191,15 +201,14 @@ def run_elastic_rank(role: str, rank: int, world: int, opts: Any, store_info: An
         try:
             controller = EplbController.join(config, {"main": model}, store=store_info,
                                              generation=join["generation"], rank=rank, world_size=world,
-                                             trace_dir=opts.log_dir, timeout_s=join_timeout)
+                                             trace_dir=opts.log_dir, timeout_s=join_timeout,
+                                             setup=start_hooks)  # its hooks (--inject) see its own scale
         except ScaleAborted as exc:  # it came after the old ranks gave up: they serve on, nothing failed
             return not_joined_result(rank, world, opts, join, exc)
         first_event = join["index"] + 1
     start = controller.steps
-    hooks = build_hooks(opts.hooks)
-    ctx = RankContext(rank, world, opts, model, controller, controller.group)
-    ctx.extra["role"] = role
-    call_hooks(hooks, "on_start", ctx)
+    ctx = started[0]
+    ctx.world, ctx.rank, ctx.group = controller.world_size, controller.rank, controller.group
     checks: list[dict] = []
 
     def check(label: str, generation: int) -> None:

@@ -23,7 +23,8 @@ A spec is ``KIND:key=value,key=value`` with non-negative integer values:
 ``kill:rank=R,step=S[,layer=K]`` / ``freeze:rank=R,step=S,seconds=T[,layer=K]``
     A real SIGKILL to itself / a real SIGSTOP for T s, then SIGCONT, from a helper process
     (``sim.signals``): at the start of step S (any state), or with ``layer=K`` right before
-    the first transfer of layer K at a step >= S (a rearrangement's or a scale's).
+    the first transfer of layer K at a step >= S (a rearrangement's or a scale's; a joiner's
+    own scale too: ``sim/elastic.py`` starts its hooks in ``EplbController.join``'s ``setup``).
 
 A ``die``, or a ``kill`` without ``layer``, ends rank R at the start of step S: another
 fault on R at step S or later could never fire, and :func:`parse_specs` refuses it.
