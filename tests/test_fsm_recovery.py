@@ -16,6 +16,7 @@ import torch
 
 from eplb_fsm import EplbController
 from eplb_fsm.config import EplbConfig
+from eplb_fsm.fsm import recovery
 from eplb_fsm.sim.loads import zipf_load
 from eplb_fsm.sim.model import ToyMoE
 from eplb_fsm.testing.threads import ThreadGroup, ThreadWorld, run_threads
@@ -178,8 +179,9 @@ def test_recover_refuses_maps_that_do_not_fit_the_group():
     ctl.close()
 
 
-def test_recover_builds_no_transfer_group_until_every_rank_drained():
+def test_recover_builds_no_transfer_group_until_every_rank_drained(monkeypatch):
     """Rank 0's worker is stuck: both ranks refuse and build nothing; once it drains, both pair and rearrange."""
+    monkeypatch.setattr(recovery, "DRAIN_GRACE_S", 0.5)   # the stuck job outlives any grace: a short one proves as much
     master, info = host_store(timeout_s=30.0)
     release, together = threading.Event(), threading.Barrier(2)
 

@@ -174,14 +174,19 @@ def _check_slots(r: Any) -> None:
                            "the machine stays failed")
 
 
+# past its collective timeout a worker's job ends within this (a few chunk copies): a worker still busy
+# after it is stuck
+DRAIN_GRACE_S = 5.0
+
+
 def _drain(r: Any) -> bool:
-    """Wait (bounded) for the worker's jobs, then drop the buffers' rows; a busy worker is traced
-    (``worker_stuck``). True when it finished. The jobs' paced chunks go unpaced meanwhile: no
-    engine step comes while the engine thread waits here."""
+    """Wait (bounded: the collective timeout + ``DRAIN_GRACE_S``) for the worker's jobs, then drop the
+    buffers' rows; a busy worker is traced (``worker_stuck``). True when it finished. The jobs' paced
+    chunks go unpaced meanwhile: no engine step comes while the engine thread waits here."""
     drained = True
     if r.worker is not None:
         with unpaced(r.mover.closing, r.mover.step_advanced):
-            drained = r.worker.wait_idle(r.timeout_s + 5.0)
+            drained = r.worker.wait_idle(r.timeout_s + DRAIN_GRACE_S)
     if not drained:
         r.trace.emit("worker_stuck", pending=r.worker.pending)
     r.mover.invalidate_buffers()
