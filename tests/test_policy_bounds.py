@@ -243,3 +243,8 @@ def test_weight_that_is_not_real_numbers_is_refused(weight):
     """Bools, strings and complex loads are a ValueError naming weight, as the policies and stats.balancedness do."""
     with pytest.raises(ValueError, match=r"^weight must hold real numbers"):
         max_load_lower_bound(weight, 2, 1)
+
+
+def test_a_layer_without_experts_has_a_lower_bound_of_zero():
+    """(L, 0) weights: no expert takes a slot, so every layer's bound is 0 (the greedy never asks argmax of nothing)."""
+    np.testing.assert_array_equal(max_load_lower_bound(np.zeros((2, 0)), 4, 2), [0.0, 0.0])

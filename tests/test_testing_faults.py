@@ -22,6 +22,7 @@ def _counts(job: SyntheticJob) -> dict[int, int]:
     (Faults(stop={1: 5}), r"Stop\(step, where\)"),
     (Faults(skip_count={1: True}), "skip_count step"),
     (Faults(wrong_collective={0: [9, {}]}), r"\(step, overrides\)"),
+    (Faults(wrong_collective={0: (9, {"rank": 1})}), r"must not name a field the trace stamps itself.*\['rank'\]"),
     ({"stop": {}}, "faults must be a Faults"),
 ])
 def test_faults_that_could_not_fire_are_refused_before_any_step(faults, match):

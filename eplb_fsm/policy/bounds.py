@@ -108,7 +108,8 @@ def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.n
     ``weight (L, N) -> (L,)`` float64: ``max(total / G, best max per-replica load)``, the
     latter from greedy replication (optimal for minimising max_e w_e / c_e). ``num_replicas``
     must be in [N, 2**31), the policies' range. The greedy starts from :func:`_head_start`,
-    so it takes about 3 N steps per layer rather than P - N; the result is the same.
+    so it takes about 3 N steps per layer rather than P - N (for loads in float64's normal range: with
+    subnormal loads the head start's rounding margin dominates and up to P - N remain); the result is the same.
     """
     w = _weight64(weight)
     num_layers, num_experts = w.shape
@@ -125,6 +126,8 @@ def max_load_lower_bound(weight: Any, num_replicas: int, num_ranks: int) -> np.n
     rows = np.arange(num_layers) if num_experts else np.arange(0)
     for step in range(int(left.max(initial=0))):
         rows = rows[left[rows] > step]
+        if rows.size == 0:   # also (L, 0): no expert to take a slot (argmax of nothing raises)
+            break
         expert = per_replica[rows].argmax(axis=1)
         # a row whose largest per-replica load is 0 is at its optimum already: its max cannot fall further
         busy = per_replica[rows, expert] > 0
@@ -147,7 +150,8 @@ def _head_start(w: np.ndarray, num_replicas: int) -> np.ndarray:
     proportional allocation that fits in P slots. ``fl(x) >= x (1 - 2**-53) - 2**-1075``
     (rounding, also among subnormals), so ``need_e(v) >= w_e (1 - 2**-53) / (v + 2**-1075)``;
     the start takes ``floor(w_e / d) - 1`` with ``d = v_hi (1 + 1e-9) + 2**-1074`` above that
-    denominator, clipped to [1, P]. The counts left to place are then about 3 N per layer.
+    denominator, clipped to [1, P]. The counts left to place are then about 3 N per layer (loads in the
+    normal range; with subnormal ones the 2**-1074 term dominates ``d`` and the start gains little).
     """
     num_experts = w.shape[1]
     extra = num_replicas - num_experts

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eplb_fsm.maps import as_count
+from eplb_fsm.trace_encode import RESERVED_FIELDS
 
 __all__ = ["STOP_POINTS", "Faults", "Stop", "check_faults", "hang_faults"]
 
@@ -168,6 +169,10 @@ def _step_and_layer(name: str, value: Any, num_layers: int) -> tuple[int, int | 
     if name == "wrong_collective":
         if not isinstance(value[1], dict):
             raise ValueError(f"Faults.wrong_collective overrides must be a dict, got {value[1]!r}")
+        stamped = sorted(RESERVED_FIELDS.intersection(value[1]))
+        if stamped:   # the trace refuses them at the collective's record, half-way through a run: refuse them here
+            raise ValueError(f"Faults.wrong_collective overrides must not name a field the trace stamps itself "
+                             f"({', '.join(sorted(RESERVED_FIELDS))}), got {stamped}")
         return step, None
     layer = as_count(value[1], "Faults.transfer_error layer", minimum=0)
     if layer >= num_layers:
