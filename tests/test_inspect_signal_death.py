@@ -122,3 +122,57 @@ def test_a_tick_missed_against_alive_records_without_an_interval_uses_the_defaul
     records[0] = rank_records(0, [(1.6, "alive", {"steps_seen": 12, "waiting_on": None})])
     report = diagnose(records)   # rank 0's last record at t+1.6 s: the peers' t+2.3 s alive is no missed tick
     assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
+
+
+def in_flight_job(waited: float, interval: float = 1.0) -> dict[int, list[dict]]:
+    """Two ranks step to 24 (alive records every ``interval`` s); rank 0 then enters an all-reduce that rank 1
+    has not reached, and ``waited`` s later both are stopped by SIGTERM (rank 1 a fraction of a ms after)."""
+    coll = {"op": "all_reduce", "group": "ep", "cseq": 0, "shape": [16], "dtype": "torch.float64", "parts": ["loads"]}
+    out = {}
+    for rank in range(2):
+        t, recs = 0.0, [("header", {"schema": 1, "run_id": "inflight00000001", "mode": "sync", "group": "ep",
+                                    "transfer_group": "ep_transfer", "config": {"num_layers": 2}})]
+        timed = [(0.0, *recs[0])]
+        for step in range(1, 25):
+            t = step * 0.1
+            timed.append((t, "step", {"step": step}))
+            if step % 10 == 0:
+                timed.append((t, "alive", {"step": step, "interval_s": interval, "steps_seen": step - 10,
+                                           "waiting_on": None}))
+        if rank == 0:
+            timed.append((t + 0.001, "collective_start", dict(coll, step=24)))
+            beat = t + 0.001 + interval
+            while beat < t + 0.001 + waited:
+                timed.append((beat, "alive", {"step": 24, "interval_s": interval, "steps_seen": 24,
+                                              "waiting_on": {"op": "all_reduce", "group": "ep", "cseq": 0}}))
+                beat += interval
+        timed.append((t + 0.001 + waited + rank * 0.0003, "end", dict(SIGTERM, step=24)))
+        out[rank] = [dict({"ts": round(T0 + ts, 6), "rank": rank, "world": 2, "event": event, "state": "collecting",
+                           "step": 0, "seq": seq}, **fields) for seq, (ts, event, fields) in enumerate(timed)]
+    return out
+
+
+def test_a_sigterm_while_a_collective_is_in_flight_is_signalled_not_a_hang():
+    """SIGTERM from outside 1.5 ms after rank 0 entered an all-reduce rank 1 had not reached yet: signalled, ranks
+    0-1, the collective named in a detail (was: hang, rank 1 "never joined")."""
+    report = diagnose(in_flight_job(0.0015))
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)
+    assert "rank 0 was inside all_reduce (group ep, cseq 0) for 1.5 ms at most when stopped, which rank 1 had not " \
+           "joined yet: a collective in flight, no hang" in report.findings[0].details[0]
+    assert not [f for f in report.findings if f.kind == "hang"], format_report(report)
+
+
+def test_a_sigterm_after_a_wait_of_one_interval_is_still_the_hang():
+    """Rank 0 waited 1.5 s (one liveness interval and more) in an all-reduce rank 1 never joined, then SIGTERM on
+    both: hang, rank 1, the signal a detail (an operator ending a hung job)."""
+    report = diagnose(in_flight_job(1.5))
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), format_report(report)
+    assert "stopped from outside, not its cause" in report.findings[0].details[0]
+
+
+def test_the_wait_a_hang_needs_is_the_interval_the_records_announce():
+    """The same 0.5 s wait is a hang when the alive records announce interval_s 0.2, and a collective in flight
+    (signalled) at interval_s 1.0: the threshold comes from the records, not from the machine replaying them."""
+    assert diagnose(in_flight_job(0.5, interval=0.2)).verdict == "hang"
+    report = diagnose(in_flight_job(0.5, interval=1.0))
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)

@@ -14,7 +14,10 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
-  one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness).
+  one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). A peer silent over
+  that window itself (but for one interval) wrote nothing there: after a stop of the whole job the first rank to
+  resume writes just inside the others' silences. When every rank that ran over the window was silent over it, the
+  whole job was paused (``signal_death.all_silent``): a warning (``Liveness.pauses``), no culprit.
   A silence inside lines the rank's own ``seq`` shows lost is no freeze (it wrote, the lines went):
   it is ``lost_records`` (``Liveness.lost``; ``lost.LostRecords.silent``), once per gap.
 - **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``endings.WAIT_ERROR``:
@@ -43,7 +46,7 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
-from eplb_fsm.inspect.signal_death import signal_death, stopped_after
+from eplb_fsm.inspect.signal_death import all_silent, pause_warnings, signal_death, silent_over, stopped_after
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -63,6 +66,8 @@ class Liveness:
     t0: float | None = None
     unexplained: Finding | None = None            # no cause, yet a rank ended with an exception: the first to go
     lost: list[Finding] = field(default_factory=list)   # silences in lost lines: lost_records, not causes
+    pauses: list[str] = field(default_factory=list)   # windows every rank was silent over: warnings, not causes
+    paused: list[tuple] = field(default_factory=list)   # those windows, (from ts, to ts)
 
 
 def _interval(s) -> float:
@@ -118,24 +123,28 @@ def _layer_at(s, silence: tuple) -> int | None:
     return after[0] if after else (before[-1] if before else None)
 
 
-def _gaps(cast: Cast, key: Key) -> list[tuple]:
-    """(from ts, to ts, step, state, layer, gap) per silence of ``key`` (no record at all) over the limit while
-    another rank wrote alive records inside it: a freeze if ``gap`` is None, else the lost lines s.gaps[gap]."""
+def _gaps(cast: Cast, key: Key) -> tuple[list[tuple], list[tuple]]:
+    """The silences of ``key`` (no record at all) over the limit, as (from ts, to ts, step, state, layer, gap):
+    those while another rank wrote alive records inside it and was not silent over it itself (a freeze if ``gap``
+    is None, else the lost lines s.gaps[gap]), and those the whole job was silent over (``signal_death.all_silent``)."""
     s = cast.parts[key]
     if not s.alive and s.end is None:
-        return []  # a writer without liveness records is silent whenever nothing happens
-    limit = _limit(s, FROZEN_FACTOR)
-    others = [sorted(a[0] for a in o.alive if type(a[0]) in (int, float))
+        return [], []  # a writer without liveness records is silent whenever nothing happens
+    limit, margin = _limit(s, FROZEN_FACTOR), _interval(s)
+    others = [(o, sorted(a[0] for a in o.alive if type(a[0]) in (int, float)))
               for k, o in cast.parts.items() if k != key]
-    out = []
+    out, paused = [], []
     for silence in s.silences:
         a, b, step, state = silence[:4]
         if b - a <= limit:
             continue
         # somebody else kept writing inside the gap: this rank, not the machine, stood still
-        if any(bisect.bisect_right(ts, a) < bisect.bisect_left(ts, b) for ts in others):
+        if any(bisect.bisect_right(ts, a) < bisect.bisect_left(ts, b) and not silent_over(o, a, b, margin)
+               for o, ts in others):
             out.append((a, b, step, state, _layer_at(s, silence), lost_gap(s, a, b)))
-    return out
+        elif all_silent(cast, key, a, b, margin):
+            paused.append((a, b, step, state, _layer_at(s, silence)))
+    return out, paused
 
 
 def _peers(cast: Cast, key: Key) -> list[Key]:
@@ -219,10 +228,13 @@ def check_liveness(cast: Cast) -> Liveness:
         events.append((dead[0][0], "rank_died", dead[0][1], _died_finding(cast, together)))
         dead = dead[len(together):]
     lost = LostRecords(cast)
+    paused: list[tuple] = []
     for k, s in sorted(parts.items()):
         out.endings[k] = _ending(s)
         label = cast.label(k)
-        for a, b, step, state, layer, gap in _gaps(cast, k):
+        gaps, pauses = _gaps(cast, k)
+        paused += [(p, k) for p in pauses]
+        for a, b, step, state, layer, gap in gaps:
             if gap is not None:   # it wrote there, the lines went: lost_records, unless a finding told the gap
                 out.lost += filter(None, [lost.silent(k, (a, b, step, state, layer), gap, at)])
                 continue
@@ -248,6 +260,7 @@ def check_liveness(cast: Cast) -> Liveness:
                 )))
         elif end.get("how") == "signal" and ts is not None:
             signals.append((ts, k))
+    out.pauses, out.paused = pause_warnings(cast, paused, at)
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)

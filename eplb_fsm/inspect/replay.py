@@ -26,20 +26,14 @@ from typing import Any, Iterable, Mapping
 from eplb_fsm.inspect.checks import (DIED_SLACK_STEPS, align_transitions, check_ends, check_failed, check_headers,
                                     check_illegal, check_stuck, kept_transitions, step_count_mismatch, world_groups)
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
-from eplb_fsm.inspect.elastic import (
-    build_cast,
-    renumbered,
-    scale_context,
-    scale_notes,
-    scale_text,
-    transition_offsets,
-)
+from eplb_fsm.inspect.elastic import build_cast, renumbered, scale_context, scale_notes, scale_text, transition_offsets
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
-from eplb_fsm.inspect.late import aborted_rearrangements, add_late, signalled_in_hang
+from eplb_fsm.inspect.late import CLOCK_NOISE_S, aborted_rearrangements, add_late, signalled_in_hang
 from eplb_fsm.inspect.liveness import check_liveness
 from eplb_fsm.inspect.records import trace_items
+from eplb_fsm.inspect.signal_death import in_flight, paused_late
 from eplb_fsm.inspect.torn import qualify_torn
 from eplb_fsm.inspect.summary import (
     Collective,
@@ -206,6 +200,7 @@ def diagnose(
     # a participant whose trace stops inside or before a hang is reported as that hang's culprit
     hang_culprits = {k for f in coll if f.kind == "hang" for k in f.keys()}
     live = check_liveness(cast)
+    warnings += live.pauses   # the whole job silent together: a pause from outside, no rank's freeze
     died = {k for f in live.findings if f.kind == "rank_died" for k in f.keys()}
     findings += check_ends(cast, hang_culprits | died)
     findings += step_count_mismatch(cast)
@@ -225,10 +220,13 @@ def diagnose(
         ))
     findings.sort(key=Finding.sort_key)
     add_late(cast, live, findings, handled)   # a rank late to a collective that failed everywhere: cause or note
+    live.findings = [f for f in live.findings if not paused_late(f, cast, live.paused, CLOCK_NOISE_S)]   # late: paused
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
-    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast) or signalled_in_hang(f, rest, cast, live))]
+    # a signal ends a hang only where its ranks had waited; a collective in flight stays in the signalled cause
+    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast)
+                                               or signalled_in_hang(f, in_flight(f, rest, cast), cast, live))]
     findings = qualify_torn(cast, config + [_with_collective(f, rest, cast) for f in causes] + rest, warnings)
     if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
         findings = [live.unexplained]
