@@ -244,7 +244,9 @@ def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liv
     inside the collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not
     inside it, the signal only ended what the hang had already stopped. Then the signal goes
     into that finding's details and the waiters' consequences, and True says ``cause`` was
-    folded. A job stopped while every rank was inside the same collective stays ``signalled``.
+    folded. A job stopped while every rank was inside the same collective stays ``signalled``,
+    and so does one whose waiters had been inside it for less than one liveness interval: replay
+    drops such a hang before this runs (``signal_death.in_flight``: a collective in flight).
     """
     if cause.kind != "signalled":
         return False
