@@ -58,7 +58,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 240.0) -> None:
      signal.SIGINT, 130),
 ])
 def test_a_signal_after_the_ranks_finished_still_stops_the_command(tmp_path, stage, module, attr, extra, sig, code):
-    """SIGTERM while the PNG is drawn, SIGINT while the traces are replayed: exits 143 / 130, not swallowed as a note."""
+    """SIGTERM while the PNG is drawn, SIGINT while the traces are replayed: 143 / 130, not swallowed as a note."""
     marker = tmp_path / "reached"
     argv = [*RUN, *extra, "--trace-dir", str(tmp_path / "traces")]
     proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_CHILD, module, attr, str(marker), *argv],
