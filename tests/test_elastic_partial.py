@@ -22,16 +22,6 @@ T = 2.0  # collective_timeout_s
 DRILLS = ("transient", "joiner_dies")
 
 
-def _serve(ctl, model, steps):
-    """Forward and step ``steps`` times; how many outputs differed from the placement-free reference."""
-    bad = 0
-    for _ in range(steps):
-        x = model.make_batch(ctl.steps, 16)
-        bad += int(not torch.equal(model.forward(x, ctl.group), model.reference_forward(x)))
-        ctl.step()
-    return bad
-
-
 def _reload(model, phy2log, lost):
     """What an engine does for each lost expert before recover(): its weights into the slot the maps name."""
     with torch.no_grad():
@@ -85,7 +75,7 @@ def _body(drill, pid, host, port, log_dir, results):
                                 collective_timeout_s=T)
             ctl = EplbController(config, group=StoreGroup.connect(info, 0, pid, 2, 20.0), trace_dir=log_dir)
             ctl.add_model(model, "main")
-            _serve(ctl, model, 3)
+            model.serve(ctl, 3)
             if drill == "transient" and pid == 1:
                 raised = []
 
@@ -104,11 +94,11 @@ def _body(drill, pid, host, port, log_dir, results):
                 _reload(model, entry.maps.phy2log, out["lost_experts"])
                 ctl.recover()
                 out["rows_after_reload"] = model.check_weights(entry.maps.phy2log)
-            out["bad_outputs"] = _serve(ctl, model, 3) if ctl.state == "collecting" else None
+            out["bad_outputs"] = model.serve(ctl, 3) if ctl.state == "collecting" else None
             if drill == "transient" and ctl.state == "collecting":  # a later rearrangement balances every layer
                 out["later"] = (ctl.rearrange() or {}).get("outcome")
                 out["later_maps"] = entry.maps.phy2log.tolist()
-                out["bad_outputs"] += _serve(ctl, model, 3)
+                out["bad_outputs"] += model.serve(ctl, 3)
                 out["later_rows"] = model.check_weights(entry.maps.phy2log)
         except Exception as exc:  # reported with what the scale left
             out["after_error"] = f"{type(exc).__name__}: {exc}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.fsm.controller import EplbController
@@ -22,16 +21,6 @@ from eplb_fsm.transfer.groups import StoreGroup
 WAIT_S = 30.0  # every wait of these tests; only a hang reaches it
 WORLD, SLOTS, LAYERS = 3, 4, 2
 PREFIX = "ranks disagree on the scale request (new_world_size / rank_mapping / generation): "
-
-
-def _serve(ctl, model, steps: int) -> int:
-    """``steps`` engine steps; returns how many forwards differed from the model's reference."""
-    bad = 0
-    for _ in range(steps):
-        x = model.make_batch(ctl.steps, 16)
-        bad += int(not torch.equal(model.forward(x, ctl.group), model.reference_forward(x)))
-        ctl.step()
-    return bad
 
 
 def _scale_with(info, experts: int, requests: dict) -> dict:
@@ -47,7 +36,7 @@ def _scale_with(info, experts: int, requests: dict) -> dict:
             model = ToyMoE(LAYERS, experts, SLOTS * WORLD - experts, 4, 2, r, WORLD)
             ctl = EplbController(config, group=StoreGroup.connect(info, 0, r, WORLD, WAIT_S), keep_trace=True)
             ctl.add_model(model, "main")
-            bad = _serve(ctl, model, 3)
+            bad = model.serve(ctl, 3)
             before = ctl.models[0].maps.phy2log.copy()
             new_world, mapping, generation = requests[r]
             out = ctl.request_scale(new_world, mapping, timeout_s=5.0, generation=generation)
@@ -55,7 +44,7 @@ def _scale_with(info, experts: int, requests: dict) -> dict:
             rows = model.check_weights(after)
             state, world = ctl.state, ctl.world_size
             if out["outcome"] == "aborted":
-                bad += _serve(ctl, model, 2)   # the old group still serves, all three ranks in it
+                bad += model.serve(ctl, 2)   # the old group still serves, all three ranks in it
             outs[r] = (out, state, world, before, after, rows, bad, list(ctl.trace.records))
             ctl.close()
         except BaseException as exc:  # reported to the test

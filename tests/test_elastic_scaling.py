@@ -21,6 +21,7 @@ from eplb_fsm.fsm.controller import EplbController
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import diagnose
 from eplb_fsm.sim.model import ToyMoE
+from eplb_fsm.testing.threads import run_threads
 from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
 WAIT_S = 30.0  # every wait of these tests; only a hang reaches it
@@ -198,35 +199,26 @@ def test_a_fault_in_the_scales_transfer_names_the_scale(store):
     """2 -> 1 whose transfer raises at layer 1 on rank 0: the rearranger's fault record carries ``scale``
     (docs/events.md), like the scale's other faults, and the scale ends aborted in its transfer."""
     config = EplbConfig(window_size=4, step_interval=1000, num_redundant_experts=4, collective_timeout_s=2.0)
-    outs: dict = {}
 
-    def rank(r):
-        try:
-            ctl = EplbController(config, group=StoreGroup.connect(store, 0, r, 2, WAIT_S), keep_trace=True)
-            ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
-            ctl.step()
-            if r == 0:
-                raised: list = []
+    def rank(r, _thread_group):   # the ranks talk over the store's gloo group, not the thread world's
+        ctl = EplbController(config, group=StoreGroup.connect(store, 0, r, 2, WAIT_S), keep_trace=True)
+        ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
+        ctl.step()
+        if r == 0:
+            raised: list = []
 
-                def once(layer, name, local):
-                    if layer == 1 and not raised:
-                        raised.append(layer)
-                        raise RuntimeError("injected transfer error at layer 1")
+            def once(layer, name, local):
+                if layer == 1 and not raised:
+                    raised.append(layer)
+                    raise RuntimeError("injected transfer error at layer 1")
 
-                ctl.transfer_hooks.append(once)
-            outs[r] = (ctl.request_scale(1, timeout_s=5.0), list(ctl.trace.records))
-            ctl.close()
-        except BaseException as exc:  # reported to the test
-            outs[r] = exc
+            ctl.transfer_hooks.append(once)
+        out = (ctl.request_scale(1, timeout_s=5.0), list(ctl.trace.records))
+        ctl.close()
+        return out
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert not any(t.is_alive() for t in threads), "a rank did not return"
+    outs = run_threads(2, rank, timeout=WAIT_S)
     for r in range(2):
-        assert isinstance(outs[r], tuple), outs[r]
         out, records = outs[r]
         assert (out["outcome"], out["phase"]) == ("aborted", "transfer"), out
         faults = [rec for rec in records if rec.get("trigger") == "fault"]

@@ -166,3 +166,20 @@ def test_toy_model_resizes_and_skips_empty_slots():
     placement = np.array([[-1, -1, 3, 3]])
     model.expert_weights[0][0].zero_()
     assert model.check_weights(placement) == []
+
+
+def test_serve_counts_the_steps_whose_forward_left_the_reference():
+    """serve() steps the controller once per batch and counts forwards that differ from the reference: none with
+    the original weights, every one after a slot's weights are corrupted."""
+    from eplb_fsm.config import EplbConfig
+    from eplb_fsm.fsm.controller import EplbController
+
+    model = ToyMoE(num_layers=2, num_experts=4, num_redundant=0, hidden=4, top_k=2, rank=0, world_size=1)
+    ctl = EplbController(EplbConfig(window_size=4, step_interval=1000), keep_trace=True, liveness_interval_s=None)
+    ctl.add_model(model, "main")
+    assert model.serve(ctl, 3) == 0 and ctl.steps == 3
+    with torch.no_grad():
+        for w in model.expert_weights[0]:
+            w.add_(1.0)
+    assert model.serve(ctl, 2) == 2 and ctl.steps == 5
+    ctl.close()

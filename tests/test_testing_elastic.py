@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -208,30 +207,23 @@ def _real_scale_down_records(info) -> dict[int, list[dict]]:
     from eplb_fsm.config import EplbConfig
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.sim.model import ToyMoE
+    from eplb_fsm.testing.threads import run_threads
     from eplb_fsm.transfer.groups import StoreGroup
 
     config = EplbConfig(window_size=4, step_interval=1000, num_redundant_experts=4, collective_timeout_s=2.0)
-    outs: dict = {}
 
-    def rank(r):
-        try:
-            ctl = EplbController(config, group=StoreGroup.connect(info, 0, r, 2, 30.0), keep_trace=True)
-            ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
-            ctl.step()
-            outs[r] = ctl.request_scale(1, timeout_s=5.0)
-            outs[("records", r)] = list(ctl.trace.records)
-            ctl.close()
-        except BaseException as exc:  # reported to the test
-            outs[r] = exc
+    def rank(r, _thread_group):   # the ranks talk over the store's gloo group, not the thread world's
+        ctl = EplbController(config, group=StoreGroup.connect(info, 0, r, 2, 30.0), keep_trace=True)
+        ctl.add_model(ToyMoE(2, 4, 4, 4, 2, r, 2), "main")
+        ctl.step()
+        out = ctl.request_scale(1, timeout_s=5.0)
+        records = list(ctl.trace.records)
+        ctl.close()
+        return out, records
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30.0)
-    assert not any(t.is_alive() for t in threads), "a rank did not return"
-    assert outs[0]["outcome"] == "switched" and outs[1]["outcome"] == "left", outs
-    return {r: outs[("records", r)] for r in range(2)}
+    outs = run_threads(2, rank, timeout=30.0)
+    assert outs[0][0]["outcome"] == "switched" and outs[1][0]["outcome"] == "left", outs
+    return {r: outs[r][1] for r in range(2)}
 
 
 def test_synthetic_scale_records_carry_the_fields_of_the_real_ones(store):

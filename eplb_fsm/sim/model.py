@@ -279,3 +279,13 @@ class ToyMoE:
 
     def make_batch(self, step: int, tokens: int) -> torch.Tensor:
         return make_batch(self.seed, step, tokens, self.hidden)
+
+    def serve(self, controller: Any, steps: int, tokens: int = 16) -> int:
+        """``steps`` engine steps of ``tokens`` tokens under ``controller``; how many forwards differed from
+        :meth:`reference_forward` (0 while every slot holds its expert's weights exactly)."""
+        bad = 0
+        for _ in range(steps):
+            x = self.make_batch(controller.steps, tokens)
+            bad += int(not torch.equal(self.forward(x, controller.group), self.reference_forward(x)))
+            controller.step()
+        return bad
