@@ -17,7 +17,7 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). A peer silent over
   that window itself (but for one interval) wrote nothing there: after a stop of the whole job the first rank to
   resume writes just inside the others' silences. When every rank that ran over the window was silent over it, the
-  whole job was paused (``signal_death.all_silent``): a warning (``Liveness.pauses``), no culprit.
+  whole job was paused (``pauses.all_silent``): a warning (``Liveness.pauses``), no culprit.
   A silence inside lines the rank's own ``seq`` shows lost is no freeze (it wrote, the lines went):
   it is ``lost_records`` (``Liveness.lost``; ``lost.LostRecords.silent``), once per gap.
 - **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``endings.WAIT_ERROR``:
@@ -46,7 +46,8 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
-from eplb_fsm.inspect.signal_death import all_silent, pause_warnings, signal_death, silent_over, stopped_after
+from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
+from eplb_fsm.inspect.signal_death import signal_death, stopped_after
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -126,7 +127,7 @@ def _layer_at(s, silence: tuple) -> int | None:
 def _gaps(cast: Cast, key: Key) -> tuple[list[tuple], list[tuple]]:
     """The silences of ``key`` (no record at all) over the limit, as (from ts, to ts, step, state, layer, gap):
     those while another rank wrote alive records inside it and was not silent over it itself (a freeze if ``gap``
-    is None, else the lost lines s.gaps[gap]), and those the whole job was silent over (``signal_death.all_silent``)."""
+    is None, else the lost lines s.gaps[gap]), and those the whole job was silent over (``pauses.all_silent``)."""
     s = cast.parts[key]
     if not s.alive and s.end is None:
         return [], []  # a writer without liveness records is silent whenever nothing happens

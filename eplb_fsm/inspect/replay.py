@@ -33,7 +33,8 @@ from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
 from eplb_fsm.inspect.late import CLOCK_NOISE_S, aborted_rearrangements, add_late, signalled_in_hang
 from eplb_fsm.inspect.liveness import check_liveness
 from eplb_fsm.inspect.records import trace_items
-from eplb_fsm.inspect.signal_death import in_flight, paused_late
+from eplb_fsm.inspect.pauses import paused_late
+from eplb_fsm.inspect.signal_death import in_flight
 from eplb_fsm.inspect.torn import qualify_torn
 from eplb_fsm.inspect.summary import (
     Collective,
