@@ -26,6 +26,8 @@ def _last_record(path: Path, start: int = 0, run_id: str | None = None) -> dict 
     mine = run_id is None
     try:
         with open(path, "rb") as fh:
+            if run_id is None:   # every record past `start` counts: the file's tail is enough
+                start = max(start, fh.seek(0, 2) - 65536)
             fh.seek(start)
             for raw in fh:
                 if run_id is not None and b'"header"' in raw:
