@@ -266,8 +266,10 @@ def test_a_hung_job_stopped_at_its_deadline_is_replayed_as_the_hang(tmp_path_fac
     # the launcher's forkserver (it imports torch once: seconds on a loaded machine) is up before the timed run:
     # its ranks then start in a fork, and rank 1 stalls ~1 s in (the first rearrangement, due at step 1)
     assert run_ranks(_rank_and_world, 2, timeout=60) == [(0, 2), (1, 2)]
+    # the deadline must come at least one liveness interval (1 s) after rank 0 began waiting, or replay rightly
+    # reads a collective in flight (signalled): 10 s leaves room for a cold start of the ranks on a busy machine
     code, report, log_dir = simulate(tmp_path_factory, 2, "sync", 24, "--inject", "stall-layer:rank=1,layer=2",
-                                     "--collective-timeout", "60", "--timeout", "6")
+                                     "--collective-timeout", "60", "--timeout", "10")
     assert code == 1 and report["error"] == "timeout"
     # the real signal reached both ranks before any collective timed out
     assert all(ending(rs)["how"] == "signal" for rs in traces(log_dir).values())
