@@ -133,8 +133,9 @@ def _drill_body(variant, rank, host, port, log_dir, results):
             else:                      # stalls right before its first layer transfer
                 ctl.transfer_hooks.append(lambda *a: time.sleep(3600))
         out = ctl.request_scale(2, timeout_s=T_FORM)
-        results.put((variant, rank, {**out, "final_state": ctl.state}))
-        ctl.close()
+        value = {**out, "final_state": ctl.state}
+        ctl.close()   # its `end` record is on disk before the fixture, told the drill is over, stops this process
+        results.put((variant, rank, value))
     except BaseException as exc:  # reported to the test
         results.put((variant, rank, {"outcome": "error", "error": f"{type(exc).__name__}: {exc}"}))
 

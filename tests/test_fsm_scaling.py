@@ -186,9 +186,9 @@ def _fault_body(variant, rank, host, port, log_dir, results):
         if ctl.state == "collecting":
             bad += _serve(ctl, model, 3, ctl.steps)
         rows = model.check_weights(ctl.models[0].maps.phy2log)
-        results.put((variant, rank, {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world_size,
-                                     "final_state": ctl.state}))
-        ctl.close()
+        value = {**out, "bad_outputs": bad, "bad_rows": rows, "world": ctl.world_size, "final_state": ctl.state}
+        ctl.close()   # its `end` record is on disk before the fixture, told the drill is over, stops this process
+        results.put((variant, rank, value))
     except ScaleAborted as exc:
         results.put((variant, rank, {"outcome": "scale_aborted", "error": str(exc)}))
     except BaseException as exc:  # reported to the test
@@ -223,6 +223,8 @@ def fault_drills(tmp_path_factory):
             except queue_mod.Empty:
                 continue
             got[(v, r)] = value
+        for p in procs:   # the reporting ranks return now; stop_processes is for those that do not
+            p.join(max(0.0, min(10.0, deadline - time.monotonic())))
     finally:
         stop_processes(procs)
         del master

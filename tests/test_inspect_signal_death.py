@@ -124,9 +124,11 @@ def test_a_tick_missed_against_alive_records_without_an_interval_uses_the_defaul
     assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
 
 
-def in_flight_job(waited: float, interval: float = 1.0) -> dict[int, list[dict]]:
+def in_flight_job(waited: float, interval: float = 1.0, fails: float | None = None) -> dict[int, list[dict]]:
     """Two ranks step to 24 (alive records every ``interval`` s); rank 0 then enters an all-reduce that rank 1
-    has not reached, and ``waited`` s later both are stopped by SIGTERM (rank 1 a fraction of a ms after)."""
+    has not reached, and ``waited`` s later both are stopped by SIGTERM (rank 1 a fraction of a ms after).
+    ``fails``: rank 1 is stopped first instead, and rank 0's wait fails ``fails`` s after rank 1's ``end`` (a
+    negative value: before it), 0.1 s before rank 0's own signal ``end``."""
     coll = {"op": "all_reduce", "group": "ep", "cseq": 0, "shape": [16], "dtype": "torch.float64", "parts": ["loads"]}
     out = {}
     for rank in range(2):
@@ -146,7 +148,16 @@ def in_flight_job(waited: float, interval: float = 1.0) -> dict[int, list[dict]]
                 timed.append((beat, "alive", {"step": 24, "interval_s": interval, "steps_seen": 24,
                                               "waiting_on": {"op": "all_reduce", "group": "ep", "cseq": 0}}))
                 beat += interval
-        timed.append((t + 0.001 + waited + rank * 0.0003, "end", dict(SIGTERM, step=24)))
+        stop = t + 0.001 + waited
+        if fails is None:
+            timed.append((stop + rank * 0.0003, "end", dict(SIGTERM, step=24)))
+        elif rank == 1:
+            timed.append((stop, "end", dict(SIGTERM, step=24)))
+        else:
+            timed.append((stop + fails, "collective_error", dict(coll, step=24, error="RuntimeError: Connection "
+                                                                                      "closed by peer")))
+            timed.append((stop + max(fails, 0.0) + 0.1, "end", dict(SIGTERM, step=24)))
+        timed.sort(key=lambda x: x[0])
         out[rank] = [dict({"ts": round(T0 + ts, 6), "rank": rank, "world": 2, "event": event, "state": "collecting",
                            "step": 0, "seq": seq}, **fields) for seq, (ts, event, fields) in enumerate(timed)]
     return out
@@ -176,3 +187,20 @@ def test_the_wait_a_hang_needs_is_the_interval_the_records_announce():
     assert diagnose(in_flight_job(0.5, interval=0.2)).verdict == "hang"
     report = diagnose(in_flight_job(0.5, interval=1.0))
     assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)
+
+
+def test_a_waiter_whose_wait_failed_as_the_culprit_was_stopped_first_still_reads_the_hang():
+    """The launcher stops the stalled rank 1 first; rank 0's 1.5 s wait fails on the closed socket 5 ms later, then
+    its own SIGTERM: hang, rank 1 (was: signalled, ranks 0-1, since rank 0 was no longer inside at its end)."""
+    report = diagnose(in_flight_job(1.5, fails=0.005))
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), format_report(report)
+    assert "stopped from outside, not its cause" in report.findings[0].details[0]
+    assert any("after its wait inside all_reduce (group ep, cseq 0) failed" in c for c in report.consequences)
+
+
+def test_a_wait_that_failed_before_any_signal_or_was_short_keeps_the_signal():
+    """Rank 0's wait failed 0.2 s before rank 1 was stopped (not the stop's doing), or lasted 1.5 ms (in flight):
+    the verdict stays signalled, ranks 0-1."""
+    for job in (in_flight_job(1.5, fails=-0.2), in_flight_job(0.0015, fails=0.005)):
+        report = diagnose(job)
+        assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)

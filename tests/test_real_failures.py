@@ -277,6 +277,49 @@ def test_a_hung_job_stopped_at_its_deadline_is_replayed_as_the_hang(tmp_path_fac
     assert verdict(log_dir)[:2] == ("hang", [1])
 
 
+def _open_wait(log_dir: Path, rank: int, op: str) -> dict | None:
+    """``rank``'s collective_start of ``op`` that has no end record yet (None: none on disk)."""
+    path = Path(log_dir) / f"rank{rank:05d}.jsonl"
+    recs = read_trace(path)[0] if path.is_file() else []
+    starts = [r for r in recs if r["event"] == "collective_start" and r.get("op") == op]
+    ended = {(r.get("group"), r.get("cseq")) for r in recs if r["event"] in ("collective_end", "collective_error")}
+    return starts[-1] if starts and (starts[-1]["group"], starts[-1]["cseq"]) not in ended else None
+
+
+def test_the_stalled_rank_stopped_first_is_the_hang_though_its_peers_wait_then_fails(tmp_path):
+    """SIGTERM to the stalled rank 1, then to rank 0 once its wait failed on the closed socket: still rank 1's hang."""
+    argv = ["simulate", *BASE, "--ranks", "2", "--steps", "24", "--mode", "sync", "--inject",
+            "stall-layer:rank=1,layer=2", "--collective-timeout", "60", "--timeout", "120", "--log-dir", str(tmp_path)]
+    thread, box = _run_in_thread(argv)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        # rank 0 has waited in the stalled transfer for over one liveness interval (1 s): a hang, not one in flight
+        while (w := _open_wait(tmp_path, 0, "batch_isend_irecv")) is None or time.time() - w["ts"] < 1.5:
+            assert thread.is_alive() and time.monotonic() < deadline, "rank 0 did not wait in the transfer in 60 s"
+            time.sleep(0.05)
+        pids = _rank_pids(tmp_path)
+        os.kill(pids[1], signal.SIGTERM)   # the order a launcher may signal in: the stalled rank first
+        while _open_wait(tmp_path, 0, "batch_isend_irecv") is not None:   # its exit closes rank 0's connection
+            assert time.monotonic() < deadline + 30, "rank 0's wait did not fail once rank 1 was gone"
+            time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[0], signal.SIGTERM)
+        thread.join(60)
+        assert not thread.is_alive(), "simulate did not end within 60 s of the signals"
+    finally:
+        for pid in pids:  # ranks run in process groups of their own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        thread.join(30)
+    recs = traces(tmp_path)
+    assert ending(recs["rank00001.jsonl"])["how"] == "signal"
+    # rank 0 left the transfer with an error, then ended: by the signal or by giving up, whichever came first
+    assert any(r["event"] == "collective_error" and r.get("op") == "batch_isend_irecv" for r in recs["rank00000.jsonl"])
+    assert ending(recs["rank00000.jsonl"])["how"] in ("signal", "exception")
+    assert verdict(tmp_path)[:2] == ("hang", [1])
+
+
 # -- the launcher's own truth ----------------------------------------------------------------------
 
 

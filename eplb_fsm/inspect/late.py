@@ -31,6 +31,7 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.liveness import DEFAULT_INTERVAL_S, MIN_GAP_S, Liveness
 from eplb_fsm.inspect.model import Collective
+from eplb_fsm.inspect.signal_death import waiters
 
 __all__ = ["CLOCK_NOISE_S", "aborted_rearrangements", "add_late", "late_findings", "signalled_in_hang"]
 
@@ -240,13 +241,16 @@ def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liv
     """A job stopped from outside (SIGTERM, Ctrl-C, a launcher's deadline) while a hang lasted: the hang is the cause.
 
     An operator usually ends a hung job before its collective timeout fires, so every rank's
-    trace ends with ``signal`` and nothing failed before it. When a signalled rank was still
-    inside the collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not
-    inside it, the signal only ended what the hang had already stopped. Then the signal goes
-    into that finding's details and the waiters' consequences, and True says ``cause`` was
-    folded. A job stopped while every rank was inside the same collective stays ``signalled``,
-    and so does one whose waiters had been inside it for less than one liveness interval: replay
-    drops such a hang before this runs (``signal_death.in_flight``: a collective in flight).
+    trace ends with ``signal`` and nothing failed before it. When a rank was waiting inside the
+    collective of a ``hang`` (or ``collective_mismatch``) whose culprits were not inside it as the
+    signals came (``signal_death.waiters``: still inside at its signal ``end``, or its wait failed
+    once the first stopped rank's exit closed the connection), the signal only ended what the hang
+    had already stopped. Then the signal goes into that finding's details and the waiters'
+    consequences, the finding takes the signal's place at the head of ``rest``, and True says
+    ``cause`` was folded. A job stopped while every rank was inside the same collective stays
+    ``signalled``, and so does one whose waiters had been inside it for less than one liveness
+    interval: replay drops such a hang before this runs (``signal_death.in_flight``: a collective in
+    flight).
     """
     if cause.kind != "signalled":
         return False
@@ -254,19 +258,25 @@ def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liv
         if f.kind not in ("hang", "collective_mismatch") or not f.collective:
             continue
         coll = (f.collective.get("group"), f.collective.get("cseq"))
-        inside = [k for k in cause.keys() if k in cast.parts
-                  and coll in {(c.group, c.cseq) for c in cast.parts[k].open_collectives()}]
+        inside = sorted(waiters(cast, cause, coll))
         if not inside or set(inside) & set(f.keys()):
             continue
         f.details.insert(0, cause.summary.split(" while no rank had failed")[0] + ", while this hang lasted: "
                          "stopped from outside, not its cause")
+        where = f"{f.collective.get('op')} (group {coll[0]}, cseq {coll[1]})"
         for k in inside:
+            if k in live.consequence_keys:   # it gave up waiting: its own line says so
+                continue
             end = cast.parts[k].end or {}
             ts = end.get("ts")
             when = f" at t+{ts - live.t0:.1f} s" if type(ts) in (int, float) and live.t0 is not None else ""
+            how = (f"while waiting inside {where}" if any((c.group, c.cseq) == coll
+                                                          for c in cast.parts[k].open_collectives())
+                   else f"after its wait inside {where} failed as the first rank was stopped")
             live.consequences.append((k, f"{cast.label(k)} was stopped by {end.get('signal') or 'a signal'}{when} "
-                                         f"while waiting inside {f.collective.get('op')} (group {coll[0]}, cseq "
-                                         f"{coll[1]}), which the hang's culprit never joined"))
+                                         f"{how}, which the hang's culprit never joined"))
             live.consequence_keys.add(k)
+        rest.remove(f)
+        rest.insert(0, f)   # the hang takes the signal's place as the cause
         return True
     return False

@@ -76,7 +76,6 @@ class MachineOracle:
 # ---------------------------------------------------------------------------------------
 # stage 1: one rank
 
-
 @dataclass
 class Collective:
     """One rank's view of one collective: the start record and how it ended."""
@@ -96,6 +95,7 @@ class Collective:
     status: str = "open"          # open | ended | error
     duration_s: float | None = None
     error: str | None = None
+    error_ts: Any = None          # when this rank's wait in it failed (its ``collective_error`` record)
 
     def signature(self) -> tuple:
         """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""

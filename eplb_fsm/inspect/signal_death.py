@@ -42,6 +42,13 @@ waited in it at least one liveness interval (``interval_s``; 1 s when none was a
 ``end``: a wait that short is every collective's. Else the verdict stays ``signalled`` and names the collective
 in flight in a detail line. The limit: a real hang stopped within one interval of its start reads
 ``signalled`` (nothing in the records can yet tell it from a collective in flight).
+
+A waiter whose wait failed after the stop began counts as inside too (:func:`waiters`): a launcher signals
+its ranks one after another, often the stalled culprit first, and the culprit's exit closes its sockets, so
+a waiter's collective can end with "Connection closed by peer" a few ms before its own signal ``end``, or
+(an operator's ``kill`` of the stalled rank alone) the waiter gives up with an exception. It had waited
+from its collective's start to the first signal ``end`` of the stop; its wait must have failed at or after
+that ``end`` (clocks of ranks on different hosts that disagree by more than the gap read ``signalled``).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from eplb_fsm.inspect.endings import ended_in_reaction
 from eplb_fsm.inspect.findings import Finding
 from eplb_fsm.liveness import DEFAULT_INTERVAL_S
 
-__all__ = ["in_flight", "signal_death", "stopped_after"]
+__all__ = ["in_flight", "signal_death", "stopped_after", "waiters"]
 
 
 def _end_ts(cast: Cast, key: Key) -> float | None:
@@ -99,14 +106,31 @@ def signal_death(cast: Cast, key: Key, stopped: list[Key], last: float, at) -> t
             f"{'their end records' if len(stopped) > 1 else 'its end record'}")
 
 
-def _waited(cast: Cast, key: Key, coll: tuple) -> float | None:
-    """How long ``key`` had been inside the collective ``coll`` (group, cseq) when its ``end`` was written
-    (None: not inside it; infinity when a time is missing, so that the hang keeps its rank)."""
-    opened = [c for c in cast.parts[key].open_collectives() if (c.group, c.cseq) == coll]
-    if not opened:
-        return None
-    start, end = opened[0].ts, _end_ts(cast, key)
-    return end - start if type(start) in (int, float) and end is not None else float("inf")
+def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:
+    """The ranks inside the collective ``coll`` (group, cseq) when the ``signalled`` ``cause`` stopped the job,
+    each with how long it had waited (infinity when a time is missing, so that a hang keeps its rank):
+
+    - a rank of ``cause`` still inside it at its own ``end``: the wait up to that ``end``;
+    - any rank whose wait in it failed at or after the first signal ``end`` of ``cause`` (the stopped rank's
+      exit closed the connection it waited on): the wait up to that first ``end``.
+    """
+    stops = [ts for k in cause.keys() if k in cast.parts and (ts := _end_ts(cast, k)) is not None]
+    first = min(stops, default=None)
+    group, cseq = coll
+    out: dict[Key, float] = {}
+    for k, s in cast.parts.items():
+        entries = s.collectives.get(group)
+        e = entries.get(cseq) if entries is not None else None
+        if e is None:
+            continue
+        start = e.ts if type(e.ts) in (int, float) else None
+        if e.status == "open" and k in cause.keys():
+            end = _end_ts(cast, k)
+            out[k] = end - start if start is not None and end is not None else float("inf")
+        elif e.status == "error" and first is not None and start is not None and start <= first \
+                and type(e.error_ts) in (int, float) and e.error_ts >= first:
+            out[k] = first - start
+    return out
 
 
 def in_flight(cause: Finding, rest: list[Finding], cast: Cast) -> list[Finding]:
@@ -116,7 +140,7 @@ def in_flight(cause: Finding, rest: list[Finding], cast: Cast) -> list[Finding]:
         return rest
     for f in [f for f in rest if f.kind == "hang" and f.collective]:   # two different collectives are no timing
         coll = (f.collective.get("group"), f.collective.get("cseq"))
-        waits = {k: w for k in cause.keys() if k in cast.parts and (w := _waited(cast, k, coll)) is not None}
+        waits = waiters(cast, cause, coll)
         if not waits or set(waits) & set(f.keys()):
             continue
         k = max(waits, key=lambda o: (waits[o], o))

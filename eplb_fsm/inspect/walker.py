@@ -360,7 +360,7 @@ class Walker:
         if rec.get("event") == "collective_end":
             entry.status, entry.duration_s = "ended", rec.get("duration_s")
         else:
-            entry.status, entry.error = "error", rec.get("error")
+            entry.status, entry.error, entry.error_ts = "error", rec.get("error"), rec.get("ts")
         if rec.get("op") != entry.op:
             self.s.warnings.append(f"{entry.group}#{entry.cseq}: started as {entry.op!r}, ended as {rec.get('op')!r}")
 
