@@ -446,3 +446,64 @@ def test_numpy_integers_and_bools_are_event_data_of_the_right_type():
     assert m.fire("plan_ready", moves=np.int64(3), worth=np.bool_(True)).dest == TRANSFERRING
     assert m.fire("layer_done", layer=np.int32(0)).layer == 1
     assert m.fire("fault", recoverable=np.bool_(False)).dest == FAILED
+
+
+def _fire_interrupted_at(n: int) -> tuple[str, int, EplbMachine]:
+    """Fire a due ``step`` with a KeyboardInterrupt raised at the ``n``-th line or call it runs (as a signal
+    handler raises at any bytecode boundary); (outcome, lines run, machine). transitions' own finalize block
+    is left out: it swallows whatever is raised in it, and the machine no longer runs code there."""
+    import inspect
+    import sys
+
+    import transitions.core as core
+
+    lines, start = inspect.getsourcelines(core.Event._trigger)
+    finally_line = start + next(i for i, line in enumerate(lines) if line.strip() == "finally:")
+
+    def in_transitions_finalize(frame) -> bool:
+        if not frame.f_code.co_filename.endswith("core.py") or "transitions" not in frame.f_code.co_filename:
+            return False
+        while frame is not None:
+            if frame.f_code is core.Event._trigger.__code__ and frame.f_lineno > finally_line:
+                return True
+            frame = frame.f_back
+        return False
+
+    machine, seen = EplbMachine(2), [0]
+
+    def tracer(frame, event, arg):
+        if event in ("line", "call"):
+            seen[0] += 1
+            if seen[0] == n and not in_transitions_finalize(frame):
+                raise KeyboardInterrupt
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        machine.fire("step", due=True)
+        outcome = "done"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    except IllegalTransition:
+        outcome = "illegal"
+    finally:
+        sys.settrace(None)
+    return outcome, seen[0], machine
+
+
+def test_an_interrupt_anywhere_in_fire_reaches_the_caller_and_leaves_no_event_queued():
+    """A KeyboardInterrupt at each line fire() runs propagates (never swallowed into IllegalTransition), and the
+    machine then takes its next event (was: lost in the finalize callback, or left queued for ever)."""
+    outcomes, n = set(), 1
+    while True:
+        outcome, ran, machine = _fire_interrupted_at(n)
+        assert outcome != "illegal", f"the interrupt at line {n} came out as IllegalTransition"
+        assert machine.state in (COLLECTING, PLANNING)
+        before = machine.state
+        fired = machine.fire("step", due=False)   # refused only if an event were still queued
+        assert (fired.source, fired.dest) == (before, before), n
+        outcomes.add(outcome)
+        if outcome == "done" and ran < n:
+            break
+        n += 1
+    assert outcomes == {"interrupted", "done"} and n > 100   # the sweep reached the end of fire()

@@ -139,8 +139,10 @@ class EplbMachine:
         self.layer = layer
         self.scale_pending = bool(scale_pending)
         self.listeners: list[Callable[[Fired], None]] = []
-        # a queued Machine's trigger() returns True even when every guard refused the
-        # event, so fire() reads whether a transition ran from the finalize callback
+        # a queued Machine's trigger() returns True even when every guard refused the event, so
+        # fire() reads whether a transition ran from after_state_change, which runs only for one
+        # that did. (Not from finalize_event: transitions swallows any exception raised there, so a
+        # Ctrl-C or SIGTERM landing in it was lost and fire() said IllegalTransition.)
         self._accepted = False
         self.machine = Machine(
             model=self,
@@ -151,11 +153,11 @@ class EplbMachine:
             queued=True,
             send_event=True,
             ignore_invalid_triggers=False,
-            finalize_event=self._note_result,
+            after_state_change=self._note_accepted,
         )
 
-    def _note_result(self, event) -> None:
-        self._accepted = bool(event.result)
+    def _note_accepted(self, event) -> None:
+        self._accepted = True
 
     # -- guards (event data and shared counters only; fire() made sure each datum is there) --
     def is_due(self, event) -> bool:
@@ -194,7 +196,8 @@ class EplbMachine:
 
     # -- driving ---------------------------------------------------------
     def fire(self, trigger: str, **data: Any) -> Fired:
-        """Run one event; raise IllegalTransition (state unchanged) if none accepts it."""
+        """Run one event; raise IllegalTransition (state unchanged) if none accepts it. An exception raised
+        while it runs (a Ctrl-C's, a SIGTERM handler's) reaches the caller, and no event stays queued."""
         allowed = EVENT_DATA.get(trigger)
         if allowed is None:
             raise ValueError(f"unknown event {trigger!r}; events: {', '.join(EVENT_DATA)}")
@@ -212,6 +215,14 @@ class EplbMachine:
             accepted = self.trigger(trigger, **data) and self._accepted
         except MachineError:
             accepted = False
+        except BaseException:
+            # an interrupt between the queue's append and its processing leaves this event queued: every
+            # later trigger would then wait behind it, unprocessed. fire() is never nested (no callback
+            # fires), so whatever is queued is this call's own.
+            queue = getattr(self.machine, "_transition_queue", None)
+            if queue:
+                queue.clear()
+            raise
         if not accepted:
             raise IllegalTransition(trigger, source, layer_before, data)
         fired = Fired(trigger, source, self.state, self.layer, dict(data))
