@@ -25,6 +25,7 @@ import pytest
 import eplb_fsm
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import replay_dir
+from eplb_fsm.trace import read_trace
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,6 +69,11 @@ def start(folder: Path, interval: float, what: str) -> list[subprocess.Popen]:
                              text=True, stdout=subprocess.PIPE) for r in range(2)]
 
 
+def last_ts(folder: Path, rank: int) -> float:
+    """The ts of ``rank``'s last record on disk (its alive records are flushed as written)."""
+    return read_trace(folder / f"rank{rank:05d}.jsonl")[0][-1]["ts"]
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -87,7 +93,9 @@ def test_both_ranks_sigstopped_together_read_as_a_pause_not_a_freeze(tmp_path):
         for p in procs:
             os.kill(p.pid, signal.SIGSTOP)
         time.sleep(3.5)   # over replay's frozen limit (2.5 intervals, at least 2 s)
-        for p in procs:
+        # the rank silent longer resumes first, as a paused host's would: its silence beyond its peer's then stays
+        # under one interval (the other order adds the ms between the two SIGCONTs to the beats' offset, < 1 s)
+        for p in sorted(procs, key=lambda p: last_ts(tmp_path, procs.index(p))):
             os.kill(p.pid, signal.SIGCONT)
         time.sleep(1.2)
         (tmp_path / "close").write_text("")
