@@ -320,9 +320,10 @@ def test_a_layer_kill_aimed_at_a_joiner_fires_in_its_own_scale(tmp_path, capsys)
     log_dir = tmp_path / "logs"
     code = main(["simulate", "--layers", "2", "--experts", "8", "--redundant", "2", "--hidden", "8", "--tokens", "32",
                  "--window", "8", "--interval", "10", "--collective-timeout", "10", "--ranks", "2", "--steps", "12",
-                 # a generous --join-timeout: a loaded machine may take seconds to start the joiner process (without
-                 # it the join waits one collective timeout, and a late joiner never reaches its layer-0 kill)
-                 "--scale", "6:3", "--join-timeout", "30", "--inject", "kill:rank=2,step=6,layer=0", "--json", "--no-png", "--no-progress",
+                 # a generous --join-timeout: a loaded machine may take seconds to start the joiner process
+                 # (else the join waits one collective timeout: a late joiner never reaches its layer-0 kill)
+                 "--scale", "6:3", "--join-timeout", "30", "--inject", "kill:rank=2,step=6,layer=0", "--json",
+                 "--no-png", "--no-progress",
                  "--log-dir", str(log_dir), "--timeout", "120"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not report.get("inject_unfired") and code == 1 and report["error"] == "ranks_failed", report
