@@ -124,11 +124,13 @@ def test_a_tick_missed_against_alive_records_without_an_interval_uses_the_defaul
     assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
 
 
-def in_flight_job(waited: float, interval: float = 1.0, fails: float | None = None) -> dict[int, list[dict]]:
+def in_flight_job(waited: float, interval: float = 1.0, fails: float | None = None,
+                  gives_up: bool = False) -> dict[int, list[dict]]:
     """Two ranks step to 24 (alive records every ``interval`` s); rank 0 then enters an all-reduce that rank 1
     has not reached, and ``waited`` s later both are stopped by SIGTERM (rank 1 a fraction of a ms after).
     ``fails``: rank 1 is stopped first instead, and rank 0's wait fails ``fails`` s after rank 1's ``end`` (a
-    negative value: before it), 0.1 s before rank 0's own signal ``end``."""
+    negative value: before it), 0.1 s before rank 0's own signal ``end``. ``gives_up``: rank 1 alone is stopped,
+    and rank 0 ends 10 ms later with an exception from another thread's failed wait, its all-reduce still open."""
     coll = {"op": "all_reduce", "group": "ep", "cseq": 0, "shape": [16], "dtype": "torch.float64", "parts": ["loads"]}
     out = {}
     for rank in range(2):
@@ -149,7 +151,10 @@ def in_flight_job(waited: float, interval: float = 1.0, fails: float | None = No
                                               "waiting_on": {"op": "all_reduce", "group": "ep", "cseq": 0}}))
                 beat += interval
         stop = t + 0.001 + waited
-        if fails is None:
+        if gives_up:
+            timed.append((stop + (1 - rank) * 0.01, "end", dict(SIGTERM, step=24) if rank else {
+                "how": "exception", "step": 24, "error": "RuntimeError: Connection reset by peer [127.0.0.1]:4242"}))
+        elif fails is None:
             timed.append((stop + rank * 0.0003, "end", dict(SIGTERM, step=24)))
         elif rank == 1:
             timed.append((stop, "end", dict(SIGTERM, step=24)))
@@ -204,3 +209,13 @@ def test_a_wait_that_failed_before_any_signal_or_was_short_keeps_the_signal():
     for job in (in_flight_job(1.5, fails=-0.2), in_flight_job(0.0015, fails=0.005)):
         report = diagnose(job)
         assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)
+
+
+def test_a_waiter_that_gave_up_with_its_wait_still_open_reads_the_hang():
+    """Only the stalled rank 1 is stopped; rank 0 ends 10 ms later with an exception from another thread (async
+    mode: the engine's collective failed first), its 1.5 s all-reduce still open: hang, rank 1 (was: signalled)."""
+    report = diagnose(in_flight_job(1.5, gives_up=True))
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), format_report(report)
+    assert "stopped from outside, not its cause" in report.findings[0].details[0]
+    report = diagnose(in_flight_job(0.0015, gives_up=True))   # a wait of 1.5 ms: in flight, the signal stays
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [1]), format_report(report)

@@ -46,9 +46,10 @@ in flight in a detail line. The limit: a real hang stopped within one interval o
 A waiter whose wait failed after the stop began counts as inside too (:func:`waiters`): a launcher signals
 its ranks one after another, often the stalled culprit first, and the culprit's exit closes its sockets, so
 a waiter's collective can end with "Connection closed by peer" a few ms before its own signal ``end``, or
-(an operator's ``kill`` of the stalled rank alone) the waiter gives up with an exception. It had waited
-from its collective's start to the first signal ``end`` of the stop; its wait must have failed at or after
-that ``end`` (clocks of ranks on different hosts that disagree by more than the gap read ``signalled``).
+(an operator's ``kill`` of the stalled rank alone) the waiter gives up with an exception, in async mode often
+from the engine thread while its transfer worker still waits. It had waited from its collective's start to
+the first signal ``end`` of the stop; its wait must have failed (or its rank given up) at or after that
+``end`` (clocks of ranks on different hosts that disagree by more than the gap read ``signalled``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:
 
     - a rank of ``cause`` still inside it at its own ``end``: the wait up to that ``end``;
     - any rank whose wait in it failed at or after the first signal ``end`` of ``cause`` (the stopped rank's
-      exit closed the connection it waited on): the wait up to that first ``end``.
+      exit closed the connection it waited on): the wait up to that first ``end``;
+    - a rank outside ``cause`` still inside it at an ``exception`` end (a failed wait) at or after that first
+      ``end``: another of its threads gave up first (async mode: the engine thread's collective failed, and the
+      rank ended before its transfer worker wrote the error). The wait up to that first ``end`` too.
     """
     stops = [ts for k in cause.keys() if k in cast.parts and (ts := _end_ts(cast, k)) is not None]
     first = min(stops, default=None)
@@ -127,8 +131,12 @@ def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:
         if e.status == "open" and k in cause.keys():
             end = _end_ts(cast, k)
             out[k] = end - start if start is not None and end is not None else float("inf")
-        elif e.status == "error" and first is not None and start is not None and start <= first \
-                and type(e.error_ts) in (int, float) and e.error_ts >= first:
+        elif first is None or start is None or start > first:
+            continue
+        elif e.status == "error" and type(e.error_ts) in (int, float) and e.error_ts >= first:
+            out[k] = first - start
+        elif e.status == "open" and (s.end or {}).get("how") == "exception" \
+                and (end := _end_ts(cast, k)) is not None and end >= first and ended_in_reaction(cast, k):
             out[k] = first - start
     return out
 
