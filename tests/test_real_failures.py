@@ -221,26 +221,34 @@ def _run_in_thread(argv: list[str]) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
+@contextlib.contextmanager
+def _reaped(thread: threading.Thread, pids: list[int]):
+    """On the way out, SIGKILL what is left of each rank in ``pids`` (filled in inside the block; ranks run in
+    process groups of their own), then give simulate's ``thread`` 30 s to end."""
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        thread.join(30)
+
+
 def test_sigkill_from_outside_while_collecting(tmp_path):
     """An external SIGKILL to rank 1's pid (from its header) mid-run: no `end` for it, the run fails naming it."""
     argv = ["simulate", *BASE, "--ranks", "2", "--steps", "100000", "--interval", "100000", "--mode", "sync",
             "--log-dir", str(tmp_path), "--timeout", "120"]
     thread, box = _run_in_thread(argv)
     pids: list[int] = []
-    try:
+    with _reaped(thread, pids):
         deadline = time.monotonic() + 60
         while _steps_written(tmp_path, 2) < 30:
             assert thread.is_alive() and time.monotonic() < deadline, "the ranks did not get going within 60 s"
             time.sleep(0.05)
-        pids = _rank_pids(tmp_path)
+        pids += _rank_pids(tmp_path)
         os.kill(pids[1], signal.SIGKILL)
         thread.join(60)
         assert not thread.is_alive(), "simulate did not end within 60 s of the kill"
-    finally:
-        for pid in pids:  # ranks run in process groups of their own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        thread.join(30)
     report = json.loads(box["out"].strip().splitlines()[-1])
     assert box["code"] == 1 and 1 in report["failed_ranks"]
     assert next(e for e in report["ranks"] if e["rank"] == 1)["status"] == "died"
@@ -290,15 +298,15 @@ def test_the_stalled_rank_stopped_first_is_the_hang_though_its_peers_wait_then_f
     """SIGTERM to the stalled rank 1, then to rank 0 once its wait failed on the closed socket: still rank 1's hang."""
     argv = ["simulate", *BASE, "--ranks", "2", "--steps", "24", "--mode", "sync", "--inject",
             "stall-layer:rank=1,layer=2", "--collective-timeout", "60", "--timeout", "120", "--log-dir", str(tmp_path)]
-    thread, box = _run_in_thread(argv)
+    thread, _ = _run_in_thread(argv)
     pids: list[int] = []
-    try:
+    with _reaped(thread, pids):
         deadline = time.monotonic() + 60
         # rank 0 has waited in the stalled transfer for over one liveness interval (1 s): a hang, not one in flight
         while (w := _open_wait(tmp_path, 0, "batch_isend_irecv")) is None or time.time() - w["ts"] < 1.5:
             assert thread.is_alive() and time.monotonic() < deadline, "rank 0 did not wait in the transfer in 60 s"
             time.sleep(0.05)
-        pids = _rank_pids(tmp_path)
+        pids += _rank_pids(tmp_path)
         os.kill(pids[1], signal.SIGTERM)   # the order a launcher may signal in: the stalled rank first
         while _open_wait(tmp_path, 0, "batch_isend_irecv") is not None:   # its exit closes rank 0's connection
             assert time.monotonic() < deadline + 30, "rank 0's wait did not fail once rank 1 was gone"
@@ -307,11 +315,6 @@ def test_the_stalled_rank_stopped_first_is_the_hang_though_its_peers_wait_then_f
             os.kill(pids[0], signal.SIGTERM)
         thread.join(60)
         assert not thread.is_alive(), "simulate did not end within 60 s of the signals"
-    finally:
-        for pid in pids:  # ranks run in process groups of their own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        thread.join(30)
     recs = traces(tmp_path)
     assert ending(recs["rank00001.jsonl"])["how"] == "signal"
     # rank 0 left the transfer with an error, then ended: by the signal or by giving up, whichever came first
