@@ -118,8 +118,8 @@ def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:
       ``end``: another of its threads gave up first (async mode: the engine thread's collective failed, and the
       rank ended before its transfer worker wrote the error). The wait up to that first ``end`` too.
     """
-    stops = [ts for k in cause.keys() if k in cast.parts and (ts := _end_ts(cast, k)) is not None]
-    first = min(stops, default=None)
+    stopped = set(cause.keys())
+    first = min((ts for k in stopped if k in cast.parts and (ts := _end_ts(cast, k)) is not None), default=None)
     group, cseq = coll
     out: dict[Key, float] = {}
     for k, s in cast.parts.items():
@@ -128,7 +128,7 @@ def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:
         if e is None:
             continue
         start = e.ts if type(e.ts) in (int, float) else None
-        if e.status == "open" and k in cause.keys():
+        if e.status == "open" and k in stopped:
             end = _end_ts(cast, k)
             out[k] = end - start if start is not None and end is not None else float("inf")
         elif first is None or start is None or start > first:
