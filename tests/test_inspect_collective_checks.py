@@ -136,3 +136,46 @@ def test_collectives_after_a_skip_do_not_decide_the_tie_it_makes():
     mismatch = report.findings[0]
     assert mismatch.kind == "collective_mismatch" and mismatch.culprits == [0, 1], mismatch.summary
     assert "undecided" in mismatch.summary
+
+
+def _worker_stalled(records: list[dict], cseq: int) -> list[dict]:
+    """``records`` without the ep_transfer collectives from ``cseq`` on (the rank's transfer worker stalled there
+    while its engine stepped on), seqs renumbered."""
+    kept = [r for r in records if not (r.get("group") == "ep_transfer" and r["cseq"] >= cseq)]
+    return [dict(r, seq=n) for n, r in enumerate(kept)]
+
+
+def _wait_failed(records: list[dict], cseq: int) -> list[dict]:
+    """``records`` with the end of ep_transfer collective ``cseq`` turned into a timeout (the rank gave up)."""
+    out = []
+    for r in records:
+        if r.get("group") == "ep_transfer" and r["cseq"] == cseq and r["event"] == "collective_end":
+            r = {k: v for k, v in r.items() if k != "duration_s"}
+            r.update(event="collective_error", error="RuntimeError: Timed out waiting 2000ms for recv operation")
+        out.append(r)
+    return out
+
+
+def test_a_rank_whose_trace_goes_on_but_not_in_the_group_never_joined_the_collective():
+    """A stalled worker (nothing more in ep_transfer, engine stepping on) is a hang with a failed wait, not a skip."""
+    job = SyntheticJob(world=2)
+    job.run(32)
+    records = job.records()
+    report = diagnose({0: _wait_failed(records[0], 1), 1: _worker_stalled(records[1], 1)})
+    first = report.findings[0]
+    assert (report.verdict, report.culprit_ranks, first.step) == ("hang", [1], 9), report.summary
+    assert report.summary.startswith("rank 1 never joined batch_isend_irecv (group ep_transfer, cseq 1, layer 1)")
+    assert "rank 0 gave up waiting inside it (RuntimeError: Timed out" in report.summary
+    assert {p["rank"]: p["status"] for p in first.ranks} == {0: "error", 1: "never_joined"}
+
+
+def test_a_rank_that_skipped_a_collective_and_issued_a_later_one_in_the_group_is_still_a_mismatch():
+    """The same failed wait, but rank 1 went on in the group (its next wave takes the number): no hang is read."""
+    job = SyntheticJob(world=2)
+    job.run(32)
+    records = job.records()
+    skipped = [r for r in records[1] if not (r.get("group") == "ep_transfer" and r["cseq"] == 1)]
+    skipped = [dict(r, seq=n, cseq=r["cseq"] - 1) if r.get("group") == "ep_transfer" and r["cseq"] > 1
+               else dict(r, seq=n) for n, r in enumerate(skipped)]
+    report = diagnose({0: _wait_failed(records[0], 1), 1: skipped})
+    assert report.verdict == "collective_mismatch" and 1 in report.culprit_ranks, report.summary

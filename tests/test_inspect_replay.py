@@ -449,8 +449,8 @@ def test_transfer_failure_aborted_everywhere_is_handled():
     assert report.verdict == "healthy" and report.exit_code == 0
     assert len(report.handled) == 1
     note = report.handled[0]
-    assert (note.kind, note.culprits, note.step, note.collective["group"]) == (
-        "collective_mismatch", [2], 19, "ep_transfer")
+    # rank 2 never joined the wave and issued nothing more in the group (its next wave is on a fresh group)
+    assert (note.kind, note.culprits, note.step, note.collective["group"]) == ("hang", [2], 19, "ep_transfer")
     assert "handled by a fault on every rank" in report.summary
     # later rearrangements run on the fresh group and line up again
     assert all(r["rearrangements"] == 3 for r in report.ranks)

@@ -260,9 +260,11 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
     no_file = [k for k in absent if k not in parts]
     ended_before = [k for k in absent if k in parts and _ended_before(parts[k], start_step)]
     skipped = [k for k in absent if k in parts and k not in ended_before]
+    # went on stepping, nothing more in this group (an async worker stalled there): to a hang, never joined
+    idle = [k for k in skipped if parts[k].max_cseq(g) < c]
     who = cast.who
 
-    def positions() -> list[dict]:
+    def positions(joins: list[Key] = ()) -> list[dict]:   # joins: absent ranks a hang reads as never joined
         out = []
         for k in members:
             s = parts.get(k)
@@ -271,7 +273,7 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
                 continue
             e = entries.get(k)
             if e is None:
-                if k in skipped:
+                if k in skipped and k not in joins:
                     out.append(cast.position(k, "skipped", f"never issued it but went on: {last_seen(s)}",
                                              s.last_step, (s.last or {}).get("state")))
                 else:
@@ -322,19 +324,19 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             f"{who(culprits)} never joined {coll_text(ref)} at step {start_step} in {ref.state}; "
             f"{who(open_)} {'waits' if len(set(open_)) == 1 else 'wait'} inside it"
             + (f", {who(left)} left it" if left else ""),
-            ranks=positions(), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
+            ranks=positions(idle), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
         )
     # with bounded waits a hang ends in collective_error: the members that gave up had waited
     # for members whose traces stop before they ever joined
     gave_up = sorted(k for k, e in entries.items() if e.status == "error")
-    if (ended_before or no_file) and gave_up and not skipped:
-        culprits = sorted(ended_before + no_file)
+    if (ended_before or no_file or idle) and gave_up and len(idle) == len(skipped):
+        culprits = sorted(ended_before + no_file + idle)
         return Finding.of(
             "hang", start_step, culprits,
             f"{who(culprits)} never joined {coll_text(ref)} at step {start_step} in {ref.state}; "
             f"{who(gave_up)} gave up waiting inside it ({short_error(entries[gave_up[0]].error)})"
             + (f", {who([k for k in left if k not in gave_up])} finished it" if len(left) > len(gave_up) else ""),
-            ranks=positions(), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
+            ranks=positions(idle), details=[f"{cast.label(k)}: no trace file" for k in no_file], **where,
         )
     if skipped:
         return Finding.of(
