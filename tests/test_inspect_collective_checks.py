@@ -167,6 +167,7 @@ def test_a_rank_whose_trace_goes_on_but_not_in_the_group_never_joined_the_collec
     assert report.summary.startswith("rank 1 never joined batch_isend_irecv (group ep_transfer, cseq 1, layer 1)")
     assert "rank 0 gave up waiting inside it (RuntimeError: Timed out" in report.summary
     assert {p["rank"]: p["status"] for p in first.ranks} == {0: "error", 1: "never_joined"}
+    assert "nothing more in group ep_transfer though its trace went on" in first.ranks[1]["note"]
 
 
 def test_a_rank_that_skipped_a_collective_and_issued_a_later_one_in_the_group_is_still_a_mismatch():

@@ -273,12 +273,10 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
                 continue
             e = entries.get(k)
             if e is None:
-                if k in skipped and k not in joins:
-                    out.append(cast.position(k, "skipped", f"never issued it but went on: {last_seen(s)}",
-                                             s.last_step, (s.last or {}).get("state")))
-                else:
-                    out.append(cast.position(k, "never_joined", f"never joined; {last_seen(s)}",
-                                             s.last_step, (s.last or {}).get("state")))
+                went = f", nothing more in group {g} though its trace went on" if k in skipped else ""
+                status, note = ("skipped", "never issued it but went on: ") if k in skipped and k not in joins \
+                    else ("never_joined", f"never joined{went}; ")
+                out.append(cast.position(k, status, note + last_seen(s), s.last_step, (s.last or {}).get("state")))
             elif e.signature() != ref_sig:
                 out.append(cast.position(k, "different", f"issued {coll_text(e)} at step {e.step} instead"
                                          + ("" if e.status != "open" else ", never finished"), e.step, e.state,
