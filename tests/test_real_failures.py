@@ -507,3 +507,43 @@ def test_a_late_rank_the_job_recovered_from_is_named_in_the_healthy_verdict(tmp_
     assert [(f.kind, f.culprits) for f in report.handled] == [("lagging", [1])]
     (aborted,) = report.aborted
     assert aborted["late_ranks"] == [1] and aborted["text"].endswith("after the first rank")
+
+
+def _joiner_transferring(log_dir: Path) -> int | None:
+    """The joiner's pid once its trace shows it moving its scale's layers and not switched yet (None before)."""
+    path = Path(log_dir) / "rank00002.g1.jsonl"
+    recs = read_trace(path)[0] if path.is_file() else []
+    triggers = {r.get("trigger") for r in recs if r["event"] == "transition"}
+    assert "switched" not in triggers, "the joiner's scale switched before it could be killed in its transfer"
+    if "plan_ready" in triggers:
+        return next(r["pid"] for r in recs if r["event"] == "header")
+    return None
+
+
+def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stopped_after(tmp_path):
+    """SIGKILL to the joiner moving its scale's layers: the old ranks roll the scale back and serve on until the
+    launcher's SIGTERM; replay names the joiner (its peers lost their connection to it), not them."""
+    # 12 layers: the joiner's transfer lasts long enough for a 2 ms poll of its trace to catch it
+    argv = ["simulate", *BASE, "--layers", "12", "--ranks", "2", "--steps", "100000", "--scale", "30:3",
+            "--join-timeout", "30", "--collective-timeout", "20", "--mode", "sync", "--log-dir", str(tmp_path),
+            "--timeout", "120"]
+    thread, box = _run_in_thread(argv)
+    pids: list[int] = []
+    with _reaped(thread, pids):
+        deadline = time.monotonic() + 90
+        while (joiner := _joiner_transferring(tmp_path)) is None:
+            assert thread.is_alive() and time.monotonic() < deadline, "the joiner's scale did not start in 90 s"
+            time.sleep(0.002)
+        os.kill(joiner, signal.SIGKILL)
+        pids += _rank_pids(tmp_path)
+        thread.join(60)
+        assert not thread.is_alive(), "simulate did not end within 60 s of the kill"
+    report = json.loads(box["out"].strip().splitlines()[-1])
+    recs = traces(tmp_path)
+    assert box["code"] == 1 and ending(recs["rank00002.g1.jsonl"]) is None
+    for name in ("rank00000.jsonl", "rank00001.jsonl"):   # rolled back, served on, stopped by the launcher
+        triggers = [r.get("trigger") for r in recs[name] if r["event"] == "transition"]
+        assert "recovered" in triggers and "switched" not in triggers, triggers
+        assert ending(recs[name])["how"] == "signal" and ending(recs[name])["step"] > 30
+    assert (report["replay"]["verdict"], report["replay"]["culprit_ranks"]) != ("signalled", [0, 1])
+    assert verdict(tmp_path)[1] == [2]

@@ -42,6 +42,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from eplb_fsm.fsm.machine import TRANSFERRING
+from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
 from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
@@ -154,7 +155,7 @@ def _peers(cast: Cast, key: Key) -> list[Key]:
     return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
 
 
-def _death(cast: Cast, key: Key, lasts: dict, at) -> tuple[str, str | None] | None:
+def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str, str | None] | None:
     """Why ``key`` died (its reason, without its name, and a detail line), or None: see the module docstring."""
     s = cast.parts[key]
     if s.end is not None or s.ended_on_purpose or key not in lasts:
@@ -173,7 +174,13 @@ def _death(cast: Cast, key: Key, lasts: dict, at) -> tuple[str, str | None] | No
     ended += signalled
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
     if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
-        return None
+        # no peer's end tells it, but a peer lost its connection to it and went on (dropped.py)
+        lost = dropped.first_after(key)
+        if lost is None:
+            return None
+        ts, peer, e = lost
+        return (f"{cast.label(peer)} lost its connection to it {ts - lasts[key]:.2f} s after its last record "
+                f"({coll_text(e)} failed at {at(ts)}: {short_error(e.error)}) and went on", None)
     first = min(ended, key=lambda o: _end_ts(cast.parts[o]))
     end = _end_ts(cast.parts[first])
     if first in signalled:
@@ -222,7 +229,9 @@ def check_liveness(cast: Cast) -> Liveness:
     events: list[tuple[float, str, Key, Finding]] = []
     late_exceptions: list[tuple[float, Key]] = []
     signals: list[tuple[float, Key]] = []
-    dead = sorted((lasts[k], k, why) for k in sorted(parts) if (why := _death(cast, k, lasts, at)) is not None)
+    dropped = Dropped(cast)
+    dead = sorted((lasts[k], k, why) for k in sorted(parts)
+                  if (why := _death(cast, k, lasts, at, dropped)) is not None)
     while dead:   # ranks that died within the dead limit of the first are one finding: killed together
         limit = _limit(parts[dead[0][1]], DEAD_FACTOR)
         together = [d for d in dead if d[0] - dead[0][0] <= limit]

@@ -1,0 +1,70 @@
+"""A rank with no ``end`` whose peers lost their connection to it, and went on: its process went away there.
+
+When a rank's process dies (SIGKILL, the OOM killer, a crash of the interpreter) the kernel closes its
+sockets, and a peer waiting with it in a collective fails with a lost connection ("Connection reset by
+peer", "Read error", "Broken pipe") right after the dead rank's last record. Mostly the peers then end as
+well, and ``liveness._death`` reads their ends as the reaction. But a peer may survive it and go on: an
+elastic scale-up whose joiner died is rolled back and the old group keeps serving, until a launcher that
+saw a process gone stops the job with SIGTERM a second or two later. Read without this rule, those signals
+look like a job stopped from outside (``signalled``, naming the survivors) and the dead joiner goes unnamed.
+So ``liveness._death`` asks :meth:`Dropped.first_after` when no peer's end tells the death.
+
+What counts: a collective of a group ``key`` belongs to (``Cast.members``) that a peer left with a lost
+connection at or after ``key``'s last record, while no other member of that group had written an ``end``
+(a rank that exited in order, or on a signal, closes its sockets too: its end explains the lost connection).
+A frozen rank (SIGSTOP) closes nothing: its peers' waits time out, and a timeout is no lost connection, so a
+freeze stays with the silence rules (``frozen``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.model import Collective
+
+__all__ = ["CONNECTION_LOST", "Dropped"]
+
+#: the errors of a wait whose peer's sockets closed (not a timeout: a frozen peer closes nothing)
+CONNECTION_LOST = re.compile(r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|"
+                             r"Connection refused")
+
+
+class Dropped:
+    """The collectives that failed with a lost connection, every rank's, read once when first asked."""
+
+    def __init__(self, cast: Cast) -> None:
+        self.cast = cast
+        self._errors: list[tuple[float, Key, Collective]] | None = None
+
+    def _read(self) -> list[tuple[float, Key, Collective]]:
+        out = []
+        for k, s in self.cast.parts.items():
+            for entries in s.collectives.values():
+                # collectives read in bulk (``CollectiveIndex.runs``) all ended: only ``one`` can hold an error
+                for e in getattr(entries, "one", entries).values():
+                    if e.status == "error" and type(e.error_ts) in (int, float) \
+                            and CONNECTION_LOST.search(str(e.error or "")):
+                        out.append((e.error_ts, k, e))
+        return sorted(out, key=lambda x: (x[0], x[1]))
+
+    def first_after(self, key: Key) -> tuple[float, Key, Collective] | None:
+        """The first (ts, peer, collective) a peer of ``key`` left with a lost connection at or after ``key``'s
+        last record, no other member of its group having ended by then; None when there is none."""
+        last = self.cast.parts[key].last_ts
+        if type(last) not in (int, float):
+            return None
+        if self._errors is None:
+            self._errors = self._read()
+        parts = self.cast.parts
+        for ts, peer, e in self._errors:
+            if peer == key or ts < last:
+                continue
+            members = self.cast.members(e.group)
+            if key not in members:
+                continue
+            ended = [o for o in members if o not in (key, peer) and o in parts
+                     and type(end := (parts[o].end or {}).get("ts")) in (int, float) and end <= ts]
+            if not ended:
+                return ts, peer, e
+        return None
