@@ -7,6 +7,7 @@ launcher, signals them:
 - SIGSTOP to both ranks, SIGCONT 3.5 s later, then they close in order: every rank is silent over the same
   window, the first to resume a moment before the other. That is a pause of the whole job, no rank's freeze
   (replay once named one rank ``frozen``).
+- SIGSTOP to two of three ranks together while the third writes on: one freeze naming both.
 - SIGTERM to both ranks a moment after rank 0 entered a collective rank 1 had not reached: the job was stopped
   from outside with a collective in flight (replay once named rank 1 the culprit of a ``hang``).
 """
@@ -40,8 +41,8 @@ from eplb_fsm.sim import signals
 signals.install()
 from eplb_fsm.liveness import Liveness
 from eplb_fsm.trace import EventTrace
-d, rank, interval, what = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-t = EventTrace(rank, 2, d)
+d, rank, interval, what, world = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+t = EventTrace(rank, world, d)
 t.set_context(state="collecting", step=0)
 t.header({"a": 1}, run_id="pauses0000000001", mode="sync", group="ep")
 live = Liveness(t, interval).start_on(t)
@@ -63,10 +64,10 @@ t.close()
 '''
 
 
-def start(folder: Path, interval: float, what: str) -> list[subprocess.Popen]:
+def start(folder: Path, interval: float, what: str, world: int = 2) -> list[subprocess.Popen]:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return [subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(r), str(interval), what], env=env,
-                             text=True, stdout=subprocess.PIPE) for r in range(2)]
+    return [subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(r), str(interval), what, str(world)],
+                             env=env, text=True, stdout=subprocess.PIPE) for r in range(world)]
 
 
 def last_ts(folder: Path, rank: int) -> float:
@@ -107,6 +108,31 @@ def test_both_ranks_sigstopped_together_read_as_a_pause_not_a_freeze(tmp_path):
     assert (report.verdict, report.culprit_ranks) == ("healthy", []), format_report(report)
     assert any(w.startswith("ranks 0-1 were all silent") and "the whole job was paused" in w
                for w in report.warnings), format_report(report)
+
+
+def test_two_of_three_ranks_sigstopped_together_are_one_freeze_naming_both(tmp_path):
+    """SIGSTOP to ranks 1 and 2 together for 3.5 s while rank 0 writes on: one frozen finding naming ranks 1-2 (was:
+    rank 1 frozen as the verdict, rank 2's identical silence only a later finding)."""
+    procs = start(tmp_path, 1.0, "wait", world=3)
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "ready\n"
+        time.sleep(1.2)
+        for p in procs[1:]:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(3.5)   # over replay's frozen limit (2.5 intervals, at least 2 s)
+        for p in procs[1:]:
+            os.kill(p.pid, signal.SIGCONT)
+        time.sleep(1.2)
+        (tmp_path / "close").write_text("")
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    finally:
+        stop_all(procs)
+    report = replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1, 2]), format_report(report)
+    assert [f.kind for f in report.findings].count("frozen") == 1, format_report(report)
+    assert report.summary.startswith("ranks 1-2 froze for "), format_report(report)
 
 
 def test_a_sigterm_with_a_collective_in_flight_is_signalled(tmp_path):

@@ -14,7 +14,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
-  one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). A peer silent over
+  one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). Silences begun
+  within the limit of the first and overlapping it are one finding (ranks stopped together). A peer silent over
   that window itself (but for one interval) wrote nothing there: after a stop of the whole job the first rank to
   resume writes just inside the others' silences. When every rank that ran over the window was silent over it, the
   whole job was paused (``pauses.all_silent``): a warning (``Liveness.pauses``), no culprit.
@@ -191,6 +192,23 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
             f"({cast.parts[first].end.get('how')}, at {at(end)})", None)
 
 
+def _frozen_findings(cast: Cast, frozen: list[tuple], at) -> list[tuple]:
+    """Events of ``frozen`` silences ((start, key, end, step, state, layer), earliest first): those that began
+    within the freeze limit of the first one and overlap it are one finding (ranks stopped together)."""
+    out = []
+    while frozen:
+        a, k, b, step, state, layer = frozen[0]
+        together = [f for f in frozen if f[0] - a <= _limit(cast.parts[k], FROZEN_FACTOR) and f[0] < b]
+        frozen, keys = [f for f in frozen if f not in together], [f[1] for f in together]
+        out.append((a, "frozen", k, Finding.of(
+            "frozen", step, keys, f"{cast.who(keys)} froze for {b - a:.1f} s at step {step} in {state}"
+            + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no record from "
+            f"{at(a)} to {at(b)} while the other ranks kept writing", state=state, layer=layer,
+            ranks=[cast.position(f[1], "frozen", f"silent {f[2] - f[0]:.1f} s from {at(f[0])}", *f[3:])
+                   for f in together])))
+    return out
+
+
 def _died_finding(cast: Cast, dead: list[tuple]) -> Finding:
     """One ``rank_died`` finding for participants that died together (``dead``: (last ts, key, (why, detail)),
     earliest first)."""
@@ -239,6 +257,7 @@ def check_liveness(cast: Cast) -> Liveness:
         dead = dead[len(together):]
     lost = LostRecords(cast)
     paused: list[tuple] = []
+    frozen: list[tuple] = []
     for k, s in sorted(parts.items()):
         out.endings[k] = _ending(s)
         label = cast.label(k)
@@ -248,13 +267,7 @@ def check_liveness(cast: Cast) -> Liveness:
             if gap is not None:   # it wrote there, the lines went: lost_records, unless a finding told the gap
                 out.lost += filter(None, [lost.silent(k, (a, b, step, state, layer), gap, at)])
                 continue
-            events.append((a, "frozen", k, Finding.of(
-                "frozen", step, [k],
-                f"{label} froze for {b - a:.1f} s at step {step} in {state}"
-                + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no record from "
-                f"{at(a)} to {at(b)} while the other ranks kept writing", state=state, layer=layer,
-                ranks=[cast.position(k, "frozen", f"silent {b - a:.1f} s from {at(a)}", step, state, layer)],
-            )))
+            frozen.append((a, k, b, step, state, layer))
         end = s.end or {}
         ts = end.get("ts") if type(end.get("ts")) in (int, float) else lasts.get(k)
         if end.get("how") == "exception" and ts is not None:
@@ -271,6 +284,7 @@ def check_liveness(cast: Cast) -> Liveness:
         elif end.get("how") == "signal" and ts is not None:
             signals.append((ts, k))
     out.pauses, out.paused = pause_warnings(cast, paused, at)
+    events += _frozen_findings(cast, sorted(frozen), at)
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
