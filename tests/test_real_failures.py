@@ -547,3 +547,38 @@ def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stoppe
         assert ending(recs[name])["how"] == "signal" and ending(recs[name])["step"] > 30
     assert (report["replay"]["verdict"], report["replay"]["culprit_ranks"]) != ("signalled", [0, 1])
     assert verdict(tmp_path)[1] == [2]
+
+
+def _in_state(log_dir: Path, rank: int, state: str, after_step: int) -> int | None:
+    """``rank``'s pid once its last record on disk is in ``state`` past ``after_step`` (None before)."""
+    path = Path(log_dir) / f"rank{rank:05d}.jsonl"
+    recs = read_trace(path)[0] if path.is_file() else []
+    if recs and recs[-1].get("state") == state and (recs[-1].get("step") or 0) > after_step:
+        return next(r["pid"] for r in recs if r["event"] == "header")
+    return None
+
+
+def test_a_rank_sigtermed_in_a_transfer_is_the_one_the_aborted_rearrangement_names(tmp_path):
+    """SIGTERM to rank 2 moving a layer: the others roll back; the aborted rearrangement names rank 2 alone, not a
+    rank that started the collective a few ms after the first (was: rank 1, 'started ... 0.0 s after')."""
+    argv = ["simulate", *BASE, "--layers", "12", "--ranks", "3", "--steps", "100000", "--collective-timeout", "20",
+            "--mode", "sync", "--log-dir", str(tmp_path), "--timeout", "120"]
+    thread, box = _run_in_thread(argv)
+    pids: list[int] = []
+    with _reaped(thread, pids):
+        deadline = time.monotonic() + 90
+        while (victim := _in_state(tmp_path, 2, "transferring", 20)) is None:
+            assert thread.is_alive() and time.monotonic() < deadline, "rank 2 did not transfer in 90 s"
+            time.sleep(0.002)
+        os.kill(victim, signal.SIGTERM)
+        pids += _rank_pids(tmp_path)
+        thread.join(60)
+        assert not thread.is_alive(), "simulate did not end within 60 s of the signal"
+    from eplb_fsm.inspect.replay import replay_dir
+
+    report = replay_dir(str(tmp_path))
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [2]), report.summary
+    assert report.aborted, report.summary
+    for entry in report.aborted:
+        assert entry["late_ranks"] == [2] and "rank 2 was stopped by SIGTERM" in entry["text"], entry
+        assert entry["late_by_s"] is None or entry["late_by_s"] > 2.0, entry

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from eplb_fsm.fsm.machine import FAILED, SCALING
+from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.liveness import DEFAULT_INTERVAL_S, MIN_GAP_S, Liveness
@@ -184,11 +184,13 @@ def add_late(cast: Cast, live: Liveness, findings: list[Finding], handled: list[
 
 def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Finding],
                            hangs: Sequence[Finding] = ()) -> list[dict]:
-    """Every rearrangement the ranks rolled back (a ``fault`` transition), with the rank that was late.
+    """Every rearrangement the ranks rolled back (a ``fault`` out of planning, transferring or committing: one out
+    of collecting rolled nothing back), with the rank that was late.
 
     The late rank is the member of the collective problem the rollback handled that never
-    joined it, or else the one that started it last (late by the spread of the start ``ts``);
-    a freeze found by the liveness records around that step is named too. The problem is the
+    joined it, or else the one that started it last, if over ``CLOCK_NOISE_S`` after the first (late by the
+    spread of the start ``ts``; a few ms is every collective's); a freeze, death or signal the liveness records
+    found at or before that step is named too. The problem is the
     latest since the previous rollback: a handled one (a late rank's note, ``late``), else an unhandled
     ``hang`` (its culprit died or hangs) or a cause about a collective (a late rank in a run left
     ``failed``). A fault in ``scaling``, or one naming a ``scale`` (the scale's own transfer failed), is a
@@ -199,7 +201,8 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
     for k, s in parts.items():
         of_scales = {f.get("seq") for f in s.faults if f.get("scale") is not None}
         for t in s.transitions:
-            if t.trigger == "fault" and t.source != SCALING and t.seq not in of_scales and type(t.step) is int \
+            if t.trigger == "fault" and t.source not in (SCALING, COLLECTING) and t.seq not in of_scales \
+                    and type(t.step) is int \
                     and k not in by_step.get(t.step, []):
                 by_step.setdefault(t.step, []).append(k)
     out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)
@@ -224,13 +227,17 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
             elif len(starts) > 1:   # a lagging finding weighed the alive records too: its culprits are the late ones
                 lagging = [k for k in f.keys() if k in starts] if f.kind == "lagging" else []
                 late = max(lagging or starts, key=starts.get)
-                entry["late_ranks"] = sorted({k[0] for k in lagging}) or [late[0]]
-                entry["late_by_s"] = round(starts[late] - min(starts.values()), 3)
-                late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
-        # a rank that froze or died at or before that step is why the others gave up
-        gone = [x for x in causes if x.kind in ("frozen", "rank_died") and type(x.step) is int and x.step <= step]
+                # a start a few ms after the others' is every collective's, not lateness (clocks, the scheduler)
+                if lagging or starts[late] - min(starts.values()) > CLOCK_NOISE_S:
+                    entry["late_ranks"] = sorted({k[0] for k in lagging}) or [late[0]]
+                    entry["late_by_s"] = round(starts[late] - min(starts.values()), 3)
+                    late_text = f"{cast.label(late)} started {where} {entry['late_by_s']:.1f} s after the first rank"
+        # a rank that froze, died or was signalled at or before that step is why the others gave up
+        gone = [x for x in causes if x.kind in ("frozen", "rank_died", "signalled") and type(x.step) is int
+                and x.step <= step]
         if gone:
-            late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + gone[-1].summary.split(":")[0]
+            said = gone[-1].summary.split(":")[0].split(" (first at")[0]   # a signal: who, and by which
+            late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + said
             entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
         entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
         out.append(entry)

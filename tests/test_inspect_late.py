@@ -1,0 +1,82 @@
+"""Who ``aborted_rearrangements`` names as late: a rank that was gone, never one that started a few ms after the first.
+
+Three ranks of a sync job start a rearrangement's all-reduce at step 21 within 1 ms of each other (as real ranks
+do); rank 2's trace stops inside it (killed); ranks 0-1 lose their connection, roll back (``fault`` into
+collecting) and serve on until the launcher's SIGTERM. A red team's real runs read rank 1 as the late one there
+("started ... 0.0 s after the first rank"), because it started last by a millisecond.
+"""
+
+from __future__ import annotations
+
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.replay import diagnose
+
+T0 = 1_796_606_000.0
+RESET = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:37292: Connection reset by peer"
+COLL = {"op": "all_reduce", "group": "ep", "cseq": 0, "shape": [4], "dtype": "torch.float64", "parts": ["ready"]}
+PLAN = {"trigger": "plan_ready", "source": "planning", "dest": "transferring", "layer": 0, "num_layers": 2,
+        "layer_after": 0, "moves": 1, "worth": True, "balancedness_before": 0.71, "balancedness_after": 0.93,
+        "gain": 0.22, "moved_bytes": 8192, "changed_layers": 2, "policy_s": 0.0004, "forced": False}
+
+
+def records(rank: int, start: float, tail: list[tuple[float, str, dict]]) -> list[dict]:
+    """Header, 20 steps, planning into transferring at step 21, the all-reduce's start at ``start``, ``tail``."""
+    head = [(0.0, "header", {"schema": 1, "run_id": "a1b2c3d4e5f60718", "mode": "sync", "group": "ep",
+                             "transfer_group": "ep_transfer", "config": {"num_layers": 2}, "step": 0,
+                             "state": "collecting"}),
+            (0.5, "steps", {"count": 20, "dummy": 0, "step": 1, "state": "collecting"}),
+            (0.99, "transition", {"trigger": "step", "source": "collecting", "dest": "planning", "layer": 0,
+                                  "num_layers": 2, "layer_after": 0, "due": True, "state": "planning"}),
+            (0.995, "transition", PLAN),
+            (start, "collective_start", COLL)]
+    out = []
+    for seq, (t, event, fields) in enumerate(head + tail):
+        rec = {"ts": round(T0 + t, 6), "rank": rank, "world": 3, "event": event, "state": "transferring",
+               "step": 21, "seq": seq}
+        rec.update(fields)
+        out.append(rec)
+    return out
+
+
+def rolled_back() -> list[tuple[float, str, dict]]:
+    return [(1.01, "collective_error", dict(COLL, error=RESET)),
+            (1.011, "transition", {"trigger": "fault", "source": "transferring", "dest": "collecting", "layer": 0,
+                                   "num_layers": 2, "layer_after": 0, "recoverable": True, "state": "collecting",
+                                   "reason": "all_reduce of ['ready'] failed", "layers_committed": 0}),
+            (1.8, "steps", {"count": 60, "dummy": 0, "step": 22, "state": "collecting"}),
+            (2.5, "end", {"how": "signal", "signal": "SIGTERM", "step": 82, "state": "collecting"})]
+
+
+def test_a_start_a_millisecond_after_the_first_is_not_lateness():
+    """Rank 1 started the all-reduce 1 ms after rank 0: the aborted rearrangement names rank 2 (gone), not rank 1."""
+    report = diagnose({0: records(0, 1.0, rolled_back()), 1: records(1, 1.001, rolled_back()),
+                       2: records(2, 1.0, [])})
+    (aborted,) = report.aborted
+    assert aborted["step"] == 21 and aborted["late_ranks"] == [2], format_report(report)
+    assert aborted["late_by_s"] is None and "after the first rank" not in aborted["text"], aborted
+    assert "rank 2 died" in aborted["text"], aborted
+
+
+def test_a_fault_in_collecting_is_no_aborted_rearrangement():
+    """The balancedness all-reduce of a collecting step failing (fault from collecting) rolled nothing back."""
+    fault = {"trigger": "fault", "source": "collecting", "dest": "failed", "layer": 0, "num_layers": 2,
+             "layer_after": 0, "recoverable": False, "state": "failed", "reason": "all_reduce of ['balancedness']"}
+    recs = {}
+    for r in range(3):
+        recs[r] = records(r, 1.0, [(1.01, "collective_end", dict(COLL, duration_s=0.01)),
+                                   (1.02, "transition", {"trigger": "layer_done", "source": "transferring",
+                                                         "dest": "transferring", "layer": 0, "num_layers": 2,
+                                                         "layer_after": 1, "model": "main", "model_layer": 0,
+                                                         "moved": 1, "changed": True}),
+                                   (1.025, "transition", {"trigger": "layer_done", "source": "transferring",
+                                                          "dest": "committing", "layer": 1, "num_layers": 2,
+                                                          "layer_after": 1, "model": "main", "model_layer": 1,
+                                                          "moved": 1, "changed": True, "state": "committing"}),
+                                   (1.03, "transition", {"trigger": "committed", "source": "committing",
+                                                         "dest": "collecting", "layer": 1, "num_layers": 2,
+                                                         "layer_after": 1, "rearrangement": 0, "moves": 1,
+                                                         "layers_committed": 2, "state": "collecting"}),
+                                   (2.0, "transition", dict(fault, step=40)),
+                                   (2.1, "end", {"how": "closed", "step": 40, "state": "failed"})])
+    report = diagnose(recs)
+    assert report.aborted == [], format_report(report)
