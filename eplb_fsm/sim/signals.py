@@ -38,7 +38,7 @@ from typing import Callable
 
 __all__ = ["STOP_SIGNALS", "INTERPRETER_WATCH_S", "install", "on_signal", "clear", "dump_stacks",
            "watch_interpreter", "redirect_stdout", "log_to", "die_with_launcher", "kill_self", "freeze_self",
-           "stop_groups"]
+           "stop_groups", "resume_siblings"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # a rank whose Python threads make no progress for this long dumps their stacks into its log
@@ -199,7 +199,8 @@ def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
     launcher holds the write end, so end-of-file comes the moment it dies, zombie or not.
     Then, every ``period_s``, its pid: no such process, or a zombie its own parent has not
     reaped yet (``kill(pid, 0)`` succeeds on one, so ``/proc/<pid>/stat`` is read too). The pid
-    check covers the fork start method, where sibling ranks inherit copies of the write end.
+    check covers the fork start method, where sibling ranks inherit copies of the write end. Before it
+    ends itself it resumes its stopped siblings (:func:`resume_siblings`).
     """
     import multiprocessing
     from multiprocessing.connection import wait
@@ -225,12 +226,37 @@ def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
             if not use_pipe:
                 time.sleep(period_s)
             if gone or _pid_gone(launcher):
+                resume_siblings()
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
     thread = threading.Thread(target=watch, name="eplb-launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def resume_siblings() -> None:
+    """SIGCONT this rank's sibling ranks: the other children of its parent, when that parent is a forkserver.
+
+    A rank stopped (SIGSTOP) when its launcher died cannot notice: its watch thread stops with it, and the
+    forkserver, its parent, lives on while it does, so it would stay a stopped orphan. Resumed by a sibling
+    that noticed, its own watch ends it. Only a forkserver's children (its command line says so): with spawn
+    the parent is the launcher itself, and after its death whatever adopted the rank is no one's business here.
+    """
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            if b"multiprocessing.forkserver" not in f.read():
+                return
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
+    except OSError:   # no /proc (not Linux), or the parent is gone
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rfind(b")") + 2:].split()[1]) == parent:
+                os.kill(pid, signal.SIGCONT)
 
 
 def install(new_group: bool = True) -> None:
