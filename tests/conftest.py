@@ -56,3 +56,13 @@ def store():
     master, info = host_store(timeout_s=30.0, namespace=f"t{uuid.uuid4().hex[:8]}")
     yield info
     del master
+
+
+def timeline(rank: int, world: int, t0: float, events: list[tuple[float, str, dict]], **defaults) -> list[dict]:
+    """One rank's hand-written records from (t, event, fields): ts ``t0 + t``, seq in order, ``defaults`` (e.g.
+    state, step) under each record's own fields. For replay rules on a few records; whole jobs use SyntheticJob."""
+    out = []
+    for seq, (t, event, fields) in enumerate(events):
+        out.append({"ts": round(t0 + t, 6), "rank": rank, "world": world, "event": event, **defaults, "seq": seq,
+                    **fields})
+    return out

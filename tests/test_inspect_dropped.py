@@ -9,6 +9,8 @@ trace stops inside an all-reduce; what ranks 0-1 then saw decides the reading.
 
 from __future__ import annotations
 
+from conftest import timeline
+
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import build_cast
 from eplb_fsm.inspect.render import format_report
@@ -26,13 +28,7 @@ def records(rank: int, tail: list[tuple[float, str, dict]]) -> list[dict]:
                              "transfer_group": "ep_transfer", "config": {"num_layers": 2}, "step": 0}),
             (0.5, "steps", {"count": 20, "dummy": 0, "step": 1}),
             (1.0, "collective_start", dict(COLL, step=21))]
-    out = []
-    for seq, (t, event, fields) in enumerate(head + tail):
-        rec = {"ts": round(T0 + t, 6), "rank": rank, "world": 3, "event": event, "state": "collecting",
-               "step": 21, "seq": seq}
-        rec.update(fields)
-        out.append(rec)
-    return out
+    return timeline(rank, 3, T0, head + tail, state="collecting", step=21)
 
 
 def survived(error: str, end: dict | None = None) -> list[tuple[float, str, dict]]:

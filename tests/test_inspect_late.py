@@ -8,6 +8,8 @@ collecting) and serve on until the launcher's SIGTERM. A red team's real runs re
 
 from __future__ import annotations
 
+from conftest import timeline
+
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import diagnose
 
@@ -29,13 +31,7 @@ def records(rank: int, start: float, tail: list[tuple[float, str, dict]]) -> lis
                                   "num_layers": 2, "layer_after": 0, "due": True, "state": "planning"}),
             (0.995, "transition", PLAN),
             (start, "collective_start", COLL)]
-    out = []
-    for seq, (t, event, fields) in enumerate(head + tail):
-        rec = {"ts": round(T0 + t, 6), "rank": rank, "world": 3, "event": event, "state": "transferring",
-               "step": 21, "seq": seq}
-        rec.update(fields)
-        out.append(rec)
-    return out
+    return timeline(rank, 3, T0, head + tail, state="transferring", step=21)
 
 
 def rolled_back() -> list[tuple[float, str, dict]]:

@@ -509,6 +509,23 @@ def test_a_late_rank_the_job_recovered_from_is_named_in_the_healthy_verdict(tmp_
     assert aborted["late_ranks"] == [1] and aborted["text"].endswith("after the first rank")
 
 
+def _strike(argv: list[str], log_dir: Path, victim, sig: int) -> dict:
+    """Run simulate (``argv``), poll ``victim()`` every 2 ms until it gives a pid, send it ``sig``, and wait for the
+    run to end; returns its exit code and output (``code``, ``out``)."""
+    thread, box = _run_in_thread(argv)
+    pids: list[int] = []
+    with _reaped(thread, pids):
+        deadline = time.monotonic() + 90
+        while (pid := victim()) is None:
+            assert thread.is_alive() and time.monotonic() < deadline, "the moment to strike did not come in 90 s"
+            time.sleep(0.002)
+        os.kill(pid, sig)
+        pids += _rank_pids(log_dir)
+        thread.join(60)
+        assert not thread.is_alive(), "simulate did not end within 60 s of the signal"
+    return box
+
+
 def _joiner_transferring(log_dir: Path) -> int | None:
     """The joiner's pid once its trace shows it moving its scale's layers and not switched yet (None before)."""
     path = Path(log_dir) / "rank00002.g1.jsonl"
@@ -527,17 +544,7 @@ def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stoppe
     argv = ["simulate", *BASE, "--layers", "12", "--ranks", "2", "--steps", "100000", "--scale", "30:3",
             "--join-timeout", "30", "--collective-timeout", "20", "--mode", "sync", "--log-dir", str(tmp_path),
             "--timeout", "120"]
-    thread, box = _run_in_thread(argv)
-    pids: list[int] = []
-    with _reaped(thread, pids):
-        deadline = time.monotonic() + 90
-        while (joiner := _joiner_transferring(tmp_path)) is None:
-            assert thread.is_alive() and time.monotonic() < deadline, "the joiner's scale did not start in 90 s"
-            time.sleep(0.002)
-        os.kill(joiner, signal.SIGKILL)
-        pids += _rank_pids(tmp_path)
-        thread.join(60)
-        assert not thread.is_alive(), "simulate did not end within 60 s of the kill"
+    box = _strike(argv, tmp_path, lambda: _joiner_transferring(tmp_path), signal.SIGKILL)
     report = json.loads(box["out"].strip().splitlines()[-1])
     recs = traces(tmp_path)
     assert box["code"] == 1 and ending(recs["rank00002.g1.jsonl"]) is None
@@ -563,17 +570,7 @@ def test_a_rank_sigtermed_in_a_transfer_is_the_one_the_aborted_rearrangement_nam
     rank that started the collective a few ms after the first (was: rank 1, 'started ... 0.0 s after')."""
     argv = ["simulate", *BASE, "--layers", "12", "--ranks", "3", "--steps", "100000", "--collective-timeout", "20",
             "--mode", "sync", "--log-dir", str(tmp_path), "--timeout", "120"]
-    thread, box = _run_in_thread(argv)
-    pids: list[int] = []
-    with _reaped(thread, pids):
-        deadline = time.monotonic() + 90
-        while (victim := _in_state(tmp_path, 2, "transferring", 20)) is None:
-            assert thread.is_alive() and time.monotonic() < deadline, "rank 2 did not transfer in 90 s"
-            time.sleep(0.002)
-        os.kill(victim, signal.SIGTERM)
-        pids += _rank_pids(tmp_path)
-        thread.join(60)
-        assert not thread.is_alive(), "simulate did not end within 60 s of the signal"
+    _strike(argv, tmp_path, lambda: _in_state(tmp_path, 2, "transferring", 20), signal.SIGTERM)
     from eplb_fsm.inspect.replay import replay_dir
 
     report = replay_dir(str(tmp_path))

@@ -75,6 +75,21 @@ def last_ts(folder: Path, rank: int) -> float:
     return read_trace(folder / f"rank{rank:05d}.jsonl")[0][-1]["ts"]
 
 
+def pause(folder: Path, procs: list[subprocess.Popen], stopped: list[subprocess.Popen], resume_key=None) -> None:
+    """After a couple of alive records, SIGSTOP ``stopped`` for 3.5 s (over replay's frozen limit: 2.5 intervals,
+    at least 2 s), SIGCONT them (in that order, or sorted by ``resume_key`` then), then close every rank in order."""
+    time.sleep(1.2)
+    for p in stopped:
+        os.kill(p.pid, signal.SIGSTOP)
+    time.sleep(3.5)
+    for p in sorted(stopped, key=resume_key) if resume_key else stopped:
+        os.kill(p.pid, signal.SIGCONT)
+    time.sleep(1.2)
+    (folder / "close").write_text("")
+    for p in procs:
+        assert p.wait(timeout=30) == 0
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -90,18 +105,9 @@ def test_both_ranks_sigstopped_together_read_as_a_pause_not_a_freeze(tmp_path):
     try:
         for p in procs:
             assert p.stdout.readline() == "ready\n"
-        time.sleep(1.2)   # a couple of alive records of the wait on each rank
-        for p in procs:
-            os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(3.5)   # over replay's frozen limit (2.5 intervals, at least 2 s)
         # the rank silent longer resumes first, as a paused host's would: its silence beyond its peer's then stays
         # under one interval (the other order adds the ms between the two SIGCONTs to the beats' offset, < 1 s)
-        for p in sorted(procs, key=lambda p: last_ts(tmp_path, procs.index(p))):
-            os.kill(p.pid, signal.SIGCONT)
-        time.sleep(1.2)
-        (tmp_path / "close").write_text("")
-        for p in procs:
-            assert p.wait(timeout=30) == 0
+        pause(tmp_path, procs, procs, resume_key=lambda p: last_ts(tmp_path, procs.index(p)))
     finally:
         stop_all(procs)
     report = replay_dir(tmp_path)
@@ -117,16 +123,7 @@ def test_two_of_three_ranks_sigstopped_together_are_one_freeze_naming_both(tmp_p
     try:
         for p in procs:
             assert p.stdout.readline() == "ready\n"
-        time.sleep(1.2)
-        for p in procs[1:]:
-            os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(3.5)   # over replay's frozen limit (2.5 intervals, at least 2 s)
-        for p in procs[1:]:
-            os.kill(p.pid, signal.SIGCONT)
-        time.sleep(1.2)
-        (tmp_path / "close").write_text("")
-        for p in procs:
-            assert p.wait(timeout=30) == 0
+        pause(tmp_path, procs, procs[1:])
     finally:
         stop_all(procs)
     report = replay_dir(tmp_path)

@@ -345,8 +345,11 @@ def sleep_writing_pid(rank: int, world: int, pid_dir: str) -> int:
     return rank
 
 
-def test_ranks_end_when_the_launcher_is_killed(tmp_path):
-    """SIGKILL to the launcher (it stops no one): each rank notices within a second and ends itself with SIGTERM."""
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "one-stopped"])
+def test_ranks_end_when_the_launcher_is_killed(tmp_path, stopped):
+    """SIGKILL to the launcher (it stops no one): each rank notices within a second and ends itself with SIGTERM.
+    With rank 1 SIGSTOPped first, rank 0 resumes it (SIGCONT) before it ends, and it ends too (was: left behind,
+    stopped, an orphan of the forkserver that lived on for it)."""
     import signal
     import subprocess
     import sys
@@ -369,6 +372,8 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
             time.sleep(0.05)
         time.sleep(0.2)  # each rank wrote its pid after install(): the request to the kernel is in place
         pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+        if stopped:
+            os.kill(pids[1], signal.SIGSTOP)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         _assert_gone(str(tmp_path), within=20)
@@ -411,40 +416,3 @@ def test_rank_logs_take_each_ranks_stdout_from_its_start_with_the_stack_of_every
     out = capfd.readouterr().out
     assert "is running" not in out and "eplb-signals" not in out
 
-
-def test_a_stopped_rank_ends_too_when_the_launcher_is_killed(tmp_path):
-    """SIGSTOP to rank 1, then SIGKILL to the launcher: rank 0 notices, resumes its stopped sibling (SIGCONT), and
-    both end (was: rank 1 left behind, stopped, an orphan of the forkserver that lived on for it)."""
-    import signal
-    import subprocess
-    import sys
-
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        "import sys\n"
-        f"sys.path.insert(0, {tests_dir!r})\n"
-        "from test_sim_launcher import sleep_writing_pid\n"
-        "from eplb_fsm.sim.launcher import run_ranks\n"
-        "if __name__ == '__main__':\n"
-        f"    run_ranks(sleep_writing_pid, 2, args=({str(tmp_path)!r},), timeout=300)\n"
-    )
-    launcher = subprocess.Popen([sys.executable, "-c", script])
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while len([f for f in os.listdir(tmp_path) if f.endswith(".pid")]) < 2:
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
-            time.sleep(0.05)
-        time.sleep(0.2)
-        pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
-        os.kill(pids[1], signal.SIGSTOP)
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(10)
-        _assert_gone(str(tmp_path), within=20)
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(10)
