@@ -43,10 +43,11 @@ import bisect
 from dataclasses import dataclass, field
 
 from eplb_fsm.fsm.machine import TRANSFERRING
+from eplb_fsm.inspect.died import died_finding
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
-from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, short_error
+from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
@@ -209,27 +210,6 @@ def _frozen_findings(cast: Cast, frozen: list[tuple], at) -> list[tuple]:
     return out
 
 
-def _died_finding(cast: Cast, dead: list[tuple]) -> Finding:
-    """One ``rank_died`` finding for participants that died together (``dead``: (last ts, key, (why, detail)),
-    earliest first)."""
-    keys = [d[1] for d in dead]
-    s = cast.parts[keys[0]]
-    step = s.last_step
-    why = dead[0][2][0]
-    if not why.startswith("while") and (len(keys) > 1 or why.startswith("trace")):   # whose: the first to stop
-        why = ("its " if len(keys) == 1 else f"{cast.label(keys[0])}'s ") + why
-    return Finding.of(
-        "rank_died", step, keys,
-        f"{cast.who(keys)} died (SIGKILL?) at step {step} in {s.final_state}: no end record"
-        + (" on any of them" if len(keys) > 1 else "") + f", {why}",
-        state=s.final_state, layer=s.final_layer,
-        ranks=[cast.position(k, "died", last_seen(cast.parts[k]), cast.parts[k].last_step,
-                             cast.parts[k].final_state, cast.parts[k].final_layer) for k in keys],
-        details=[f"{cast.label(k)}: {reason[1]} (a process frozen for good looks the same)" for _, k, reason in dead
-                 if reason[1]],
-    )
-
-
 def check_liveness(cast: Cast) -> Liveness:
     """Cause findings from ``end`` and ``alive`` records, earliest first; see the module docstring."""
     parts = cast.parts
@@ -253,7 +233,7 @@ def check_liveness(cast: Cast) -> Liveness:
     while dead:   # ranks that died within the dead limit of the first are one finding: killed together
         limit = _limit(parts[dead[0][1]], DEAD_FACTOR)
         together = [d for d in dead if d[0] - dead[0][0] <= limit]
-        events.append((dead[0][0], "rank_died", dead[0][1], _died_finding(cast, together)))
+        events.append((dead[0][0], "rank_died", dead[0][1], died_finding(cast, together)))
         dead = dead[len(together):]
     lost = LostRecords(cast)
     paused: list[tuple] = []
