@@ -665,18 +665,20 @@ def test_waits_that_gloo_and_torch_end_with_read_as_failed_waits():
 
 
 def test_freezes_that_start_together_are_one_finding_and_freezes_apart_are_two(tmp_path):
-    """Ranks 1-2 frozen together (0.3 s apart) read as one freeze naming both; a later freeze of rank 3 stays apart."""
-    job = Clocked(tmp_path, 4).run(10)
-    job.stalled |= {0, 2, 3}            # the others wait on the frozen ranks meanwhile (their alive records go on)
-    job.freeze(1, 5).run(0.3)
-    job.freeze(2, 5).run(5)
-    job.stalled = {0, 1, 2}
-    job.run(0.3).freeze(3, 5).run(5)
+    """Ranks 1-2 frozen together (0.3 s apart) read as one freeze naming both; rank 3, stopped 2 s after them while
+    they are still stopped, and rank 4 stopped later still, are freezes of their own."""
+    job = Clocked(tmp_path, 5).run(10)
+    job.stalled |= {0, 2, 3, 4}         # the others wait on the frozen ranks meanwhile (their alive records go on)
+    job.freeze(1, 6).run(0.3)
+    job.freeze(2, 6).run(1.7)           # rank 3 writes ~2 s into rank 1's silence (once inside 2.5 intervals)
+    job.freeze(3, 5).run(6)
+    job.stalled = {0, 1, 2, 3}
+    job.run(0.3).freeze(4, 5).run(5)
     job.stalled.clear()
     job.run(5).end()
     report = replay_dir(tmp_path)
     frozen = [f for f in report.findings if f.kind == "frozen"]
-    assert [f.culprits for f in frozen] == [[1, 2], [3]], format_report(report)
+    assert [f.culprits for f in frozen] == [[1, 2], [3], [4]], format_report(report)
     assert report.verdict == "frozen" and report.culprit_ranks == [1, 2]
     assert frozen[0].summary.startswith("ranks 1-2 froze for ")
     assert sorted(p["rank"] for p in frozen[0].ranks) == [1, 2]

@@ -15,7 +15,7 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). Silences begun
-  within the limit of the first and overlapping it are one finding (ranks stopped together). A peer silent over
+  within 1.5 intervals of the first and overlapping it are one finding (ranks stopped together). A peer silent over
   that window itself (but for one interval) wrote nothing there: after a stop of the whole job the first rank to
   resume writes just inside the others' silences. When every rank that ran over the window was silent over it, the
   whole job was paused (``pauses.all_silent``): a warning (``Liveness.pauses``), no culprit.
@@ -195,16 +195,19 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
 
 def _frozen_findings(cast: Cast, frozen: list[tuple], at) -> list[tuple]:
     """Events of ``frozen`` silences ((start, key, end, step, state, layer), earliest first): those that began
-    within the freeze limit of the first one and overlap it are one finding (ranks stopped together)."""
+    within 1.5 intervals of the first one (a live rank writes at least that often: ranks stopped at once) and
+    overlap it are one finding; a rank stopped seconds later wrote on meanwhile, and is a freeze of its own."""
     out = []
     while frozen:
         a, k, b, step, state, layer = frozen[0]
-        together = [f for f in frozen if f[0] - a <= _limit(cast.parts[k], FROZEN_FACTOR) and f[0] < b]
+        together = [f for f in frozen if f[0] - a <= 1.5 * _interval(cast.parts[k]) and f[0] < b]
         frozen, keys = [f for f in frozen if f not in together], [f[1] for f in together]
+        spans = sorted({f"{f[2] - f[0]:.1f}" for f in together}, key=float)   # each rank's own, shortest to longest
         out.append((a, "frozen", k, Finding.of(
-            "frozen", step, keys, f"{cast.who(keys)} froze for {b - a:.1f} s at step {step} in {state}"
-            + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no record from "
-            f"{at(a)} to {at(b)} while the other ranks kept writing", state=state, layer=layer,
+            "frozen", step, keys, f"{cast.who(keys)} froze for {' to '.join(dict.fromkeys([spans[0], spans[-1]]))}"
+            f" s at step {step} in {state}" + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no "
+            f"record from {at(a)} to {at(max(f[2] for f in together))} while the other ranks kept writing",
+            state=state, layer=layer,
             ranks=[cast.position(f[1], "frozen", f"silent {f[2] - f[0]:.1f} s from {at(f[0])}", *f[3:])
                    for f in together])))
     return out
