@@ -579,3 +579,29 @@ def test_a_rank_sigtermed_in_a_transfer_is_the_one_the_aborted_rearrangement_nam
     for entry in report.aborted:
         assert entry["late_ranks"] == [2] and "rank 2 was stopped by SIGTERM" in entry["text"], entry
         assert entry["late_by_s"] is None or entry["late_by_s"] > 2.0, entry
+
+
+def test_a_rank_killed_while_a_peer_is_frozen_is_named_too(tmp_path):
+    """Rank 1 frozen (4 s), rank 2 SIGKILLed 1 s into it while waiting for rank 1: the freeze is the verdict and
+    rank 2's death stays a finding of its own (was: folded into rank 1's hang as if gloo had aborted it)."""
+    argv = ["simulate", *BASE, "--ranks", "4", "--steps", "100000", "--interval", "100000", "--collective-timeout",
+            "20", "--inject", "freeze:rank=1,step=40,seconds=4", "--mode", "sync", "--log-dir", str(tmp_path),
+            "--timeout", "120"]
+    seen: list[float] = []
+
+    def rank_2_once_rank_1_froze() -> int | None:
+        recs = read_trace(Path(tmp_path) / "rank00001.jsonl")[0] if (Path(tmp_path) / "rank00001.jsonl").is_file() \
+            else []
+        if not any(r["event"] == "fault_injected" for r in recs):
+            return None
+        seen.append(time.monotonic())
+        if seen[-1] - seen[0] < 1.0:
+            return None
+        return next(r["pid"] for r in read_trace(Path(tmp_path) / "rank00002.jsonl")[0] if r["event"] == "header")
+
+    _strike(argv, tmp_path, rank_2_once_rank_1_froze, signal.SIGKILL)
+    from eplb_fsm.inspect.replay import replay_dir
+
+    report = replay_dir(str(tmp_path))
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), report.summary
+    assert any(f.kind == "rank_died" and f.culprits == [2] for f in report.findings), report.summary

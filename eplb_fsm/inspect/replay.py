@@ -226,7 +226,7 @@ def diagnose(
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
     # a signal ends a hang only where its ranks had waited; a collective in flight stays in the signalled cause
-    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast)
+    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast, live.findings)
                                                or signalled_in_hang(f, in_flight(f, rest, cast), cast, live))]
     findings = qualify_torn(cast, config + [_with_collective(f, rest, cast) for f in causes] + rest, warnings)
     if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
@@ -259,15 +259,19 @@ def diagnose(
                   [], [], illegal, ranks, warnings, world, missing_ranks, 0, handled, scales, **extra)
 
 
-def _died_waiting(cause: Finding, rest: list[Finding], cast) -> bool:
+def _died_waiting(cause: Finding, rest: list[Finding], cast, causes: list[Finding]) -> bool:
     """A rank that died inside a collective another member never joined (gloo aborts a process
     whose peer issued a different collective) died of that hang: the hang's culprit is the cause.
-    The death becomes the hang's first detail; True when it was folded so."""
+    The death becomes the hang's first detail; True when it was folded so. Not when the liveness
+    records explain the culprit's absence themselves (it froze, died, crashed: ``causes``): then
+    two things went wrong, and the death stays a finding of its own."""
     if cause.kind != "rank_died":
         return False
     opened = {(c.group, c.cseq) for k in cause.keys() if k in cast.parts for c in cast.parts[k].open_collectives()}
+    explained = {k for c in causes if c is not cause for k in c.keys()}
     for f in rest:
         if f.kind in ("hang", "collective_mismatch") and f.collective and not set(f.culprits) & set(cause.culprits) \
+                and not set(f.keys()) & explained \
                 and (f.collective.get("group"), f.collective.get("cseq")) in opened:
             f.details.insert(0, f"{cause.summary} (inside this collective, which the culprit never joined)")
             return True
