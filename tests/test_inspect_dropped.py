@@ -85,3 +85,24 @@ def test_a_lost_connection_before_the_last_record_is_not_its_death():
     traces = job()
     traces[2] = records(2, [(1.5, "steps", {"count": 5, "dummy": 0, "step": 22})])
     assert dropped_of(traces, 2) is None
+
+
+SIGTERM = {"how": "signal", "signal": "SIGTERM", "step": 21}
+
+
+def test_ranks_signalled_after_their_peers_lost_a_signalled_rank_are_the_launcher_s_reaction():
+    """Rank 2 SIGTERMed inside the all-reduce, ranks 0-1 lose their connection to it and serve on, and are SIGTERMed
+    1.5 s later: signalled names rank 2 alone, ranks 0-1 are consequences (was: signalled, ranks 0-2)."""
+    traces = job()
+    traces[2] = records(2, [(1.005, "end", SIGTERM)])
+    report = diagnose(traces)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [2]), format_report(report)
+    assert sorted(c.split(" was stopped")[0] for c in report.consequences) == ["rank 0", "rank 1"]
+
+
+def test_ranks_signalled_one_by_one_with_no_lost_connection_are_all_stopped_from_outside():
+    """The same stops 1.5 s apart, but ranks 0-1 lost no connection (a timeout): one stop from outside, ranks 0-2."""
+    traces = job(error=TIMEOUT)
+    traces[2] = records(2, [(1.005, "end", SIGTERM)])
+    report = diagnose(traces)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1, 2]), format_report(report)

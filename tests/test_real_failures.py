@@ -537,23 +537,28 @@ def _joiner_transferring(log_dir: Path) -> int | None:
     return None
 
 
-def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stopped_after(tmp_path):
-    """SIGKILL to the joiner moving its scale's layers: the old ranks roll the scale back and serve on until the
-    launcher's SIGTERM; replay names the joiner (its peers lost their connection to it), not them."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stopped_after(tmp_path, sig):
+    """A signal to the joiner moving its scale's layers: the old ranks roll the scale back and serve on until the
+    launcher's SIGTERM; replay names the joiner, not them. SIGKILL: it died (its peers lost their connection to it;
+    was: signalled, ranks 0-1). SIGTERM: it was signalled, the old ranks' later SIGTERMs are consequences (was:
+    signalled, ranks 0-2)."""
     # 12 layers: the joiner's transfer lasts long enough for a 2 ms poll of its trace to catch it
     argv = ["simulate", *BASE, "--layers", "12", "--ranks", "2", "--steps", "100000", "--scale", "30:3",
             "--join-timeout", "30", "--collective-timeout", "20", "--mode", "sync", "--log-dir", str(tmp_path),
             "--timeout", "120"]
-    box = _strike(argv, tmp_path, lambda: _joiner_transferring(tmp_path), signal.SIGKILL)
+    box = _strike(argv, tmp_path, lambda: _joiner_transferring(tmp_path), sig)
     report = json.loads(box["out"].strip().splitlines()[-1])
     recs = traces(tmp_path)
-    assert box["code"] == 1 and ending(recs["rank00002.g1.jsonl"]) is None
+    joiner_end = ending(recs["rank00002.g1.jsonl"])
+    assert box["code"] == 1 and (joiner_end is None if sig == signal.SIGKILL else joiner_end["how"] == "signal")
     for name in ("rank00000.jsonl", "rank00001.jsonl"):   # rolled back, served on, stopped by the launcher
         triggers = [r.get("trigger") for r in recs[name] if r["event"] == "transition"]
         assert "recovered" in triggers and "switched" not in triggers, triggers
         assert ending(recs[name])["how"] == "signal" and ending(recs[name])["step"] > 30
-    assert (report["replay"]["verdict"], report["replay"]["culprit_ranks"]) != ("signalled", [0, 1])
-    assert verdict(tmp_path)[1] == [2]
+    kind, culprits, _ = verdict(tmp_path)
+    assert culprits == [2] and report["replay"]["culprit_ranks"] == [2], (kind, report["replay"])
+    assert (kind == "signalled") == (sig == signal.SIGTERM), kind
 
 
 def _in_state(log_dir: Path, rank: int, state: str, after_step: int) -> int | None:

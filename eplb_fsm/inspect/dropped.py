@@ -8,6 +8,9 @@ elastic scale-up whose joiner died is rolled back and the old group keeps servin
 saw a process gone stops the job with SIGTERM a second or two later. Read without this rule, those signals
 look like a job stopped from outside (``signalled``, naming the survivors) and the dead joiner goes unnamed.
 So ``liveness._death`` asks :meth:`Dropped.first_after` when no peer's end tells the death.
+The same errors tell a launcher's reaction to a rank stopped by a signal: once a peer lost its connection
+to it (:meth:`Dropped.seen_going`), a rank signalled a while (over one interval) after it is that stop's
+consequence (the launcher stopping the job because a process was gone), not a second stop from outside.
 
 What counts: a collective of a group ``key`` belongs to (``Cast.members``) that a peer left with a lost
 connection at or after ``key``'s last record, while no other member of that group had written an ``end``
@@ -68,3 +71,10 @@ class Dropped:
             if not ended:
                 return ts, peer, e
         return None
+
+    def seen_going(self, key: Key, since: float) -> bool:
+        """A peer of ``key`` left a collective of a group ``key`` belongs to with a lost connection at or after
+        ``since`` (``key``'s signal ``end``, say: ``key`` went, and a peer saw it go)."""
+        if self._errors is None:
+            self._errors = self._read()
+        return any(o != key and ts >= since and key in self.cast.members(e.group) for ts, o, e in self._errors)

@@ -287,6 +287,15 @@ def check_liveness(cast: Cast) -> Liveness:
     # signalled without an earlier cause: the job was stopped from outside (one finding for all)
     stopped = sorted((e for e in events if e[1] == "signalled"), key=lambda e: e[0])
     events = [e for e in events if e[1] != "signalled"]
+    # signalled over an interval after the first, once a peer had lost its connection to that one: the launcher's
+    # reaction to a process gone
+    gone = bool(stopped) and dropped.seen_going(stopped[0][2], stopped[0][0])
+    for ts, _, k, _ in (later := [e for e in stopped[1:] if gone and e[0] - stopped[0][0] > _interval(parts[e[2]])]):
+        out.consequences.append((k, f"{cast.label(k)} was stopped by {parts[k].end.get('signal') or 'a signal'} at "
+                                    f"{at(ts)}, {ts - stopped[0][0]:.1f} s after {cast.label(stopped[0][2])}, whose "
+                                    "peers had lost their connection to it"))
+        out.consequence_keys.add(k)
+    stopped = [e for e in stopped if e not in later]
     if stopped:
         keys = [e[2] for e in stopped]
         s = parts[keys[0]]
