@@ -21,16 +21,13 @@ freeze stays with the silence rules (``frozen``).
 
 from __future__ import annotations
 
-import re
+from functools import cached_property
 
 from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.endings import CONNECTION_LOST, entries
 from eplb_fsm.inspect.model import Collective
 
-__all__ = ["CONNECTION_LOST", "Dropped"]
-
-#: the errors of a wait whose peer's sockets closed (not a timeout: a frozen peer closes nothing)
-CONNECTION_LOST = re.compile(r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|"
-                             r"Connection refused")
+__all__ = ["Dropped"]
 
 
 class Dropped:
@@ -38,18 +35,13 @@ class Dropped:
 
     def __init__(self, cast: Cast) -> None:
         self.cast = cast
-        self._errors: list[tuple[float, Key, Collective]] | None = None
 
-    def _read(self) -> list[tuple[float, Key, Collective]]:
-        out = []
-        for k, s in self.cast.parts.items():
-            for entries in s.collectives.values():
-                # collectives read in bulk (``CollectiveIndex.runs``) all ended: only ``one`` can hold an error
-                for e in getattr(entries, "one", entries).values():
-                    if e.status == "error" and type(e.error_ts) in (int, float) \
-                            and CONNECTION_LOST.search(str(e.error or "")):
-                        out.append((e.error_ts, k, e))
-        return sorted(out, key=lambda x: (x[0], x[1]))
+    @cached_property
+    def errors(self) -> list[tuple[float, Key, Collective]]:
+        """(ts of the error, rank, collective), earliest first."""
+        return sorted(((e.error_ts, k, e) for k, s in self.cast.parts.items() for e in entries(s)
+                       if e.status == "error" and type(e.error_ts) in (int, float)
+                       and CONNECTION_LOST.search(str(e.error or ""))), key=lambda x: (x[0], x[1]))
 
     def first_after(self, key: Key) -> tuple[float, Key, Collective] | None:
         """The first (ts, peer, collective) a peer of ``key`` left with a lost connection at or after ``key``'s
@@ -57,10 +49,8 @@ class Dropped:
         last = self.cast.parts[key].last_ts
         if type(last) not in (int, float):
             return None
-        if self._errors is None:
-            self._errors = self._read()
         parts = self.cast.parts
-        for ts, peer, e in self._errors:
+        for ts, peer, e in self.errors:
             if peer == key or ts < last:
                 continue
             members = self.cast.members(e.group)
@@ -75,6 +65,4 @@ class Dropped:
     def seen_going(self, key: Key, since: float) -> bool:
         """A peer of ``key`` left a collective of a group ``key`` belongs to with a lost connection at or after
         ``since`` (``key``'s signal ``end``, say: ``key`` went, and a peer saw it go)."""
-        if self._errors is None:
-            self._errors = self._read()
-        return any(o != key and ts >= since and key in self.cast.members(e.group) for ts, o, e in self._errors)
+        return any(o != key and ts >= since and key in self.cast.members(e.group) for ts, o, e in self.errors)

@@ -13,7 +13,11 @@ import re
 
 from eplb_fsm.inspect.elastic import Cast, Key
 
-__all__ = ["WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "waits_on_peer"]
+__all__ = ["CONNECTION_LOST", "WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "waits_on_peer"]
+
+# the forms of a wait whose peer's sockets closed (its process went away); no timeout (a frozen peer closes nothing)
+_LOST = r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused"
+CONNECTION_LOST = re.compile(_LOST, re.I)
 
 # how a rank notices that a peer is gone or a wait ran out: gloo's pair and buffer errors, torch's Work.wait
 # and store timeouts, NCCL's watchdog and remote errors, the controller's GroupBroken and its transfer that "ran
@@ -21,7 +25,7 @@ __all__ = ["WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "w
 # A word alone ("timeout", "NCCL") is no such form: an engine's KeyError about request_timeout or a CUDA fault
 # is a crash of its own
 WAIT_ERROR = re.compile(
-    r"\bGroupBroken\b|Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused|"
+    r"\bGroupBroken\b|" + _LOST + "|"
     r"Timed out waiting \d+ ?ms for (?:send|recv)|Operation timed out!|Socket Timeout|wait timeout after|"
     r"Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError|"
     r"remote process exiting prematurely|timed out waiting for rank|ran past collective_timeout_s|"

@@ -175,14 +175,19 @@ def _pid_gone(pid: int) -> bool:
     except PermissionError:   # alive, owned by someone else: its state is still readable below
         pass
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fields = _stat_fields(pid)
     except FileNotFoundError:   # reaped between the two looks
         return True
     except OSError:   # no /proc (not Linux): kill() said it exists
         return False
-    fields = stat[stat.rfind(b")") + 2:].split()   # the name in (...) may hold spaces and parentheses
     return bool(fields) and fields[0] in (b"Z", b"X")
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the process name (state first, then the parent's pid)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2:].split()   # the name in (...) may hold spaces and parentheses
 
 
 def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
@@ -253,9 +258,7 @@ def resume_siblings() -> None:
         return
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-            if int(stat[stat.rfind(b")") + 2:].split()[1]) == parent:
+            if int(_stat_fields(pid)[1]) == parent:
                 os.kill(pid, signal.SIGCONT)
 
 
