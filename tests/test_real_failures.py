@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from eplb_fsm.cli import main
+from eplb_fsm.inspect.endings import CONNECTION_LOST
 from eplb_fsm.trace import read_trace, record_steps
 
 pytestmark = pytest.mark.multiprocess
@@ -279,8 +280,12 @@ def test_a_hung_job_stopped_at_its_deadline_is_replayed_as_the_hang(tmp_path_fac
     code, report, log_dir = simulate(tmp_path_factory, 2, "sync", 24, "--inject", "stall-layer:rank=1,layer=2",
                                      "--collective-timeout", "60", "--timeout", "10")
     assert code == 1 and report["error"] == "timeout"
-    # the real signal reached both ranks before any collective timed out
-    assert all(ending(rs)["how"] == "signal" for rs in traces(log_dir).values())
+    # the real signal reached the ranks before any collective timed out: each ended by it, or (the stalled rank
+    # signalled first, as a launcher may) its wait failed on the connection that rank's exit closed, just before
+    # its own signal came
+    ends = [ending(rs) for rs in traces(log_dir).values()]
+    assert any(e["how"] == "signal" for e in ends), ends
+    assert all(e["how"] == "signal" or CONNECTION_LOST.search(str(e.get("error"))) for e in ends), ends
     assert (report["replay"]["verdict"], report["replay"]["culprit_ranks"]) == ("hang", [1])
     assert verdict(log_dir)[:2] == ("hang", [1])
 
@@ -552,10 +557,13 @@ def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stoppe
     recs = traces(tmp_path)
     joiner_end = ending(recs["rank00002.g1.jsonl"])
     assert box["code"] == 1 and (joiner_end is None if sig == signal.SIGKILL else joiner_end["how"] == "signal")
-    for name in ("rank00000.jsonl", "rank00001.jsonl"):   # rolled back, served on, stopped by the launcher
+    joiner_last = recs["rank00002.g1.jsonl"][-1]["ts"]
+    # the scale never switched; the old ranks (rolled back and serving, or still waiting in the scale, or left
+    # failed by a split agreement: docs/elastic.md) were stopped by the launcher well after the joiner went
+    for name in ("rank00000.jsonl", "rank00001.jsonl"):
         triggers = [r.get("trigger") for r in recs[name] if r["event"] == "transition"]
-        assert "recovered" in triggers and "switched" not in triggers, triggers
-        assert ending(recs[name])["how"] == "signal" and ending(recs[name])["step"] > 30
+        assert "switched" not in triggers, triggers
+        assert ending(recs[name])["how"] == "signal" and ending(recs[name])["ts"] - joiner_last > 1.0
     kind, culprits, _ = verdict(tmp_path)
     assert culprits == [2] and report["replay"]["culprit_ranks"] == [2], (kind, report["replay"])
     assert (kind == "signalled") == (sig == signal.SIGTERM), kind
