@@ -173,12 +173,17 @@ def derive_log2phy(phy2log: np.ndarray, num_logical: int, max_replicas: int | No
 
 @dataclass
 class ExpertMaps:
-    """The three maps of all layers, kept consistent (``phy2log`` is authoritative)."""
+    """The three maps of all layers, kept consistent (``phy2log`` is authoritative).
+
+    ``allow_empty``: slots may be empty (-1), as mid scale-up or after a salvage (elastic EP); the
+    maps keep the rule they were built under, so ``replace_layer`` and ``validate`` apply it.
+    """
 
     phy2log: np.ndarray
     log2phy: np.ndarray
     replica_count: np.ndarray
     num_logical: int
+    allow_empty: bool = False
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -194,8 +199,8 @@ class ExpertMaps:
         _check_range(p2l, num_logical, allow_empty)
         _check_every_expert_placed(p2l, num_logical)
         log2phy, counts = derive_log2phy(p2l, num_logical, max(max_replicas, 1))
-        maps = cls(p2l, log2phy, counts, int(num_logical))
-        maps.validate(allow_empty=allow_empty)
+        maps = cls(p2l, log2phy, counts, int(num_logical), bool(allow_empty))
+        maps.validate()
         return maps
 
     @classmethod
@@ -217,11 +222,13 @@ class ExpertMaps:
         return self.log2phy.shape[2]
 
     def copy(self) -> "ExpertMaps":
-        return ExpertMaps(self.phy2log.copy(), self.log2phy.copy(), self.replica_count.copy(), self.num_logical)
+        return ExpertMaps(self.phy2log.copy(), self.log2phy.copy(), self.replica_count.copy(), self.num_logical,
+                          self.allow_empty)
 
     # -- invariants ------------------------------------------------------
-    def validate(self, allow_empty: bool = False) -> None:
-        """Raise ValueError naming the broken invariant, if any."""
+    def validate(self, allow_empty: bool | None = None) -> None:
+        """Raise ValueError naming the broken invariant, if any (``allow_empty``: None, the maps' own rule)."""
+        allow_empty = self.allow_empty if allow_empty is None else allow_empty
         L, P = self.phy2log.shape
         N = self.num_logical
         if self.log2phy.ndim != 3 or self.log2phy.shape[:2] != (L, N):
@@ -253,8 +260,14 @@ class ExpertMaps:
             raise ValueError(f"logical expert {bad[1]} has no replica in layer {bad[0]}")
 
     # -- updates ---------------------------------------------------------
-    def replace_layer(self, layer: int, phy2log_row) -> None:
-        """Replace one layer's maps (validated first; nothing changes on error)."""
+    def replace_layer(self, layer: int, phy2log_row, allow_empty: bool | None = None) -> None:
+        """Replace one layer's maps (validated first; nothing changes on error).
+
+        ``allow_empty``: whether the row may hold empty slots (-1); None, the maps' own rule. The
+        controller's commits pass True (a scale's plan empties the leaving ranks' slots); maps that take
+        a row with an empty slot so allow them from then on.
+        """
+        allow_empty = self.allow_empty if allow_empty is None else bool(allow_empty)
         layer = as_count(layer, "layer", minimum=0)
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
@@ -265,12 +278,13 @@ class ExpertMaps:
         if row.shape[0] != self.num_physical:
             raise ValueError(f"phy2log_row must have {self.num_physical} slots, got {row.shape[0]}")
         # checked as the 1-D row it is, so an error names phy2log_row[j] and the layer being replaced
-        _check_range(row, self.num_logical, allow_empty=True, name="phy2log_row", layer=layer)
+        _check_range(row, self.num_logical, allow_empty=allow_empty, name="phy2log_row", layer=layer)
         _check_every_expert_placed(row[None], self.num_logical, name="phy2log_row", first_layer=layer)
         log2phy, counts = derive_log2phy(row[None], self.num_logical, self.max_replicas)
         self.phy2log[layer] = row
         self.log2phy[layer] = log2phy[0]
         self.replica_count[layer] = counts[0]
+        self.allow_empty = self.allow_empty or bool((row < 0).any())
 
     def as_torch(self, device=None):
         """(phy2log, log2phy, replica_count) as int64 torch tensors."""

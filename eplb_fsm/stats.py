@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from eplb_fsm.maps import as_count, as_finite_float, host_array
+from eplb_fsm.maps import as_count, as_finite_float, checked_int64, host_array
 
 __all__ = ["ESTIMATORS", "LoadWindow", "RemapPlan", "aggregate_logical", "balancedness", "checked_loads64",
            "load_fault", "rank_loads_physical"]
@@ -51,6 +51,9 @@ class LoadWindow:
         Dummy passes (padding steps with no real tokens) never enter the window, but
         ``load_pass`` is still cleared so their counts can't leak into the next pass.
         """
+        if is_dummy is not False and is_dummy is not True and not isinstance(is_dummy, np.bool_):
+            # as controller.step refuses it: "no" or None read by truth would record or drop a pass silently
+            raise ValueError(f"is_dummy must be a bool, got {type(is_dummy).__name__} {is_dummy!r}")
         if not is_dummy:
             self.window[self.next_index].copy_(self.load_pass)
             self.next_index = (self.next_index + 1) % self.window_size
@@ -113,8 +116,13 @@ class LoadWindow:
         Called when a layer's maps change so the window keeps describing expert load:
         each pass's per-expert count is spread over the expert's new slots (the
         remainder goes to its first slot), so logical sums are unchanged exactly.
+        ``layer`` in [0, L); both rows (P,) with entries in [-1, ``num_logical``) (``RemapPlan.of``); a
+        ``ValueError`` naming the argument otherwise, before anything changes.
         """
-        plan = RemapPlan.of(old_row, new_row, num_logical, self.window.device)
+        layer = as_count(layer, "layer", minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        plan = RemapPlan.of(old_row, new_row, num_logical, self.window.device, num_slots=self.num_physical)
         pass_row = self.remapped_pass(layer, plan, num_logical)  # checked first: nothing changes if it raises
         self.window[:, layer, :] = plan.apply(self.window[:, layer, :], num_logical)
         if pass_row is not None:
@@ -150,11 +158,20 @@ class RemapPlan(NamedTuple):
     dropped: torch.Tensor        # (D,) experts with no slot in the new row
 
     @classmethod
-    def of(cls, old_row: Any, new_row: Any, num_logical: int, device: Any = None) -> "RemapPlan":
-        """The plan from ``old_row`` to ``new_row`` (P,) int64 placements, -1 for an empty slot."""
-        old = np.asarray(old_row, dtype=np.int64)
-        new = np.asarray(new_row, dtype=np.int64)
-        n, p = int(num_logical), new.size
+    def of(cls, old_row: Any, new_row: Any, num_logical: int, device: Any = None,
+           num_slots: int | None = None) -> "RemapPlan":
+        """The plan from ``old_row`` to ``new_row`` (P,) integer placements, -1 for an empty slot.
+
+        ``ValueError`` naming the row unless both are 1-D integer rows of one length (``num_slots`` when
+        given) with entries in [-1, ``num_logical``): a short row would drop its missing slots' counts.
+        """
+        n = as_count(num_logical, "num_logical")
+        old, new = (_checked_row(row, name, n) for row, name in ((old_row, "old_row"), (new_row, "new_row")))
+        if num_slots is not None and new.size != num_slots:
+            raise ValueError(f"new_row must have {num_slots} slots (the window's), got {new.size}")
+        if old.size != new.size:
+            raise ValueError(f"old_row and new_row must have one length, got {old.size} and {new.size}")
+        p = new.size
         slots = np.arange(old.size)
         old_valid = old >= 0
         first_old = np.full(n + 1, old.size, dtype=np.int64)   # row old.size is apply's zero row
@@ -196,24 +213,54 @@ class RemapPlan(NamedTuple):
         return out.t()
 
 
+def _checked_row(row: Any, name: str, num_logical: int) -> np.ndarray:
+    """One placement row (P,) as int64, entries in [-1, ``num_logical``); ``ValueError`` naming ``name``."""
+    values = host_array(row, name)
+    if values.ndim != 1:
+        raise ValueError(f"{name} must be one row (P,), got shape {values.shape}")
+    values = checked_int64(values, name)
+    if values.size and (values.min() < -1 or values.max() >= num_logical):
+        j = int(np.flatnonzero((values < -1) | (values >= num_logical))[0])
+        raise ValueError(f"{name}[{j}] = {values[j]} is outside [-1, {num_logical}) (-1: an empty slot)")
+    return values
+
+
 def aggregate_logical(physical: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
     """Scatter a per-slot load (L, P) to its logical experts: (L, N), same dtype.
 
     Empty slots (-1) carry no load. A ``phy2log`` that is not integer, or names an expert
-    outside [-1, ``num_logical``), is refused (``ValueError``) rather than cast or skipped.
+    outside [-1, ``num_logical``), is refused (``ValueError``) rather than cast or skipped; so is a
+    ``physical`` that is no (L, P) tensor of numbers, and an integer sum that its dtype cannot hold.
     """
     num_logical = as_count(num_logical, "num_logical")
+    if not isinstance(physical, torch.Tensor):
+        raise ValueError(f"physical must be a torch.Tensor (L, P), got {type(physical).__name__}")
+    if physical.is_meta or physical.dtype == torch.bool or physical.is_complex() or physical.ndim != 2:
+        got = "a meta tensor" if physical.is_meta else f"dtype {physical.dtype}, shape {tuple(physical.shape)}"
+        raise ValueError(f"physical must be a 2-D (L, P) tensor of real numbers with data, got {got}")
     phy2log = torch.as_tensor(phy2log)
     if phy2log.is_floating_point() or phy2log.is_complex() or phy2log.dtype == torch.bool:
         raise ValueError(f"phy2log must hold integers, got dtype {phy2log.dtype}")
+    if phy2log.is_meta:
+        raise ValueError("phy2log must hold data: a tensor on the 'meta' device has none")
+    if phy2log.dtype == torch.uint64:   # .to(int64) would wrap 2**64 - 1 to -1, an empty slot
+        phy2log = torch.from_numpy(checked_int64(phy2log, "phy2log")).to(physical.device)
     phy2log = phy2log.to(torch.int64)
     if physical.shape != phy2log.shape:
         raise ValueError(f"load shape {tuple(physical.shape)} does not match phy2log shape {tuple(phy2log.shape)}")
     if phy2log.numel() and (int(phy2log.min()) < -1 or int(phy2log.max()) >= num_logical):
         raise ValueError(f"phy2log entries must be in [-1, {num_logical}) (-1: an empty slot)")
     valid = phy2log >= 0
-    out = torch.zeros((physical.shape[0], num_logical), dtype=physical.dtype, device=physical.device)
-    out.scatter_add_(1, phy2log.clamp(min=0), torch.where(valid, physical, torch.zeros_like(physical)))
+    narrow = not physical.is_floating_point() and physical.dtype != torch.int64
+    wide = physical.to(torch.int64) if narrow else physical   # a narrow integer sum is checked, never wrapped
+    out = torch.zeros((physical.shape[0], num_logical), dtype=wide.dtype, device=physical.device)
+    out.scatter_add_(1, phy2log.clamp(min=0), torch.where(valid, wide, torch.zeros_like(wide)))
+    if narrow:
+        info = torch.iinfo(physical.dtype)
+        if out.numel() and (int(out.max()) > info.max or int(out.min()) < info.min):
+            raise ValueError(f"the logical sums of physical overflow its dtype {physical.dtype} (largest "
+                             f"{info.max}); pass a wider integer dtype")
+        out = out.to(physical.dtype)
     return out
 
 

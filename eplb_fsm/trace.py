@@ -86,6 +86,11 @@ class EventTrace(CollectiveBrackets):
     ) -> None:
         self.max_bytes, self.max_segments = trace_segments.check_rotation(max_bytes, max_segments)
         self.rank, self.world, generation = check_identity(rank, world, generation, clock)
+        if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+            raise ValueError(f"trace_dir must be a folder path (str or os.PathLike) or None, got "
+                             f"{type(trace_dir).__name__} {trace_dir!r}")
+        if type(keep) is not bool:   # "no" would keep every record in memory: read by truth, it is True
+            raise ValueError(f"keep (keep_trace) must be a bool, got {type(keep).__name__} {keep!r}")
         self.clock = clock
         self.state: str | None = None
         self.step = 0
@@ -124,6 +129,9 @@ class EventTrace(CollectiveBrackets):
                 if isinstance(exc, (FileExistsError, NotADirectoryError)):  # the name, or one above it, is a file
                     raise ValueError(f"trace_dir: {trace_dir} is not a folder (a file has that name or one "
                                      "above it)") from None
+                if isinstance(exc, OSError) and not path.parent.is_dir():   # /proc/x, a read-only or gone parent
+                    raise ValueError(f"trace_dir: cannot make the folder {trace_dir}: "
+                                     f"{exc.strerror or exc}") from None
                 raise
             self.path, self._path_key = path, key
             trace_owners.opened(self)

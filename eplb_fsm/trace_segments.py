@@ -215,8 +215,12 @@ def _parse_lines(lines: Any) -> tuple[list[dict], int]:
             bad += 1
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):   # garbage, or nested past json's depth limit
+            record = None
+        if type(record) is dict:
+            records.append(record)
+        else:   # a line that parses but is no object (a list, a number) is no record either
             bad += 1
     return records, bad
 

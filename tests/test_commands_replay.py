@@ -378,3 +378,50 @@ def test_help_says_healthy_is_agreement_up_to_where_the_traces_stop(tmp_path, ca
     help_text = " ".join(capsys.readouterr().out.split())
     assert "0 healthy: every rank agrees, up to where its trace stops" in help_text
     assert "ended in order" not in help_text
+
+
+def test_a_negative_header_rank_is_ignored_with_a_warning(two_rank_dir, tmp_path, capsys):
+    """A header claiming rank -1: the file name's rank is used and the field named, never a traceback."""
+    logs = tmp_path / "logs"
+    shutil.copytree(two_rank_dir, logs)
+    path = logs / "rank00001.jsonl"
+    lines = path.read_text().splitlines()
+    lines[0] = json.dumps(dict(json.loads(lines[0]), rank=-1), separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(logs)]) in (0, 1)
+    out = capsys.readouterr().out
+    assert out.split(":")[0] in ("healthy", *KINDS) and "-1" in out, out
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_rank_timeline_with_an_unhashable_seq_is_printed(two_rank_dir, tmp_path, capsys, as_json):
+    """--rank R over a record whose seq is a list: the timeline is printed (exit 0), never a TypeError."""
+    logs = tmp_path / "logs"
+    shutil.copytree(two_rank_dir, logs)
+    path = logs / "rank00001.jsonl"
+    lines = path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if json.loads(line)["event"] == "transition")
+    lines[i] = json.dumps(dict(json.loads(lines[i]), seq=[]), separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(logs), "--rank", "1", *(["--json"] if as_json else [])]) == 0
+    out = capsys.readouterr().out
+    assert (json.loads(out)["timeline"] if as_json else out.count("\n")) , out
+
+
+@pytest.mark.parametrize("where", ["alone", "appended"])
+def test_a_line_nested_past_the_json_depth_limit_is_an_unreadable_line(two_rank_dir, tmp_path, capsys, where):
+    """A line of 100000 nested brackets (json's RecursionError): counted as unreadable, in replay and --rank."""
+    logs = tmp_path / "logs"
+    shutil.copytree(two_rank_dir, logs)
+    deep = "[" * 100_000 + "]" * 100_000
+    path = logs / "rank00001.jsonl"
+    if where == "alone":
+        path.write_text(deep + "\n")
+        assert main(["replay", str(logs)]) == 1        # rank 1 has no readable record: named, not a traceback
+        assert "rank 1" in capsys.readouterr().out
+    else:
+        path.write_text(path.read_text() + deep + "\n")
+        assert main(["replay", str(logs)]) == 0
+        assert "healthy" in capsys.readouterr().out
+        assert main(["replay", str(logs), "--rank", "1"]) == 0
+        assert "1 unreadable line(s) skipped" in capsys.readouterr().out

@@ -158,6 +158,8 @@ def test_replace_layer_changes_only_that_layer():
         (0, [0, 1, 2, 3], "must have 6 slots"),
         (0, [0, 0, 0, 0, 0, 0], "without a replica"),
         (0, [0, 1, 2, 9, 0, 1], "outside"),
+        (0, [-1] * 6, "empty slots not allowed here"),
+        (0, [0, 1, 2, 3, -1, 1], "empty slots not allowed here"),
     ],
 )
 def test_replace_layer_rejects_bad_rows_without_change(layer, row, message):
@@ -169,6 +171,27 @@ def test_replace_layer_rejects_bad_rows_without_change(layer, row, message):
     assert np.array_equal(m.phy2log, before.phy2log)
     assert np.array_equal(m.log2phy, before.log2phy)
     assert np.array_equal(m.replica_count, before.replica_count)
+
+
+def test_maps_built_with_empty_slots_keep_that_rule():
+    """Maps built with allow_empty take a row with empty slots (mid scale-up) and still validate; a copy too."""
+    m = ExpertMaps.from_phy2log([[0, 1, 2, 3, -1, -1]] * 2, 4, allow_empty=True)
+    m.replace_layer(1, [3, 2, 1, 0, 0, -1])
+    m.validate()
+    c = m.copy()
+    c.replace_layer(0, [-1, 1, 2, 3, 0, -1])
+    c.validate()
+    assert c.allow_empty and c.phy2log[0].tolist() == [-1, 1, 2, 3, 0, -1]
+    with pytest.raises(ValueError, match="outside"):
+        c.validate(allow_empty=False)
+
+
+def test_a_commit_that_empties_slots_makes_the_maps_mid_scale():
+    """replace_layer(allow_empty=True) (the controller's commits in a scale) on strict maps: they validate after."""
+    m = ExpertMaps.initial(2, 4, 6)
+    m.replace_layer(0, [0, 1, 2, 3, -1, -1], allow_empty=True)
+    assert m.allow_empty
+    m.validate()
 
 
 def test_slots_of_rank():
@@ -264,8 +287,10 @@ def test_uint64_entry_past_int64_is_refused_not_read_as_empty():
 @pytest.mark.parametrize(
     "row, message",
     [
-        ([0, 1, 2, 3, 9, 0], r"^phy2log_row\[4\] = 9 is outside \[-1, 4\) \(layer 2\)$"),
-        ([0, 1, 2, 3, -5, 0], r"^phy2log_row\[4\] = -5 is outside \[-1, 4\) \(layer 2\)$"),
+        ([0, 1, 2, 3, 9, 0], r"^phy2log_row\[4\] = 9 is outside \[0, 4\) \(empty slots not allowed here\) "
+                             r"\(layer 2\)$"),
+        ([0, 1, 2, 3, -5, 0], r"^phy2log_row\[4\] = -5 is outside \[0, 4\) \(empty slots not allowed here\) "
+                              r"\(layer 2\)$"),
         ([0, 0, 0, 0, 0, 1], r"^phy2log_row leaves logical expert 2 without a replica in layer 2$"),
     ],
     ids=["above", "below", "missing"],

@@ -168,13 +168,36 @@ def test_bundled_layer_selection_checked():
         ("big.json", lambda p: p.write_text("[[1e308, 1e308, 1, 1], [1, 2, 3, 4]]"), "layer 0 sum past the largest"),
         ("neg.json", lambda p: p.write_text("[[1, -2]]"), "negative"),
         ("ragged.json", lambda p: p.write_text("[[1, 2], [3]]"), "rectangular"),
-        ("str.json", lambda p: p.write_text('[["a", "b"]]'), "real numbers"),
+        ("str.json", lambda p: p.write_text('[["a", "b"]]'), 'load\\[0\\]\\[0\\] is "a"; every load must be a JSON '
+         'number'),
         ("bad.json", lambda p: p.write_text("{not json"), "cannot read as JSON"),
         ("keys.json", lambda p: p.write_text('{"other": 1}'), "none of the keys"),
         ("junk.npy", lambda p: p.write_bytes(b"not numpy"), "cannot read as .npy"),
         ("junk.pt", lambda p: p.write_bytes(b"not torch"), "cannot read as a torch file"),
         ("str.pt", lambda p: torch.save({"nope": 1}, p), "without a 'load'"),
         ("load.csv", lambda p: p.write_text("1,2"), "unknown load file type"),
+        # values numpy would read as numbers, and tensors with no plain values
+        ("digits.json", lambda p: p.write_text('[[1, 2], ["3", 4]]'), r'load\[1\]\[0\] is "3"'),
+        ("bools.json", lambda p: p.write_text("[[1, true, 3]]"), r"load\[0\]\[1\] is true"),
+        ("null.json", lambda p: p.write_text('{"load": [[1, null]]}'), r"load\[0\]\[1\] is null"),
+        ("hist.json", lambda p: p.write_text('{"load_history": [{"logical_expert_load": [["1", "2"]]}]}'),
+         r'load_history\[0\].logical_expert_load\[0\]\[0\] is "1"'),
+        ("histsum.json", lambda p: p.write_text(json.dumps({"load_history": [{"logical_expert_load": [[1e308, 1]]}
+                                                                             for _ in range(2)]})),
+         "windows sum past the largest float"),
+        ("score_str.json", lambda p: p.write_text('{"token_scores": {"0": {"0": "0.5", "1": 1}}}'),
+         'expert 0: "0.5" is not a JSON number'),
+        ("score_bool.json", lambda p: p.write_text('{"token_scores": {"0": {"0": 0.5, "1": true}}}'),
+         "expert 1: true is not a JSON number"),
+        ("score_huge.json", lambda p: p.write_text('{"token_scores": {"0": {"0": 1' + "0" * 400 + "}}}"),
+         "malformed token_scores: int too large"),
+        ("td.npy", lambda p: np.save(p, np.ones((2, 2), dtype="m8[s]")), "real numbers, got dtype timedelta64"),
+        ("ld.npy", lambda p: np.save(p, np.full((1, 2), np.finfo(np.longdouble).max)), "past the largest float64"),
+        ("meta.pt", lambda p: torch.save(torch.empty(2, 3, device="meta"), p), "got a meta"),
+        ("sparse.pt", lambda p: torch.save(torch.eye(3).to_sparse(), p), "got a torch.sparse_coo tensor"),
+        pytest.param("quant.pt", lambda p: torch.save(torch.quantize_per_tensor(torch.ones(2, 3), 0.1, 0,
+                                                                              torch.quint8), p),
+                     "got a quantized tensor", marks=pytest.mark.filterwarnings("ignore::UserWarning")),
     ],
 )
 def test_bad_files_name_the_file(tmp_path, name, content, match):
@@ -184,6 +207,16 @@ def test_bad_files_name_the_file(tmp_path, name, content, match):
     with pytest.raises(ValueError, match=match) as info:
         load_matrix(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.filterwarnings("error")
+def test_refusals_warn_of_nothing(tmp_path):
+    """A long double past float64 and windows whose sum overflows are refused without a numpy warning first."""
+    np.save(ld := tmp_path / "ld.npy", np.full((1, 2), np.finfo(np.longdouble).max))
+    (hist := tmp_path / "hist.json").write_text(json.dumps({"load_history": [{"logical_expert_load": [[1e308]]}] * 2}))
+    for path in (ld, hist):
+        with pytest.raises(ValueError, match="past the largest"):
+            load_matrix(path)
 
 
 def test_missing_path_and_empty_directory(tmp_path):

@@ -152,6 +152,66 @@ def test_aggregate_logical_sums_replicas_and_skips_empty_slots():
         aggregate_logical(physical, torch.tensor([[0, 1]]), 2)
 
 
+@pytest.mark.parametrize(
+    "physical, phy2log, message",
+    [
+        (torch.ones(1, 4), np.array([[0, 1, 2**64 - 1, 1]], dtype=np.uint64), r"phy2log\[0, 2\]"),
+        (np.ones((1, 4)), torch.tensor([[0, 1, 0, 1]]), "physical must be a torch.Tensor"),
+        ([[1, 1, 1, 1]], torch.tensor([[0, 1, 0, 1]]), "physical must be a torch.Tensor"),
+        (torch.ones(4), torch.tensor([0, 1, 0, 1]), r"2-D \(L, P\) tensor of real numbers"),
+        (torch.ones(1, 4, dtype=torch.bool), torch.tensor([[0, 1, 0, 1]]), "dtype torch.bool"),
+        (torch.empty(1, 4, device="meta"), torch.tensor([[0, 1, 0, 1]]), "got a meta tensor"),
+        (torch.ones(1, 4), torch.empty(1, 4, dtype=torch.int64, device="meta"), "phy2log must hold data"),
+        (torch.full((1, 4), 100, dtype=torch.int8), torch.tensor([[0, 1, 0, 1]]), "overflow its dtype torch.int8"),
+    ],
+)
+def test_aggregate_logical_refuses_input_it_would_misread(physical, phy2log, message):
+    """A wrapping uint64 map, a load that is no 2-D tensor of numbers, meta tensors, an int8 sum past 127: refused."""
+    with pytest.raises(ValueError, match=message):
+        aggregate_logical(physical, phy2log, 2)
+
+
+def test_aggregate_logical_keeps_a_narrow_integer_dtype_when_the_sums_fit():
+    """int8 loads whose expert sums fit come back as int8, summed exactly."""
+    out = aggregate_logical(torch.tensor([[60, 1, 60, 3]], dtype=torch.int8), torch.tensor([[0, 1, 0, 1]]), 2)
+    assert out.dtype == torch.int8 and out.tolist() == [[120, 4]]
+
+
+@pytest.mark.parametrize(
+    "layer, old_row, new_row, message",
+    [
+        (0, np.arange(5) % 4, np.arange(6) % 4, "one length, got 5 and 6"),
+        (0, np.arange(5) % 4, np.arange(5) % 4, "new_row must have 6 slots"),
+        (-1, np.arange(6) % 4, np.arange(6) % 4, "layer must be >= 0"),
+        (2, np.arange(6) % 4, np.arange(6) % 4, r"layer must be in \[0, 2\)"),
+        (0, np.arange(6) % 4, [0, 1, 2, 3, 4, 0], r"new_row\[4\] = 4 is outside \[-1, 4\)"),
+        (0, np.arange(6) % 4, [[0, 1, 2, 3, 0, 1]], r"new_row must be one row \(P,\)"),
+        (0, np.arange(6) % 4, [0.0, 1, 2, 3, 0, 1], "new_row"),
+    ],
+)
+def test_remap_layer_refuses_bad_arguments_and_changes_nothing(layer, old_row, new_row, message):
+    """Rows of another length, a layer outside [0, L), an expert id >= N: a ValueError naming it; no count moves."""
+    w = LoadWindow(2, 6, 4)
+    w.load_pass += 3
+    w.record_pass()
+    before = w.window.clone()
+    with pytest.raises(ValueError, match=message):
+        w.remap_layer(layer, old_row, new_row, 4)
+    assert torch.equal(w.window, before)
+
+
+@pytest.mark.parametrize("flag", ["yes", None, 1, 0.0])
+def test_record_pass_refuses_a_dummy_flag_that_is_no_bool(flag):
+    """record_pass("yes") or (None) is a ValueError, as controller.step's is, not a pass dropped or kept by truth."""
+    w = LoadWindow(1, 3, 4)
+    w.load_pass += 1
+    with pytest.raises(ValueError, match="is_dummy must be a bool"):
+        w.record_pass(flag)
+    assert w.filled == 0 and w.load_pass.tolist() == [[1, 1, 1]]
+    w.record_pass(np.bool_(False))
+    assert w.filled == 1
+
+
 def test_rank_loads_and_balancedness_reduce_over_ranks():
     """Balancedness is sum over layers of mean/max taken across ranks, not across layers."""
     physical = torch.tensor([[4, 4, 0, 0], [1, 1, 1, 1]])

@@ -109,6 +109,19 @@ def test_a_trace_dir_that_is_a_file_is_refused_by_name(tmp_path):
             EventTrace(0, 1, str(bad))
 
 
+@pytest.mark.parametrize("trace_dir, keep, message", [
+    (5, False, "trace_dir must be a folder path .* got int 5"),
+    (b"logs", False, "trace_dir must be a folder path .* got bytes"),
+    ("/proc/eplb-fsm-no-such/logs", False, "trace_dir: cannot make the folder /proc/eplb-fsm-no-such/logs: "),
+    (None, "no", "keep \\(keep_trace\\) must be a bool, got str 'no'"),
+    (None, 1, "keep \\(keep_trace\\) must be a bool"),
+])
+def test_a_bad_trace_dir_or_keep_flag_is_refused_by_name(trace_dir, keep, message):
+    """A trace_dir that is no path or cannot be made, a keep flag that is no bool: a ValueError naming it."""
+    with pytest.raises(ValueError, match=message):
+        EventTrace(0, 1, trace_dir, keep=keep)
+
+
 def test_read_trace_skips_truncated_line(tmp_path):
     """A truncated last line (a killed rank) is counted as bad, the rest is read."""
     path = tmp_path / "rank00000.jsonl"
@@ -123,6 +136,16 @@ def test_read_trace_counts_lines_with_bytes_that_are_not_utf8(tmp_path):
     path.write_bytes(b'{"event": "a", "seq": 0}\n\xff\xfe\n{"event": "b\xc3", "seq": 1}\n{"event": "c", "seq": 2}\n')
     records, bad = read_trace(path)
     assert [r["event"] for r in records] == ["a", "c"] and bad == 2
+
+
+def test_read_trace_counts_lines_that_are_no_json_object_as_bad(tmp_path):
+    """A list, a string, a number, null and a line nested past json's depth limit are bad lines, not records."""
+    path = tmp_path / "rank00000.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    path.write_text("\n".join(['{"event": "a", "seq": 0}', "[1, 2]", '"str"', "42", "null", deep,
+                               '{"event": "b", "seq": 1}']) + "\n")
+    records, bad = read_trace(path)
+    assert [r["event"] for r in records] == ["a", "b"] and bad == 5
 
 
 def test_numpy_and_torch_values_serialise(tmp_path):

@@ -127,7 +127,7 @@ def _timeline(args: argparse.Namespace) -> int:
     if args.json:
         rows = timeline_rows(records)
         for row, at in zip(rows, where):
-            if at is not None and (at, row["seq"]) in refused:
+            if at is not None and type(row["seq"]) is int and (at, row["seq"]) in refused:
                 row["illegal"] = refused[(at, row["seq"])]
         _out(json.dumps({"rank": args.rank, "path": str(path), "paths": [str(p) for p in paths], "bad_lines": bad,
                          "truncated": truncated, "sessions": len(sessions), "illegal_transitions": illegal,
@@ -141,7 +141,8 @@ def _timeline(args: argparse.Namespace) -> int:
     if len(paths) > 1:
         out[0] += " (files " + ", then ".join(Path(p).name for p in paths) + ")"
     for rec, at, line in zip(records, where, text[2:]):
-        marked = (at, rec.get("seq")) in refused and rec.get("event") in ("transition", "step", "steps")
+        seq = rec.get("seq")   # an unhashable seq (a list in a damaged line) names no refused transition
+        marked = type(seq) is int and (at, seq) in refused and rec.get("event") in ("transition", "step", "steps")
         out.append(("!! " if marked else "   ") + line)
     out[1] = "   " + out[1]
     if bad:

@@ -75,7 +75,7 @@ class ModelEntry:
         The router's tensors are updated in place, so the model sees the new layer at once.
         """
         old_row = self.maps.phy2log[layer].copy()
-        self.maps.replace_layer(layer, new_row)
+        self.maps.replace_layer(layer, new_row, allow_empty=True)   # a scale's plan may empty slots (elastic EP)
         self.window.remap_layer(layer, old_row, new_row, self.num_logical)
         self.publish_row(layer)
 

@@ -81,6 +81,7 @@ class PreparedRow:
         maps.phy2log[layer] = self.new_row
         maps.log2phy[layer] = self.log2phy
         maps.replica_count[layer] = self.counts
+        maps.allow_empty = maps.allow_empty or bool((self.new_row < 0).any())   # mid-scale maps from here on
         entry.window.window[:, layer, :].copy_(window_rows)
         if pass_row is not None:
             entry.window.load_pass[layer].copy_(pass_row)
@@ -208,7 +209,7 @@ class LayerMover:
             old_row = entry.maps.phy2log[local].copy()
             if not np.array_equal(old_row, new_row):   # else the maps (and window) had flipped before the error
                 entry.window.remap_layer(local, old_row, new_row, entry.num_logical)
-            entry.maps.replace_layer(local, new_row)
+            entry.maps.replace_layer(local, new_row, allow_empty=True)
             entry.publish_row(local)
         except Exception:
             pass

@@ -107,7 +107,7 @@ class BlockReader:
                     recs = json.loads("[" + joined + "]")
                     if not all(type(r) is dict for r in recs):
                         raise ValueError("a line is not a JSON object")
-                except ValueError:
+                except (ValueError, RecursionError):
                     return [self.parse(line) for line in lines]
                 # the event's type first: a list there is no block event, and the walker warns about it
                 if not all(type(ev := r.get("event")) is str and ev in _BLOCK_EVENTS for r in recs):
@@ -124,7 +124,7 @@ class BlockReader:
             recs = json.loads("[" + joined + "]")
             if all(type(r) is dict for r in recs):
                 return recs
-        except ValueError:
+        except (ValueError, RecursionError):   # a line nested past json's depth limit is read alone, as bad
             pass
         return [self.parse(line) for line in lines]
 

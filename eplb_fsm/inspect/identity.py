@@ -54,7 +54,7 @@ def run_id_of(s: RankSummary) -> str | None:
 def _header_rank(s: RankSummary) -> int | None:
     first = s.previous[0] if s.previous else s
     r = (first.header or {}).get("rank")
-    return r if type(r) is int else None
+    return r if type(r) is int and r >= 0 else None
 
 
 def _names(paths: list[Path], limit: int = 4) -> str:
@@ -82,6 +82,11 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
                      key=lambda it: (it[0], joiner_generation(it[1])))
     loaded = [item for item in loaded if joiner_generation(item[1]) is None]
     claimed = [_header_rank(s) for _, _, s in loaded]
+    for (r, p, s), h in zip(loaded, claimed):
+        said = ((s.previous[0] if s.previous else s).header or {}).get("rank")
+        if h is None and type(said) is int:   # a negative rank is no rank: the file name's is used
+            s.warnings.append(f"{p.name}: the header's field 'rank' is {said}, not a rank (an integer >= 0); "
+                              f"replayed as rank {r}, the file's name")
     swapped = [(r, p, h) for (r, p, _), h in zip(loaded, claimed) if h is not None and h != r]
     by_records = len(swapped) > 0 and len({h if h is not None else r for (r, _, _), h in zip(loaded, claimed)}) \
         == len(loaded)

@@ -101,7 +101,7 @@ class Recipe:
             return None
         try:
             values = json.loads("[" + ",".join(map(_TOKEN, parts)) + "]")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if len(values) != len(parts) or list(map(type, values)) != self.kinds:
             return None     # a token that was no number of the template's type (or hid a comma)

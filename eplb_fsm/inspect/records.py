@@ -145,7 +145,7 @@ def _count_write_errors(s: RankSummary, rec: dict) -> None:
 def parse_line(line: str) -> dict | None:
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):   # nested past json's depth limit: as unreadable as garbage
         return None
     return rec if type(rec) is dict else None
 

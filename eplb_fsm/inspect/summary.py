@@ -189,7 +189,7 @@ def summarize_text(text: str, rank: int | None = None, *, path: str | None = Non
         batch = json.loads("[" + ",".join([lines[other[k]] for k in eager]) + "]") if eager else []
         if not all(type(r) is dict for r in batch):
             raise ValueError("a line is not a JSON object")
-    except ValueError:
+    except (ValueError, RecursionError):   # a line nested past json's depth limit is a bad line, as garbage is
         batch = [parse_line(lines[other[k]]) for k in eager]
     for k, rec in zip(eager, batch):
         parsed[k] = rec
@@ -380,7 +380,7 @@ def parse_records(text: str) -> tuple[list[dict], int, bool]:
         records = json.loads("[" + body.replace("\n", ",") + "]")
         if all(type(r) is dict for r in records):
             return records, 0, False
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     records, bad, last_bad = [], 0, False
     for line in body.split("\n"):
@@ -389,7 +389,7 @@ def parse_records(text: str) -> tuple[list[dict], int, bool]:
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             rec = None
         if type(rec) is dict:
             records.append(rec)

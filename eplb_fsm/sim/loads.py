@@ -91,9 +91,13 @@ def _checked(matrix: Any, source: str) -> np.ndarray:
         raise ValueError(f"{source}: load must be 2-D (layers, experts), got shape {arr.shape}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"{source}: load is empty, shape {arr.shape}")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+    if arr.dtype.kind not in "iuf":   # bool, complex, timedelta, strings: no token counts
         raise ValueError(f"{source}: load must hold real numbers, got dtype {arr.dtype}")
-    arr = arr.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):   # a value past float64 (a long double) is named below
+        wide = arr.astype(np.float64)
+    if np.isinf(wide).any() and not np.isinf(arr).any():
+        raise ValueError(f"{source}: load holds values past the largest float64 ({np.finfo(np.float64).max:.4g})")
+    arr = wide
     if np.isnan(arr).any():
         raise ValueError(f"{source}: load contains NaN")
     if np.isinf(arr).any():
@@ -109,24 +113,46 @@ def _checked(matrix: Any, source: str) -> np.ndarray:
     return arr
 
 
+def _json_numbers(rows: Any, source: str, what: str = "load") -> Any:
+    """``rows`` unchanged when no entry of a row is a JSON string, boolean or null (numpy would read "2" and
+    true as numbers); else a ValueError naming the entry. Deeper nesting is left to the shape check."""
+    if isinstance(rows, list):
+        for i, row in enumerate(rows):
+            for j, value in enumerate(row if isinstance(row, list) else [row]):
+                if value is None or isinstance(value, (bool, str)):
+                    at = f"{what}[{i}][{j}]" if isinstance(row, list) else f"{what}[{i}]"
+                    raise ValueError(f"{source}: {at} is {json.dumps(value)}; every load must be a JSON number")
+    return rows
+
+
 def _from_json_object(obj: Any, source: str) -> Any:
     if isinstance(obj, list):
-        return obj
+        return _json_numbers(obj, source)
     if isinstance(obj, dict):
         if "load" in obj:
-            return obj["load"]
+            return _json_numbers(obj["load"], source)
         if "token_scores" in obj:  # ESFT summary.json
             return _summary_scores(obj["token_scores"], source)
         if "load_history" in obj:  # vLLM EPLB workload: sum the windows
             try:
-                windows = [np.asarray(w["logical_expert_load"], dtype=np.float64) for w in obj["load_history"]]
-            except (KeyError, TypeError, ValueError) as exc:
+                windows = [np.asarray(_json_numbers(w["logical_expert_load"], source,
+                                                    f"load_history[{k}].logical_expert_load"))
+                           for k, w in enumerate(obj["load_history"])]
+            except (KeyError, TypeError) as exc:
                 raise ValueError(f"{source}: bad load_history entry: {exc}") from None
             if not windows:
                 raise ValueError(f"{source}: load_history is empty")
             if len({w.shape for w in windows}) != 1:
                 raise ValueError(f"{source}: load_history windows have different shapes")
-            return np.sum(windows, axis=0)
+            odd = next((k for k, w in enumerate(windows) if w.dtype.kind not in "iuf"), None)
+            if odd is not None:
+                raise ValueError(f"{source}: load_history[{odd}].logical_expert_load is not an array of numbers")
+            with np.errstate(over="ignore", invalid="ignore"):   # a sum past float64 is the file's problem
+                total = np.sum(windows, axis=0, dtype=np.float64)
+            if np.isinf(total).any() and all(np.isfinite(w).all() for w in windows):
+                raise ValueError(f"{source}: the load_history windows sum past the largest float; scale the file "
+                                 "down")
+            return total
         raise ValueError(
             f"{source}: JSON object has none of the keys 'load', 'token_scores', 'load_history'"
         )
@@ -149,8 +175,10 @@ def _summary_scores(scores: Any, source: str) -> np.ndarray:
         out = np.zeros((len(layers), biggest + 1), dtype=np.float64)
         for i, layer in enumerate(layers):
             for expert, value in scores[layer].items():
+                if value is None or isinstance(value, (bool, str)):   # float() would read "0.5" and true
+                    raise ValueError(f"layer {layer} expert {expert}: {json.dumps(value)} is not a JSON number")
                 out[i, int(expert)] = float(value)
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise ValueError(f"{source}: malformed token_scores: {exc}") from None
     return out
 
@@ -192,7 +220,14 @@ def _read_file(path: Path) -> Any:
             )
         if obj.is_complex() or obj.dtype == torch.bool:
             raise ValueError(f"{source}: load must hold real numbers, got dtype {obj.dtype}")
-        return obj.detach().cpu().double().numpy()
+        kind = ("a nested" if obj.is_nested else "a quantized" if obj.is_quantized else
+                f"a {obj.layout}" if obj.layout != torch.strided else "a meta (no data)" if obj.is_meta else None)
+        if kind is not None:
+            raise ValueError(f"{source}: load must be a dense tensor holding its values, got {kind} tensor")
+        try:
+            return obj.detach().cpu().double().numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:   # a tensor subclass numpy cannot take
+            raise ValueError(f"{source}: cannot read the tensor's values: {exc}") from None
     if suffix == ".json":
         try:
             with open(path, encoding="utf-8") as f:

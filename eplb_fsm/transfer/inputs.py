@@ -307,8 +307,8 @@ def check_layer_tensors(name: str, tensors: Any, rows: int, ref: Layout | None,
             raise ValueError(f"{name}[{t}]: has shape {tuple(w.shape)}; its first dim must be S = P / G = {rows} rows")
     if ref is not None and layout(out) != ref:
         raise ValueError(
-            f"{name}: tensors {[(tuple(s), str(d)) for s, d, _ in layout(out)]} must match the first layer's "
-            f"{[(tuple(s), str(d)) for s, d, _ in ref]} (shape, dtype, device): one buffer serves every layer"
+            f"{name}: tensors {[(s, str(d), str(v)) for s, d, v in layout(out)]} must match the first layer's "
+            f"{[(s, str(d), str(v)) for s, d, v in ref]} (shape, dtype, device): one buffer serves every layer"
         )
     return out
 
