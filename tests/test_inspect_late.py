@@ -76,3 +76,45 @@ def test_a_fault_in_collecting_is_no_aborted_rearrangement():
                                    (2.1, "end", {"how": "closed", "step": 40, "state": "failed"})])
     report = diagnose(recs)
     assert report.aborted == [], format_report(report)
+
+
+TIMEOUT = "TransferError: layer 0, wave 0/1: RuntimeError: Timed out waiting 1000ms for send operation to complete"
+STOPPED = "RankFault: rank {r} stopped at step 21: its controller fired fault at step 21"
+
+
+def late_then_stopped(rank: int, start: float, alive: list[tuple[float, int, dict | None]]) -> list[dict]:
+    """The rearrangement's all-reduce started at ``start``, ``alive`` records (t, step, waiting_on) before it
+    fails (the waiters time out at t+2.0 s, the late rank's peers are gone by then), the fault into collecting,
+    and the end: the engine raised on the fault at that step (simulate's engine does), serving nothing after."""
+    t_err = max(start, 2.0) + 0.01
+    events = [(0.0, "header", {"schema": 1, "run_id": "a1b2c3d4e5f60718", "mode": "async", "group": "ep",
+                               "transfer_group": "ep_transfer", "config": {"num_layers": 2}, "step": 0,
+                               "state": "collecting"}),
+              (0.5, "steps", {"count": 20, "dummy": 0, "step": 1, "state": "collecting"}),
+              (0.99, "transition", {"trigger": "step", "source": "collecting", "dest": "planning", "layer": 0,
+                                    "num_layers": 2, "layer_after": 0, "due": True, "state": "planning"}),
+              (0.995, "transition", PLAN)]
+    events += [(t, "alive", {"interval_s": 1.0, "waiting_on": on, "steps_seen": step, "step": step})
+               for t, step, on in alive if t < start]
+    events += [(start, "collective_start", COLL)]
+    events += [(t, "alive", {"interval_s": 1.0, "waiting_on": on, "steps_seen": step, "step": step})
+               for t, step, on in alive if t >= start]
+    events += [(t_err, "collective_error", dict(COLL, error=TIMEOUT if start < 2 else RESET)),
+               (t_err + 0.001, "transition", {"trigger": "fault", "source": "transferring", "dest": "collecting",
+                                              "layer": 0, "num_layers": 2, "layer_after": 0, "recoverable": True,
+                                              "state": "collecting", "reason": "transfer of layer 0 failed"}),
+               (t_err + 0.002, "end", {"how": "exception", "error": STOPPED.format(r=rank), "step": 21,
+                                       "state": "collecting"})]
+    return timeline(rank, 3, T0, sorted(events, key=lambda e: e[0]), state="transferring", step=21)
+
+
+def test_a_late_rank_is_the_cause_when_every_engine_stopped_on_the_rollback():
+    """Rank 2 came 2.5 s late; ranks 0-1 timed out; every rank faulted into collecting and its engine then raised:
+    nobody came back, so the late rank is the verdict (was: a handled note, and `crashed` naming rank 0). Rank 1,
+    alive at step 20 a moment before rank 0 began to wait, started 1 ms after it: not late."""
+    on = dict(COLL)
+    report = diagnose({0: late_then_stopped(0, 1.0, [(1.5, 21, on)]),
+                       1: late_then_stopped(1, 1.001, [(0.8, 20, None), (1.5, 21, on)]),
+                       2: late_then_stopped(2, 3.5, [(1.5, 20, None), (2.5, 20, None)])})
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
+    assert report.handled == [], format_report(report)

@@ -682,3 +682,26 @@ def test_freezes_that_start_together_are_one_finding_and_freezes_apart_are_two(t
     assert report.verdict == "frozen" and report.culprit_ranks == [1, 2]
     assert frozen[0].summary.startswith("ranks 1-2 froze for ")
     assert sorted(p["rank"] for p in frozen[0].ranks) == [1, 2]
+
+
+def test_a_rank_that_gave_up_waiting_is_said_to_wait_where_its_wait_failed_not_where_it_last_beat(tmp_path):
+    """Its last alive record names all-reduce cseq 0, which it then finished; it failed in cseq 1 when its peer
+    died: the consequence names cseq 1 (was: cseq 0, a second old)."""
+    info = {"op": "all_reduce", "group": "ep", "shape": [16], "dtype": "torch.float64", "parts": ["loads"]}
+    reset = "RuntimeError: Read error [127.0.0.1]:4515: Connection reset by peer"
+    ranks = [Rank(r, world=2).steps(40) for r in range(2)]
+    for rk in ranks:
+        rk.emit("collective_start", cseq=0, **info)
+    ranks[1].alive(waiting_on=dict(info, cseq=0))
+    for rk in ranks:
+        rk.emit("collective_end", cseq=0, duration_s=0.3, **info)
+        rk.steps(42, alive=False)
+    # rank 0 is SIGKILLed here; rank 1's next all-reduce fails on the closed connection
+    ranks[1].emit("collective_start", cseq=1, **info)
+    ranks[1].ts += 0.02
+    ranks[1].emit("collective_error", cseq=1, error=reset, **info)
+    ranks[1].end("exception", error=reset)
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.culprit_ranks == [0], report.summary
+    (said,) = [c for c in report.to_dict()["verdict_detail"]["consequences"] if c.startswith("rank 1 gave up")]
+    assert "waiting in all_reduce (group ep, cseq 1" in said, said

@@ -569,6 +569,30 @@ def test_a_joiner_killed_in_its_scale_is_named_not_the_ranks_the_launcher_stoppe
     assert (kind == "signalled") == (sig == signal.SIGTERM), kind
 
 
+def _joiner_started(log_dir: Path) -> int | None:
+    """The joiner's pid once its trace's header is on disk (None before)."""
+    path = Path(log_dir) / "rank00002.g1.jsonl"
+    recs = read_trace(path)[0] if path.is_file() else []
+    return next((r["pid"] for r in recs if r["event"] == "header"), None)
+
+
+def test_a_joiner_killed_before_its_first_collective_is_named_not_the_old_ranks(tmp_path):
+    """The joiner SIGKILLed as soon as its header is written: its generation holds no one else, so the ranks that
+    waited for it are those of the generation before; replay names it died (was: signalled, ranks 0-1)."""
+    argv = ["simulate", *BASE, "--ranks", "2", "--steps", "100000", "--scale", "30:3", "--join-timeout", "30",
+            "--collective-timeout", "20", "--mode", "sync", "--log-dir", str(tmp_path), "--timeout", "120"]
+    box = _strike(argv, tmp_path, lambda: _joiner_started(tmp_path), signal.SIGKILL)
+    report = json.loads(box["out"].strip().splitlines()[-1])
+    joiner = traces(tmp_path)["rank00002.g1.jsonl"]
+    assert box["code"] == 1 and ending(joiner) is None
+    assert not any(r["event"] == "collective_start" for r in joiner), "the joiner reached a collective first"
+    kind, culprits, _ = verdict(tmp_path)
+    # its death, or (the old ranks were in a collective of the scale it never joined) the hang it left, with its
+    # death as the first detail
+    assert kind in ("rank_died", "hang") and culprits == [2], (kind, culprits)
+    assert report["replay"]["culprit_ranks"] == [2], report["replay"]
+
+
 def _in_state(log_dir: Path, rank: int, state: str, after_step: int) -> int | None:
     """``rank``'s pid once its last record on disk is in ``state`` past ``after_step`` (None before)."""
     path = Path(log_dir) / f"rank{rank:05d}.jsonl"
@@ -618,3 +642,21 @@ def test_a_rank_killed_while_a_peer_is_frozen_is_named_too(tmp_path):
     report = replay_dir(str(tmp_path))
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), report.summary
     assert any(f.kind == "rank_died" and f.culprits == [2] for f in report.findings), report.summary
+
+
+def test_a_freeze_the_job_got_past_is_not_the_cause_of_a_later_kill(tmp_path_factory):
+    """Rank 2 SIGSTOPped 4 s, the job goes on with it, then rank 0 is SIGKILLed: replay names rank 0, and the freeze
+    stays a later finding (was: `frozen`, rank 2, with the peers' connection resets charged to it)."""
+    code, report, log_dir = simulate(tmp_path_factory, 3, "sync", 30, "--collective-timeout", "10", "--inject",
+                                     "freeze:rank=2,step=9,seconds=4", "--inject", "kill:rank=0,step=13")
+    recs = traces(log_dir)
+    frozen_at = next(r["ts"] for r in recs["rank00002.jsonl"] if r["event"] == "fault_injected")
+    # the job got past the freeze: rank 2 finished a collective it started after the SIGCONT, before the kill
+    killed_at = recs["rank00000.jsonl"][-1]["ts"]
+    assert any(r["event"] == "collective_end" and frozen_at + 3.5 < r["ts"] - r["duration_s"] and r["ts"] < killed_at
+               for r in recs["rank00002.jsonl"]), "rank 2 did not go on before rank 0 was killed"
+    from eplb_fsm.inspect.replay import replay_dir
+
+    rep = replay_dir(str(log_dir))
+    assert code == 1 and rep.culprit_ranks == [0] and rep.verdict in ("hang", "rank_died"), rep.summary
+    assert any(f.kind == "frozen" and f.culprits == [2] for f in rep.findings[1:]), [f.kind for f in rep.findings]

@@ -78,7 +78,9 @@ exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine') and each waits at most
-3 x the collective timeout + 10 s (so the controller's waits fail first), a rank stops at its
+3 x the collective timeout + 10 s (so the controller's waits fail first; a controller wait that
+times out on the same gloo group closes its connections, and an engine all-reduce in flight
+then fails with it, sooner), a rank stops at its
 first fault and exits non-zero (not at one its scale then handled: survivors that
 salvaged a dead leaving rank serve on), and the report gives the replay verdict of the
 traces left in --trace-dir: a failed run's report leads with it when it blames a rank
@@ -132,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "on other ranks before it is a fault (a few waits derived from it are longer, e.g. the "
                         "agreements after a fault: 4 x this + 5 s), default 20 (5 with --inject). The "
                         "engine's forward all-reduce has its own bound: 3 x this + 10 s with --inject (set longer "
-                        "than this so that the controller's waits time out first), else the "
+                        "than this so that the controller's waits time out first; a controller timeout on the "
+                        "same gloo group closes its connections and fails it sooner), else the "
                         "run's --timeout (with --scale also 60 s)")
     r.add_argument("--watchdog", type=float, default=None, metavar="S",
                    help="log a 'stuck' trace record when planning, a transferring layer or committing makes "

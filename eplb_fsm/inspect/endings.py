@@ -10,6 +10,7 @@ else a rank ended with (an engine error, a signal) explains itself.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from eplb_fsm.inspect.elastic import Cast, Key
 
@@ -37,6 +38,24 @@ WAIT_ERROR = re.compile(
 def entries(s) -> list:
     """Every collective the participant read one by one (a bulk run holds only ones that ended alike)."""
     return [e for index in s.collectives.values() for e in getattr(index, "one", index).values()]
+
+
+def ended_since(s, waiting: dict) -> bool:
+    """Whether the collective an ``alive`` record's ``waiting_on`` names ended well on this rank later (the
+    record is a second old when the rank fails in a later one: it no longer says where the rank waits)."""
+    group = waiting.get("group")
+    entry = s.collectives.get(group, {}).get(waiting.get("cseq")) if isinstance(group, str) else None
+    return entry is not None and entry.status == "ended"
+
+
+def last_wait(s) -> Any:
+    """The latest collective (by its start) the participant is still inside, or whose wait failed at the step
+    it ended at or later (an engine's collective carries the step in progress, one past the controller's; an
+    earlier failure it recovered from says nothing of its end), or None."""
+    step = (s.end or {}).get("step", s.last_step)
+    waits = [e for e in entries(s) if type(e.ts) in (int, float) and (e.status == "open" or (
+        e.status == "error" and type(e.step) is int and type(step) is int and e.step >= step))]
+    return max(waits, key=lambda e: e.ts, default=None)
 
 
 def waits_on_peer(cast: Cast, key: Key) -> bool:

@@ -48,7 +48,8 @@ def _on(waiting: object, g: str, c: int) -> bool:
 def _behind(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> dict[Key, tuple[int, Key, int]]:
     """Members alive at a lower step while a peer waited in ``(g, c)``: key -> (its step, the waiter, their step).
 
-    Only a member that started the collective after that waiter counts (it was behind, not ahead)."""
+    Only a member that started the collective after that waiter counts (it was behind, not ahead), and only its
+    alive records from the waiter's start to its own (one from before the waiter started says nothing)."""
     out: dict[Key, tuple[int, Key, int]] = {}
     for w in sorted(entries):
         waits = [(ts, step) for ts, step, _, on in cast.parts[w].alive
@@ -60,8 +61,9 @@ def _behind(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> dict[
             if m == w or m in out or not _later(entries[m], entries[w]):
                 continue
             span = cast.parts[m].alive_interval or DEFAULT_INTERVAL_S
+            since, until = max(lo - span, entries[w].ts), min(hi + span, entries[m].ts)
             seen = [step for ts, step, _, on in cast.parts[m].alive
-                    if type(ts) in (int, float) and lo - span <= ts <= hi + span and type(step) is int
+                    if type(ts) in (int, float) and since <= ts < until and type(step) is int
                     and step < top and not _on(on, g, c)]
             if seen:
                 out[m] = (min(seen), w, top)
@@ -145,14 +147,20 @@ def late_findings(cast: Cast, known: Iterable[Finding] = ()) -> list[Finding]:
 
 def _came_back(cast: Cast, f: Finding) -> bool:
     """Every member rolled the rearrangement back (``fault``) at or after the step and went on: a fault
-    into ``collecting``, or one into ``failed`` that a later transition (``recover()``) left."""
+    into ``collecting``, or one into ``failed`` that a later transition (``recover()``) left; not one whose
+    process then ended with an exception at the fault's step (its engine stopped on the fault, as simulate's
+    does: nothing was served after it)."""
     since = f.step if type(f.step) is int else -1
     for k in f.members:
-        after = [t for t in cast.parts[k].transitions if type(t.step) is int and t.step >= since]
+        s = cast.parts[k]
+        after = [t for t in s.transitions if type(t.step) is int and t.step >= since]
         fault = next((i for i, t in enumerate(after) if t.trigger == "fault"), None)
         if fault is None:
             return False
         if after[fault].dest == FAILED and not any(t.source == FAILED for t in after[fault + 1:]):
+            return False
+        end = s.end or {}
+        if end.get("how") == "exception" and type(end.get("step")) is int and end["step"] <= after[fault].step:
             return False
     return True
 

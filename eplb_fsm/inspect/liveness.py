@@ -46,8 +46,10 @@ from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.died import died_finding
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.endings import WAIT_ERROR, ended_in_reaction, entries, failed_wait_first, waits_on_peer
+from eplb_fsm.inspect.endings import (WAIT_ERROR, ended_in_reaction, ended_since, entries, failed_wait_first,
+                                      last_wait, waits_on_peer)
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
+from eplb_fsm.inspect.frozen import frozen_findings, survived_last
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
@@ -83,13 +85,14 @@ def _limit(s, factor: int) -> float:
 
 
 def _waiting_text(s) -> str:
-    """What the participant was waiting on at its last alive record (or its open collective)."""
+    """What the participant was waiting on at its last alive record, unless that collective ended since; else
+    the latest collective it was left inside or whose wait failed (``endings.last_wait``)."""
     waiting = s.alive[-1][3] if s.alive else None
-    if waiting:
+    if waiting and not ended_since(s, waiting):
         return f"waiting in {waiting.get('op')} (group {waiting.get('group')}, cseq {waiting.get('cseq')})"
-    opened = s.open_collectives()
-    if opened:
-        return f"inside {coll_text(opened[-1])}"
+    last = last_wait(s)
+    if last is not None:
+        return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
     return "in no controller collective (so in the engine's step or its own work)"
 
 
@@ -151,10 +154,16 @@ def _gaps(cast: Cast, key: Key) -> tuple[list[tuple], list[tuple]]:
     return out, paused
 
 
-def _peers(cast: Cast, key: Key) -> list[Key]:
-    """The other participants of ``key``'s current group that did not end on purpose (leave in a scale)."""
+def _peers(cast: Cast, key: Key, before: bool = False) -> list[Key]:
+    """The other participants of ``key``'s current group that did not end on purpose (leave in a scale); with
+    ``before``, for a joiner alone in its generation (the group never formed), the ranks of the one before: they
+    waited for it, and their ends tell when it died."""
     gen = cast.final_gen.get(key)
-    return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
+    peers = [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
+    if peers or not before or type(gen) is not int or gen < 1:
+        return peers
+    return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose
+            and cast.final_gen.get(o) == gen - 1]
 
 
 def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str, str | None] | None:
@@ -167,7 +176,7 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
         what = "last alive" if s.alive and s.alive[-1][0] == lasts[key] else "last record"
         return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {_waiting_text(s)}",
                 f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
-    peers = _peers(cast, key)
+    peers = _peers(cast, key, before=True)
     # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed
     # explains the stop itself, and the ranks a launcher killed after it are its consequences
     ended = [o for o in peers if cast.parts[o].end is not None and ended_in_reaction(cast, o)]
@@ -191,26 +200,6 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
         return "while every other rank wrote its end record", None
     return (f"trace stops {end - lasts[key]:.2f} s before {cast.label(first)} ended "
             f"({cast.parts[first].end.get('how')}, at {at(end)})", None)
-
-
-def _frozen_findings(cast: Cast, frozen: list[tuple], at) -> list[tuple]:
-    """Events of ``frozen`` silences ((start, key, end, step, state, layer), earliest first): those that began
-    within 1.5 intervals of the first one (a live rank writes at least that often: ranks stopped at once) and
-    overlap it are one finding; a rank stopped seconds later wrote on meanwhile, and is a freeze of its own."""
-    out = []
-    while frozen:
-        a, k, b, step, state, layer = frozen[0]
-        together = [f for f in frozen if f[0] - a <= 1.5 * _interval(cast.parts[k]) and f[0] < b]
-        frozen, keys = [f for f in frozen if f not in together], [f[1] for f in together]
-        spans = sorted({f"{f[2] - f[0]:.1f}" for f in together}, key=float)   # each rank's own, shortest to longest
-        out.append((a, "frozen", k, Finding.of(
-            "frozen", step, keys, f"{cast.who(keys)} froze for {' to '.join(dict.fromkeys([spans[0], spans[-1]]))}"
-            f" s at step {step} in {state}" + (f", layer {layer}" if layer is not None else "") + " (SIGSTOP?): no "
-            f"record from {at(a)} to {at(max(f[2] for f in together))} while the other ranks kept writing",
-            state=state, layer=layer,
-            ranks=[cast.position(f[1], "frozen", f"silent {f[2] - f[0]:.1f} s from {at(f[0])}", *f[3:])
-                   for f in together])))
-    return out
 
 
 def check_liveness(cast: Cast) -> Liveness:
@@ -267,7 +256,7 @@ def check_liveness(cast: Cast) -> Liveness:
         elif end.get("how") == "signal" and ts is not None:
             signals.append((ts, k))
     out.pauses, out.paused = pause_warnings(cast, paused, at)
-    events += _frozen_findings(cast, sorted(frozen), at)
+    events += frozen_findings(cast, sorted(frozen), at, _interval)
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
@@ -313,6 +302,7 @@ def check_liveness(cast: Cast) -> Liveness:
         if lag is not None:
             events.append((0.0, "lagging", lag.keys()[0], lag))
     events.sort(key=lambda e: (e[0], e[2]))
+    events = survived_last(cast, events)   # a freeze the job got past is no cause of what failed after it
     out.findings = [e[3] for e in events]
     # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
     first = None if events else next((e for e in sorted(late_exceptions) if _peers(cast, e[1])), None)

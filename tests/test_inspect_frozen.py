@@ -1,0 +1,46 @@
+"""A freeze the job got past is no cause of what failed after it; one it did not get past stays the verdict.
+
+Three ranks of one group on the ``Rank`` writer of test_inspect_liveness: rank 2 is silent 4 s (SIGSTOP) while
+ranks 0-1 wait for it, then every rank finishes all-reduces again; rank 0 is then SIGKILLed (no end), and ranks
+1-2 fail on the closed connection.
+"""
+
+from __future__ import annotations
+
+from test_inspect_liveness import Rank, write
+
+from eplb_fsm.inspect.replay import replay_dir
+
+RESET = "RuntimeError: Read error [127.0.0.1]:4515: Connection reset by peer"
+
+
+def job(went_on: bool) -> list[Rank]:
+    ranks = [Rank(r, world=3).steps(30, collective_every=5) for r in range(3)]
+    ranks[2].freeze(4.0)
+    for rk in ranks[:2]:
+        rk.wait(4.0)
+    upto = 40 if went_on else 30    # with all-reduces every 5 steps: the job went on with rank 2, or not at all
+    for rk in ranks:
+        rk.steps(upto, alive=False, collective_every=5)
+    # rank 0 is killed here; the others' next all-reduce fails on the connection it closed
+    for rk in ranks[1:]:
+        rk.emit("collective_start", op="all_reduce", group="ep", cseq=rk.cseq["ep"], shape=[16],
+                dtype="torch.float64", parts=["loads"])
+        rk.ts += 0.02
+        rk.emit("collective_error", op="all_reduce", group="ep", cseq=rk.cseq["ep"], shape=[16],
+                dtype="torch.float64", parts=["loads"], error=RESET)
+        rk.end("exception", error=RESET)
+    return ranks
+
+
+def test_a_freeze_the_job_got_past_gives_way_to_the_later_death(tmp_path):
+    """Every rank finished all-reduces after rank 2's silence: rank 0's death is the verdict, the freeze a finding."""
+    report = replay_dir(write(tmp_path, job(went_on=True)))
+    assert report.culprit_ranks == [0] and report.verdict in ("hang", "rank_died"), report.summary
+    assert [f.culprits for f in report.findings if f.kind == "frozen"] == [[2]]
+
+
+def test_a_freeze_the_job_did_not_get_past_stays_the_cause(tmp_path):
+    """No collective finished after the silence before rank 0's trace stopped: the freeze is still the verdict."""
+    report = replay_dir(write(tmp_path, job(went_on=False)))
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [2]), report.summary
