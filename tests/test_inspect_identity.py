@@ -42,3 +42,25 @@ def test_mark_unreadable_names_the_unreadable_file_where_the_report_said_no_trac
     assert report.at_divergence[0]["note"] == "unreadable file: cannot read rank00001.jsonl: Permission denied"
     assert missing.details == ["rank 1: unreadable file: cannot read rank00001.jsonl: Permission denied"]
     assert report.summary.endswith("; rank 1's file is unreadable: cannot read rank00001.jsonl: Permission denied")
+
+
+def test_the_two_runs_error_lists_every_file_holding_a_run(tmp_path):
+    """Run a (ranks 0-1 and a joiner's file) then run b appended to ranks 0-1: the error lists rank files 0-1 under
+    both runs (was: run a owned only the joiner's file, though files 0-1 hold its sessions too)."""
+    import pytest
+
+    from eplb_fsm.inspect.identity import MixedRuns
+    from eplb_fsm.inspect.replay import replay_dir
+
+    def run(rid: str, rank: int, role: str | None = None) -> str:
+        head = {"run_id": rid, "rank": rank, "world": 2, "ts": 1.0, "step": 0, "schema": 1, "state": "collecting"}
+        return line("header", 0, **head, **({"role": role} if role else {})) + line("step", 1, ts=1.1, step=1)
+
+    for r in (0, 1):
+        (tmp_path / f"rank{r:05d}.jsonl").write_text(run("a", r) + run("b", r))
+    (tmp_path / "rank00002.g1.jsonl").write_text(run("a", 2, "joiner"))
+    with pytest.raises(MixedRuns) as info:
+        replay_dir(str(tmp_path))
+    said = str(info.value)
+    assert "run a: rank files 0-2 (rank00000.jsonl, rank00001.jsonl, rank00002.g1.jsonl)" in said, said
+    assert "run b: rank files 0-1 (rank00000.jsonl, rank00001.jsonl)" in said, said

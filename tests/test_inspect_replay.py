@@ -676,7 +676,9 @@ def test_run_id_picks_an_older_run_appended_to_the_files(tmp_path):
             recs[0]["run_id"] = run_id
             with open(trace_path(tmp_path, r), "a") as fh:
                 fh.write("".join(encode_record(rec) + "\n" for rec in recs))
-    with pytest.raises(rp.MixedRuns, match="run new: rank files 0 .*run old: rank files 1"):
+    # rank 0's file holds both runs: it is listed under both
+    with pytest.raises(rp.MixedRuns, match=r"run new: rank files 0 .*run old: rank files 0-1 \(rank00000.jsonl, "
+                                           r"rank00001.jsonl\)"):
         rp.replay_dir(tmp_path)
     report = rp.replay_dir(tmp_path, run_id="old")
     assert report.verdict == "healthy" and report.run_id == "old", format_report(report)

@@ -71,11 +71,12 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
     if run_id is not None:
         if run_id not in runs:
             raise NoTraces(f"no trace of run {run_id!r}; the folder holds runs {', '.join(_every_run_id(loaded))}: "
-                           + _runs_text(runs))
+                           + _runs_text(_every_run(loaded, runs)))
         loaded = runs[run_id]
     elif len(runs) > 1:
-        raise MixedRuns("the folder holds the traces of " + str(len(runs)) + " runs, replay one at a time "
-                        "(--run-id ID): " + _runs_text(runs))
+        every = _every_run(loaded, runs)
+        raise MixedRuns("the folder holds the traces of " + str(len(every)) + " runs, replay one at a time "
+                        "(--run-id ID): " + _runs_text(every))
     findings: list[Finding] = []
     # a joiner writes its own file (rank<N>.g<generation>.jsonl): its sessions follow rank N's, in generation order
     joiners = sorted((item for item in loaded if joiner_generation(item[1]) is not None),
@@ -141,6 +142,21 @@ def _every_run_id(loaded: list[tuple[int, Path, RankSummary]]) -> list[str]:
             continue
         found.update(rid for _, rid in _jobs(text) if rid is not None)
     return sorted(found) or [NO_RUN_ID]
+
+
+def _every_run(loaded: list[tuple[int, Path, RankSummary]], runs: dict[str, list]) -> dict[str, list]:
+    """``runs`` (run id -> the files whose last job it is) with each file also under every earlier job's run id
+    it holds: a file appended over by a later run still holds the earlier run's sessions (error path only)."""
+    every = {rid: list(items) for rid, items in runs.items()}
+    for item in loaded:
+        try:
+            text = item[1].read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for rid in dict.fromkeys(rid for _, rid in _jobs(text) if rid is not None):
+            if item not in every.setdefault(rid, []):
+                every[rid].append(item)
+    return {rid: sorted(items, key=lambda it: (it[0], it[1].name)) for rid, items in every.items()}
 
 
 def _runs_text(runs: dict[str, list[tuple[int, Path, RankSummary]]]) -> str:
