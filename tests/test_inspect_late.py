@@ -21,17 +21,21 @@ PLAN = {"trigger": "plan_ready", "source": "planning", "dest": "transferring", "
         "gain": 0.22, "moved_bytes": 8192, "changed_layers": 2, "policy_s": 0.0004, "forced": False}
 
 
-def records(rank: int, start: float, tail: list[tuple[float, str, dict]]) -> list[dict]:
-    """Header, 20 steps, planning into transferring at step 21, the all-reduce's start at ``start``, ``tail``."""
-    head = [(0.0, "header", {"schema": 1, "run_id": "a1b2c3d4e5f60718", "mode": "sync", "group": "ep",
+def opening(mode: str = "sync") -> list[tuple[float, str, dict]]:
+    """Header, 20 steps, planning into transferring at step 21 (t+0.995 s)."""
+    return [(0.0, "header", {"schema": 1, "run_id": "a1b2c3d4e5f60718", "mode": mode, "group": "ep",
                              "transfer_group": "ep_transfer", "config": {"num_layers": 2}, "step": 0,
                              "state": "collecting"}),
             (0.5, "steps", {"count": 20, "dummy": 0, "step": 1, "state": "collecting"}),
             (0.99, "transition", {"trigger": "step", "source": "collecting", "dest": "planning", "layer": 0,
                                   "num_layers": 2, "layer_after": 0, "due": True, "state": "planning"}),
-            (0.995, "transition", PLAN),
-            (start, "collective_start", COLL)]
-    return timeline(rank, 3, T0, head + tail, state="transferring", step=21)
+            (0.995, "transition", PLAN)]
+
+
+def records(rank: int, start: float, tail: list[tuple[float, str, dict]]) -> list[dict]:
+    """``opening()``, the all-reduce's start at ``start``, then ``tail``."""
+    return timeline(rank, 3, T0, opening() + [(start, "collective_start", COLL)] + tail, state="transferring",
+                    step=21)
 
 
 def rolled_back() -> list[tuple[float, str, dict]]:
@@ -87,13 +91,7 @@ def late_then_stopped(rank: int, start: float, alive: list[tuple[float, int, dic
     fails (the waiters time out at t+2.0 s, the late rank's peers are gone by then), the fault into collecting,
     and the end: the engine raised on the fault at that step (simulate's engine does), serving nothing after."""
     t_err = max(start, 2.0) + 0.01
-    events = [(0.0, "header", {"schema": 1, "run_id": "a1b2c3d4e5f60718", "mode": "async", "group": "ep",
-                               "transfer_group": "ep_transfer", "config": {"num_layers": 2}, "step": 0,
-                               "state": "collecting"}),
-              (0.5, "steps", {"count": 20, "dummy": 0, "step": 1, "state": "collecting"}),
-              (0.99, "transition", {"trigger": "step", "source": "collecting", "dest": "planning", "layer": 0,
-                                    "num_layers": 2, "layer_after": 0, "due": True, "state": "planning"}),
-              (0.995, "transition", PLAN)]
+    events = opening("async")
     events += [(t, "alive", {"interval_s": 1.0, "waiting_on": on, "steps_seen": step, "step": step})
                for t, step, on in alive if t < start]
     events += [(start, "collective_start", COLL)]
