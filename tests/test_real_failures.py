@@ -612,6 +612,10 @@ def test_a_rank_sigtermed_in_a_transfer_is_the_one_the_aborted_rearrangement_nam
 
     report = replay_dir(str(tmp_path))
     assert (report.verdict, report.culprit_ranks) == ("signalled", [2]), report.summary
+    # the layer it was moving when signalled (its machine's, as its trace left it; was: none in a signalled verdict)
+    last = read_trace(Path(tmp_path) / "rank00002.jsonl")[0][-1]
+    if last.get("state") == "transferring":
+        assert report.state == "transferring" and type(report.layer) is int, (report.state, report.layer)
     assert report.aborted, report.summary
     for entry in report.aborted:
         assert entry["late_ranks"] == [2] and "rank 2 was stopped by SIGTERM" in entry["text"], entry

@@ -293,7 +293,7 @@ def check_liveness(cast: Cast) -> Liveness:
             "signalled", s.end.get("step"), keys,
             f"{cast.who(keys)} {'was' if len(keys) == 1 else 'were'} stopped by {sig} (first at step "
             f"{s.end.get('step')} in {s.end.get('state')}) while no rank had failed before: stopped from outside",
-            state=s.end.get("state"),
+            state=s.end.get("state"), layer=s.final_layer if s.end.get("state") == TRANSFERRING else None,
             ranks=[cast.position(k, "signalled", _ending(parts[k]), parts[k].end.get("step"),
                                  parts[k].end.get("state")) for k in keys],
         )))
