@@ -44,3 +44,22 @@ def test_a_freeze_the_job_did_not_get_past_stays_the_cause(tmp_path):
     """No collective finished after the silence before rank 0's trace stopped: the freeze is still the verdict."""
     report = replay_dir(write(tmp_path, job(went_on=False)))
     assert (report.verdict, report.culprit_ranks) == ("frozen", [2]), report.summary
+
+
+def test_a_freeze_the_job_got_past_gives_way_to_a_later_hang(tmp_path):
+    """After rank 2's silence every rank finished all-reduces; then rank 1 never joined one that ranks 0 and 2 waited
+    in (a skipped step, as a red team's real run had): the hang names rank 1 (was: `frozen`, rank 2)."""
+    ranks = [Rank(r, world=3).steps(30, collective_every=5) for r in range(3)]
+    ranks[2].freeze(4.0)
+    for rk in ranks[:2]:
+        rk.wait(4.0)
+    for rk in ranks:
+        rk.steps(40, alive=False, collective_every=5)
+    for rk in (ranks[0], ranks[2]):
+        rk.emit("collective_start", op="all_reduce", group="ep", cseq=rk.cseq["ep"], shape=[16],
+                dtype="torch.float64", parts=["loads"])
+        rk.wait(5.0).end("exception", error="GroupBroken: all_reduce timed out after 5 s")
+    ranks[1].steps(41, alive=False).wait(5.0).end("exception", error="GroupBroken: all_reduce timed out after 5 s")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), report.summary
+    assert [f.culprits for f in report.findings if f.kind == "frozen"] == [[2]]

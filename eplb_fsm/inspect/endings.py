@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.findings import coll_text
 
 __all__ = ["CONNECTION_LOST", "WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "waits_on_peer"]
 
@@ -56,6 +57,30 @@ def last_wait(s) -> Any:
     waits = [e for e in entries(s) if type(e.ts) in (int, float) and (e.status == "open" or (
         e.status == "error" and type(e.step) is int and type(step) is int and e.step >= step))]
     return max(waits, key=lambda e: e.ts, default=None)
+
+
+def waiting_text(s) -> str:
+    """What the participant was waiting on at its last alive record, unless that collective ended since; else
+    the latest collective it was left inside or whose wait failed (:func:`last_wait`)."""
+    waiting = s.alive[-1][3] if s.alive else None
+    if waiting and not ended_since(s, waiting):
+        return f"waiting in {waiting.get('op')} (group {waiting.get('group')}, cseq {waiting.get('cseq')})"
+    last = last_wait(s)
+    if last is not None:
+        return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
+    return "in no controller collective (so in the engine's step or its own work)"
+
+
+def ending_text(s) -> str:
+    """How the participant's trace ended, in words (its ``end`` record, or none)."""
+    if (end := s.end) is None:
+        return "no end record"
+    how = end.get("how")
+    if how == "exception":
+        return f"ended with an exception: {end.get('error')}"
+    if how == "signal":
+        return f"stopped by {end.get('signal') or 'a signal'}"
+    return f"ended: {how}"
 
 
 def waits_on_peer(cast: Cast, key: Key) -> bool:

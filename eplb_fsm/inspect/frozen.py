@@ -18,6 +18,8 @@ from eplb_fsm.inspect.findings import Finding
 
 #: causes that a freeze the job got past does not explain (a later freeze or signal may still be its doing)
 _OWN_CAUSES = ("rank_died", "crashed")
+#: the findings of other checks that are such a cause when they come at the freeze's step or later
+_LATER_CAUSES = ("hang", "collective_mismatch", "decision_divergence", "step_divergence", "illegal_transition")
 
 
 def frozen_findings(cast: Cast, frozen: list[tuple], at: Callable, interval: Callable) -> list[tuple]:
@@ -42,24 +44,26 @@ def frozen_findings(cast: Cast, frozen: list[tuple], at: Callable, interval: Cal
     return out
 
 
-def _went_on(cast: Cast, key: Key, since: float, before: float) -> bool:
-    """``key`` finished a collective it started after ``since``, by ``before``."""
-    for e in entries(cast.parts[key]):
-        if e.status == "ended" and type(e.ts) in (int, float) and e.ts >= since \
-                and e.ts + (e.duration_s if type(e.duration_s) in (int, float) else 0.0) <= before:
-            return True
-    return False
+def _went_on(cast: Cast, key: Key, since: float) -> bool:
+    """``key`` finished a collective it started after ``since``."""
+    return any(e.status == "ended" and type(e.ts) in (int, float) and e.ts >= since for e in entries(cast.parts[key]))
 
 
-def survived_last(cast: Cast, events: list[tuple]) -> list[tuple]:
-    """``events`` (earliest first) as (ts, kind, key, Finding), each freeze the job got past before a later death
-    or crash moved behind the causes it does not explain (it stays a finding: it did happen)."""
-    def got_past(e: tuple) -> bool:
-        if e[1] != "frozen" or len(e) < 5:
-            return False
-        later = [x[0] for x in events if x[1] in _OWN_CAUSES and x[0] > e[4]]
-        return bool(later) and all(_went_on(cast, k, e[4], min(later)) for k in e[3].keys())
+def survived_last(cast: Cast, events: list[tuple]) -> tuple[list[tuple], list[Finding]]:
+    """``events`` (earliest first) as (ts, kind, key, Finding), each freeze the job got past moved behind a later
+    death or crash (it stays a finding: it did happen); and the findings of every freeze the job got past
+    (:func:`passed_last` applies the same rule to the findings that are no liveness event)."""
+    passed = [e for e in events if e[1] == "frozen" and len(e) > 4
+              and all(_went_on(cast, k, e[4]) for k in e[3].keys())]
+    later = [e for e in passed if any(x[1] in _OWN_CAUSES and x[0] > e[4] for x in events)]
+    ordered = [e for e in events if e not in later] + later
+    return [e[:4] for e in ordered], [e[3] for e in passed]
 
-    past = [got_past(e) for e in events]
-    ordered = [e for e, p in zip(events, past) if not p] + [e for e, p in zip(events, past) if p]
-    return [e[:4] for e in ordered]
+
+def passed_last(causes: list[Finding], rest: list[Finding], passed: list[Finding]) -> tuple[list, list]:
+    """``causes`` (liveness findings) and ``rest`` (the other findings), a freeze the job got past moved from the
+    first to the end of the second when ``rest`` holds a cause at its step or later (a hang, a divergence: the
+    job failed there, after it went on past the freeze)."""
+    moved = [f for f in causes if f in passed and f is causes[0] and any(
+        x.kind in _LATER_CAUSES and type(x.step) is int and type(f.step) is int and x.step >= f.step for x in rest)]
+    return [f for f in causes if f not in moved], rest + moved

@@ -46,8 +46,8 @@ from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.died import died_finding
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.endings import (WAIT_ERROR, ended_in_reaction, ended_since, entries, failed_wait_first,
-                                      last_wait, waits_on_peer)
+from eplb_fsm.inspect.endings import (WAIT_ERROR, ended_in_reaction, ending_text, entries, failed_wait_first,
+                                      waiting_text, waits_on_peer)
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
@@ -74,6 +74,7 @@ class Liveness:
     lost: list[Finding] = field(default_factory=list)   # silences in lost lines: lost_records, not causes
     pauses: list[str] = field(default_factory=list)   # windows every rank was silent over: warnings, not causes
     paused: list[tuple] = field(default_factory=list)   # those windows, (from ts, to ts)
+    passed: list[Finding] = field(default_factory=list)   # freezes the job got past (frozen.passed_last)
 
 
 def _interval(s) -> float:
@@ -82,29 +83,6 @@ def _interval(s) -> float:
 
 def _limit(s, factor: int) -> float:
     return max(factor * _interval(s), MIN_GAP_S)
-
-
-def _waiting_text(s) -> str:
-    """What the participant was waiting on at its last alive record, unless that collective ended since; else
-    the latest collective it was left inside or whose wait failed (``endings.last_wait``)."""
-    waiting = s.alive[-1][3] if s.alive else None
-    if waiting and not ended_since(s, waiting):
-        return f"waiting in {waiting.get('op')} (group {waiting.get('group')}, cseq {waiting.get('cseq')})"
-    last = last_wait(s)
-    if last is not None:
-        return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
-    return "in no controller collective (so in the engine's step or its own work)"
-
-
-def _ending(s) -> str:
-    if (end := s.end) is None:
-        return "no end record"
-    how = end.get("how")
-    if how == "exception":
-        return f"ended with an exception: {end.get('error')}"
-    if how == "signal":
-        return f"stopped by {end.get('signal') or 'a signal'}"
-    return f"ended: {how}"
 
 
 def _end_ts(s) -> float:
@@ -166,6 +144,12 @@ def _peers(cast: Cast, key: Key, before: bool = False) -> list[Key]:
             and cast.final_gen.get(o) == gen - 1]
 
 
+def _lone_joiner(cast: Cast, key: Key) -> bool:
+    """A joiner alone in its generation (its group never formed) that the ranks of the one before waited for:
+    ranks signalled over an interval after it are the launcher's reaction, as after a lost connection."""
+    return not _peers(cast, key) and bool(_peers(cast, key, before=True))
+
+
 def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str, str | None] | None:
     """Why ``key`` died (its reason, without its name, and a detail line), or None: see the module docstring."""
     s = cast.parts[key]
@@ -174,14 +158,15 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
     others_last = max((v for o, v in lasts.items() if o != key), default=None)
     if others_last is not None and others_last - lasts[key] > _limit(s, DEAD_FACTOR):
         what = "last alive" if s.alive and s.alive[-1][0] == lasts[key] else "last record"
-        return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {_waiting_text(s)}",
+        return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {waiting_text(s)}",
                 f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
     peers = _peers(cast, key, before=True)
     # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed
     # explains the stop itself, and the ranks a launcher killed after it are its consequences
     ended = [o for o in peers if cast.parts[o].end is not None and ended_in_reaction(cast, o)]
     # and peers stopped by a signal before any crash: a launcher stops the survivors once a rank is gone
-    signalled = stopped_after(cast, key, peers)
+    # a joiner alone in its generation kept the ranks before it waiting in the scale (signal_death: ``waited``)
+    signalled = stopped_after(cast, key, peers, waited=not _peers(cast, key))
     ended += signalled
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
     if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
@@ -231,7 +216,7 @@ def check_liveness(cast: Cast) -> Liveness:
     paused: list[tuple] = []
     frozen: list[tuple] = []
     for k, s in sorted(parts.items()):
-        out.endings[k] = _ending(s)
+        out.endings[k] = ending_text(s)
         label = cast.label(k)
         gaps, pauses = _gaps(cast, k)
         paused += [(p, k) for p in pauses]
@@ -271,14 +256,14 @@ def check_liveness(cast: Cast) -> Liveness:
     for ts, k in late_exceptions:
         s = parts[k]
         out.consequences.append((k, f"{cast.label(k)} gave up waiting at {at(ts)} (step {s.end.get('step')}, "
-                                f"{_waiting_text(s)}): {short_error(s.end.get('error'))}"))
+                                f"{waiting_text(s)}): {short_error(s.end.get('error'))}"))
         out.consequence_keys.add(k)
     # signalled without an earlier cause: the job was stopped from outside (one finding for all)
     stopped = sorted((e for e in events if e[1] == "signalled"), key=lambda e: e[0])
     events = [e for e in events if e[1] != "signalled"]
     # signalled over an interval after the first, once a peer had lost its connection to that one: the launcher's
     # reaction to a process gone
-    gone = bool(stopped) and dropped.seen_going(stopped[0][2], stopped[0][0])
+    gone = bool(stopped) and (dropped.seen_going(stopped[0][2], stopped[0][0]) or _lone_joiner(cast, stopped[0][2]))
     for ts, _, k, _ in (later := [e for e in stopped[1:] if gone and e[0] - stopped[0][0] > _interval(parts[e[2]])]):
         out.consequences.append((k, f"{cast.label(k)} was stopped by {parts[k].end.get('signal') or 'a signal'} at "
                                     f"{at(ts)}, {ts - stopped[0][0]:.1f} s after {cast.label(stopped[0][2])}, whose "
@@ -294,7 +279,7 @@ def check_liveness(cast: Cast) -> Liveness:
             f"{cast.who(keys)} {'was' if len(keys) == 1 else 'were'} stopped by {sig} (first at step "
             f"{s.end.get('step')} in {s.end.get('state')}) while no rank had failed before: stopped from outside",
             state=s.end.get("state"), layer=s.final_layer if s.end.get("state") == TRANSFERRING else None,
-            ranks=[cast.position(k, "signalled", _ending(parts[k]), parts[k].end.get("step"),
+            ranks=[cast.position(k, "signalled", ending_text(parts[k]), parts[k].end.get("step"),
                                  parts[k].end.get("state")) for k in keys],
         )))
     if not events:
@@ -302,7 +287,7 @@ def check_liveness(cast: Cast) -> Liveness:
         if lag is not None:
             events.append((0.0, "lagging", lag.keys()[0], lag))
     events.sort(key=lambda e: (e[0], e[2]))
-    events = survived_last(cast, events)   # a freeze the job got past is no cause of what failed after it
+    events, out.passed = survived_last(cast, events)   # a freeze the job got past is no cause of a later failure
     out.findings = [e[3] for e in events]
     # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
     first = None if events else next((e for e in sorted(late_exceptions) if _peers(cast, e[1])), None)
@@ -315,7 +300,7 @@ def check_liveness(cast: Cast) -> Liveness:
             continue
         if s.alive[-1][1] == s.alive[-2][1] and events:
             out.consequences.append((k, f"{cast.label(k)} waited at step {s.alive[-1][1]} in {s.alive[-1][2]} "
-                                    f"(alive, its step no longer advancing; {_waiting_text(s)})"))
+                                    f"(alive, its step no longer advancing; {waiting_text(s)})"))
             out.consequence_keys.add(k)
     return out
 
@@ -373,10 +358,10 @@ def _lagging(cast: Cast) -> Finding | None:
     return Finding.of(
         "lagging", low, behind,
         f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} "
-        f"({_waiting_text(s)}) while "
+        f"({waiting_text(s)}) while "
         f"{cast.who(ahead)} wait at step {top}: alive, their steps no longer advance",
         state=s.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in behind else "waiting",
-                             f"alive at step {stalled[k]}, {_waiting_text(cast.parts[k])}", stalled[k])
+                             f"alive at step {stalled[k]}, {waiting_text(cast.parts[k])}", stalled[k])
                for k in sorted(stalled)],
     )

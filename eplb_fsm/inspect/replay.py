@@ -27,6 +27,7 @@ from eplb_fsm.inspect.checks import (DIED_SLACK_STEPS, align_transitions, check_
                                     check_illegal, check_stuck, kept_transitions, step_count_mismatch, world_groups)
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
 from eplb_fsm.inspect.elastic import build_cast, renumbered, scale_context, scale_notes, scale_text, transition_offsets
+from eplb_fsm.inspect.frozen import passed_last
 from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
@@ -36,19 +37,9 @@ from eplb_fsm.inspect.records import trace_items
 from eplb_fsm.inspect.pauses import paused_late
 from eplb_fsm.inspect.signal_death import in_flight
 from eplb_fsm.inspect.torn import qualify_torn
-from eplb_fsm.inspect.summary import (
-    Collective,
-    MachineOracle,
-    RankSummary,
-    Transition,
-    find_all_trace_files,
-    find_trace_files,
-    load_rank_file,
-    load_rank_file_in_worker,
-    read_records,
-    summarize_rank,
-    summarize_text,
-)
+from eplb_fsm.inspect.summary import (Collective, MachineOracle, RankSummary, Transition, find_all_trace_files,
+                                     find_trace_files, load_rank_file, load_rank_file_in_worker, read_records,
+                                     summarize_rank, summarize_text)
 
 __all__ = [
     "KINDS", "HEALTHY", "NoTraces", "MixedRuns", "Finding", "Report", "Loaded", "diagnose", "load_dir", "replay_dir",
@@ -225,9 +216,10 @@ def diagnose(
     # cause first: a configuration that differs, then what the liveness records show, then the rest
     config = [f for f in findings if f.kind == "config_mismatch"]
     rest = [f for f in findings if f.kind != "config_mismatch"]
-    # a signal ends a hang only where its ranks had waited; a collective in flight stays in the signalled cause
-    causes = [f for f in live.findings if not (_died_waiting(f, rest, cast, live.findings)
-                                               or signalled_in_hang(f, in_flight(f, rest, cast), cast, live))]
+    # a signal ends a hang only where its ranks had waited; a collective in flight stays in the signalled cause;
+    # a freeze the job got past explains no later hang or divergence (frozen.passed_last)
+    causes, rest = passed_last([f for f in live.findings if not (_died_waiting(f, rest, cast, live.findings) or (
+        signalled_in_hang(f, in_flight(f, rest, cast), cast, live)))], rest, live.passed)
     findings = qualify_torn(cast, config + [_with_collective(f, rest, cast) for f in causes] + rest, warnings)
     if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
         findings = [live.unexplained]

@@ -67,15 +67,19 @@ def _end_ts(cast: Cast, key: Key) -> float | None:
     return ts if type(ts) in (int, float) else None
 
 
-def stopped_after(cast: Cast, key: Key, peers: list[Key]) -> list[Key]:
+def stopped_after(cast: Cast, key: Key, peers: list[Key], waited: bool = False) -> list[Key]:
     """The ``peers`` of ``key`` (a participant with no ``end``) that a signal stopped after ``key``'s last
-    record and before any participant crashed (see the module docstring)."""
+    record and before any participant crashed (see the module docstring). ``waited``: the peers waited for
+    ``key`` (a joiner alone in its generation, the ranks before it in the scale): a signal ``end`` more than
+    one interval after its last record counts as a tick it missed (a live joiner is past its header in ~0.1 s,
+    so one that wrote nothing more for an interval while they waited made no progress)."""
     last = cast.parts[key].last_ts
     if type(last) not in (int, float):
         return []
     later = {o: ts for o in peers if (cast.parts[o].end or {}).get("how") == "signal"
              and (ts := _end_ts(cast, o)) is not None and ts > last}
-    if not later or not any(_missed_tick(cast, o, last, ts) for o, ts in later.items()):
+    if not later or not any(_missed_tick(cast, o, last, ts) or (
+            waited and ts - last > (cast.parts[o].alive_interval or DEFAULT_INTERVAL_S)) for o, ts in later.items()):
         return []   # the usual case (no signal, or none after it): no need to read every end for a crash
     crashes = [ts for o, s in cast.parts.items() if o != key and (s.end or {}).get("how") == "exception"
                and (ts := _end_ts(cast, o)) is not None and not ended_in_reaction(cast, o)]
