@@ -15,7 +15,11 @@ counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) w
   of its intervals (``interval_s``; ``eplb_fsm.liveness.DEFAULT_INTERVAL_S`` when none was announced) after
   the rank's last record, and before its own signal ``end``. A live rank in the same state would have ticked
   too; a rank that merely wrote nothing for a while (a quiet collecting rank writes a ``steps`` run every 1.5
-  intervals and an ``alive`` record every ``HEARTBEAT_S``) did not miss anything the traces show.
+  intervals and an ``alive`` record every ``HEARTBEAT_S``) did not miss anything the traces show. For a joiner
+  alone in its generation (its group never formed) whose old ranks waited for it in the scale, a signal
+  ``end`` of theirs more than one interval after its last record counts as such a tick (``waited``): a live
+  joiner is past its header in about 0.1 s, and a launcher that reacts in 1.5 s often stops the old ranks
+  before their own next tick.
 
 A job stopped from outside while no rank had failed leaves an ``end how=signal`` on every rank whose trace
 could still be written. A live rank whose ``end`` is missing (its writes failing: a full disk, a file-size
