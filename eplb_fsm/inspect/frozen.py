@@ -64,6 +64,8 @@ def passed_last(causes: list[Finding], rest: list[Finding], passed: list[Finding
     """``causes`` (liveness findings) and ``rest`` (the other findings), a freeze the job got past moved from the
     first to the end of the second when ``rest`` holds a cause at its step or later (a hang, a divergence: the
     job failed there, after it went on past the freeze)."""
-    moved = [f for f in causes if f in passed and f is causes[0] and any(
-        x.kind in _LATER_CAUSES and type(x.step) is int and type(f.step) is int and x.step >= f.step for x in rest)]
-    return [f for f in causes if f not in moved], rest + moved
+    first = causes[0] if causes else None
+    if first is None or not any(first is f for f in passed) or type(first.step) is not int or not any(
+            x.kind in _LATER_CAUSES and type(x.step) is int and x.step >= first.step for x in rest):
+        return causes, rest
+    return causes[1:], rest + [first]

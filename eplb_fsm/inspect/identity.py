@@ -51,9 +51,13 @@ def run_id_of(s: RankSummary) -> str | None:
     return str(rid) if rid is not None else None
 
 
+def _said_rank(s: RankSummary) -> object:
+    """The ``rank`` field of the header of the file's first session, as written."""
+    return ((s.previous[0] if s.previous else s).header or {}).get("rank")
+
+
 def _header_rank(s: RankSummary) -> int | None:
-    first = s.previous[0] if s.previous else s
-    r = (first.header or {}).get("rank")
+    r = _said_rank(s)
     return r if type(r) is int and r >= 0 else None
 
 
@@ -84,8 +88,7 @@ def assign(loaded: list[tuple[int, Path, RankSummary]], run_id: str | None = Non
     loaded = [item for item in loaded if joiner_generation(item[1]) is None]
     claimed = [_header_rank(s) for _, _, s in loaded]
     for (r, p, s), h in zip(loaded, claimed):
-        said = ((s.previous[0] if s.previous else s).header or {}).get("rank")
-        if h is None and type(said) is int:   # a negative rank is no rank: the file name's is used
+        if h is None and type(said := _said_rank(s)) is int:   # a negative rank is no rank: the file name's is used
             s.warnings.append(f"{p.name}: the header's field 'rank' is {said}, not a rank (an integer >= 0); "
                               f"replayed as rank {r}, the file's name")
     swapped = [(r, p, h) for (r, p, _), h in zip(loaded, claimed) if h is not None and h != r]
