@@ -425,3 +425,16 @@ def test_a_line_nested_past_the_json_depth_limit_is_an_unreadable_line(two_rank_
         assert "healthy" in capsys.readouterr().out
         assert main(["replay", str(logs), "--rank", "1"]) == 0
         assert "1 unreadable line(s) skipped" in capsys.readouterr().out
+
+
+def test_replay_imports_no_torch(hang_dir):
+    """`eplb-fsm replay` reads traces without importing torch (1.5 s or more of start-up on a login node)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom eplb_fsm.cli import main\ncode = main(['replay', sys.argv[1], '--json'])\n"
+              "print(code, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    done = subprocess.run([sys.executable, "-c", script, str(hang_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "1 []", done.stdout[-500:]

@@ -19,7 +19,7 @@ import torch
 
 from eplb_fsm.config import EplbConfig
 from eplb_fsm.elastic import ScaleAborted, make_scale_plan
-from eplb_fsm.elastic.handover import handover_state
+from eplb_fsm.elastic.handover import config_for_handover, handover_state
 from eplb_fsm.fsm.collectives import flags
 from eplb_fsm.fsm.controller import EplbController
 from eplb_fsm.sim.model import ToyMoE
@@ -27,6 +27,8 @@ from eplb_fsm.transfer.groups import StoreGroup, connect_store
 
 WAIT_S = 30.0  # the bound on every wait of these tests; only a hang reaches it
 CONFIG = EplbConfig(window_size=4, step_interval=100, num_redundant_experts=4, collective_timeout_s=1.0)
+# the stand-in's own 1-rank controller: a build bounded by 1 s failed once on a loaded 2-core box
+STAND_IN_CONFIG = CONFIG.replace(collective_timeout_s=WAIT_S)
 
 
 def _bounded(call):
@@ -92,10 +94,12 @@ def _serving_stand_in(info, errors, transfer_group, namespace=None):
     try:
         group = StoreGroup.connect(info, 0, 0, 1, WAIT_S) if namespace is None else \
             StoreGroup(connect_store(info, WAIT_S), 0, 0, 1, WAIT_S, namespace=namespace)
-        ctl = EplbController(CONFIG, group=group)
+        ctl = EplbController(STAND_IN_CONFIG, group=group)
         ctl.add_model(ToyMoE(2, 4, 4, 4, 2, 0, 1), "main")
         sp = make_scale_plan(1, 2, generation=1)
-        ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(handover_state(ctl, sp)))
+        state = handover_state(ctl, sp)
+        state["config"] = config_for_handover(CONFIG)   # the joiner's, whose 1 s bounds what these tests time out
+        ctl.group.store.set(ctl.group.key("handover", 1), pickle.dumps(state))
         group = ctl.group.successor(1, 0, 2, WAIT_S)
         comm = None
         if transfer_group:

@@ -416,3 +416,62 @@ def test_rank_logs_take_each_ranks_stdout_from_its_start_with_the_stack_of_every
     out = capfd.readouterr().out
     assert "is running" not in out and "eplb-signals" not in out
 
+
+
+def _children(pid: int) -> list[str]:
+    """Command lines of ``pid``'s live children (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" ").decode())
+    return found
+
+
+def _in_session(sid: int) -> list[int]:
+    """Pids of live processes of session ``sid`` (zombies excluded)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                if int(fields[4]) == sid and fields[0] != "Z":
+                    pids.append(int(entry))
+    return pids
+
+
+def test_warm_forkserver_starts_the_server_with_torch_preloaded_without_waiting_for_it():
+    """warm_forkserver() returns with a forkserver child that preloads torch, and the caller has not imported torch."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\nfrom eplb_fsm.sim.launcher import warm_forkserver\nwarm_forkserver()\n"
+              "print('torch' in sys.modules)\nsys.stdout.flush()\nsys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "False"
+        servers = [c for c in _children(proc.pid) if "multiprocessing.forkserver" in c]
+        assert len(servers) == 1 and "'torch'" in servers[0], _children(proc.pid)
+    finally:
+        proc.communicate("", timeout=60)
+
+
+def test_a_usage_error_after_the_warm_up_leaves_no_process_behind():
+    """simulate refusing its arguments (exit 2) after starting the forkserver: the server ends with it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "eplb_fsm", "simulate", "--ranks", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--ranks must be >= 1" in err, err
+    deadline = time.monotonic() + 60    # the server may finish importing torch before it reads its pipe's end
+    while _in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_session(proc.pid) == []

@@ -331,6 +331,9 @@ def _interrupted(opts, name: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eplb_fsm.sim.launcher import warm_forkserver
+
+    warm_forkserver()   # it imports torch while build_options does here
     try:
         opts = build_options(args)
         note = load_note(opts)

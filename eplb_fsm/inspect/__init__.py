@@ -10,7 +10,8 @@ answered with SIGTERM), ``lost`` for findings that rest on lines a trace lost
 session's own step numbers (they break ``step_count_mismatch`` ties), ``identity`` for run ids
 and misnamed or duplicated files, and ``elastic`` for group swaps, joiners and leaving ranks)
 and ``render`` (text report, timeline). The synthetic-trace writer it re-exports
-(``SyntheticJob``, ``Faults``, ...) lives in :mod:`eplb_fsm.testing`.
+(``SyntheticJob``, ``Faults``, ...) lives in :mod:`eplb_fsm.testing`; those names load on first use,
+because that package imports torch and reading traces needs none (``eplb-fsm replay`` on a login node).
 """
 
 from eplb_fsm.inspect.diagrams import machine_edges, render_dot, render_mermaid, stale_files
@@ -29,7 +30,17 @@ from eplb_fsm.inspect.replay import (
     summarize_rank,
     summarize_text,
 )
-from eplb_fsm.testing import Faults, Stop, SyntheticJob, hang_faults, write_traces
+
+_FROM_TESTING = ("Faults", "Stop", "SyntheticJob", "hang_faults", "write_traces")
+
+
+def __getattr__(name: str):   # PEP 562: the testing names without importing torch for a replay
+    if name in _FROM_TESTING:
+        import eplb_fsm.testing
+
+        return getattr(eplb_fsm.testing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Faults",
