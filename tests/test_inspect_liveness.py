@@ -705,3 +705,47 @@ def test_a_rank_that_gave_up_waiting_is_said_to_wait_where_its_wait_failed_not_w
     assert report.culprit_ranks == [0], report.summary
     (said,) = [c for c in report.to_dict()["verdict_detail"]["consequences"] if c.startswith("rank 1 gave up")]
     assert "waiting in all_reduce (group ep, cseq 1" in said, said
+
+
+def _timed_out_on_a_ticking_rank(error: str, last_alive_s: float) -> list[Rank]:
+    """Rank 1 stalls in its engine at step 16 (alive records from 1 s into rank 0's wait up to ``last_alive_s``);
+    rank 0 waits in step 17's all-reduce, whose wait fails after 3 s with ``error``, and ends with it. Rank 1 has no
+    end record (its launcher stopped it later, and it traced no signal)."""
+    info = {"op": "all_reduce", "group": "ep", "cseq": 0, "shape": [16], "dtype": "torch.float64", "parts": ["loads"]}
+    ranks = [Rank(r, world=2).steps(16) for r in range(2)]
+    ranks[0].steps(17, alive=False)
+    ranks[0].emit("collective_start", **info)
+    start = ranks[0].ts
+    ranks[1].ts = start
+    ranks[1].wait(int(last_alive_s))
+    ranks[1].ts = start + last_alive_s
+    ranks[1].alive()
+    for t in (1.0, 2.0):   # a waiting rank ticks every interval
+        ranks[0].ts = start + t
+        ranks[0].alive(waiting_on=info)
+    ranks[0].ts = start + 3.0
+    ranks[0].emit("collective_error", error=error, **info)
+    ranks[0].end("exception", error="RuntimeError: controller failed at step 17")
+    return ranks
+
+
+def test_a_rank_that_ticked_until_its_peer_timed_out_on_it_is_the_hangs_culprit_not_dead(tmp_path):
+    """Rank 1 wrote alive records until 0.1 s before rank 0 timed out waiting for it: alive then (stalled in its
+    engine), so a hang naming rank 1, with no 'died' reading (was: 'rank 1 died (SIGKILL?) ... while every other
+    rank wrote its end record', from a red team's torchrun runs)."""
+    timeout = "RuntimeError: Timed out waiting 3000ms for recv operation to complete"
+    report = replay_dir(write(tmp_path, _timed_out_on_a_ticking_rank(timeout, 2.9)))
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), text
+    assert "never joined all_reduce" in report.summary and "died" not in text, text
+
+
+@pytest.mark.parametrize("error, last_alive_s", [
+    ("RuntimeError: Read error [127.0.0.1]:4515: Connection reset by peer", 2.9),   # its sockets closed: gone
+    ("RuntimeError: Timed out waiting 3000ms for recv operation to complete", 1.5),  # it missed a tick
+])
+def test_a_rank_gone_before_its_peer_gave_up_still_died(tmp_path, error, last_alive_s):
+    """The same wait, but rank 0 lost its connection to rank 1, or rank 1's last alive is 1.5 s (over an interval)
+    before rank 0 gave up: rank 1 died, as before."""
+    report = replay_dir(write(tmp_path, _timed_out_on_a_ticking_rank(error, last_alive_s)))
+    assert report.culprit_ranks == [1] and "rank 1 died (SIGKILL?)" in format_report(report), format_report(report)

@@ -63,7 +63,8 @@ def test_a_rank_killed_before_the_launcher_sigterms_the_others_died():
     # detail says so (docs/debugging-hangs.md: the traces cannot tell the two apart)
     assert report.findings[0].details == [
         "rank 0: last record at t+0.9 s; ranks 1-2 were stopped by SIGTERM from t+2.5 s and wrote their end "
-        "records (a process frozen for good looks the same)"]
+        "records; had it still been running, it took no signal in the launcher's grace (no Python ran: a C call "
+        "holding the GIL?) (a process frozen for good looks the same)"]
     assert not [f for f in report.findings if f.kind == "signalled"]
 
 
@@ -99,28 +100,67 @@ def test_a_signal_before_the_rank_stopped_writing_is_no_reaction_to_it():
 
 
 
-def test_a_live_rank_whose_end_was_lost_does_not_die_before_the_signals():
-    """A healthy job stopped from outside: every rank waits (alive at t+1.3, t+2.3 s), ranks 1-2 write their SIGTERM
-    end at t+2.5 s, rank 0's end is lost (failing writes, or SIGKILL after the grace). Rank 0 missed no liveness
-    tick of its peers, so the verdict is signalled, ranks 1-2 (was: rank_died, rank 0, 0.20 s before them)."""
+def test_a_rank_killed_just_before_a_fast_launchers_sigterm_died():
+    """Rank 0 waits like its peers (alive at t+1.3, t+2.3 s) and its trace stops 0.2 s before ranks 1-2's SIGTERM
+    ends: no tick missed (torchrun reacts within its 0.1 s --monitor-interval), still rank_died, rank 0 (was:
+    signalled, ranks 1-2, the ranks the launcher stopped after the kill)."""
     records = killed_during_scale()
     records[0] = rank_records(0, waited_then(None))
     report = diagnose(records)
-    assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
-    assert not [f for f in report.findings if f.kind == "rank_died"]
+    assert (report.verdict, report.culprit_ranks) == ("rank_died", [0]), format_report(report)
+    assert "0.20 s before ranks 1-2 were stopped by SIGTERM" in report.summary
+
+
+def _writes_failed(records: list[dict], how: str) -> list[dict]:
+    """``records`` with failed writes shown: a ``write_errors`` count on the last alive, or a torn last line."""
+    if how == "count":
+        alive = [r for r in records if r["event"] == "alive"]
+        alive[-1]["write_errors"] = 3
+        return records
+    return records + [{"torn": True}]
+
+
+def _diagnose_torn(records: dict[int, list[dict]]):
+    """diagnose() of records where a ``{"torn": True}`` last entry stands for a half-written last line."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from eplb_fsm.inspect.replay import replay_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank, recs in records.items():
+            lines = [json.dumps(r) for r in recs if not r.get("torn")]
+            torn = any(r.get("torn") for r in recs)
+            text = "\n".join(lines) + "\n" + ('{"ts": 1796575263.4, "rank": 0, "ev' if torn else "")
+            (Path(tmp) / f"rank{rank:05d}.jsonl").write_text(text)
+        return replay_dir(tmp)
+
+
+def test_a_rank_whose_writes_failed_needs_a_missed_tick_to_have_died():
+    """Rank 0's trace shows failed writes (a write_errors count, or a torn last line), so its own end may be what
+    was lost: without a liveness tick it missed the verdict stays signalled, ranks 1-2."""
+    for how in ("count", "torn"):
+        records = killed_during_scale()
+        records[0] = _writes_failed(rank_records(0, waited_then(None)), how)
+        report = _diagnose_torn(records) if how == "torn" else diagnose(records)
+        assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), (how, format_report(report))
+        assert not [f for f in report.findings if f.kind == "rank_died"]
 
 
 def test_a_tick_missed_against_alive_records_without_an_interval_uses_the_default():
-    """The killed rank of the first test, its peers' alive records carrying no interval_s: the default interval
-    (1 s) is the tick they made after rank 0's last record (t+0.9 s; alive at t+2.3 s): rank_died, rank 0."""
+    """Rank 0's writes failed (write_errors on its last alive), its peers' alive records carry no interval_s: the
+    default interval (1 s) makes their t+2.3 s alive a tick it missed after t+0.95 s (rank_died, rank 0), but
+    not after t+1.6 s (signalled, ranks 1-2)."""
     records = killed_during_scale()
     for r in (1, 2):
         for rec in records[r]:
             rec.pop("interval_s", None)
+    records[0] = rank_records(0, [(0.95, "alive", {"steps_seen": 12, "waiting_on": None, "write_errors": 1})])
     report = diagnose(records)
     assert (report.verdict, report.culprit_ranks) == ("rank_died", [0]), format_report(report)
-    records[0] = rank_records(0, [(1.6, "alive", {"steps_seen": 12, "waiting_on": None})])
-    report = diagnose(records)   # rank 0's last record at t+1.6 s: the peers' t+2.3 s alive is no missed tick
+    records[0] = rank_records(0, [(1.6, "alive", {"steps_seen": 12, "waiting_on": None, "write_errors": 1})])
+    report = diagnose(records)
     assert (report.verdict, report.culprit_ranks) == ("signalled", [1, 2]), format_report(report)
 
 

@@ -334,3 +334,12 @@ def test_in_memory_walk_checks_field_types_of_step_records_as_the_file_walk_does
     in_memory = sm.summarize_rank(records, 1)
     assert any(f"field {field!r}" in w for w in in_memory.warnings)
     assert _comparable(in_memory) == _comparable(sm.summarize_text(text, 1))
+
+
+def test_the_several_runs_warning_names_the_run_replayed_and_how_to_pick_the_one_before(healthy):
+    """A second run appended to the file (a restarted job): the warning gives both run ids and the --run-id to use."""
+    first, second = ([dict(r, run_id=run) if r["event"] == "header" else r for r in healthy[0]]
+                     for run in ("first00000000001", "second0000000002"))
+    s = sm.summarize_rank(first + second, 0)
+    assert any(w.endswith("replaying the last one (run second0000000002); --run-id first00000000001 replays the "
+                          "one before it") for w in s.warnings), s.warnings

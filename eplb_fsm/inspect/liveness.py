@@ -7,7 +7,9 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 
 - **died**: no ``end``, and either its last record is older than the others' last records by
   more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that
-  ended (the participants of its current group that did not leave on purpose) in order, giving up a wait,
+  ended (the participants of its current group that did not leave on purpose) in order, giving up a wait
+  (not when that first end gave up a wait, its last record is an interval or less before it and no peer lost
+  its connection to it: it was alive, and timed out on, then),
   or by a signal that came after its last record and before any crash, once a peer's liveness thread ticked
   a full interval after that record (``signal_death``: a launcher's SIGTERM to the survivors once a rank is
   gone): the process was killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within
@@ -46,8 +48,8 @@ from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.died import died_finding
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.endings import (WAIT_ERROR, ended_in_reaction, ending_text, entries, failed_wait_first,
-                                      waiting_text, waits_on_peer)
+from eplb_fsm.inspect.endings import (CONNECTION_LOST, WAIT_ERROR, ended_in_reaction, ending_text, entries,
+                                      failed_wait_first, waiting_text, waits_on_peer)
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
@@ -169,18 +171,28 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
     signalled = stopped_after(cast, key, peers, waited=not _peers(cast, key))
     ended += signalled
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
-    if not ended or lasts[key] >= min(_end_ts(cast.parts[o]) for o in ended):
-        # no peer's end tells it, but a peer lost its connection to it and went on (dropped.py)
-        lost = dropped.first_after(key)
-        if lost is None:
-            return None
+    lost = dropped.first_after(key)
+    first_end = min((_end_ts(cast.parts[o]) for o in ended), default=None)
+    if lost is not None:
         ts, peer, e = lost
-        return (f"{cast.label(peer)} lost its connection to it {ts - lasts[key]:.2f} s after its last record "
-                f"({coll_text(e)} failed at {at(ts)}: {short_error(e.error)}) and went on", None)
+        went_on = _end_ts(cast.parts[peer]) - ts > _interval(cast.parts[peer])   # not an end right after it
+        # no peer's end tells it, or one that went on lost its connection to it before any end (dropped.py)
+        if first_end is None or lasts[key] >= first_end or (went_on and ts < first_end):
+            return (f"{cast.label(peer)} lost its connection to it {ts - lasts[key]:.2f} s after its last record "
+                    f"({coll_text(e)} failed at {at(ts)}: {short_error(e.error)}) and went on", None)
+    if first_end is None or lasts[key] >= first_end:
+        return None
     first = min(ended, key=lambda o: _end_ts(cast.parts[o]))
     end = _end_ts(cast.parts[first])
     if first in signalled:
         return signal_death(cast, key, signalled, lasts[key], at)
+    gave_up = cast.parts[first].end.get("how") == "exception"
+    if gave_up and s.alive and end - lasts[key] <= _interval(s) and lost is None \
+            and not CONNECTION_LOST.search(str(cast.parts[first].end.get("error") or "")):
+        # it ticked less than an interval before the first peer gave up, and nobody lost a connection to it (a
+        # dead process closes its sockets): alive then, a rank its peers timed out on (stalled in its engine),
+        # stopped later by its launcher; the collective it never joined names it
+        return None
     if len(ended) == len(peers):
         return "while every other rank wrote its end record", None
     return (f"trace stops {end - lasts[key]:.2f} s before {cast.label(first)} ended "

@@ -187,3 +187,14 @@ def _records_of(value: Any, rank: int | None, n: int) -> list:
         if not isinstance(rec, dict):
             raise ValueError(f"diagnose: {who}: record {i} is {type(rec).__name__}, expected {_TRACE_RULE}{hint}")
     return records
+
+
+def runs_note(count: int | None, header: Mapping, earlier: Any) -> str:
+    """The warning of a file that holds several runs: the one replayed, and the ``--run-id`` of the one before it
+    (``earlier``: that run's header). A restarted job (torchrun ``--max-restarts``) appends its runs so."""
+    text = (f"the file holds {count} runs" if count else "the file holds several runs") + \
+        f" (a header at seq {header.get('seq')}, step {header.get('step')}); replaying the last one"
+    new, old = header.get("run_id"), earlier.get("run_id") if isinstance(earlier, Mapping) else None
+    if isinstance(new, str) and isinstance(old, str) and new != old:
+        text += f" (run {new}); --run-id {old} replays the one before it"
+    return text

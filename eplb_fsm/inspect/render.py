@@ -110,7 +110,8 @@ def format_report(report: Report, max_rank_lines: int = 40) -> str:
         lines.append(f"  no end record on {'rank' if len(unended) == 1 else 'ranks'} {ranks_text(unended)}: "
                      + ("each trace ends in a half-written line: the writers stopped (a full disk? a file-size "
                         "limit?) or the job was killed as a whole" if torn else "still running when read, or "
-                        "stopped together (killed, or frozen with no rank left to compare)"))
+                        "stopped together (killed; frozen with no rank left to compare; or stopped by a "
+                        "launcher's SIGTERM that no rank traced: eplb_fsm.stop_signals.end_traces_on_signal)"))
     return "\n".join(lines)
 
 

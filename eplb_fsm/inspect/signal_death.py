@@ -1,7 +1,8 @@
 """A rank with no ``end`` record whose trace stops before its peers were stopped by a signal: it went first.
 
 A launcher (torchrun, ``eplb-fsm simulate``) sends SIGTERM to the ranks still running once one of them is
-gone, and each of those writes ``end how=signal``. The rank that was gone wrote no ``end`` (SIGKILL, a crash
+gone, and each of those writes ``end how=signal`` (an engine of its own asks for that once per process:
+``eplb_fsm.stop_signals.end_traces_on_signal``). The rank that was gone wrote no ``end`` (SIGKILL, a crash
 of the interpreter, the OOM killer): its trace stops before the first of those ends. Read without it, the
 signals look like a job stopped from outside (``signalled``, naming the survivors). So ``liveness._death``
 counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) when
@@ -11,29 +12,28 @@ counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) w
 - no participant had crashed (an ``end`` with an exception that is no failed wait,
   ``endings.ended_in_reaction``) at or before it: a crash explains the launcher's signals itself, and a
   rank left without an end among them is one the launcher killed after it, and
-- the rank missed a liveness tick its peers made: a signalled peer wrote an ``alive`` record more than one
-  of its intervals (``interval_s``; ``eplb_fsm.liveness.DEFAULT_INTERVAL_S`` when none was announced) after
-  the rank's last record, and before its own signal ``end``. A live rank in the same state would have ticked
-  too; a rank that merely wrote nothing for a while (a quiet collecting rank writes a ``steps`` run every 1.5
-  intervals and an ``alive`` record every ``HEARTBEAT_S``) did not miss anything the traces show. For a joiner
-  alone in its generation (its group never formed) whose old ranks waited for it in the scale, a signal
-  ``end`` of theirs more than one interval after its last record counts as such a tick (``waited``): a live
-  joiner is past its header in about 0.1 s, and a launcher that reacts in 1.5 s often stops the old ranks
-  before their own next tick.
+- its own trace shows no failed write (no half-written last line, no ``write_errors`` count:
+  :func:`lost_writes`). A rank whose writes failed may have lost its own ``end``; for it the signals count only
+  once it missed a liveness tick its peers made: a signalled peer wrote an ``alive`` record more than one of its
+  intervals (``interval_s``; ``eplb_fsm.liveness.DEFAULT_INTERVAL_S`` when none was announced) after the rank's
+  last record, and before its own signal ``end`` (for a joiner alone in its generation whose old ranks waited
+  for it in the scale, a signal ``end`` of theirs more than one interval after its last record counts as such a
+  tick, ``waited``: a live joiner is past its header in about 0.1 s).
 
-A job stopped from outside while no rank had failed leaves an ``end how=signal`` on every rank whose trace
-could still be written. A live rank whose ``end`` is missing (its writes failing: a full disk, a file-size
-limit; or SIGKILLed by the launcher after its SIGTERM grace) stops just before the others' signal ends, with
-no tick missed: that still reads ``signalled``, naming the ranks that wrote their ends. The rule cannot tell a
-rank killed less than one interval before the launcher's SIGTERM (or killed while its peers wrote no
-``alive`` record: ranks making progress write one only every ``HEARTBEAT_S``) from such a live rank whose end
-was lost: both read ``signalled``.
+Why no tick is asked of a rank whose writes did not fail: launchers react fast (torchrun looks at its workers
+every 0.1 s, ``--monitor-interval``), so the survivors' SIGTERM ends follow the kill by a fraction of a second,
+and a rule that wanted a tick the dead rank missed named the survivors ``signalled`` in nearly every real kill
+(a red team's torchrun runs). A job stopped from outside while no rank had failed leaves an ``end how=signal``
+on every rank, since the signal thread writes it while the main thread waits in a collective
+(:mod:`eplb_fsm.stop_signals`); a rank without one did not take the signal: it was gone already, or it ran no
+Python for the launcher's whole grace (a C call holding the GIL) and was SIGKILLed after it. Either way it is
+where to look, and the finding's detail names the second reading.
 
 What the traces cannot tell apart either: a rank frozen (SIGSTOP, a stalled host) when the job was stopped
 from outside, without a SIGCONT, writes no ``end``, and its trace stops before the others' signal ends too:
 every thread of a stopped process stops, as of a killed one, and nothing it wrote before differs. (The
 stop of ``eplb-fsm simulate`` sends SIGCONT with SIGTERM, so a rank of its own writes its ``end`` and reads
-``frozen``.) Such a rank is named ``rank_died`` as well (once it missed a tick), and the finding's detail says
+``frozen``.) Such a rank is named ``rank_died`` as well, and the finding's detail says
 that a frozen process looks the same. It is the safer reading: that rank was no longer running when the
 others were stopped, so it is where to look either way, while ``signalled`` would name only ranks that did
 nothing wrong and leave the dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed.
@@ -63,7 +63,7 @@ from eplb_fsm.inspect.endings import ended_in_reaction
 from eplb_fsm.inspect.findings import Finding
 from eplb_fsm.liveness import DEFAULT_INTERVAL_S
 
-__all__ = ["in_flight", "signal_death", "stopped_after", "waiters"]
+__all__ = ["in_flight", "lost_writes", "signal_death", "stopped_after", "waiters"]
 
 
 def _end_ts(cast: Cast, key: Key) -> float | None:
@@ -82,13 +82,20 @@ def stopped_after(cast: Cast, key: Key, peers: list[Key], waited: bool = False) 
         return []
     later = {o: ts for o in peers if (cast.parts[o].end or {}).get("how") == "signal"
              and (ts := _end_ts(cast, o)) is not None and ts > last}
-    if not later or not any(_missed_tick(cast, o, last, ts) or (
-            waited and ts - last > (cast.parts[o].alive_interval or DEFAULT_INTERVAL_S)) for o, ts in later.items()):
+    if not later:
         return []   # the usual case (no signal, or none after it): no need to read every end for a crash
+    if lost_writes(cast.parts[key]) and not any(_missed_tick(cast, o, last, ts) or (
+            waited and ts - last > (cast.parts[o].alive_interval or DEFAULT_INTERVAL_S)) for o, ts in later.items()):
+        return []   # its writes failed: its own end may be what was lost, so only a tick it missed tells a death
     crashes = [ts for o, s in cast.parts.items() if o != key and (s.end or {}).get("how") == "exception"
                and (ts := _end_ts(cast, o)) is not None and not ended_in_reaction(cast, o)]
     first_crash = min(crashes, default=float("inf"))
     return [o for o, ts in later.items() if ts < first_crash]
+
+
+def lost_writes(s) -> bool:
+    """The participant's trace shows writes that failed: a half-written last line, or a ``write_errors`` count."""
+    return bool(s.truncated) or (type(s.write_errors) is int and s.write_errors > 0)
 
 
 def _missed_tick(cast: Cast, peer: Key, last: float, end: float) -> bool:
@@ -112,7 +119,8 @@ def signal_death(cast: Cast, key: Key, stopped: list[Key], last: float, at) -> t
     return (f"trace stops {end - last:.2f} s before {who} {were} stopped by {sig} (first at {at(end)}): a "
             "launcher stops the ranks still running once one is gone",
             f"last record at {at(last)}; {who} {were} stopped by {sig} from {at(end)} and wrote "
-            f"{'their end records' if len(stopped) > 1 else 'its end record'}")
+            f"{'their end records' if len(stopped) > 1 else 'its end record'}; had it still been running, it "
+            "took no signal in the launcher's grace (no Python ran: a C call holding the GIL?)")
 
 
 def waiters(cast: Cast, cause: Finding, coll: tuple) -> dict[Key, float]:

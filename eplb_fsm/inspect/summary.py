@@ -36,7 +36,7 @@ from eplb_fsm.inspect.blocks import MIN_BLOCK_LINES, BlockReader, TemplateStore
 from eplb_fsm.inspect.bulk import feed_units, periodic_stretches
 from eplb_fsm.inspect.identity import TRACE_NAME, joiner_generation, run_text
 from eplb_fsm.inspect.stepruns import StepLines, feed_run
-from eplb_fsm.inspect.records import SILENCE_S
+from eplb_fsm.inspect.records import SILENCE_S, runs_note
 from eplb_fsm.inspect.walker import parse_line, Walker
 from eplb_fsm.trace_segments import read_rank_segments, read_rank_text
 
@@ -126,8 +126,7 @@ class _Interleaved:
             w = Walker(self.rank, self.oracle, self.path)
             w.segments = self.walkers[-1].segments if self.walkers else None
             if rec.get("role") != "joiner":  # a new job appended to the file: the earlier runs are stale
-                w.s.warnings.append(f"the file holds several runs (a header at seq {rec.get('seq')}, step "
-                                    f"{rec.get('step')}); replaying the last one")
+                w.s.warnings.append(runs_note(None, rec, self.walkers[-1].s.header if self.walkers else None))
                 self.walkers = []
             self.walkers.append(w)
             w.record(rec)

@@ -27,7 +27,7 @@ from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.model import WORLD_GROUP, Collective, CollectiveIndex, MachineOracle, RankSummary, compact_record
 from eplb_fsm.inspect.records import (
     COLLECTIVE_EVENTS, LINE_HEAD, OWN_STATE, SILENCE_S, TYPED_KEYS, TYPES_OK, TYPE_NAMES, keep_record, keep_silence,
-    parse_line, start_from_header, wrong_fields,
+    parse_line, runs_note, start_from_header, wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.stepseq import StepSeq
@@ -109,10 +109,7 @@ class Walker:
             self.done = []
             self.s = RankSummary(rank=old.rank, path=old.path, bad_lines=old.bad_lines, truncated=old.truncated,
                                  warnings=old.warnings)
-            self.s.warnings.append(
-                f"the file holds {self.sessions} runs (a header at seq {header.get('seq')}, step "
-                f"{header.get('step')}); replaying the last one"
-            )
+            self.s.warnings.append(runs_note(self.sessions, header, old.header))
         self._begin()
 
     # -- helpers ---------------------------------------------------------

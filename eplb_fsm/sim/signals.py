@@ -62,17 +62,11 @@ def clear() -> None:
 
 
 def dump_stacks(reason: str, fd: int = 1) -> None:
-    """Write ``reason`` and the Python stack of every thread of this process to ``fd`` (default: stdout).
+    """Write ``reason`` and the Python stack of every thread of this process to ``fd`` (default: stdout, a
+    simulated rank's log): :func:`eplb_fsm.stop_signals.dump_stacks`, which reads frames without the GIL."""
+    from eplb_fsm.stop_signals import dump_stacks as dump
 
-    ``faulthandler`` reads the frames without taking the GIL, so the dump works even when
-    another thread holds it (a C call that never returns, a deadlock).
-    """
-    import faulthandler
-
-    with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
-    os.write(fd, f"eplb-signals: {reason}; the stack of every thread follows\n".encode())
-    faulthandler.dump_traceback(file=fd, all_threads=True)
+    dump(reason, fd)
 
 
 def watch_interpreter(timeout_s: float, period_s: float = 1.0) -> threading.Thread:
