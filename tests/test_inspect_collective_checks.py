@@ -180,3 +180,34 @@ def test_a_rank_that_skipped_a_collective_and_issued_a_later_one_in_the_group_is
                else dict(r, seq=n) for n, r in enumerate(skipped)]
     report = diagnose({0: _wait_failed(records[0], 1), 1: skipped})
     assert report.verdict == "collective_mismatch" and 1 in report.culprit_ranks, report.summary
+
+
+def test_a_posted_all_reduce_its_rank_never_read_back_is_told_as_an_engine_stall(tmp_path):
+    """Async ready flags posted by both ranks at step 18; rank 0 reads them at step 19 and waits in the next one,
+    rank 1's engine never calls step() again (alive at step 18): a hang naming rank 1 that says it never read the
+    posted all-reduce back (was: 'started ... and never finished', as if stuck inside a collective)."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.trace import EventTrace
+
+    now = [1_700_000_000.0]
+    traces = [EventTrace(r, 2, tmp_path, clock=lambda: now[0]) for r in range(2)]
+    for trace in traces:
+        trace.set_context(state="transferring", step=18)
+        trace.header({"num_layers": 2}, run_id="run-posted", mode="async", group="ep", transfer_group="ep_transfer")
+    posted = [t.open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"]) for t in traces]
+    now[0] += 0.1
+    traces[0].set_context(step=19)
+    traces[0].close_collective(posted[0])
+    waiting = traces[0].open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"])
+    for _ in range(3):
+        now[0] += 1.0
+        for trace, seen in zip(traces, (19, 18)):
+            trace.alive(1.0, seen)
+    traces[0].close_collective(waiting, RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    traces[0].end("exception", error="RuntimeError: controller failed at step 19")
+    for trace in traces:   # rank 1 writes no end: close() only closes its file
+        trace.close()
+    report = replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks) == ("hang", [1]), report.summary
+    assert report.summary.startswith("rank 1 posted all_reduce (group ep, cseq 0") and "never read it back" in \
+        report.summary and report.summary.endswith("rank 0 finished it"), report.summary

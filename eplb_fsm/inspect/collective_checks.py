@@ -344,12 +344,14 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
             ranks=positions(), **where,
         )
     if open_ and left:
-        return Finding.of(
-            "hang", start_step, open_,
-            f"{who(open_)} started {coll_text(ref)} at step {start_step} in {ref.state} and never finished; "
-            f"{who(left)} {'finished' if all(entries[k].status == 'ended' for k in left) else 'left'} it",
-            ranks=positions(), **where,
-        )
+        finished = all(entries[k].status == "ended" for k in left)
+        # a posted collective (async ready flags) completes without its rank; still open, it was never read back
+        unread = finished and all(entries[k].posted for k in open_)
+        how = ("posted", "and never read it back (no later step() call of its engine read it)") if unread else \
+            ("started", "and never finished")
+        return Finding.of("hang", start_step, open_, f"{who(open_)} {how[0]} {coll_text(ref)} at step {start_step} in "
+                          f"{ref.state} {how[1]}; {who(left)} {'finished' if finished else 'left'} it",
+                          ranks=positions(), **where)
     if open_:
         return Finding.of(
             "hang", start_step, open_,

@@ -4,8 +4,7 @@
 is what stage 1 (``eplb_fsm.inspect.summary``) keeps from one session of a rank file:
 the state-changing transitions, the collectives per group and sequence number, illegal
 transitions, watchdog and fault records, and for elastic EP the session's role, its
-``group_switch`` records and scale outcomes. ``Collective`` and ``Transition`` are its
-entries.
+``group_switch`` records and scale outcomes. ``Collective`` and ``Transition`` are its entries.
 """
 
 from __future__ import annotations
@@ -96,6 +95,7 @@ class Collective:
     duration_s: float | None = None
     error: str | None = None
     error_ts: Any = None          # when this rank's wait in it failed (its ``collective_error`` record)
+    posted: bool = False          # issued without waiting (async ready flags), read back at a later step
 
     def signature(self) -> tuple:
         """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""

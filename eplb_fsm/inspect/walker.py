@@ -314,8 +314,8 @@ class Walker:
                 s.warnings.append(f"collective {group}#{cseq} started twice (seq {rec.get('seq')})")
                 return
             entry = entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
-                                               rec.get("step"), st, rec.get("layer"), rec.get("seq"),
-                                               rec.get("wave"), rec.get("parts"), rec.get("ts"))
+                                               rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"),
+                                               rec.get("parts"), rec.get("ts"), posted=rec.get("posted") is True)
             if self.early_ends and (early := self.early_ends.pop((group, cseq), None)) is not None:
                 self._close(entry, early[0])
         elif ev == "collective_end" or ev == "collective_error":
