@@ -21,6 +21,7 @@ _EXPORTS = {
     "ExpertMaps": "eplb_fsm.maps",
     "LoadWindow": "eplb_fsm.stats",
     "aggregate_logical": "eplb_fsm.stats",
+    "end_traces_on_signal": "eplb_fsm.stop_signals",
     "initial_phy2log": "eplb_fsm.maps",
     "read_trace": "eplb_fsm.trace",
 }
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from eplb_fsm.fsm.controller import EplbController
     from eplb_fsm.maps import ExpertMaps, initial_phy2log
     from eplb_fsm.stats import LoadWindow, aggregate_logical
+    from eplb_fsm.stop_signals import end_traces_on_signal
     from eplb_fsm.trace import EventTrace, read_trace
 
 

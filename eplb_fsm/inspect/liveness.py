@@ -10,10 +10,11 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   ended (the participants of its current group that did not leave on purpose) in order, giving up a wait
   (not when that first end gave up a wait, its last record is an interval or less before it and no peer lost
   its connection to it: it was alive, and timed out on, then),
-  or by a signal that came after its last record and before any crash (``signal_death``: a launcher's SIGTERM
-  to the survivors once a rank is gone; when its own writes failed, only once a peer's liveness thread ticked
-  a full interval after that record): the process was killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within
-  ``DEAD_FACTOR`` intervals of each other are one finding (two ranks killed together).
+  or by a signal that came after its last record and before any crash (``signal_death``: a launcher's
+  SIGTERM to the survivors once a rank is gone; when its own writes failed, only once a peer's liveness
+  thread ticked a full interval after that record): the process was killed (SIGKILL, a crash of the
+  interpreter) or froze for good. Ranks that died within ``DEAD_FACTOR`` intervals of each other are one
+  finding (two ranks killed together).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). Silences begun
