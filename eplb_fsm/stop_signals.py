@@ -17,7 +17,8 @@ asks for it once, first thing in each rank process::
 :func:`end_traces_on_signal` blocks the signals in the calling thread, which every thread started later
 inherits, and starts one thread that waits for them (``sigwait``). It works while the main thread is
 blocked inside a gloo or NCCL wait, where a Python signal handler would run only once the wait
-returned. On a signal that thread writes ``end`` to every trace of the process still open, writes the
+returned. On a signal that thread writes ``end`` to every trace of the process still open (with the
+sender: its pid, and whether it is this process's parent, the launcher), writes the
 Python stack of every thread to stderr (where each thread stood when the launcher stopped the rank:
 the one thing a trace cannot say about a rank that went quiet), and ends the process by that same
 signal with its default action, so the launcher sees the exit it expects (torchrun: ``exitcode -15``).
@@ -119,15 +120,17 @@ def end_traces_on_signal(signals=(signal.SIGTERM,), stacks: bool = True) -> None
 
 
 def _wait(chosen: frozenset, stacks: bool) -> None:
-    _end(signal.sigwait(chosen), stacks)
+    info = signal.sigwaitinfo(chosen)
+    # who sent it: a launcher stopping its ranks is their parent; an operator's kill, or a scheduler, is not
+    _end(info.si_signo, stacks, {"pid": int(info.si_pid), "parent": int(info.si_pid) == os.getppid()})
 
 
-def _end(signum: int, stacks: bool) -> None:
+def _end(signum: int, stacks: bool, sender: dict | None = None) -> None:
     name = signal.Signals(signum).name
     with contextlib.suppress(Exception):   # nothing may keep the process from ending
         from eplb_fsm.trace_owners import end_open_traces
 
-        end_open_traces("signal", signal=name)
+        end_open_traces("signal", signal=name, sender=sender)
     if stacks:
         with contextlib.suppress(Exception):
             dump_stacks(f"{name} received (pid {os.getpid()})")

@@ -330,7 +330,8 @@ class EventTrace(CollectiveBrackets):
         return start
 
     # -- endings and liveness --------------------------------------------
-    def end(self, how: str, error: str | None = None, signal: str | None = None) -> dict | None:
+    def end(self, how: str, error: str | None = None, signal: str | None = None,
+            sender: dict | None = None) -> dict | None:
         """Write the ``end`` record (see :func:`end_fields`) once; later calls and records are not written.
 
         Returns the record, or None when an ``end`` was already written (or is deferred).
@@ -338,9 +339,9 @@ class EventTrace(CollectiveBrackets):
         handler: one that interrupted this thread while it held the lock cannot take it, so
         the ``end`` is written as soon as the interrupted write lets go of it.
         """
-        fields = end_fields(how, error, signal)
+        fields = end_fields(how, error, signal, sender)
         if self._owner == threading.get_ident() or not self._lock.acquire(timeout=END_LOCK_WAIT_S):
-            self._end_pending = (how, error, signal)
+            self._end_pending = (how, error, signal, sender)
             return None
         try:
             self._end_pending = None

@@ -131,11 +131,12 @@ def trace_path(trace_dir: str | os.PathLike, rank: int, generation: int = 0) -> 
     return Path(trace_dir) / (f"rank{rank:05d}.g{int(generation)}.jsonl" if generation else f"rank{rank:05d}.jsonl")
 
 
-def end_fields(how: str, error: str | None = None, signal: str | None = None) -> dict:
+def end_fields(how: str, error: str | None = None, signal: str | None = None, sender: dict | None = None) -> dict:
     """The fields of an ``end`` record (beyond the base fields); ValueError on a bad combination.
 
     ``how``: ``closed`` (an orderly close), ``exception`` (``error`` = ``"Type: message"``)
-    or ``signal`` (``signal`` = the signal's name, e.g. ``"SIGTERM"``).
+    or ``signal`` (``signal`` = the signal's name, e.g. ``"SIGTERM"``; ``sender``, when known:
+    ``{"pid": the sending process, "parent": whether it is this process's parent, its launcher}``).
     """
     if how not in END_HOWS:
         raise ValueError(f"end: how must be one of {', '.join(END_HOWS)}, got {how!r}")
@@ -152,6 +153,11 @@ def end_fields(how: str, error: str | None = None, signal: str | None = None) ->
         fields["signal"] = signal
     elif signal is not None:
         raise ValueError(f"end: signal is only given with how='signal', got how={how!r}")
+    if sender is not None:
+        if how != "signal" or not isinstance(sender, dict) or type(sender.get("pid")) is not int \
+                or type(sender.get("parent")) is not bool:
+            raise ValueError(f"end: sender is {{'pid': int, 'parent': bool}} with how='signal', got {sender!r}")
+        fields["sender"] = {"pid": sender["pid"], "parent": sender["parent"]}
     return fields
 
 

@@ -185,12 +185,14 @@ def release(trace: Any, key: str | None = None) -> None:
             _let_go(key, fh)
 
 
-def end_open_traces(how: str, error: str | None = None, signal: str | None = None) -> int:
+def end_open_traces(how: str, error: str | None = None, signal: str | None = None,
+                    sender: dict | None = None) -> int:
     """Write ``end`` (see :func:`eplb_fsm.trace_fields.end_fields`) to every trace of this process still
-    open; returns how many. For a signal handler that is about to exit the process (``eplb_fsm.sim.signals``).
-    A trace another process opened (inherited through a fork the hooks did not see) is left alone."""
+    open; returns how many. For a signal handler that is about to exit the process (``eplb_fsm.sim.signals``,
+    ``eplb_fsm.stop_signals``). A trace another process opened (inherited through a fork the hooks did not
+    see) is left alone."""
     pid = os.getpid()
-    return sum(trace.end(how, error, signal) is not None for trace in list(_open) if trace.pid == pid)
+    return sum(trace.end(how, error, signal, sender) is not None for trace in list(_open) if trace.pid == pid)
 
 
 def _after_fork_in_child() -> None:

@@ -749,3 +749,23 @@ def test_a_rank_gone_before_its_peer_gave_up_still_died(tmp_path, error, last_al
     before rank 0 gave up: rank 1 died, as before."""
     report = replay_dir(write(tmp_path, _timed_out_on_a_ticking_rank(error, last_alive_s)))
     assert report.culprit_ranks == [1] and "rank 1 died (SIGKILL?)" in format_report(report), format_report(report)
+
+
+@pytest.mark.parametrize("senders, culprits", [
+    ({1: False, 0: True, 2: True}, [1]),       # an operator's kill of rank 1, then the launcher's reaction
+    ({1: True, 0: True, 2: True}, [0, 1, 2]),  # the launcher stopped them all (a stop sent to it)
+    ({}, [0, 1, 2]),                           # no sender recorded (an engine's own handler): as before
+])
+def test_a_rank_signalled_from_outside_then_its_peers_by_their_launcher(tmp_path, senders, culprits):
+    """Rank 1 is SIGTERMed first, ranks 0 and 2 13 ms later: with the senders recorded (stop_signals), ranks stopped
+    by their launcher after a rank stopped from outside are consequences (was: signalled, ranks 0-2)."""
+    ranks = [Rank(r, world=3).steps(30) for r in range(3)]
+    base = max(rk.ts for rk in ranks)
+    for rk in ranks:
+        rk.ts = base + (0.0 if rk.rank == 1 else 0.013)
+        sender = {"sender": {"pid": 4242, "parent": senders[rk.rank]}} if senders else {}
+        rk.end("signal", signal="SIGTERM", **sender)
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("signalled", culprits), format_report(report)
+    reacted = [c for c in report.consequences if "from its launcher" in c]
+    assert len(reacted) == (2 if culprits == [1] else 0), report.consequences

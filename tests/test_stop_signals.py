@@ -169,3 +169,17 @@ def test_torchrun_stopped_from_outside_reads_signalled_on_every_rank(tmp_path):
     report = replay_dir(traces)
     assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)
     assert not [f for f in report.findings if f.kind == "rank_died"], format_report(report)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_sigtermed_from_outside_under_torchrun_is_the_one_named(tmp_path):
+    """SIGTERM to rank 1 alone: its end records a sender that is not its parent, torchrun then stops rank 0 (sender:
+    its parent): signalled, rank 1 only, rank 0 a consequence (was: signalled, ranks 0-1)."""
+    traces, code, out = _torchrun_job(tmp_path, lambda pids, _: os.kill(pids[1], signal.SIGTERM))
+    assert code != 0, out
+    ends = {r: read_trace(traces / f"rank{r:05d}.jsonl")[0][-1] for r in (0, 1)}
+    assert ends[1]["sender"] == {"pid": os.getpid(), "parent": False}, ends
+    assert ends[0]["sender"]["parent"] is True, ends
+    report = replay_dir(traces)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [1]), format_report(report)
+    assert any(c.startswith("rank 0 was stopped by SIGTERM from its launcher") for c in report.consequences)

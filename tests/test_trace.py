@@ -182,6 +182,9 @@ def test_end_is_written_once_and_nothing_follows_it(tmp_path):
     ("signal", {}, "needs signal"),
     ("closed", {"signal": "SIGTERM"}, "signal is only given"),
     ("closed", {"error": "E: x"}, "error is only given"),
+    ("closed", {"sender": {"pid": 1, "parent": True}}, "sender is"),
+    ("signal", {"signal": "SIGTERM", "sender": {"pid": "1", "parent": True}}, "sender is"),
+    ("signal", {"signal": "SIGTERM", "sender": {"pid": 1, "parent": 1}}, "sender is"),
 ])
 def test_end_fields_refuse_a_bad_combination(how, kwargs, needle):
     """A bad `end` names the field and the rule, and writes nothing."""
@@ -195,7 +198,14 @@ def test_end_signal_record_names_the_signal(tmp_path):
     """how=signal carries the signal's name and no error."""
     with EventTrace(rank=1, world=2, trace_dir=tmp_path) as trace:
         rec = trace.end("signal", signal="SIGTERM")
-    assert rec["signal"] == "SIGTERM" and "error" not in rec
+    assert rec["signal"] == "SIGTERM" and "error" not in rec and "sender" not in rec
+
+
+def test_end_signal_record_carries_its_sender_when_known(tmp_path):
+    """how=signal with a sender: the record holds its pid and whether it is the process's parent, nothing more."""
+    with EventTrace(rank=1, world=2, trace_dir=tmp_path) as trace:
+        rec = trace.end("signal", signal="SIGTERM", sender={"pid": 77, "parent": False, "extra": 1})
+    assert rec["sender"] == {"pid": 77, "parent": False}
 
 
 def test_alive_reports_the_open_collective_and_the_previous_step():

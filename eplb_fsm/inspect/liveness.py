@@ -200,6 +200,12 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
             f"({cast.parts[first].end.get('how')}, at {at(end)})", None)
 
 
+def _by_launcher(s) -> bool | None:
+    """Whether the signal that ended ``s`` came from its parent (its launcher); None when not recorded."""
+    sender = (s.end or {}).get("sender")
+    return sender.get("parent") if isinstance(sender, dict) and type(sender.get("parent")) is bool else None
+
+
 def check_liveness(cast: Cast) -> Liveness:
     """Cause findings from ``end`` and ``alive`` records, earliest first; see the module docstring."""
     parts = cast.parts
@@ -283,6 +289,16 @@ def check_liveness(cast: Cast) -> Liveness:
                                     "peers had lost their connection to it"))
         out.consequence_keys.add(k)
     stopped = [e for e in stopped if e not in later]
+    # signalled by their own launcher after a rank that something else signalled (an operator's kill of one
+    # rank): the launcher's reaction to that rank's exit (the sender comes from eplb_fsm.stop_signals)
+    outside = next((e for e in stopped if _by_launcher(parts[e[2]]) is False), None)
+    for ts, _, k, _ in (reacted := [e for e in stopped if outside is not None and e[0] > outside[0]
+                                    and _by_launcher(parts[e[2]]) is True]):
+        out.consequences.append((k, f"{cast.label(k)} was stopped by {parts[k].end.get('signal') or 'a signal'} "
+                                    f"from its launcher at {at(ts)}, {ts - outside[0]:.2f} s after "
+                                    f"{cast.label(outside[2])}, whose signal came from outside it"))
+        out.consequence_keys.add(k)
+    stopped = [e for e in stopped if e not in reacted]
     if stopped:
         keys = [e[2] for e in stopped]
         s = parts[keys[0]]

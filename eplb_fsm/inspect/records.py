@@ -38,7 +38,7 @@ _SCALING_KEYS = ("step", "generation", "kind", "from_ranks", "to_ranks", "reques
                  "reason", "degraded", "lost_experts", "partial", "phase", "layers_committed")
 _ABORT_KEYS = ("step", "generation", "phase", "reason", "lost_experts")
 COLLECTIVE_EVENTS = frozenset({"collective_start", "collective_end", "collective_error"})
-_END_KEYS = ("how", "error", "signal", "ts", "step", "state", "seq")
+_END_KEYS = ("how", "error", "signal", "sender", "ts", "step", "state", "seq")
 _INJECTED_KEYS = ("kind", "target_rank", "at_step", "ts", "step", "state", "seconds")
 # records stamped with their own view of the state: a header, a watchdog report, the liveness
 # thread (which can read the state while a transition is being written)
