@@ -120,6 +120,9 @@ def end_traces_on_signal(signals=(signal.SIGTERM,), stacks: bool = True) -> None
 
 
 def _wait(chosen: frozenset, stacks: bool) -> None:
+    if not hasattr(signal, "sigwaitinfo"):   # macOS: the signal alone, no sender
+        _end(signal.sigwait(chosen), stacks)
+        return
     info = signal.sigwaitinfo(chosen)
     # who sent it: a launcher stopping its ranks is their parent; an operator's kill, or a scheduler, is not
     _end(info.si_signo, stacks, {"pid": int(info.si_pid), "parent": int(info.si_pid) == os.getppid()})
