@@ -38,7 +38,7 @@ __all__ = ["end_traces_on_signal", "dump_stacks", "thread_count"]
 
 # what sigwait can take: SIGKILL and SIGSTOP cannot be caught, and the fault signals belong to faulthandler
 _REFUSED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
-_installed: frozenset | None = None
+_installed: tuple[frozenset, bool] | None = None   # (signals, stacks) of the call that took effect
 
 
 def thread_count() -> int:
@@ -88,8 +88,8 @@ def _checked(signals) -> frozenset:
 def end_traces_on_signal(signals=(signal.SIGTERM,), stacks: bool = True) -> None:
     """End every open trace of this process with ``how: signal`` when one of ``signals`` arrives, then die by it.
 
-    Call once per process, from the main thread, before any other thread exists (before
-    ``torch.distributed.init_process_group`` and the controller): a thread started earlier does not block
+    Call once per process, from the main thread, before any other thread exists (before ``import torch``,
+    which starts one, and so before the process group and the controller): a thread started earlier does not block
     the signals, and the kernel may hand the signal to it, which ends the process with no ``end``.
     ``signals``: SIGTERM by default (what torchrun and most schedulers send); add ``signal.SIGINT`` to
     trace a Ctrl-C too (the process then dies by it instead of raising ``KeyboardInterrupt``). ``stacks``:
@@ -101,7 +101,7 @@ def end_traces_on_signal(signals=(signal.SIGTERM,), stacks: bool = True) -> None
     if not isinstance(stacks, bool):
         raise ValueError(f"stacks must be a bool, got {type(stacks).__name__}")
     if _installed is not None:
-        if _installed != chosen | {stacks}:
+        if _installed != (chosen, stacks):
             raise ValueError("end_traces_on_signal was already called with other signals or stacks "
                              "(once per process)")
         return
@@ -115,7 +115,7 @@ def end_traces_on_signal(signals=(signal.SIGTERM,), stacks: bool = True) -> None
     for s in chosen:   # the default action at the end; a handler set later is honoured (see _end)
         signal.signal(s, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_BLOCK, chosen)
-    _installed = chosen | {stacks}
+    _installed = (chosen, stacks)
     threading.Thread(target=_wait, args=(chosen, stacks), name="eplb-stop-signals", daemon=True).start()
 
 

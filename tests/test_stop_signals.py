@@ -63,6 +63,29 @@ def test_a_process_with_threads_is_refused_before_anything_changes():
         other.join(WAIT_S)
 
 
+SECOND_CALL = """
+import signal
+from eplb_fsm.stop_signals import end_traces_on_signal
+end_traces_on_signal()
+end_traces_on_signal()   # the same arguments: nothing to do
+for args in [((signal.SIGTERM, signal.SIGHUP),), ((signal.SIGTERM,), False)]:
+    try:
+        end_traces_on_signal(*args)
+        print("accepted")
+    except ValueError as exc:
+        print(exc)
+"""
+
+
+def test_a_second_call_with_other_arguments_is_refused():
+    """Once installed, the same call does nothing; another signal set (SIGHUP added, whose number is True's) or
+    stacks=False is a ValueError, in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", SECOND_CALL], capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["end_traces_on_signal was already called with other signals or stacks "
+                                        "(once per process)"] * 2, done.stdout
+
+
 BLOCKED = """
 import sys, time
 from eplb_fsm.stop_signals import end_traces_on_signal
