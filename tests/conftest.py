@@ -1,9 +1,15 @@
 """Shared test settings: hypothesis profile sized for a 2-core CI machine; temporary files under pytest's own
-root; a 1-rank gloo group; a TCP store."""
+root; a 1-rank gloo group; a TCP store; hand-written trace records; a real torchrun job."""
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -66,3 +72,42 @@ def timeline(rank: int, world: int, t0: float, events: list[tuple[float, str, di
         out.append({"ts": round(t0 + t, 6), "rank": rank, "world": world, "event": event, **defaults, "seq": seq,
                     **fields})
     return out
+
+
+TORCHRUN_WAIT_S = 90.0   # the bound on every wait of a torchrun job; only a hang reaches it
+
+
+def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict | None = None) -> tuple[Path, int, str]:
+    """Two gloo ranks of the script ``engine`` under torchrun (``python -m torch.distributed.run``, 0.1 s monitor
+    interval), run as ``engine TRACES PIDS *args``; each rank writes its pid as PIDS/<rank> when it wants the test
+    to act. Once both did, ``stop(pids, launcher, traces)``; then wait for torchrun to end (the whole process
+    group is SIGKILLed on the way out if it did not). Returns (traces folder, torchrun's exit code, its output)."""
+    script, traces, pids = tmp_path / "engine.py", tmp_path / "traces", tmp_path / "pids"
+    script.write_text(textwrap.dedent(engine))
+    traces.mkdir()
+    pids.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--monitor-interval", "0.1", str(script), str(traces), str(pids), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + TORCHRUN_WAIT_S
+        while len(list(pids.iterdir())) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert launcher.poll() is None and len(list(pids.iterdir())) == 2, "the ranks did not reach the test's step"
+        stop({int(p.name): int(p.read_text()) for p in pids.iterdir() if not p.name.endswith(".tmp")}, launcher,
+             traces)
+        out, _ = launcher.communicate(timeout=TORCHRUN_WAIT_S)
+    finally:
+        if launcher.poll() is None:   # torchrun's workers lead sessions of their own: each is killed by its pid
+            workers = [int(p.read_text()) for p in pids.iterdir() if not p.name.endswith(".tmp")]
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(TORCHRUN_WAIT_S)
+            for pid in workers:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+    return traces, launcher.returncode, out

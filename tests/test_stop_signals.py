@@ -12,11 +12,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from conftest import torchrun_job
 
 from eplb_fsm import stop_signals
 from eplb_fsm.inspect.render import format_report
@@ -148,26 +148,7 @@ with EplbController(config, group=dist.group.WORLD, device="cpu", trace_dir=trac
 
 def _torchrun_job(tmp_path: Path, stop) -> tuple[Path, int, str]:
     """Two gloo ranks of ENGINE under torchrun; once both passed step 20, ``stop(pids, launcher)``; then wait."""
-    script, traces, pids = tmp_path / "engine.py", tmp_path / "traces", tmp_path / "pids"
-    script.write_text(textwrap.dedent(ENGINE))
-    traces.mkdir()
-    pids.mkdir()
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--monitor-interval", "0.1", str(script), str(traces), str(pids)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while len(list(pids.iterdir())) < 2 and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert launcher.poll() is None and len(list(pids.iterdir())) == 2, "the ranks did not reach step 20"
-        stop({int(p.name): int(p.read_text()) for p in pids.iterdir()}, launcher)
-        out, _ = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(WAIT_S)
-    return traces, launcher.returncode, out
+    return torchrun_job(tmp_path, ENGINE, lambda pids, launcher, _: stop(pids, launcher))
 
 
 @pytest.mark.multiprocess

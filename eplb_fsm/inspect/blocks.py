@@ -194,9 +194,9 @@ class BlockReader:
             index = cols.get(group)
             if index is None:
                 index = cols[group] = CollectiveIndex()
-            op, name, shape, dtype, state, layer, wave, parts, duration, error = t
+            op, name, shape, dtype, state, layer, wave, parts, duration, error, peers = t
             index.one[c] = Collective(op, name, c, shape, dtype, steps[js], state, layer, first + js, wave, parts,
-                                      ts[js], "ended", duration if d is None else d, error)
+                                      ts[js], "ended", duration if d is None else d, error, peers=peers)
         events = s.events
         for ev, count in recipe.events:
             events[ev] += count

@@ -6,15 +6,15 @@ record about once per ``interval_s`` with the rank's step, state and the collect
 in (docs/events.md). From those, per participant (``elastic.Cast``):
 
 - **died**: no ``end``, and either its last record is older than the others' last records by
-  more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that
-  ended (the participants of its current group that did not leave on purpose) in order, giving up a wait
-  (not when that first end gave up a wait, its last record is an interval or less before it and no peer lost
-  its connection to it: it was alive, and timed out on, then),
-  or by a signal that came after its last record and before any crash (``signal_death``: a launcher's
-  SIGTERM to the survivors once a rank is gone; when its own writes failed, only once a peer's liveness
-  thread ticked a full interval after that record): the process was killed (SIGKILL, a crash of the
-  interpreter) or froze for good. Ranks that died within ``DEAD_FACTOR`` intervals of each other are one
-  finding (two ranks killed together).
+  more than ``DEAD_FACTOR`` intervals, or it comes before the first ``end`` of the peers that ended (the
+  participants of its current group that did not leave on purpose) in order, giving up a wait (not when that
+  first end gave up a wait, its last record is an interval or less before it and no peer lost its connection
+  to it: it was alive, and timed out on, then), or by a signal that came after its last record and before
+  any crash (``signal_death``: a launcher's SIGTERM to the survivors once a rank is gone; when its own writes
+  failed, only once a peer's liveness thread ticked a full interval after that record): the process was
+  killed (SIGKILL, a crash of the interpreter) or froze for good. Ranks that died within ``DEAD_FACTOR``
+  intervals of each other are one finding (two ranks killed together). On gloo, one that a peer still waited
+  on, unbroken, past the frozen limit after its last record was a process then: ``frozen`` for good (``held``).
 - **frozen**: a silence (no record of any kind) of more than ``FROZEN_FACTOR`` intervals
   while another rank wrote alive records inside it (SIGSTOP, then SIGCONT): a waiting rank writes
   one every interval, the first within 1.5 intervals of its wait's start (eplb_fsm.liveness). Silences begun
@@ -53,6 +53,7 @@ from eplb_fsm.inspect.endings import (CONNECTION_LOST, WAIT_ERROR, ended_in_reac
                                       failed_wait_first, waiting_text, waits_on_peer)
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
+from eplb_fsm.inspect.held import held_findings, held_open
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
@@ -226,6 +227,9 @@ def check_liveness(cast: Cast) -> Liveness:
     dropped = Dropped(cast)
     dead = sorted((lasts[k], k, why) for k in sorted(parts)
                   if (why := _death(cast, k, lasts, at, dropped)) is not None)
+    # a peer's wait on it stayed unbroken past the frozen limit: a process then, silent (on gloo; held.py)
+    held = [(*d[:2], h) for d in dead if (h := held_open(cast, d[1], dropped, _limit(parts[d[1]], FROZEN_FACTOR)))]
+    events, dead = held_findings(cast, held, at, _interval), [d for d in dead if d[1] not in {h[1] for h in held}]
     while dead:   # ranks that died within the dead limit of the first are one finding: killed together
         limit = _limit(parts[dead[0][1]], DEAD_FACTOR)
         together = [d for d in dead if d[0] - dead[0][0] <= limit]

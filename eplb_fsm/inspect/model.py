@@ -72,9 +72,7 @@ class MachineOracle:
         return out
 
 
-# ---------------------------------------------------------------------------------------
-# stage 1: one rank
-
+# stage 1: one rank ----------------------------------------------------------------------
 @dataclass
 class Collective:
     """One rank's view of one collective: the start record and how it ended."""
@@ -96,6 +94,7 @@ class Collective:
     error: str | None = None
     error_ts: Any = None          # when this rank's wait in it failed (its ``collective_error`` record)
     posted: bool = False          # issued without waiting (async ready flags), read back at a later step
+    peers: Any = None             # a point-to-point batch's partners (group ranks), from its start record
 
     def signature(self) -> tuple:
         """What must agree across ranks: op, shape (not for point-to-point ops), layer, wave, parts."""
@@ -147,7 +146,7 @@ class CollRun:
         t = self.template
         step = t.step + (c - t.cseq) * self.steps_per if type(t.step) is int else t.step
         return Collective(t.op, t.group, c, t.shape, t.dtype, step, t.state, t.layer, None, t.wave, t.parts, None,
-                          "ended", t.duration_s)
+                          "ended", t.duration_s, peers=t.peers)
 
 
 class CollectiveIndex:

@@ -229,7 +229,7 @@ def build_recipe(w, recs: list[dict], lines: list[str], ctx: tuple, fields: list
         # its fields now: a later record of this file may still change the template's status or error
         recipe.collectives.append((group, js, (tmpl.op, tmpl.group, tmpl.shape, tmpl.dtype, tmpl.state,
                                                tmpl.layer, tmpl.wave, tmpl.parts, tmpl.duration_s,
-                                               tmpl.error)))
+                                               tmpl.error, tmpl.peers)))
         c_start.append(where[js]["cseq"])
         c_end.append(where[j]["cseq"])
         if "duration_s" in where[j]:

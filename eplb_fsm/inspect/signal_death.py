@@ -33,10 +33,11 @@ What the traces cannot tell apart either: a rank frozen (SIGSTOP, a stalled host
 from outside, without a SIGCONT, writes no ``end``, and its trace stops before the others' signal ends too:
 every thread of a stopped process stops, as of a killed one, and nothing it wrote before differs. (The
 stop of ``eplb-fsm simulate`` sends SIGCONT with SIGTERM, so a rank of its own writes its ``end`` and reads
-``frozen``.) Such a rank is named ``rank_died`` as well, and the finding's detail says
-that a frozen process looks the same. It is the safer reading: that rank was no longer running when the
-others were stopped, so it is where to look either way, while ``signalled`` would name only ranks that did
-nothing wrong and leave the dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed.
+``frozen``.) Such a rank is named ``rank_died`` as well, and the finding's detail says that a frozen
+process looks the same. It is the safer reading: that rank was no longer running when the others were
+stopped, so it is where to look either way, while ``signalled`` would name only ranks that did nothing
+wrong and leave the dead rank of the common case (a kill, then the launcher's SIGTERM) unnamed. On gloo its
+peers' waits can tell the two apart (:mod:`eplb_fsm.inspect.held`).
 
 A signal that lands while a collective is in flight is no hang either (:func:`in_flight`): ranks reach a
 collective a few ms apart, so a SIGTERM to a healthy job often finds one inside it and a peer not there yet.

@@ -315,7 +315,8 @@ class Walker:
                 return
             entry = entries[cseq] = Collective(rec.get("op"), group, cseq, rec.get("shape"), rec.get("dtype"),
                                                rec.get("step"), st, rec.get("layer"), rec.get("seq"), rec.get("wave"),
-                                               rec.get("parts"), rec.get("ts"), posted=rec.get("posted") is True)
+                                               rec.get("parts"), rec.get("ts"), posted=rec.get("posted") is True,
+                                               peers=rec.get("peers"))
             if self.early_ends and (early := self.early_ends.pop((group, cseq), None)) is not None:
                 self._close(entry, early[0])
         elif ev == "collective_end" or ev == "collective_error":

@@ -1,0 +1,177 @@
+"""held: a rank whose trace stops while a peer's gloo wait on it stayed unbroken froze for good; it did not die.
+
+Hand-written traces pin the rule's edges; two real torchrun jobs give it the traces it was made for: a worker
+SIGSTOPped while its peer waits on it in the controller's all-reduce, then the job stopped by SIGTERM, and a
+worker stuck in a C call that holds the GIL while its peer's wait on it times out. torchrun SIGKILLs each
+after its grace (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 2 s here), so neither writes an ``end``; the tree before
+this rule said of both that the worker died (SIGKILL?).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import timeline, torchrun_job
+
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.replay import diagnose, replay_dir
+from eplb_fsm.trace import read_trace
+
+T0 = 1_796_607_000.0
+ALLREDUCE = {"op": "all_reduce", "group": "ep", "cseq": 1, "shape": [4], "dtype": "torch.float64"}
+WAITING = {"interval_s": 1.0, "steps_seen": 4, "waiting_on": {"op": "all_reduce", "group": "ep", "cseq": 1}}
+
+
+def rank(r: int, world: int, tail: list[tuple[float, str, dict]], device: str = "cpu") -> list[dict]:
+    """Header (on ``device``), 3 quiet steps, a first alive record, then ``tail``, all at step 4 in collecting."""
+    header = {"schema": 1, "run_id": "a1b2c3d4e5f6a7b8", "mode": "sync", "group": "ep", "transfer_group": "ep_transfer",
+              "config": {"num_layers": 2}, "step": 0, "device": device}
+    return timeline(r, world, T0, [(0.0, "header", header), (0.5, "steps", {"count": 3, "dummy": 0, "step": 1}),
+                                   (0.9, "alive", {"interval_s": 1.0, "steps_seen": 1, "waiting_on": None}), *tail],
+                    state="collecting", step=4)
+
+
+def waiter(until: float, end: dict, start: tuple = (1.0, "collective_start", ALLREDUCE)) -> list[tuple]:
+    """A rank inside the all-reduce from t=1, ticking every second up to ``until``, then ``end``."""
+    ticks = [(t + 0.0, "alive", WAITING) for t in range(2, int(until) + 1)]
+    return [start, *ticks, (until, "end", end)]
+
+
+SIGNAL = {"how": "signal", "signal": "SIGTERM"}
+SILENT = [(1.0, "collective_start", ALLREDUCE)]   # rank 1 joins the all-reduce, then writes nothing more
+
+
+def test_a_peer_waiting_unbroken_past_the_limit_shows_a_frozen_rank_not_a_dead_one():
+    """Rank 0 sat in the all-reduce with rank 1 for 3.5 s after rank 1's last record, then was signalled: frozen for
+    good, rank 1, naming the wait (was: rank_died, 'a process frozen for good looks the same')."""
+    report = diagnose({0: rank(0, 2, waiter(4.5, SIGNAL)), 1: rank(1, 2, SILENT)})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
+    assert report.summary.startswith("rank 1 froze for good at step 4 in collecting"), text
+    assert "while rank 0 waited on it in all_reduce (group ep, cseq 1, shape [4]) until t+4.5 s, 3.5 s later" in text
+    assert any(c.startswith("rank 0 was stopped by SIGTERM") for c in report.consequences), text
+
+
+def test_a_wait_that_timed_out_shows_it_too():
+    """Rank 0's wait ran out after 4 s (a timeout keeps the connection) and it ended with the exception: frozen."""
+    timeout = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Timed out waiting 4000ms for recv operation"
+    error = (5.0, "collective_error", {**ALLREDUCE, "error": timeout})
+    report = diagnose({0: rank(0, 2, [(1.0, "collective_start", ALLREDUCE), (2.0, "alive", WAITING), error,
+                                      (5.01, "end", {"how": "exception", "error": timeout})]),
+                       1: rank(1, 2, SILENT)})
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), format_report(report)
+
+
+@pytest.mark.parametrize("case", ["lost connection", "within the limit", "nccl", "a member outside", "other partner"])
+def test_without_that_evidence_the_rank_still_reads_died(case):
+    """A lost connection, a wait no longer than a live rank's silence, a CUDA device (NCCL waits on the dead too),
+    a member that never joined (it is the one waited on), a batch with other partners: rank 1 died."""
+    world, device, others = 2, "cpu", {}
+    zero = waiter(4.5, SIGNAL)
+    if case == "lost connection":
+        lost = "RuntimeError: Connection closed by peer [127.0.0.1]:58797"
+        zero = [(1.0, "collective_start", ALLREDUCE), (1.2, "collective_error", {**ALLREDUCE, "error": lost}),
+                (1.3, "end", {"how": "exception", "error": lost})]
+    elif case == "within the limit":
+        zero = waiter(3.0, SIGNAL)
+    elif case == "nccl":
+        device = "cuda:0"
+    elif case == "a member outside":
+        busy = [(t, "alive", {**WAITING, "waiting_on": None}) for t in (2.0, 3.0, 4.0)]   # in its engine's step
+        world, others = 3, {2: rank(2, 3, [*busy, (4.5, "end", SIGNAL)])}
+    else:
+        batch = {"op": "batch_isend_irecv", "group": "ep_transfer", "cseq": 1, "shape": None, "dtype": None,
+                 "peers": [2]}
+        world, others = 3, {2: rank(2, 3, [(1.0, "collective_start", batch), (4.5, "end", SIGNAL)])}
+        zero = waiter(4.5, SIGNAL, (1.0, "collective_start", batch))
+    report = diagnose({0: rank(0, world, zero, device), 1: rank(1, world, SILENT, device), **others})
+    text = format_report(report)
+    assert "rank 1 died (SIGKILL?)" in text, text   # the verdict may be a hang that carries the death
+    assert "froze for good" not in text
+
+
+# the controller on a 2-rank gloo group; the engine has no collective of its own, so the ranks meet only in the
+# controller's: at each rearrangement (every 6 steps) the all-reduce of the loads waits for both
+ENGINE = """
+import os, re, sys, time
+from eplb_fsm.stop_signals import end_traces_on_signal
+end_traces_on_signal()   # first thing: before torch starts any thread
+import torch.distributed as dist
+from eplb_fsm import EplbConfig, EplbController
+from eplb_fsm.sim.model import ToyMoE
+
+trace_dir, pid_dir, fault, timeout_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model = ToyMoE(num_layers=2, num_experts=8, num_redundant=2, hidden=8, rank=rank, world_size=world)
+config = EplbConfig(window_size=4, step_interval=6, num_redundant_experts=2, collective_timeout_s=timeout_s)
+with EplbController(config, group=dist.group.WORLD, device="cpu", trace_dir=trace_dir) as ctl:
+    ctl.add_model(model, "main")
+    for step in range(100000):
+        model.forward(model.make_batch(step, 16))
+        ctl.step()
+        if step == 20:   # a rearrangement or two behind it: the test may act now
+            with open(os.path.join(pid_dir, f"{rank}.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(os.path.join(pid_dir, f"{rank}.tmp"), os.path.join(pid_dir, str(rank)))
+        if step == 21 and rank == 1 and fault == "gil":
+            re.match(r"(a+)+$", "a" * 64 + "b")   # catastrophic backtracking: a C call holding the GIL for good
+        time.sleep(0.05 if step < 20 else 0.2)
+"""
+GRACE = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}   # torchrun's wait between its SIGTERM and its SIGKILL
+
+
+def _last(path) -> dict:
+    records = read_trace(path)[0]
+    return records[-1] if records else {}
+
+
+def _stop_once_rank_0_waited(pids: dict, launcher, traces, freeze: bool = True) -> None:
+    """With ``freeze``, SIGSTOP rank 1 and wait (bounded) until rank 0 has ticked inside a controller collective more
+    than 3 s past rank 1's last record; else until rank 0's controller failed (its wait timed out). Then SIGTERM
+    torchrun: an operator ending a job hung on a worker that runs no Python."""
+    if freeze:
+        os.kill(pids[1], signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        last, zero = _last(traces / "rank00001.jsonl"), _last(traces / "rank00000.jsonl")
+        waited = zero.get("waiting_on") and "ts" in last and zero["ts"] - last["ts"] > 3.0
+        if (waited if freeze else zero.get("state") == "failed"):
+            break
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.multiprocess
+def test_a_worker_sigstopped_under_torchrun_then_the_job_stopped_reads_frozen(tmp_path):
+    """SIGSTOP rank 1; rank 0 waits in the loads' all-reduce; SIGTERM torchrun: rank 0 writes its signal end,
+    rank 1 takes no signal and is SIGKILLed after the grace: frozen for good, rank 1 (was: a hang on rank 1 whose
+    detail read 'rank 1 died (SIGKILL?)')."""
+    traces, code, out = torchrun_job(tmp_path, ENGINE, _stop_once_rank_0_waited, ("stop", "60"), GRACE)
+    assert code != 0, out
+    assert _last(traces / "rank00000.jsonl").get("how") == "signal", out[-3000:]
+    assert _last(traces / "rank00001.jsonl").get("event") != "end", out[-3000:]
+    report = replay_dir(traces)
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
+    assert "froze for good" in report.summary and "while rank 0 waited on it in all_reduce" in report.summary, text
+
+
+@pytest.mark.multiprocess
+def test_a_worker_stuck_holding_the_gil_while_its_peer_timed_out_reads_frozen(tmp_path):
+    """Rank 1 enters a regex that backtracks for good (no thread of it runs Python); rank 0's wait in the loads'
+    all-reduce runs out after 4 s (its controller fails the rearrangement, the engine serves on); SIGTERM torchrun:
+    rank 1 cannot take it and is SIGKILLed after the grace: frozen for good, rank 1 (was: a hang on rank 1 whose
+    detail read 'rank 1 died (SIGKILL?)')."""
+    stop = lambda pids, launcher, traces: _stop_once_rank_0_waited(pids, launcher, traces, freeze=False)  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, ENGINE, stop, ("gil", "4"), GRACE)
+    assert code != 0, out
+    assert _last(traces / "rank00000.jsonl").get("how") == "signal", out[-3000:]
+    assert _last(traces / "rank00001.jsonl").get("event") != "end", out[-3000:]
+    report = replay_dir(traces)
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
+    assert "froze for good" in report.summary and "until its wait ran out at" in report.summary, text
