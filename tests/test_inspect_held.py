@@ -51,7 +51,8 @@ def test_a_peer_waiting_unbroken_past_the_limit_shows_a_frozen_rank_not_a_dead_o
     text = format_report(report)
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
     assert report.summary.startswith("rank 1 froze for good at step 4 in collecting"), text
-    assert "while rank 0 waited on it in all_reduce (group ep, cseq 1, shape [4]) until t+4.5 s, 3.5 s later" in text
+    assert "while rank 0 waited on rank 1 in all_reduce (group ep, cseq 1, shape [4]) until t+4.5 s, 3.5 s later" \
+        in text
     assert any(c.startswith("rank 0 was stopped by SIGTERM") for c in report.consequences), text
 
 
@@ -65,16 +66,36 @@ def test_a_wait_that_timed_out_shows_it_too():
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), format_report(report)
 
 
-@pytest.mark.parametrize("case", ["lost connection", "within the limit", "nccl", "a member outside", "other partner"])
+def test_a_rank_that_stopped_with_a_frozen_one_is_named_in_its_finding():
+    """Ranks 1 and 2 stop writing 2 ms apart; rank 0 waited on rank 1 (rank 2 joined the all-reduce), while nobody
+    waited on rank 2 alone: one frozen finding, ranks 1-2, saying what rank 2's trace cannot tell (a red team's
+    real run, two ranks SIGSTOPped together, read rank_died on the one no peer waited on)."""
+    report = diagnose({0: rank(0, 3, waiter(4.5, SIGNAL)), 1: rank(1, 3, [(0.95, "steps", {"count": 1, "step": 4})]),
+                       2: rank(2, 3, [(0.952, "collective_start", ALLREDUCE)])})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1, 2]), text
+    assert "rank 2 stopped writing 0.00 s from rank 1" in text and "cannot tell a freeze with it from a kill" in text
+    assert "forcefully exiting via 9" in text, text   # how to tell a rank whose forked child held its sockets
+    assert not [f for f in report.findings if f.kind == "rank_died"], text   # neither is also called dead
+
+
+@pytest.mark.parametrize("case", ["lost connection", "other error", "within the limit", "nccl", "a member outside",
+                                  "other partner", "a partner outside"])
 def test_without_that_evidence_the_rank_still_reads_died(case):
-    """A lost connection, a wait no longer than a live rank's silence, a CUDA device (NCCL waits on the dead too),
-    a member that never joined (it is the one waited on), a batch with other partners: rank 1 died."""
+    """A lost connection, an error that is no wait running out, a wait no longer than a live rank's silence, a CUDA
+    device (NCCL waits on the dead too), a member that never joined (it is the one waited on), a batch with other
+    partners, a batch with it and a partner that never joined (a red team's real run: rank 1 SIGKILLed after its
+    part of the batch, rank 2 asleep in its hook, rank 0's send to rank 2 timed out): rank 1 died."""
     world, device, others = 2, "cpu", {}
     zero = waiter(4.5, SIGNAL)
     if case == "lost connection":
         lost = "RuntimeError: Connection closed by peer [127.0.0.1]:58797"
         zero = [(1.0, "collective_start", ALLREDUCE), (1.2, "collective_error", {**ALLREDUCE, "error": lost}),
                 (1.3, "end", {"how": "exception", "error": lost})]
+    elif case == "other error":
+        other = "RuntimeError: [enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes"
+        zero = [(1.0, "collective_start", ALLREDUCE), (2.0, "alive", WAITING), (3.0, "alive", WAITING),
+                (4.0, "collective_error", {**ALLREDUCE, "error": other}), (4.5, "end", SIGNAL)]
     elif case == "within the limit":
         zero = waiter(3.0, SIGNAL)
     elif case == "nccl":
@@ -82,6 +103,14 @@ def test_without_that_evidence_the_rank_still_reads_died(case):
     elif case == "a member outside":
         busy = [(t, "alive", {**WAITING, "waiting_on": None}) for t in (2.0, 3.0, 4.0)]   # in its engine's step
         world, others = 3, {2: rank(2, 3, [*busy, (4.5, "end", SIGNAL)])}
+    elif case == "a partner outside":
+        batch = {"op": "batch_isend_irecv", "group": "ep_transfer", "cseq": 1, "shape": None, "dtype": None,
+                 "peers": [1, 2]}
+        timeout = "RuntimeError: Timed out waiting 3000ms for send operation to complete"
+        busy = [(t, "alive", {**WAITING, "waiting_on": None}) for t in (2.0, 3.0, 4.0)]
+        world, others = 3, {2: rank(2, 3, [*busy, (4.5, "end", SIGNAL)])}
+        zero = [(1.0, "collective_start", batch), (2.0, "alive", WAITING),
+                (4.0, "collective_error", {**batch, "error": timeout}), (4.5, "end", SIGNAL)]
     else:
         batch = {"op": "batch_isend_irecv", "group": "ep_transfer", "cseq": 1, "shape": None, "dtype": None,
                  "peers": [2]}
@@ -157,7 +186,7 @@ def test_a_worker_sigstopped_under_torchrun_then_the_job_stopped_reads_frozen(tm
     report = replay_dir(traces)
     text = format_report(report)
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
-    assert "froze for good" in report.summary and "while rank 0 waited on it in all_reduce" in report.summary, text
+    assert "froze for good" in report.summary and "while rank 0 waited on rank 1 in all_reduce" in report.summary, text
 
 
 @pytest.mark.multiprocess

@@ -15,24 +15,35 @@ transfer, then the job stopped, read "died (SIGKILL?)").
 The evidence, from one peer ``P`` of the silent rank ``K`` (:func:`held_open`): a collective ``C`` of ``P``'s,
 not a posted one (async ready flags are read back later, nobody waits in them),
 
-- of a group ``K`` belongs to, and, for a point-to-point batch, with ``K`` among its ``peers`` (a batch
-  with other partners waits on them, not on ``K``); for any other op every member but ``K`` started it (a
-  rank outside it would be the one waited on, and whoever receives from ``K`` was inside, where a closed
-  socket would have shown);
+- of a group ``K`` belongs to: for a point-to-point batch, one with ``K`` among its ``peers`` whose other
+  partners all started it (a partner still outside may be the one waited on: ``K``'s part may be done);
+  for any other op, one every member but ``K`` started (a rank outside it would be the one waited on, and
+  whoever receives from ``K`` was inside, where a closed socket would have shown);
 - that ``P`` was inside, unbroken, at a time past ``K``'s last record by more than ``limit`` (the frozen
   limit, ``liveness.FROZEN_FACTOR`` intervals and at least 2 s: a live rank writes every 1.5 intervals):
   still open at ``P``'s end (a signal, its launcher's stop) or last record, or ended by a wait that ran
-  out (a timeout, no lost connection);
+  out (a timeout; any other error says nothing of ``K``);
 - and no member of the group lost its connection to anyone at or after ``K``'s last record.
 
 ``K`` needs liveness records (a writer without them is silent whenever nothing happens) and no failed
-write (its own lines may be what was lost, ``signal_death.lost_writes``). On NCCL (``device`` not cpu) a
-peer waits on a dead rank as on a frozen one, until the watchdog's timeout: no claim there, and the rank
-stays ``rank_died``, whose detail says that a process frozen for good looks the same.
+write (its own lines may be what was lost, ``signal_death.lost_writes``). A dead rank that stopped writing
+within 1.5 intervals of ``K``, that no peer lost a connection to, goes into ``K``'s finding with a line
+saying its trace cannot tell (a red team's two ranks SIGSTOPped together, only one of them waited on).
+
+What this cannot see: a child process that outlived a killed rank and still holds its sockets (forked
+without closing them: multiprocessing's ``fork``, ``os.system``) keeps the connections open, and the peers
+time out as on a frozen rank (a red team's real runs, with a launcher slow enough to leave the survivors
+waiting: torchrun at ``--monitor-interval 5``). The finding says so, with each rank's pid for torchrun's
+log, where only a process still there when the job was stopped gets "forcefully exiting via 9".
+
+On NCCL (``device`` not cpu) a peer waits on a dead rank as on a frozen one, until the watchdog's
+timeout: no claim there, and the rank stays ``rank_died``, whose detail says that a process frozen for
+good looks the same.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from eplb_fsm.inspect.dropped import Dropped
@@ -45,6 +56,8 @@ from eplb_fsm.inspect.signal_death import lost_writes
 __all__ = ["held_open", "held_findings"]
 
 Held = tuple  # (peer, collective, ts): the peer was inside the collective, unbroken, at ts
+# the forms of a wait that ran out (gloo's, torch's, the controller's); any other error says nothing of the peer
+_RAN_OUT = re.compile(r"timed out|timeout|ran past collective_timeout_s|did not return within", re.I)
 
 
 def _on_gloo(s) -> bool:
@@ -56,24 +69,33 @@ def _inside_until(s, c: Collective) -> float | None:
     if c.posted or type(c.ts) not in (int, float):
         return None
     if c.status == "error":   # a wait that ran out kept the connection; a lost one says the peer went
-        lost = CONNECTION_LOST.search(str(c.error or ""))
-        return c.error_ts if not lost and type(c.error_ts) in (int, float) else None
+        ran_out = _RAN_OUT.search(str(c.error or "")) and not CONNECTION_LOST.search(str(c.error or ""))
+        return c.error_ts if ran_out and type(c.error_ts) in (int, float) else None
     if c.status != "open" or CONNECTION_LOST.search(str((s.end or {}).get("error") or "")):
         return None
     end = (s.end or {}).get("ts")
     return end if type(end) in (int, float) else s.last_ts
 
 
+def _joined(cast: Cast, key: Key, c: Collective, others: list) -> bool:
+    """Every one of ``others`` but ``key`` started ``c`` (a traced participant)."""
+    return all(m == key or (m is not None and m in cast.parts and c.cseq in cast.parts[m].collectives.get(c.group, {}))
+               for m in others)
+
+
 def _waits_on(cast: Cast, key: Key, c: Collective) -> bool:
-    """``c`` cannot finish without ``key``: ``key`` is a partner of the batch, or every other member joined it."""
+    """``c`` cannot finish without ``key``: ``key`` is a partner of the batch and every other partner joined it
+    (a partner still outside may be the one waited on: a wait on ``key`` whose part is done waits on nobody), or
+    any other op, which every other member joined."""
     members = cast.members(c.group)
     if key not in members:
         return False
-    if isinstance(c.peers, list):
-        ordered = cast.generation_of(c.group) is not None   # members are listed by group rank then
-        return ordered and members.index(key) in c.peers
-    return all(m == key or (m in cast.parts and c.cseq in cast.parts[m].collectives.get(c.group, {}))
-               for m in members)
+    if not isinstance(c.peers, list):
+        return _joined(cast, key, c, members)
+    if cast.generation_of(c.group) is None:   # members are listed by group rank only then
+        return False
+    partners = [members[j] for j in c.peers if type(j) is int and 0 <= j < len(members)]
+    return key in partners and _joined(cast, key, c, partners)
 
 
 def _broken(cast: Cast, dropped: Dropped, since: float, until: float) -> bool:
@@ -97,27 +119,48 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
     return max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
 
 
-def held_findings(cast: Cast, held: list[tuple], at: Callable, interval: Callable) -> list[tuple]:
-    """Events (last ts, "frozen", key, Finding) for ``held`` ((last ts, key, Held), earliest first): ranks whose
-    last records lie within 1.5 intervals of the first one's froze together, as one finding."""
-    out = []
+def held_findings(cast: Cast, held: list[tuple], dead: list[tuple], dropped: Dropped, at: Callable,
+                  interval: Callable) -> tuple[list[tuple], list[tuple]]:
+    """Events (last ts, "frozen", key, Finding) for ``held`` ((last ts, key, Held), earliest first), and ``dead``
+    ((last ts, key, why), ``liveness``) without the held ranks and their companions. Ranks whose last records lie
+    within 1.5 intervals of the first one's froze together, as one finding; a dead rank that stopped writing
+    that close to it, that no peer lost a connection to, is its companion (stopped with it, as far as its own
+    trace tells: no peer waited on it to show more), named in the same finding with a detail line saying so."""
+    out, keys_held = [], {h[1] for h in held}
+    dead = [d for d in dead if d[1] not in keys_held]
     while held:
         first, k, (peer, c, ts) = held[0]
-        together = [h for h in held if h[0] - first <= 1.5 * interval(cast.parts[k])]
+        window = 1.5 * interval(cast.parts[k])
+        together = [h for h in held if h[0] - first <= window]
         held = held[len(together):]
-        keys = [h[1] for h in together]
+        companions = [d for d in dead if abs(d[0] - first) <= window and dropped.first_after(d[1]) is None]
+        dead = [d for d in dead if d not in companions]
+        keys = sorted([h[1] for h in together] + [d[1] for d in companions])
         s = cast.parts[k]
         where = f" at step {s.last_step} in {s.final_state}" + (
             f", layer {s.final_layer}" if s.final_layer is not None and s.final_state == "transferring" else "")
+        pids = ", ".join(f"{cast.label(x)} pid {pid}" for x in keys
+                         if type(pid := (cast.parts[x].header or {}).get("pid")) is int)
+        details = [f"{cast.label(d[1])} stopped writing {abs(d[0] - first):.2f} s from {cast.label(k)}, and no peer "
+                   "waited on it in a controller collective: its trace cannot tell a freeze with it from a kill"
+                   for d in companions]
+        details.append("a child process that outlived a killed rank and still held its sockets (forked without "
+                       "closing them: multiprocessing's fork start, os.system) keeps its connections open, and reads "
+                       "the same; torchrun's log tells them apart: 'Unable to shutdown process <pid> via 15, "
+                       "forcefully exiting via 9' names a rank still there when the job was stopped"
+                       + (f" ({pids})" if pids else ""))
         out.append((first, "frozen", k, Finding.of(
             "frozen", s.last_step, keys,
             f"{cast.who(keys)} froze for good{where} (SIGSTOP, or a C call holding the GIL?): no record after "
-            f"{at(first)}, while {cast.label(peer)} waited on {'them' if len(keys) > 1 else 'it'} in {coll_text(c)} "
+            f"{at(first)}, while {cast.label(peer)} waited on {cast.label(k)} in {coll_text(c)} "
             f"{'until its wait ran out at' if c.status == 'error' else 'until'} {at(ts)}, {ts - first:.1f} s later, "
-            "with nothing broken (on gloo a process that ends closes "
-            "its sockets, and its peers' waits fail at once); no end record: killed later, or stopped still",
-            state=s.final_state, layer=s.final_layer,
+            "with nothing broken (on gloo a process that ends closes its sockets, and its peers' waits fail at "
+            "once); no end record: killed later, or stopped still",
+            state=s.final_state, layer=s.final_layer, details=details,
             ranks=[cast.position(h[1], "frozen", f"silent from {at(h[0])} on, a process still at {at(h[2][2])}",
                                  cast.parts[h[1]].last_step, cast.parts[h[1]].final_state,
-                                 cast.parts[h[1]].final_layer) for h in together]), ts))
-    return [e[:4] for e in out]
+                                 cast.parts[h[1]].final_layer) for h in together]
+            + [cast.position(d[1], "frozen", f"silent from {at(d[0])} on, with {cast.label(k)}",
+                             cast.parts[d[1]].last_step, cast.parts[d[1]].final_state, cast.parts[d[1]].final_layer)
+               for d in companions])))
+    return out, dead

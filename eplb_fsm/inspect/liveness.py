@@ -229,7 +229,7 @@ def check_liveness(cast: Cast) -> Liveness:
                   if (why := _death(cast, k, lasts, at, dropped)) is not None)
     # a peer's wait on it stayed unbroken past the frozen limit: a process then, silent (on gloo; held.py)
     held = [(*d[:2], h) for d in dead if (h := held_open(cast, d[1], dropped, _limit(parts[d[1]], FROZEN_FACTOR)))]
-    events, dead = held_findings(cast, held, at, _interval), [d for d in dead if d[1] not in {h[1] for h in held}]
+    events, dead = held_findings(cast, held, dead, dropped, at, _interval)
     while dead:   # ranks that died within the dead limit of the first are one finding: killed together
         limit = _limit(parts[dead[0][1]], DEAD_FACTOR)
         together = [d for d in dead if d[0] - dead[0][0] <= limit]
