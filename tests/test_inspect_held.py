@@ -174,19 +174,27 @@ def _stop_once_rank_0_waited(pids: dict, launcher, traces, freeze: bool = True) 
     launcher.send_signal(signal.SIGTERM)
 
 
-@pytest.mark.multiprocess
-def test_a_worker_sigstopped_under_torchrun_then_the_job_stopped_reads_frozen(tmp_path):
-    """SIGSTOP rank 1; rank 0 waits in the loads' all-reduce; SIGTERM torchrun: rank 0 writes its signal end,
-    rank 1 takes no signal and is SIGKILLed after the grace: frozen for good, rank 1 (was: a hang on rank 1 whose
-    detail read 'rank 1 died (SIGKILL?)')."""
-    traces, code, out = torchrun_job(tmp_path, ENGINE, _stop_once_rank_0_waited, ("stop", "60"), GRACE)
+def _frozen_job(tmp_path, stop, args: tuple) -> tuple:
+    """Run ENGINE under torchrun with ``stop``; rank 0 must end by torchrun's signal and rank 1 with no ``end``
+    (SIGKILLed after the grace). Returns rank 1's report and its text."""
+    traces, code, out = torchrun_job(tmp_path, ENGINE, stop, args, GRACE)
     assert code != 0, out
     assert _last(traces / "rank00000.jsonl").get("how") == "signal", out[-3000:]
     assert _last(traces / "rank00001.jsonl").get("event") != "end", out[-3000:]
     report = replay_dir(traces)
     text = format_report(report)
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
-    assert "froze for good" in report.summary and "while rank 0 waited on rank 1 in all_reduce" in report.summary, text
+    assert "froze for good" in report.summary, text
+    return report, text
+
+
+@pytest.mark.multiprocess
+def test_a_worker_sigstopped_under_torchrun_then_the_job_stopped_reads_frozen(tmp_path):
+    """SIGSTOP rank 1; rank 0 waits in the loads' all-reduce; SIGTERM torchrun: rank 0 writes its signal end,
+    rank 1 takes no signal and is SIGKILLed after the grace: frozen for good, rank 1 (was: a hang on rank 1 whose
+    detail read 'rank 1 died (SIGKILL?)')."""
+    report, text = _frozen_job(tmp_path, _stop_once_rank_0_waited, ("stop", "60"))
+    assert "while rank 0 waited on rank 1 in all_reduce" in report.summary, text
 
 
 @pytest.mark.multiprocess
@@ -196,11 +204,5 @@ def test_a_worker_stuck_holding_the_gil_while_its_peer_timed_out_reads_frozen(tm
     rank 1 cannot take it and is SIGKILLed after the grace: frozen for good, rank 1 (was: a hang on rank 1 whose
     detail read 'rank 1 died (SIGKILL?)')."""
     stop = lambda pids, launcher, traces: _stop_once_rank_0_waited(pids, launcher, traces, freeze=False)  # noqa: E731
-    traces, code, out = torchrun_job(tmp_path, ENGINE, stop, ("gil", "4"), GRACE)
-    assert code != 0, out
-    assert _last(traces / "rank00000.jsonl").get("how") == "signal", out[-3000:]
-    assert _last(traces / "rank00001.jsonl").get("event") != "end", out[-3000:]
-    report = replay_dir(traces)
-    text = format_report(report)
-    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
-    assert "froze for good" in report.summary and "until its wait ran out at" in report.summary, text
+    report, text = _frozen_job(tmp_path, stop, ("gil", "4"))
+    assert "until its wait ran out at" in report.summary, text
