@@ -211,3 +211,32 @@ def test_a_posted_all_reduce_its_rank_never_read_back_is_told_as_an_engine_stall
     assert (report.verdict, report.culprit_ranks) == ("hang", [1]), report.summary
     assert report.summary.startswith("rank 1 posted all_reduce (group ep, cseq 0") and "never read it back" in \
         report.summary and report.summary.endswith("rank 0 finished it"), report.summary
+
+
+def test_a_rank_killed_after_posting_its_ready_flags_reads_died_not_a_hang(tmp_path):
+    """Both ranks post the ready all-reduce at step 18; rank 0 reads it back at step 19, rank 1 is SIGKILLed (no
+    end; rank 0's next wait loses its connection): rank_died, rank 1, the posted collective a later finding (a red
+    team's async kills read 'hang: rank 1 posted ... and never read it back', the death only a detail)."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.trace import EventTrace
+
+    now = [1_700_000_000.0]
+    traces = [EventTrace(r, 2, tmp_path, clock=lambda: now[0]) for r in range(2)]
+    for trace in traces:
+        trace.set_context(state="transferring", step=18)
+        trace.header({"num_layers": 2}, run_id="run-killed", mode="async", group="ep", transfer_group="ep_transfer")
+        trace.alive(1.0, 17)
+    posted = [t.open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"]) for t in traces]
+    now[0] += 0.1
+    traces[0].set_context(step=19)
+    traces[0].close_collective(posted[0])
+    nxt = traces[0].open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"])
+    now[0] += 0.05
+    lost = RuntimeError("Read error [127.0.0.1]:10162: Connection reset by peer")
+    traces[0].close_collective(nxt, lost)
+    traces[0].end("exception", error=f"RuntimeError: {lost}")
+    for trace in traces:   # rank 1 writes no end: close() only closes its file
+        trace.close()
+    report = replay_dir(tmp_path)
+    assert (report.verdict, report.culprit_ranks) == ("rank_died", [1]), report.summary
+    assert any(f.kind == "hang" and "never read it back" in f.summary for f in report.findings), report.findings

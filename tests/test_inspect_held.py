@@ -79,6 +79,21 @@ def test_a_rank_that_stopped_with_a_frozen_one_is_named_in_its_finding():
     assert not [f for f in report.findings if f.kind == "rank_died"], text   # neither is also called dead
 
 
+@pytest.mark.parametrize("status", ["error", "open"])
+def test_a_posted_all_reduce_counts_only_once_its_read_back_ran_out(status):
+    """Async ready flags: rank 0's read-back of the posted all-reduce timed out 3 s after rank 1's last record:
+    frozen; still open (rank 0 may not have been waiting in it): rank 1 died, as before."""
+    posted = {**ALLREDUCE, "posted": True}
+    timeout = "RuntimeError: Timed out waiting 3000ms for recv operation to complete"
+    tail = [(4.0, "collective_error", {**posted, "error": timeout})] if status == "error" else []
+    zero = [(1.0, "collective_start", posted), (2.0, "alive", WAITING), (3.0, "alive", WAITING), *tail,
+            (4.5, "end", SIGNAL)]
+    report = diagnose({0: rank(0, 2, zero), 1: rank(1, 2, [(1.0, "collective_start", posted)])})
+    text = format_report(report)
+    assert ("froze for good" in report.summary) == (status == "error"), text
+    assert report.culprit_ranks == [1], text
+
+
 @pytest.mark.parametrize("case", ["lost connection", "other error", "within the limit", "nccl", "a member outside",
                                   "other partner", "a partner outside"])
 def test_without_that_evidence_the_rank_still_reads_died(case):

@@ -16,7 +16,7 @@ from typing import Any
 
 from eplb_fsm.fsm.machine import FAILED
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.findings import Finding, coll_text, last_seen, majority, short_error
+from eplb_fsm.inspect.findings import UNREAD, Finding, coll_text, last_seen, majority, short_error
 from eplb_fsm.inspect.lost import LostRecords
 from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary, freeze
 
@@ -347,8 +347,7 @@ def _check_one_collective(cast: Cast, g: str, c: int, members: list[Key]) -> Fin
         finished = all(entries[k].status == "ended" for k in left)
         # a posted collective (async ready flags) completes without its rank; still open, it was never read back
         unread = finished and all(entries[k].posted for k in open_)
-        how = ("posted", "and never read it back (no later step() call of its engine read it)") if unread else \
-            ("started", "and never finished")
+        how = ("posted", UNREAD) if unread else ("started", "and never finished")
         return Finding.of("hang", start_step, open_, f"{who(open_)} {how[0]} {coll_text(ref)} at step {start_step} in "
                           f"{ref.state} {how[1]}; {who(left)} {'finished' if finished else 'left'} it",
                           ranks=positions(), **where)

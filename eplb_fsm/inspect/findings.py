@@ -51,6 +51,9 @@ INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "ou
 _PRIORITY = {k: i for i, k in enumerate(KINDS)}
 # how many findings a report keeps (the first ones matter; the rest are counted)
 MAX_FINDINGS = 50
+#: how a hang words a posted collective (async ready flags) that every other member finished: its rank never
+#: came back to read it, so it waited in nothing (``replay`` keeps a death its own cause beside such a hang)
+UNREAD = "and never read it back (no later step() call of its engine read it)"
 
 
 class NoTraces(ValueError):

@@ -13,7 +13,8 @@ instead of ``rank_died``, with the wait that shows it (a red team's torchrun run
 transfer, then the job stopped, read "died (SIGKILL?)").
 
 The evidence, from one peer ``P`` of the silent rank ``K`` (:func:`held_open`): a collective ``C`` of ``P``'s,
-not a posted one (async ready flags are read back later, nobody waits in them),
+a posted one (async ready flags) only when its wait ran out as it was read back (open, nobody may wait in it;
+a red team's async ranks SIGSTOPped for good read "died" while their peers' read-backs timed out),
 
 - of a group ``K`` belongs to: for a point-to-point batch, one with ``K`` among its ``peers`` whose other
   partners all started it (a partner still outside may be the one waited on: ``K``'s part may be done);
@@ -66,7 +67,9 @@ def _on_gloo(s) -> bool:
 
 def _inside_until(s, c: Collective) -> float | None:
     """When the participant was last known inside ``c`` with nothing broken, or None (it ended, or broke)."""
-    if c.posted or type(c.ts) not in (int, float):
+    # a posted all-reduce (async ready flags) is waited in only when read back: a wait there that ran out counts,
+    # one still open may have had nobody waiting
+    if type(c.ts) not in (int, float) or (c.posted and c.status != "error"):
         return None
     if c.status == "error":   # a wait that ran out kept the connection; a lost one says the peer went
         ran_out = _RAN_OUT.search(str(c.error or "")) and not CONNECTION_LOST.search(str(c.error or ""))

@@ -28,7 +28,8 @@ from eplb_fsm.inspect.checks import (DIED_SLACK_STEPS, align_transitions, check_
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
 from eplb_fsm.inspect.elastic import build_cast, renumbered, scale_context, scale_notes, scale_text, transition_offsets
 from eplb_fsm.inspect.frozen import passed_last
-from eplb_fsm.inspect.findings import HEALTHY, KINDS, MAX_FINDINGS, Finding, NoTraces, Report, majority, ranks_text
+from eplb_fsm.inspect.findings import (HEALTHY, KINDS, MAX_FINDINGS, UNREAD, Finding, NoTraces, Report, majority,
+                                       ranks_text)
 from eplb_fsm.inspect.blocks import TemplateStore
 from eplb_fsm.inspect.identity import MixedRuns, assign, mark_unreadable
 from eplb_fsm.inspect.late import CLOCK_NOISE_S, aborted_rearrangements, add_late, signalled_in_hang
@@ -276,8 +277,9 @@ def _with_collective(cause: Finding, rest: list[Finding], cast) -> Finding:
     detail; the collective finding leaves ``rest``. Any other cause stays as it is."""
     if cause.kind != "rank_died" or type(cause.step) is not int:
         return cause
-    for f in rest:
+    for f in rest:   # not a posted collective the others finished: the dead rank waited in nothing there
         if f.kind in ("hang", "collective_mismatch") and f.culprits == cause.culprits and type(f.step) is int \
+                and UNREAD not in f.summary \
                 and (cause.step - 2 <= f.step <= cause.step + 2 or _died_before(cause, f, cast)):
             rest.remove(f)
             f.details.insert(0, cause.summary)
