@@ -87,6 +87,18 @@ def test_a_crash_before_the_signals_is_still_the_cause():
     assert not [f for f in report.findings if f.kind == "rank_died"]
 
 
+def test_a_rank_that_stopped_writing_before_a_crash_and_took_no_signal_died_too():
+    """Rank 0's trace stops at t+0.9 s, rank 2 crashes at t+1.5 s, the launcher SIGTERMs rank 1 (its end) and rank 0
+    writes none: both are named, rank 0 died first (a red team's torchrun runs: a SIGKILL and an engine error at one
+    step read only the crash, with rank 0's SIGTERMed peer named in a hang)."""
+    records = killed_during_scale()
+    records[2] = rank_records(2, [(1.5, "end", {"how": "exception", "error": "RuntimeError: engine boom"})])
+    report = diagnose(records)
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("rank_died", [0]), text
+    assert [f.culprits for f in report.findings if f.kind == "crashed"] == [[2]], text
+
+
 def test_a_signal_before_the_rank_stopped_writing_is_no_reaction_to_it():
     """Ranks 1-2 are stopped by SIGTERM at t+1.0 s while rank 0 writes on until t+2.3 s (then no end): the signals
     came first, so the verdict is signalled, ranks 1-2, and rank 0 did not die before them."""

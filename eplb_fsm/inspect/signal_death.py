@@ -11,7 +11,10 @@ counts a peer's signal ``end`` like an end in reaction (:func:`stopped_after`) w
   it: the rank still wrote after it),
 - no participant had crashed (an ``end`` with an exception that is no failed wait,
   ``endings.ended_in_reaction``) at or before it: a crash explains the launcher's signals itself, and a
-  rank left without an end among them is one the launcher killed after it, and
+  rank left without an end among them that wrote after the crash is one the launcher killed after it. One
+  that stopped writing before the crash and took no signal in the stop that followed was gone already (or
+  frozen for good): all of its peers' signals count (a red team's SIGKILL and engine error at one step read
+  only the crash), and
 - its own trace shows no failed write (no half-written last line, no ``write_errors`` count:
   :func:`lost_writes`). A rank whose writes failed may have lost its own ``end``; for it the signals count only
   once it missed a liveness tick its peers made: a signalled peer wrote an ``alive`` record more than one of its
@@ -91,6 +94,8 @@ def stopped_after(cast: Cast, key: Key, peers: list[Key], waited: bool = False) 
     crashes = [ts for o, s in cast.parts.items() if o != key and (s.end or {}).get("how") == "exception"
                and (ts := _end_ts(cast, o)) is not None and not ended_in_reaction(cast, o)]
     first_crash = min(crashes, default=float("inf"))
+    if last < first_crash:   # it stopped writing before the crash, and took no signal in the stop that followed
+        return list(later)
     return [o for o, ts in later.items() if ts < first_crash]
 
 
