@@ -80,8 +80,8 @@ TORCHRUN_WAIT_S = 90.0   # the bound on every wait of a torchrun job; only a han
 def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict | None = None) -> tuple[Path, int, str]:
     """Two gloo ranks of the script ``engine`` under torchrun (``python -m torch.distributed.run``, 0.1 s monitor
     interval), run as ``engine TRACES PIDS *args``; each rank writes its pid as PIDS/<rank> when it wants the test
-    to act. Once both did, ``stop(pids, launcher, traces)``; then wait for torchrun to end (the whole process
-    group is SIGKILLed on the way out if it did not). Returns (traces folder, torchrun's exit code, its output)."""
+    to act. Once both did, ``stop(pids, launcher, traces)``; then wait for torchrun to end (if it did not,
+    its process group and each worker are SIGKILLed). Returns (traces folder, torchrun's exit code, its output)."""
     script, traces, pids = tmp_path / "engine.py", tmp_path / "traces", tmp_path / "pids"
     script.write_text(textwrap.dedent(engine))
     traces.mkdir()
@@ -91,17 +91,19 @@ def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict 
          "--monitor-interval", "0.1", str(script), str(traces), str(pids), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, **(env or {})})
+    def written() -> dict[int, int]:   # a rank writes <rank>.tmp, then renames it: only whole files count
+        return {int(p.name): int(p.read_text()) for p in pids.iterdir() if not p.name.endswith(".tmp")}
+
     try:
         deadline = time.monotonic() + TORCHRUN_WAIT_S
-        while len(list(pids.iterdir())) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+        while len(written()) < 2 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert launcher.poll() is None and len(list(pids.iterdir())) == 2, "the ranks did not reach the test's step"
-        stop({int(p.name): int(p.read_text()) for p in pids.iterdir() if not p.name.endswith(".tmp")}, launcher,
-             traces)
+        assert launcher.poll() is None and len(written()) == 2, "the ranks did not reach the test's step"
+        stop(written(), launcher, traces)
         out, _ = launcher.communicate(timeout=TORCHRUN_WAIT_S)
     finally:
         if launcher.poll() is None:   # torchrun's workers lead sessions of their own: each is killed by its pid
-            workers = [int(p.read_text()) for p in pids.iterdir() if not p.name.endswith(".tmp")]
+            workers = list(written().values())
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(TORCHRUN_WAIT_S)
             for pid in workers:
