@@ -74,7 +74,7 @@ def _inside_until(s, c: Collective) -> float | None:
     if c.status == "error":   # a wait that ran out kept the connection; a lost one says the peer went
         ran_out = _RAN_OUT.search(str(c.error or "")) and not CONNECTION_LOST.search(str(c.error or ""))
         return c.error_ts if ran_out and type(c.error_ts) in (int, float) else None
-    if c.status != "open" or CONNECTION_LOST.search(str((s.end or {}).get("error") or "")):
+    if c.status != "open":   # an end of its own with a lost connection is read by _broken
         return None
     end = (s.end or {}).get("ts")
     return end if type(end) in (int, float) else s.last_ts
