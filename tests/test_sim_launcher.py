@@ -29,7 +29,7 @@ def _fail_on_rank_1(rank: int, world: int, pid_dir: str) -> int:
     _write_pid(pid_dir, rank)
     if rank == 1:
         raise KeyError("boom on rank 1")
-    dist.barrier()  # rank 0 blocks here: the launcher must stop it
+    dist.barrier()  # rank 0 waits here until rank 1's exit breaks the barrier or the launcher stops it
     return rank
 
 
@@ -177,7 +177,13 @@ def test_free_port_is_bindable():
 
 
 def _blocked_rank_notes_its_signal(rank: int, world: int, note_dir: str) -> int:
-    """Rank 1 raises; rank 0 blocks in a gloo barrier, where only the signal thread can act."""
+    """Rank 1 raises; rank 0 blocks in a C++ wait that only the signal thread can interrupt.
+
+    The wait is one on the group's store, hosted by rank 0 itself: a gloo collective would not do, since rank 1's
+    exit ends it at once ("Connection closed by peer") and rank 0 would then exit on its own, racing the signal.
+    """
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from eplb_fsm.sim import signals
@@ -190,14 +196,15 @@ def _blocked_rank_notes_its_signal(rank: int, world: int, note_dir: str) -> int:
     if rank == 1:
         time.sleep(0.5)
         raise KeyError("boom on rank 1")
-    dist.barrier()
+    dist.distributed_c10d._get_default_store().wait(["never set"], timedelta(seconds=50))
     return rank
 
 
-def test_a_rank_blocked_in_gloo_runs_its_signal_callbacks_when_stopped(tmp_path):
-    """The launcher's SIGTERM reaches a rank blocked in a collective: its callback runs, then it exits."""
-    with pytest.raises(RankFailedError, match="boom on rank 1"):
+def test_a_rank_blocked_in_a_torch_distributed_wait_runs_its_signal_callbacks_when_stopped(tmp_path):
+    """The launcher's SIGTERM reaches a rank blocked in a C++ wait: its callback runs, then it exits."""
+    with pytest.raises(RankFailedError, match="boom on rank 1") as failed:
         run_ranks(_blocked_rank_notes_its_signal, 2, args=(str(tmp_path),), timeout=60)
+    assert sorted(failed.value.failures) == [1]   # rank 0 did not fail on its own: it was still waiting
     assert (tmp_path / "0.signal").read_text() == "SIGTERM"
 
 
