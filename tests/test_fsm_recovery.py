@@ -80,7 +80,13 @@ def test_a_transfer_interrupted_by_a_broken_group_leaks_nothing_into_the_next_on
         repaired.wait(30)
         ctl.recover()
         model.set_load_target(_target(11))
-        exact = all(_step(ctl, model, group, s + i) for i in range(40))
+        exact, start = True, len(ctl.history)
+        # two rearrangements after the repair; an async one commits once the worker is done, which a loaded host
+        # may delay by many steps. Both ranks agree on each commit at the same step, so both stop at the same one
+        for i in range(400):
+            if len(ctl.history) - start >= 2:
+                break
+            exact = _step(ctl, model, group, s + i) and exact
         return ctl, model, exact
 
     for ctl, model, exact in run_threads(2, body, timeout=120):
