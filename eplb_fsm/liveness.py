@@ -8,8 +8,9 @@ compares the trace's step with the step at the previous beat (a look's included)
 - the rank **waits** (no advance since the previous beat, or a traced collective is open):
   an ``alive`` record, with ``waiting_on`` naming the collective it waits in (the
   controller's, or, when that is null while the step stays put, the engine's own
-  collective the controller never sees). Every beat of a wait writes one, one interval
-  apart;
+  collective the controller never sees; ``engine_wait`` names the one a thread of the
+  process is blocked in, when :mod:`eplb_fsm.engine_wait` sees it). Every beat of a
+  wait writes one, one interval apart;
 - the rank **makes progress**: its pending ``steps`` run is the evidence of life, written
   every :data:`FLUSH_FACTOR` x ``interval_s`` (1.5 s by default; a killed rank loses at most
   that much of quiet steps), with an ``alive`` record only every :data:`HEARTBEAT_S` seconds
@@ -53,6 +54,7 @@ from typing import Any, Callable
 
 import structlog
 
+from eplb_fsm.engine_wait import engine_collective
 from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.safe_log import log_safely, retry_due
 
@@ -138,7 +140,10 @@ class Liveness:
 
     def _tick(self, trace: Any) -> dict | None:
         step = trace.step
-        record = trace.alive(self.interval_s, self._steps_seen)
+        # a rank that waits may be inside the engine's own collective (also beside a posted one of the
+        # controller's): the record names it (eplb_fsm.engine_wait), so that replay can read a peer frozen for good
+        engine = None if self.moving else engine_collective()
+        record = trace.alive(self.interval_s, self._steps_seen, **({"engine_wait": engine} if engine else {}))
         self._steps_seen = step
         self._last_alive = self._last_write = self.clock()
         return record

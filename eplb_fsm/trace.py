@@ -357,13 +357,14 @@ class EventTrace(CollectiveBrackets):
         trace_owners.release(self)
         return record
 
-    def alive(self, interval_s: float, steps_seen: int | None) -> dict | None:
-        """Write one ``alive`` record (current state/step, the open collective); None after ``end``. The
-        pending ``steps`` run goes first: the liveness thread is also the flusher."""
+    def alive(self, interval_s: float, steps_seen: int | None, engine_wait: str | None = None) -> dict | None:
+        """Write one ``alive`` record (current state/step, the open collective, the engine's collective a thread
+        is blocked in when the caller saw one); None after ``end``. The pending ``steps`` run goes first: the
+        liveness thread is also the flusher."""
         if self.ended:
             return None
         errors = {"write_errors": self.write_errors} if self.write_errors else {}
-        return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on()), **errors)
+        return self.emit("alive", **alive_fields(interval_s, steps_seen, self.waiting_on(), engine_wait), **errors)
 
     def close(self) -> None:
         """Write the pending ``steps`` run (unless ended) and close the file (another trace may open it then)."""

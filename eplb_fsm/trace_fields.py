@@ -166,9 +166,12 @@ def exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None) -> dict:
-    """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective."""
-    return {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
+def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None,
+                 engine_wait: str | None = None) -> dict:
+    """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective,
+    and, only when one was seen, the engine's own collective a thread is blocked in (``engine_wait``)."""
+    fields = {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
+    return fields if engine_wait is None else {**fields, "engine_wait": str(engine_wait)}
 
 
 def config_hash(config: dict) -> str:

@@ -137,6 +137,54 @@ def test_without_that_evidence_the_rank_still_reads_died(case):
     assert "froze for good" not in text
 
 
+ENGINE_WAIT = {**WAITING, "waiting_on": None, "engine_wait": "all_reduce"}   # blocked in the engine's all-reduce
+
+
+def engine_waiter(until: float, end: dict, wait: dict = ENGINE_WAIT) -> list[tuple]:
+    """A rank whose alive records name the engine's all-reduce every second from t=2 to ``until``, then ``end``."""
+    return [*[(t + 0.0, "alive", wait) for t in range(2, int(until) + 1)], (until, "end", end)]
+
+
+def test_peers_in_the_engines_own_collective_show_a_frozen_rank_too():
+    """No controller collective open: ranks 0 and 2 sat in the engine's all-reduce (their threads' frames said so)
+    for 3.5 s after rank 1's last record, then were signalled: frozen for good, rank 1 (was: rank_died with 'a
+    process frozen for good looks the same')."""
+    silent = [(0.95, "steps", {"count": 1, "step": 4})]
+    report = diagnose({0: rank(0, 3, engine_waiter(4.5, SIGNAL)), 1: rank(1, 3, silent),
+                       2: rank(2, 3, engine_waiter(4.5, SIGNAL))})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
+    assert "while rank 0 waited in the engine's own all_reduce, as every other rank did, until t+4.5 s" \
+        in report.summary, text
+
+
+@pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
+                                  "after an earlier wait"])
+def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
+    """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
+    no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
+    after it): rank 1 died."""
+    device, two = "cpu", engine_waiter(4.5, SIGNAL)
+    if case == "a rank not waiting":
+        two = [(t + 0.0, "alive", {**WAITING, "waiting_on": None}) for t in (2, 3, 4)] + [(4.5, "end", SIGNAL)]
+    elif case == "lost connection":
+        lost = "RuntimeError: Connection closed by peer [127.0.0.1]:58797"
+        two = [(2.0, "alive", ENGINE_WAIT), (2.2, "end", {"how": "exception", "error": lost})]
+    elif case == "within the limit":
+        two = engine_waiter(3.0, {"how": "closed"})
+    elif case == "nccl":
+        device = "cuda:0"
+    else:   # in the engine's wait at t=2 and 3, then stepping (alive records without it) up to its signal
+        two = [(2.0, "alive", ENGINE_WAIT), (3.0, "alive", ENGINE_WAIT),
+               (4.0, "alive", {**WAITING, "waiting_on": None}), (4.5, "end", SIGNAL)]
+    silent = [(0.95, "steps", {"count": 1, "step": 4})]
+    report = diagnose({0: rank(0, 3, engine_waiter(4.5, SIGNAL), device), 1: rank(1, 3, silent, device),
+                       2: rank(2, 3, two, device)})
+    text = format_report(report)
+    assert "rank 1 died (SIGKILL?)" in text, text
+    assert "froze for good" not in text
+
+
 # the controller on a 2-rank gloo group; the engine has no collective of its own, so the ranks meet only in the
 # controller's: at each rearrangement (every 6 steps) the all-reduce of the loads waits for both
 ENGINE = """
@@ -165,6 +213,11 @@ with EplbController(config, group=dist.group.WORLD, device="cpu", trace_dir=trac
             re.match(r"(a+)+$", "a" * 64 + "b")   # catastrophic backtracking: a C call holding the GIL for good
         time.sleep(0.05 if step < 20 else 0.2)
 """
+# the same job whose engine meets in an all-reduce of its own every step, and the controller never rearranges: the
+# ranks meet only in the engine's collective
+ENGINE_OWN = ENGINE.replace("step_interval=6", "step_interval=100000").replace(
+    "        ctl.step()\n", "        dist.all_reduce(torch.ones(4))\n        ctl.step()\n").replace(
+    "import torch.distributed as dist", "import torch, torch.distributed as dist")
 GRACE = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}   # torchrun's wait between its SIGTERM and its SIGKILL
 
 
@@ -173,26 +226,27 @@ def _last(path) -> dict:
     return records[-1] if records else {}
 
 
-def _stop_once_rank_0_waited(pids: dict, launcher, traces, freeze: bool = True) -> None:
-    """With ``freeze``, SIGSTOP rank 1 and wait (bounded) until rank 0 has ticked inside a controller collective more
-    than 3 s past rank 1's last record; else until rank 0's controller failed (its wait timed out). Then SIGTERM
-    torchrun: an operator ending a job hung on a worker that runs no Python."""
+def _stop_once_rank_0_waited(pids: dict, launcher, traces, freeze: bool = True, field: str = "waiting_on") -> None:
+    """With ``freeze``, SIGSTOP rank 1 and wait (bounded) until rank 0 has ticked inside a collective (``field``
+    says whose: the controller's, or ``engine_wait``) more than 3 s past rank 1's last record; else until rank 0's
+    controller failed (its wait timed out). Then SIGTERM torchrun: an operator ending a job hung on a worker that
+    runs no Python."""
     if freeze:
         os.kill(pids[1], signal.SIGSTOP)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         last, zero = _last(traces / "rank00001.jsonl"), _last(traces / "rank00000.jsonl")
-        waited = zero.get("waiting_on") and "ts" in last and zero["ts"] - last["ts"] > 3.0
+        waited = zero.get(field) and "ts" in last and zero["ts"] - last["ts"] > 3.0
         if (waited if freeze else zero.get("state") == "failed"):
             break
         time.sleep(0.1)
     launcher.send_signal(signal.SIGTERM)
 
 
-def _frozen_job(tmp_path, stop, args: tuple) -> tuple:
-    """Run ENGINE under torchrun with ``stop``; rank 0 must end by torchrun's signal and rank 1 with no ``end``
+def _frozen_job(tmp_path, stop, args: tuple, engine: str = ENGINE) -> tuple:
+    """Run ``engine`` under torchrun with ``stop``; rank 0 must end by torchrun's signal and rank 1 with no ``end``
     (SIGKILLed after the grace). Returns rank 1's report and its text."""
-    traces, code, out = torchrun_job(tmp_path, ENGINE, stop, args, GRACE)
+    traces, code, out = torchrun_job(tmp_path, engine, stop, args, GRACE)
     assert code != 0, out
     assert _last(traces / "rank00000.jsonl").get("how") == "signal", out[-3000:]
     assert _last(traces / "rank00001.jsonl").get("event") != "end", out[-3000:]
@@ -221,3 +275,14 @@ def test_a_worker_stuck_holding_the_gil_while_its_peer_timed_out_reads_frozen(tm
     stop = lambda pids, launcher, traces: _stop_once_rank_0_waited(pids, launcher, traces, freeze=False)  # noqa: E731
     report, text = _frozen_job(tmp_path, stop, ("gil", "4"))
     assert "until its wait ran out at" in report.summary, text
+
+
+@pytest.mark.multiprocess
+def test_a_worker_sigstopped_while_its_peer_waits_in_the_engines_all_reduce_reads_frozen(tmp_path):
+    """The engine's own all-reduce every step, no rearrangement: SIGSTOP rank 1; rank 0 waits in the engine's
+    all-reduce (its liveness thread names it from the main thread's frames); SIGTERM torchrun: frozen for good,
+    rank 1 (was: rank_died, 'a process frozen for good looks the same')."""
+    stop = lambda pids, launcher, traces: _stop_once_rank_0_waited(pids, launcher, traces, field="engine_wait")  # noqa
+    report, text = _frozen_job(tmp_path, stop, ("stop", "60"), ENGINE_OWN)
+    assert "while rank 0 waited in the engine's own all_reduce until" in report.summary, text
+    assert not [f for f in report.findings if f.kind == "rank_died"], text   # its trace stops early: not dead too

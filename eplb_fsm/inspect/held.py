@@ -26,6 +26,12 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
   out (a timeout; any other error says nothing of ``K``);
 - and no member of the group lost its connection to anyone at or after ``K``'s last record.
 
+Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
+function a thread was blocked in when no controller collective was open (``engine_wait``,
+``eplb_fsm.engine_wait``). The engine's groups are not in the trace, so every other member of ``K``'s group
+must show such a wait past the limit (or be inside it at its signal ``end``), with nothing broken since
+``K``'s last record: a wait on a dead ``K`` would have failed at once, and its failure ended the others'.
+
 ``K`` needs liveness records (a writer without them is silent whenever nothing happens) and no failed
 write (its own lines may be what was lost, ``signal_death.lost_writes``). A dead rank that stopped writing
 within 1.5 intervals of ``K``, that no peer lost a connection to, goes into ``K``'s finding with a line
@@ -51,7 +57,7 @@ from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import CONNECTION_LOST, entries
 from eplb_fsm.inspect.findings import Finding, coll_text
-from eplb_fsm.inspect.model import Collective
+from eplb_fsm.inspect.model import WORLD_GROUP, Collective
 from eplb_fsm.inspect.signal_death import lost_writes
 
 __all__ = ["held_open", "held_findings"]
@@ -119,7 +125,44 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
     found = [(peer, c, ts) for peer, p in cast.parts.items() if peer != key and _on_gloo(p) for c in entries(p)
              if (ts := _inside_until(p, c)) is not None and ts - last > limit and _waits_on(cast, key, c)]
     # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn)
-    return max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
+    held = max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
+    return held or _engine_held(cast, key, dropped, last + limit)
+
+
+def _in_engine_until(p, after: float) -> tuple[str, float] | None:
+    """(op, ts): ``p``'s alive records name an engine wait (``engine_wait``) at ts, past ``after`` and the latest
+    such; its end instead when its last alive record was in that wait and the end, at the same step, is a
+    signal or a wait that ran out. None when no such record."""
+    waits = [(a[4], a[0]) for a in p.alive if a[4] is not None and type(a[0]) in (int, float)]
+    if not waits:
+        return None
+    op, ts = waits[-1]
+    end = p.end or {}
+    if p.alive[-1][4] is not None and end.get("step") == p.alive[-1][1] and type(end.get("ts")) in (int, float) \
+            and (end.get("how") == "signal" or (_RAN_OUT.search(str(end.get("error") or ""))
+                                                 and not CONNECTION_LOST.search(str(end.get("error") or "")))):
+        ts = end["ts"]
+    return (op, ts) if ts > after else None
+
+
+def _engine_held(cast: Cast, key: Key, dropped: Dropped, after: float) -> Held | None:
+    """(peer, op, ts) when every other member of ``key``'s group sat in an engine collective (a thread's frames
+    named it, ``eplb_fsm.engine_wait``) past ``after``, each unbroken since ``key``'s last record; the latest.
+    The engine's groups are not in the trace: all of them waiting, none broken, leaves ``key`` the one waited on
+    (a wait on a dead rank would have failed at once on gloo, and its failure ended the others' in turn)."""
+    members = cast.members(str((cast.parts[key].header or {}).get("group") or WORLD_GROUP))
+    if key not in members or len(members) < 2:
+        return None
+    last, found = cast.parts[key].last_ts, []
+    for m in members:
+        p = cast.parts.get(m)
+        if m == key:
+            continue
+        seen = _in_engine_until(p, after) if p is not None and _on_gloo(p) else None
+        if seen is None or _broken(cast, dropped, last, seen[1]):
+            return None
+        found.append((m, *seen))
+    return max(found, key=lambda h: h[2])
 
 
 def held_findings(cast: Cast, held: list[tuple], dead: list[tuple], dropped: Dropped, at: Callable,
@@ -152,11 +195,16 @@ def held_findings(cast: Cast, held: list[tuple], dead: list[tuple], dropped: Dro
                        "the same; torchrun's log tells them apart: 'Unable to shutdown process <pid> via 15, "
                        "forcefully exiting via 9' names a rank still there when the job was stopped"
                        + (f" ({pids})" if pids else ""))
+        engine = isinstance(c, str)   # a wait in the engine's own collective (_engine_held): every other rank's
+        wait = (f"the engine's own {c}" + (", as every other rank did," if len(cast.parts) > 2 else "")) if engine \
+            else coll_text(c)
+        ran_out = not engine and c.status == "error"
+        on = "" if engine else f" on {cast.label(k)}"
         out.append((first, "frozen", k, Finding.of(
             "frozen", s.last_step, keys,
             f"{cast.who(keys)} froze for good{where} (SIGSTOP, or a C call holding the GIL?): no record after "
-            f"{at(first)}, while {cast.label(peer)} waited on {cast.label(k)} in {coll_text(c)} "
-            f"{'until its wait ran out at' if c.status == 'error' else 'until'} {at(ts)}, {ts - first:.1f} s later, "
+            f"{at(first)}, while {cast.label(peer)} waited{on} in {wait} "
+            f"{'until its wait ran out at' if ran_out else 'until'} {at(ts)}, {ts - first:.1f} s later, "
             "with nothing broken (on gloo a process that ends closes its sockets, and its peers' waits fail at "
             "once); no end record: killed later, or stopped still",
             state=s.final_state, layer=s.final_layer, details=details,

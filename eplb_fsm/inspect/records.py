@@ -122,7 +122,9 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "alive":
         _count_write_errors(s, rec)
         waiting = rec.get("waiting_on")
-        s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None))
+        engine = rec.get("engine_wait")
+        s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
+                        engine if type(engine) is str else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)

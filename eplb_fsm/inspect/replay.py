@@ -194,7 +194,8 @@ def diagnose(
     hang_culprits = {k for f in coll if f.kind == "hang" for k in f.keys()}
     live = check_liveness(cast)
     warnings += live.pauses   # the whole job silent together: a pause from outside, no rank's freeze
-    died = {k for f in live.findings if f.kind == "rank_died" for k in f.keys()}
+    # a rank the liveness rules found dead or frozen (for good: its trace stops too) is not found dead again
+    died = {k for f in live.findings if f.kind in ("rank_died", "frozen") for k in f.keys()}
     findings += check_ends(cast, hang_culprits | died)
     findings += step_count_mismatch(cast)
     findings += check_failed(cast)

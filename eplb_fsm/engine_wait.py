@@ -1,0 +1,68 @@
+"""Which of the engine's own collectives a thread of this process is blocked in, read from the threads' frames.
+
+Why: a rank whose step stays put may be waiting on a peer in a collective of the engine's (its forward's
+all-reduce, which the controller never sees), or simply have nothing to do (an idle server). Its trace cannot
+tell them apart, and replay needs to: on gloo a peer that ends closes its sockets and a wait on it fails at
+once, so a wait that stays unbroken past a silent rank's last record shows that rank was a process still,
+frozen, not dead (``eplb_fsm.inspect.held``). The liveness thread asks :func:`engine_collective` only when
+the step did not advance, and writes the answer into its ``alive`` record as ``engine_wait``.
+
+What it sees: a thread whose innermost ``torch.distributed`` frame is a public function of
+``distributed_c10d`` (``all_reduce``, ``barrier``, ``all_gather``, ...), called from code outside the
+controller (anything outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not
+seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from the engine's own code, which
+leaves no Python frame of torch's, and waits in other libraries. Cost: one ``sys._current_frames()`` and a
+walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import FrameType
+
+__all__ = ["MAX_DEPTH", "engine_collective"]
+
+MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+_TORCH = os.sep + "torch" + os.sep
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the parts of this package that play the engine (the simulator's, the benchmarks' and the test helpers' models)
+_ENGINES = tuple(_PACKAGE + name + os.sep for name in ("sim", "bench", "testing"))
+
+
+def _collective_of(frame: FrameType | None) -> str | None:
+    """The public c10d function this stack is inside, when its caller is the engine's code; else None."""
+    op = None
+    for _ in range(MAX_DEPTH):
+        if frame is None:
+            return None
+        path = frame.f_code.co_filename
+        if op is None:
+            if path.endswith(_C10D) and not frame.f_code.co_name.startswith("_"):
+                op = frame.f_code.co_name
+        elif _TORCH not in path:   # the first frame outside torch called the collective
+            controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
+            return None if controller else op
+        frame = frame.f_back
+    return None
+
+
+def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> str | None:
+    """The name of the engine collective some thread of this process is blocked in (``"all_reduce"``), or None.
+
+    ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
+    threads, the one with the lowest ident answers, so that repeated looks name the same wait. Never raises: the
+    liveness thread must write its record whatever a look meets (an error reads as no wait seen).
+    """
+    me = threading.get_ident()
+    try:
+        frames = sys._current_frames()
+        for ident in sorted(frames):
+            if ident != me and ident not in skip and (op := _collective_of(frames[ident])) is not None:
+                return op
+    except Exception:
+        return None
+    return None

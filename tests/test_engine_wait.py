@@ -1,0 +1,121 @@
+"""engine_wait: the engine's own collective a thread is blocked in, named from the threads' frames."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+import eplb_fsm
+from eplb_fsm.engine_wait import engine_collective
+from eplb_fsm.liveness import Liveness
+from eplb_fsm.sim.launcher import run_ranks
+from eplb_fsm.trace import EventTrace
+
+PACKAGE = os.path.dirname(os.path.abspath(eplb_fsm.__file__))
+C10D = os.path.join(os.sep, "site", "torch", "distributed", "distributed_c10d.py")
+
+
+def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D):
+    """A daemon thread blocked inside a function ``op`` compiled as if from ``c10d_path``, called by code compiled
+    as if from ``caller_path``; returns (the thread, the event that releases it)."""
+    release, inside = threading.Event(), threading.Event()
+    c10d: dict = {}
+    exec(compile(f"def {op}(inside, release):\n    inside.set()\n    release.wait(30)\n", c10d_path, "exec"), c10d)
+    caller: dict = {"collective": c10d[op]}
+    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", caller_path, "exec"), caller)
+    thread = threading.Thread(target=caller["forward"], args=(inside, release), daemon=True)
+    thread.start()
+    assert inside.wait(10)
+    return thread, release
+
+
+@pytest.fixture
+def blocked():
+    """Start blocked threads; every one is released and joined at the end."""
+    started = []
+
+    def start(*args, **kwargs):
+        thread, release = _blocked_in(*args, **kwargs)
+        started.append((thread, release))
+        return thread
+
+    yield start
+    for thread, release in started:
+        release.set()
+        thread.join(10)
+
+
+def test_a_thread_in_a_collective_called_by_the_engine_is_named(blocked):
+    """A thread inside c10d's all_reduce, called from the engine's own code (outside eplb_fsm): 'all_reduce'."""
+    assert engine_collective() is None
+    blocked("all_reduce", "/srv/engine/model_runner.py")
+    assert engine_collective() == "all_reduce"
+
+
+def test_the_controllers_own_collectives_are_not_the_engines(blocked):
+    """A collective called from the controller's code (eplb_fsm outside sim/bench/testing) is not an engine wait."""
+    blocked("all_reduce", os.path.join(PACKAGE, "fsm", "collectives.py"))
+    blocked("barrier", os.path.join(PACKAGE, "transfer", "executor.py"))
+    assert engine_collective() is None
+
+
+def test_the_simulators_engine_counts_as_an_engine(blocked):
+    """The simulator's toy model plays the engine: its all-reduce is named."""
+    blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"))
+    assert engine_collective() == "barrier"
+
+
+def test_private_helpers_and_other_files_are_not_collectives(blocked):
+    """A private c10d function, or a public one of another file, names nothing; a skipped thread is not looked at."""
+    blocked("_store_based_barrier", "/srv/engine/run.py")
+    blocked("all_reduce", "/srv/engine/run.py", c10d_path="/site/torch/distributed/c10d_logger.py")
+    assert engine_collective() is None
+    thread = blocked("all_gather", "/srv/engine/run.py")
+    assert engine_collective() == "all_gather"
+    assert engine_collective(skip={thread.ident}) is None
+
+
+def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
+    """An alive record carries engine_wait while the step stays put, not while it advances; beside an open
+    collective of the controller's (a posted all-reduce) too."""
+    trace = EventTrace(rank=0, world=2, keep=True)
+    live = Liveness(trace, interval_s=1.0)
+    trace.set_context(state="collecting", step=3)
+    blocked("all_reduce", "/srv/engine/model_runner.py")
+    live.beat()                        # the first beat: the step moved from nothing
+    trace.set_context(step=4)
+    moving = live.beat()
+    waiting = live.beat()              # no step since the last record
+    opened = trace.open_collective("all_reduce", group="ep", shape=[4], dtype="torch.float64")
+    in_controller = live.beat()
+    trace.close_collective(opened)
+    assert moving is None or "engine_wait" not in moving
+    assert (waiting["event"], waiting["engine_wait"], waiting["waiting_on"]) == ("alive", "all_reduce", None)
+    assert in_controller["engine_wait"] == "all_reduce" and in_controller["waiting_on"]["cseq"] == opened.info["cseq"]
+
+
+def _rank_looks_while_blocked(rank: int, world: int) -> str | None:
+    """Rank 0 looks from its main thread while another of its threads sits in a real gloo all-reduce that rank 1
+    joins 2 s late."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(2.0)
+        dist.all_reduce(torch.ones(4))
+        return None
+    thread = threading.Thread(target=dist.all_reduce, args=(torch.ones(4),), daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    seen = engine_collective()
+    thread.join(30)
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
+    """Two gloo ranks: while rank 0's thread waits in dist.all_reduce for rank 1, the look names 'all_reduce'."""
+    assert run_ranks(_rank_looks_while_blocked, 2, timeout=60) == ["all_reduce", None]
