@@ -159,11 +159,11 @@ def test_peers_in_the_engines_own_collective_show_a_frozen_rank_too():
 
 
 @pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
-                                  "after an earlier wait"])
+                                  "after an earlier wait", "begun late"])
 def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
     """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
     no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
-    after it): rank 1 died."""
+    after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first): rank 1 died."""
     device, two = "cpu", engine_waiter(4.5, SIGNAL)
     if case == "a rank not waiting":
         two = [(t + 0.0, "alive", {**WAITING, "waiting_on": None}) for t in (2, 3, 4)] + [(4.5, "end", SIGNAL)]
@@ -174,6 +174,9 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         two = engine_waiter(3.0, {"how": "closed"})
     elif case == "nccl":
         device = "cuda:0"
+    elif case == "begun late":
+        moved = {**ENGINE_WAIT, "step": 9, "steps_seen": 9}
+        two = [(5.5, "alive", moved), (6.5, "alive", moved), (7.0, "end", {**SIGNAL, "step": 9})]
     else:   # in the engine's wait at t=2 and 3, then stepping (alive records without it) up to its signal
         two = [(2.0, "alive", ENGINE_WAIT), (3.0, "alive", ENGINE_WAIT),
                (4.0, "alive", {**WAITING, "waiting_on": None}), (4.5, "end", SIGNAL)]

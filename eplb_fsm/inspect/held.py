@@ -27,10 +27,11 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
 - and no member of the group lost its connection to anyone at or after ``K``'s last record.
 
 Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
-function a thread was blocked in when no controller collective was open (``engine_wait``,
-``eplb_fsm.engine_wait``). The engine's groups are not in the trace, so every other member of ``K``'s group
-must show such a wait past the limit (or be inside it at its signal ``end``), with nothing broken since
-``K``'s last record: a wait on a dead ``K`` would have failed at once, and its failure ended the others'.
+function a thread was blocked in while the step stayed put (``engine_wait``, ``eplb_fsm.engine_wait``). The
+engine's groups are not in the trace, so every other member of ``K``'s group must show such a wait past the
+limit (or be inside it at its signal ``end``), begun by the time it could first show a wait on ``K``, with
+nothing broken since ``K``'s last record: a wait on a dead ``K`` would have failed at once, and its failure
+ended the others'.
 
 ``K`` needs liveness records (a writer without them is silent whenever nothing happens) and no failed
 write (its own lines may be what was lost, ``signal_death.lost_writes``). A dead rank that stopped writing
@@ -126,28 +127,36 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
              if (ts := _inside_until(p, c)) is not None and ts - last > limit and _waits_on(cast, key, c)]
     # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn)
     held = max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
-    return held or _engine_held(cast, key, dropped, last + limit)
+    return held or _engine_held(cast, key, dropped, limit)
 
 
-def _in_engine_until(p, after: float) -> tuple[str, float] | None:
-    """(op, ts): ``p``'s alive records name an engine wait (``engine_wait``) at ts, past ``after`` and the latest
-    such; its end instead when its last alive record was in that wait and the end, at the same step, is a
-    signal or a wait that ran out. None when no such record."""
-    waits = [(a[4], a[0]) for a in p.alive if a[4] is not None and type(a[0]) in (int, float)]
-    if not waits:
+def _in_engine_until(p, last: float, limit: float) -> tuple[str, float] | None:
+    """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``), at ts past ``last + limit``;
+    its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
+    out. The run of such records at that step must have begun by ``last + limit`` and 1.5 of ``p``'s intervals
+    (when it could first show a wait on a rank silent since ``last``): one begun later is a later wait, after
+    ``p`` went on without the silent rank. None otherwise."""
+    marked = [i for i, a in enumerate(p.alive) if a[4] is not None and type(a[0]) in (int, float)]
+    if not marked:
         return None
-    op, ts = waits[-1]
+    j = first = marked[-1]
+    while first > 0 and p.alive[first - 1][4] is not None and p.alive[first - 1][1] == p.alive[j][1] \
+            and type(p.alive[first - 1][0]) in (int, float):
+        first -= 1
+    if p.alive[first][0] > last + limit + 1.5 * (p.alive_interval or 1.0):
+        return None
+    op, ts = p.alive[j][4], p.alive[j][0]
     end = p.end or {}
-    if p.alive[-1][4] is not None and end.get("step") == p.alive[-1][1] and type(end.get("ts")) in (int, float) \
+    if j == len(p.alive) - 1 and end.get("step") == p.alive[j][1] and type(end.get("ts")) in (int, float) \
             and (end.get("how") == "signal" or (_RAN_OUT.search(str(end.get("error") or ""))
                                                  and not CONNECTION_LOST.search(str(end.get("error") or "")))):
         ts = end["ts"]
-    return (op, ts) if ts > after else None
+    return (op, ts) if ts > last + limit else None
 
 
-def _engine_held(cast: Cast, key: Key, dropped: Dropped, after: float) -> Held | None:
+def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | None:
     """(peer, op, ts) when every other member of ``key``'s group sat in an engine collective (a thread's frames
-    named it, ``eplb_fsm.engine_wait``) past ``after``, each unbroken since ``key``'s last record; the latest.
+    named it, ``eplb_fsm.engine_wait``) ``limit`` s past ``key``'s last record, each unbroken since; the latest.
     The engine's groups are not in the trace: all of them waiting, none broken, leaves ``key`` the one waited on
     (a wait on a dead rank would have failed at once on gloo, and its failure ended the others' in turn)."""
     members = cast.members(str((cast.parts[key].header or {}).get("group") or WORLD_GROUP))
@@ -158,7 +167,7 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, after: float) -> Held |
         p = cast.parts.get(m)
         if m == key:
             continue
-        seen = _in_engine_until(p, after) if p is not None and _on_gloo(p) else None
+        seen = _in_engine_until(p, last, limit) if p is not None and _on_gloo(p) else None
         if seen is None or _broken(cast, dropped, last, seen[1]):
             return None
         found.append((m, *seen))
