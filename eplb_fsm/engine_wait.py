@@ -7,12 +7,15 @@ once, so a wait that stays unbroken past a silent rank's last record shows that 
 frozen, not dead (``eplb_fsm.inspect.held``). The liveness thread asks :func:`engine_collective` only when
 the step did not advance, and writes the answer into its ``alive`` record as ``engine_wait``.
 
-What it sees: a thread whose innermost ``torch.distributed`` frame is a public function of
-``distributed_c10d`` (``all_reduce``, ``barrier``, ``all_gather``, ...), called from code outside the
-controller (anything outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not
-seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from the engine's own code, which
-leaves no Python frame of torch's, and waits in other libraries. Cost: one ``sys._current_frames()`` and a
-walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
+What it sees: a thread whose innermost public function of ``distributed_c10d`` is one of
+:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on the peers'
+sockets), called from code outside the controller (anything outside ``eplb_fsm``, or the simulator's and
+benchmarks' engines inside it). Not a group's creation or set-up (``new_group``, ``init_process_group``):
+they wait in the store, which a peer's death does not break (a red team's survivors sat in ``new_group``
+on a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from
+the engine's own code, which leaves no Python frame of torch's, and waits in other libraries. Cost: one
+``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
+on the liveness thread only.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ import sys
 import threading
 from types import FrameType
 
-__all__ = ["MAX_DEPTH", "engine_collective"]
+__all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
+
+# the c10d functions whose wait is on the peers themselves (gloo: their sockets, which a dead peer closes)
+COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+    "all_gather_object", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
+    "scatter_object_list", "send", "recv", "send_object_list", "recv_object_list"})
 
 MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
 
@@ -34,7 +44,8 @@ _ENGINES = tuple(_PACKAGE + name + os.sep for name in ("sim", "bench", "testing"
 
 
 def _collective_of(frame: FrameType | None) -> str | None:
-    """The public c10d function this stack is inside, when its caller is the engine's code; else None."""
+    """The collective this stack is inside (its innermost public c10d function, one of COLLECTIVES), when its
+    caller is the engine's code; else None."""
     op = None
     for _ in range(MAX_DEPTH):
         if frame is None:
@@ -43,6 +54,8 @@ def _collective_of(frame: FrameType | None) -> str | None:
         if op is None:
             if path.endswith(_C10D) and not frame.f_code.co_name.startswith("_"):
                 op = frame.f_code.co_name
+                if op not in COLLECTIVES:   # a group's creation, the store: waits a dead peer does not break
+                    return None
         elif _TORCH not in path:   # the first frame outside torch called the collective
             controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
             return None if controller else op

@@ -68,6 +68,14 @@ def test_the_simulators_engine_counts_as_an_engine(blocked):
     assert engine_collective() == "barrier"
 
 
+def test_group_set_up_is_not_a_collective(blocked):
+    """A thread in new_group or init_process_group waits in the store, which a dead peer does not break: nothing
+    is named (a red team's survivors sat in new_group on a SIGKILLed rank and read 'froze for good')."""
+    blocked("new_group", "/srv/engine/run.py")
+    blocked("init_process_group", "/srv/engine/run.py")
+    assert engine_collective() is None
+
+
 def test_private_helpers_and_other_files_are_not_collectives(blocked):
     """A private c10d function, or a public one of another file, names nothing; a skipped thread is not looked at."""
     blocked("_store_based_barrier", "/srv/engine/run.py")

@@ -158,13 +158,28 @@ def test_peers_in_the_engines_own_collective_show_a_frozen_rank_too():
         in report.summary, text
 
 
+def test_two_ranks_silent_together_while_the_others_waited_in_the_engines_collective():
+    """Ranks 1 and 2 stop writing 0.5 s apart; ranks 0 and 3 sit in the engine's all-reduce, unbroken: one frozen
+    finding, ranks 1-2, rank 1 first, rank 2 with the line that its own trace cannot tell (a red team's two
+    workers SIGSTOPped together read 'ranks 1-2 died (SIGKILL?)': each was the other's missing engine wait)."""
+    silent = lambda t: [(t, "steps", {"count": 1, "step": 4})]  # noqa: E731
+    report = diagnose({0: rank(0, 4, engine_waiter(5.5, SIGNAL)), 1: rank(1, 4, silent(0.95)),
+                       2: rank(2, 4, silent(1.45)), 3: rank(3, 4, engine_waiter(5.5, SIGNAL))})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1, 2]), text
+    assert report.summary.startswith("ranks 1-2 froze for good") and "the engine's own all_reduce" in text, text
+    assert "rank 2 stopped writing 0.50 s from rank 1" in text and "cannot tell a freeze with it" in text, text
+    assert not [f for f in report.findings if f.kind == "rank_died"], text
+
+
 @pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
-                                  "after an earlier wait", "begun late"])
+                                  "after an earlier wait", "begun late", "a group's set-up"])
 def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
     """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
     no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
-    after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first): rank 1 died."""
-    device, two = "cpu", engine_waiter(4.5, SIGNAL)
+    after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first), waits in new_group
+    (the store's: a red team's survivors of a SIGKILL sat there, unbroken): rank 1 died."""
+    device, two, zero = "cpu", engine_waiter(4.5, SIGNAL), engine_waiter(4.5, SIGNAL)
     if case == "a rank not waiting":
         two = [(t + 0.0, "alive", {**WAITING, "waiting_on": None}) for t in (2, 3, 4)] + [(4.5, "end", SIGNAL)]
     elif case == "lost connection":
@@ -174,6 +189,8 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         two = engine_waiter(3.0, {"how": "closed"})
     elif case == "nccl":
         device = "cuda:0"
+    elif case == "a group's set-up":
+        zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait": "new_group"})
     elif case == "begun late":
         moved = {**ENGINE_WAIT, "step": 9, "steps_seen": 9}
         two = [(5.5, "alive", moved), (6.5, "alive", moved), (7.0, "end", {**SIGNAL, "step": 9})]
@@ -181,8 +198,7 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         two = [(2.0, "alive", ENGINE_WAIT), (3.0, "alive", ENGINE_WAIT),
                (4.0, "alive", {**WAITING, "waiting_on": None}), (4.5, "end", SIGNAL)]
     silent = [(0.95, "steps", {"count": 1, "step": 4})]
-    report = diagnose({0: rank(0, 3, engine_waiter(4.5, SIGNAL), device), 1: rank(1, 3, silent, device),
-                       2: rank(2, 3, two, device)})
+    report = diagnose({0: rank(0, 3, zero, device), 1: rank(1, 3, silent, device), 2: rank(2, 3, two, device)})
     text = format_report(report)
     assert "rank 1 died (SIGKILL?)" in text, text
     assert "froze for good" not in text

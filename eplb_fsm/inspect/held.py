@@ -31,7 +31,10 @@ function a thread was blocked in while the step stayed put (``engine_wait``, ``e
 engine's groups are not in the trace, so every other member of ``K``'s group must show such a wait past the
 limit (or be inside it at its signal ``end``), begun by the time it could first show a wait on ``K``, with
 nothing broken since ``K``'s last record: a wait on a dead ``K`` would have failed at once, and its failure
-ended the others'.
+ended the others'. Only waits on the peers count (``engine_wait.COLLECTIVES``; the reader drops other names:
+a red team's survivors of a SIGKILL sat in ``new_group``, a wait in the store, unbroken). A member silent
+within 1.5 intervals of ``K`` is not asked for a wait: the first of them to stop carries the finding, the
+others join it as companions (a red team's two ranks SIGSTOPped together each lacked the other's wait).
 
 ``K`` needs liveness records (a writer without them is silent whenever nothing happens) and no failed
 write (its own lines may be what was lost, ``signal_death.lost_writes``). A dead rank that stopped writing
@@ -163,15 +166,22 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held |
     if key not in members or len(members) < 2:
         return None
     last, found = cast.parts[key].last_ts, []
+    window = 1.5 * (cast.parts[key].alive_interval or 1.0)
     for m in members:
         p = cast.parts.get(m)
         if m == key:
+            continue
+        if p is not None and p.end is None and type(p.last_ts) in (int, float) and abs(p.last_ts - last) <= window:
+            # silent with it (two ranks SIGSTOPped together): the first to stop carries the finding, the other
+            # joins it as a companion whose own trace cannot tell (held_findings)
+            if (p.last_ts, m) < (last, key):
+                return None
             continue
         seen = _in_engine_until(p, last, limit) if p is not None and _on_gloo(p) else None
         if seen is None or _broken(cast, dropped, last, seen[1]):
             return None
         found.append((m, *seen))
-    return max(found, key=lambda h: h[2])
+    return max(found, key=lambda h: h[2], default=None)
 
 
 def held_findings(cast: Cast, held: list[tuple], dead: list[tuple], dropped: Dropped, at: Callable,

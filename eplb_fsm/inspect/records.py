@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from eplb_fsm.engine_wait import COLLECTIVES
 from eplb_fsm.inspect.model import RankSummary, compact_record
 
 if TYPE_CHECKING:
@@ -122,9 +123,9 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "alive":
         _count_write_errors(s, rec)
         waiting = rec.get("waiting_on")
-        engine = rec.get("engine_wait")
+        engine = rec.get("engine_wait")   # only a wait on the peers (not a group's set-up, whatever the writer)
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
-                        engine if type(engine) is str else None))
+                        engine if type(engine) is str and engine in COLLECTIVES else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)
