@@ -8,8 +8,8 @@ frozen, not dead (``eplb_fsm.inspect.held``). The liveness thread asks :func:`en
 the step did not advance, and writes the answer into its ``alive`` record as ``engine_wait``.
 
 What it sees: a thread whose innermost public function of ``distributed_c10d`` is one of
-:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on the peers'
-sockets), called from code outside the controller (anything outside ``eplb_fsm``, or the simulator's and
+:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on the members'
+sockets; not a point-to-point ``send``/``recv``), called from code outside the controller (anything outside ``eplb_fsm``, or the simulator's and
 benchmarks' engines inside it). Not a group's creation or set-up (``new_group``, ``init_process_group``):
 they wait in the store, which a peer's death does not break (a red team's survivors sat in ``new_group``
 on a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from
@@ -27,12 +27,14 @@ from types import FrameType
 
 __all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
 
-# the c10d functions whose wait is on the peers themselves (gloo: their sockets, which a dead peer closes)
+# the c10d collectives, whose wait is on the group's members (gloo: their sockets, which a dead member closes).
+# Not point-to-point send/recv: one waits on a single peer, or on none (recv from any source), which need not
+# be the silent rank (a red team's parameter-server engine: survivors in recv(src=None) on a SIGKILLed rank)
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
     "all_gather_object", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
-    "scatter_object_list", "send", "recv", "send_object_list", "recv_object_list"})
+    "scatter_object_list"})
 
 MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
 

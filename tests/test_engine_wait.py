@@ -76,6 +76,14 @@ def test_group_set_up_is_not_a_collective(blocked):
     assert engine_collective() is None
 
 
+def test_point_to_point_is_not_a_collective(blocked):
+    """send and recv wait on one peer, or on none (recv from any source), not on the group: nothing is named (a red
+    team's parameter server sat in recv(src=None) on a SIGKILLed worker and read 'froze for good')."""
+    blocked("recv", "/srv/engine/run.py")
+    blocked("send", "/srv/engine/run.py")
+    assert engine_collective() is None
+
+
 def test_private_helpers_and_other_files_are_not_collectives(blocked):
     """A private c10d function, or a public one of another file, names nothing; a skipped thread is not looked at."""
     blocked("_store_based_barrier", "/srv/engine/run.py")

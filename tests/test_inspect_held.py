@@ -66,6 +66,28 @@ def test_a_wait_that_timed_out_shows_it_too():
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), format_report(report)
 
 
+@pytest.mark.parametrize("wait", ["controller", "engine"])
+@pytest.mark.parametrize("after", [2.3, 1.8])
+def test_a_wait_that_ran_out_counts_from_two_seconds(wait, after):
+    """A wait that timed out ``after`` s past rank 1's last record (the engine's, or the controller's all-reduce):
+    at 2.3 s, under the 2.5 s limit, frozen (a red team's engine timeout of 2 s ran out 2.48 s after a SIGSTOPped
+    rank's last record and read died, with no caveat); at 1.8 s, within a live rank's silence, died."""
+    timeout = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Timed out waiting 2000ms for recv operation"
+    at, one = 1.0 + after, SILENT
+    if wait == "engine":   # no controller collective: rank 1's last record is a run of steps
+        one = [(1.0, "steps", {"count": 1, "step": 4})]
+        zero = [(1.2, "alive", ENGINE_WAIT), (2.2, "alive", ENGINE_WAIT), (at, "end", {"how": "exception",
+                                                                                     "error": timeout})]
+    else:
+        zero = [(1.0, "collective_start", ALLREDUCE), (1.9, "alive", WAITING),
+                (at, "collective_error", {**ALLREDUCE, "error": timeout}),
+                (at + 0.01, "end", {"how": "exception", "error": timeout})]
+    report = diagnose({0: rank(0, 2, zero), 1: rank(1, 2, one)})
+    text = format_report(report)
+    assert report.culprit_ranks == [1], text
+    assert ("froze for good" in report.summary) == (after > 2.0), text
+
+
 def test_a_rank_that_stopped_with_a_frozen_one_is_named_in_its_finding():
     """Ranks 1 and 2 stop writing 2 ms apart; rank 0 waited on rank 1 (rank 2 joined the all-reduce), while nobody
     waited on rank 2 alone: one frozen finding, ranks 1-2, saying what rank 2's trace cannot tell (a red team's
@@ -173,12 +195,13 @@ def test_two_ranks_silent_together_while_the_others_waited_in_the_engines_collec
 
 
 @pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
-                                  "after an earlier wait", "begun late", "a group's set-up"])
+                                  "after an earlier wait", "begun late", "a group's set-up", "point-to-point"])
 def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
     """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
     no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
     after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first), waits in new_group
-    (the store's: a red team's survivors of a SIGKILL sat there, unbroken): rank 1 died."""
+    (the store's: a red team's survivors of a SIGKILL sat there, unbroken), waits in recv (on one peer or any:
+    a red team's parameter server sat in recv(src=None) on a SIGKILLed worker): rank 1 died."""
     device, two, zero = "cpu", engine_waiter(4.5, SIGNAL), engine_waiter(4.5, SIGNAL)
     if case == "a rank not waiting":
         two = [(t + 0.0, "alive", {**WAITING, "waiting_on": None}) for t in (2, 3, 4)] + [(4.5, "end", SIGNAL)]
@@ -189,8 +212,9 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         two = engine_waiter(3.0, {"how": "closed"})
     elif case == "nccl":
         device = "cuda:0"
-    elif case == "a group's set-up":
-        zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait": "new_group"})
+    elif case in ("a group's set-up", "point-to-point"):
+        op = "new_group" if case == "a group's set-up" else "recv"
+        zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait": op})
     elif case == "begun late":
         moved = {**ENGINE_WAIT, "step": 9, "steps_seen": 9}
         two = [(5.5, "alive", moved), (6.5, "alive", moved), (7.0, "end", {**SIGNAL, "step": 9})]

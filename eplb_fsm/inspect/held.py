@@ -22,8 +22,9 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
   whoever receives from ``K`` was inside, where a closed socket would have shown);
 - that ``P`` was inside, unbroken, at a time past ``K``'s last record by more than ``limit`` (the frozen
   limit, ``liveness.FROZEN_FACTOR`` intervals and at least 2 s: a live rank writes every 1.5 intervals):
-  still open at ``P``'s end (a signal, its launcher's stop) or last record, or ended by a wait that ran
-  out (a timeout; any other error says nothing of ``K``);
+  still open at ``P``'s end (a signal, its launcher's stop) or last record; or ended by a wait that ran
+  out (a timeout; any other error says nothing of ``K``) past 1.5 intervals and half a second (at least
+  2 s): the wait's own clock, with the socket open all along;
 - and no member of the group lost its connection to anyone at or after ``K``'s last record.
 
 Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
@@ -82,8 +83,7 @@ def _inside_until(s, c: Collective) -> float | None:
     if type(c.ts) not in (int, float) or (c.posted and c.status != "error"):
         return None
     if c.status == "error":   # a wait that ran out kept the connection; a lost one says the peer went
-        ran_out = _RAN_OUT.search(str(c.error or "")) and not CONNECTION_LOST.search(str(c.error or ""))
-        return c.error_ts if ran_out and type(c.error_ts) in (int, float) else None
+        return c.error_ts if _ran_out(c.error) and type(c.error_ts) in (int, float) else None
     if c.status != "open":   # an end of its own with a lost connection is read by _broken
         return None
     end = (s.end or {}).get("ts")
@@ -126,17 +126,27 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
     last = s.last_ts
     if s.end is not None or not s.alive or lost_writes(s) or type(last) not in (int, float) or not _on_gloo(s):
         return None
+    # a wait that ran out timed the silence on its own clock, the socket open: past a live rank's longest
+    # silence (1.5 intervals) by half a second of a busy host's delay will do (a red team's engine timeout of
+    # 2 s ran out 2.48 s after a SIGSTOPped rank's last record, under the 2.5 s limit, and read died)
+    short = min(limit, max(2.0, 1.5 * (s.alive_interval or 1.0) + 0.5))
     found = [(peer, c, ts) for peer, p in cast.parts.items() if peer != key and _on_gloo(p) for c in entries(p)
-             if (ts := _inside_until(p, c)) is not None and ts - last > limit and _waits_on(cast, key, c)]
+             if (ts := _inside_until(p, c)) is not None and ts - last > (short if c.status == "error" else limit)
+             and _waits_on(cast, key, c)]
     # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn)
     held = max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
-    return held or _engine_held(cast, key, dropped, limit)
+    return held or _engine_held(cast, key, dropped, limit, short)
 
 
-def _in_engine_until(p, last: float, limit: float) -> tuple[str, float] | None:
+def _ran_out(error: object) -> bool:
+    """An error text that is a wait running out (a timeout), not a lost connection."""
+    return bool(_RAN_OUT.search(str(error or ""))) and not CONNECTION_LOST.search(str(error or ""))
+
+
+def _in_engine_until(p, last: float, limit: float, short: float) -> tuple[str, float] | None:
     """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``), at ts past ``last + limit``;
     its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
-    out. The run of such records at that step must have begun by ``last + limit`` and 1.5 of ``p``'s intervals
+    out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun by ``last + limit`` and 1.5 of ``p``'s intervals
     (when it could first show a wait on a rank silent since ``last``): one begun later is a later wait, after
     ``p`` went on without the silent rank. None otherwise."""
     marked = [i for i, a in enumerate(p.alive) if a[4] is not None and type(a[0]) in (int, float)]
@@ -148,16 +158,15 @@ def _in_engine_until(p, last: float, limit: float) -> tuple[str, float] | None:
         first -= 1
     if p.alive[first][0] > last + limit + 1.5 * (p.alive_interval or 1.0):
         return None
-    op, ts = p.alive[j][4], p.alive[j][0]
+    op, ts, past = p.alive[j][4], p.alive[j][0], limit
     end = p.end or {}
     if j == len(p.alive) - 1 and end.get("step") == p.alive[j][1] and type(end.get("ts")) in (int, float) \
-            and (end.get("how") == "signal" or (_RAN_OUT.search(str(end.get("error") or ""))
-                                                 and not CONNECTION_LOST.search(str(end.get("error") or "")))):
-        ts = end["ts"]
-    return (op, ts) if ts > last + limit else None
+            and (end.get("how") == "signal" or _ran_out(end.get("error"))):
+        ts, past = end["ts"], (limit if end.get("how") == "signal" else short)
+    return (op, ts) if ts > last + past else None
 
 
-def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | None:
+def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: float) -> Held | None:
     """(peer, op, ts) when every other member of ``key``'s group sat in an engine collective (a thread's frames
     named it, ``eplb_fsm.engine_wait``) ``limit`` s past ``key``'s last record, each unbroken since; the latest.
     The engine's groups are not in the trace: all of them waiting, none broken, leaves ``key`` the one waited on
@@ -177,7 +186,7 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held |
             if (p.last_ts, m) < (last, key):
                 return None
             continue
-        seen = _in_engine_until(p, last, limit) if p is not None and _on_gloo(p) else None
+        seen = _in_engine_until(p, last, limit, short) if p is not None and _on_gloo(p) else None
         if seen is None or _broken(cast, dropped, last, seen[1]):
             return None
         found.append((m, *seen))
