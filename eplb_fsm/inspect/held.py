@@ -146,9 +146,9 @@ def _ran_out(error: object) -> bool:
 def _in_engine_until(p, last: float, limit: float, short: float) -> tuple[str, float] | None:
     """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``), at ts past ``last + limit``;
     its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
-    out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun by ``last + limit`` and 1.5 of ``p``'s intervals
-    (when it could first show a wait on a rank silent since ``last``): one begun later is a later wait, after
-    ``p`` went on without the silent rank. None otherwise."""
+    out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun by
+    ``last + limit`` and 1.5 of ``p``'s intervals (when it could first show a wait on a rank silent since
+    ``last``): one begun later is a later wait, after ``p`` went on without the silent rank. None otherwise."""
     marked = [i for i, a in enumerate(p.alive) if a[4] is not None and type(a[0]) in (int, float)]
     if not marked:
         return None
