@@ -10,12 +10,12 @@ the step did not advance, and writes the answer into its ``alive`` record as ``e
 What it sees: a thread whose innermost public function of ``distributed_c10d`` is one of
 :data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on the members'
 sockets; not a point-to-point ``send``/``recv``), called from code outside the controller (anything
-outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not a group's creation or set-up (``new_group``, ``init_process_group``):
-they wait in the store, which a peer's death does not break (a red team's survivors sat in ``new_group``
-on a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from
-the engine's own code, which leaves no Python frame of torch's, and waits in other libraries. Cost: one
-``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
-on the liveness thread only.
+outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not a group's creation or
+set-up (``new_group``, ``init_process_group``): they wait in the store, which a peer's death does not break
+(a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen: a wait on a handle
+(``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves no Python frame
+of torch's, and waits in other libraries. Cost: one ``sys._current_frames()`` and a walk of at most
+:data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
 """
 
 from __future__ import annotations
