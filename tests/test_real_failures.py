@@ -198,11 +198,16 @@ def test_sigstop_during_an_async_transfer_aborts_consistently(tmp_path_factory):
     victim = recs["rank00001.jsonl"]
     fired = next(r for r in victim if r["event"] == "fault_injected")
     assert fired["state_at"] == "transferring" and fired["layer"] == 1
-    assert _silence_after(victim, fired) >= 3.5, (_silence_after(victim, fired), fired)
+    # frozen until the peer gave up (2 s) and the launcher then stopped it (SIGCONT + SIGTERM), or to the end of its
+    # 4 s: over the frozen limit either way
+    assert _silence_after(victim, fired) >= 2.5, (_silence_after(victim, fired), fired)
     # no rank was killed: every trace ends with `end`
     assert all(ending(rs) is not None for rs in recs.values())
-    faults = [r for r in recs["rank00000.jsonl"] if r["event"] == "transition" and r.get("trigger") == "fault"]
-    assert faults  # the peer gave up on the frozen rank
+    # the peer gave up on the frozen rank: its controller's fault, or, when the engine's own all-reduce on the same
+    # gloo group failed first (a posted collective's timeout closes the group's pairs), that failure as its end
+    peer = recs["rank00000.jsonl"]
+    faults = [r for r in peer if r["event"] == "transition" and r.get("trigger") == "fault"]
+    assert faults or "timeout" in str(ending(peer).get("error")).lower(), ending(peer)
 
 
 # -- signals from outside, without --inject (what an operator's world does) -------------------------
