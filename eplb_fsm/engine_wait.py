@@ -14,8 +14,11 @@ outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not
 set-up (``new_group``, ``init_process_group``): they wait in the store, which a peer's death does not break
 (a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen: a wait on a handle
 (``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves no Python frame
-of torch's, and waits in other libraries. Cost: one ``sys._current_frames()`` and a walk of at most
-:data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
+of torch's, and waits in other libraries. The size of the collective's group goes with its name: replay
+counts a wait only on a group of the controller's size, since a wider one may wait on a rank the controller
+does not trace (a red team's controller on 2 of 3 ranks, whose engine broadcast from the third). Cost: one
+``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
+on the liveness thread only.
 """
 
 from __future__ import annotations
@@ -45,9 +48,22 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _ENGINES = tuple(_PACKAGE + name + os.sep for name in ("sim", "bench", "testing"))
 
 
-def _collective_of(frame: FrameType | None) -> str | None:
-    """The collective this stack is inside (its innermost public c10d function, one of COLLECTIVES), when its
-    caller is the engine's code; else None."""
+def _group_size(frame: FrameType) -> int | None:
+    """The size of the group the c10d function in ``frame`` runs on: its ``group`` argument's ``size()``, the
+    default group's for None; None when neither can be read."""
+    group = frame.f_locals.get("group")
+    if group is None:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else None
+    size = getattr(group, "size", None)
+    value = size() if callable(size) else None
+    return value if type(value) is int else None
+
+
+def _collective_of(frame: FrameType | None) -> tuple[str, int | None] | None:
+    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES; the size of
+    its group) when its caller is the engine's code; else None."""
     op = None
     for _ in range(MAX_DEPTH):
         if frame is None:
@@ -58,15 +74,17 @@ def _collective_of(frame: FrameType | None) -> str | None:
                 op = frame.f_code.co_name
                 if op not in COLLECTIVES:   # a group's creation, the store: waits a dead peer does not break
                     return None
+                size = _group_size(frame)
         elif _TORCH not in path:   # the first frame outside torch called the collective
             controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
-            return None if controller else op
+            return None if controller else (op, size)
         frame = frame.f_back
     return None
 
 
-def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> str | None:
-    """The name of the engine collective some thread of this process is blocked in (``"all_reduce"``), or None.
+def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> tuple[str, int | None] | None:
+    """(name, group size) of the engine collective some thread of this process is blocked in (``("all_reduce",
+    4)``; the size None when it cannot be read), or None.
 
     ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
     threads, the one with the lowest ident answers, so that repeated looks name the same wait. Never raises: the
@@ -76,8 +94,8 @@ def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> str | No
     try:
         frames = sys._current_frames()
         for ident in sorted(frames):
-            if ident != me and ident not in skip and (op := _collective_of(frames[ident])) is not None:
-                return op
+            if ident != me and ident not in skip and (seen := _collective_of(frames[ident])) is not None:
+                return seen
     except Exception:
         return None
     return None

@@ -167,11 +167,18 @@ def exception_text(exc: BaseException) -> str:
 
 
 def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | None,
-                 engine_wait: str | None = None) -> dict:
+                 engine_wait: tuple | None = None) -> dict:
     """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective,
-    and, only when one was seen, the engine's own collective a thread is blocked in (``engine_wait``)."""
+    and, only when one was seen, the engine's own collective a thread is blocked in: ``engine_wait`` (its name)
+    and ``engine_wait_size`` (its group's size, when read), from ``engine_wait`` = (name, size or None)."""
     fields = {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
-    return fields if engine_wait is None else {**fields, "engine_wait": str(engine_wait)}
+    if engine_wait is None:
+        return fields
+    op, size = engine_wait
+    fields["engine_wait"] = str(op)
+    if type(size) is int:
+        fields["engine_wait_size"] = size
+    return fields
 
 
 def config_hash(config: dict) -> str:

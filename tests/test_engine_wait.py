@@ -18,14 +18,27 @@ PACKAGE = os.path.dirname(os.path.abspath(eplb_fsm.__file__))
 C10D = os.path.join(os.sep, "site", "torch", "distributed", "distributed_c10d.py")
 
 
-def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D):
-    """A daemon thread blocked inside a function ``op`` compiled as if from ``c10d_path``, called by code compiled
-    as if from ``caller_path``; returns (the thread, the event that releases it)."""
+class FakeGroup:
+    """Stands for a process group: what engine_wait reads of one is its ``size()``."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D, size: int | None = None):
+    """A daemon thread blocked inside a function ``op(..., group)`` compiled as if from ``c10d_path`` (``group`` a
+    FakeGroup of ``size`` ranks, or None: the default group, none here), called by code compiled as if from
+    ``caller_path``; returns (the thread, the event that releases it)."""
     release, inside = threading.Event(), threading.Event()
     c10d: dict = {}
-    exec(compile(f"def {op}(inside, release):\n    inside.set()\n    release.wait(30)\n", c10d_path, "exec"), c10d)
-    caller: dict = {"collective": c10d[op]}
-    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", caller_path, "exec"), caller)
+    body = f"def {op}(inside, release, group):\n    inside.set()\n    release.wait(30)\n"
+    exec(compile(body, c10d_path, "exec"), c10d)
+    caller: dict = {"collective": c10d[op], "group": None if size is None else FakeGroup(size)}
+    exec(compile("def forward(inside, release):\n    collective(inside, release, group)\n", caller_path, "exec"),
+         caller)
     thread = threading.Thread(target=caller["forward"], args=(inside, release), daemon=True)
     thread.start()
     assert inside.wait(10)
@@ -49,10 +62,13 @@ def blocked():
 
 
 def test_a_thread_in_a_collective_called_by_the_engine_is_named(blocked):
-    """A thread inside c10d's all_reduce, called from the engine's own code (outside eplb_fsm): 'all_reduce'."""
+    """A thread inside c10d's all_reduce on a group of 4, called from the engine's own code (outside eplb_fsm):
+    ('all_reduce', 4); on the default group, with torch.distributed not set up here, the size is unknown."""
     assert engine_collective() is None
-    blocked("all_reduce", "/srv/engine/model_runner.py")
-    assert engine_collective() == "all_reduce"
+    thread = blocked("all_reduce", "/srv/engine/model_runner.py", size=4)
+    assert engine_collective() == ("all_reduce", 4)
+    blocked("barrier", "/srv/engine/model_runner.py")
+    assert engine_collective(skip={thread.ident}) == ("barrier", None)
 
 
 def test_the_controllers_own_collectives_are_not_the_engines(blocked):
@@ -64,8 +80,8 @@ def test_the_controllers_own_collectives_are_not_the_engines(blocked):
 
 def test_the_simulators_engine_counts_as_an_engine(blocked):
     """The simulator's toy model plays the engine: its all-reduce is named."""
-    blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"))
-    assert engine_collective() == "barrier"
+    blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"), size=2)
+    assert engine_collective() == ("barrier", 2)
 
 
 def test_group_set_up_is_not_a_collective(blocked):
@@ -90,7 +106,7 @@ def test_private_helpers_and_other_files_are_not_collectives(blocked):
     blocked("all_reduce", "/srv/engine/run.py", c10d_path="/site/torch/distributed/c10d_logger.py")
     assert engine_collective() is None
     thread = blocked("all_gather", "/srv/engine/run.py")
-    assert engine_collective() == "all_gather"
+    assert engine_collective() == ("all_gather", None)
     assert engine_collective(skip={thread.ident}) is None
 
 
@@ -100,7 +116,7 @@ def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
     trace = EventTrace(rank=0, world=2, keep=True)
     live = Liveness(trace, interval_s=1.0)
     trace.set_context(state="collecting", step=3)
-    blocked("all_reduce", "/srv/engine/model_runner.py")
+    blocked("all_reduce", "/srv/engine/model_runner.py", size=2)
     live.beat()                        # the first beat: the step moved from nothing
     trace.set_context(step=4)
     moving = live.beat()
@@ -109,11 +125,12 @@ def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
     in_controller = live.beat()
     trace.close_collective(opened)
     assert moving is None or "engine_wait" not in moving
-    assert (waiting["event"], waiting["engine_wait"], waiting["waiting_on"]) == ("alive", "all_reduce", None)
+    assert (waiting["event"], waiting["engine_wait"], waiting["engine_wait_size"], waiting["waiting_on"]) \
+        == ("alive", "all_reduce", 2, None)
     assert in_controller["engine_wait"] == "all_reduce" and in_controller["waiting_on"]["cseq"] == opened.info["cseq"]
 
 
-def _rank_looks_while_blocked(rank: int, world: int) -> str | None:
+def _rank_looks_while_blocked(rank: int, world: int) -> tuple | None:
     """Rank 0 looks from its main thread while another of its threads sits in a real gloo all-reduce that rank 1
     joins 2 s late."""
     import torch
@@ -133,5 +150,6 @@ def _rank_looks_while_blocked(rank: int, world: int) -> str | None:
 
 @pytest.mark.multiprocess
 def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
-    """Two gloo ranks: while rank 0's thread waits in dist.all_reduce for rank 1, the look names 'all_reduce'."""
-    assert run_ranks(_rank_looks_while_blocked, 2, timeout=60) == ["all_reduce", None]
+    """Two gloo ranks: while rank 0's thread waits in dist.all_reduce for rank 1, the look names ('all_reduce', 2):
+    the default group's size, read through torch.distributed."""
+    assert run_ranks(_rank_looks_while_blocked, 2, timeout=60) == [("all_reduce", 2), None]

@@ -123,9 +123,11 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "alive":
         _count_write_errors(s, rec)
         waiting = rec.get("waiting_on")
-        engine = rec.get("engine_wait")   # only a wait on the peers (not a group's set-up, whatever the writer)
+        # only a wait on the group's members (not a set-up, whatever the writer), with its group's size
+        engine, size = rec.get("engine_wait"), rec.get("engine_wait_size")
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
-                        engine if type(engine) is str and engine in COLLECTIVES else None))
+                        (engine, size) if type(engine) is str and engine in COLLECTIVES and type(size) is int
+                        else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)
