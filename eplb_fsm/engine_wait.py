@@ -14,11 +14,11 @@ outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not
 set-up (``new_group``, ``init_process_group``): they wait in the store, which a peer's death does not break
 (a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen: a wait on a handle
 (``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves no Python frame
-of torch's, and waits in other libraries. The size of the collective's group goes with its name: replay
-counts a wait only on a group of the controller's size, since a wider one may wait on a rank the controller
-does not trace (a red team's controller on 2 of 3 ranks, whose engine broadcast from the third). Cost: one
-``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
-on the liveness thread only.
+of torch's, and waits in other libraries. Whether the collective's group holds the controller's ranks
+goes with its name: replay counts a wait only on those ranks, since another group may wait on a rank the
+controller does not trace, or leave out the silent one (red teams' controllers on 2 of 3 and 3 of 4 ranks,
+whose engines waited on the untraced rank, read a SIGKILLed one frozen). Cost: one ``sys._current_frames()``
+and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 from types import FrameType
+from typing import Any
 
 __all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
 
@@ -48,23 +49,25 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _ENGINES = tuple(_PACKAGE + name + os.sep for name in ("sim", "bench", "testing"))
 
 
-def _group_size(frame: FrameType) -> int | None:
-    """The size of the group the c10d function in ``frame`` runs on: its ``group`` argument's ``size()``, the
-    default group's for None; None when neither can be read."""
-    group = frame.f_locals.get("group")
-    if group is None:
-        import torch.distributed as dist
+def _ranks(group: Any, none_is_world: bool) -> tuple[int, ...] | None:
+    """The global ranks of a torch process group, in order (``None`` with ``none_is_world``: the default group, as
+    a c10d function takes it); None when it is no torch group (a controller's own communication layer, a single
+    local rank) or cannot be read."""
+    import torch.distributed as dist
 
-        return dist.get_world_size() if dist.is_initialized() else None
-    size = getattr(group, "size", None)
-    value = size() if callable(size) else None
-    return value if type(value) is int else None
+    if not dist.is_initialized() or (group is None and not none_is_world):
+        return None
+    if group is None or group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    if not isinstance(group, dist.ProcessGroup):
+        return None
+    return tuple(dist.get_process_group_ranks(group))
 
 
-def _collective_of(frame: FrameType | None) -> tuple[str, int | None] | None:
-    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES; the size of
-    its group) when its caller is the engine's code; else None."""
-    op = None
+def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | None] | None:
+    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES; whether its
+    group holds the same ranks as ``group``, None when unknown) when its caller is the engine's code; else None."""
+    op = same = None
     for _ in range(MAX_DEPTH):
         if frame is None:
             return None
@@ -74,17 +77,20 @@ def _collective_of(frame: FrameType | None) -> tuple[str, int | None] | None:
                 op = frame.f_code.co_name
                 if op not in COLLECTIVES:   # a group's creation, the store: waits a dead peer does not break
                     return None
-                size = _group_size(frame)
+                ours, theirs = _ranks(group, False), _ranks(frame.f_locals.get("group"), True)
+                same = None if ours is None or theirs is None else sorted(ours) == sorted(theirs)
         elif _TORCH not in path:   # the first frame outside torch called the collective
             controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
-            return None if controller else (op, size)
+            return None if controller else (op, same)
         frame = frame.f_back
     return None
 
 
-def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> tuple[str, int | None] | None:
-    """(name, group size) of the engine collective some thread of this process is blocked in (``("all_reduce",
-    4)``; the size None when it cannot be read), or None.
+def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = frozenset()
+                      ) -> tuple[str, bool | None] | None:
+    """(name, same group) of the engine collective some thread of this process is blocked in, or None:
+    ``("all_reduce", True)`` for one on the same ranks as ``group`` (the controller's torch group), False for one
+    on other ranks, None when either group's ranks cannot be read (``group`` None: no torch group).
 
     ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
     threads, the one with the lowest ident answers, so that repeated looks name the same wait. Never raises: the
@@ -94,7 +100,7 @@ def engine_collective(skip: set[int] | frozenset[int] = frozenset()) -> tuple[st
     try:
         frames = sys._current_frames()
         for ident in sorted(frames):
-            if ident != me and ident not in skip and (seen := _collective_of(frames[ident])) is not None:
+            if ident != me and ident not in skip and (seen := _collective_of(frames[ident], group)) is not None:
                 return seen
     except Exception:
         return None

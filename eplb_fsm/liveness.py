@@ -118,6 +118,7 @@ class Liveness:
         self.errors = 0                          # beats that raised (the thread logs the first and goes on)
         self._warned = False                     # that log got out
         self._loop = PeriodicThread("eplb-liveness", self.period, self._beat)
+        self.group_of: Callable[[], Any] | None = None   # the controller's current group (engine_wait compares)
 
     @property
     def trace(self) -> Any:
@@ -142,7 +143,7 @@ class Liveness:
         step = trace.step
         # a rank that waits may be inside the engine's own collective (also beside a posted one of the
         # controller's): the record names it (eplb_fsm.engine_wait), so that replay can read a peer frozen for good
-        engine = None if self.moving else engine_collective()
+        engine = None if self.moving else engine_collective(self.group_of() if self.group_of else None)
         record = trace.alive(self.interval_s, self._steps_seen, **({"engine_wait": engine} if engine else {}))
         self._steps_seen = step
         self._last_alive = self._last_write = self.clock()

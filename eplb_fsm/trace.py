@@ -359,8 +359,8 @@ class EventTrace(CollectiveBrackets):
 
     def alive(self, interval_s: float, steps_seen: int | None, engine_wait: tuple | None = None) -> dict | None:
         """Write one ``alive`` record (current state/step, the open collective, the engine's collective a thread
-        is blocked in when the caller saw one: (name, group size or None)); None after ``end``. The pending
-        ``steps`` run goes first: the liveness thread is also the flusher."""
+        is blocked in when the caller saw one: (name, on the controller's ranks or None)); None after ``end``.
+        The pending ``steps`` run goes first: the liveness thread is also the flusher."""
         if self.ended:
             return None
         errors = {"write_errors": self.write_errors} if self.write_errors else {}

@@ -13,32 +13,21 @@ from eplb_fsm.engine_wait import engine_collective
 from eplb_fsm.liveness import Liveness
 from eplb_fsm.sim.launcher import run_ranks
 from eplb_fsm.trace import EventTrace
+from eplb_fsm.trace_fields import alive_fields
 
 PACKAGE = os.path.dirname(os.path.abspath(eplb_fsm.__file__))
 C10D = os.path.join(os.sep, "site", "torch", "distributed", "distributed_c10d.py")
 
 
-class FakeGroup:
-    """Stands for a process group: what engine_wait reads of one is its ``size()``."""
-
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
-def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D, size: int | None = None):
-    """A daemon thread blocked inside a function ``op(..., group)`` compiled as if from ``c10d_path`` (``group`` a
-    FakeGroup of ``size`` ranks, or None: the default group, none here), called by code compiled as if from
-    ``caller_path``; returns (the thread, the event that releases it)."""
+def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D):
+    """A daemon thread blocked inside a function ``op(..., group=None)`` compiled as if from ``c10d_path``, called
+    by code compiled as if from ``caller_path``; returns (the thread, the event that releases it)."""
     release, inside = threading.Event(), threading.Event()
     c10d: dict = {}
-    body = f"def {op}(inside, release, group):\n    inside.set()\n    release.wait(30)\n"
+    body = f"def {op}(inside, release, group=None):\n    inside.set()\n    release.wait(30)\n"
     exec(compile(body, c10d_path, "exec"), c10d)
-    caller: dict = {"collective": c10d[op], "group": None if size is None else FakeGroup(size)}
-    exec(compile("def forward(inside, release):\n    collective(inside, release, group)\n", caller_path, "exec"),
-         caller)
+    caller: dict = {"collective": c10d[op]}
+    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", caller_path, "exec"), caller)
     thread = threading.Thread(target=caller["forward"], args=(inside, release), daemon=True)
     thread.start()
     assert inside.wait(10)
@@ -62,13 +51,11 @@ def blocked():
 
 
 def test_a_thread_in_a_collective_called_by_the_engine_is_named(blocked):
-    """A thread inside c10d's all_reduce on a group of 4, called from the engine's own code (outside eplb_fsm):
-    ('all_reduce', 4); on the default group, with torch.distributed not set up here, the size is unknown."""
+    """A thread inside c10d's all_reduce, called from the engine's own code (outside eplb_fsm): ('all_reduce',
+    None), whether its group is the controller's unknown without torch.distributed set up."""
     assert engine_collective() is None
-    thread = blocked("all_reduce", "/srv/engine/model_runner.py", size=4)
-    assert engine_collective() == ("all_reduce", 4)
-    blocked("barrier", "/srv/engine/model_runner.py")
-    assert engine_collective(skip={thread.ident}) == ("barrier", None)
+    blocked("all_reduce", "/srv/engine/model_runner.py")
+    assert engine_collective() == ("all_reduce", None)
 
 
 def test_the_controllers_own_collectives_are_not_the_engines(blocked):
@@ -80,8 +67,8 @@ def test_the_controllers_own_collectives_are_not_the_engines(blocked):
 
 def test_the_simulators_engine_counts_as_an_engine(blocked):
     """The simulator's toy model plays the engine: its all-reduce is named."""
-    blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"), size=2)
-    assert engine_collective() == ("barrier", 2)
+    blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"))
+    assert engine_collective() == ("barrier", None)
 
 
 def test_group_set_up_is_not_a_collective(blocked):
@@ -116,7 +103,7 @@ def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
     trace = EventTrace(rank=0, world=2, keep=True)
     live = Liveness(trace, interval_s=1.0)
     trace.set_context(state="collecting", step=3)
-    blocked("all_reduce", "/srv/engine/model_runner.py", size=2)
+    blocked("all_reduce", "/srv/engine/model_runner.py")
     live.beat()                        # the first beat: the step moved from nothing
     trace.set_context(step=4)
     moving = live.beat()
@@ -125,31 +112,40 @@ def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
     in_controller = live.beat()
     trace.close_collective(opened)
     assert moving is None or "engine_wait" not in moving
-    assert (waiting["event"], waiting["engine_wait"], waiting["engine_wait_size"], waiting["waiting_on"]) \
-        == ("alive", "all_reduce", 2, None)
+    assert (waiting["event"], waiting["engine_wait"], waiting["waiting_on"]) == ("alive", "all_reduce", None)
+    assert "engine_wait_group" not in waiting   # no controller group to compare with
     assert in_controller["engine_wait"] == "all_reduce" and in_controller["waiting_on"]["cseq"] == opened.info["cseq"]
 
 
-def _rank_looks_while_blocked(rank: int, world: int) -> tuple | None:
-    """Rank 0 looks from its main thread while another of its threads sits in a real gloo all-reduce that rank 1
-    joins 2 s late."""
+def test_the_record_says_whether_the_wait_is_on_the_controllers_ranks():
+    """alive_fields: engine_wait_group 'same' or 'other', and none when that is unknown."""
+    fields = [alive_fields(1.0, 4, None, ("barrier", same)) for same in (True, False, None)]
+    assert [f.get("engine_wait_group") for f in fields] == ["same", "other", None]
+    assert all(f["engine_wait"] == "barrier" for f in fields) and "engine_wait" not in alive_fields(1.0, 4, None)
+
+
+def _rank_looks_while_blocked(rank: int, world: int) -> list:
+    """Rank 0 looks from its main thread, compared with three controller groups (the world, a group of rank 0
+    alone, none), while another of its threads sits in a real gloo all-reduce that rank 1 joins 2 s late."""
     import torch
     import torch.distributed as dist
 
+    alone = dist.new_group([0])   # collective: every rank builds it
     if rank == 1:
         time.sleep(2.0)
         dist.all_reduce(torch.ones(4))
-        return None
+        return []
     thread = threading.Thread(target=dist.all_reduce, args=(torch.ones(4),), daemon=True)
     thread.start()
     time.sleep(0.5)
-    seen = engine_collective()
+    seen = [engine_collective(group) for group in (dist.group.WORLD, alone, None)]
     thread.join(30)
     return seen
 
 
 @pytest.mark.multiprocess
 def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
-    """Two gloo ranks: while rank 0's thread waits in dist.all_reduce for rank 1, the look names ('all_reduce', 2):
-    the default group's size, read through torch.distributed."""
-    assert run_ranks(_rank_looks_while_blocked, 2, timeout=60) == [("all_reduce", 2), None]
+    """Two gloo ranks: while rank 0's thread waits in dist.all_reduce (the default group) for rank 1, the look
+    names it, on the controller's ranks for a controller on the world, on others for one on rank 0 alone."""
+    looks = run_ranks(_rank_looks_while_blocked, 2, timeout=60)
+    assert looks == [[("all_reduce", True), ("all_reduce", False), ("all_reduce", None)], []]

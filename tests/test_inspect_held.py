@@ -76,9 +76,8 @@ def test_a_wait_that_ran_out_counts_from_two_seconds(wait, after):
     at, one = 1.0 + after, SILENT
     if wait == "engine":   # no controller collective: rank 1's last record is a run of steps
         one = [(1.0, "steps", {"count": 1, "step": 4})]
-        two_ranks = {**ENGINE_WAIT, "engine_wait_size": 2}
-        zero = [(1.2, "alive", two_ranks), (2.2, "alive", two_ranks), (at, "end", {"how": "exception",
-                                                                                 "error": timeout})]
+        zero = [(1.2, "alive", ENGINE_WAIT), (2.2, "alive", ENGINE_WAIT), (at, "end", {"how": "exception",
+                                                                                     "error": timeout})]
     else:
         zero = [(1.0, "collective_start", ALLREDUCE), (1.9, "alive", WAITING),
                 (at, "collective_error", {**ALLREDUCE, "error": timeout}),
@@ -160,8 +159,8 @@ def test_without_that_evidence_the_rank_still_reads_died(case):
     assert "froze for good" not in text
 
 
-# blocked in the engine's all-reduce over 3 ranks (the controller's world in most tests here)
-ENGINE_WAIT = {**WAITING, "waiting_on": None, "engine_wait": "all_reduce", "engine_wait_size": 3}
+# blocked in the engine's all-reduce on the controller's ranks
+ENGINE_WAIT = {**WAITING, "waiting_on": None, "engine_wait": "all_reduce", "engine_wait_group": "same"}
 
 
 def engine_waiter(until: float, end: dict, wait: dict = ENGINE_WAIT) -> list[tuple]:
@@ -187,9 +186,8 @@ def test_two_ranks_silent_together_while_the_others_waited_in_the_engines_collec
     finding, ranks 1-2, rank 1 first, rank 2 with the line that its own trace cannot tell (a red team's two
     workers SIGSTOPped together read 'ranks 1-2 died (SIGKILL?)': each was the other's missing engine wait)."""
     silent = lambda t: [(t, "steps", {"count": 1, "step": 4})]  # noqa: E731
-    four = engine_waiter(5.5, SIGNAL, {**ENGINE_WAIT, "engine_wait_size": 4})
-    report = diagnose({0: rank(0, 4, four), 1: rank(1, 4, silent(0.95)), 2: rank(2, 4, silent(1.45)),
-                       3: rank(3, 4, four)})
+    report = diagnose({0: rank(0, 4, engine_waiter(5.5, SIGNAL)), 1: rank(1, 4, silent(0.95)),
+                       2: rank(2, 4, silent(1.45)), 3: rank(3, 4, engine_waiter(5.5, SIGNAL))})
     text = format_report(report)
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1, 2]), text
     assert report.summary.startswith("ranks 1-2 froze for good") and "the engine's own all_reduce" in text, text
@@ -199,14 +197,14 @@ def test_two_ranks_silent_together_while_the_others_waited_in_the_engines_collec
 
 @pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
                                   "after an earlier wait", "begun late", "a group's set-up", "point-to-point",
-                                  "a wider group", "no size"])
+                                  "another group", "group unknown"])
 def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
     """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
     no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
     after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first), waits in new_group
     (the store's: a red team's survivors of a SIGKILL sat there, unbroken), waits in recv (on one peer or any:
-    a red team's parameter server sat in recv(src=None) on a SIGKILLed worker), waits on a group wider than the
-    controller's (a red team's engine broadcast from a busy rank no trace shows), waits of no known size: rank 1
+    a red team's parameter server sat in recv(src=None) on a SIGKILLed worker), waits on a group other than the
+    controller's (red teams' engines waited on a busy rank no trace shows), waits on a group not known: rank 1
     died."""
     device, two, zero = "cpu", engine_waiter(4.5, SIGNAL), engine_waiter(4.5, SIGNAL)
     if case == "a rank not waiting":
@@ -218,10 +216,10 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         two = engine_waiter(3.0, {"how": "closed"})
     elif case == "nccl":
         device = "cuda:0"
-    elif case == "a wider group":
-        zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait_size": 4})
-    elif case == "no size":
-        zero = two = engine_waiter(4.5, SIGNAL, {k: v for k, v in ENGINE_WAIT.items() if k != "engine_wait_size"})
+    elif case == "another group":
+        zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait_group": "other"})
+    elif case == "group unknown":
+        zero = two = engine_waiter(4.5, SIGNAL, {k: v for k, v in ENGINE_WAIT.items() if k != "engine_wait_group"})
     elif case in ("a group's set-up", "point-to-point"):
         op = "new_group" if case == "a group's set-up" else "recv"
         zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait": op})

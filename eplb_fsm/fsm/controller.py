@@ -29,6 +29,7 @@ Trace schema: docs/events.md.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -117,6 +118,8 @@ class EplbController:
         self.transfer_hooks: list[Callable[[int, str, int], None]] = []  # f(layer, model, model_layer) pre-transfer
         self.mover = LayerMover(self.models, self.collectives, self.trace, config.enable_migration_batching,
                                 self.transfer_hooks, config.async_max_bytes_per_step if config.use_async else 0)
+        held = weakref.ref(self.collectives)   # weakly, as the trace: the thread must not keep the groups alive
+        self.liveness.group_of = lambda: getattr(held(), "group", None)   # whose ranks an engine wait is compared to
         self.liveness.start_on(self.trace)  # issue 12: `alive` records, from before the wait for the transfer group
         self.collectives.new_transfer_group(wait_all=role != "joiner")
         if config.use_async:

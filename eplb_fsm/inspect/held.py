@@ -28,17 +28,18 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
 - and no member of the group lost its connection to anyone at or after ``K``'s last record.
 
 Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
-function a thread was blocked in while the step stayed put, and its group's size (``engine_wait``,
-``engine_wait_size``, ``eplb_fsm.engine_wait``). The engine's groups are not in the trace, so every other
-member of ``K``'s group must show such a wait on a group of as many ranks as ``K``'s (a wider one may wait on
-a rank no trace shows: a red team's controller on 2 of 3 ranks read a SIGKILLed one frozen while the engine's
-broadcast waited on the busy third), past the limit (or be inside it at its signal ``end``), begun by the time
-it could first show a wait on ``K``, with nothing broken since ``K``'s last record: a wait on a dead ``K``
-would have failed at once, and its failure ended the others'. Only waits on the group count
-(``engine_wait.COLLECTIVES``; the reader drops other names, and waits of no known size: a red team's
-survivors of a SIGKILL sat in ``new_group``, a wait in the store, unbroken). A member silent within 1.5
-intervals of ``K`` is not asked for a wait: the first of them to stop carries the finding, the others join it
-as companions (a red team's two ranks SIGSTOPped together each lacked the other's wait).
+function a thread was blocked in while the step stayed put, and whether its group holds the controller's
+ranks (``engine_wait``, ``engine_wait_group``, ``eplb_fsm.engine_wait``). Only a wait on the controller's
+ranks counts: another group may wait on a rank no trace shows, or leave the silent one out (red teams'
+controllers on 2 of 3 and 3 of 4 ranks read a SIGKILLed one frozen while the engine waited on the busy
+untraced rank, first on a wider group, then on one of the same size). Every other member of ``K``'s group
+must show such a wait past the limit (or be inside it at its signal ``end``), begun by the time it could
+first show a wait on ``K``, with nothing broken since ``K``'s last record: a wait on a dead ``K`` would have
+failed at once, and its failure ended the others'. Only collectives count (``engine_wait.COLLECTIVES``; the
+reader drops other names: a red team's survivors of a SIGKILL sat in ``new_group``, a wait in the store,
+unbroken). A member silent within 1.5 intervals of ``K`` is not asked for a wait: the first of them to stop
+carries the finding, the others join it as companions (a red team's two ranks SIGSTOPped together each
+lacked the other's wait).
 
 ``K`` needs liveness records (a writer without them is silent whenever nothing happens) and no failed
 write (its own lines may be what was lost, ``signal_death.lost_writes``). A dead rank that stopped writing
@@ -146,15 +147,15 @@ def _ran_out(error: object) -> bool:
     return bool(_RAN_OUT.search(str(error or ""))) and not CONNECTION_LOST.search(str(error or ""))
 
 
-def _in_engine_until(p, last: float, limit: float, short: float, size: int) -> tuple[str, float] | None:
-    """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``) on a group of ``size`` ranks
-    (the controller's: a wider one may wait on a rank it does not trace), at ts past ``last + limit``;
+def _in_engine_until(p, last: float, limit: float, short: float) -> tuple[str, float] | None:
+    """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``) on the controller's ranks
+    (``engine_wait_group`` same: another group may wait on a rank no trace shows), at ts past ``last + limit``;
     its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
     out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun by
     ``last + limit`` and 1.5 of ``p``'s intervals (when it could first show a wait on a rank silent since
     ``last``): one begun later is a later wait, after ``p`` went on without the silent rank. None otherwise."""
     def waits(a: tuple) -> bool:
-        return a[4] is not None and a[4][1] == size and type(a[0]) in (int, float)
+        return a[4] is not None and a[4][1] is True and type(a[0]) in (int, float)
 
     marked = [i for i, a in enumerate(p.alive) if waits(a)]
     if not marked:
@@ -192,7 +193,7 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: fl
             if (p.last_ts, m) < (last, key):
                 return None
             continue
-        seen = _in_engine_until(p, last, limit, short, len(members)) if p is not None and _on_gloo(p) else None
+        seen = _in_engine_until(p, last, limit, short) if p is not None and _on_gloo(p) else None
         if seen is None or _broken(cast, dropped, last, seen[1]):
             return None
         found.append((m, *seen))

@@ -123,11 +123,10 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
     elif ev == "alive":
         _count_write_errors(s, rec)
         waiting = rec.get("waiting_on")
-        # only a wait on the group's members (not a set-up, whatever the writer), with its group's size
-        engine, size = rec.get("engine_wait"), rec.get("engine_wait_size")
+        # only a wait on a group's members (not a set-up, whatever the writer), and whether on the controller's
+        engine, on = rec.get("engine_wait"), rec.get("engine_wait_group")
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
-                        (engine, size) if type(engine) is str and engine in COLLECTIVES and type(size) is int
-                        else None))
+                        (engine, on == "same") if type(engine) is str and engine in COLLECTIVES else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)
