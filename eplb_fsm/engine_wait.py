@@ -93,15 +93,15 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
     on other ranks, None when either group's ranks cannot be read (``group`` None: no torch group).
 
     ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
-    threads, the one with the lowest ident answers, so that repeated looks name the same wait. Never raises: the
-    liveness thread must write its record whatever a look meets (an error reads as no wait seen).
+    threads, one on the controller's ranks answers first (the wait replay reads), then the lowest ident, so that
+    repeated looks name the same wait. Never raises: the liveness thread must write its record whatever a look
+    meets (an error reads as no wait seen).
     """
     me = threading.get_ident()
     try:
         frames = sys._current_frames()
-        for ident in sorted(frames):
-            if ident != me and ident not in skip and (seen := _collective_of(frames[ident], group)) is not None:
-                return seen
+        seen = [found for ident in sorted(frames) if ident != me and ident not in skip
+                and (found := _collective_of(frames[ident], group)) is not None]
     except Exception:
         return None
-    return None
+    return next((s for s in seen if s[1] is True), seen[0] if seen else None)

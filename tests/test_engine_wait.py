@@ -9,6 +9,7 @@ import time
 import pytest
 
 import eplb_fsm
+from eplb_fsm import engine_wait
 from eplb_fsm.engine_wait import engine_collective
 from eplb_fsm.liveness import Liveness
 from eplb_fsm.sim.launcher import run_ranks
@@ -19,15 +20,16 @@ PACKAGE = os.path.dirname(os.path.abspath(eplb_fsm.__file__))
 C10D = os.path.join(os.sep, "site", "torch", "distributed", "distributed_c10d.py")
 
 
-def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D):
-    """A daemon thread blocked inside a function ``op(..., group=None)`` compiled as if from ``c10d_path``, called
-    by code compiled as if from ``caller_path``; returns (the thread, the event that releases it)."""
+def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D, group: object = None):
+    """A daemon thread blocked inside a function ``op(..., group)`` compiled as if from ``c10d_path``, called by
+    code compiled as if from ``caller_path``; returns (the thread, the event that releases it)."""
     release, inside = threading.Event(), threading.Event()
     c10d: dict = {}
-    body = f"def {op}(inside, release, group=None):\n    inside.set()\n    release.wait(30)\n"
+    body = f"def {op}(inside, release, group):\n    inside.set()\n    release.wait(30)\n"
     exec(compile(body, c10d_path, "exec"), c10d)
-    caller: dict = {"collective": c10d[op]}
-    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", caller_path, "exec"), caller)
+    caller: dict = {"collective": c10d[op], "group": group}
+    exec(compile("def forward(inside, release):\n    collective(inside, release, group)\n", caller_path, "exec"),
+         caller)
     thread = threading.Thread(target=caller["forward"], args=(inside, release), daemon=True)
     thread.start()
     assert inside.wait(10)
@@ -115,6 +117,19 @@ def test_liveness_names_the_engine_wait_only_while_the_step_stays_put(blocked):
     assert (waiting["event"], waiting["engine_wait"], waiting["waiting_on"]) == ("alive", "all_reduce", None)
     assert "engine_wait_group" not in waiting   # no controller group to compare with
     assert in_controller["engine_wait"] == "all_reduce" and in_controller["waiting_on"]["cseq"] == opened.info["cseq"]
+
+
+def test_a_wait_on_the_controllers_ranks_answers_before_one_elsewhere(blocked, monkeypatch):
+    """Two threads, one in a collective on another group, one on the controller's ranks: the look names the latter
+    whatever the threads' order (a dead member would have broken that one)."""
+    ours, theirs = object(), object()
+    ranks = {id(ours): (0, 1, 2), id(theirs): (1, 2, 3)}
+    monkeypatch.setattr(engine_wait, "_ranks", lambda group, none_is_world: ranks.get(id(group)))
+    blocked("all_gather", "/srv/engine/run.py", group=theirs)
+    blocked("barrier", "/srv/engine/run.py", group=ours)
+    blocked("broadcast", "/srv/engine/run.py", group=theirs)
+    assert engine_collective(ours) == ("barrier", True)
+    assert engine_collective(theirs) in (("all_gather", True), ("broadcast", True))
 
 
 def test_the_record_says_whether_the_wait_is_on_the_controllers_ranks():
