@@ -8,17 +8,18 @@ frozen, not dead (``eplb_fsm.inspect.held``). The liveness thread asks :func:`en
 the step did not advance, and writes the answer into its ``alive`` record as ``engine_wait``.
 
 What it sees: a thread whose innermost public function of ``distributed_c10d`` is one of
-:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on the members'
-sockets; not a point-to-point ``send``/``recv``), called from code outside the controller (anything
-outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it). Not a group's creation or
-set-up (``new_group``, ``init_process_group``): they wait in the store, which a peer's death does not break
-(a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen: a wait on a handle
-(``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves no Python frame
-of torch's, and waits in other libraries. Whether the collective's group holds the controller's ranks
-goes with its name: replay counts a wait only on those ranks, since another group may wait on a rank the
-controller does not trace, or leave out the silent one (red teams' controllers on 2 of 3 and 3 of 4 ranks,
-whose engines waited on the untraced rank, read a SIGKILLed one frozen). Cost: one ``sys._current_frames()``
-and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds, on the liveness thread only.
+:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on every member's
+sockets; not a point-to-point ``send``/``recv``, nor a rooted ``broadcast`` or ``gather``), called from code
+outside the controller (anything outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it).
+Not a group's creation or set-up (``new_group``, ``init_process_group``): they wait in the store, which
+a peer's death does not break (a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen:
+a wait on a handle (``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves
+no Python frame of torch's, and waits in other libraries. Whether the collective's group holds the
+controller's ranks goes with its name: replay counts a wait only on those ranks, since another group may
+wait on a rank the controller does not trace, or leave out the silent one (red teams' controllers on 2 of 3
+and 3 of 4 ranks, whose engines waited on the untraced rank, read a SIGKILLed one frozen). Cost: one
+``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
+on the liveness thread only.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from typing import Any
 
 __all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
 
-# the c10d collectives, whose wait is on the group's members (gloo: their sockets, which a dead member closes).
-# Not point-to-point send/recv: one waits on a single peer, or on none (recv from any source), which need not
-# be the silent rank (a red team's parameter-server engine: survivors in recv(src=None) on a SIGKILLed rank)
+# the c10d collectives in which every member waits on every other's data (on gloo, directly or through a
+# neighbour that fails at once when a member's sockets close). Not point-to-point send/recv: one waits on a
+# single peer, or on none (recv from any source: a red team's parameter server in recv(src=None) on a SIGKILLed
+# rank). Not the rooted ones (broadcast, reduce, gather, scatter, monitored_barrier): a member may wait on the
+# root alone (a red team's survivors, deadlocked in mismatched broadcasts, read a rank SIGKILLed beside them
+# frozen)
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
-    "all_gather_object", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
-    "scatter_object_list"})
+    "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier"})
 
 MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
 

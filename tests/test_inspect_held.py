@@ -195,17 +195,37 @@ def test_two_ranks_silent_together_while_the_others_waited_in_the_engines_collec
     assert not [f for f in report.findings if f.kind == "rank_died"], text
 
 
+def test_an_engine_wait_begun_before_the_silent_rank_stopped_shows_no_freeze():
+    """Ranks 0 and 2 sat in the engine's all-reduce from t=2, and so did rank 1 (its alive records say so) until
+    its last record at t=2.5: a wait begun before it stopped, or shared with it, may be on another live member
+    (a red team's engine deadlocked in mismatched collectives, then rank 1 SIGKILLed, read 'froze for good'):
+    rank 1 died."""
+    wait = ENGINE_WAIT
+    one = [(1.5, "alive", wait), (2.5, "alive", wait)]
+    report = diagnose({0: rank(0, 3, engine_waiter(7.5, SIGNAL, wait)), 1: rank(1, 3, one),
+                       2: rank(2, 3, engine_waiter(7.5, SIGNAL, wait))})
+    text = format_report(report)
+    assert "froze for good" not in text and report.culprit_ranks == [1], text
+    # the same when the others' first records of it come just after rank 1's last one (liveness threads beat in
+    # phase: the red team's real traces, 10 ms apart): rank 1's own record shows it inside that wait at that step
+    one = [(1.99, "alive", wait)]
+    report = diagnose({0: rank(0, 3, engine_waiter(7.5, SIGNAL, wait)), 1: rank(1, 3, one),
+                       2: rank(2, 3, engine_waiter(7.5, SIGNAL, wait))})
+    assert "froze for good" not in format_report(report), format_report(report)
+
+
 @pytest.mark.parametrize("case", ["a rank not waiting", "lost connection", "within the limit", "nccl",
                                   "after an earlier wait", "begun late", "a group's set-up", "point-to-point",
-                                  "another group", "group unknown"])
+                                  "another group", "group unknown", "a rooted collective"])
 def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
     """One other rank not in an engine wait (the engine's group may be the two of them), a lost connection, waits
     no longer than a live rank's silence, a CUDA device, a wait that ended before the limit (the rank stepped
     after it), a wait begun 4.5 s after rank 1's last record (rank 2 went on without it first), waits in new_group
     (the store's: a red team's survivors of a SIGKILL sat there, unbroken), waits in recv (on one peer or any:
     a red team's parameter server sat in recv(src=None) on a SIGKILLed worker), waits on a group other than the
-    controller's (red teams' engines waited on a busy rank no trace shows), waits on a group not known: rank 1
-    died."""
+    controller's (red teams' engines waited on a busy rank no trace shows), waits on a group not known, waits in
+    a broadcast (a member waits on the root alone: red teams' survivors deadlocked in mismatched broadcasts beside
+    a rank then SIGKILLed): rank 1 died."""
     device, two, zero = "cpu", engine_waiter(4.5, SIGNAL), engine_waiter(4.5, SIGNAL)
     if case == "a rank not waiting":
         two = [(t + 0.0, "alive", {**WAITING, "waiting_on": None}) for t in (2, 3, 4)] + [(4.5, "end", SIGNAL)]
@@ -220,8 +240,8 @@ def test_an_engine_wait_without_the_rest_of_the_evidence_shows_no_freeze(case):
         zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait_group": "other"})
     elif case == "group unknown":
         zero = two = engine_waiter(4.5, SIGNAL, {k: v for k, v in ENGINE_WAIT.items() if k != "engine_wait_group"})
-    elif case in ("a group's set-up", "point-to-point"):
-        op = "new_group" if case == "a group's set-up" else "recv"
+    elif case in ("a group's set-up", "point-to-point", "a rooted collective"):
+        op = {"a group's set-up": "new_group", "point-to-point": "recv"}.get(case, "broadcast")
         zero = two = engine_waiter(4.5, SIGNAL, {**ENGINE_WAIT, "engine_wait": op})
     elif case == "begun late":
         moved = {**ENGINE_WAIT, "step": 9, "steps_seen": 9}

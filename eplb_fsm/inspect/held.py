@@ -33,8 +33,11 @@ ranks (``engine_wait``, ``engine_wait_group``, ``eplb_fsm.engine_wait``). Only a
 ranks counts: another group may wait on a rank no trace shows, or leave the silent one out (red teams'
 controllers on 2 of 3 and 3 of 4 ranks read a SIGKILLed one frozen while the engine waited on the busy
 untraced rank, first on a wider group, then on one of the same size). Every other member of ``K``'s group
-must show such a wait past the limit (or be inside it at its signal ``end``), begun by the time it could
-first show a wait on ``K``, with nothing broken since ``K``'s last record: a wait on a dead ``K`` would have
+must show such a wait past the limit (or be inside it at its signal ``end``), begun after ``K``'s last
+record and by the time it could first show a wait on ``K``, not at the step where ``K``'s own last record
+shows it inside an engine collective too (a wait begun before, or shared, may be on another live member: a
+red team's survivors deadlocked in mismatched broadcasts read a rank SIGKILLed beside them frozen), with
+nothing broken since ``K``'s last record: a wait on a dead ``K`` would have
 failed at once, and its failure ended the others'. Only collectives count (``engine_wait.COLLECTIVES``; the
 reader drops other names: a red team's survivors of a SIGKILL sat in ``new_group``, a wait in the store,
 unbroken). A member silent within 1.5 intervals of ``K`` is not asked for a wait: the first of them to stop
@@ -147,13 +150,15 @@ def _ran_out(error: object) -> bool:
     return bool(_RAN_OUT.search(str(error or ""))) and not CONNECTION_LOST.search(str(error or ""))
 
 
-def _in_engine_until(p, last: float, limit: float, short: float) -> tuple[str, float] | None:
+def _in_engine_until(p, last: float, limit: float, short: float, shared: object) -> tuple[str, float] | None:
     """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``) on the controller's ranks
     (``engine_wait_group`` same: another group may wait on a rank no trace shows), at ts past ``last + limit``;
     its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
-    out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun by
-    ``last + limit`` and 1.5 of ``p``'s intervals (when it could first show a wait on a rank silent since
-    ``last``): one begun later is a later wait, after ``p`` went on without the silent rank. None otherwise."""
+    out (past ``last + short`` then, as held_open's). The run of such records at that step must have begun
+    after ``last`` and by ``last + limit`` and 1.5 of ``p``'s intervals (when it could first show a wait on a
+    rank silent since ``last``), and at a step other than ``shared`` (the silent rank's own last step, when its
+    last alive record shows it inside an engine collective too: a wait it shared may be on someone else). None
+    otherwise."""
     def waits(a: tuple) -> bool:
         return a[4] is not None and a[4][1] is True and type(a[0]) in (int, float)
 
@@ -161,9 +166,14 @@ def _in_engine_until(p, last: float, limit: float, short: float) -> tuple[str, f
     if not marked:
         return None
     j = first = marked[-1]
+    if p.alive[j][1] == shared:
+        return None
     while first > 0 and waits(p.alive[first - 1]) and p.alive[first - 1][1] == p.alive[j][1]:
         first -= 1
-    if p.alive[first][0] > last + limit + 1.5 * (p.alive_interval or 1.0):
+    # begun after the silent rank's last record: one begun before may wait on another live member (a red team's
+    # survivors, deadlocked in mismatched broadcasts, read a rank SIGKILLed in the same wait frozen); and by the
+    # time a wait on it could first show: one begun later came after p went on without it
+    if not last <= p.alive[first][0] <= last + limit + 1.5 * (p.alive_interval or 1.0):
         return None
     op, ts, past = p.alive[j][4][0], p.alive[j][0], limit
     end = p.end or {}
@@ -181,8 +191,11 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: fl
     members = cast.members(str((cast.parts[key].header or {}).get("group") or WORLD_GROUP))
     if key not in members or len(members) < 2:
         return None
-    last, found = cast.parts[key].last_ts, []
-    window = 1.5 * (cast.parts[key].alive_interval or 1.0)
+    k = cast.parts[key]
+    last, found, window = k.last_ts, [], 1.5 * (k.alive_interval or 1.0)
+    # the silent rank inside an engine collective itself at its last step: its peers' waits at that step may be on
+    # one another (a red team's survivors deadlocked in mismatched broadcasts beside a rank then SIGKILLed)
+    shared = k.alive[-1][1] if k.alive and k.alive[-1][4] is not None and k.alive[-1][1] == k.last_step else object()
     for m in members:
         p = cast.parts.get(m)
         if m == key:
@@ -193,7 +206,7 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: fl
             if (p.last_ts, m) < (last, key):
                 return None
             continue
-        seen = _in_engine_until(p, last, limit, short) if p is not None and _on_gloo(p) else None
+        seen = _in_engine_until(p, last, limit, short, shared) if p is not None and _on_gloo(p) else None
         if seen is None or _broken(cast, dropped, last, seen[1]):
             return None
         found.append((m, *seen))
