@@ -7,12 +7,13 @@ once, so a wait that stays unbroken past a silent rank's last record shows that 
 frozen, not dead (``eplb_fsm.inspect.held``). The liveness thread asks :func:`engine_collective` only when
 the step did not advance, and writes the answer into its ``alive`` record as ``engine_wait``.
 
-What it sees: a thread whose innermost public function of ``distributed_c10d`` is one of
-:data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits on every member's
-sockets; not a point-to-point ``send``/``recv``, nor a rooted ``broadcast`` or ``gather``), called from code
-outside the controller (anything outside ``eplb_fsm``, or the simulator's and benchmarks' engines inside it).
-Not a group's creation or set-up (``new_group``, ``init_process_group``): they wait in the store, which
-a peer's death does not break (a red team's survivors sat in ``new_group`` on a SIGKILLed rank). Not seen:
+What it sees: a thread whose innermost public function of ``distributed_c10d``, with only torch's frames
+above it, is one of :data:`COLLECTIVES` (``all_reduce``, ``barrier``, ``all_gather``, ...: on gloo, waits
+on every member's sockets; not a point-to-point ``send``/``recv``, nor a rooted ``broadcast`` or
+``gather``), called from code outside the controller (anything outside ``eplb_fsm``, or the simulator's
+and benchmarks' engines inside it). Not a group's creation or set-up (``new_group``, ``init_process_group``):
+they wait in the store, which a peer's death does not break (a red team's survivors sat in ``new_group`` on
+a SIGKILLed rank). Not seen:
 a wait on a handle (``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves
 no Python frame of torch's, and waits in other libraries. Whether the collective's group holds the
 controller's ranks goes with its name: replay counts a wait only on those ranks, since another group may
@@ -67,14 +68,18 @@ def _ranks(group: Any, none_is_world: bool) -> tuple[int, ...] | None:
 
 
 def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | None] | None:
-    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES; whether its
-    group holds the same ranks as ``group``, None when unknown) when its caller is the engine's code; else None."""
+    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES, with only
+    torch's frames above it; whether its group holds the same ranks as ``group``, None when unknown) when its
+    caller is the engine's code; else None. A frame outside torch above the collective's is a thread running its
+    own code inside it (a red team's object whose pickling slept inside all_gather_object), not waiting."""
     op = same = None
     for _ in range(MAX_DEPTH):
         if frame is None:
             return None
         path = frame.f_code.co_filename
         if op is None:
+            if _TORCH not in path:   # the thread runs code of its own above any collective (a pickler's hook)
+                return None
             if path.endswith(_C10D) and not frame.f_code.co_name.startswith("_"):
                 op = frame.f_code.co_name
                 if op not in COLLECTIVES:   # a group's creation, the store: waits a dead peer does not break

@@ -22,10 +22,12 @@ C10D = os.path.join(os.sep, "site", "torch", "distributed", "distributed_c10d.py
 
 def _blocked_in(op: str, caller_path: str, c10d_path: str = C10D, group: object = None):
     """A daemon thread blocked inside a function ``op(..., group)`` compiled as if from ``c10d_path``, called by
-    code compiled as if from ``caller_path``; returns (the thread, the event that releases it)."""
-    release, inside = threading.Event(), threading.Event()
+    code compiled as if from ``caller_path``; returns (the thread, the lock whose release frees it). It blocks in
+    a C call (a lock's acquire), with no Python frame above the function: as a thread in a gloo wait does."""
+    release, inside = threading.Lock(), threading.Event()
+    release.acquire()
     c10d: dict = {}
-    body = f"def {op}(inside, release, group):\n    inside.set()\n    release.wait(30)\n"
+    body = f"def {op}(inside, release, group):\n    inside.set()\n    release.acquire(timeout=30)\n"
     exec(compile(body, c10d_path, "exec"), c10d)
     caller: dict = {"collective": c10d[op], "group": group}
     exec(compile("def forward(inside, release):\n    collective(inside, release, group)\n", caller_path, "exec"),
@@ -48,7 +50,7 @@ def blocked():
 
     yield start
     for thread, release in started:
-        release.set()
+        release.release()
         thread.join(10)
 
 
@@ -87,6 +89,26 @@ def test_point_to_point_is_not_a_collective(blocked):
     blocked("recv", "/srv/engine/run.py")
     blocked("send", "/srv/engine/run.py")
     assert engine_collective() is None
+
+
+def test_a_thread_running_its_own_code_inside_a_collective_is_not_waiting():
+    """all_gather_object pickles its object first: a thread asleep in that object's __reduce__ (the engine's code,
+    inside the collective's frame) is not blocked on the peers: nothing is named (a red team's survivors, asleep
+    in a slow pickle, read a rank SIGKILLed meanwhile frozen)."""
+    release, inside = threading.Event(), threading.Event()
+    c10d: dict = {}
+    exec(compile("def all_gather_object(hook, group=None):\n    hook()\n", C10D, "exec"), c10d)
+    engine: dict = {"collective": c10d["all_gather_object"], "inside": inside, "release": release}
+    exec(compile("def reduce_hook():\n    inside.set()\n    release.wait(30)\n"
+                 "def forward():\n    collective(reduce_hook)\n", "/srv/engine/run.py", "exec"), engine)
+    thread = threading.Thread(target=engine["forward"], daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        assert engine_collective() is None
+    finally:
+        release.set()
+        thread.join(10)
 
 
 def test_rooted_collectives_are_not_counted(blocked):
