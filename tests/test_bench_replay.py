@@ -162,3 +162,16 @@ def test_replay_times_seven_runs_by_default():
     from eplb_fsm.cli import build_parser
 
     assert build_parser().parse_args(["bench", "replay"]).repeats == 7
+
+
+def test_the_allreduce_template_takes_runs_longer_than_the_largest_window(tmp_path, monkeypatch):
+    """A run of more steps than the largest load window still writes its all-reduce template (it stopped with
+    'window_size must be <= 100000' at --steps 100000 and over; the limit is lowered to 50 here to keep it quick)."""
+    from eplb_fsm import config
+    from eplb_fsm.bench import replay
+    from eplb_fsm.trace import read_trace
+
+    monkeypatch.setattr(config, "MAX_WINDOW_SIZE", 50)
+    path = replay._simulate_allreduce(tmp_path, 2, 60, 1)
+    records = read_trace(path)[0]
+    assert sum(r["event"] == "collective_start" and r["op"] == "all_reduce" for r in records) == 60

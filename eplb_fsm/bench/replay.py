@@ -106,11 +106,15 @@ def _simulate(tmp: Path, name: str, world: int, steps: int, layers: int, interva
 
 def _simulate_allreduce(tmp: Path, world: int, steps: int, layers: int) -> Path:
     """Rank 0 of a job that all-reduces its per-pass load every step (``log_balancedness``, interval 1)."""
+    from eplb_fsm.config import MAX_WINDOW_SIZE
     from eplb_fsm.testing import SyntheticJob
     from eplb_fsm.trace import trace_path
 
     folder = tmp / "template-allreduce"
-    job = SyntheticJob(world=world, num_layers=layers, interval=steps + 1, trace_dir=folder, ranks=[0], keep=False)
+    # each step is fired as not due (below), so the interval only has to be a valid config: past the run, at most
+    # the largest window (a run of 100000 steps or more failed here with "window_size must be <= 100000")
+    job = SyntheticJob(world=world, num_layers=layers, interval=min(steps + 1, MAX_WINDOW_SIZE), trace_dir=folder,
+                       ranks=[0], keep=False)
     rank = job.ranks[0]
     size = layers * job.num_experts
     for step in range(steps):
