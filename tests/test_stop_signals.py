@@ -116,7 +116,8 @@ def test_sigterm_to_a_blocked_process_ends_its_trace_and_kills_it_by_sigterm(tmp
     assert (end["event"], end["how"], end["signal"], end["step"]) == ("end", "signal", "SIGTERM", 7)
     sleep_line = next(i for i, line in enumerate(BLOCKED.split("\n"), 1) if line.startswith("time.sleep"))
     assert "eplb-signals: SIGTERM received" in err, err
-    assert f'File "<string>", line {sleep_line} in <module>' in err, err   # where the main thread stood
+    # where the main thread stood: in its sleep, or, on a loaded machine, still on the line that said "ready"
+    assert any(f'File "<string>", line {n} in <module>' in err for n in (sleep_line, sleep_line - 1)), err
 
 
 ENGINE = """

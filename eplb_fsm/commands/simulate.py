@@ -295,10 +295,12 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def interruptible():
-    """SIGTERM raises :class:`Interrupted` (once; Ctrl-C already raises KeyboardInterrupt) while running.
+    """SIGTERM raises :class:`Interrupted` (once), Ctrl-C KeyboardInterrupt as always, while running.
 
-    Yields the list of the signals that arrived: should a SIGTERM's exception still be
-    swallowed on its way up, the caller sees it there and exits as interrupted all the same.
+    Yields the list of the signals that arrived: should the exception still be swallowed on its way
+    up (a controller turns an interrupt inside a rearrangement into its fault), the caller sees it there
+    and exits as interrupted all the same (``bench replay`` SIGINTed late ran to the end, exit 0). SIGINT
+    is noted only where Python's own handler is in place (not where it is ignored).
     """
     fired: list[int] = []
     if threading.current_thread() is not threading.main_thread():
@@ -310,11 +312,19 @@ def interruptible():
             fired.append(signum)
             raise Interrupted(signal.Signals(signum).name)
 
+    def on_int(signum, frame):
+        fired.append(signum)
+        raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGTERM, on_term)
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous_int = signal.signal(signal.SIGINT, on_int) if ours else None
     try:
         yield fired
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ours:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def _interrupted(opts, name: str) -> int:
