@@ -13,14 +13,14 @@ on every member's sockets; not a point-to-point ``send``/``recv``, nor a rooted 
 ``gather``), called from code outside the controller (anything outside ``eplb_fsm``, or the simulator's
 and benchmarks' engines inside it). Not a group's creation or set-up (``new_group``, ``init_process_group``):
 they wait in the store, which a peer's death does not break (a red team's survivors sat in ``new_group`` on
-a SIGKILLed rank). Not seen:
-a wait on a handle (``work.wait()`` after ``async_op=True``) called from the engine's own code, which leaves
-no Python frame of torch's, and waits in other libraries. Whether the collective's group holds the
-controller's ranks goes with its name: replay counts a wait only on those ranks, since another group may
-wait on a rank the controller does not trace, or leave out the silent one (red teams' controllers on 2 of 3
-and 3 of 4 ranks, whose engines waited on the untraced rank, read a SIGKILLed one frozen). Cost: one
-``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH` frames per thread, tens of microseconds,
-on the liveness thread only.
+a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from the
+engine's own code, which leaves no Python frame of torch's, and waits in other libraries.
+
+Whether the collective's group holds the controller's ranks goes with its name: replay counts a wait only
+on those ranks, since another group may wait on a rank the controller does not trace, or leave out the
+silent one (red teams' controllers on 2 of 3 and 3 of 4 ranks, whose engines waited on the untraced rank,
+read a SIGKILLed one frozen). Cost: one ``sys._current_frames()`` and a walk of at most :data:`MAX_DEPTH`
+frames per thread, tens of microseconds, on the liveness thread only.
 """
 
 from __future__ import annotations
