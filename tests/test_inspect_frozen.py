@@ -63,3 +63,33 @@ def test_a_freeze_the_job_got_past_gives_way_to_a_later_hang(tmp_path):
     report = replay_dir(write(tmp_path, ranks))
     assert (report.verdict, report.culprit_ranks) == ("hang", [1]), report.summary
     assert [f.culprits for f in report.findings if f.kind == "frozen"] == [[2]]
+
+
+CLOSED = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:6064"
+
+
+def test_a_rank_killed_in_a_freeze_is_named_when_every_survivor_failed_on_it(tmp_path):
+    """Rank 1 silent 2.6 s, rank 2 killed 1 s into that wait; continued, rank 1 fails the all-reduce on the dead peer
+    and so do ranks 0 and 3: the freeze is the verdict, and a later finding names rank 2 alone with its death (the
+    shape of one CI run of test_real_failures)."""
+    ranks = [Rank(r, world=4).steps(30, collective_every=5) for r in range(4)]
+    ranks[1].freeze(2.6)
+    waiting = {"op": "all_reduce", "group": "engine", "cseq": 0}
+    for rk, seconds in ((ranks[0], 2.6), (ranks[2], 1.0), (ranks[3], 2.6)):
+        rk.emit("collective_start", op="all_reduce", group="engine", cseq=0, shape=[48, 8], dtype="torch.float64")
+        start = rk.ts
+        while rk.ts + 1.0 <= start + seconds:
+            rk.ts += 1.0
+            rk.alive(waiting_on=waiting)
+    ranks[1].alive()
+    ranks[1].emit("collective_start", op="all_reduce", group="engine", cseq=0, shape=[48, 8], dtype="torch.float64")
+    for rk in (ranks[1], ranks[0], ranks[3]):
+        rk.ts = ranks[1].ts + 0.02
+        rk.emit("collective_error", op="all_reduce", group="engine", cseq=0, shape=[48, 8], dtype="torch.float64",
+                error=CLOSED)
+        rk.end("exception", error=CLOSED)
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), report.summary
+    own = [f for f in report.findings if 2 in f.culprits]
+    assert [f.culprits for f in own] == [[2]] and own[0].kind in ("rank_died", "hang"), report.summary
+    assert own[0].kind == "rank_died" or own[0].details[0].startswith("rank 2 died"), own[0]

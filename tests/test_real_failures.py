@@ -634,7 +634,8 @@ def test_a_rank_sigtermed_in_a_transfer_is_the_one_the_aborted_rearrangement_nam
 
 def test_a_rank_killed_while_a_peer_is_frozen_is_named_too(tmp_path):
     """Rank 1 frozen (4 s), rank 2 SIGKILLed 1 s into it while waiting for rank 1: the freeze is the verdict and
-    rank 2's death stays a finding of its own (was: folded into rank 1's hang as if gloo had aborted it)."""
+    rank 2's death stays a finding of its own, naming rank 2 (was: folded into rank 1's hang as if gloo had aborted
+    it)."""
     argv = ["simulate", *BASE, "--ranks", "4", "--steps", "100000", "--interval", "100000", "--collective-timeout",
             "20", "--inject", "freeze:rank=1,step=40,seconds=4", "--mode", "sync", "--log-dir", str(tmp_path),
             "--timeout", "120"]
@@ -655,7 +656,12 @@ def test_a_rank_killed_while_a_peer_is_frozen_is_named_too(tmp_path):
 
     report = replay_dir(str(tmp_path))
     assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), report.summary
-    assert any(f.kind == "rank_died" and f.culprits == [2] for f in report.findings), report.summary
+    # its death alone, or told by the collective it died in, with the death as that finding's first detail: when
+    # rank 1, continued, failed that all-reduce on the dead peer before the launcher's SIGTERM reached it, every
+    # other rank left it with an error (1 CI run of many; replay reads the same from traces rewritten so)
+    own = [f for f in report.findings if f.culprits == [2]]
+    assert own and (own[0].kind == "rank_died" or (own[0].kind == "hang" and own[0].details[0].startswith(
+        "rank 2 died"))), report.summary
 
 
 def test_a_freeze_the_job_got_past_is_not_the_cause_of_a_later_kill(tmp_path_factory):
