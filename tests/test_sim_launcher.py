@@ -463,7 +463,12 @@ def test_warm_forkserver_starts_the_server_with_torch_preloaded_without_waiting_
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "False"
-        servers = [c for c in _children(proc.pid) if "multiprocessing.forkserver" in c]
+        # the server is started, not waited for: a child forked a moment ago may not have exec'd its own command
+        # line yet (a stress run read the resource tracker alone), so look again for up to 30 s
+        deadline = time.monotonic() + 30
+        while not (servers := [c for c in _children(proc.pid) if "multiprocessing.forkserver" in c]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(servers) == 1 and "'torch'" in servers[0], _children(proc.pid)
     finally:
         proc.communicate("", timeout=60)
