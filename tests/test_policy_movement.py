@@ -380,3 +380,23 @@ def test_numpy_real_target_is_taken_as_a_float():
     assert type(policy.target) is float and policy.target == float(np.float32(0.95))
     load, call, old = _small()
     assert plan_movement(load, *call, old, target=np.float64(0.9)).phy2log.shape == old.shape
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("limit", [1, 8, 30])
+def test_move_limit_repairs_the_layers_too_far_off_to_fall_back(monkeypatch, native, limit):
+    """Under max_moves, a layer far worse than the default whose re-plan moves past the limit is searched within it,
+    not left as it was (a red team: every layer kept the initial placement for any limit from 1 to 49)."""
+    monkeypatch.setenv("EPLB_FSM_NATIVE", native)
+    load = torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) ** 4
+    old = torch.as_tensor(np.tile(np.arange(72) % 64, (4, 1)))
+    plan = plan_movement(load, 72, 1, 1, 8, old, max_moves=limit)
+    assert (plan.default_moved > limit).all()   # no layer could take the default's placement within the limit
+    moved = moved_mask(old.numpy(), plan.phy2log, 8).sum(1)
+    assert ((moved >= 1) & (moved <= limit)).all(), moved
+    before = placement_balancedness(old, load, 8)
+    assert placement_balancedness(torch.as_tensor(plan.phy2log), load, 8) > before
+    if limit > 1:   # more room, a better placement
+        fewer = plan_movement(load, 72, 1, 1, 8, old, max_moves=limit // 2).phy2log
+        assert placement_balancedness(torch.as_tensor(plan.phy2log), load, 8) > \
+            placement_balancedness(torch.as_tensor(fewer), load, 8)

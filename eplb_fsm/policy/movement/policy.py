@@ -15,9 +15,11 @@ The flow of :func:`plan_movement`, numpy and vectorised over layers throughout:
 2. If the old placement fits the budget under the new load, keep it: zero moves.
 3. Per-layer goals that share the budget (:mod:`~eplb_fsm.policy.movement.targets`).
    A layer whose old max rank load is above 1.5x the default's is re-planned without a
-   search; when fewer than a third of the layers that must change are left to search (a
-   large drift), the search is cut to one round (little to save, and a round costs
-   about as much time for a few layers as for all).
+   search (under a move limit, only if that re-plan fits it; else it is searched, and so
+   may spend the whole limit, as may any layer whose re-plan does not fit); when fewer
+   than a third of the layers that must change are left to search (a large drift), the
+   search is cut to one round (little to save, and a round costs about as much time for
+   a few layers as for all).
 4. Replica counts far off the default's fixed in one pass
    (:func:`~eplb_fsm.policy.movement.search.rebalance_counts`), then a local search of re-points and swaps,
    all layers per round (:mod:`~eplb_fsm.policy.movement.search`,
@@ -195,6 +197,13 @@ def plan_movement(
     active = ~forced & (cur_max > goal)
     # far worse than a fresh plan: re-plan the layer (renumbered default) without searching
     replan = active & (cur_max > _REPLAN_RATIO * d_max)
+    # under a move limit, a layer whose renumbered default moves more than it allows cannot fall back (it would
+    # keep its old placement, the worst layers untouched): it is searched, and may spend the whole limit
+    no_fallback = none.copy()
+    if max_moves is not None and active.any():
+        _, fb_moved = renumbered_default(old[active], held[active], d_phy[active], num_ranks, nodes)
+        no_fallback[rows[active][fb_moved > max_moves]] = True
+        replan &= ~no_fallback
     active &= ~replan
     brief = active.sum() < _SEARCH_MIN_SHARE * (active | replan).sum()
 
@@ -211,7 +220,7 @@ def plan_movement(
             d_moved[act] = moves_per_layer(held[act], d_phy[act])
         limit = np.maximum((_GIVE_UP_FRACTION * d_moved[act]).astype(np.int64), 1)
         if max_moves is not None:
-            limit = np.minimum(limit, max_moves)
+            limit = np.where(no_fallback[act], max_moves, np.minimum(limit, max_moves))
         sel = slice(None) if act.size == num_layers else act  # views, not copies, when all layers search
         st = SearchState(w[sel], cur[act], cur_count[sel], cur_slot_loads[sel], held[sel],
                          rank_counts(cur[act], num_experts, num_ranks), goal[act], num_ranks, nodes, limit)
