@@ -156,7 +156,7 @@ class EplbConfig:
     def from_json(cls, text: str) -> "EplbConfig":
         """Build from JSON *text* holding one object (for a file, use :meth:`from_file`)."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             hint = ""
             if isinstance(text, str) and "\n" not in text and os.path.isfile(text):
@@ -247,3 +247,14 @@ def _check_float(
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; ``ValueError`` naming a key given twice (json keeps the last one silently, so a
+    hand-edited file with a field twice would run with the value the reader did not look at)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"config JSON gives {key!r} twice: each field may appear once")
+        data[key] = value
+    return data

@@ -91,6 +91,19 @@ def test_bad_json_is_rejected():
         EplbConfig.from_json("[1, 2]")
 
 
+def test_a_field_given_twice_in_json_is_rejected(tmp_path):
+    """A key twice in config JSON (top level or in ``extra``) is a ValueError naming it, not the last value taken."""
+    with pytest.raises(ValueError, match="'window_size' twice"):
+        EplbConfig.from_json('{"window_size": 3, "step_interval": 7, "window_size": 5}')
+    with pytest.raises(ValueError, match="'note' twice"):
+        EplbConfig.from_json('{"extra": {"note": "a", "note": "b"}}')
+    path = tmp_path / "eplb.json"
+    path.write_text('{"window_size": 3, "window_size": 3}', encoding="utf-8")
+    with pytest.raises(ValueError, match=f"config file {path}: .*'window_size' twice"):
+        EplbConfig.from_file(path)
+    assert EplbConfig.from_json('{"window_size": 3, "extra": {"window_size": 4}}').window_size == 3
+
+
 def test_replace_validates_again():
     """replace() returns a validated copy and leaves the original untouched."""
     c = EplbConfig()
