@@ -159,6 +159,57 @@ def test_without_that_evidence_the_rank_still_reads_died(case):
     assert "froze for good" not in text
 
 
+LOST = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:41895: Connection reset by peer"
+
+
+@pytest.mark.parametrize("posted", [False, True])
+def test_a_wait_that_failed_on_the_kill_shows_the_freeze_its_alive_records_held(posted):
+    """Rank 0 sat in the all-reduce 4 s past rank 1's last record (alive records naming it), then failed on a lost
+    connection (the watchdog's SIGKILL): frozen, 'until at least' its last such record before the loss (was: died,
+    in a red team's async runs); a posted all-reduce may be open with nobody in it: died, as before."""
+    coll = {**ALLREDUCE, "posted": True} if posted else ALLREDUCE
+    ticks = [(t, "alive", WAITING) for t in (2.0, 3.0, 4.0, 5.0)]
+    zero = [(1.0, "collective_start", coll), *ticks, (5.6, "collective_error", {**coll, "error": LOST}),
+            (5.61, "end", {"how": "exception", "error": LOST})]
+    report = diagnose({0: rank(0, 2, zero), 1: rank(1, 2, [(1.0, "collective_start", coll)])})
+    text = format_report(report)
+    assert report.culprit_ranks == [1], text
+    if posted:
+        assert "froze for good" not in text and "rank 1 died (SIGKILL?)" in text, text
+    else:
+        assert (report.verdict, report.summary.startswith("rank 1 froze for good")) == ("frozen", True), text
+        assert "waited on rank 1 in all_reduce (group ep, cseq 1, shape [4]) until at least t+5.0 s, 4.0 s later" \
+            in text, text
+
+
+def test_alive_records_after_the_first_lost_connection_show_nothing():
+    """The same wait, but a connection was lost 0.3 s after rank 1's last record (rank 2 failed on it: a kill then):
+    the alive records after that loss cannot show rank 1 alive, whoever's they are: died."""
+    ticks = [(t, "alive", WAITING) for t in (2.0, 3.0, 4.0, 5.0)]
+    zero = [(1.0, "collective_start", ALLREDUCE), *ticks, (5.6, "collective_error", {**ALLREDUCE, "error": LOST}),
+            (5.61, "end", {"how": "exception", "error": LOST})]
+    two = [(1.0, "collective_start", ALLREDUCE), (1.3, "collective_error", {**ALLREDUCE, "error": LOST}),
+           (1.31, "end", {"how": "exception", "error": LOST})]
+    report = diagnose({0: rank(0, 3, zero), 1: rank(1, 3, [(1.0, "collective_start", ALLREDUCE)]),
+                       2: rank(2, 3, two)})
+    text = format_report(report)
+    assert "froze for good" not in text and "rank 1 died (SIGKILL?)" in text, text
+
+
+def test_an_engine_wait_recorded_between_the_kill_and_its_failure_does_not_undo_the_freeze():
+    """Ranks 0 and 2 in the engine's all-reduce 6 s past rank 1's last record; rank 0 fails on the kill at 7.2 s,
+    rank 2 ticks once more at 7.25 s before failing too: frozen (was: died, a red team's run where a peer's
+    liveness thread beat between the kill and its own failure)."""
+    silent = [(0.95, "steps", {"count": 1, "step": 4})]
+    zero = [*[(t + 0.0, "alive", ENGINE_WAIT) for t in range(2, 8)], (7.2, "end", {"how": "exception", "error": LOST})]
+    two = [*[(t + 0.0, "alive", ENGINE_WAIT) for t in range(2, 7)], (7.25, "alive", ENGINE_WAIT),
+           (7.3, "end", {"how": "exception", "error": LOST})]
+    report = diagnose({0: rank(0, 3, zero), 1: rank(1, 3, silent), 2: rank(2, 3, two)})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [1]), text
+    assert "the engine's own all_reduce" in report.summary, text
+
+
 # blocked in the engine's all-reduce on the controller's ranks
 ENGINE_WAIT = {**WAITING, "waiting_on": None, "engine_wait": "all_reduce", "engine_wait_group": "same"}
 

@@ -24,8 +24,11 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
   limit, ``liveness.FROZEN_FACTOR`` intervals and at least 2 s: a live rank writes every 1.5 intervals):
   still open at ``P``'s end (a signal, its launcher's stop) or last record; or ended by a wait that ran
   out (a timeout; any other error says nothing of ``K``) past 1.5 intervals and half a second (at least
-  2 s): the wait's own clock, with the socket open all along;
-- and no member of the group lost its connection to anyone at or after ``K``'s last record.
+  2 s): the wait's own clock, with the socket open all along; or, not posted, ended later by a lost
+  connection: then ``P``'s last ``alive`` record naming it (``waiting_on``) before any loss is the time (a
+  watchdog's SIGKILL after the freeze ends every wait so: a red team's async runs read died);
+- and no member of the group lost its connection to anyone from ``K``'s last record to that time (the cut:
+  every record at or after the first loss is set aside).
 
 Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
 function a thread was blocked in while the step stayed put, and whether its group holds the controller's
@@ -34,7 +37,8 @@ ranks counts: another group may wait on a rank no trace shows, or leave the sile
 controllers on 2 of 3 and 3 of 4 ranks read a SIGKILLed one frozen while the engine waited on the busy
 untraced rank, first on a wider group, then on one of the same size). Every other member of ``K``'s group
 must show such a wait past the limit (or be inside it at its signal ``end``), begun after ``K``'s last
-record and by the time it could first show a wait on ``K``, not at the step where ``K``'s own last record
+record and by the time it could first show a wait on ``K``, read from records before the cut (a peer's
+liveness thread may beat between a kill and its own failure), not at the step where ``K``'s own last record
 shows it inside an engine collective too (a wait begun before, or shared, may be on another live member: a
 red team's survivors deadlocked in mismatched broadcasts read a rank SIGKILLed beside them frozen), with
 nothing broken since ``K``'s last record: a wait on a dead ``K`` would have
@@ -83,15 +87,23 @@ def _on_gloo(s) -> bool:
     return (s.header or {}).get("device") == "cpu"
 
 
-def _inside_until(s, c: Collective) -> float | None:
-    """When the participant was last known inside ``c`` with nothing broken, or None (it ended, or broke)."""
+def _inside_until(s, c: Collective, cut: float) -> float | None:
+    """When the participant was last known inside ``c`` with nothing broken, or None (it ended, or broke);
+    ``cut``: the first lost connection after the silent rank's last record."""
     # a posted all-reduce (async ready flags) is waited in only when read back: a wait there that ran out counts,
     # one still open may have had nobody waiting
     if type(c.ts) not in (int, float) or (c.posted and c.status != "error"):
         return None
-    if c.status == "error":   # a wait that ran out kept the connection; a lost one says the peer went
-        return c.error_ts if _ran_out(c.error) and type(c.error_ts) in (int, float) else None
-    if c.status != "open":   # an end of its own with a lost connection is read by _broken
+    if c.status == "error" and _ran_out(c.error):   # a wait that ran out kept the connection
+        return c.error_ts if type(c.error_ts) in (int, float) else None
+    if c.status == "error":
+        # a lost one says a peer went, but not when: the alive records that name the wait before the first loss
+        # still show it held that long (a red team's ranks SIGSTOPped in async mode, SIGKILLed 5-8 s later,
+        # read died: their peers' waits broke only at the kill); a posted one may be open with nobody in it
+        return max((a[0] for a in s.alive if type(a[0]) in (int, float) and c.ts <= a[0] < cut
+                    and a[3] is not None and (a[3].get("group"), a[3].get("cseq")) == (c.group, c.cseq)),
+                   default=None) if not c.posted else None
+    if c.status != "open":   # an end of its own with a lost connection is read by the cut
         return None
     end = (s.end or {}).get("ts")
     return end if type(end) in (int, float) else s.last_ts
@@ -118,12 +130,13 @@ def _waits_on(cast: Cast, key: Key, c: Collective) -> bool:
     return key in partners and _joined(cast, key, c, partners)
 
 
-def _broken(cast: Cast, dropped: Dropped, since: float, until: float) -> bool:
-    """Some rank lost a connection between ``since`` and ``until``: a collective's error, or an ``end``'s."""
-    if any(since <= ts <= until for ts, _, _ in dropped.errors):
-        return True
-    return any(type(ts := (s.end or {}).get("ts")) in (int, float) and since <= ts <= until
-               and CONNECTION_LOST.search(str(s.end.get("error") or "")) for s in cast.parts.values())
+def _first_break(cast: Cast, dropped: Dropped, since: float) -> float:
+    """When some rank first lost a connection at or after ``since`` (a collective's error, or an ``end``'s); inf
+    when none did."""
+    errors = [ts for ts, _, _ in dropped.errors if ts >= since]
+    ends = [ts for s in cast.parts.values() if type(ts := (s.end or {}).get("ts")) in (int, float) and ts >= since
+            and CONNECTION_LOST.search(str(s.end.get("error") or ""))]
+    return min(errors + ends, default=float("inf"))
 
 
 def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | None:
@@ -137,12 +150,14 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
     # silence (1.5 intervals) by half a second of a busy host's delay will do (a red team's engine timeout of
     # 2 s ran out 2.48 s after a SIGSTOPped rank's last record, under the 2.5 s limit, and read died)
     short = min(limit, max(2.0, 1.5 * (s.alive_interval or 1.0) + 0.5))
+    cut = _first_break(cast, dropped, last)
     found = [(peer, c, ts) for peer, p in cast.parts.items() if peer != key and _on_gloo(p) for c in entries(p)
-             if (ts := _inside_until(p, c)) is not None and ts - last > (short if c.status == "error" else limit)
+             if (ts := _inside_until(p, c, cut)) is not None
+             and ts - last > (short if c.status == "error" and _ran_out(c.error) else limit)
              and _waits_on(cast, key, c)]
     # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn)
-    held = max((h for h in found if not _broken(cast, dropped, last, h[2])), key=lambda h: h[2], default=None)
-    return held or _engine_held(cast, key, dropped, limit, short)
+    held = max((h for h in found if h[2] < cut), key=lambda h: h[2], default=None)
+    return held or _engine_held(cast, key, limit, short, cut)
 
 
 def _ran_out(error: object) -> bool:
@@ -150,7 +165,8 @@ def _ran_out(error: object) -> bool:
     return bool(_RAN_OUT.search(str(error or ""))) and not CONNECTION_LOST.search(str(error or ""))
 
 
-def _in_engine_until(p, last: float, limit: float, short: float, shared: object) -> tuple[str, float] | None:
+def _in_engine_until(p, last: float, limit: float, short: float, shared: object,
+                     cut: float) -> tuple[str, float] | None:
     """(op, ts): ``p``'s latest alive record naming an engine wait (``engine_wait``) on the controller's ranks
     (``engine_wait_group`` same: another group may wait on a rank no trace shows), at ts past ``last + limit``;
     its end instead when that record was its last and the end, at the same step, is a signal or a wait that ran
@@ -162,7 +178,9 @@ def _in_engine_until(p, last: float, limit: float, short: float, shared: object)
     def waits(a: tuple) -> bool:
         return a[4] is not None and a[4][1] is True and type(a[0]) in (int, float)
 
-    marked = [i for i, a in enumerate(p.alive) if waits(a)]
+    # before the first lost connection (``cut``): a record after it may show a wait the loss was about to end (a
+    # red team's peer ticked between the kill of a rank SIGSTOPped 8 s before and its own failure: read died)
+    marked = [i for i, a in enumerate(p.alive) if waits(a) and a[0] < cut]
     if not marked:
         return None
     j = first = marked[-1]
@@ -178,14 +196,15 @@ def _in_engine_until(p, last: float, limit: float, short: float, shared: object)
     op, ts, past = p.alive[j][4][0], p.alive[j][0], limit
     end = p.end or {}
     if j == len(p.alive) - 1 and end.get("step") == p.alive[j][1] and type(end.get("ts")) in (int, float) \
-            and (end.get("how") == "signal" or _ran_out(end.get("error"))):
+            and end["ts"] < cut and (end.get("how") == "signal" or _ran_out(end.get("error"))):
         ts, past = end["ts"], (limit if end.get("how") == "signal" else short)
     return (op, ts) if ts > last + past else None
 
 
-def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: float) -> Held | None:
+def _engine_held(cast: Cast, key: Key, limit: float, short: float, cut: float) -> Held | None:
     """(peer, op, ts) when every other member of ``key``'s group sat in an engine collective (a thread's frames
-    named it, ``eplb_fsm.engine_wait``) ``limit`` s past ``key``'s last record, each unbroken since; the latest.
+    named it, ``eplb_fsm.engine_wait``) ``limit`` s past ``key``'s last record, each before ``cut`` (the first
+    lost connection since); the latest.
     The engine's groups are not in the trace: all of them waiting, none broken, leaves ``key`` the one waited on
     (a wait on a dead rank would have failed at once on gloo, and its failure ended the others' in turn)."""
     members = cast.members(str((cast.parts[key].header or {}).get("group") or WORLD_GROUP))
@@ -206,8 +225,8 @@ def _engine_held(cast: Cast, key: Key, dropped: Dropped, limit: float, short: fl
             if (p.last_ts, m) < (last, key):
                 return None
             continue
-        seen = _in_engine_until(p, last, limit, short, shared) if p is not None and _on_gloo(p) else None
-        if seen is None or _broken(cast, dropped, last, seen[1]):
+        seen = _in_engine_until(p, last, limit, short, shared, cut) if p is not None and _on_gloo(p) else None
+        if seen is None:
             return None
         found.append((m, *seen))
     return max(found, key=lambda h: h[2], default=None)
@@ -246,15 +265,17 @@ def held_findings(cast: Cast, held: list[tuple], dead: list[tuple], dropped: Dro
         engine = isinstance(c, str)   # a wait in the engine's own collective (_engine_held): every other rank's
         wait = (f"the engine's own {c}" + (", as every other rank did," if len(cast.parts) > 2 else "")) if engine \
             else coll_text(c)
-        ran_out = not engine and c.status == "error"
+        ran_out = not engine and c.status == "error" and _ran_out(c.error)
+        # a wait that failed later on a lost connection: held_open read its alive records up to that loss
+        until = "until its wait ran out at" if ran_out else "until at least" if not engine and c.status == "error" \
+            else "until"
         on = "" if engine else f" on {cast.label(k)}"
         out.append((first, "frozen", k, Finding.of(
             "frozen", s.last_step, keys,
             f"{cast.who(keys)} froze for good{where} (SIGSTOP, or a C call holding the GIL?): no record after "
             f"{at(first)}, while {cast.label(peer)} waited{on} in {wait} "
-            f"{'until its wait ran out at' if ran_out else 'until'} {at(ts)}, {ts - first:.1f} s later, "
-            "with nothing broken (on gloo a process that ends closes its sockets, and its peers' waits fail at "
-            "once); no end record: killed later, or stopped still",
+            f"{until} {at(ts)}, {ts - first:.1f} s later, with nothing broken (on gloo a process that ends closes "
+            "its sockets, and its peers' waits fail at once); no end record: killed later, or stopped still",
             state=s.final_state, layer=s.final_layer, details=details,
             ranks=[cast.position(h[1], "frozen", f"silent from {at(h[0])} on, a process still at {at(h[2][2])}",
                                  cast.parts[h[1]].last_step, cast.parts[h[1]].final_state,
