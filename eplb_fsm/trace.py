@@ -197,9 +197,9 @@ class EventTrace(CollectiveBrackets):
         with self._locked():
             return self._write_run()
 
-    def emit(self, event: str, **fields: Any) -> dict:
+    def emit(self, event: str, /, **fields: Any) -> dict:
         """Write one record (after the pending ``steps`` run, if any); returns it. Explicit ``state``/``step`` win;
-        a field named like another base field (``ts``, ``rank``, ``world``, ``seq``) is a ValueError."""
+        a field named like another base field (``ts``, ``rank``, ``world``, ``event``, ``seq``) is a ValueError."""
         check_fields(fields, f"emit({event!r})")
         with self._locked():
             return self._emit_locked(event, fields)

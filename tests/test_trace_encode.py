@@ -110,9 +110,10 @@ def test_a_transition_with_an_unencodable_field_changes_state_with_its_record(tm
     assert trace.state == "planning" and _lines(tmp_path)[-1]["dest"] == "planning"
 
 
-@pytest.mark.parametrize("name", ["seq", "rank", "world", "ts"])
+@pytest.mark.parametrize("name", ["seq", "rank", "world", "ts", "event"])
 def test_emit_refuses_base_field_names_before_anything_changes(tmp_path, name):
-    """emit(seq=/rank=/world=/ts=) is a ValueError naming the field; no seq taken, pending steps not written."""
+    """emit(seq=/rank=/world=/ts=/event=) is a ValueError naming the field (event=: was a TypeError, 'multiple
+    values for argument'); no seq taken, pending steps not written."""
     trace = EventTrace(0, 2, tmp_path, keep=True)
     trace.set_context(state="collecting")
     trace.header({}, run_id="r" * 16)
