@@ -210,6 +210,21 @@ def test_an_engine_wait_recorded_between_the_kill_and_its_failure_does_not_undo_
     assert "the engine's own all_reduce" in report.summary, text
 
 
+def test_a_wait_another_silent_member_explains_shows_no_freeze_of_the_rank_killed_beside_it():
+    """Rank 2 stopped inside the all-reduce at t=1; rank 1, inside it too, writes until t=3 and is then killed; ranks
+    0 and 3 wait, unbroken, to t=7.5 (on rank 2: gloo never read from rank 1): rank 2 froze, the first silent
+    (while rank 1 still wrote, the wait could only end at rank 2), and rank 1 reads died, as its trace alone
+    can tell (was: 'froze for good' for it as well, a red team's near miss)."""
+    inside = (1.0, "collective_start", ALLREDUCE)
+    one = [inside, (2.0, "alive", WAITING), (3.0, "alive", WAITING)]
+    report = diagnose({0: rank(0, 4, waiter(7.5, SIGNAL)), 1: rank(1, 4, one), 2: rank(2, 4, [inside]),
+                       3: rank(3, 4, waiter(7.5, SIGNAL))})
+    text = format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("frozen", [2]), text
+    assert not [f for f in report.findings if f.kind == "frozen" and 1 in f.culprits], text
+    assert "rank 1 died (SIGKILL?)" in text, text
+
+
 # blocked in the engine's all-reduce on the controller's ranks
 ENGINE_WAIT = {**WAITING, "waiting_on": None, "engine_wait": "all_reduce", "engine_wait_group": "same"}
 

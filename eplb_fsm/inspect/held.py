@@ -28,7 +28,9 @@ a red team's async ranks SIGSTOPped for good read "died" while their peers' read
   connection: then ``P``'s last ``alive`` record naming it (``waiting_on``) before any loss is the time (a
   watchdog's SIGKILL after the freeze ends every wait so: a red team's async runs read died);
 - and no member of the group lost its connection to anyone from ``K``'s last record to that time (the cut:
-  every record at or after the first loss is set aside).
+  every record at or after the first loss is set aside);
+- and no other member that went silent before ``K`` (by more than 1.5 intervals) was still silent then: the
+  wait may have been on it alone (:func:`_silent_beside`).
 
 Or the engine's own collective (:func:`_engine_held`): ``alive`` records name the ``torch.distributed``
 function a thread was blocked in while the step stayed put, and whether its group holds the controller's
@@ -155,9 +157,33 @@ def held_open(cast: Cast, key: Key, dropped: Dropped, limit: float) -> Held | No
              if (ts := _inside_until(p, c, cut)) is not None
              and ts - last > (short if c.status == "error" and _ran_out(c.error) else limit)
              and _waits_on(cast, key, c)]
-    # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn)
-    held = max((h for h in found if h[2] < cut), key=lambda h: h[2], default=None)
+    # the longest wait that nothing broke before its end (a peer's exit after it closes sockets in turn), and
+    # that no other member's silence explains: a wait may be on that member, not on ``key``
+    held = max((h for h in found if h[2] < cut and not _silent_beside(cast, key, h[0], h[1], h[2])),
+               key=lambda h: h[2], default=None)
     return held or _engine_held(cast, key, limit, short, cut)
+
+
+def _silent_beside(cast: Cast, key: Key, peer: Key, c: Collective, ts: float) -> bool:
+    """Another member of ``c``'s group, silent since before ``key``'s last record (by more than 1.5 intervals: one
+    closer joins ``key``'s finding), was still silent at ``ts``: inside a gap of its records (over 2 intervals,
+    ``silences``), or past its last record by 2 intervals with no end before ``ts``. The wait may have been on it,
+    never reading from ``key`` (a red team's near miss: survivors waiting on a rank SIGSTOPped inside the
+    collective never read from one SIGKILLed beside it). The first to go silent keeps the evidence: while the
+    other still wrote, a wait on it could only end at it."""
+    k = cast.parts[key]
+    window = 1.5 * (k.alive_interval or 1.0)
+    for m in cast.members(c.group):
+        s = cast.parts.get(m)
+        if m in (key, peer) or s is None or type(s.last_ts) not in (int, float) \
+                or not s.last_ts < k.last_ts - window:
+            continue
+        end = (s.end or {}).get("ts")
+        if type(end) in (int, float) and end <= ts:
+            continue
+        if s.last_ts < ts - 2 * (s.alive_interval or 1.0) or any(a < ts < b for a, b, *_ in s.silences):
+            return True
+    return False
 
 
 def _ran_out(error: object) -> bool:
