@@ -219,15 +219,25 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
     # a slot nobody traced is a joiner's only if the request named it one: an old rank that
     # never switched (a scale aborted before the switch) is no joiner
     listed: dict[int, set] = {}
+    mapped: dict[int, dict[int, int]] = {}   # generation: new rank -> the old rank the request moved there
     for s in parts.values():
         for req in s.scale_requests:
             if _int(req.get("generation")) is not None and isinstance(req.get("joiners"), list):
                 listed.setdefault(req["generation"], set()).update(j for j in req["joiners"] if _int(j) is not None)
+            if _int(req.get("generation")) is not None and isinstance(req.get("rank_mapping"), dict):
+                mapped.setdefault(req["generation"], {}).update(
+                    (new, int(old)) for old, new in req["rank_mapping"].items()
+                    if str(old).isdigit() and _size(new) is not None)
     # a generation no serving rank moved to never formed (the scale ended in its prepare phase, every old
     # rank's trace says so): a joiner that got as far as its header is there alone, and nobody is missing
     for gen in sorted(g for g in cast.gen_members if g > 0 and g in formed):
         slots = cast.gen_members[gen]
         for j in range(cast.gen_world.get(gen, 0)):
+            old = cast.gen_members.get(gen - 1, {}).get(mapped.get(gen, {}).get(j, -1))
+            if j not in slots and old is not None and parts[old].end is None and not any(
+                    _int(sw.get("generation")) == gen for sw in parts[old].switches):
+                slots[j] = old   # killed before its switch: a member whose own trace tells it, not one without any
+                continue
             if j not in slots:
                 add_missing(gen, j, f"rank {j} (joiner g{gen})" if j in listed.get(gen, ()) else
                             f"rank {j} of g{gen} (not switched)")

@@ -55,6 +55,7 @@ from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
 from eplb_fsm.inspect.held import held_findings, held_open
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
+from eplb_fsm.inspect.peers import group_peers, lone_joiner
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
 
@@ -136,24 +137,6 @@ def _gaps(cast: Cast, key: Key) -> tuple[list[tuple], list[tuple]]:
     return out, paused
 
 
-def _peers(cast: Cast, key: Key, before: bool = False) -> list[Key]:
-    """The other participants of ``key``'s current group that did not end on purpose (leave in a scale); with
-    ``before``, for a joiner alone in its generation (the group never formed), the ranks of the one before: they
-    waited for it, and their ends tell when it died."""
-    gen = cast.final_gen.get(key)
-    peers = [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
-    if peers or not before or type(gen) is not int or gen < 1:
-        return peers
-    return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose
-            and cast.final_gen.get(o) == gen - 1]
-
-
-def _lone_joiner(cast: Cast, key: Key) -> bool:
-    """A joiner alone in its generation (its group never formed) that the ranks of the one before waited for:
-    ranks signalled over an interval after it are the launcher's reaction, as after a lost connection."""
-    return not _peers(cast, key) and bool(_peers(cast, key, before=True))
-
-
 def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str, str | None] | None:
     """Why ``key`` died (its reason, without its name, and a detail line), or None: see the module docstring."""
     s = cast.parts[key]
@@ -164,13 +147,13 @@ def _death(cast: Cast, key: Key, lasts: dict, at, dropped: Dropped) -> tuple[str
         what = "last alive" if s.alive and s.alive[-1][0] == lasts[key] else "last record"
         return (f"{what} {others_last - lasts[key]:.1f} s before the others' last record; {waiting_text(s)}",
                 f"last record at {at(lasts[key])}, the others wrote until {at(others_last)}")
-    peers = _peers(cast, key, before=True)
+    peers = group_peers(cast, key, before=True)
     # peers that ended because of what happened to others (in order, or giving up a wait): a peer that crashed
     # explains the stop itself, and the ranks a launcher killed after it are its consequences
     ended = [o for o in peers if cast.parts[o].end is not None and ended_in_reaction(cast, o)]
     # and peers stopped by a signal before any crash: a launcher stops the survivors once a rank is gone
     # a joiner alone in its generation kept the ranks before it waiting in the scale (signal_death: ``waited``)
-    signalled = stopped_after(cast, key, peers, waited=not _peers(cast, key))
+    signalled = stopped_after(cast, key, peers, waited=not group_peers(cast, key))
     ended += signalled
     # killed before those peers stopped; one the launcher killed after they had ended is a consequence
     lost = dropped.first_after(key)
@@ -286,7 +269,7 @@ def check_liveness(cast: Cast) -> Liveness:
     events = [e for e in events if e[1] != "signalled"]
     # signalled over an interval after the first, once a peer had lost its connection to that one: the launcher's
     # reaction to a process gone
-    gone = bool(stopped) and (dropped.seen_going(stopped[0][2], stopped[0][0]) or _lone_joiner(cast, stopped[0][2]))
+    gone = bool(stopped) and (dropped.seen_going(stopped[0][2], stopped[0][0]) or lone_joiner(cast, stopped[0][2]))
     for ts, _, k, _ in (later := [e for e in stopped[1:] if gone and e[0] - stopped[0][0] > _interval(parts[e[2]])]):
         out.consequences.append((k, f"{cast.label(k)} was stopped by {parts[k].end.get('signal') or 'a signal'} at "
                                     f"{at(ts)}, {ts - stopped[0][0]:.1f} s after {cast.label(stopped[0][2])}, whose "
@@ -323,7 +306,7 @@ def check_liveness(cast: Cast) -> Liveness:
     events, out.passed = survived_last(cast, events)   # a freeze the job got past is no cause of a later failure
     out.findings = [e[3] for e in events]
     # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
-    first = None if events else next((e for e in sorted(late_exceptions) if _peers(cast, e[1])), None)
+    first = None if events else next((e for e in sorted(late_exceptions) if group_peers(cast, e[1])), None)
     if first is not None:
         out.unexplained = _first_to_go(cast, first, at)
     culprits = {k for e in events for k in e[3].keys()}
@@ -345,7 +328,7 @@ def _first_to_go(cast: Cast, first: tuple[float, Key], at) -> Finding:
     ts, k = first
     s, parts = cast.parts[k], cast.parts
     step = s.end.get("step", s.last_step)
-    closed = [o for o in _peers(cast, k) if (parts[o].end or {}).get("how") == "closed" and _end_ts(parts[o]) < ts
+    closed = [o for o in group_peers(cast, k) if (parts[o].end or {}).get("how") == "closed" and _end_ts(parts[o]) < ts
               and not (type(parts[o].last_step) is int and type(step) is int and parts[o].last_step > step)]
     if closed:
         o = min(closed, key=lambda x: (_end_ts(parts[x]), x))

@@ -66,7 +66,8 @@ def wrong_fields(rec: dict, seen: tuple) -> list[str]:
 TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is int else "a string"
                               for t in types if not (t is int and float in types))
                for k, types in _FIELD_TYPES}
-REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage")
+REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage",
+                "rank_mapping")
 
 
 def start_from_header(w: "Walker", header: dict) -> None:
