@@ -339,3 +339,22 @@ def test_a_scale_that_aborted_after_its_fault_still_stops_the_rank():
     _fire(ctx2, "fault", "scaling", "collecting", recoverable=True)
     with pytest.raises(RankFault, match="scaling -> collecting"):
         inj2.after_step(ctx2, 8)
+
+
+def test_a_fault_between_steps_is_dated_by_its_record_not_one_step_early():
+    """A fault fired inside request_scale() (between steps, the trace stamping the next step, 30): the RankFault
+    names step 30, as the fault's record does (was: 29, steps - 1, a red team's killed joiner)."""
+    from types import SimpleNamespace
+
+    from eplb_fsm.sim.inject import RankFault
+
+    ctx = _Ctx(0)
+    inj = Injector([], collective_timeout_s=2.0)
+    inj.on_start(ctx)
+    ctx.controller.steps = 30
+    ctx.controller.trace = SimpleNamespace(step=30)
+    _fire(ctx, "scale_requested", "collecting", "scaling")
+    _fire(ctx, "fault", "scaling", "collecting", recoverable=True)
+    _fire(ctx, "recovered", "failed", "collecting")   # a rolled-back scale-up is no handling
+    with pytest.raises(RankFault, match="rank 0 stopped at step 30: its controller fired fault at step 30 "):
+        inj.after_step(ctx, 30)

@@ -299,12 +299,12 @@ class Injector:
         # called from inside the machine, before the controller writes the record: keep it short
         if fired.trigger == "fault":
             ctl = self._ctx.controller
-            self.faults.append({"step": max(ctl.steps - 1, 0), "source": fired.source, "dest": fired.dest,
-                                "recoverable": bool(fired.data.get("recoverable")), "reason": None})
+            at = getattr(getattr(ctl, "trace", None), "step", None)   # its record's (steps - 1: early in a scale)
+            self.faults.append({"step": at if type(at) is int else max(ctl.steps - 1, 0), "source": fired.source,
+                                "dest": fired.dest, "recoverable": bool(fired.data.get("recoverable")), "reason": None})
         elif fired.trigger == "scale_requested":
             self._scale_faults = len(self.faults)  # a new scale (a partial switch goes on with `resumed`)
-        elif fired.trigger in ("salvaged", "switched"):
-            # the scale in progress handled its faults: the rank serves on (in the new group), no stop
+        elif fired.trigger in ("salvaged", "switched"):   # its scale handled its faults: it serves on, no stop
             for fault in self.faults[self._scale_faults:]:
                 fault.setdefault("handled", fired.trigger)
 
