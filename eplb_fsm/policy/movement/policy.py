@@ -200,9 +200,13 @@ def plan_movement(
     # under a move limit, a layer whose renumbered default moves more than it allows cannot fall back (it would
     # keep its old placement, the worst layers untouched): it is searched, and may spend the whole limit
     no_fallback = none.copy()
+    # each layer's renumbered default, computed once (``have_renum``: the layers it is computed for)
+    renum, renum_moved, have_renum = np.empty_like(old), np.zeros(num_layers, np.int64), none.copy()
     if max_moves is not None and active.any():
-        _, fb_moved = renumbered_default(old[active], held[active], d_phy[active], num_ranks, nodes)
-        no_fallback[rows[active][fb_moved > max_moves]] = True
+        renum[active], renum_moved[active] = renumbered_default(old[active], held[active], d_phy[active],
+                                                                num_ranks, nodes)
+        have_renum |= active
+        no_fallback = active & (renum_moved > max_moves)
         replan &= ~no_fallback
     active &= ~replan
     brief = active.sum() < _SEARCH_MIN_SHARE * (active | replan).sum()
@@ -246,7 +250,11 @@ def plan_movement(
         fallback[cand[: int(np.searchsorted(saved, excess)) + 1]] = True
     fb = rows[fallback]
     if fb.size:
-        renumbered, fb_moved = renumbered_default(old[fb], held[fb], d_phy[fb], num_ranks, nodes)
+        need = fb[~have_renum[fb]]
+        if need.size:
+            renum[need], renum_moved[need] = renumbered_default(old[need], held[need], d_phy[need], num_ranks, nodes)
+        fb_moved = renum_moved[fb]
+        renumbered = renum[fb]
         if max_moves is not None:
             # a fallback that breaks the move limit is not taken, unless the layer is forced: its old
             # placement spreads a group over nodes or has a rank with no expert, and the policy
