@@ -232,15 +232,14 @@ def build_cast(summaries: dict[int, RankSummary], world: int | None, warnings: l
     # rank's trace says so): a joiner that got as far as its header is there alone, and nobody is missing
     for gen in sorted(g for g in cast.gen_members if g > 0 and g in formed):
         slots = cast.gen_members[gen]
-        for j in range(cast.gen_world.get(gen, 0)):
+        for j in (j for j in range(cast.gen_world.get(gen, 0)) if j not in slots):
             old = cast.gen_members.get(gen - 1, {}).get(mapped.get(gen, {}).get(j, -1))
-            if j not in slots and old is not None and parts[old].end is None and not any(
+            if old is not None and parts[old].end is None and not any(
                     _int(sw.get("generation")) == gen for sw in parts[old].switches):
                 slots[j] = old   # killed before its switch: a member whose own trace tells it, not one without any
                 continue
-            if j not in slots:
-                add_missing(gen, j, f"rank {j} (joiner g{gen})" if j in listed.get(gen, ()) else
-                            f"rank {j} of g{gen} (not switched)")
+            add_missing(gen, j, f"rank {j} (joiner g{gen})" if j in listed.get(gen, ()) else
+                        f"rank {j} of g{gen} (not switched)")
     # where each participant ended up
     for key, s in parts.items():
         cur: int | None = s.generation if s.role == "joiner" else 0

@@ -14,8 +14,9 @@ def group_peers(cast: Cast, key: Key, before: bool = False) -> list[Key]:
     it, and their ends tell when it died."""
     gen = cast.final_gen.get(key)
     peers = [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
-    later = [g for g, m in cast.gen_members.items() if type(gen) is int and g > gen and key in m.values()]
-    if not peers and later:
+    later = [] if peers or type(gen) is not int else [g for g, m in cast.gen_members.items()
+                                                       if g > gen and key in m.values()]
+    if later:
         return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose
                 and cast.final_gen.get(o) == min(later)]
     if peers or not before or type(gen) is not int or gen < 1:
