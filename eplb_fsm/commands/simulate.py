@@ -73,7 +73,8 @@ starts as (a joiner: the rank it joins as), and a fault on R at a step R does no
 layer=, at its scale's step: it leaves at the start of that step, before the engine step;
 every rank after an :absent or :late scale-up, which aborts and so stops the run) is
 refused (exit 2). SIGTERM or
-Ctrl-C stops every rank process (each writes an 'end' record), keeps the traces and
+Ctrl-C stops every rank process (each writes an 'end' record within a 2 s grace, also when
+the SIGTERM went to the whole process group, forkserver included), keeps the traces and
 exits 143 / 130.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),

@@ -320,19 +320,30 @@ def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool],
 
     ``is_alive(pid)`` / ``join(pid, timeout)`` come from the launcher's process objects.
     Bound: ``grace`` + the joins' timeout.
+
+    A process counts as running while ``is_alive`` says so or its pid still runs: a SIGTERM sent to
+    the launcher's whole process group (``timeout``, a batch scheduler) also ends the forkserver the
+    ranks came from, and from then on multiprocessing reports every rank as ended (exit code 255)
+    while they still write their ``end`` records.
     """
-    live = [pid for pid in pids if is_alive(pid)]
+
+    def running(pid: int) -> bool:
+        return is_alive(pid) or not _pid_gone(pid)
+
+    live = [pid for pid in pids if running(pid)]
     for pid in live:
         _signal_group(pid, signal.SIGTERM)
         _signal_group(pid, signal.SIGCONT)
     deadline = time.monotonic() + grace
     for pid in live:
         join(pid, max(0.0, deadline - time.monotonic()))
+        while not _pid_gone(pid) and time.monotonic() < deadline:   # join() cannot tell: see above
+            time.sleep(0.01)
     for pid in pids:
         # the whole group: a rank that ended may have left a helper behind
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        if is_alive(pid):
+        if running(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
             join(pid, 5.0)

@@ -1,0 +1,148 @@
+"""A SIGTERM to the launcher's whole process group still gives every rank its grace to write ``end``.
+
+``timeout`` and batch schedulers signal a job's process group, not one process. That group holds the
+launcher and its forkserver (each rank leads a group of its own). The forkserver dies at once, and
+from then on multiprocessing reports every rank as ended (exit code 255) while the ranks still run
+their signal thread: a stop that believed it went straight to SIGKILL, and a rank slower than a few
+milliseconds (a joiner that had just started) lost its ``end`` record and replayed as dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import eplb_fsm
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")]
+
+ROOT = str(Path(eplb_fsm.__file__).resolve().parents[1])   # the tree under test, for the launcher and its ranks
+
+# the ranks' body: on SIGTERM take half a second (a busy rank's signal thread), then say so in a file
+RANKS_MODULE = '''
+import os, time
+from pathlib import Path
+from eplb_fsm.sim import signals
+
+def serve(rank, world_size, out):
+    def slow_end(name):
+        time.sleep(0.5)
+        Path(out, f"rank{rank}.ended").write_text(name)
+    signals.on_signal(slow_end)
+    Path(out, f"rank{rank}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+'''
+
+# a launcher that turns SIGTERM into an exception, as `eplb-fsm simulate` does, so run_ranks stops the ranks
+LAUNCHER = '''
+import signal, sys
+from eplb_fsm.sim.launcher import run_ranks
+import group_ranks
+
+def stop(signum, frame):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGTERM, stop)
+run_ranks(group_ranks.serve, 2, (sys.argv[1],), timeout=300.0)
+'''
+
+SIMULATE = ["-m", "eplb_fsm.cli", "simulate", "--ranks", "2", "--layers", "2", "--experts", "8", "--redundant", "4",
+            "--hidden", "8", "--tokens", "32", "--steps", "100000", "--interval", "20", "--no-progress", "--no-png"]
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _last_step(path: Path) -> int:
+    """The step of the last whole line of a rank's trace (-1: none yet)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = path.read_text().splitlines()
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):
+                return int(json.loads(line).get("step", -1))
+    return -1
+
+
+def _stop_session(proc: subprocess.Popen, pids: list[int]) -> None:
+    """No orphans: the ranks' groups and the launcher's session are killed, the launcher reaped."""
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    for pid in pids:
+        _wait_for(lambda: not _running(pid), 30.0)
+
+
+def test_a_group_sigterm_leaves_each_rank_its_grace(tmp_path):
+    """SIGTERM to the launcher's process group (forkserver included): each rank's slow signal callback completes."""
+    (tmp_path / "group_ranks.py").write_text(textwrap.dedent(RANKS_MODULE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    ranks: list[int] = []
+    try:
+        assert _wait_for(lambda: all(f.exists() and f.read_text() for f in pid_files), 180.0), \
+            "the ranks never started"
+        ranks = [int(f.read_text()) for f in pid_files]
+        os.killpg(launcher.pid, signal.SIGTERM)   # the launcher and its forkserver, not the ranks' own groups
+        launcher.wait(60)
+        ended = {r: (tmp_path / f"rank{r}.ended").read_text() if (tmp_path / f"rank{r}.ended").exists() else None
+                 for r in (0, 1)}
+        assert ended == {0: "SIGTERM", 1: "SIGTERM"}, f"a rank was killed inside its grace: {ended}"
+        assert not any(_running(pid) for pid in ranks)
+    finally:
+        _stop_session(launcher, ranks)
+
+
+def test_simulate_stopped_through_its_process_group_replays_as_signalled(tmp_path):
+    """`eplb-fsm simulate` sent SIGTERM as a group: every trace ends `how=signal`, replay reads `signalled`."""
+    traces = tmp_path / "traces"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    sim = subprocess.Popen([sys.executable, *SIMULATE, "--trace-dir", str(traces)], env=env, cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    files = [traces / f"rank{r:05d}.jsonl" for r in (0, 1)]
+    ranks: list[int] = []
+    try:
+        assert _wait_for(lambda: all(_last_step(f) >= 30 for f in files), 240.0), "the ranks never reached step 30"
+        ranks = [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
+        os.killpg(sim.pid, signal.SIGTERM)
+        _, err = sim.communicate(timeout=120)
+        assert sim.returncode == 143, err.decode(errors="replace")[-2000:]
+        for f in files:
+            last = json.loads(f.read_text().splitlines()[-1])
+            assert (last["event"], last.get("how"), last.get("signal")) == ("end", "signal", "SIGTERM"), (f, last)
+        replay = subprocess.run([sys.executable, "-m", "eplb_fsm.cli", "replay", str(traces)], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert replay.stdout.startswith("signalled:"), replay.stdout
+        assert "died" not in replay.stdout, replay.stdout
+    finally:
+        _stop_session(sim, ranks)
