@@ -42,6 +42,21 @@ def test_a_last_record_with_a_damaged_step_keeps_the_step_before_it():
     assert walk(runs).result(runs[-1]).last_step == 10
 
 
+def test_a_rearrangement_summary_stands_at_its_end_step_not_its_due_step():
+    """An async summary (due at step 6, ended at 15) as the last record: the rank stands at 15, and so does a silence
+    after it (a red team's frozen and killed ranks read "at step 6")."""
+    recs = records(16)
+    recs.append(base("rearrangement", 17, 6, end_step=15, outcome="committed", index=1))
+    s = walk(recs).result(recs[-1])
+    assert s.last_step == 15
+    alive = base("alive", 18, 15, interval_s=1.0)
+    alive["ts"] = recs[-1]["ts"] + 5.0
+    s = walk(recs + [alive]).result(alive)
+    assert [(silence[2], silence[3]) for silence in s.silences] == [(15, "collecting")]
+    damaged = dict(recs[-1], end_step="x")   # an unusable end step: its own step is all there is
+    assert walk(recs[:-1] + [damaged]).result(damaged).last_step == 6
+
+
 def test_a_rank_that_died_with_a_damaged_last_step_is_still_found(tmp_path):
     """Rank 1 stops at step 20 with "step": "x" on its last line while rank 0 goes on: rank_died, not healthy."""
     job = SyntheticJob(world=2, trace_dir=str(tmp_path), keep=False)

@@ -203,6 +203,8 @@ def last_seen(s: RankSummary) -> str:
     at = f"step {last.get('step')}"
     if what == "steps" and type(s.last_step) is int and s.last_step != last.get("step"):
         at = f"steps {last.get('step')}-{s.last_step}"   # a run: where the rank had got to when it was written
+    elif what == "rearrangement" and type(s.last_step) is int and s.last_step != last.get("step"):
+        at, what = f"step {s.last_step}", f"rearrangement due at step {last.get('step')}"   # written as it ended
     text = f"last record at {at} in {last.get('state')} ({what})"
     if s.stuck and not s.progress_after_stuck:
         st = s.stuck[-1]

@@ -1,11 +1,11 @@
 """What the replay keeps of each kind of record, and the field types it relies on.
 
-``keep_record`` files the records that do not move the replayed machine (elastic-EP
-records, watchdog reports, liveness and endings, faults) into the session's
-``RankSummary``; ``wrong_fields`` tells a record whose fields have the wrong type (a
-warning with file and line, never a traceback); ``start_from_header`` sets where a
-joiner's machine starts. ``walker.Walker`` uses them. ``trace_items`` checks what
-``replay.diagnose`` is given before it does any work.
+``last_step`` says at which step a record stands; ``keep_record`` files the records that
+do not move the replayed machine (elastic-EP records, watchdog reports, liveness and
+endings, faults) into the session's ``RankSummary``; ``wrong_fields`` tells a record whose
+fields have the wrong type (a warning with file and line, never a traceback);
+``start_from_header`` sets where a joiner's machine starts. ``walker.Walker`` uses them.
+``trace_items`` checks what ``replay.diagnose`` is given before it does any work.
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ TYPE_NAMES = {k: " or ".join("a number" if t is float else "an integer" if t is 
                for k, types in _FIELD_TYPES}
 REQUEST_KEYS = ("step", "rank", "generation", "kind", "from_ranks", "to_ranks", "leaving", "joiners", "salvage",
                 "rank_mapping")
+
+
+def last_step(rec: dict | None) -> int | None:
+    """The step ``rec`` stands at; None without an integer step. A ``steps`` run: its last step. A
+    ``rearrangement`` summary: its ``end_step`` (its ``step`` is the due step, long past in async mode)."""
+    if rec is None:
+        return None
+    step, ev = rec.get("step"), rec.get("event")
+    if ev == "steps" and type(step) is int and type(count := rec.get("count")) is int:
+        return step + max(0, count - 1)
+    if ev == "rearrangement" and type(end := rec.get("end_step")) is int:
+        return end
+    return step if type(step) is int else None
 
 
 def start_from_header(w: "Walker", header: dict) -> None:

@@ -27,7 +27,7 @@ from eplb_fsm.fsm.machine import TRANSFERRING
 from eplb_fsm.inspect.model import WORLD_GROUP, Collective, CollectiveIndex, MachineOracle, RankSummary, compact_record
 from eplb_fsm.inspect.records import (
     COLLECTIVE_EVENTS, LINE_HEAD, OWN_STATE, SILENCE_S, TYPED_KEYS, TYPES_OK, TYPE_NAMES, keep_record, keep_silence,
-    parse_line, runs_note, start_from_header, wrong_fields,
+    last_step, parse_line, runs_note, start_from_header, wrong_fields,
 )
 from eplb_fsm.inspect.seqcheck import SeqCheck
 from eplb_fsm.inspect.stepseq import StepSeq
@@ -35,14 +35,6 @@ from eplb_fsm.inspect.transition_replay import (
     lost_change, lost_since, replay_steps_run, replay_transition, settle_lost_changes,
 )
 from eplb_fsm.trace_segments import segment_line
-
-
-def last_step(rec: dict | None) -> int | None:
-    """The step ``rec`` reached (a ``steps`` run: its last one); None without an integer step."""
-    step, count = (rec.get("step"), rec.get("count")) if rec is not None else (None, None)
-    if type(step) is not int or rec.get("event") != "steps" or type(count) is not int:
-        return step if type(step) is int else None
-    return step + max(0, count - 1)
 
 
 class Walker:
@@ -252,8 +244,8 @@ class Walker:
                 + "; the field is ignored")
             rec = {k: v for k, v in rec.items() if k not in wrong}
         ts, step, ev = rec.get("ts"), rec.get("step"), rec.get("event")
-        if ev == "steps" and type(step) is int and type(rec.get("count")) is int:
-            step += max(0, rec["count"] - 1)   # a run reached its last step: a silence after it starts there
+        if (ev == "steps" or ev == "rearrangement") and type(step) is int:
+            step = last_step(rec)   # a run's last step, a summary's end step: a silence after it starts there
         elif type(step) is not int:   # damaged or missing: if this is the last record, the one before says how far
             before = last_step(self.last_record())
             self.step_before = self.step_before if before is None else before
