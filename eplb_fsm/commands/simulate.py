@@ -75,7 +75,8 @@ every rank after an :absent or :late scale-up, which aborts and so stops the run
 refused (exit 2). SIGTERM or
 Ctrl-C stops every rank process (each writes an 'end' record within a 2 s grace, also when
 the SIGTERM went to the whole process group, forkserver included), keeps the traces and
-exits 143 / 130.
+exits 143 / 130. A forkserver killed on its own (the OOM killer) stops the run too: each
+rank is stopped with its 'end' and reported 'lost', the report's error is 'forkserver_died'.
 
 With --inject, waits are short (--collective-timeout 5, --watchdog 2.5 unless given),
 the engine's forward all-reduces are traced too (group 'engine') and each waits at most

@@ -29,7 +29,7 @@ from pathlib import Path
 
 __all__ = ["TraceDir", "check_injections_serve", "check_model_memory", "check_png_path", "header_run_ids",
            "load_error", "load_note", "model_bytes_per_rank", "prepare_progress", "prepare_trace_dir", "run_id_after",
-           "serving_spans", "this_runs_traces", "trace_sizes"]
+           "serving_spans", "split_run_ids", "this_runs_traces", "trace_sizes"]
 
 RANK0_FILE = "rank00000.jsonl"  # eplb_fsm.trace.trace_path(dir, 0).name, without importing torch
 PROGRESS_DIR = "progress"       # eplb_fsm.sim.run.progress_path's folder, without importing torch
@@ -101,6 +101,19 @@ def header_run_ids(directory: str | Path) -> dict[str, tuple[int | None, str]]:
             rank = rec.get("rank")
             found[path.name] = (rank if isinstance(rank, int) else None, str(rec["run_id"]))
     return found
+
+
+def split_run_ids(log_dir: str) -> str | None:
+    """When this run's trace headers carry different run ids (the ranks' run-identity agreement failed,
+    so each wrote an id of its own): one line naming each id and its ranks; else None."""
+    by_id: dict[str, list[str]] = {}
+    for name, (rank, run_id) in sorted(header_run_ids(log_dir).items()):
+        by_id.setdefault(run_id, []).append(str(rank) if rank is not None else name)
+    if len(by_id) < 2:
+        return None
+    ids = "; ".join(f"{run_id}: rank {', '.join(ranks)}" for run_id, ranks in by_id.items())
+    return (f"the run-identity agreement failed: this run's traces carry {len(by_id)} different run ids ({ids}), "
+            "so they cannot be replayed as one run; each rank's end record says why")
 
 
 class TraceDir(str):

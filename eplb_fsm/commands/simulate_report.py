@@ -56,12 +56,12 @@ def _own_run_ids(log_dir: Any) -> dict[str, str] | None:
     failed, each file's first header past ``start`` (its rank's own id)."""
     if getattr(log_dir, "start", None) is None:
         return None
-    from eplb_fsm.commands.simulate_checks import header_run_ids
+    from eplb_fsm.commands.simulate_checks import header_run_ids, split_run_ids
 
     run_id = log_dir.run_id
     if run_id is None:
         return {}
-    if _split_run_ids(log_dir):
+    if split_run_ids(log_dir):
         return {name: first for name, (_, first) in header_run_ids(log_dir).items()}
     return {path.name: run_id for path in Path(log_dir).glob("*.jsonl")}
 
@@ -95,7 +95,7 @@ def _returned_status(value: dict, steps: int | None) -> tuple[str, str | None]:
 def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
     """The report of a run whose ranks did not all finish: what each rank did and where it stopped."""
     from eplb_fsm.sim.elastic import JOINER_ID, NOT_JOINED
-    from eplb_fsm.sim.launcher import RanksTimeoutError
+    from eplb_fsm.sim.launcher import FORKSERVER_LOST, RanksTimeoutError
     from eplb_fsm.trace import trace_path
 
     failures = dict(getattr(exc, "failures", {}) or {})
@@ -119,8 +119,9 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         elif process in values:
             status, reason = _returned_status(values[process], getattr(opts, "steps", None))
         elif process in failures:
-            reason = _reason(failures[process])
-            status = "died" if reason.startswith("process exited with code") else "failed"
+            reason = _reason(failures[process])   # "lost": it ran on when its forkserver died, the launcher stopped it
+            status = "died" if reason.startswith("process exited with code") else \
+                "lost" if reason == FORKSERVER_LOST else "failed"
         elif process in pending:
             status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):g} s deadline (killed)"
         else:
@@ -139,7 +140,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         "config": opts.config_dict(),
         "ok": False,
         "failed": True,
-        "error": "timeout" if isinstance(exc, RanksTimeoutError) else "ranks_failed",
+        "error": "timeout" if isinstance(exc, RanksTimeoutError) else "forkserver_died"
+        if any(e["status"] == "lost" for e in ranks) else "ranks_failed",
         "deadline_s": getattr(exc, "timeout", None) if isinstance(exc, RanksTimeoutError) else None,
         "ranks": ranks,
         "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
@@ -161,11 +163,13 @@ def replay_verdict(log_dir: str, run_id: str | None = None) -> dict:
     ``simulate_checks``), so that the traces of earlier runs in a reused folder are left out.
     """
     if run_id is None and getattr(log_dir, "start", None) is not None:
+        from eplb_fsm.commands.simulate_checks import split_run_ids
+
         run_id = log_dir.run_id  # type: ignore[attr-defined]
         if run_id is None:
             return {"verdict": "unavailable", "summary": f"this run wrote no trace header in {log_dir}",
                     "culprit_ranks": []}
-        split = _split_run_ids(log_dir)
+        split = split_run_ids(log_dir)
         if split:  # a replay of rank 0's id would call every other rank missing: say what happened instead
             return {"verdict": "unavailable", "summary": split, "culprit_ranks": []}
     try:
@@ -177,21 +181,6 @@ def replay_verdict(log_dir: str, run_id: str | None = None) -> dict:
     return {"verdict": rep.verdict, "summary": rep.summary, "culprit_ranks": rep.culprit_ranks, "step": rep.step,
             "state": rep.state, "layer": rep.layer, "collective": rep.collective,
             "illegal_transitions": len(rep.illegal_transitions)}
-
-
-def _split_run_ids(log_dir: str) -> str | None:
-    """When this run's trace headers carry different run ids (the ranks' run-identity agreement failed,
-    so each wrote an id of its own): one line naming each id and its ranks; else None."""
-    from eplb_fsm.commands.simulate_checks import header_run_ids
-
-    by_id: dict[str, list[str]] = {}
-    for name, (rank, run_id) in sorted(header_run_ids(log_dir).items()):
-        by_id.setdefault(run_id, []).append(str(rank) if rank is not None else name)
-    if len(by_id) < 2:
-        return None
-    ids = "; ".join(f"{run_id}: rank {', '.join(ranks)}" for run_id, ranks in by_id.items())
-    return (f"the run-identity agreement failed: this run's traces carry {len(by_id)} different run ids ({ids}), "
-            "so they cannot be replayed as one run; each rank's end record says why")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -229,9 +218,7 @@ def build_report(opts, results: list[dict], wall_s: float) -> dict:
             "seconds": _r(h["seconds"], 6),
         })
     signature = [[(h["step"], h["outcome"], h["moves"]) for h in r["history"]] for r in results]
-    states: set[str] = set()
-    for r in results:
-        states |= set(r["state_seconds"])
+    states: set[str] = set().union(*(r["state_seconds"] for r in results))
     time_in_state = {s: _r(max(r["state_seconds"].get(s, 0.0) for r in results), 6) for s in sorted(states)}
     outputs_unchanged = all(r["mismatches"] == 0 for r in results) and all(r["output_checks"] > 0 for r in results)
     maps_identical = all(r["phy2log"] == first["phy2log"] for r in results)
@@ -258,8 +245,7 @@ def build_report(opts, results: list[dict], wall_s: float) -> dict:
     }
     report["ok"] = bool(report["outputs_unchanged"] and report["weights_exact"] and report["maps_agree"]
                         and report["histories_agree"] and len(set(report["final_states"])) == 1)
-    extras = {r["rank"]: r["extra"] for r in results if r.get("extra")}
-    if extras:
+    if extras := {r["rank"]: r["extra"] for r in results if r.get("extra")}:
         report["hooks"] = extras
     return report
 
@@ -284,15 +270,18 @@ def _format_failed(report: dict) -> list[str]:
         lines.append("injected: " + " ".join(report["inject"]))
     rep = report.get("replay") or {}
     culprits = rep.get("culprit_ranks") or []
-    stopped = ', '.join(map(str, report['failed_ranks'])) or '-'
+    lost = [e["rank"] for e in report["ranks"] if e["status"] == "lost"]   # their forkserver died
+    stopped = ', '.join(map(str, report['failed_ranks'] + lost)) or '-'
     # a rank the launcher killed at its deadline because it was still running did not die before it: its trace
     # stopped early (writes failing: a full disk, a file-size limit), not the rank
     running = {e["rank"] for e in report["ranks"] if e["status"] == "timed_out"}
     alive_dead = rep.get("verdict") == "rank_died" and bool(culprits) and set(culprits) <= running
-    if report.get("error") == "timeout" and (rep.get("verdict") == "signalled" or alive_dead):
-        # the launcher's own deadline sent those signals: no rank is to blame
-        lines += ["", f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s) "
-                      "stopped every rank; no rank had failed before it", f"ranks that stopped: {stopped}"]
+    if report.get("error") in ("timeout", "forkserver_died") and (rep.get("verdict") == "signalled" or alive_dead):
+        # the launcher's own deadline, or its loss of the rank processes, sent those signals: no rank is to blame
+        lines += ["", (f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s) "
+                       if report["error"] == "timeout" else "the run did not finish: the forkserver the rank "
+                       "processes came from died (killed?), and the launcher ") + "stopped every rank; no rank had "
+                  "failed before it", f"ranks that stopped: {stopped}"]
         if alive_dead:
             who = ", ".join(map(str, culprits))
             lines.append(f"replay reads rank_died for rank(s) {who}, but the launcher found them still running at "

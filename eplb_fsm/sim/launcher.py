@@ -36,7 +36,7 @@ from eplb_fsm.maps import MAX_SECONDS, check_seconds
 
 __all__ = ["run_ranks", "last_line", "check_timeout", "find_free_port", "process_context", "stop_processes",
            "RankFailedError", "RanksTimeoutError", "EXIT_GRACE", "await_exit", "note_unreported_deaths",
-           "settle_after_failure", "start_process", "rank_log_path", "warm_forkserver"]
+           "settle_after_failure", "start_process", "rank_log_path", "warm_forkserver", "FORKSERVER_LOST"]
 
 # modules the forkserver imports once so that every forked rank starts warm
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -229,6 +229,19 @@ def _take(message: tuple, values: dict, failures: dict) -> None:
     (values if status == "ok" else failures)[key] = payload
 
 
+#: why a process failed whose forkserver died while it still ran (multiprocessing then reports exit code 255)
+FORKSERVER_LOST = "its forkserver died (killed?): the launcher could no longer watch it, and stopped it"
+
+
+def _unreported(p: Any) -> str:
+    """Why process ``p``, ended without a report, failed: its exit code, or its forkserver's death while it ran on."""
+    from eplb_fsm.sim.signals import pid_gone
+
+    if p.exitcode == 255 and p.pid is not None and not pid_gone(p.pid):
+        return FORKSERVER_LOST
+    return f"process exited with code {p.exitcode} without reporting"
+
+
 def note_unreported_deaths(procs: Mapping[int, Any], values: dict, failures: dict, results_q: Any) -> None:
     """After a quiet poll: each process (key -> process) gone without a report (killed, segfault,
     ``os._exit``) is a failure, unless a report still in flight arrives within half a second."""
@@ -239,7 +252,7 @@ def note_unreported_deaths(procs: Mapping[int, Any], values: dict, failures: dic
             # this message may be another process's: a still silent dead one is found next time
             _take(results_q.get(timeout=0.5), values, failures)
             continue
-        failures[key] = f"process exited with code {p.exitcode} without reporting"
+        failures[key] = _unreported(p)
 
 
 def settle_after_failure(procs: Mapping[int, Any], values: dict, failures: dict, results_q: Any) -> None:
@@ -252,7 +265,7 @@ def settle_after_failure(procs: Mapping[int, Any], values: dict, failures: dict,
             _take(results_q.get(timeout=0.1), values, failures)
     for k, p in procs.items():
         if k not in values and k not in failures and p.exitcode not in (None, 0):
-            failures[k] = f"process exited with code {p.exitcode} without reporting"
+            failures[k] = _unreported(p)
 
 
 def await_exit(procs: Iterable[mp.process.BaseProcess], grace: float = EXIT_GRACE) -> None:

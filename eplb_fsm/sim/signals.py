@@ -38,7 +38,7 @@ from typing import Callable
 
 __all__ = ["STOP_SIGNALS", "INTERPRETER_WATCH_S", "install", "on_signal", "clear", "dump_stacks",
            "watch_interpreter", "redirect_stdout", "log_to", "die_with_launcher", "kill_self", "freeze_self",
-           "stop_groups", "resume_siblings"]
+           "stop_groups", "resume_siblings", "pid_gone"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # a rank whose Python threads make no progress for this long dumps their stacks into its log
@@ -156,7 +156,7 @@ def _wait_loop() -> None:
     _handle(signum)
 
 
-def _pid_gone(pid: int) -> bool:
+def pid_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs: no such process, or a zombie (state Z or X in ``/proc``).
 
     ``kill(pid, 0)`` alone succeeds on a zombie: a launcher SIGKILLed but not yet reaped by its
@@ -224,7 +224,7 @@ def die_with_launcher(period_s: float = 1.0) -> threading.Thread | None:
                     use_pipe = False
             if not use_pipe:
                 time.sleep(period_s)
-            if gone or _pid_gone(launcher):
+            if gone or pid_gone(launcher):
                 resume_siblings()
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
@@ -328,7 +328,7 @@ def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool],
     """
 
     def running(pid: int) -> bool:
-        return is_alive(pid) or not _pid_gone(pid)
+        return is_alive(pid) or not pid_gone(pid)
 
     live = [pid for pid in pids if running(pid)]
     for pid in live:
@@ -337,7 +337,7 @@ def stop_groups(pids: list[int], grace: float, is_alive: Callable[[int], bool],
     deadline = time.monotonic() + grace
     for pid in live:
         join(pid, max(0.0, deadline - time.monotonic()))
-        while not _pid_gone(pid) and time.monotonic() < deadline:   # join() cannot tell: see above
+        while not pid_gone(pid) and time.monotonic() < deadline:   # join() cannot tell: see above
             time.sleep(0.01)
     for pid in pids:
         # the whole group: a rank that ended may have left a helper behind

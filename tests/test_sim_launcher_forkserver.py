@@ -1,10 +1,11 @@
-"""A SIGTERM to the launcher's whole process group still gives every rank its grace to write ``end``.
+"""The forkserver dies under the launcher: the ranks still get their grace, and the report says what happened.
 
 ``timeout`` and batch schedulers signal a job's process group, not one process. That group holds the
 launcher and its forkserver (each rank leads a group of its own). The forkserver dies at once, and
 from then on multiprocessing reports every rank as ended (exit code 255) while the ranks still run
 their signal thread: a stop that believed it went straight to SIGKILL, and a rank slower than a few
-milliseconds (a joiner that had just started) lost its ``end`` record and replayed as dead.
+milliseconds (a joiner that had just started) lost its ``end`` record and replayed as dead. A forkserver
+killed on its own (the OOM killer, a stray ``kill``) read as every rank having died.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import eplb_fsm
+from eplb_fsm.commands.simulate_report import format_report
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")]
@@ -144,5 +146,47 @@ def test_simulate_stopped_through_its_process_group_replays_as_signalled(tmp_pat
                                 capture_output=True, text=True, timeout=120)
         assert replay.stdout.startswith("signalled:"), replay.stdout
         assert "died" not in replay.stdout, replay.stdout
+    finally:
+        _stop_session(sim, ranks)
+
+
+def _forkserver_of(pid: int) -> int | None:
+    """The pid of the multiprocessing forkserver that process ``pid`` started, if any."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid \
+                    and b"multiprocessing.forkserver" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                return int(entry)
+    return None
+
+
+def test_a_forkserver_killed_alone_is_told_as_such_not_as_dead_ranks(tmp_path):
+    """SIGKILL to simulate's forkserver alone: the ranks are stopped with their ends, reported `lost`, not `died`."""
+    traces = tmp_path / "traces"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    sim = subprocess.Popen([sys.executable, *SIMULATE, "--trace-dir", str(traces), "--json"], env=env, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    files = [traces / f"rank{r:05d}.jsonl" for r in (0, 1)]
+    ranks: list[int] = []
+    try:
+        assert _wait_for(lambda: all(_last_step(f) >= 30 for f in files), 240.0), "the ranks never reached step 30"
+        ranks = [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
+        server = _forkserver_of(sim.pid)
+        assert server is not None, "no forkserver found under simulate"
+        os.kill(server, signal.SIGKILL)
+        out, err = sim.communicate(timeout=120)
+        assert sim.returncode == 1, err.decode(errors="replace")[-2000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert report["error"] == "forkserver_died", report
+        assert [e["status"] for e in report["ranks"]] == ["lost", "lost"] and report["failed_ranks"] == [], report
+        text = format_report(report)
+        assert "the forkserver the rank processes came from died" in text and "caused by" not in text, text
+        for f in files:   # stopped by the launcher, each with its end
+            last = json.loads(f.read_text().splitlines()[-1])
+            assert (last["event"], last.get("how")) == ("end", "signal"), (f, last)
+        assert not any(_running(pid) for pid in ranks)
     finally:
         _stop_session(sim, ranks)
