@@ -119,9 +119,10 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         elif process in values:
             status, reason = _returned_status(values[process], getattr(opts, "steps", None))
         elif process in failures:
-            reason = _reason(failures[process])   # "lost": it ran on when its forkserver died, the launcher stopped it
-            status = "died" if reason.startswith("process exited with code") else \
-                "lost" if reason == FORKSERVER_LOST else "failed"
+            reason = _reason(failures[process])
+            # "lost": it ran on when its forkserver died, and the launcher stopped it
+            status = ("died" if reason.startswith("process exited with code")
+                      else "lost" if reason == FORKSERVER_LOST else "failed")
         elif process in pending:
             status, reason = "timed_out", f"still running at the {getattr(exc, 'timeout', 0):g} s deadline (killed)"
         else:
@@ -140,8 +141,8 @@ def build_failed_report(opts, exc: Exception, wall_s: float) -> dict:
         "config": opts.config_dict(),
         "ok": False,
         "failed": True,
-        "error": "timeout" if isinstance(exc, RanksTimeoutError) else "forkserver_died"
-        if any(e["status"] == "lost" for e in ranks) else "ranks_failed",
+        "error": ("timeout" if isinstance(exc, RanksTimeoutError)
+                  else "forkserver_died" if any(e["status"] == "lost" for e in ranks) else "ranks_failed"),
         "deadline_s": getattr(exc, "timeout", None) if isinstance(exc, RanksTimeoutError) else None,
         "ranks": ranks,
         "failed_ranks": [e["rank"] for e in ranks if e["status"] in ("failed", "died", "timed_out")],
@@ -278,10 +279,10 @@ def _format_failed(report: dict) -> list[str]:
     alive_dead = rep.get("verdict") == "rank_died" and bool(culprits) and set(culprits) <= running
     if report.get("error") in ("timeout", "forkserver_died") and (rep.get("verdict") == "signalled" or alive_dead):
         # the launcher's own deadline, or its loss of the rank processes, sent those signals: no rank is to blame
-        lines += ["", (f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s) "
-                       if report["error"] == "timeout" else "the run did not finish: the forkserver the rank "
-                       "processes came from died (killed?), and the launcher ") + "stopped every rank; no rank had "
-                  "failed before it", f"ranks that stopped: {stopped}"]
+        cause = (f"the run did not finish in time: the --timeout deadline ({report.get('deadline_s'):g} s)"
+                 if report["error"] == "timeout" else
+                 "the run did not finish: the forkserver the rank processes came from died (killed?), and the launcher")
+        lines += ["", f"{cause} stopped every rank; no rank had failed before it", f"ranks that stopped: {stopped}"]
         if alive_dead:
             who = ", ".join(map(str, culprits))
             lines.append(f"replay reads rank_died for rank(s) {who}, but the launcher found them still running at "
