@@ -193,7 +193,8 @@ def group_sum(group: Any, custom: bool, timeout_s: float, device: Any = "cpu") -
             group.all_reduce(tensor, timeout_s)
             return
         buf = tensor.to(device)
-        start_sum(group, buf, timeout_s).wait(timeout=datetime.timedelta(seconds=timeout_s + backend_grace(buf)))
+        grace = backend_grace(buf, timeout_s, group.size())
+        start_sum(group, buf, timeout_s).wait(timeout=datetime.timedelta(seconds=timeout_s + grace))
         tensor.copy_(buf.cpu())
 
     return reduce
@@ -203,9 +204,10 @@ def start_sum(group: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     """Issue a SUM all-reduce of ``buf`` on the torch process group ``group``; returns its work.
 
     A CPU buffer (gloo) carries ``timeout_s`` into the backend: gloo aborts the operation
-    itself when it runs past it, on every rank. A wait that only gives up on the work would
-    leave the operation queued in gloo, where a peer frozen past the timeout later completes
-    it and acts on a sum this rank never read, each side then on another layer. An NCCL
+    itself when one of its waits runs past it, and closes its connections, so every rank
+    fails it. A wait that only gave up on the work would leave the operation queued in gloo,
+    where a peer frozen past the timeout later completes it and acts on a sum this rank never
+    read, each side then on another layer: such a wait allows what :func:`backend_grace` says. An NCCL
     buffer keeps the group's own timeout: an operation timeout there makes NCCL's watchdog
     tear the process down (recover() catches ranks that still diverged).
     """
@@ -219,11 +221,16 @@ def start_sum(group: Any, buf: torch.Tensor, timeout_s: float) -> Any:
     return group.allreduce([buf], opts)
 
 
-def backend_grace(buf: torch.Tensor) -> float:
-    """Seconds a wait on :func:`start_sum`'s work adds to the timeout: where the backend bounds the
-    operation itself (gloo), it gets this long to say how it ended, since a wait that gave up
-    first while the backend completed it would leave this rank alone in its verdict."""
-    return 1.0 if buf.device.type == "cpu" else 0.0
+def backend_grace(buf: torch.Tensor, timeout_s: float, world_size: int) -> float:
+    """Seconds a wait on :func:`start_sum`'s work adds to ``timeout_s``. Where the backend bounds the operation
+    itself (gloo) the wait must not give up first: a rank that did, while the backend went on and completed the
+    sum on its peers (a frozen peer resumed), would be alone in its verdict. gloo's timeout bounds each of its
+    waits, not the operation: a wait that receives data starts afresh, so peers arriving late and a member frozen
+    past the timeout stretch the operation, and a ring all-reduce waits 2 (W - 1) times in a row. The wait thus
+    allows that many timeouts, plus a second for the backend to say how it ended. NCCL: none (its watchdog)."""
+    if buf.device.type != "cpu":
+        return 0.0
+    return timeout_s * max(0, 2 * (world_size - 1) - 1) + 1.0
 
 
 def _run_id_key(group: Any) -> str | None:

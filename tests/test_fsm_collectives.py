@@ -154,6 +154,45 @@ def test_a_rank_frozen_past_the_timeout_fails_the_all_reduce_its_peer_gave_up_on
     assert ["error" in r for r in results] == [True, True], results
 
 
+def _late_peers_and_a_frozen_member(rank: int, world: int, store_info=None) -> dict:
+    """Rank 0 posts the ready flags (timeout 5 s) at once, ranks 1 and 3 3 s later, rank 2 once a real SIGSTOP of
+    7 s ends: past rank 0's 5 s, and past the 6 s its wait allowed, but within 5 s of the late ranks' data. On the
+    torch group, or (``store_info``) on an elastic EP group built from a TCP store."""
+    import torch.distributed as dist
+
+    from eplb_fsm.sim import signals
+    from eplb_fsm.transfer.groups import StoreGroup, connect_store
+
+    group = dist.group.WORLD if store_info is None else StoreGroup(
+        connect_store(store_info, 30.0), 0, rank, world, 30.0, namespace=store_info.namespace)
+    coll = Collectives(group, rank, world, EventTrace(keep=True), torch.device("cpu"), 5.0, "ep")
+    coll.all_reduce({"start": flags(1.0)}, 30.0)
+    if rank == 2:
+        signals.freeze_self(7.0)
+    elif rank:
+        time.sleep(3.0)
+    try:
+        out = {"sum": coll.post({"ready": flags(1.0, 0.0, 0.0, 1.0)}, 5.0).wait()["ready"].tolist()}
+    except GroupBroken as exc:
+        out = {"error": str(exc)}
+    time.sleep(2.0)   # every rank alive while the others read: no result may come from a closed connection
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("group", ["torch", "store"])
+def test_late_peers_and_a_member_frozen_past_the_timeout_end_the_all_reduce_alike(group):
+    """gloo times out each wait of a ring all-reduce, not the operation: the late ranks' data kept rank 0's sum
+    alive until the frozen rank came back, so every rank reads it (was: rank 0's own wait gave up at 5 + 1 s, or 5 s
+    on a store group, and it went to `failed` while ranks 1-3 read the sum: a red team's 4-rank runs, 4 of 4)."""
+    from eplb_fsm.transfer.groups import host_store
+
+    master, info = host_store(timeout_s=60.0) if group == "store" else (None, None)
+    results = run_ranks(_late_peers_and_a_frozen_member, 4, args=(info,), timeout=90)
+    del master
+    assert results == [{"sum": [4.0, 0.0, 0.0, 4.0]}] * 4, results
+
+
 def test_new_transfer_group_returns_on_no_rank_before_every_rank_built_it():
     """Rank 1 is slow building its transfer group: rank 0's new_transfer_group still returns after rank 1's build."""
     import threading

@@ -167,7 +167,7 @@ class Collectives:
                 self.group.all_reduce(buf, timeout_s)
             elif native:
                 posted.work = start_sum(self.group, buf, timeout_s)
-                posted.grace = backend_grace(buf)
+                posted.grace = backend_grace(buf, timeout_s, self.world_size)
             if blocking:
                 posted.finish()
         except Exception as exc:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from eplb_fsm.maps import check_seconds
+from eplb_fsm.run_identity import backend_grace
 
 __all__ = ["StoreInfo", "connect_store", "host_store", "StoreGroup", "PgCommunicator", "GroupBuildError",
            "group_trace_name", "check_namespace"]
@@ -188,9 +189,10 @@ class StoreGroup:
             raise RuntimeError(f"group {self.trace_name} is closed")
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        opts.timeout = _delta(timeout_s)  # gloo's own bound on the algorithm, not only on this wait
+        opts.timeout = _delta(timeout_s)  # gloo's own bound on each of the algorithm's waits, not only on this one
         work = self.pg.allreduce([tensor], opts)
-        work.wait(_delta(timeout_s))
+        # never give up before gloo does: a peer could read a sum this rank gave up on (run_identity.backend_grace)
+        work.wait(_delta(timeout_s + backend_grace(tensor, timeout_s, self.world_size)))
 
     def transfer_communicator(self, timeout_s: float, build_timeout_s: float | None = None) -> "PgCommunicator":
         """A new gloo group over the same ranks for point-to-point transfers (collective).
