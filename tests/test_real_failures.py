@@ -592,7 +592,10 @@ def test_a_joiner_killed_before_its_first_collective_is_named_not_the_old_ranks(
     box = _strike(argv, tmp_path, lambda: _joiner_started(tmp_path), sig)
     report = json.loads(box["out"].strip().splitlines()[-1])
     joiner = traces(tmp_path)["rank00002.g1.jsonl"]
-    assert box["code"] == 1 and not any(r["event"] == "collective_start" for r in joiner), "it reached a collective"
+    # a SIGTERM's end comes from the joiner's signal thread, once it has the GIL: its main thread may have opened
+    # its first collective by then (a CI run: 0.4 ms before its end), but never finished one
+    assert box["code"] == 1 and not any(r["event"] in ("collective_end", "collective_error") for r in joiner), \
+        "it got through a collective"
     kind, culprits, _ = verdict(tmp_path)
     if sig == signal.SIGKILL:
         # its death, or (the old ranks were in a collective of the scale it never joined) the hang it left, with its
