@@ -16,11 +16,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from test_sim_launcher_zombie import _running, _wait_for, launch
 
 import eplb_fsm
 from eplb_fsm.commands.simulate_report import format_report
@@ -62,24 +62,6 @@ SIMULATE = ["-m", "eplb_fsm.cli", "simulate", "--ranks", "2", "--layers", "2", "
             "--hidden", "8", "--tokens", "32", "--steps", "100000", "--interval", "20", "--no-progress", "--no-png"]
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def _wait_for(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 def _last_step(path: Path) -> int:
     """The step of the last whole line of a rank's trace (-1: none yet)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
@@ -88,6 +70,20 @@ def _last_step(path: Path) -> int:
             with contextlib.suppress(ValueError):
                 return int(json.loads(line).get("step", -1))
     return -1
+
+
+def _simulate_until_step_30(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, list[Path], list[int]]:
+    """`eplb-fsm simulate` in a session of its own, once both ranks wrote step 30: (process, trace folder, trace
+    files, rank pids); stdout piped (``--json``: the report) or dropped."""
+    traces = tmp_path / "traces"
+    sim = subprocess.Popen([sys.executable, *SIMULATE, "--trace-dir", str(traces), *extra],
+                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path, start_new_session=True,
+                           stdout=subprocess.PIPE if extra else subprocess.DEVNULL, stderr=subprocess.PIPE)
+    files = [traces / f"rank{r:05d}.jsonl" for r in (0, 1)]
+    if not _wait_for(lambda: all(_last_step(f) >= 30 for f in files), 240.0):
+        _stop_session(sim, [])
+        pytest.fail("the ranks never reached step 30")
+    return sim, traces, files, [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
 
 
 def _stop_session(proc: subprocess.Popen, pids: list[int]) -> None:
@@ -105,16 +101,8 @@ def _stop_session(proc: subprocess.Popen, pids: list[int]) -> None:
 
 def test_a_group_sigterm_leaves_each_rank_its_grace(tmp_path):
     """SIGTERM to the launcher's process group (forkserver included): each rank's slow signal callback completes."""
-    (tmp_path / "group_ranks.py").write_text(textwrap.dedent(RANKS_MODULE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], env=env, cwd=tmp_path,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
-    ranks: list[int] = []
+    launcher, ranks = launch(tmp_path, "group_ranks", RANKS_MODULE, LAUNCHER)
     try:
-        assert _wait_for(lambda: all(f.exists() and f.read_text() for f in pid_files), 180.0), \
-            "the ranks never started"
-        ranks = [int(f.read_text()) for f in pid_files]
         os.killpg(launcher.pid, signal.SIGTERM)   # the launcher and its forkserver, not the ranks' own groups
         launcher.wait(60)
         ended = {r: (tmp_path / f"rank{r}.ended").read_text() if (tmp_path / f"rank{r}.ended").exists() else None
@@ -127,23 +115,16 @@ def test_a_group_sigterm_leaves_each_rank_its_grace(tmp_path):
 
 def test_simulate_stopped_through_its_process_group_replays_as_signalled(tmp_path):
     """`eplb-fsm simulate` sent SIGTERM as a group: every trace ends `how=signal`, replay reads `signalled`."""
-    traces = tmp_path / "traces"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    sim = subprocess.Popen([sys.executable, *SIMULATE, "--trace-dir", str(traces)], env=env, cwd=tmp_path,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    files = [traces / f"rank{r:05d}.jsonl" for r in (0, 1)]
-    ranks: list[int] = []
+    sim, traces, files, ranks = _simulate_until_step_30(tmp_path)
     try:
-        assert _wait_for(lambda: all(_last_step(f) >= 30 for f in files), 240.0), "the ranks never reached step 30"
-        ranks = [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
         os.killpg(sim.pid, signal.SIGTERM)
         _, err = sim.communicate(timeout=120)
         assert sim.returncode == 143, err.decode(errors="replace")[-2000:]
         for f in files:
             last = json.loads(f.read_text().splitlines()[-1])
             assert (last["event"], last.get("how"), last.get("signal")) == ("end", "signal", "SIGTERM"), (f, last)
-        replay = subprocess.run([sys.executable, "-m", "eplb_fsm.cli", "replay", str(traces)], env=env,
-                                capture_output=True, text=True, timeout=120)
+        replay = subprocess.run([sys.executable, "-m", "eplb_fsm.cli", "replay", str(traces)],
+                                env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
         assert replay.stdout.startswith("signalled:"), replay.stdout
         assert "died" not in replay.stdout, replay.stdout
     finally:
@@ -165,15 +146,8 @@ def _forkserver_of(pid: int) -> int | None:
 
 def test_a_forkserver_killed_alone_is_told_as_such_not_as_dead_ranks(tmp_path):
     """SIGKILL to simulate's forkserver alone: the ranks are stopped with their ends, reported `lost`, not `died`."""
-    traces = tmp_path / "traces"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    sim = subprocess.Popen([sys.executable, *SIMULATE, "--trace-dir", str(traces), "--json"], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    files = [traces / f"rank{r:05d}.jsonl" for r in (0, 1)]
-    ranks: list[int] = []
+    sim, traces, files, ranks = _simulate_until_step_30(tmp_path, "--json")
     try:
-        assert _wait_for(lambda: all(_last_step(f) >= 30 for f in files), 240.0), "the ranks never reached step 30"
-        ranks = [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
         server = _forkserver_of(sim.pid)
         assert server is not None, "no forkserver found under simulate"
         os.kill(server, signal.SIGKILL)

@@ -61,19 +61,27 @@ def _wait_for(condition, timeout: float) -> bool:
     return condition()
 
 
+def launch(tmp_path: Path, module: str, ranks_code: str, launcher_code: str) -> tuple[subprocess.Popen, list[int]]:
+    """Write the ranks' ``module``, start ``launcher_code`` in a session of its own, and return it with the pids of
+    its two ranks once both wrote them (the session is killed if they never do)."""
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(ranks_code))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, str(tmp_path)], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    if not _wait_for(lambda: all(f.exists() and f.read_text() for f in pid_files), 180.0):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        pytest.fail("the ranks never started")
+    return launcher, [int(f.read_text()) for f in pid_files]
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_ranks_end_when_launcher_is_an_unreaped_zombie(tmp_path):
     """Ranks of a SIGKILLed launcher that its parent has not reaped (a zombie) end on their own."""
-    (tmp_path / "zombie_ranks.py").write_text(textwrap.dedent(RANKS_MODULE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], env=env, cwd=tmp_path,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
-    ranks: list[int] = []
+    launcher, ranks = launch(tmp_path, "zombie_ranks", RANKS_MODULE, LAUNCHER)
     try:
-        assert _wait_for(lambda: all(f.exists() and f.read_text() for f in pid_files), 180.0), \
-            "the ranks never started"
-        ranks = [int(f.read_text()) for f in pid_files]
         assert all(_running(pid) for pid in ranks)
         os.kill(launcher.pid, signal.SIGKILL)
         # not waited on: the launcher stays a zombie for as long as the ranks are watched
