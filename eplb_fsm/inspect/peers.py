@@ -12,17 +12,20 @@ def group_peers(cast: Cast, key: Key, before: bool = False) -> list[Key]:
     scale moved into a later group it never switched to (killed at the switch), that group's; with ``before``,
     for a joiner alone in its generation (the group never formed), the ranks of the one before: they waited for
     it, and their ends tell when it died."""
+
+    def of(generation: object) -> list[Key]:
+        return [o for o, s in cast.parts.items()
+                if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == generation]
+
     gen = cast.final_gen.get(key)
-    peers = [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose and cast.final_gen.get(o) == gen]
+    peers = of(gen)
     later = [] if peers or type(gen) is not int else [g for g, m in cast.gen_members.items()
                                                        if g > gen and key in m.values()]
     if later:
-        return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose
-                and cast.final_gen.get(o) == min(later)]
+        return of(min(later))
     if peers or not before or type(gen) is not int or gen < 1:
         return peers
-    return [o for o, s in cast.parts.items() if o != key and not s.ended_on_purpose
-            and cast.final_gen.get(o) == gen - 1]
+    return of(gen - 1)
 
 
 def lone_joiner(cast: Cast, key: Key) -> bool:
