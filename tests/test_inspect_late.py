@@ -116,3 +116,33 @@ def test_a_late_rank_is_the_cause_when_every_engine_stopped_on_the_rollback():
                        2: late_then_stopped(2, 3.5, [(1.5, 20, None), (2.5, 20, None)])})
     assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
     assert report.handled == [], format_report(report)
+
+
+def timed_out(error: str, **coll) -> list[tuple[float, str, dict]]:
+    """The all-reduce's wait runs out after 2 s (``error``), then the rollback, 60 steps, and the SIGTERM."""
+    return [(3.0, "collective_error", dict(COLL, error=error, **coll)), *rolled_back()[1:]]
+
+
+def test_a_wait_that_ran_out_with_every_rank_in_it_names_the_failed_wait():
+    """Every rank joined the all-reduce, none late or gone, and waits ran out: the note names them and the network."""
+    wait = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation"
+    finished = [(1.01, "collective_end", dict(COLL, duration_s=0.01)), *rolled_back()[1:]]
+    report = diagnose({0: records(0, 1.0, timed_out(wait)), 1: records(1, 1.0005, timed_out(wait)),
+                       2: records(2, 1.0, finished)})
+    (aborted,) = report.aborted
+    assert aborted["late_ranks"] == [] and "no rank was late by the records" in aborted["text"], aborted
+    assert "the wait in all_reduce (group ep, cseq 0, shape [4]) failed on ranks 0-1 (RuntimeError: Timed out " \
+           "waiting 2000ms for recv operation)" in aborted["text"], aborted
+    assert "though every rank had joined it: the messages between them stopped (the network?)" in aborted["text"]
+
+
+def test_ranks_that_issued_different_collectives_get_no_network_hint():
+    """Rank 2 issued a broadcast where the others all-reduced: the failed wait is the mismatch's, not named here."""
+    wait = "RuntimeError: Operation timed out!"
+    other = dict(COLL, op="broadcast")
+    report = diagnose({0: records(0, 1.0, timed_out(wait)), 1: records(1, 1.0, timed_out(wait)),
+                       2: timeline(2, 3, T0, opening() + [(1.0, "collective_start", other),
+                                                          (3.0, "collective_error", dict(other, error=wait)),
+                                                          *rolled_back()[1:]], state="transferring", step=21)})
+    (aborted,) = report.aborted
+    assert "failed on" not in aborted["text"] and "network" not in aborted["text"], aborted

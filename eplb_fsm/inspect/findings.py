@@ -32,6 +32,7 @@ KINDS = (
     "left_early",             # a rank closed in order while a peer still ran, which then failed waiting for it
     "signalled",              # ranks were stopped by a signal before anything else went wrong
     "lagging",                # alive ranks stalled, some at a lower step: the others wait for them
+    "network",                # every rank alive and inside the engine's collective, which stopped delivering
     "step_count_mismatch",    # every rank closed in order but their final steps differ
     "failed",                 # a rank ended in the failed state
     "stuck",                  # the watchdog reported no progress and nothing came after
@@ -44,7 +45,7 @@ KINDS = (
     "lost_records",           # a hang or mismatch read from a trace whose lost lines (seq gap) held its evidence
 )
 # liveness causes: ordered by when they happened, ahead of everything they lead to
-PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "left_early", "signalled", "lagging")
+PRIMARY_KINDS = ("rank_died", "frozen", "crashed", "left_early", "signalled", "lagging", "network")
 INPUT_KINDS = ("world_mismatch", "duplicate_rank_file", "swapped_rank_file", "out_of_order", "lost_records")
 # at the same step the more causal kind is the verdict: a decision taken differently (or at
 # another step) comes before the collectives it leads to, and those before the hang

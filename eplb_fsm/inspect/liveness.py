@@ -29,6 +29,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than
   the other stalled ranks (they wait for it in the engine's own collective).
+- **network**: every rank alive (or signalled since) and inside the engine's collective, none computing:
+  the transport stalled (``stalled.network_stall``).
 
 The earliest of these events (by ``ts``) is the cause. Everything that happened after it to
 the other ranks (an exception from a wait that failed, a SIGTERM from the launcher, alive
@@ -58,6 +60,7 @@ from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.peers import group_peers, lone_joiner
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
+from eplb_fsm.inspect.stalled import network_stall
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -248,6 +251,8 @@ def check_liveness(cast: Cast) -> Liveness:
             signals.append((ts, k))
     out.pauses, out.paused = pause_warnings(cast, paused, at)
     events += frozen_findings(cast, sorted(frozen), at, _interval)
+    if not events and not late_exceptions and (stall := network_stall(cast, at)) is not None:
+        events.append((stall[0], "network", stall[1], stall[2]))   # a signal after it stopped a stalled job
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
