@@ -33,7 +33,8 @@ ROOT = str(Path(eplb_fsm.__file__).resolve().parents[1])   # the tree under test
 
 # argv: folder mode (blackhole | big) rank_a rank_b extra simulate args... Runs inside `unshare -n`: starts the
 # job, waits for its ranks to step, cuts the connections between rank_a and rank_b, lets the ranks run on for
-# $HOLD_S s (7), then stops the job through its process group (as an operator's Ctrl-C or a scheduler)
+# $HOLD_S s (7), then stops the job through its process group (as an operator's Ctrl-C or a scheduler) unless
+# it ended by then
 JOB = r'''
 import json, os, re, signal, subprocess, sys, time
 out, mode, a, b = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -85,9 +86,11 @@ if mode in ("blackhole", "big"):
                 subprocess.run(f"tc filter add dev lo parent 1: protocol ip prio 1 u32 match ip sport {s} 0xffff "
                                f"match ip dport {d} 0xffff{length} flowid 1:2".split(), check=True)
 cut = time.time()
-time.sleep(float(os.environ.get("HOLD_S", "7")))
-os.killpg(sim.pid, signal.SIGTERM)
-rc = sim.wait(timeout=60)
+try:   # a job that fails ends itself; one that hangs is stopped
+    rc = sim.wait(timeout=float(os.environ.get("HOLD_S", "7")))
+except subprocess.TimeoutExpired:
+    os.killpg(sim.pid, signal.SIGTERM)
+    rc = sim.wait(timeout=60)
 json.dump({"pairs": pairs, "cut": cut, "rc": rc}, open(out + "/cut.json", "w"))
 '''
 
@@ -150,3 +153,21 @@ def test_a_transfer_cut_between_two_ranks_is_named_in_the_aborted_rearrangement(
     named = re.search(r"failed on (ranks 1-2|rank 1|rank 2) \(", notes[0])
     assert named and "though every rank had joined it" in notes[0], notes[0]
     assert report.verdict == "signalled", format_report(report)   # the job served on until it was stopped
+
+
+def test_a_cut_under_the_controllers_all_reduce_fails_every_rank_alike_and_names_the_wait(tmp_path):
+    """Ranks 1-2's large packets dropped, the EP group's balancedness all-reduce (133 kB) is the first to need them:
+    every rank's wait runs out in it, every rank goes to `failed` at that step (no rank reads a sum the others
+    lost), and the verdict says which wait failed and that every rank had joined it."""
+    cut_link(tmp_path, "--tokens", "8", "--hidden", "16", "--layers", "64", "--experts", "256", "--redundant", "4",
+             "--interval", "100000", mode="big", hold_s=60)
+    report = replay_dir(tmp_path / "t")
+    assert (report.verdict, report.culprit_ranks) == ("failed", [0, 1, 2, 3]), format_report(report)
+    assert "the wait in all_reduce (group ep, cseq" in report.summary, report.summary
+    assert "though every rank had joined it: the messages between them stopped (the network?)" in report.summary
+    failed_at = set()
+    for path in (tmp_path / "t").glob("rank*.jsonl"):
+        records, _ = read_trace(path)
+        failed_at |= {(r["step"], r["reason"].split(":")[0]) for r in records
+                      if r["event"] == "transition" and r["dest"] == "failed"}
+    assert len(failed_at) == 1, failed_at   # one step, one reason, on every rank

@@ -13,9 +13,10 @@ import re
 from typing import Any
 
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.findings import coll_text
+from eplb_fsm.inspect.findings import coll_text, short_error
 
-__all__ = ["CONNECTION_LOST", "WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "waits_on_peer"]
+__all__ = ["CONNECTION_LOST", "WAIT_ERROR", "ended_in_reaction", "entries", "failed_wait_first", "failed_waits",
+           "waits_on_peer"]
 
 # the forms of a wait whose peer's sockets closed (its process went away); no timeout (a frozen peer closes nothing)
 _LOST = r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused"
@@ -121,3 +122,32 @@ def ended_in_reaction(cast: Cast, key: Key) -> bool:
         return True
     return how == "exception" and bool(
         WAIT_ERROR.search(str(s.end.get("error") or "")) or waits_on_peer(cast, key) or failed_wait_first(s))
+
+
+def failed_waits(cast: Cast, keys: list[Key], step: int) -> str:
+    """The first collective whose wait failed at ``step`` on some of ``keys``, in words ('' when none, or when the
+    ranks issued different collectives there). With no rank late, dead, frozen or signalled, a wait that ran out in a
+    collective every one of them had joined alike is the transport's: the messages between members stopped (a real
+    link dropped between two ranks reads so)."""
+    failed: dict[tuple, list] = {}
+    for k in keys:
+        for g, index in cast.parts[k].collectives.items():
+            for c, e in index.one.items():
+                if e.status == "error" and e.step == step:
+                    failed.setdefault((g, c), []).append((k, e))
+    if not failed:
+        return ""
+    (g, c), hits = min(failed.items(), key=lambda kv: min(_when(e) for _, e in kv[1]))
+    joined = [cast.parts[k].collectives.get(g, {}).get(c) for k in keys]
+    if len({e.signature() for e in joined if e is not None}) > 1:
+        return ""   # ranks issued different collectives there: the mismatch is the story, not the wait
+    text = f"the wait in {coll_text(hits[0][1])} failed on {cast.who([k for k, _ in hits])} " \
+           f"({short_error(hits[0][1].error)})"
+    if all(e is not None for e in joined):
+        text += ", though every rank had joined it: the messages between them stopped (the network?)"
+    return text
+
+
+def _when(e) -> float:
+    ts = e.error_ts if type(e.error_ts) in (int, float) else e.ts
+    return ts if type(ts) in (int, float) else float("inf")

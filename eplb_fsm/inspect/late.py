@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 from eplb_fsm.fsm.machine import COLLECTING, FAILED, SCALING
 from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.endings import failed_waits
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.liveness import DEFAULT_INTERVAL_S, MIN_GAP_S, Liveness
 from eplb_fsm.inspect.model import Collective
@@ -247,7 +248,7 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
             said = gone[-1].summary.split(":")[0].split(" (first at")[0]   # a signal: who, and by which
             late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + said
             entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
-        if late_text.startswith("no rank") and (failed := _failed_waits(cast, keys, step)):
+        if late_text.startswith("no rank") and (failed := failed_waits(cast, keys, step)):
             late_text += "; " + failed
         entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
         out.append(entry)
@@ -298,31 +299,3 @@ def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liv
         return True
     return False
 
-
-def _failed_waits(cast: Cast, keys: list[Key], step: int) -> str:
-    """The first collective whose wait failed at ``step`` on some of ``keys``, in words ('' when none, or when the
-    ranks issued different collectives there). With no rank late, dead, frozen or signalled, a wait that ran out in a
-    collective every one of them had joined alike is the transport's: the messages between members stopped (a real
-    link dropped between two ranks reads so)."""
-    failed: dict[tuple, list] = {}
-    for k in keys:
-        for g, index in cast.parts[k].collectives.items():
-            for c, e in index.one.items():
-                if e.status == "error" and e.step == step:
-                    failed.setdefault((g, c), []).append((k, e))
-    if not failed:
-        return ""
-    (g, c), hits = min(failed.items(), key=lambda kv: min(_when(e) for _, e in kv[1]))
-    joined = [cast.parts[k].collectives.get(g, {}).get(c) for k in keys]
-    if len({e.signature() for e in joined if e is not None}) > 1:
-        return ""   # ranks issued different collectives there: the mismatch is the story, not the wait
-    text = f"the wait in {coll_text(hits[0][1])} failed on {cast.who([k for k, _ in hits])} " \
-           f"({short_error(hits[0][1].error)})"
-    if all(e is not None for e in joined):
-        text += ", though every rank had joined it: the messages between them stopped (the network?)"
-    return text
-
-
-def _when(e) -> float:
-    ts = e.error_ts if type(e.error_ts) in (int, float) else e.ts
-    return ts if type(ts) in (int, float) else float("inf")

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping
 from eplb_fsm.inspect.checks import (DIED_SLACK_STEPS, align_transitions, check_ends, check_failed, check_headers,
                                     check_illegal, check_stuck, kept_transitions, step_count_mismatch, world_groups)
 from eplb_fsm.inspect.collective_checks import check_collectives, handled_by_fault
+from eplb_fsm.inspect.endings import failed_waits
 from eplb_fsm.inspect.elastic import build_cast, renumbered, scale_context, scale_notes, scale_text, transition_offsets
 from eplb_fsm.inspect.frozen import passed_last
 from eplb_fsm.inspect.findings import (HEALTHY, KINDS, MAX_FINDINGS, UNREAD, Finding, NoTraces, Report, majority,
@@ -223,6 +224,9 @@ def diagnose(
     causes, rest = passed_last([f for f in live.findings if not (_died_waiting(f, rest, cast, live.findings) or (
         signalled_in_hang(f, in_flight(f, rest, cast), cast, live)))], rest, live.passed)
     findings = qualify_torn(cast, config + [_with_collective(f, rest, cast) for f in causes] + rest, warnings)
+    if findings and findings[0].kind == "failed" and not causes and (why := failed_waits(cast, findings[0].keys(),
+                                                                                   findings[0].step)):
+        findings[0].summary += "; " + why   # nothing late, gone or frozen: say which wait failed, and how
     if not findings and live.unexplained is not None:   # a rank ended with an exception and nothing else explains it
         findings = [live.unexplained]
     scales = scale_notes(cast)
