@@ -77,3 +77,10 @@ def test_a_rank_that_ended_with_an_exception_leaves_it_to_the_other_rules(tmp_pa
     ranks[1].end("exception", error="RuntimeError: Timed out waiting 5000ms for recv operation to complete")
     report = replay_dir(write(tmp_path, ranks))
     assert report.verdict != "network", format_report(report)
+
+
+def test_a_rank_without_a_trace_may_be_the_one_missing_so_no_network(tmp_path):
+    """Ranks 0-2 sit in the collective and rank 3 has no trace file: it may never have joined, so no `network`."""
+    ranks = cut_job(tuple(range(WORLD)))[:3]
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict != "network" and "network" not in [f.kind for f in report.findings], format_report(report)

@@ -14,7 +14,8 @@ shapes, and this module reads both:
 
 What makes it the transport and not a rank: no member is computing (the last ``RUN`` or more alive records of each
 name the engine's collective on the controller's ranks), none is in a controller collective (``waiting_on``),
-none is silent (that is ``frozen``), none ended other than by a signal from outside (a wait that failed or a
+none is silent (that is ``frozen``), every rank has a trace (an untraced one may be
+the one missing from the collective), none ended other than by a signal from outside (a wait that failed or a
 crash has rules of its own), and the stalls overlap in time. A rank that lags in its own work has no
 ``engine_wait`` in its records and stays ``lagging``.
 """
@@ -49,6 +50,8 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     """(ts the stall began, first culprit, finding) when every participant still running, or stopped by a
     signal since, sat inside the engine's collective as the module docstring says; else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
+    if cast.missing:
+        return None   # a rank without a trace may be the one not in the collective
     if len(parts) < 2 or any((s.end or {}).get("how") not in (None, "signal") for s in parts.values()):
         return None
     runs = {k: _stalled_run(s) for k, s in parts.items()}
