@@ -240,3 +240,25 @@ def test_a_rank_killed_after_posting_its_ready_flags_reads_died_not_a_hang(tmp_p
     report = replay_dir(tmp_path)
     assert (report.verdict, report.culprit_ranks) == ("rank_died", [1]), report.summary
     assert any(f.kind == "hang" and "never read it back" in f.summary for f in report.findings), report.findings
+
+
+def test_posted_ready_flags_every_rank_left_behind_when_it_ended_are_no_hang(tmp_path):
+    """Every rank posts the ready all-reduce at step 18, then ends with an exception from its engine's collective
+    (a reset link, a red team's real runs, 2 of 3): nobody waits in posted flags, so no 'every rank that joined it
+    is still inside it' hang; the first exception is read instead."""
+    from eplb_fsm.inspect.replay import replay_dir
+    from eplb_fsm.trace import EventTrace
+
+    now = [1_700_000_000.0]
+    traces = [EventTrace(r, 3, tmp_path, clock=lambda: now[0]) for r in range(3)]
+    for trace in traces:
+        trace.set_context(state="transferring", step=18)
+        trace.header({"num_layers": 2}, run_id="run-reset", mode="async", group="ep", transfer_group="ep_transfer")
+        trace.open_collective("all_reduce", "ep", [3], "torch.float64", posted=True, parts=["ready"])
+    for r, trace in enumerate(traces):
+        now[0] += 0.01
+        trace.end("exception", error="RuntimeError: Read error [127.0.0.1]:30624: Connection reset by peer")
+        trace.close()
+    report = replay_dir(tmp_path)
+    assert "still inside it" not in report.summary and "hang" not in [f.kind for f in report.findings], \
+        report.summary

@@ -146,3 +146,25 @@ def test_ranks_that_issued_different_collectives_get_no_network_hint():
                                                           *rolled_back()[1:]], state="transferring", step=21)})
     (aborted,) = report.aborted
     assert "failed on" not in aborted["text"] and "network" not in aborted["text"], aborted
+
+
+def test_an_async_wait_that_failed_the_step_before_the_rollback_is_named():
+    """Async: the transfer's wait fails at step 21, the rollback fires at step 22 (a red team's real runs, 3 of 3):
+    the note still names the failed wait."""
+    wait = "TransferError: layer 0, wave 0/1: RuntimeError: Timed out waiting 5000ms for recv operation to complete"
+    batch = {"op": "batch_isend_irecv", "group": "ep_transfer", "cseq": 0, "shape": None, "dtype": None, "layer": 0,
+             "wave": 0, "waves": 1}
+    roll = {**rolled_back()[1][2], "step": 22}
+
+    def rank(r: int, fails: bool) -> list[dict]:
+        return timeline(r, 3, T0, opening("async") + [
+            (1.0, "collective_start", batch),
+            (3.0, "collective_error", dict(batch, error=wait)) if fails else (1.01, "collective_end", batch),
+            (3.05, "transition", roll), (3.5, "steps", {"count": 40, "dummy": 0, "step": 23, "state": "collecting"}),
+            (4.0, "end", {"how": "signal", "signal": "SIGTERM", "step": 63, "state": "collecting"})],
+            state="transferring", step=21)
+
+    report = diagnose({0: rank(0, False), 1: rank(1, True), 2: rank(2, True)})
+    (aborted,) = report.aborted
+    assert aborted["step"] == 22 and "the wait in batch_isend_irecv (group ep_transfer, cseq 0, layer 0) failed " \
+        "on ranks 1-2" in aborted["text"], aborted

@@ -653,13 +653,17 @@ def test_a_crash_then_the_launcher_killing_the_others_blames_the_crash(tmp_path)
 
 
 def test_waits_that_gloo_and_torch_end_with_read_as_failed_waits():
-    """The pair closure, client-socket and store-key timeouts and a niced build that did not return are waits."""
+    """The pair closure, client-socket and store-key timeouts, a niced build that did not return and a write into a
+    torn-down connection are waits."""
     from eplb_fsm.inspect.endings import WAIT_ERROR
 
     for text in ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused "
                  "pair closure", "DistStoreError: The client socket has timed out after 5000ms",
                  "RuntimeError: Timeout waiting for key: default_pg/0//cpu//0", "TimeoutError: niced call "
-                 "'build' did not return within 15.0 s"):
+                 "'build' did not return within 15.0 s",
+                 # a write into a connection the kernel tore down (a real `ss -K` of a rank's gloo sockets)
+                 "RuntimeError: [../gloo/transport/tcp/pair.cc:339] writev [127.0.0.1]:28874: Software caused "
+                 "connection abort"):
         assert WAIT_ERROR.search(text), text
     assert not WAIT_ERROR.search("KeyError: request_timeout missing from sampling params")
 

@@ -13,11 +13,11 @@ ENGINE = {"engine_wait": "all_reduce", "engine_wait_group": "same"}
 class Waiter(Rank):
     """A rank whose waits may name the engine's collective it sits in (``engine_wait``), as the liveness thread does."""
 
-    def engine_wait(self, seconds: float, wait: dict | None = ENGINE) -> "Waiter":
+    def engine_wait(self, seconds: float, wait: dict | None = ENGINE, waiting_on: dict | None = None) -> "Waiter":
         start = self.ts
         while self.ts < start + seconds:
             self.ts += 1.0
-            self.emit("alive", interval_s=1.0, waiting_on=None, steps_seen=self.step, **(wait or {}))
+            self.emit("alive", interval_s=1.0, waiting_on=waiting_on, steps_seen=self.step, **(wait or {}))
         self.offset += self.ts - start
         return self
 
@@ -71,12 +71,21 @@ def test_too_short_a_wait_is_no_stall(tmp_path):
     assert report.verdict != "network", format_report(report)
 
 
-def test_a_rank_that_ended_with_an_exception_leaves_it_to_the_other_rules(tmp_path):
-    """A rank that gave up its wait ends the stall's reading: the exception rules speak, not `network`."""
+def test_a_crash_leaves_it_to_the_other_rules(tmp_path):
+    """A rank that ended with an error of its own (no failed wait) is `crashed`, not a stall of the network."""
     ranks = cut_job((1,))
-    ranks[1].end("exception", error="RuntimeError: Timed out waiting 5000ms for recv operation to complete")
+    ranks[1].end("exception", error="ValueError: bad batch")
     report = replay_dir(write(tmp_path, ranks))
-    assert report.verdict != "network", format_report(report)
+    assert (report.verdict, report.culprit_ranks) == ("crashed", [1]), format_report(report)
+
+
+def test_waits_that_ran_out_after_the_stall_are_its_consequences(tmp_path):
+    """Every rank's bounded wait runs out after the stall (gloo then closes the pairs): `network`, the errors after."""
+    ranks = cut_job(tuple(range(WORLD)))
+    for rk in ranks:
+        rk.end("exception", error="RuntimeError: Application timeout caused pair closure")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("network", list(range(WORLD))), format_report(report)
 
 
 def test_a_rank_without_a_trace_may_be_the_one_missing_so_no_network(tmp_path):
@@ -84,3 +93,77 @@ def test_a_rank_without_a_trace_may_be_the_one_missing_so_no_network(tmp_path):
     ranks = cut_job(tuple(range(WORLD)))[:3]
     report = replay_dir(write(tmp_path, ranks))
     assert report.verdict != "network" and "network" not in [f.kind for f in report.findings], format_report(report)
+
+
+def test_posted_ready_flags_hold_nobody_so_the_stall_still_reads_as_the_network(tmp_path):
+    """Async: each rank's alive records also name its posted ready all-reduce (`waiting_on`), which nobody waits
+    in; with the engine's collective stalled on every rank it is `network` (a red team's real 8 s cut: was a hang)."""
+    flags = {"op": "all_reduce", "group": "ep", "cseq": 0}
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.emit("collective_start", shape=[4], dtype="torch.float64", parts=["ready"], posted=True, **flags)
+        rk.engine_wait(6, waiting_on=flags)
+        rk.end("exception", error="RuntimeError: Application timeout caused pair closure")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("network", list(range(WORLD))), format_report(report)
+    unposted, loads = tmp_path / "unposted", dict(flags, cseq=1)   # the same, in a controller all-reduce it waits in
+    unposted.mkdir()
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.emit("collective_start", shape=[4], dtype="torch.float64", parts=["loads"], **loads)
+        rk.engine_wait(6, waiting_on=loads)
+    report = replay_dir(write(unposted, ranks))
+    assert report.verdict != "network", format_report(report)
+
+
+def ended(errors: dict[int, tuple[float, str]]) -> list[Waiter]:
+    """Every rank steps to 40 and waits in the engine (no `engine_wait` seen), then ends with ``errors[r]``:
+    (seconds after the first, error)."""
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.steps(41, alive=False).engine_wait(5, wait=None)
+    start = max(rk.ts for rk in ranks)
+    for rk in ranks:
+        rk.ts = start + errors[rk.rank][0]
+        rk.emit("end", how="exception", error=errors[rk.rank][1])
+    return ranks
+
+
+RESET_BY_PEER = "RuntimeError: Read error [127.0.0.1]:3283: Connection reset by peer"
+ABORT = "RuntimeError: Read error [127.0.0.1]:35226: Software caused connection abort"
+CLOSED = "RuntimeError: Connection closed by peer [127.0.0.1]:653"
+RAN_OUT = "RuntimeError: Timed out waiting 60000ms for recv operation to complete"
+
+
+def test_two_waits_torn_down_first_name_the_connection_between_them(tmp_path):
+    """Ranks 2 and 1 fail by a reset 0.5 ms apart, ranks 0,3 later: `network` naming ranks 1-2; one end reading a
+    close (a real `ss -K`) reads the same."""
+    report = replay_dir(write(tmp_path, ended({2: (0, ABORT), 1: (0.0005, RESET_BY_PEER), 0: (0.05, CLOSED),
+                                                3: (0.06, RESET_BY_PEER)})))
+    assert (report.verdict, report.culprit_ranks) == ("network", [1, 2]), format_report(report)
+    assert "ranks 1-2 lost their connection to each other" in report.summary
+    assert "ranks 0,3 failed after them" in report.summary
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    report = replay_dir(write(closed, ended({2: (0, CLOSED), 1: (0.0008, ABORT), 0: (0.05, CLOSED),
+                                             3: (0.05, CLOSED)})))
+    assert (report.verdict, report.culprit_ranks) == ("network", [1, 2]), format_report(report)
+
+
+def test_every_wait_failing_together_one_by_a_timeout_names_every_rank(tmp_path):
+    """Rank 0's wait closes 1 us before rank 1's runs out, the rest within 5 ms: `network`, every rank."""
+    report = replay_dir(write(tmp_path, ended({0: (0, CLOSED), 1: (0.000001, RAN_OUT), 2: (0.003, RAN_OUT),
+                                                3: (0.005, RAN_OUT)})))
+    assert (report.verdict, report.culprit_ranks) == ("network", list(range(WORLD))), format_report(report)
+    assert "rank 1's ran out" in report.summary
+
+
+def test_failures_that_do_not_fit_either_shape_keep_the_first_exception(tmp_path):
+    """A reset whose other end fails 0.5 s later, or timeouts 3 s apart: no `network`; the first to fail is named."""
+    for name, errors in (("reset_then_closed", {1: (0, ABORT), 2: (0.5, CLOSED), 0: (0.52, CLOSED),
+                                                 3: (0.53, CLOSED)}),
+                         ("apart", {0: (0, RAN_OUT), 1: (1.5, RAN_OUT), 2: (3.0, RAN_OUT), 3: (3.1, RAN_OUT)})):
+        folder = tmp_path / name
+        folder.mkdir()
+        report = replay_dir(write(folder, ended(errors)))
+        assert report.verdict == "crashed", (name, format_report(report))

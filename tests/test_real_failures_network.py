@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = str(Path(eplb_fsm.__file__).resolve().parents[1])   # the tree under test, for the rank processes too
 
-# argv: folder mode (blackhole | big) rank_a rank_b extra simulate args... Runs inside `unshare -n`: starts the
+# argv: folder mode (blackhole | big | rst) rank_a rank_b extra simulate args... Runs inside `unshare -n`: starts the
 # job, waits for its ranks to step, cuts the connections between rank_a and rank_b, lets the ranks run on for
 # $HOLD_S s (7), then stops the job through its process group (as an operator's Ctrl-C or a scheduler) unless
 # it ended by then
@@ -71,8 +71,10 @@ def ends(rank):
     with open(os.path.join(out, "t", f"rank{rank:05d}.jsonl")) as f:
         return sum('"collective_end"' in line for line in f)
 
-if mode == "blackhole":   # cut right after a controller collective (the next is 25 steps away): the engine's own
-    base = min(ends(a), ends(b))   # all-reduce, every layer of every step, is the first to stall
+# cut right after a controller collective (the next is 25 steps away): the engine's own all-reduce, every layer of
+# every step, is the first to stall
+if mode in ("blackhole", "rst"):
+    base = min(ends(a), ends(b))
     while min(ends(a), ends(b)) <= base and time.time() < deadline + 60:
         time.sleep(0.01)
 if mode in ("blackhole", "big"):
@@ -85,6 +87,10 @@ if mode in ("blackhole", "big"):
             for length in lengths:
                 subprocess.run(f"tc filter add dev lo parent 1: protocol ip prio 1 u32 match ip sport {s} 0xffff "
                                f"match ip dport {d} 0xffff{length} flowid 1:2".split(), check=True)
+if mode == "rst":   # the kernel destroys both ends' sockets: one reads an abort, the other the RST it sends
+    for lp, rp in pairs:
+        subprocess.run(["ss", "-K", "-tn", "state", "established", f"( sport = :{lp} and dport = :{rp} )"],
+                       check=True, capture_output=True)
 cut = time.time()
 try:   # a job that fails ends itself; one that hangs is stopped
     rc = sim.wait(timeout=float(os.environ.get("HOLD_S", "7")))
@@ -97,14 +103,16 @@ json.dump({"pairs": pairs, "cut": cut, "rc": rc}, open(out + "/cut.json", "w"))
 
 @cache
 def can_cut_links() -> str:
-    """Why this machine cannot cut a link in a namespace of its own ('' when it can)."""
+    """Why this machine cannot cut or reset a link in a namespace of its own ('' when it can)."""
     missing = [t for t in ("unshare", "tc", "ss", "ip") if shutil.which(t) is None]
     if missing:
         return f"missing {', '.join(missing)}"
     probe = subprocess.run(["unshare", "-n", "sh", "-c", "tc qdisc add dev lo root handle 1: htb && tc filter add "
-                            "dev lo parent 1: protocol ip prio 1 u32 match ip sport 1 0xffff flowid 1:1"],
+                            "dev lo parent 1: protocol ip prio 1 u32 match ip sport 1 0xffff flowid 1:1 && "
+                            "ss -K -tn state established '( sport = :1 )'"],
                            capture_output=True, text=True, timeout=30)
-    return "" if probe.returncode == 0 else f"no network namespace with HTB and u32: {probe.stderr.strip()[:200]}"
+    return "" if probe.returncode == 0 else \
+        f"no network namespace with HTB, u32 and ss -K: {probe.stderr.strip()[:200]}"
 
 
 def cut_link(tmp: Path, *args: str, mode: str = "blackhole", hold_s: float = 7) -> dict:
@@ -171,3 +179,13 @@ def test_a_cut_under_the_controllers_all_reduce_fails_every_rank_alike_and_names
         failed_at |= {(r["step"], r["reason"].split(":")[0]) for r in records
                       if r["event"] == "transition" and r["dest"] == "failed"}
     assert len(failed_at) == 1, failed_at   # one step, one reason, on every rank
+
+
+def test_a_reset_connection_between_two_ranks_names_them_not_one_crashed_rank(tmp_path):
+    """The 1-2 connections are destroyed (`ss -K`: an abort on one end, an RST to the other): every rank's wait
+    fails and the job ends; `network` naming ranks 1-2 (was `crashed` naming whichever failed first, or in async
+    mode a hang 'still inside' the ready flags every rank had left)."""
+    cut_link(tmp_path, "--interval", "20", "--mode", "async", mode="rst", hold_s=60)
+    report = replay_dir(tmp_path / "t")
+    assert (report.verdict, report.culprit_ranks) == ("network", [1, 2]), format_report(report)
+    assert "ranks 1-2 lost their connection to each other" in report.summary, report.summary

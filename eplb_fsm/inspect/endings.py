@@ -19,7 +19,7 @@ __all__ = ["CONNECTION_LOST", "WAIT_ERROR", "ended_in_reaction", "entries", "fai
            "waits_on_peer"]
 
 # the forms of a wait whose peer's sockets closed (its process went away); no timeout (a frozen peer closes nothing)
-_LOST = r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|Broken pipe|Connection refused"
+_LOST = r"Connection (?:closed|reset) by peer|(?:Read|Write) error \[|writev \[|Broken pipe|Connection refused"
 CONNECTION_LOST = re.compile(_LOST, re.I)
 
 # how a rank notices that a peer is gone or a wait ran out: gloo's pair and buffer errors, torch's Work.wait
@@ -124,8 +124,9 @@ def ended_in_reaction(cast: Cast, key: Key) -> bool:
         WAIT_ERROR.search(str(s.end.get("error") or "")) or waits_on_peer(cast, key) or failed_wait_first(s))
 
 
-def failed_waits(cast: Cast, keys: list[Key], step: int) -> str:
-    """The first collective whose wait failed at ``step`` on some of ``keys``, in words ('' when none, or when the
+def failed_waits(cast: Cast, keys: list[Key], step: int, since: int | None = None) -> str:
+    """The first collective whose wait failed at ``step`` (or, with ``since``, after step ``since`` up to ``step``:
+    an async rank's wait fails a step before the rollback) on some of ``keys``, in words ('' when none, or when the
     ranks issued different collectives there). With no rank late, dead, frozen or signalled, a wait that ran out in a
     collective every one of them had joined alike is the transport's: the messages between members stopped (a real
     link dropped between two ranks reads so)."""
@@ -133,7 +134,8 @@ def failed_waits(cast: Cast, keys: list[Key], step: int) -> str:
     for k in keys:
         for g, index in cast.parts[k].collectives.items():
             for c, e in index.one.items():
-                if e.status == "error" and e.step == step:
+                if e.status == "error" and type(e.step) is int and (
+                        e.step == step if since is None else since < e.step <= step):
                     failed.setdefault((g, c), []).append((k, e))
     if not failed:
         return ""

@@ -216,6 +216,7 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
                 by_step.setdefault(t.step, []).append(k)
     out, before = [], None   # before: the previous rollback's step (a hang at or before it is that one's)
     for step, keys in sorted(by_step.items()):
+        previous = before   # the rollback before this one: a wait failed since then belongs to this one
         entry: dict = {"step": step, "ranks": sorted({k[0] for k in keys}), "late_ranks": [], "late_by_s": None,
                        "collective": None, "text": ""}
         since = [h for h in [*handled, *hangs, *causes] if h.collective and type(h.step) is int and h.step <= step
@@ -248,7 +249,8 @@ def aborted_rearrangements(cast: Cast, handled: list[Finding], causes: list[Find
             said = gone[-1].summary.split(":")[0].split(" (first at")[0]   # a signal: who, and by which
             late_text = ("" if late_text.startswith("no rank") else late_text + "; ") + said
             entry["late_ranks"] = sorted(set(entry["late_ranks"]) | set(gone[-1].culprits))
-        if late_text.startswith("no rank") and (failed := failed_waits(cast, keys, step)):
+        after = -1 if previous is None else previous
+        if late_text.startswith("no rank") and (failed := failed_waits(cast, keys, step, after)):
             late_text += "; " + failed
         entry["text"] = f"step {step}: {cast.who(keys)} aborted the rearrangement; {late_text}"
         out.append(entry)

@@ -60,7 +60,7 @@ from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.peers import group_peers, lone_joiner
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
 from eplb_fsm.inspect.signal_death import signal_death, stopped_after
-from eplb_fsm.inspect.stalled import network_stall
+from eplb_fsm.inspect.stalled import lost_together, network_stall
 
 DEFAULT_INTERVAL_S = 1.0   # the writer's default rate of alive records
 DEAD_FACTOR = 5            # silent for this many intervals before the others' last record: gone
@@ -251,8 +251,8 @@ def check_liveness(cast: Cast) -> Liveness:
             signals.append((ts, k))
     out.pauses, out.paused = pause_warnings(cast, paused, at)
     events += frozen_findings(cast, sorted(frozen), at, _interval)
-    if not events and not late_exceptions and (stall := network_stall(cast, at)) is not None:
-        events.append((stall[0], "network", stall[1], stall[2]))   # a signal after it stopped a stalled job
+    if not events and (stall := network_stall(cast, at)) is not None:   # the signals, failed waits after it: its
+        events.append((stall[0], "network", stall[1], stall[2]))       # consequences
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
@@ -312,8 +312,8 @@ def check_liveness(cast: Cast) -> Liveness:
     out.findings = [e[3] for e in events]
     # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
     first = None if events else next((e for e in sorted(late_exceptions) if group_peers(cast, e[1])), None)
-    if first is not None:
-        out.unexplained = _first_to_go(cast, first, at)
+    if first is not None:   # every rank's wait failed and nothing explains it: the network's two shapes, if so
+        out.unexplained = lost_together(cast, sorted(late_exceptions), at) or _first_to_go(cast, first, at)
     culprits = {k for e in events for k in e[3].keys()}
     # ranks still alive at the end whose step stopped advancing waited for the cause
     for k, s in sorted(parts.items()):

@@ -1,4 +1,4 @@
-"""The ``network`` finding: a collective every member joined stopped delivering, with every rank alive.
+"""The ``network`` finding: the transport between live ranks stopped delivering, or was torn down under them.
 
 Why: a link that drops packets (a NIC, cable or switch going bad, a firewall dropping a flow) leaves every
 process running and every member inside the engine's collective, each writing ``alive`` records that name
@@ -13,28 +13,60 @@ shapes, and this module reads both:
 - every member is inside the collective at the same step: none finished (the finding names them all).
 
 What makes it the transport and not a rank: no member is computing (the last ``RUN`` or more alive records of each
-name the engine's collective on the controller's ranks), none is in a controller collective (``waiting_on``),
-none is silent (that is ``frozen``), every rank has a trace (an untraced one may be
-the one missing from the collective), none ended other than by a signal from outside (a wait that failed or a
-crash has rules of its own), and the stalls overlap in time. A rank that lags in its own work has no
-``engine_wait`` in its records and stays ``lagging``.
+name the engine's collective on the controller's ranks), none is in a controller collective (``waiting_on``; but
+posted ready flags, read back later, hold nobody), none is silent (that is ``frozen``), every rank has a trace (an
+untraced one may be the one missing from the collective), none ended other than by a signal from outside or by a
+wait that failed after its stall (a bounded wait that ran out, gloo then closing the group's pairs under every
+other wait: the stall's consequences; a crash has rules of its own), and the stalls overlap in time. A rank that
+lags in its own work has no ``engine_wait`` in its records and stays ``lagging``.
+
+Two more shapes come without ``engine_wait`` (an engine that waits on a handle, ``work.wait(timeout)``, which the
+liveness thread cannot see) and end with every rank's exception, nothing else explaining them
+(:func:`lost_together`, read only where the replay would otherwise name the first exception ``crashed``):
+
+- the first two waits to fail lost their connection (``CONNECTION_LOST``) within ``PAIR_S``, one or both torn
+  down (``RESET``; the other end may read a close): ``ss -K`` or a reset link on ranks 1-2 in a red team's runs,
+  7 of 7, and in this project's tests. Those two lost their connection to each other while alive (with any other
+  torn down within ``SAME_MOMENT_S`` of the second: every connection reset at once); the ranks that failed after
+  them lost theirs when those exited;
+- every rank's wait failed within ``TOGETHER_S``, one or more by running out (``TIMEOUT``; the others by the
+  connection closures a timed-out rank's closing pairs cause): each waited the whole timeout for data that never
+  came (a red team's permanent cuts under an engine wait bounded at 60 s, 2 of 2).
 """
 
 from __future__ import annotations
 
-from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.findings import Finding
+import re
+from itertools import takewhile
 
-__all__ = ["RUN", "network_stall"]
+from eplb_fsm.inspect.elastic import Cast, Key
+from eplb_fsm.inspect.endings import CONNECTION_LOST, WAIT_ERROR
+from eplb_fsm.inspect.findings import Finding, short_error
+
+__all__ = ["RESET", "RUN", "TIMEOUT", "lost_together", "network_stall"]
 
 RUN = 3   # alive records in a row at one step, each inside the engine's collective: a wait, not a slow beat
+# a connection torn down under a live rank (an RST, or the socket destroyed), not closed by a peer that exited
+RESET = re.compile(r"Connection reset by peer|Software caused connection abort", re.I)
+# a bounded wait that ran out (gloo's buffer and pair timeouts, torch's and NCCL's watchdogs)
+TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Operation timed out!|Application timeout caused pair closure|"
+                     r"wait timeout after|timed out waiting for rank|Watchdog caught collective operation timeout",
+                     re.I)
+PAIR_S = 0.1   # the other end of a reset connection fails with it: woken by the RST, not by a timeout
+SAME_MOMENT_S = 0.01   # a third reset this close to the second is one event with them, not a peer's exit
+TOGETHER_S = 1.0   # waits that ran out within this of the first ran out together (one timeout, one start)
 
 
 def _stalled_run(s) -> tuple[int, str, float, float] | None:
     """(step, op, first ts, last ts) of ``s``'s last alive records that share one step and each name an engine
     collective on the controller's ranks and no controller collective, when there are ``RUN`` or more; else None."""
+    def posted(waiting: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
+        e = s.collectives.get(waiting.get("group"), {}).get(waiting.get("cseq"))
+        return e is not None and e.posted
+
     def inside(a) -> bool:
-        return not a[3] and bool(a[4]) and a[4][1] and type(a[0]) in (int, float) and a[1] == s.alive[-1][1]
+        return (not a[3] or posted(a[3])) and bool(a[4]) and a[4][1] and type(a[0]) in (int, float) \
+            and a[1] == s.alive[-1][1]
 
     if type(s.alive[-1][1] if s.alive else None) is not int:
         return None
@@ -46,13 +78,24 @@ def _stalled_run(s) -> tuple[int, str, float, float] | None:
     return s.alive[-1][1], s.alive[-1][4][0], s.alive[-n][0], s.alive[-1][0]
 
 
+def _waited_or_stopped(s) -> bool:
+    """Still running, stopped by a signal, or ended by a wait that failed (gloo closing the stalled pairs when a
+    bounded wait ran out) after its last alive record: the ends a stall leads to."""
+    end = s.end or {}
+    if end.get("how") in (None, "signal"):
+        return True
+    ts, last = end.get("ts"), s.alive[-1][0] if s.alive else None
+    return end.get("how") == "exception" and bool(WAIT_ERROR.search(str(end.get("error") or ""))) \
+        and type(ts) in (int, float) and type(last) in (int, float) and ts >= last
+
+
 def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     """(ts the stall began, first culprit, finding) when every participant still running, or stopped by a
-    signal since, sat inside the engine's collective as the module docstring says; else None."""
+    signal or a failed wait since, sat inside the engine's collective as the module docstring says; else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing:
         return None   # a rank without a trace may be the one not in the collective
-    if len(parts) < 2 or any((s.end or {}).get("how") not in (None, "signal") for s in parts.values()):
+    if len(parts) < 2 or any(not _waited_or_stopped(s) for s in parts.values()):
         return None
     runs = {k: _stalled_run(s) for k, s in parts.items()}
     if any(r is None for r in runs.values()):
@@ -88,3 +131,47 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
                  "look at the network of the named ranks' hosts and their peers' (link and NIC error counters, "
                  "dmesg, the switch); a collective only they issued reads the same"],
     )
+
+
+def lost_together(cast: Cast, failed: list[tuple[float, Key]], at) -> Finding | None:
+    """``network`` when every participant ended with a failed wait (``failed``: (ts, key), earliest first, every one
+    of them) and those ends take one of the module docstring's two shapes; else None."""
+    parts = {k for k, s in cast.parts.items() if not s.ended_on_purpose}
+    if cast.missing or len(failed) < 2 or {k for _, k in failed} != parts:
+        return None
+    errors = [str(cast.parts[k].end.get("error") or "") for _, k in failed]
+    t0, label = failed[0][0], cast.label
+    ran_out = next((i for i, e in enumerate(errors) if TIMEOUT.search(e)), None)
+    if ran_out is not None and failed[-1][0] - t0 <= TOGETHER_S:
+        keys, first = sorted(k for _, k in failed), failed[ran_out][1]
+        return _lost(cast, keys, first,
+                     f"every rank's wait failed together ({cast.who(keys)} within {(failed[-1][0] - t0) * 1e3:.1f} ms "
+                     f"at {at(t0)}; {label(first)}'s ran out: {short_error(errors[ran_out])}) while no rank had died, "
+                     "frozen, crashed or closed: each waited the whole timeout for data that never came; the transport "
+                     "between them stalled (a link, NIC or switch dropping packets), or they waited in collectives "
+                     "that do not match (the engine's own, which the traces do not show)")
+    if all(CONNECTION_LOST.search(e) for e in errors[:2]) and any(RESET.search(e) for e in errors[:2]) \
+            and failed[1][0] - t0 <= PAIR_S:
+        # torn down with them, not after their exits: one moment (a red team's ss -K of every connection: 0.7 ms)
+        torn = 2 + sum(1 for _ in takewhile(lambda i: RESET.search(errors[i]) and failed[i][0] - failed[1][0]
+                                           <= SAME_MOMENT_S, range(2, len(failed))))
+        pair, later = sorted(k for _, k in failed[:torn]), sorted(k for _, k in failed[torn:])
+        whom = "their connection to each other" if torn == 2 else "their connections at one moment"
+        return _lost(cast, pair, failed[0][1],
+                     f"{cast.who(pair)} lost {whom} at {at(t0)}: their waits were torn down "
+                     f"within {(failed[torn - 1][0] - t0) * 1e3:.1f} ms ({label(failed[0][1])}: "
+                     f"{short_error(errors[0])}; {label(failed[1][1])}: {short_error(errors[1])}) while no rank had "
+                     "died, frozen, crashed or closed" + (f", and {cast.who(later)} failed after them, as they exited"
+                                                          if later else "")
+                     + ": a connection between live ranks was reset (the network: a link, a firewall or NAT dropping "
+                     "the flow), or by a process outside the traces")
+    return None
+
+
+def _lost(cast: Cast, keys: list[Key], first: Key, summary: str) -> Finding:
+    s = cast.parts[first]
+    step = s.end.get("step", s.last_step)
+    return Finding.of("network", step, keys, summary, state=s.end.get("state"),
+                      ranks=[cast.position(k, "lost", short_error(cast.parts[k].end.get("error")),
+                                           cast.parts[k].end.get("step"), cast.parts[k].end.get("state"))
+                             for k in keys])
