@@ -67,12 +67,29 @@ def _ranks(group: Any, none_is_world: bool) -> tuple[int, ...] | None:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | None] | None:
+def _call(frame: FrameType) -> str | None:
+    """Which call of the collective this is, alike on every member of one call: its group's name (``WORLD`` for
+    the default group) and the shape of its tensor argument; None when neither can be read."""
+    import torch.distributed as dist
+
+    try:
+        group, args = frame.f_locals.get("group"), frame.f_locals
+        name = "WORLD" if group is None or group is dist.GroupMember.WORLD else getattr(group, "group_name", None)
+        tensor = next((args[k] for k in ("tensor", "input", "input_tensor") if hasattr(args.get(k), "shape")), None)
+        if name is None and tensor is None:
+            return None
+        return f"{name}:{list(tensor.shape) if tensor is not None else '-'}"
+    except Exception:
+        return None
+
+
+def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | None, str | None] | None:
     """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES, with only
-    torch's frames above it; whether its group holds the same ranks as ``group``, None when unknown) when its
-    caller is the engine's code; else None. A frame outside torch above the collective's is a thread running its
-    own code inside it (a red team's object whose pickling slept inside all_gather_object), not waiting."""
-    op = same = None
+    torch's frames above it; whether its group holds the same ranks as ``group``, None when unknown; which call,
+    ``_call``) when its caller is the engine's code; else None. A frame outside torch above the collective's is a
+    thread running its own code inside it (a red team's object whose pickling slept inside all_gather_object),
+    not waiting."""
+    op = same = call = None
     for _ in range(MAX_DEPTH):
         if frame is None:
             return None
@@ -86,29 +103,35 @@ def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | Non
                     return None
                 ours, theirs = _ranks(group, False), _ranks(frame.f_locals.get("group"), True)
                 same = None if ours is None or theirs is None else sorted(ours) == sorted(theirs)
+                call = _call(frame)
         elif _TORCH not in path:   # the first frame outside torch called the collective
             controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
-            return None if controller else (op, same)
+            return None if controller else (op, same, call)
         frame = frame.f_back
     return None
 
 
 def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = frozenset()
-                      ) -> tuple[str, bool | None] | None:
-    """(name, same group) of the engine collective some thread of this process is blocked in, or None:
-    ``("all_reduce", True)`` for one on the same ranks as ``group`` (the controller's torch group), False for one
-    on other ranks, None when either group's ranks cannot be read (``group`` None: no torch group).
+                      ) -> tuple[str, bool | None, str | None, bool] | None:
+    """(name, same group, call, main thread) of the engine collective some thread of this process is blocked in,
+    or None: ``("all_reduce", True, "WORLD:[48, 8]", True)`` for one on the same ranks as ``group`` (the
+    controller's torch group; False for one on other ranks, None when either group's ranks cannot be read, as with
+    ``group`` None: no torch group), with its group's name and tensor shape (``_call``: two members in calls that
+    differ there wait in different collectives), from the process's main thread (False: another thread's; a rank
+    whose main thread computes while a side thread waits is not waiting in its step).
 
     ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
-    threads, one on the controller's ranks answers first (the wait replay reads), then the lowest ident, so that
-    repeated looks name the same wait. Never raises: the liveness thread must write its record whatever a look
-    meets (an error reads as no wait seen).
+    threads, one on the controller's ranks answers first (the wait replay reads; the main thread's before
+    another's), then the lowest ident, so that repeated looks name the same wait. Never raises: the liveness thread
+    must write its record whatever a look meets (an error reads as no wait seen).
     """
     me = threading.get_ident()
     try:
         frames = sys._current_frames()
-        seen = [found for ident in sorted(frames) if ident != me and ident not in skip
+        main = threading.main_thread().ident
+        seen = [(*found, ident == main) for ident in sorted(frames) if ident != me and ident not in skip
                 and (found := _collective_of(frames[ident], group)) is not None]
     except Exception:
         return None
-    return next((s for s in seen if s[1] is True), seen[0] if seen else None)
+    ours = [s for s in seen if s[1] is True]
+    return next((s for s in ours if s[3]), ours[0] if ours else seen[0] if seen else None)

@@ -170,15 +170,21 @@ def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | N
                  engine_wait: tuple | None = None) -> dict:
     """The fields of an ``alive`` record: the writer's rate, the step at its previous record, the open collective,
     and, only when one was seen, the engine's own collective a thread is blocked in: ``engine_wait`` (its name)
-    and ``engine_wait_group`` (``"same"``: on the controller's ranks, ``"other"``; absent when unknown), from
-    ``engine_wait`` = (name, same group: True, False or None)."""
+    and ``engine_wait_group`` (``"same"``: on the controller's ranks, ``"other"``; absent when unknown), with
+    ``engine_wait_call`` (its group's name and tensor shape, when read) and ``engine_wait_main`` (whether the
+    main thread waits in it), from ``engine_wait`` = (name, same group: True, False or None[, call, main])."""
     fields = {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
     if engine_wait is None:
         return fields
-    op, same = engine_wait
+    op, same, *more = engine_wait
     fields["engine_wait"] = str(op)
     if same is not None:
         fields["engine_wait_group"] = "same" if same else "other"
+    if more:
+        call, main = more
+        if call is not None:
+            fields["engine_wait_call"] = str(call)
+        fields["engine_wait_main"] = bool(main)
     return fields
 
 

@@ -59,7 +59,7 @@ def test_a_thread_in_a_collective_called_by_the_engine_is_named(blocked):
     None), whether its group is the controller's unknown without torch.distributed set up."""
     assert engine_collective() is None
     blocked("all_reduce", "/srv/engine/model_runner.py")
-    assert engine_collective() == ("all_reduce", None)
+    assert engine_collective()[:2] == ("all_reduce", None)
 
 
 def test_the_controllers_own_collectives_are_not_the_engines(blocked):
@@ -72,7 +72,7 @@ def test_the_controllers_own_collectives_are_not_the_engines(blocked):
 def test_the_simulators_engine_counts_as_an_engine(blocked):
     """The simulator's toy model plays the engine: its all-reduce is named."""
     blocked("barrier", os.path.join(PACKAGE, "sim", "model.py"))
-    assert engine_collective() == ("barrier", None)
+    assert engine_collective()[:2] == ("barrier", None)
 
 
 def test_group_set_up_is_not_a_collective(blocked):
@@ -125,7 +125,7 @@ def test_private_helpers_and_other_files_are_not_collectives(blocked):
     blocked("all_reduce", "/srv/engine/run.py", c10d_path="/site/torch/distributed/c10d_logger.py")
     assert engine_collective() is None
     thread = blocked("all_gather", "/srv/engine/run.py")
-    assert engine_collective() == ("all_gather", None)
+    assert engine_collective()[:2] == ("all_gather", None)
     assert engine_collective(skip={thread.ident}) is None
 
 
@@ -158,8 +158,8 @@ def test_a_wait_on_the_controllers_ranks_answers_before_one_elsewhere(blocked, m
     blocked("all_gather", "/srv/engine/run.py", group=theirs)
     blocked("barrier", "/srv/engine/run.py", group=ours)
     blocked("all_to_all", "/srv/engine/run.py", group=theirs)
-    assert engine_collective(ours) == ("barrier", True)
-    assert engine_collective(theirs) in (("all_gather", True), ("all_to_all", True))
+    assert engine_collective(ours)[:2] == ("barrier", True)
+    assert engine_collective(theirs)[:2] in (("all_gather", True), ("all_to_all", True))
 
 
 def test_the_record_says_whether_the_wait_is_on_the_controllers_ranks():
@@ -167,6 +167,9 @@ def test_the_record_says_whether_the_wait_is_on_the_controllers_ranks():
     fields = [alive_fields(1.0, 4, None, ("barrier", same)) for same in (True, False, None)]
     assert [f.get("engine_wait_group") for f in fields] == ["same", "other", None]
     assert all(f["engine_wait"] == "barrier" for f in fields) and "engine_wait" not in alive_fields(1.0, 4, None)
+    full = alive_fields(1.0, 4, None, ("all_reduce", True, "WORLD:[48, 8]", True))
+    assert (full["engine_wait_call"], full["engine_wait_main"]) == ("WORLD:[48, 8]", True)
+    assert "engine_wait_call" not in alive_fields(1.0, 4, None, ("all_reduce", True, None, False))
 
 
 def _rank_looks_while_blocked(rank: int, world: int) -> list:
@@ -193,4 +196,67 @@ def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
     """Two gloo ranks: while rank 0's thread waits in dist.all_reduce (the default group) for rank 1, the look
     names it, on the controller's ranks for a controller on the world, on others for one on rank 0 alone."""
     looks = run_ranks(_rank_looks_while_blocked, 2, timeout=60)
-    assert looks == [[("all_reduce", True), ("all_reduce", False), ("all_reduce", None)], []]
+    assert [look[:2] for look in looks[0]] == [("all_reduce", True), ("all_reduce", False), ("all_reduce", None)]
+    # which call (the default group, a tensor of 4) and that a side thread, not the main one, waits in it
+    assert {look[2:] for look in looks[0]} == {("WORLD:[4]", False)} and looks[1] == []
+
+
+def test_the_look_says_whether_the_main_thread_is_the_one_waiting():
+    """The main thread inside the engine's all_reduce, looked at from another thread (as the liveness thread
+    looks): main True; a side thread's wait looked at from the main thread: main False (a rank whose main thread
+    computes while a side thread waits is not waiting in its step)."""
+    c10d: dict = {}
+    exec(compile("def all_reduce(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
+                 C10D, "exec"), c10d)
+    caller: dict = {"collective": c10d["all_reduce"]}
+    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", "/srv/engine/run.py", "exec"),
+         caller)
+    inside, release, seen = threading.Event(), threading.Lock(), []
+    release.acquire()
+
+    def look() -> None:
+        inside.wait(10)
+        seen.append(engine_collective())
+        release.release()
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    caller["forward"](inside, release)   # blocks in the main thread until the look is taken
+    looker.join(10)
+    assert seen[0][0] == "all_reduce" and seen[0][3] is True
+    thread, side = _blocked_in("all_reduce", "/srv/engine/run.py")
+    try:
+        assert engine_collective()[3] is False
+    finally:
+        side.release()
+        thread.join(10)
+
+
+def test_the_main_threads_wait_answers_before_a_side_threads(monkeypatch):
+    """Both on the controller's ranks, a side thread in a barrier and the main thread in an all_reduce: the look
+    names the main thread's (the step's own wait; a red team's engine kept a side thread in a shutdown collective)."""
+    monkeypatch.setattr(engine_wait, "_ranks", lambda group, none_is_world: (0, 1))
+    side, free = _blocked_in("barrier", "/srv/engine/run.py")
+    c10d: dict = {}
+    exec(compile("def all_reduce(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
+                 C10D, "exec"), c10d)
+    caller: dict = {"collective": c10d["all_reduce"]}
+    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", "/srv/engine/run.py", "exec"),
+         caller)
+    inside, release, seen = threading.Event(), threading.Lock(), []
+    release.acquire()
+
+    def look() -> None:
+        inside.wait(10)
+        seen.append(engine_collective(object()))
+        release.release()
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    try:
+        caller["forward"](inside, release)
+        looker.join(10)
+    finally:
+        free.release()
+        side.join(10)
+    assert (seen[0][0], seen[0][1], seen[0][3]) == ("all_reduce", True, True)

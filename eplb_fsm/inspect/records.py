@@ -139,8 +139,11 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
         waiting = rec.get("waiting_on")
         # only a wait on a group's members (not a set-up, whatever the writer), and whether on the controller's
         engine, on = rec.get("engine_wait"), rec.get("engine_wait_group")
+        call, main = rec.get("engine_wait_call"), rec.get("engine_wait_main")   # absent in older traces: None
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
-                        (engine, on == "same") if type(engine) is str and engine in COLLECTIVES else None))
+                        (engine, on == "same", call if type(call) is str else None,
+                         main if type(main) is bool else None) if type(engine) is str and engine in COLLECTIVES
+                        else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)

@@ -13,25 +13,23 @@ shapes, and this module reads both:
 - every member is inside the collective at the same step: none finished (the finding names them all).
 
 What makes it the transport and not a rank: no member is computing (the last ``RUN`` or more alive records of each
-name the engine's collective on the controller's ranks), none is in a controller collective (``waiting_on``; but
+name the engine's collective on the controller's ranks, from the main thread, every rank in one op and the ranks
+at one step in one call: one group, one shape), none is in a controller collective (``waiting_on``; but
 posted ready flags, read back later, hold nobody), none is silent (that is ``frozen``), every rank has a trace (an
 untraced one may be the one missing from the collective), none ended other than by a signal from outside or by a
 wait that failed after its stall (a bounded wait that ran out, gloo then closing the group's pairs under every
 other wait: the stall's consequences; a crash has rules of its own), and the stalls overlap in time. A rank that
-lags in its own work has no ``engine_wait`` in its records and stays ``lagging``.
+lags in its own work has no ``engine_wait`` from its main thread and stays ``lagging``.
 
-Two more shapes come without ``engine_wait`` (an engine that waits on a handle, ``work.wait(timeout)``, which the
-liveness thread cannot see) and end with every rank's exception, nothing else explaining them
-(:func:`lost_together`, read only where the replay would otherwise name the first exception ``crashed``):
-
-- the first two waits to fail lost their connection (``CONNECTION_LOST``) within ``PAIR_S``, one or both torn
-  down (``RESET``; the other end may read a close): ``ss -K`` or a reset link on ranks 1-2 in a red team's runs,
-  7 of 7, and in this project's tests. Those two lost their connection to each other while alive (with any other
-  torn down within ``SAME_MOMENT_S`` of the second: every connection reset at once); the ranks that failed after
-  them lost theirs when those exited;
-- every rank's wait failed within ``TOGETHER_S``, one or more by running out (``TIMEOUT``; the others by the
-  connection closures a timed-out rank's closing pairs cause): each waited the whole timeout for data that never
-  came (a red team's permanent cuts under an engine wait bounded at 60 s, 2 of 2).
+One more shape comes without ``engine_wait`` (an engine that waits on a handle, ``work.wait(timeout)``, which the
+liveness thread cannot see) and ends with every rank's exception, nothing else explaining them
+(:func:`lost_together`, read only where the replay would otherwise name the first exception ``crashed``): the
+first two waits to fail lost their connection (``CONNECTION_LOST``) within ``PAIR_S``, one or both torn down
+(``RESET``; the other end may read a close), as ``ss -K`` or a reset link on ranks 1-2 left in a red team's runs
+(7 of 7) and in this project's tests. Those two lost their connection to each other while alive (with any other
+torn down within ``SAME_MOMENT_S`` of the second: every connection reset at once); the ranks that failed after them
+lost theirs when those exited. Waits that all ran out together are not read so: a late rank, a deadlock of the
+engine's or a paused job end the same way (a red team's real runs, 6 of 6).
 """
 
 from __future__ import annotations
@@ -43,30 +41,26 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import CONNECTION_LOST, WAIT_ERROR
 from eplb_fsm.inspect.findings import Finding, short_error
 
-__all__ = ["RESET", "RUN", "TIMEOUT", "lost_together", "network_stall"]
+__all__ = ["RESET", "RUN", "lost_together", "network_stall"]
 
 RUN = 3   # alive records in a row at one step, each inside the engine's collective: a wait, not a slow beat
 # a connection torn down under a live rank (an RST, or the socket destroyed), not closed by a peer that exited
 RESET = re.compile(r"Connection reset by peer|Software caused connection abort", re.I)
-# a bounded wait that ran out (gloo's buffer and pair timeouts, torch's and NCCL's watchdogs)
-TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Operation timed out!|Application timeout caused pair closure|"
-                     r"wait timeout after|timed out waiting for rank|Watchdog caught collective operation timeout",
-                     re.I)
 PAIR_S = 0.1   # the other end of a reset connection fails with it: woken by the RST, not by a timeout
 SAME_MOMENT_S = 0.01   # a third reset this close to the second is one event with them, not a peer's exit
-TOGETHER_S = 1.0   # waits that ran out within this of the first ran out together (one timeout, one start)
 
 
-def _stalled_run(s) -> tuple[int, str, float, float] | None:
-    """(step, op, first ts, last ts) of ``s``'s last alive records that share one step and each name an engine
-    collective on the controller's ranks and no controller collective, when there are ``RUN`` or more; else None."""
+def _stalled_run(s) -> tuple[int, str, float, float, str | None] | None:
+    """(step, op, first ts, last ts, call) of ``s``'s last alive records that share one step and each name an engine
+    collective on the controller's ranks, waited in by the main thread (or by a thread the record does not name:
+    older traces), and no controller collective, when there are ``RUN`` or more; else None."""
     def posted(waiting: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
         e = s.collectives.get(waiting.get("group"), {}).get(waiting.get("cseq"))
         return e is not None and e.posted
 
     def inside(a) -> bool:
-        return (not a[3] or posted(a[3])) and bool(a[4]) and a[4][1] and type(a[0]) in (int, float) \
-            and a[1] == s.alive[-1][1]
+        return (not a[3] or posted(a[3])) and bool(a[4]) and a[4][1] and a[4][3] is not False \
+            and type(a[0]) in (int, float) and a[1] == s.alive[-1][1]
 
     if type(s.alive[-1][1] if s.alive else None) is not int:
         return None
@@ -75,7 +69,7 @@ def _stalled_run(s) -> tuple[int, str, float, float] | None:
         n += 1
     if n < RUN:
         return None
-    return s.alive[-1][1], s.alive[-1][4][0], s.alive[-n][0], s.alive[-1][0]
+    return s.alive[-1][1], s.alive[-1][4][0], s.alive[-n][0], s.alive[-1][0], s.alive[-1][4][2]
 
 
 def _waited_or_stopped(s) -> bool:
@@ -105,6 +99,11 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     began, overlap_end = min(r[2] for r in runs.values()), min(r[3] for r in runs.values())
     if top - low > 1 or max(r[2] for r in runs.values()) >= overlap_end:
         return None   # more than one collective apart, or not stalled at the same time
+    # ranks in different ops, or at one step in calls of other groups or shapes, wait in different collectives: a
+    # deadlock of the engine's (a red team's all_reduce against all_gather, or on two groups of the same ranks)
+    if len({r[1] for r in runs.values()}) > 1 or any(len({r[4] for r in runs.values() if r[0] == step and r[4]}) > 1
+                                                     for step in steps):
+        return None
     inside = sorted(k for k, r in runs.items() if r[0] == low)
     ahead = sorted(k for k in runs if k not in inside)
     op, s = runs[inside[0]][1], parts[inside[0]]
@@ -135,21 +134,12 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
 
 def lost_together(cast: Cast, failed: list[tuple[float, Key]], at) -> Finding | None:
     """``network`` when every participant ended with a failed wait (``failed``: (ts, key), earliest first, every one
-    of them) and those ends take one of the module docstring's two shapes; else None."""
+    of them) and the first two are a connection reset under live ranks, as the module docstring says; else None."""
     parts = {k for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing or len(failed) < 2 or {k for _, k in failed} != parts:
         return None
     errors = [str(cast.parts[k].end.get("error") or "") for _, k in failed]
     t0, label = failed[0][0], cast.label
-    ran_out = next((i for i, e in enumerate(errors) if TIMEOUT.search(e)), None)
-    if ran_out is not None and failed[-1][0] - t0 <= TOGETHER_S:
-        keys, first = sorted(k for _, k in failed), failed[ran_out][1]
-        return _lost(cast, keys, first,
-                     f"every rank's wait failed together ({cast.who(keys)} within {(failed[-1][0] - t0) * 1e3:.1f} ms "
-                     f"at {at(t0)}; {label(first)}'s ran out: {short_error(errors[ran_out])}) while no rank had died, "
-                     "frozen, crashed or closed: each waited the whole timeout for data that never came; the transport "
-                     "between them stalled (a link, NIC or switch dropping packets), or they waited in collectives "
-                     "that do not match (the engine's own, which the traces do not show)")
     if all(CONNECTION_LOST.search(e) for e in errors[:2]) and any(RESET.search(e) for e in errors[:2]) \
             and failed[1][0] - t0 <= PAIR_S:
         # torn down with them, not after their exits: one moment (a red team's ss -K of every connection: 0.7 ms)
