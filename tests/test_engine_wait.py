@@ -201,10 +201,9 @@ def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
     assert {look[2:] for look in looks[0]} == {("WORLD:[4]", False)} and looks[1] == []
 
 
-def test_the_look_says_whether_the_main_thread_is_the_one_waiting():
-    """The main thread inside the engine's all_reduce, looked at from another thread (as the liveness thread
-    looks): main True; a side thread's wait looked at from the main thread: main False (a rank whose main thread
-    computes while a side thread waits is not waiting in its step)."""
+def _look_while_main_waits(group: object = None) -> tuple:
+    """What another thread's look (as the liveness thread's) sees while this thread, the main one, sits in the
+    engine's all_reduce (a function compiled as c10d's, called from the engine's code, blocked in a C call)."""
     c10d: dict = {}
     exec(compile("def all_reduce(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
                  C10D, "exec"), c10d)
@@ -216,14 +215,22 @@ def test_the_look_says_whether_the_main_thread_is_the_one_waiting():
 
     def look() -> None:
         inside.wait(10)
-        seen.append(engine_collective())
+        seen.append(engine_collective(group))
         release.release()
 
     looker = threading.Thread(target=look)
     looker.start()
     caller["forward"](inside, release)   # blocks in the main thread until the look is taken
     looker.join(10)
-    assert seen[0][0] == "all_reduce" and seen[0][3] is True
+    return seen[0]
+
+
+def test_the_look_says_whether_the_main_thread_is_the_one_waiting():
+    """The main thread inside the engine's all_reduce, looked at from another thread (as the liveness thread
+    looks): main True; a side thread's wait looked at from the main thread: main False (a rank whose main thread
+    computes while a side thread waits is not waiting in its step)."""
+    seen = _look_while_main_waits()
+    assert seen[0] == "all_reduce" and seen[3] is True
     thread, side = _blocked_in("all_reduce", "/srv/engine/run.py")
     try:
         assert engine_collective()[3] is False
@@ -237,26 +244,9 @@ def test_the_main_threads_wait_answers_before_a_side_threads(monkeypatch):
     names the main thread's (the step's own wait; a red team's engine kept a side thread in a shutdown collective)."""
     monkeypatch.setattr(engine_wait, "_ranks", lambda group, none_is_world: (0, 1))
     side, free = _blocked_in("barrier", "/srv/engine/run.py")
-    c10d: dict = {}
-    exec(compile("def all_reduce(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
-                 C10D, "exec"), c10d)
-    caller: dict = {"collective": c10d["all_reduce"]}
-    exec(compile("def forward(inside, release):\n    collective(inside, release)\n", "/srv/engine/run.py", "exec"),
-         caller)
-    inside, release, seen = threading.Event(), threading.Lock(), []
-    release.acquire()
-
-    def look() -> None:
-        inside.wait(10)
-        seen.append(engine_collective(object()))
-        release.release()
-
-    looker = threading.Thread(target=look)
-    looker.start()
     try:
-        caller["forward"](inside, release)
-        looker.join(10)
+        seen = _look_while_main_waits(object())
     finally:
         free.release()
         side.join(10)
-    assert (seen[0][0], seen[0][1], seen[0][3]) == ("all_reduce", True, True)
+    assert (seen[0], seen[1], seen[3]) == ("all_reduce", True, True)
