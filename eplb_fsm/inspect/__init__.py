@@ -5,8 +5,8 @@ This module only re-exports; see ``diagrams`` (mermaid/DOT from the live machine
 ``records``, and ``bulk`` for stretches read without parsing them), ``replay``
 (diagnosis across ranks: ``checks``, ``collective_checks``, ``findings``, ``liveness``
 for ranks that died, froze, crashed or lagged (``signal_death``: a death the launcher
-answered with SIGTERM; ``stalled``: every rank alive inside the engine's collective, a
-link that stopped passing packets), ``lost`` for findings that rest on lines a trace lost
+answered with SIGTERM; ``stalled``: a link that stopped passing packets or was reset
+under live ranks), ``lost`` for findings that rest on lines a trace lost
 (``lost_records``; ``torn`` for traces whose writing stopped mid-line), ``stepseq`` for a
 session's own step numbers (they break ``step_count_mismatch`` ties), ``identity`` for run ids
 and misnamed or duplicated files, and ``elastic`` for group swaps, joiners and leaving ranks)

@@ -32,7 +32,7 @@ KINDS = (
     "left_early",             # a rank closed in order while a peer still ran, which then failed waiting for it
     "signalled",              # ranks were stopped by a signal before anything else went wrong
     "lagging",                # alive ranks stalled, some at a lower step: the others wait for them
-    "network",                # every rank alive and inside the engine's collective, which stopped delivering
+    "network",                # live ranks' collective stopped delivering, or their connection was reset
     "step_count_mismatch",    # every rank closed in order but their final steps differ
     "failed",                 # a rank ended in the failed state
     "stuck",                  # the watchdog reported no progress and nothing came after

@@ -300,4 +300,3 @@ def signalled_in_hang(cause: Finding, rest: list[Finding], cast: Cast, live: Liv
         rest.insert(0, f)   # the hang takes the signal's place as the cause
         return True
     return False
-

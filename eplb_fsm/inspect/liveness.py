@@ -30,7 +30,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **lagging**: alive to the end with a step that no longer advances, at a lower step than
   the other stalled ranks (they wait for it in the engine's own collective).
 - **network**: every rank alive (or signalled since) and inside the engine's collective, none computing:
-  the transport stalled (``stalled.network_stall``).
+  the transport stalled (``stalled.network_stall``); or, with no other cause, a connection reset between
+  two live ranks (``stalled.lost_together``).
 
 The earliest of these events (by ``ts``) is the cause. Everything that happened after it to
 the other ranks (an exception from a wait that failed, a SIGTERM from the launcher, alive
@@ -312,7 +313,7 @@ def check_liveness(cast: Cast) -> Liveness:
     out.findings = [e[3] for e in events]
     # a participant alone in its group (a joiner whose group never formed: the scale's note tells it) waited for none
     first = None if events else next((e for e in sorted(late_exceptions) if group_peers(cast, e[1])), None)
-    if first is not None:   # every rank's wait failed and nothing explains it: the network's two shapes, if so
+    if first is not None:   # nothing explains the failed waits: a connection reset between live ranks, if so
         out.unexplained = lost_together(cast, sorted(late_exceptions), at) or _first_to_go(cast, first, at)
     culprits = {k for e in events for k in e[3].keys()}
     # ranks still alive at the end whose step stopped advancing waited for the cause
