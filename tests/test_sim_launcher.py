@@ -394,13 +394,18 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, stopped):
 
 
 def _print_then_block(rank: int, world: int) -> int:
-    """Prints a line; rank 1 then sleeps, so rank 0 blocks in a gloo barrier until the launcher stops both."""
+    """Prints a line; rank 1 then sleeps, so rank 0 blocks in a gloo barrier until the launcher stops both. The
+    barrier's group waits 120 s: the default group's timeout is the run's deadline, and under load its barrier ran
+    out just before the launcher's SIGTERM (a newcomer run: rank 0 was formatting the error, not in the barrier)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     print(f"rank {rank} is running", flush=True)
+    patient = dist.new_group(timeout=timedelta(seconds=120))   # collective: both ranks build it before rank 1 sleeps
     if rank == 1:
         time.sleep(120)
-    dist.barrier()
+    dist.barrier(group=patient)
     return rank
 
 
