@@ -62,13 +62,19 @@ def last_wait(s) -> Any:
 
 def waiting_text(s) -> str:
     """What the participant was waiting on at its last alive record, unless that collective ended since; else
-    the latest collective it was left inside or whose wait failed (:func:`last_wait`)."""
+    the latest collective it was left inside or whose wait failed (:func:`last_wait`); else the engine's collective
+    that record names (``engine_wait``)."""
     waiting = s.alive[-1][3] if s.alive else None
     if waiting and not ended_since(s, waiting):
         return f"waiting in {waiting.get('op')} (group {waiting.get('group')}, cseq {waiting.get('cseq')})"
     last = last_wait(s)
     if last is not None:
         return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
+    engine = s.alive[-1][4] if s.alive else None   # (op, on the controller's ranks, call, main thread) or None
+    if engine and engine[3] is not False:
+        return f"in no controller collective, inside the engine's {engine[0]}"
+    if engine:
+        return f"in no controller collective, its main thread in its own work (a side thread in {engine[0]})"
     return "in no controller collective (so in the engine's step or its own work)"
 
 

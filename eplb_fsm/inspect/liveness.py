@@ -27,8 +27,10 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **crashed**: ``end`` with ``how: exception`` whose error is not a failed wait (``endings.WAIT_ERROR``:
   the forms gloo, torch and the controller write when a peer is gone or a wait timed out).
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
-- **lagging**: alive to the end with a step that no longer advances, at a lower step than
-  the other stalled ranks (they wait for it in the engine's own collective).
+- **lagging**: alive, in its own work at one step while every other rank waits for it inside the engine's
+  collective (``lagging.engine_lag``: signals after it are consequences); or, in traces that do not name the
+  engine's waits, alive to the end with a step that no longer advances, at a lower step than the other stalled
+  ranks (``lagging.step_lag``).
 - **network**: every rank alive (or signalled since) and inside the engine's collective, none computing:
   the transport stalled (``stalled.network_stall``); or, with no other cause, a connection reset between
   two live ranks (``stalled.lost_together``).
@@ -57,6 +59,7 @@ from eplb_fsm.inspect.endings import (CONNECTION_LOST, WAIT_ERROR, ended_in_reac
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
 from eplb_fsm.inspect.held import held_findings, held_open
+from eplb_fsm.inspect.lagging import engine_lag, step_lag
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
 from eplb_fsm.inspect.peers import group_peers, lone_joiner
 from eplb_fsm.inspect.pauses import all_silent, pause_warnings, silent_over
@@ -254,6 +257,8 @@ def check_liveness(cast: Cast) -> Liveness:
     events += frozen_findings(cast, sorted(frozen), at, _interval)
     if not events and (stall := network_stall(cast, at)) is not None:   # the signals, failed waits after it: its
         events.append((stall[0], "network", stall[1], stall[2]))       # consequences
+    elif not events and (lag := engine_lag(cast, at)) is not None:   # the same, for a rank behind in its own work
+        events.append((lag[0], "lagging", lag[1], lag[2]))
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)
@@ -305,7 +310,7 @@ def check_liveness(cast: Cast) -> Liveness:
                                  parts[k].end.get("state")) for k in keys],
         )))
     if not events:
-        lag = _lagging(cast)
+        lag = step_lag(cast)
         if lag is not None:
             events.append((0.0, "lagging", lag.keys()[0], lag))
     events.sort(key=lambda e: (e[0], e[2]))
@@ -357,33 +362,4 @@ def _first_to_go(cast: Cast, first: tuple[float, Key], at) -> Finding:
         "(a peer without a trace, one outside these groups, or the network)",
         state=s.end.get("state"),
         ranks=[cast.position(k, "crashed", str(s.end.get("error")), step, s.end.get("state"))],
-    )
-
-
-def _lagging(cast: Cast) -> Finding | None:
-    """Every live rank stalled (alive, step fixed) and some at a lower step: those lag, the others wait."""
-    stalled = {}
-    for k, s in cast.parts.items():
-        if s.end is not None or len(s.alive) < 3:
-            continue
-        steps = [a[1] for a in s.alive[-3:]]
-        if type(steps[-1]) is not int or len(set(steps)) != 1:
-            return None  # a live rank still moves: nobody is stuck yet
-        stalled[k] = steps[-1]
-    if len(stalled) < 2 or len(set(stalled.values())) < 2:
-        return None
-    low = min(stalled.values())
-    behind = sorted(k for k, v in stalled.items() if v == low)
-    ahead = sorted(k for k in stalled if k not in behind)
-    s = cast.parts[behind[0]]
-    top = max(stalled.values())
-    return Finding.of(
-        "lagging", low, behind,
-        f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} "
-        f"({waiting_text(s)}) while "
-        f"{cast.who(ahead)} wait at step {top}: alive, their steps no longer advance",
-        state=s.alive[-1][2],
-        ranks=[cast.position(k, "lagging" if k in behind else "waiting",
-                             f"alive at step {stalled[k]}, {waiting_text(cast.parts[k])}", stalled[k])
-               for k in sorted(stalled)],
     )

@@ -41,38 +41,48 @@ from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import CONNECTION_LOST, WAIT_ERROR
 from eplb_fsm.inspect.findings import Finding, short_error
 
-__all__ = ["RESET", "RUN", "lost_together", "network_stall"]
+__all__ = ["RESET", "RUN", "engine_run", "lost_together", "network_stall", "waited_or_stopped"]
 
 RUN = 3   # alive records in a row at one step, each inside the engine's collective: a wait, not a slow beat
+GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
 # a connection torn down under a live rank (an RST, or the socket destroyed), not closed by a peer that exited
 RESET = re.compile(r"Connection reset by peer|Software caused connection abort", re.I)
 PAIR_S = 0.1   # the other end of a reset connection fails with it: woken by the RST, not by a timeout
 SAME_MOMENT_S = 0.01   # a third reset this close to the second is one event with them, not a peer's exit
 
 
-def _stalled_run(s) -> tuple[int, str, float, float, str | None] | None:
-    """(step, op, first ts, last ts, call) of ``s``'s last alive records that share one step and each name an engine
-    collective on the controller's ranks, waited in by the main thread (or by a thread the record does not name:
-    older traces), and no controller collective, when there are ``RUN`` or more; else None."""
-    def posted(waiting: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
-        e = s.collectives.get(waiting.get("group"), {}).get(waiting.get("cseq"))
+def engine_run(s, waiting: bool = True) -> tuple[int, str | None, float, float, str | None] | None:
+    """(step, op, first ts, last ts, call) of ``s``'s last alive records that share one step, none in a controller
+    collective (posted ready flags aside) and none more than ``GAP`` intervals (2 s at least) after the one before
+    (a pause of the job breaks the run), when there are ``RUN`` or more and each names an engine collective on the
+    controller's ranks waited in by the main thread (or by a thread the record does not name: older traces); with
+    ``waiting`` false, when each names none that its main thread waits in, of any group (its own work; op and call
+    then a side thread's wait, or None). Else None."""
+    def posted(on: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
+        e = s.collectives.get(on.get("group"), {}).get(on.get("cseq"))
         return e is not None and e.posted
 
-    def inside(a) -> bool:
-        return (not a[3] or posted(a[3])) and bool(a[4]) and a[4][1] and a[4][3] is not False \
-            and type(a[0]) in (int, float) and a[1] == s.alive[-1][1]
+    def counts(i: int) -> bool:
+        a = s.alive[i]
+        main = bool(a[4]) and a[4][3] is not False   # its main thread waits in a collective (of any group)
+        if (a[3] and not posted(a[3])) or type(a[0]) not in (int, float) or a[1] != s.alive[-1][1] \
+                or (main and a[4][1] if waiting else not main) is not True:
+            return False
+        after = s.alive[i + 1][0] if i + 1 < len(s.alive) else None
+        return after is None or after - a[0] <= max(GAP * (s.alive_interval or 1.0), GAP_MIN_S)
 
     if type(s.alive[-1][1] if s.alive else None) is not int:
         return None
     n = 0
-    while n < len(s.alive) and inside(s.alive[-1 - n]):
+    while n < len(s.alive) and counts(len(s.alive) - 1 - n):
         n += 1
     if n < RUN:
         return None
-    return s.alive[-1][1], s.alive[-1][4][0], s.alive[-n][0], s.alive[-1][0], s.alive[-1][4][2]
+    last = s.alive[-1][4] or (None, None, None, None)
+    return s.alive[-1][1], last[0], s.alive[-n][0], s.alive[-1][0], last[2]
 
 
-def _waited_or_stopped(s) -> bool:
+def waited_or_stopped(s) -> bool:
     """Still running, stopped by a signal, or ended by a wait that failed (gloo closing the stalled pairs when a
     bounded wait ran out) after its last alive record: the ends a stall leads to."""
     end = s.end or {}
@@ -89,9 +99,9 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing:
         return None   # a rank without a trace may be the one not in the collective
-    if len(parts) < 2 or any(not _waited_or_stopped(s) for s in parts.values()):
+    if len(parts) < 2 or any(not waited_or_stopped(s) for s in parts.values()):
         return None
-    runs = {k: _stalled_run(s) for k, s in parts.items()}
+    runs = {k: engine_run(s) for k, s in parts.items()}
     if any(r is None for r in runs.values()):
         return None
     steps = {r[0] for r in runs.values()}
