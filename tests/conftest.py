@@ -77,17 +77,18 @@ def timeline(rank: int, world: int, t0: float, events: list[tuple[float, str, di
 TORCHRUN_WAIT_S = 90.0   # the bound on every wait of a torchrun job; only a hang reaches it
 
 
-def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict | None = None) -> tuple[Path, int, str]:
-    """Two gloo ranks of the script ``engine`` under torchrun (``python -m torch.distributed.run``, 0.1 s monitor
+def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict | None = None,
+                 ranks: int = 2) -> tuple[Path, int, str]:
+    """``ranks`` gloo ranks of the script ``engine`` under torchrun (``python -m torch.distributed.run``, 0.1 s monitor
     interval), run as ``engine TRACES PIDS *args``; each rank writes its pid as PIDS/<rank> when it wants the test
-    to act. Once both did, ``stop(pids, launcher, traces)``; then wait for torchrun to end (if it did not,
+    to act. Once all did, ``stop(pids, launcher, traces)``; then wait for torchrun to end (if it did not,
     its process group and each worker are SIGKILLed). Returns (traces folder, torchrun's exit code, its output)."""
     script, traces, pids = tmp_path / "engine.py", tmp_path / "traces", tmp_path / "pids"
     script.write_text(textwrap.dedent(engine))
     traces.mkdir()
     pids.mkdir()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          "--monitor-interval", "0.1", str(script), str(traces), str(pids), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, **(env or {})})
@@ -96,9 +97,9 @@ def torchrun_job(tmp_path: Path, engine: str, stop, args: tuple = (), env: dict 
 
     try:
         deadline = time.monotonic() + TORCHRUN_WAIT_S
-        while len(written()) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+        while len(written()) < ranks and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert launcher.poll() is None and len(written()) == 2, "the ranks did not reach the test's step"
+        assert launcher.poll() is None and len(written()) == ranks, "the ranks did not reach the test's step"
         stop(written(), launcher, traces)
         out, _ = launcher.communicate(timeout=TORCHRUN_WAIT_S)
     finally:

@@ -116,14 +116,16 @@ LAG = ENGINE_OWN.replace(
     '        if step == 21 and rank == 1 and fault == "gil":\n')
 
 
-def _stop_once_rank_0_waited_long(pids: dict, launcher, traces, copy_to) -> None:
-    """Wait (bounded) until rank 0 has written four alive records inside the engine's collective at one step, copy
-    the traces as they stand (a read of the live job), then SIGTERM torchrun: an operator ending a stuck job."""
+def stop_once_waiting(launcher, traces, copy_to, ranks: tuple[int, ...] = (0,)) -> None:
+    """Wait (bounded) until each of ``ranks`` has written four alive records inside an engine collective at one step,
+    copy the traces as they stand (a read of the live job), then SIGTERM torchrun: an operator ending a stuck job."""
+    def waiting(rank: int) -> bool:
+        alive = [r for r in read_trace(traces / f"rank{rank:05d}.jsonl")[0] if r.get("event") == "alive"]
+        return len(alive) >= 4 and all(a.get("engine_wait") and a.get("step") == alive[-1].get("step")
+                                       for a in alive[-4:])
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        alive = [r for r in read_trace(traces / "rank00000.jsonl")[0] if r.get("event") == "alive"]
-        if len(alive) >= 4 and all(a.get("engine_wait") and a.get("step") == alive[-1].get("step") for a in alive[-4:]):
-            break
+    while time.monotonic() < deadline and not all(waiting(r) for r in ranks):
         time.sleep(0.1)
     shutil.copytree(traces, copy_to)
     launcher.send_signal(signal.SIGTERM)
@@ -136,7 +138,7 @@ def test_a_real_rank_stuck_in_its_own_work_lags_before_and_after_the_stop(tmp_pa
     all-reduce of another group nobody joins); rank 0 waits inside the engine's all-reduce. Read live, then after
     SIGTERM to torchrun: `lagging`, rank 1, both times (was: nothing found, then `signalled`)."""
     live = tmp_path / "live"
-    stop = lambda pids, launcher, traces: _stop_once_rank_0_waited_long(pids, launcher, traces, live)  # noqa: E731
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live)  # noqa: E731
     traces, code, out = torchrun_job(tmp_path, LAG, stop, (fault, "60"), GRACE)
     assert code != 0, out
     for folder in (live, traces):

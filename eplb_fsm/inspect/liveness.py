@@ -34,6 +34,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
 - **network**: every rank alive (or signalled since) and inside the engine's collective, none computing:
   the transport stalled (``stalled.network_stall``); or, with no other cause, a connection reset between
   two live ranks (``stalled.lost_together``).
+- **collective_mismatch**: every rank alive (or signalled since) and inside a collective of the engine's at one
+  step, but not one collective: a deadlock of the engine's (``deadlock.engine_deadlock``).
 
 The earliest of these events (by ``ts``) is the cause. Everything that happened after it to
 the other ranks (an exception from a wait that failed, a SIGTERM from the launcher, alive
@@ -51,6 +53,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from eplb_fsm.fsm.machine import TRANSFERRING
+from eplb_fsm.inspect.deadlock import engine_deadlock
 from eplb_fsm.inspect.died import died_finding
 from eplb_fsm.inspect.dropped import Dropped
 from eplb_fsm.inspect.elastic import Cast, Key
@@ -255,10 +258,12 @@ def check_liveness(cast: Cast) -> Liveness:
             signals.append((ts, k))
     out.pauses, out.paused = pause_warnings(cast, paused, at)
     events += frozen_findings(cast, sorted(frozen), at, _interval)
-    if not events and (stall := network_stall(cast, at)) is not None:   # the signals, failed waits after it: its
-        events.append((stall[0], "network", stall[1], stall[2]))       # consequences
-    elif not events and (lag := engine_lag(cast, at)) is not None:   # the same, for a rank behind in its own work
-        events.append((lag[0], "lagging", lag[1], lag[2]))
+    # live ranks that stopped in or around the engine's collectives: the signals, failed waits after are consequences
+    rules = ((network_stall, "network"), (engine_lag, "lagging"), (engine_deadlock, "collective_mismatch"))
+    for rule, kind in rules if not events else ():
+        if (found := rule(cast, at)) is not None:
+            events.append((found[0], kind, found[1], found[2]))
+            break
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
     first_ts = min(([events[0][0]] if events else []) + [ts for ts, _ in late_exceptions], default=None)

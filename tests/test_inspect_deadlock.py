@@ -1,0 +1,101 @@
+"""A deadlock of the engine's: every rank waits inside a collective of the engine's, not one (``inspect/deadlock.py``).
+
+Hand-written traces pin the rule's edges; real 4-rank torchrun jobs give it the traces it was made for: from step 22
+rank 1's engine all-gathers where the others all-reduce, or all-reduces on another group of the same ranks. The tree
+before this rule read both as healthy while they hung, and as stopped from outside (`signalled`) once stopped.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import torchrun_job
+from test_inspect_held import ENGINE_OWN, GRACE
+from test_inspect_lagging import stop_once_waiting
+from test_inspect_liveness import WORLD, write
+from test_inspect_stalled import ENGINE, Waiter
+
+from eplb_fsm.inspect.render import format_report
+from eplb_fsm.inspect.replay import replay_dir
+
+GATHER = {**ENGINE, "engine_wait": "all_gather", "engine_wait_call": "WORLD:[4]"}
+OTHER_GROUP = {**ENGINE, "engine_wait_call": "2:[48, 8]"}
+
+
+def deadlocked(odd: dict[int, dict], wait_s: float = 6, odd_step: int = 40) -> list[Waiter]:
+    """Every rank steps to 40 and waits ``wait_s`` inside the engine's all-reduce, but the ranks of ``odd`` inside
+    the collective it maps them to (at ``odd_step``)."""
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank in odd:
+            rk.steps(odd_step, alive=False)
+        rk.engine_wait(wait_s, odd.get(rk.rank, ENGINE))
+    return ranks
+
+
+@pytest.mark.parametrize("odd", [GATHER, OTHER_GROUP], ids=["op", "group"])
+def test_a_rank_in_another_engine_collective_is_the_mismatch(tmp_path, odd):
+    """Rank 3 waits in an all-gather (or another group's all-reduce) while ranks 0-2 wait in the all-reduce:
+    `collective_mismatch`, rank 3 (was: healthy)."""
+    report = replay_dir(write(tmp_path, deadlocked({3: odd})))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("collective_mismatch", [3], 40), \
+        format_report(report)
+    assert "ranks 0-2 in all_reduce (WORLD:[48, 8])" in report.summary and "deadlock of the engine's" in report.summary
+
+
+def test_two_against_two_is_a_tie(tmp_path):
+    """Ranks 2-3 in an all-gather, ranks 0-1 in the all-reduce: every rank is a culprit, undecided."""
+    report = replay_dir(write(tmp_path, deadlocked({2: GATHER, 3: GATHER})))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", list(range(WORLD))), format_report(report)
+    assert report.summary.endswith("a tie, undecided")
+
+
+def test_a_stop_after_the_deadlock_is_its_consequence(tmp_path):
+    """The same, then SIGTERM to every rank: still the mismatch, the other ranks' signals its consequences."""
+    ranks = deadlocked({3: GATHER})
+    for rk in ranks:
+        rk.end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [3]), format_report(report)
+    assert sum("was stopped by SIGTERM" in c for c in report.consequences) == WORLD - 1, format_report(report)
+
+
+@pytest.mark.parametrize("case", ["one collective", "two steps", "short", "own work", "missing"])
+def test_what_is_no_deadlock_of_the_engines(tmp_path, case):
+    """Left to the other rules: every rank in one collective (the network), the odd rank a step further in one op
+    (the network), two records (under three intervals), a rank in its own work (lagging), a rank without a trace."""
+    odd = {"one collective": {}, "two steps": {3: {**ENGINE, "engine_wait_call": "WORLD:[4]"}}, "short": {3: GATHER},
+           "own work": {3: None}, "missing": {3: GATHER}}[case]
+    ranks = deadlocked(odd, wait_s=2 if case == "short" else 6, odd_step=41 if case == "two steps" else 40)
+    report = replay_dir(write(tmp_path, ranks[:-1] if case == "missing" else ranks))
+    assert "deadlock of the engine's" not in " ".join(f.summary for f in report.findings), format_report(report)
+
+
+# -- real jobs: from step 22 rank 1's engine issues another collective than its peers' -------------------------------
+
+MISMATCH = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(   # 12 slots: 3 a rank
+    "num_redundant_experts=2", "num_redundant_experts=4").replace(
+    "rank, world = dist.get_rank(), dist.get_world_size()\n",
+    "rank, world = dist.get_rank(), dist.get_world_size()\nside = dist.new_group(list(range(world)))\n").replace(
+    "        dist.all_reduce(torch.ones(4))\n",
+    '        if step >= 22 and rank == 1 and fault == "gather":\n'
+    '            dist.all_gather([torch.ones(4) for _ in range(world)], torch.ones(4))\n'
+    '        elif step >= 22 and rank == 1 and fault == "group":\n'
+    '            dist.all_reduce(torch.ones(4), group=side)\n'
+    '        else:\n'
+    '            dist.all_reduce(torch.ones(4))\n')
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault", ["gather", "group"])
+def test_a_real_engine_deadlock_names_the_rank_that_left_the_others_collective(tmp_path, fault):
+    """4 ranks; from step 22 rank 1 all-gathers (or all-reduces on a second group of the same ranks) where ranks
+    0,2-3 all-reduce: read live and after SIGTERM to torchrun, `collective_mismatch` naming rank 1 (was: healthy,
+    then `signalled`)."""
+    live = tmp_path / "live"
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, range(4))  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, MISMATCH, stop, (fault, "60"), GRACE, ranks=4)
+    assert code != 0, out
+    for folder in (live, traces):
+        report = replay_dir(folder)
+        assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [1]), format_report(report)
+        assert "ranks 0,2-3 in all_reduce" in report.summary, format_report(report)
