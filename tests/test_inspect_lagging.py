@@ -50,6 +50,8 @@ def test_a_rank_in_its_own_work_at_the_step_its_peers_wait_in_lags(tmp_path):
     assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [2], 40), format_report(report)
     assert "ranks 0-1,3 waited for it inside the engine's all_reduce at step 40" in report.summary
     assert {p["status"] for p in report.findings[0].ranks if p["rank"] != 2} == {"waiting"}
+    # each waiter's consequence line says where it waits: the engine's collective, not "its own work"
+    assert sum("in no controller collective, inside the engine's all_reduce" in c for c in report.consequences) == 3
 
 
 def test_the_job_stopped_during_the_lag_keeps_the_signals_as_consequences(tmp_path):

@@ -1,0 +1,26 @@
+"""endings.waiting_text: where a rank waited, in words, from its last alive record."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from eplb_fsm.inspect.endings import waiting_text
+
+
+def _rank(engine: tuple | None) -> SimpleNamespace:
+    """A rank with one alive record at step 7 naming no controller collective, and ``engine`` as its engine wait."""
+    return SimpleNamespace(alive=[(100.0, 7, "collecting", None, engine)], collectives={}, end=None, last_step=7)
+
+
+@pytest.mark.parametrize("engine, text", [
+    (("all_reduce", True, "WORLD:[4]", True), "in no controller collective, inside the engine's all_reduce"),
+    (("all_reduce", True, "WORLD:[4]", None), "in no controller collective, inside the engine's all_reduce"),
+    (("all_gather", True, "WORLD:[4]", False),
+     "in no controller collective, its main thread in its own work (a side thread in all_gather)"),
+    (None, "in no controller collective (so in the engine's step or its own work)"),
+], ids=["main thread", "older trace", "side thread", "none"])
+def test_an_engine_wait_is_named_when_no_controller_collective_is(engine, text):
+    """The engine's collective the record names is said, and whose thread waits in it; without one, the old text."""
+    assert waiting_text(_rank(engine)) == text
