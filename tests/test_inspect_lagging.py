@@ -150,3 +150,18 @@ def test_a_real_rank_stuck_in_its_own_work_lags_before_and_after_the_stop(tmp_pa
     stopped = replay_dir(traces)
     assert sum("was stopped by SIGTERM" in c for c in stopped.consequences) == 1, format_report(stopped)
     assert ("a side thread" in stopped.summary) == (fault == "side"), format_report(stopped)
+
+
+def test_waits_that_ran_out_after_the_lag_are_its_consequences(tmp_path):
+    """The waiters' bounded waits run out after the lag and they end with the error; the lagging rank is then
+    SIGTERMed by its launcher: still `lagging` rank 2, the failed waits and the signal after it."""
+    ranks = lag_job((2,))
+    for rk in ranks:
+        if rk.rank == 2:
+            rk.ts += 1.0
+            rk.end("signal", signal="SIGTERM")
+        else:
+            rk.end("exception", error="RuntimeError: Application timeout caused pair closure")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
+    assert sum("gave up waiting" in c for c in report.consequences) == WORLD - 1, format_report(report)
