@@ -70,6 +70,15 @@ def test_what_is_no_deadlock_of_the_engines(tmp_path, case):
     assert "deadlock of the engine's" not in " ".join(f.summary for f in report.findings), format_report(report)
 
 
+
+def test_an_uneven_all_to_all_is_one_collective(tmp_path):
+    """Every rank in one all-to-all whose input shape differs by rank (uneven splits): one collective, so no
+    deadlock; every rank inside it is the network's reading (a red team saw this read as a mismatch in the code)."""
+    a2a = {r: dict(ENGINE, engine_wait="all_to_all_single", engine_wait_call=f"WORLD:[{3 * (r + 1)}]")
+           for r in range(WORLD)}
+    report = replay_dir(write(tmp_path, deadlocked(a2a)))
+    assert (report.verdict, report.culprit_ranks) == ("network", list(range(WORLD))), format_report(report)
+
 # -- real jobs: from step 22 rank 1's engine issues another collective than its peers' -------------------------------
 
 MISMATCH = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(   # 12 slots: 3 a rank

@@ -104,6 +104,66 @@ def test_what_is_no_lag_of_the_engines(tmp_path, case):
     assert not lag, format_report(report)
 
 
+
+def test_a_stall_the_job_stepped_on_from_is_no_lag(tmp_path):
+    """Rank 2 computed at step 40 while the others waited, then every rank stepped on to 60 and was stopped: the
+    stall passed, `signalled` (a red team's job that caught up read `lagging`)."""
+    ranks = lag_job((2,))
+    for rk in ranks:
+        rk.steps(60, alive=False).end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "signalled", format_report(report)
+
+
+@pytest.mark.parametrize("wait_s, verdict", [(6, "signalled"), (12, "lagging")])
+def test_a_wait_no_longer_than_twice_the_ones_the_job_got_past_is_a_slow_step(tmp_path, wait_s, verdict):
+    """At step 39 the others waited 4 s for rank 2 and the job went on; a wait of 6 s at step 40, then a stop, is
+    a slow step (`signalled`; a red team's job with 4 s steps read `lagging`); one of 12 s is `lagging`."""
+    ranks = [Waiter(r).steps(39) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(4, None if rk.rank == 2 else ENGINE)
+    for rk in ranks:
+        rk.steps(40, alive=False).engine_wait(wait_s, None if rk.rank == 2 else ENGINE).end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == verdict, format_report(report)
+    if verdict == "lagging":
+        assert report.culprit_ranks == [2] and "the longest wait the job got past before: 3.0 s" in report.summary
+
+
+def test_waiters_in_an_uneven_all_to_all_wait_in_one_call(tmp_path):
+    """Ranks 0-1,3 wait in an all-to-all whose input shape differs by rank (uneven splits), rank 2 computes: one
+    call (one group), so `lagging` rank 2 (a red team's MoE dispatch read `signalled`)."""
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(6, None if rk.rank == 2 else dict(
+            ENGINE, engine_wait="all_to_all_single", engine_wait_call=f"WORLD:[{3 * (rk.rank + 1)}]"))
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
+
+
+def test_a_peer_waiting_in_its_subgroups_collective_still_waits(tmp_path):
+    """Ranks 0-1 wait in the all-reduce of every rank, rank 2 in its tensor-parallel pair's (ranks 2-3), rank 3
+    computes: `lagging` rank 3, rank 2 named as waiting in another group (a red team's job read `signalled`)."""
+    tp = dict(ENGINE, engine_wait_group="other", engine_wait_call="3:[4]")
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(6, {0: ENGINE, 1: ENGINE, 2: tp, 3: None}[rk.rank])
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [3]), format_report(report)
+    assert "rank 2 inside collectives of other groups at that step (all_reduce (3:[4]))" in report.summary
+
+
+def test_a_rank_inside_a_collective_a_step_behind_is_not_named_lagging(tmp_path):
+    """Rank 3 sits in step 40's all-reduce, ranks 0-2 in an all-gather at step 41 (a red team's rank that skipped
+    a collective): none is in its own work, so no rank is named lagging (the step rule once named rank 3)."""
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank != 3:
+            rk.steps(41, alive=False)
+        rk.engine_wait(6, ENGINE if rk.rank == 3 else dict(ENGINE, engine_wait="all_gather"))
+    report = replay_dir(write(tmp_path, ranks))
+    assert "lagging" not in [f.kind for f in report.findings], format_report(report)
+
 # -- real jobs: rank 1 stops in its own work at step 21 -------------------------------------------------------------
 
 LAG = ENGINE_OWN.replace(
@@ -115,16 +175,20 @@ LAG = ENGINE_OWN.replace(
     '                             daemon=True).start()\n'
     '        if step == 21 and rank == 1 and fault in ("sleep", "side"):\n'
     '            time.sleep(3600)   # its own work, for good: a hung data loader, a lock, a slow kernel\n'
+    '        if step >= 21 and rank == 1 and fault == "slow":\n'
+    '            time.sleep(4)   # slow, not stuck: 4 s of its own work every step\n'
     '        if step == 21 and rank == 1 and fault == "gil":\n')
 
 
-def stop_once_waiting(launcher, traces, copy_to, ranks: tuple[int, ...] = (0,)) -> None:
-    """Wait (bounded) until each of ``ranks`` has written four alive records inside an engine collective at one step,
-    copy the traces as they stand (a read of the live job), then SIGTERM torchrun: an operator ending a stuck job."""
+def stop_once_waiting(launcher, traces, copy_to, ranks: tuple[int, ...] = (0,), steps: int = 1) -> None:
+    """Wait (bounded) until each of ``ranks`` has written four alive records inside an engine collective at one step
+    (after waits at ``steps`` - 1 earlier steps), copy the traces as they stand (a read of the live job), then SIGTERM
+    torchrun: an operator ending a stuck job."""
     def waiting(rank: int) -> bool:
         alive = [r for r in read_trace(traces / f"rank{rank:05d}.jsonl")[0] if r.get("event") == "alive"]
-        return len(alive) >= 4 and all(a.get("engine_wait") and a.get("step") == alive[-1].get("step")
-                                       for a in alive[-4:])
+        waited_at = {a.get("step") for a in alive if a.get("engine_wait")}
+        return len(alive) >= 4 and len(waited_at) >= steps and all(
+            a.get("engine_wait") and a.get("step") == alive[-1].get("step") for a in alive[-4:])
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(waiting(r) for r in ranks):
@@ -165,3 +229,43 @@ def test_waits_that_ran_out_after_the_lag_are_its_consequences(tmp_path):
     report = replay_dir(write(tmp_path, ranks))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
     assert sum("gave up waiting" in c for c in report.consequences) == WORLD - 1, format_report(report)
+
+
+@pytest.mark.multiprocess
+def test_a_real_job_with_slow_steps_stopped_inside_one_is_no_lag(tmp_path):
+    """From step 21 rank 1 spends 4 s of its own work in every step while rank 0 waits for it; the operator stops
+    the job inside the third such wait: read live, nothing found; after SIGTERM, `signalled` (a red team's job of
+    this shape read `lagging` rank 1: a slow step, not a stuck rank)."""
+    live = tmp_path / "live"
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, steps=3)  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, LAG, stop, ("slow", "60"), GRACE)
+    assert code != 0, out
+    assert replay_dir(live).verdict == "healthy", format_report(replay_dir(live))
+    report = replay_dir(traces)
+    assert (report.verdict, report.culprit_ranks) == ("signalled", [0, 1]), format_report(report)
+
+
+# the engine's collective is an uneven all-to-all (a MoE dispatch: rank r sends r + 1 rows to each peer, so each
+# rank's input has its own shape) on 3 ranks; rank 2 sleeps for good at step 21
+DISPATCH = LAG.replace("num_redundant=2", "num_redundant=4").replace(   # 12 slots: 4 a rank
+    "num_redundant_experts=2", "num_redundant_experts=4").replace(
+    "        dist.all_reduce(torch.ones(4))\n",
+    "        n = rank + 1\n"
+    "        dist.all_to_all_single(torch.zeros(sum(r + 1 for r in range(world))), torch.ones(n * world),\n"
+    "                               [r + 1 for r in range(world)], [n] * world)\n").replace(
+    "step == 21 and rank == 1 and fault in", "step == 21 and rank == world - 1 and fault in")
+
+
+@pytest.mark.multiprocess
+def test_a_real_rank_stuck_before_an_uneven_all_to_all_lags(tmp_path):
+    """3 ranks whose engine's collective is an uneven all-to-all; rank 2 sleeps for good at step 21, ranks 0-1 wait
+    in the all-to-all with inputs of different shapes: one call all the same, so `lagging` rank 2, read live and
+    after SIGTERM (a red team's job read healthy, then `signalled`)."""
+    live = tmp_path / "live"
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, (0, 1))  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, DISPATCH, stop, ("sleep", "60"), GRACE, ranks=3)
+    assert code != 0, out
+    for folder in (live, traces):
+        report = replay_dir(folder)
+        assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
+        assert "ranks 0-1 waited for it inside the engine's all_to_all_single" in report.summary

@@ -6,8 +6,8 @@ joins. The controller traces none of those, so only the ``alive`` records tell i
 main thread waits in (``engine_wait``: op, and ``engine_wait_call``: group and tensor shape). A red team's real
 4-rank runs of both shapes read as healthy while they hung and as stopped from outside (``signalled``) once stopped.
 
-:func:`engine_deadlock` reads ``collective_mismatch`` when every participant's last ``stalled.RUN`` or more alive
-records wait so (``stalled.engine_run``) at one step, overlapping in time, in more than one (op, call). The ranks
+:func:`engine_deadlock` reads ``collective_mismatch`` when every participant's last ``engine_runs.RUN`` or more alive
+records wait so (``engine_runs.engine_run``) at one step, overlapping in time, in more than one (op, call). The ranks
 off the largest share are the culprits; in a tie every rank is, undecided. Signals and failed waits after it are
 its consequences, as for the network's stall. Ranks at two steps in one op are the network's (``network_stall``),
 which reads them first.
@@ -19,13 +19,9 @@ from collections import Counter
 
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.stalled import engine_run, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, waited_or_stopped
 
 __all__ = ["engine_deadlock"]
-
-
-def _call(run: tuple) -> str:
-    return f"{run[1]} ({run[4]})" if run[4] else str(run[1])
 
 
 def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
@@ -36,28 +32,30 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
         return None   # a rank without a trace may wait in yet another one
     runs = {k: engine_run(s) for k, s in parts.items()}
-    if any(r is None for r in runs.values()) or len({r[0] for r in runs.values()}) > 1:
+    if any(r is None for r in runs.values()) or len({r.step for r in runs.values()}) > 1:
         return None
-    if max(r[2] for r in runs.values()) >= min(r[3] for r in runs.values()):
+    if max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None   # not waiting at the same time
-    calls = Counter(_call(r) for r in runs.values())
+    calls = Counter(r.collective for r in runs.values())
     if len(calls) < 2:
         return None
     top = calls.most_common()
     tie = top[0][1] == top[1][1]
-    odd = sorted(runs) if tie else sorted(k for k, r in runs.items() if _call(r) != top[0][0])
-    step, began = next(iter(runs.values()))[0], min(r[2] for r in runs.values())
-    lasted = max(r[3] for r in runs.values()) - began
-    by_call = "; ".join(f"{cast.who(sorted(k for k, r in runs.items() if _call(r) == c))} in {c}" for c, _ in top)
+    odd = sorted(runs) if tie else sorted(k for k, r in runs.items() if r.collective != top[0][0])
+    text = {r.collective: r.text for r in runs.values()}
+    step, began = next(iter(runs.values())).step, min(r.first for r in runs.values())
+    lasted = max(r.last for r in runs.values()) - began
+    by_call = "; ".join(f"{cast.who(sorted(k for k, r in runs.items() if r.collective == c))} in {text[c]}"
+                        for c, _ in top)
     summary = (f"every rank has waited inside a collective of the engine's at step {step} for {lasted:.1f} s from "
                f"{at(began)}, and not in one: {by_call}. None completes without every rank of its group (the "
                f"engine's ranks issued different collectives: a deadlock of the engine's)"
-               + (", a tie, undecided" if tie else f"; {cast.who(odd)} left the others' {top[0][0]}"))
+               + (", a tie, undecided" if tie else f"; {cast.who(odd)} left the others' {text[top[0][0]]}"))
     first = parts[odd[0]]
     return began, odd[0], Finding.of(
         "collective_mismatch", step, odd, summary, state=first.alive[-1][2],
-        ranks=[cast.position(k, "mismatch" if k in odd else "waiting", f"alive, inside the engine's {_call(r)}",
-                             r[0], parts[k].alive[-1][2]) for k, r in sorted(runs.items())],
+        ranks=[cast.position(k, "mismatch" if k in odd else "waiting", f"alive, inside the engine's {r.text}",
+                             r.step, parts[k].alive[-1][2]) for k, r in sorted(runs.items())],
         details=["each rank's alive records name the collective its main thread waits in (engine_wait, "
                  "engine_wait_call: group and tensor shape); the engine's own collectives are not traced",
                  "look at the branch that sent the named ranks' engines to another collective: the stacks a signal "

@@ -6,15 +6,21 @@ collective. Every process runs on and writes ``alive`` records; only what those 
 apart. Two readings:
 
 - :func:`engine_lag`: the peers' records name the engine's collective their main thread waits in
-  (``engine_wait``), the lagging rank's name none its main thread waits in (a side thread's wait aside), for
-  ``stalled.RUN`` records or more at one step each, overlapping in time. The lagging rank is at the waiters' step
-  (it has not reached the collective yet) or below it (it finished the previous one and has not ended its step).
-  Read like the network's stall: before the job is stopped, or after an operator's or scheduler's signals, which
-  are then its consequences. Before this rule, a real job with one rank asleep in its own work read as healthy
-  while it ran and as stopped from outside (``signalled``) once stopped (tests/test_inspect_lagging.py).
+  (``engine_wait``), the lagging rank's name none its main thread waits in (a side thread's wait aside): the
+  last ``engine_runs.RUN`` records or more of each, at one step, overlapping in time (``engine_runs.engine_run``).
+  The peers on the controller's ranks wait in one collective; peers in a subgroup's (tensor parallel) may wait in
+  theirs, at the same step. The lagging rank is at the waiters' step (it has not reached the collective yet) or
+  below it (it finished the previous one and has not ended its step). Not when the waits last no more than
+  ``SLOW_FACTOR`` times the longest wait the job got past (``engine_runs.longest_wait_before``): its steps are
+  slow, it is not stuck. Read like the network's stall: before the job is stopped, or after an operator's or
+  scheduler's signals, which are then its consequences. Before this rule, a real job with one rank asleep in its
+  own work read as healthy while it ran and as stopped from outside (``signalled``) once stopped
+  (tests/test_inspect_lagging.py). Not seen: waits on a handle (``work.wait()``), which ``engine_wait`` cannot see
+  (every rank then looks in its own work), and a lagging rank blocked in a point-to-point or rooted collective
+  (``recv``, ``broadcast``), which reads as its own work.
 - :func:`step_lag`: traces without ``engine_wait`` (older writers, or an engine whose waits the liveness thread
-  cannot see): every live rank's step stopped advancing and some stopped at a lower step. Read only where nothing
-  else was found.
+  cannot see): every live rank's step stopped advancing and some stopped at a lower step, none of those inside a
+  collective of the engine's. Read only where nothing else was found.
 """
 
 from __future__ import annotations
@@ -22,50 +28,64 @@ from __future__ import annotations
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import waiting_text
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.stalled import engine_run, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, longest_wait_before, waited_or_stopped
 
 __all__ = ["engine_lag", "step_lag"]
+
+SLOW_FACTOR = 2   # a wait no longer than twice the longest one the job got past is a slow step, not a lag
 
 
 def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     """(ts the waits began, first culprit, finding) when every participant still running, or stopped by a signal or
-    a failed wait since, either waits in one engine collective or is in its own work, as the module docstring says;
+    a failed wait since, either waits in an engine collective or is in its own work, as the module docstring says;
     else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
         return None   # a rank without a trace may be the one they wait for
-    waits = {k: r for k, s in parts.items() if (r := engine_run(s))}
-    own = {k: r for k, s in parts.items() if (r := engine_run(s, waiting=False))}
-    if not waits or not own or len(waits) + len(own) != len(parts):
+    own = {k: r for k, s in parts.items() if (r := engine_run(s, "own"))}
+    waits = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "any"))}
+    ours = {k: r for k, r in waits.items() if r.ours}
+    # the waiters on the controller's ranks sit in one collective (one step, op and call); the others, in a
+    # subgroup's (a tensor-parallel group's, a red team's), at that step too
+    if not own or not ours or len(own) + len(waits) != len(parts) or len({r.step for r in waits.values()}) > 1 \
+            or len({r.collective for r in ours.values()}) > 1:
         return None
-    # the waiters sit in one collective (one step, op and call); the ranks in their own work at that step or below
-    if len({(r[0], r[1], r[4]) for r in waits.values()}) > 1:
-        return None
-    step, op = next(iter(waits.values()))[:2]
+    step, op = next(iter(ours.values())).step, next(iter(ours.values())).op
     runs = waits | own
-    if any(r[0] > step for r in own.values()) or max(r[2] for r in runs.values()) >= min(r[3] for r in runs.values()):
+    if any(r.step > step for r in own.values()) or max(r.first for r in runs.values()) >= min(
+            r.last for r in runs.values()):
         return None
-    behind, waiters = sorted(own), sorted(waits)
-    low = min(own[k][0] for k in behind)
-    began = min(r[2] for r in waits.values())
-    lasted = max(r[3] for r in runs.values()) - began
+    began = min(r.first for r in waits.values())
+    lasted = max(r.last for r in runs.values()) - began
+    # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past
+    # (a red team's 4 s steps, stopped by the operator inside one, read as lagging)
+    before = max(longest_wait_before(parts[k], r.first) for k, r in waits.items())
+    if lasted <= SLOW_FACTOR * before:
+        return None
+    behind, waiters = sorted(own), sorted(ours)
+    low = min(own[k].step for k in behind)
     first, one = cast.parts[behind[0]], len(behind) == 1
-    side = sorted({r[1] for r in own.values() if r[1]})
+    side = sorted({r.op for r in own.values() if r.op})
     where = (f"its main thread outside any collective; a side thread waits in {', '.join(side)}" if side
              else "in no collective of the engine's or the controller's")
-    at_step = f"at step {low}" if all(own[k][0] == low for k in behind) else f"at steps {low}..{step}"
+    at_step = f"at step {low}" if all(own[k].step == low for k in behind) else f"at steps {low}..{step}"
+    sub = sorted(k for k in waits if k not in ours)
+    others = (f", and {cast.who(sub)} inside collectives of other groups at that step "
+              f"({', '.join(sorted({waits[k].text for k in sub}))})" if sub else "")
     summary = (f"{cast.who(behind)} {'has' if one else 'have'} been in {'its' if one else 'their'} own work {at_step} "
                f"in {first.alive[-1][2]} ({where}) for {lasted:.1f} s from {at(began)}, while {cast.who(waiters)} "
-               f"waited for {'it' if one else 'them'} inside the engine's {op} at step {step}: alive, "
+               f"waited for {'it' if one else 'them'} inside the engine's {op} at step {step}{others}: alive, "
                f"{'its' if one else 'their'} step no longer advancing (a hung data loader, a lock, a slow or stuck "
-               "kernel, a blocking read)")
+               "kernel, a blocking read)" + (f"; the longest wait the job got past before: {before:.1f} s" if before
+                                             else ""))
     return began, behind[0], Finding.of(
         "lagging", low, behind, summary, state=first.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in own else "waiting",
-                             f"alive at step {runs[k][0]}, " + (f"inside the engine's {op}" if k in waits else where),
-                             runs[k][0], parts[k].alive[-1][2]) for k in sorted(runs)],
+                             f"alive at step {r.step}, " + (f"inside the engine's {r.text}" if k in waits else where),
+                             r.step, parts[k].alive[-1][2]) for k, r in sorted(runs.items())],
         details=["each rank's alive records say whether its main thread waits in a collective (engine_wait): the "
-                 "waiters sit in the engine's, the lagging ranks in none",
+                 "waiters sit in the engine's, the lagging ranks in none (a point-to-point or rooted one, a "
+                 "broadcast or recv, reads as none: engine_wait does not name those)",
                  "look at what the lagging ranks' main threads were doing: the stacks a signal end writes to stderr "
                  "(eplb_fsm.stop_signals), py-spy dump, the engine's own logs"],
     )
@@ -85,6 +105,8 @@ def step_lag(cast: Cast) -> Finding | None:
         return None
     low = min(stalled.values())
     behind = sorted(k for k, v in stalled.items() if v == low)
+    if any((a := cast.parts[k].alive[-1])[4] and a[4][3] is not False for k in behind):
+        return None   # its main thread waits in a collective of the engine's: not behind in its own work
     ahead = sorted(k for k in stalled if k not in behind)
     s = cast.parts[behind[0]]
     top = max(stalled.values())

@@ -12,14 +12,15 @@ shapes, and this module reads both:
   one of their links is the broken one);
 - every member is inside the collective at the same step: none finished (the finding names them all).
 
-What makes it the transport and not a rank: no member is computing (the last ``RUN`` or more alive records of each
-name the engine's collective on the controller's ranks, from the main thread, every rank in one op and the ranks
-at one step in one call: one group, one shape), none is in a controller collective (``waiting_on``; but
-posted ready flags, read back later, hold nobody), none is silent (that is ``frozen``), every rank has a trace (an
-untraced one may be the one missing from the collective), none ended other than by a signal from outside or by a
-wait that failed after its stall (a bounded wait that ran out, gloo then closing the group's pairs under every
-other wait: the stall's consequences; a crash has rules of its own), and the stalls overlap in time. A rank that
-lags in its own work has no ``engine_wait`` from its main thread and stays ``lagging``.
+What makes it the transport and not a rank: no member is computing (the last ``engine_runs.RUN`` or more alive
+records of each name the engine's collective on the controller's ranks, from the main thread, every rank in one op
+and the ranks at one step in one call: one group, one shape, or one group for an all-to-all), none is in a
+controller collective (``waiting_on``; but posted ready flags, read back later, hold nobody), none is silent
+(that is ``frozen``), every rank has a trace (an untraced one may be the one missing from the collective), none
+ended other than by a signal from outside or by a wait that failed after its stall (a bounded wait that ran out,
+gloo then closing the group's pairs under every other wait: the stall's consequences; a crash has rules of its
+own), and the stalls overlap in time. A rank that lags in its own work has no ``engine_wait`` from its main thread
+and stays ``lagging``.
 
 One more shape comes without ``engine_wait`` (an engine that waits on a handle, ``work.wait(timeout)``, which the
 liveness thread cannot see) and ends with every rank's exception, nothing else explaining them
@@ -38,59 +39,16 @@ import re
 from itertools import takewhile
 
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.endings import CONNECTION_LOST, WAIT_ERROR
+from eplb_fsm.inspect.engine_runs import engine_run, waited_or_stopped
+from eplb_fsm.inspect.endings import CONNECTION_LOST
 from eplb_fsm.inspect.findings import Finding, short_error
 
-__all__ = ["RESET", "RUN", "engine_run", "lost_together", "network_stall", "waited_or_stopped"]
+__all__ = ["RESET", "lost_together", "network_stall"]
 
-RUN = 3   # alive records in a row at one step, each inside the engine's collective: a wait, not a slow beat
-GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
 # a connection torn down under a live rank (an RST, or the socket destroyed), not closed by a peer that exited
 RESET = re.compile(r"Connection reset by peer|Software caused connection abort", re.I)
 PAIR_S = 0.1   # the other end of a reset connection fails with it: woken by the RST, not by a timeout
 SAME_MOMENT_S = 0.01   # a third reset this close to the second is one event with them, not a peer's exit
-
-
-def engine_run(s, waiting: bool = True) -> tuple[int, str | None, float, float, str | None] | None:
-    """(step, op, first ts, last ts, call) of ``s``'s last alive records that share one step, none in a controller
-    collective (posted ready flags aside) and none more than ``GAP`` intervals (2 s at least) after the one before
-    (a pause of the job breaks the run), when there are ``RUN`` or more and each names an engine collective on the
-    controller's ranks waited in by the main thread (or by a thread the record does not name: older traces); with
-    ``waiting`` false, when each names none that its main thread waits in, of any group (its own work; op and call
-    then a side thread's wait, or None). Else None."""
-    def posted(on: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
-        e = s.collectives.get(on.get("group"), {}).get(on.get("cseq"))
-        return e is not None and e.posted
-
-    def counts(i: int) -> bool:
-        a = s.alive[i]
-        main = bool(a[4]) and a[4][3] is not False   # its main thread waits in a collective (of any group)
-        if (a[3] and not posted(a[3])) or type(a[0]) not in (int, float) or a[1] != s.alive[-1][1] \
-                or (main and a[4][1] if waiting else not main) is not True:
-            return False
-        after = s.alive[i + 1][0] if i + 1 < len(s.alive) else None
-        return after is None or after - a[0] <= max(GAP * (s.alive_interval or 1.0), GAP_MIN_S)
-
-    if type(s.alive[-1][1] if s.alive else None) is not int:
-        return None
-    n = 0
-    while n < len(s.alive) and counts(len(s.alive) - 1 - n):
-        n += 1
-    if n < RUN:
-        return None
-    last = s.alive[-1][4] or (None, None, None, None)
-    return s.alive[-1][1], last[0], s.alive[-n][0], s.alive[-1][0], last[2]
-
-
-def waited_or_stopped(s) -> bool:
-    """Still running, stopped by a signal, or ended by a wait that failed (gloo closing the stalled pairs when a
-    bounded wait ran out) after its last alive record: the ends a stall leads to."""
-    end = s.end or {}
-    if end.get("how") in (None, "signal"):
-        return True
-    ts, last = end.get("ts"), s.alive[-1][0] if s.alive else None
-    return end.get("how") == "exception" and bool(WAIT_ERROR.search(str(end.get("error") or ""))) \
-        and type(ts) in (int, float) and type(last) in (int, float) and ts >= last
 
 
 def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
@@ -104,20 +62,20 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     runs = {k: engine_run(s) for k, s in parts.items()}
     if any(r is None for r in runs.values()):
         return None
-    steps = {r[0] for r in runs.values()}
+    steps = {r.step for r in runs.values()}
     low, top = min(steps), max(steps)
-    began, overlap_end = min(r[2] for r in runs.values()), min(r[3] for r in runs.values())
-    if top - low > 1 or max(r[2] for r in runs.values()) >= overlap_end:
+    began, overlap_end = min(r.first for r in runs.values()), min(r.last for r in runs.values())
+    if top - low > 1 or max(r.first for r in runs.values()) >= overlap_end:
         return None   # more than one collective apart, or not stalled at the same time
     # ranks in different ops, or at one step in calls of other groups or shapes, wait in different collectives: a
     # deadlock of the engine's (a red team's all_reduce against all_gather, or on two groups of the same ranks)
-    if len({r[1] for r in runs.values()}) > 1 or any(len({r[4] for r in runs.values() if r[0] == step and r[4]}) > 1
-                                                     for step in steps):
+    if len({r.op for r in runs.values()}) > 1 or any(
+            len({r.collective for r in runs.values() if r.step == step and r.call}) > 1 for step in steps):
         return None
-    inside = sorted(k for k, r in runs.items() if r[0] == low)
+    inside = sorted(k for k, r in runs.items() if r.step == low)
     ahead = sorted(k for k in runs if k not in inside)
-    op, s = runs[inside[0]][1], parts[inside[0]]
-    lasted = max(r[3] for r in runs.values()) - began
+    op, s = runs[inside[0]].op, parts[inside[0]]
+    lasted = max(r.last for r in runs.values()) - began
     clean = "none computing, silent or in a controller collective"
     if ahead:
         summary = (f"{cast.who(inside)} {'is' if len(inside) == 1 else 'are'} still inside the engine's {op} at step "
@@ -133,8 +91,9 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     return began, inside[0], Finding.of(
         "network", low, inside, summary, state=s.alive[-1][2],
         ranks=[cast.position(k, "inside" if k in inside else "waiting",
-                             f"alive, inside the engine's {runs[k][1]} at step {runs[k][0]} (last at {at(runs[k][3])})",
-                             runs[k][0], parts[k].alive[-1][2]) for k in sorted(runs)],
+                             f"alive, inside the engine's {runs[k].op} at step {runs[k].step} "
+                             f"(last at {at(runs[k].last)})",
+                             runs[k].step, parts[k].alive[-1][2]) for k in sorted(runs)],
         details=["each rank's alive records name the engine's collective it waits in (engine_wait): a rank still "
                  "inside one its peers finished waits for their data, it is not behind in its own work",
                  "look at the network of the named ranks' hosts and their peers' (link and NIC error counters, "

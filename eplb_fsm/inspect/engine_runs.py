@@ -1,0 +1,118 @@
+"""A rank's last ``alive`` records read as one run: where its main thread stood while its step stayed put.
+
+Why: three readings of live engines (``stalled``: the network; ``lagging``: a rank in its own work; ``deadlock``:
+ranks in different collectives) look at the same thing on every rank: its last ``RUN`` or more alive records, at one
+step, each saying whether the main thread waits in a collective of the engine's (``engine_wait``, from the frames
+the liveness thread reads; ``eplb_fsm.engine_wait``) and in which (``engine_wait_call``: group name and tensor shape).
+
+A run is what the rank did *last*: a record of a later step after it (the job went on: a slow step, not a stall; a
+red team's job that caught up read as lagging), a silence over ``GAP`` intervals inside it (a pause of the job), a
+controller collective it waits in (posted ready flags aside: nobody waits in them) or a record of the other kind
+ends it. :func:`longest_wait_before` measures the waits a rank got past before its run: a job whose engine steps
+often take seconds is slow, not stuck, until a wait outlasts them (``lagging.engine_lag``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eplb_fsm.inspect.endings import WAIT_ERROR
+
+__all__ = ["RUN", "Run", "engine_run", "longest_wait_before", "waited_or_stopped"]
+
+RUN = 3   # alive records in a row at one step: a wait, not a slow beat
+GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
+# collectives whose tensor shape may differ from member to member in one call (uneven all-to-all splits, a red
+# team's MoE dispatch): one call is one group there
+UNEVEN = frozenset({"all_to_all", "all_to_all_single", "all_gather", "all_gather_object"})
+
+
+@dataclass(frozen=True)
+class Run:
+    """A rank's last alive records at one step: ``step``; ``op`` and ``call`` of the collective the last one names
+    (None when none: its own work; a side thread's wait in a run of its own work); ``first`` and ``last`` ts;
+    ``ours``: every record's collective is on the controller's ranks."""
+
+    step: int
+    op: str | None
+    first: float
+    last: float
+    call: str | None
+    ours: bool
+
+    @property
+    def collective(self) -> tuple:
+        """Which collective, alike on every member of one call: op, and group and shape (group alone: ``UNEVEN``)."""
+        if self.op in UNEVEN and self.call:
+            return self.op, self.call.rsplit(":", 1)[0]
+        return self.op, self.call
+
+    @property
+    def text(self) -> str:
+        return f"{self.op} ({self.call})" if self.call else str(self.op)
+
+
+def _main_waits(a) -> bool:
+    """Whether an alive record says the main thread waits in an engine collective (older traces: any thread)."""
+    return bool(a[4]) and a[4][3] is not False
+
+
+def _within_gap(s, earlier: float, later: float) -> bool:
+    return later - earlier <= max(GAP * (s.alive_interval or 1.0), GAP_MIN_S)
+
+
+def engine_run(s, mode: str = "ours") -> Run | None:
+    """``s``'s run (module docstring) when it has ``RUN`` or more records, each with the main thread inside an engine
+    collective on the controller's ranks (``mode`` "ours"), inside one of any group ("any"), or inside none, a side
+    thread's wait aside ("own"); else None."""
+    def posted(on: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
+        e = s.collectives.get(on.get("group"), {}).get(on.get("cseq"))
+        return e is not None and e.posted
+
+    def counts(i: int) -> bool:
+        a = s.alive[i]
+        main = _main_waits(a)
+        kind = (main and a[4][1] is True) if mode == "ours" else main if mode == "any" else not main
+        if (a[3] and not posted(a[3])) or type(a[0]) not in (int, float) or a[1] != s.alive[-1][1] or not kind:
+            return False
+        return i + 1 == len(s.alive) or _within_gap(s, a[0], s.alive[i + 1][0])
+
+    step = s.alive[-1][1] if s.alive else None
+    if type(step) is not int or (type(s.last_step) is int and s.last_step > step):
+        return None   # no step, or the rank stepped on after its last alive record
+    n = 0
+    while n < len(s.alive) and counts(len(s.alive) - 1 - n):
+        n += 1
+    if n < RUN:
+        return None
+    last = s.alive[-1][4] or (None, None, None, None)
+    ours = all(a[4] and a[4][1] is True for a in s.alive[-n:])
+    return Run(step, last[0], s.alive[-n][0], s.alive[-1][0], last[2], ours)
+
+
+def longest_wait_before(s, ts: float) -> float:
+    """The longest stretch, in seconds from its first alive record to its last, that ``s``'s main thread waited in an
+    engine collective at one step before ``ts`` (0.0 when it never did): a wait the job got past."""
+    longest, start, prev = 0.0, None, None
+    for a in s.alive:
+        if type(a[0]) not in (int, float) or a[0] >= ts:
+            break
+        inside = _main_waits(a)
+        if prev is None or not inside or a[1] != prev[1] or not _within_gap(s, prev[0], a[0]) \
+                or not _main_waits(prev):
+            start = a[0] if inside else None
+        if start is not None:
+            longest = max(longest, a[0] - start)
+        prev = a
+    return longest
+
+
+def waited_or_stopped(s) -> bool:
+    """Still running, stopped by a signal, or ended by a wait that failed (gloo closing the stalled pairs when a
+    bounded wait ran out) after its last alive record: the ends a stall leads to."""
+    end = s.end or {}
+    if end.get("how") in (None, "signal"):
+        return True
+    ts, last = end.get("ts"), s.alive[-1][0] if s.alive else None
+    return end.get("how") == "exception" and bool(WAIT_ERROR.search(str(end.get("error") or ""))) \
+        and type(ts) in (int, float) and type(last) in (int, float) and ts >= last
