@@ -16,6 +16,10 @@ they wait in the store, which a peer's death does not break (a red team's surviv
 a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_op=True``) called from the
 engine's own code, which leaves no Python frame of torch's, and waits in other libraries.
 
+:func:`main_wait` names the collective the main thread itself is blocked in, a rooted one too (``broadcast``,
+``gather``: :data:`ROOTED`), for the ``main_wait`` field: not always a wait on every member, but not the rank's own
+work either.
+
 Whether the collective's group holds the controller's ranks goes with its name: replay counts a wait only
 on those ranks, since another group may wait on a rank the controller does not trace, or leave out the
 silent one (red teams' controllers on 2 of 3 and 3 of 4 ranks, whose engines waited on the untraced rank,
@@ -31,7 +35,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
+__all__ = ["COLLECTIVES", "MAX_DEPTH", "ROOTED", "engine_collective", "main_wait"]
 
 # the c10d collectives in which every member waits on every other's data (on gloo, directly or through a
 # neighbour that fails at once when a member's sockets close). Not point-to-point send/recv: one waits on a
@@ -42,6 +46,12 @@ __all__ = ["COLLECTIVES", "MAX_DEPTH", "engine_collective"]
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
     "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier"})
+
+# the rooted collectives, each waited in by a member on the root (or the root on its members): not a wait on every
+# member, but a collective all the same (a red team's rank in broadcast against its peers' all_reduce read as a rank
+# in its own work)
+ROOTED = frozenset({"broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
+                    "scatter_object_list", "monitored_barrier"})
 
 MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
 
@@ -83,8 +93,9 @@ def _call(frame: FrameType) -> str | None:
         return None
 
 
-def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | None, str | None] | None:
-    """(the collective this stack is inside: its innermost public c10d function, one of COLLECTIVES, with only
+def _collective_of(frame: FrameType | None, group: Any, ops: frozenset = COLLECTIVES
+                   ) -> tuple[str, bool | None, str | None] | None:
+    """(the collective this stack is inside: its innermost public c10d function, one of ``ops``, with only
     torch's frames above it; whether its group holds the same ranks as ``group``, None when unknown; which call,
     ``_call``) when its caller is the engine's code; else None. A frame outside torch above the collective's is a
     thread running its own code inside it (a red team's object whose pickling slept inside all_gather_object),
@@ -99,7 +110,7 @@ def _collective_of(frame: FrameType | None, group: Any) -> tuple[str, bool | Non
                 return None
             if path.endswith(_C10D) and not frame.f_code.co_name.startswith("_"):
                 op = frame.f_code.co_name
-                if op not in COLLECTIVES:   # a group's creation, the store: waits a dead peer does not break
+                if op not in ops:   # a group's creation, the store: waits a dead peer does not break
                     return None
                 ours, theirs = _ranks(group, False), _ranks(frame.f_locals.get("group"), True)
                 same = None if ours is None or theirs is None else sorted(ours) == sorted(theirs)
@@ -135,3 +146,19 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
         return None
     ours = [s for s in seen if s[1] is True]
     return next((s for s in ours if s[3]), ours[0] if ours else seen[0] if seen else None)
+
+
+def main_wait(group: Any = None) -> tuple[str, bool | None, str | None] | None:
+    """(name, same group, call) of the collective the process's main thread is blocked in, called from the engine's
+    code, or None: one of :data:`COLLECTIVES` on any ranks, or a rooted one (:data:`ROOTED`); as
+    :func:`engine_collective`, never raises. For the record's ``main_wait``, written when ``engine_wait`` names no
+    wait of the main thread's: a side thread's wait on the controller's ranks answers there first (a red team's
+    metrics thread), and a rooted collective is no wait on every member; but a main thread inside either is not
+    in its own work, and ranks whose main threads sit in different collectives are deadlocked."""
+    try:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        if threading.get_ident() == threading.main_thread().ident:
+            return None
+        return _collective_of(frame, group, COLLECTIVES | ROOTED)
+    except Exception:
+        return None

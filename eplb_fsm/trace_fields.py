@@ -172,19 +172,30 @@ def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | N
     and, only when one was seen, the engine's own collective a thread is blocked in: ``engine_wait`` (its name)
     and ``engine_wait_group`` (``"same"``: on the controller's ranks, ``"other"``; absent when unknown), with
     ``engine_wait_call`` (its group's name and tensor shape, when read) and ``engine_wait_main`` (whether the
-    main thread waits in it), from ``engine_wait`` = (name, same group: True, False or None[, call, main])."""
+    main thread waits in it), from ``engine_wait`` = (name, same group: True, False or None[, call, main[, of main]]);
+    a name of None writes none of those. ``of main``: (name, same group, call) of the collective the main thread is
+    blocked in when that is not the one named (``engine_wait.main_wait``), written as ``main_wait`` (with
+    ``main_wait_group`` and ``main_wait_call`` as above)."""
     fields = {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
     if engine_wait is None:
         return fields
     op, same, *more = engine_wait
-    fields["engine_wait"] = str(op)
-    if same is not None:
-        fields["engine_wait_group"] = "same" if same else "other"
-    if more:
-        call, main = more
+    if op is not None:
+        fields["engine_wait"] = str(op)
+        if same is not None:
+            fields["engine_wait_group"] = "same" if same else "other"
+        if more:
+            call, main = more[:2]
+            if call is not None:
+                fields["engine_wait_call"] = str(call)
+            fields["engine_wait_main"] = bool(main)
+    if len(more) > 2 and more[2]:
+        op, same, call = more[2]
+        fields["main_wait"] = str(op)
+        if same is not None:
+            fields["main_wait_group"] = "same" if same else "other"
         if call is not None:
-            fields["engine_wait_call"] = str(call)
-        fields["engine_wait_main"] = bool(main)
+            fields["main_wait_call"] = str(call)
     return fields
 
 

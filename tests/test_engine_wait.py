@@ -201,13 +201,13 @@ def test_a_real_gloo_all_reduce_is_seen_while_it_waits():
     assert {look[2:] for look in looks[0]} == {("WORLD:[4]", False)} and looks[1] == []
 
 
-def _look_while_main_waits(group: object = None) -> tuple:
-    """What another thread's look (as the liveness thread's) sees while this thread, the main one, sits in the
-    engine's all_reduce (a function compiled as c10d's, called from the engine's code, blocked in a C call)."""
+def _look_while_main_waits(group: object = None, op: str = "all_reduce", look_with=engine_collective) -> tuple:
+    """What another thread's look (``look_with``, as the liveness thread's) sees while this thread, the main one,
+    sits in the engine's ``op`` (a function compiled as c10d's, called from the engine's code, blocked in a C call)."""
     c10d: dict = {}
-    exec(compile("def all_reduce(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
+    exec(compile(f"def {op}(inside, release, group=None):\n    inside.set()\n    release.acquire(timeout=30)\n",
                  C10D, "exec"), c10d)
-    caller: dict = {"collective": c10d["all_reduce"]}
+    caller: dict = {"collective": c10d[op]}
     exec(compile("def forward(inside, release):\n    collective(inside, release)\n", "/srv/engine/run.py", "exec"),
          caller)
     inside, release, seen = threading.Event(), threading.Lock(), []
@@ -215,7 +215,7 @@ def _look_while_main_waits(group: object = None) -> tuple:
 
     def look() -> None:
         inside.wait(10)
-        seen.append(engine_collective(group))
+        seen.append(look_with(group))
         release.release()
 
     looker = threading.Thread(target=look)
@@ -250,3 +250,23 @@ def test_the_main_threads_wait_answers_before_a_side_threads(monkeypatch):
         free.release()
         side.join(10)
     assert (seen[0], seen[1], seen[3]) == ("all_reduce", True, True)
+
+
+def test_a_main_threads_own_wait_is_named_apart():
+    """The main thread inside the engine's broadcast: no engine_wait (a member may wait on the root alone), but
+    main_wait names it, and the record writes it as main_wait (a red team's rank in broadcast against its peers'
+    all_reduce read as in its own work); the main thread's all_reduce too; a side thread's broadcast is not."""
+    assert _look_while_main_waits(op="broadcast") is None
+    seen = _look_while_main_waits(op="broadcast", look_with=engine_wait.main_wait)
+    assert seen == ("broadcast", None, "WORLD:-")   # the default group; no tensor argument here
+    assert _look_while_main_waits(look_with=engine_wait.main_wait)[0] == "all_reduce"
+    thread, side = _blocked_in("broadcast", "/srv/engine/run.py")
+    try:
+        assert engine_wait.main_wait() is None
+    finally:
+        side.release()
+        thread.join(10)
+    fields = alive_fields(1.0, 4, None, (None, None, None, None, ("broadcast", True, "WORLD:[4]")))
+    assert (fields["main_wait"], fields["main_wait_group"], fields["main_wait_call"]) == ("broadcast", "same",
+                                                                                        "WORLD:[4]")
+    assert "engine_wait" not in fields

@@ -79,6 +79,29 @@ def test_an_uneven_all_to_all_is_one_collective(tmp_path):
     report = replay_dir(write(tmp_path, deadlocked(a2a)))
     assert (report.verdict, report.culprit_ranks) == ("network", list(range(WORLD))), format_report(report)
 
+
+ROOTED = {"main_wait": "broadcast", "main_wait_group": "same", "main_wait_call": "WORLD:[4]"}   # a rooted one
+
+
+@pytest.mark.parametrize("odd", [{3: ROOTED}, {0: ROOTED, 1: ROOTED, 2: ROOTED}], ids=["one", "three"])
+def test_a_rank_in_a_rooted_collective_is_in_a_collective_not_its_own_work(tmp_path, odd):
+    """Rank 3 in a broadcast while ranks 0-2 all-reduce (its alive records name it as `main_wait`): the
+    mismatch names rank 3, not `lagging` (it read as a rank in its own work). Ranks 0-2 in the broadcast and rank 3
+    in the all-reduce: rank 3 again, the one off the largest share."""
+    report = replay_dir(write(tmp_path, deadlocked(odd)))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [3]), format_report(report)
+    assert "in broadcast (WORLD:[4])" in report.summary
+
+
+def test_a_rank_in_its_subgroups_collective_leaves_the_mismatch_undecided(tmp_path):
+    """Rank 2 waits in its pair's all-reduce, ranks 0-1,3 in the all-reduce of every rank (a red team's rank 3 that
+    skipped the pair's and went on): `collective_mismatch` with every rank named, undecided, since the pair's
+    missing member sits in the others' collective (was: nothing found)."""
+    pair = dict(ENGINE, engine_wait_group="other", engine_wait_call="2:[4]")
+    report = replay_dir(write(tmp_path, deadlocked({2: pair})))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", list(range(WORLD))), format_report(report)
+    assert "subgroup's collective" in report.summary and report.summary.endswith("a tie, undecided")
+
 # -- real jobs: from step 22 rank 1's engine issues another collective than its peers' -------------------------------
 
 MISMATCH = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(   # 12 slots: 3 a rank
@@ -90,16 +113,18 @@ MISMATCH = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(   #
     '            dist.all_gather([torch.ones(4) for _ in range(world)], torch.ones(4))\n'
     '        elif step >= 22 and rank == 1 and fault == "group":\n'
     '            dist.all_reduce(torch.ones(4), group=side)\n'
+    '        elif step >= 22 and rank == 1 and fault == "broadcast":\n'
+    '            dist.broadcast(torch.ones(4), src=1)\n'
     '        else:\n'
     '            dist.all_reduce(torch.ones(4))\n')
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault", ["gather", "group"])
+@pytest.mark.parametrize("fault", ["gather", "group", "broadcast"])
 def test_a_real_engine_deadlock_names_the_rank_that_left_the_others_collective(tmp_path, fault):
-    """4 ranks; from step 22 rank 1 all-gathers (or all-reduces on a second group of the same ranks) where ranks
-    0,2-3 all-reduce: read live and after SIGTERM to torchrun, `collective_mismatch` naming rank 1 (was: healthy,
-    then `signalled`)."""
+    """4 ranks; from step 22 rank 1 all-gathers (or all-reduces on a second group of the same ranks, or broadcasts
+    from itself) where ranks 0,2-3 all-reduce: read live and after SIGTERM to torchrun, `collective_mismatch` naming
+    rank 1 (was: healthy, then `signalled`; the broadcast, a rooted collective, read as rank 1 in its own work)."""
     live = tmp_path / "live"
     stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, range(4))  # noqa: E731
     traces, code, out = torchrun_job(tmp_path, MISMATCH, stop, (fault, "60"), GRACE, ranks=4)

@@ -9,9 +9,11 @@ import pytest
 from eplb_fsm.inspect.endings import waiting_text
 
 
-def _rank(engine: tuple | None) -> SimpleNamespace:
-    """A rank with one alive record at step 7 naming no controller collective, and ``engine`` as its engine wait."""
-    return SimpleNamespace(alive=[(100.0, 7, "collecting", None, engine)], collectives={}, end=None, last_step=7)
+def _rank(engine: tuple | None, mine: tuple | None = None) -> SimpleNamespace:
+    """A rank with one alive record at step 7 naming no controller collective, ``engine`` as its engine wait and
+    ``mine`` as its main thread's own (``main_wait``)."""
+    return SimpleNamespace(alive=[(100.0, 7, "collecting", None, engine, mine)], collectives={}, end=None,
+                           last_step=7)
 
 
 @pytest.mark.parametrize("engine, text", [
@@ -24,3 +26,10 @@ def _rank(engine: tuple | None) -> SimpleNamespace:
 def test_an_engine_wait_is_named_when_no_controller_collective_is(engine, text):
     """The engine's collective the record names is said, and whose thread waits in it; without one, the old text."""
     assert waiting_text(_rank(engine)) == text
+
+
+def test_the_main_threads_own_wait_answers_before_a_side_threads():
+    """A side thread in the all-reduce of every rank, the main thread in its pair's (``main_wait``): the main
+    thread's is named (a red team's metrics thread once made such a rank read as in its own work)."""
+    assert waiting_text(_rank(("all_reduce", True, "WORLD:[4]", False), ("all_reduce", "2:[4]", False, True))) == \
+        "in no controller collective, inside the engine's all_reduce (2:[4])"

@@ -150,7 +150,7 @@ def test_a_peer_waiting_in_its_subgroups_collective_still_waits(tmp_path):
         rk.engine_wait(6, {0: ENGINE, 1: ENGINE, 2: tp, 3: None}[rk.rank])
     report = replay_dir(write(tmp_path, ranks))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [3]), format_report(report)
-    assert "rank 2 inside collectives of other groups at that step (all_reduce (3:[4]))" in report.summary
+    assert "rank 2 inside collectives of other groups (all_reduce (3:[4]))" in report.summary
 
 
 def test_a_rank_inside_a_collective_a_step_behind_is_not_named_lagging(tmp_path):
@@ -163,6 +163,57 @@ def test_a_rank_inside_a_collective_a_step_behind_is_not_named_lagging(tmp_path)
         rk.engine_wait(6, ENGINE if rk.rank == 3 else dict(ENGINE, engine_wait="all_gather"))
     report = replay_dir(write(tmp_path, ranks))
     assert "lagging" not in [f.kind for f in report.findings], format_report(report)
+
+
+def test_a_wait_the_job_got_past_on_another_rank_counts_too(tmp_path):
+    """At step 25 rank 1 waited 6 s for the others (their checkpoints) and the job went on; at step 35 ranks 0,2-3
+    wait 6 s for rank 1, then the job is stopped: a slow step as before, `signalled` (a red team's checkpoints
+    taken in turn read `lagging`: only the waiters' own past waits counted)."""
+    ranks = [Waiter(r).steps(25) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(6, ENGINE if rk.rank == 1 else None)
+    for rk in ranks:
+        rk.steps(35, alive=False).engine_wait(6, None if rk.rank == 1 else ENGINE).end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == "signalled", format_report(report)
+
+
+def test_a_warm_up_wait_does_not_hide_a_later_lag(tmp_path):
+    """Ranks 0,2-3 waited 10 s at step 1 for rank 1's warm-up; at step 40 they wait 6 s for it, then the stop:
+    `lagging` rank 1 (a red team's 10 s first step hid a hang for twice as long)."""
+    ranks = [Waiter(r).steps(1) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(10, None if rk.rank == 1 else ENGINE)
+    for rk in ranks:
+        rk.steps(40, alive=False).engine_wait(6, None if rk.rank == 1 else ENGINE).end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [1]), format_report(report)
+
+
+def test_a_subgroup_peer_a_step_behind_still_waits(tmp_path):
+    """Rank 2 computes at step 40; rank 1 waits for it in their pair's all-reduce at step 40; ranks 0,3 went on to
+    step 41's all-reduce of every rank: `lagging` rank 2 (a red team's tensor-parallel job read `signalled`)."""
+    pair = dict(ENGINE, engine_wait_group="other", engine_wait_call="1:[4]")
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        if rk.rank in (0, 3):
+            rk.steps(41, alive=False)
+        rk.engine_wait(6, {0: ENGINE, 1: pair, 2: None, 3: ENGINE}[rk.rank])
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
+
+
+def test_a_main_thread_in_its_pairs_collective_beside_a_side_threads_wait_is_no_lag(tmp_path):
+    """Rank 3's side thread waits in the all-reduce of every rank (named first as `engine_wait`), its main thread in
+    its pair's (`main_wait`); rank 2 computes: `lagging` rank 2 alone (a red team's metrics thread made rank 3 a
+    culprit too)."""
+    three = dict(ENGINE, engine_wait_main=False, main_wait="all_reduce", main_wait_group="other",
+                 main_wait_call="2:[4]")
+    ranks = [Waiter(r).steps(40) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(6, {2: None, 3: three}.get(rk.rank, ENGINE))
+    report = replay_dir(write(tmp_path, ranks))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
 
 # -- real jobs: rank 1 stops in its own work at step 21 -------------------------------------------------------------
 
@@ -181,14 +232,14 @@ LAG = ENGINE_OWN.replace(
 
 
 def stop_once_waiting(launcher, traces, copy_to, ranks: tuple[int, ...] = (0,), steps: int = 1) -> None:
-    """Wait (bounded) until each of ``ranks`` has written four alive records inside an engine collective at one step
-    (after waits at ``steps`` - 1 earlier steps), copy the traces as they stand (a read of the live job), then SIGTERM
-    torchrun: an operator ending a stuck job."""
+    """Wait (bounded) until each of ``ranks`` has written four alive records inside an engine collective (a rooted
+    one too) at one step (after waits at ``steps`` - 1 earlier steps), copy the traces as they stand (a read of the
+    live job), then SIGTERM torchrun: an operator ending a stuck job."""
     def waiting(rank: int) -> bool:
         alive = [r for r in read_trace(traces / f"rank{rank:05d}.jsonl")[0] if r.get("event") == "alive"]
-        waited_at = {a.get("step") for a in alive if a.get("engine_wait")}
-        return len(alive) >= 4 and len(waited_at) >= steps and all(
-            a.get("engine_wait") and a.get("step") == alive[-1].get("step") for a in alive[-4:])
+        inside = [a for a in alive if a.get("engine_wait") or a.get("main_wait")]
+        return len(alive) >= 4 and len({a.get("step") for a in inside}) >= steps and all(
+            a in inside and a.get("step") == alive[-1].get("step") for a in alive[-4:])
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(waiting(r) for r in ranks):

@@ -31,7 +31,7 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
         return None   # a rank without a trace may wait in yet another one
-    runs = {k: engine_run(s) for k, s in parts.items()}
+    runs = {k: engine_run(s, "c10d") for k, s in parts.items()}
     if any(r is None for r in runs.values()) or len({r.step for r in runs.values()}) > 1:
         return None
     if max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
@@ -40,7 +40,9 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     if len(calls) < 2:
         return None
     top = calls.most_common()
-    tie = top[0][1] == top[1][1]
+    # in a subgroup's collective the members outside it, whom its waiters wait for, may be in the majority's (a red
+    # team's tensor-parallel rank that skipped its pair's all-reduce): the traces cannot tell who left which
+    tie = top[0][1] == top[1][1] or not all(r.ours for r in runs.values())
     odd = sorted(runs) if tie else sorted(k for k, r in runs.items() if r.collective != top[0][0])
     text = {r.collective: r.text for r in runs.values()}
     step, began = next(iter(runs.values())).step, min(r.first for r in runs.values())
@@ -50,6 +52,9 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     summary = (f"every rank has waited inside a collective of the engine's at step {step} for {lasted:.1f} s from "
                f"{at(began)}, and not in one: {by_call}. None completes without every rank of its group (the "
                f"engine's ranks issued different collectives: a deadlock of the engine's)"
+               + ("" if all(r.ours for r in runs.values()) else
+                  "; some wait in a subgroup's collective, whose missing members may sit in another (or that "
+                  "subgroup's link stalled)")
                + (", a tie, undecided" if tie else f"; {cast.who(odd)} left the others' {text[top[0][0]]}"))
     first = parts[odd[0]]
     return began, odd[0], Finding.of(

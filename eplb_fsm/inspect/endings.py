@@ -71,8 +71,11 @@ def waiting_text(s) -> str:
     if last is not None:
         return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
     engine = s.alive[-1][4] if s.alive else None   # (op, on the controller's ranks, call, main thread) or None
+    mine = s.alive[-1][5] if s.alive and len(s.alive[-1]) > 5 else None   # the main thread's own, named apart
     if engine and engine[3] is not False:
         return f"in no controller collective, inside the engine's {engine[0]}"
+    if mine:
+        return f"in no controller collective, inside the engine's {mine[0]} ({mine[1] or 'its main thread'})"
     if engine:
         return f"in no controller collective, its main thread in its own work (a side thread in {engine[0]})"
     return "in no controller collective (so in the engine's step or its own work)"

@@ -3,7 +3,8 @@
 Why: three readings of live engines (``stalled``: the network; ``lagging``: a rank in its own work; ``deadlock``:
 ranks in different collectives) look at the same thing on every rank: its last ``RUN`` or more alive records, at one
 step, each saying whether the main thread waits in a collective of the engine's (``engine_wait``, from the frames
-the liveness thread reads; ``eplb_fsm.engine_wait``) and in which (``engine_wait_call``: group name and tensor shape).
+the liveness thread reads; ``eplb_fsm.engine_wait``; or ``main_wait``, the main thread's own when ``engine_wait``
+names a side thread's, or a rooted one: broadcast, gather) and in which (its call: group name and tensor shape).
 
 A run is what the rank did *last*: a record of a later step after it (the job went on: a slow step, not a stall; a
 red team's job that caught up read as lagging), a silence over ``GAP`` intervals inside it (a pause of the job), a
@@ -25,6 +26,7 @@ GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a lon
 # collectives whose tensor shape may differ from member to member in one call (uneven all-to-all splits, a red
 # team's MoE dispatch): one call is one group there
 UNEVEN = frozenset({"all_to_all", "all_to_all_single", "all_gather", "all_gather_object"})
+WARM_STEPS = 2   # the first steps of a session: their waits are a warm-up's
 
 
 @dataclass(frozen=True)
@@ -57,22 +59,32 @@ def _main_waits(a) -> bool:
     return bool(a[4]) and a[4][3] is not False
 
 
+def _where(a) -> tuple | None:
+    """(op, call, on the controller's ranks, a wait on every member) of the collective an alive record's main thread
+    sits in: its ``engine_wait``, or its ``main_wait`` (a rooted one; another group's beside a side thread's), or
+    None (its own work)."""
+    if _main_waits(a):
+        return a[4][0], a[4][2], a[4][1] is True, True
+    return a[5] if len(a) > 5 else None
+
+
 def _within_gap(s, earlier: float, later: float) -> bool:
     return later - earlier <= max(GAP * (s.alive_interval or 1.0), GAP_MIN_S)
 
 
 def engine_run(s, mode: str = "ours") -> Run | None:
     """``s``'s run (module docstring) when it has ``RUN`` or more records, each with the main thread inside an engine
-    collective on the controller's ranks (``mode`` "ours"), inside one of any group ("any"), or inside none, a side
-    thread's wait aside ("own"); else None."""
+    collective on the controller's ranks in which every member waits (``mode`` "ours"), inside one of any group
+    ("any"), inside any collective, a rooted one too (broadcast, gather: "c10d"), or inside none, a side thread's
+    wait aside ("own"); else None."""
     def posted(on: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
         e = s.collectives.get(on.get("group"), {}).get(on.get("cseq"))
         return e is not None and e.posted
 
     def counts(i: int) -> bool:
         a = s.alive[i]
-        main = _main_waits(a)
-        kind = (main and a[4][1] is True) if mode == "ours" else main if mode == "any" else not main
+        w = _where(a)
+        kind = {"ours": bool(w) and w[2] and w[3], "any": bool(w) and w[3], "c10d": w is not None}.get(mode, w is None)
         if (a[3] and not posted(a[3])) or type(a[0]) not in (int, float) or a[1] != s.alive[-1][1] or not kind:
             return False
         return i + 1 == len(s.alive) or _within_gap(s, a[0], s.alive[i + 1][0])
@@ -85,25 +97,30 @@ def engine_run(s, mode: str = "ours") -> Run | None:
         n += 1
     if n < RUN:
         return None
-    last = s.alive[-1][4] or (None, None, None, None)
-    ours = all(a[4] and a[4][1] is True for a in s.alive[-n:])
-    return Run(step, last[0], s.alive[-n][0], s.alive[-1][0], last[2], ours)
+    last, w = s.alive[-1], _where(s.alive[-1])
+    op, call = w[:2] if w else (last[4][0], last[4][2]) if last[4] else (None, None)   # own work: a side thread's
+    ours = all((w := _where(a)) is not None and w[2] for a in s.alive[-n:])
+    return Run(step, op, s.alive[-n][0], last[0], call, ours)
 
 
 def longest_wait_before(s, ts: float) -> float:
     """The longest stretch, in seconds from its first alive record to its last, that ``s``'s main thread waited in an
-    engine collective at one step before ``ts`` (0.0 when it never did): a wait the job got past."""
-    longest, start, prev = 0.0, None, None
+    engine collective at one step before ``ts`` (0.0 when it never did): a wait the job got past. Not at the first
+    ``WARM_STEPS`` steps of its session: a warm-up (loading, compiling) says nothing of the steps after it (a red
+    team's 10 s first step hid a hang behind it)."""
+    header = getattr(s, "header", None) or {}
+    warm = (header.get("step") if type(header.get("step")) is int else 0) + WARM_STEPS
+    longest, start, prev = 0.0, None, None   # prev: the previous record, if it counted
     for a in s.alive:
         if type(a[0]) not in (int, float) or a[0] >= ts:
             break
-        inside = _main_waits(a)
-        if prev is None or not inside or a[1] != prev[1] or not _within_gap(s, prev[0], a[0]) \
-                or not _main_waits(prev):
-            start = a[0] if inside else None
-        if start is not None:
-            longest = max(longest, a[0] - start)
-        prev = a
+        inside = _where(a) is not None and type(a[1]) is int and a[1] >= warm
+        if not inside:
+            start = prev = None
+            continue
+        if prev is None or a[1] != prev[1] or not _within_gap(s, prev[0], a[0]):
+            start = a[0]
+        longest, prev = max(longest, a[0] - start), a
     return longest
 
 

@@ -9,15 +9,16 @@ apart. Two readings:
   (``engine_wait``), the lagging rank's name none its main thread waits in (a side thread's wait aside): the
   last ``engine_runs.RUN`` records or more of each, at one step, overlapping in time (``engine_runs.engine_run``).
   The peers on the controller's ranks wait in one collective; peers in a subgroup's (tensor parallel) may wait in
-  theirs, at the same step. The lagging rank is at the waiters' step (it has not reached the collective yet) or
-  below it (it finished the previous one and has not ended its step). Not when the waits last no more than
-  ``SLOW_FACTOR`` times the longest wait the job got past (``engine_runs.longest_wait_before``): its steps are
-  slow, it is not stuck. Read like the network's stall: before the job is stopped, or after an operator's or
-  scheduler's signals, which are then its consequences. Before this rule, a real job with one rank asleep in its
-  own work read as healthy while it ran and as stopped from outside (``signalled``) once stopped
-  (tests/test_inspect_lagging.py). Not seen: waits on a handle (``work.wait()``), which ``engine_wait`` cannot see
-  (every rank then looks in its own work), and a lagging rank blocked in a point-to-point or rooted collective
-  (``recv``, ``broadcast``), which reads as its own work.
+  theirs, at that step or the one before. The lagging rank is at the waiters' step (it has not reached the
+  collective yet) or below it (it finished the previous one and has not ended its step). Not when the waits last no
+  more than ``SLOW_FACTOR`` times the longest wait any rank got past, a warm-up aside
+  (``engine_runs.longest_wait_before``): its steps are slow, it is not stuck. Read like the network's stall:
+  before the job is stopped, or after an operator's or scheduler's signals, which are then its consequences.
+  Before this rule, a real job with one rank asleep in its own work read as healthy while it ran and as stopped
+  from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). Not seen: waits on a handle
+  (``work.wait()``), which ``engine_wait`` cannot see (every rank then looks in its own work), and a lagging rank
+  blocked in a point-to-point call (``recv``, ``send``), which reads as its own work; a rooted collective
+  (``broadcast``: ``main_wait``) does not.
 - :func:`step_lag`: traces without ``engine_wait`` (older writers, or an engine whose waits the liveness thread
   cannot see): every live rank's step stopped advancing and some stopped at a lower step, none of those inside a
   collective of the engine's. Read only where nothing else was found.
@@ -46,20 +47,21 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     waits = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "any"))}
     ours = {k: r for k, r in waits.items() if r.ours}
     # the waiters on the controller's ranks sit in one collective (one step, op and call); the others, in a
-    # subgroup's (a tensor-parallel group's, a red team's), at that step too
-    if not own or not ours or len(own) + len(waits) != len(parts) or len({r.step for r in waits.values()}) > 1 \
+    # subgroup's (a tensor-parallel group's: red teams'), at that step or the one before (a member of the lagging
+    # rank's subgroup waits for it there while the ranks outside it went on to the next step's collective)
+    if not own or not ours or len(own) + len(waits) != len(parts) or len({r.step for r in ours.values()}) > 1 \
             or len({r.collective for r in ours.values()}) > 1:
         return None
     step, op = next(iter(ours.values())).step, next(iter(ours.values())).op
     runs = waits | own
-    if any(r.step > step for r in own.values()) or max(r.first for r in runs.values()) >= min(
-            r.last for r in runs.values()):
+    if any(r.step > step or r.step < step - 1 for r in waits.values()) or any(r.step > step for r in own.values()) \
+            or max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None
     began = min(r.first for r in waits.values())
     lasted = max(r.last for r in runs.values()) - began
-    # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past
-    # (a red team's 4 s steps, stopped by the operator inside one, read as lagging)
-    before = max(longest_wait_before(parts[k], r.first) for k, r in waits.items())
+    # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past, on
+    # any rank (red teams' 4 s steps, and checkpoints the ranks took in turn, read as lagging once stopped)
+    before = max(longest_wait_before(s, began) for s in parts.values())
     if lasted <= SLOW_FACTOR * before:
         return None
     behind, waiters = sorted(own), sorted(ours)
@@ -70,7 +72,7 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
              else "in no collective of the engine's or the controller's")
     at_step = f"at step {low}" if all(own[k].step == low for k in behind) else f"at steps {low}..{step}"
     sub = sorted(k for k in waits if k not in ours)
-    others = (f", and {cast.who(sub)} inside collectives of other groups at that step "
+    others = (f", and {cast.who(sub)} inside collectives of other groups "
               f"({', '.join(sorted({waits[k].text for k in sub}))})" if sub else "")
     summary = (f"{cast.who(behind)} {'has' if one else 'have'} been in {'its' if one else 'their'} own work {at_step} "
                f"in {first.alive[-1][2]} ({where}) for {lasted:.1f} s from {at(began)}, while {cast.who(waiters)} "
@@ -84,8 +86,8 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
                              f"alive at step {r.step}, " + (f"inside the engine's {r.text}" if k in waits else where),
                              r.step, parts[k].alive[-1][2]) for k, r in sorted(runs.items())],
         details=["each rank's alive records say whether its main thread waits in a collective (engine_wait): the "
-                 "waiters sit in the engine's, the lagging ranks in none (a point-to-point or rooted one, a "
-                 "broadcast or recv, reads as none: engine_wait does not name those)",
+                 "waiters sit in the engine's, the lagging ranks in none (a point-to-point call, a send or recv, "
+                 "reads as none: engine_wait does not name those)",
                  "look at what the lagging ranks' main threads were doing: the stacks a signal end writes to stderr "
                  "(eplb_fsm.stop_signals), py-spy dump, the engine's own logs"],
     )

@@ -53,7 +53,7 @@ def _behind(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> dict[
     alive records from the waiter's start to its own (one from before the waiter started says nothing)."""
     out: dict[Key, tuple[int, Key, int]] = {}
     for w in sorted(entries):
-        waits = [(ts, step) for ts, step, _, on, _ in cast.parts[w].alive
+        waits = [(ts, step) for ts, step, _, on, *_ in cast.parts[w].alive
                  if _on(on, g, c) and type(ts) in (int, float) and type(step) is int]
         if not waits:
             continue
@@ -63,7 +63,7 @@ def _behind(cast: Cast, g: str, c: int, entries: dict[Key, Collective]) -> dict[
                 continue
             span = cast.parts[m].alive_interval or DEFAULT_INTERVAL_S
             since, until = max(lo - span, entries[w].ts), min(hi + span, entries[m].ts)
-            seen = [step for ts, step, _, on, _ in cast.parts[m].alive
+            seen = [step for ts, step, _, on, *_ in cast.parts[m].alive
                     if type(ts) in (int, float) and since <= ts < until and type(step) is int
                     and step < top and not _on(on, g, c)]
             if seen:

@@ -286,7 +286,7 @@ class RankSummary:
     scale_requests: list[dict] = field(default_factory=list)  # its scale_requested transitions (who leaves)
     # issue 12: how the session ended (its ``end`` record), its liveness records, the injector's notes
     end: dict | None = None                   # compact `end`: how, error, signal, ts, step, state, seq
-    alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on, (op, ours, call, main))
+    alive: list[tuple] = field(default_factory=list)   # (ts, step, state, waiting_on, engine_wait, main_wait)
     alive_interval: float | None = None       # the `interval_s` its alive records announce
     write_errors: int = 0                     # the largest `write_errors` its alive/end records carry
     injected: list[dict] = field(default_factory=list)  # `fault_injected` records (simulator only)
