@@ -115,16 +115,23 @@ def test_a_stall_the_job_stepped_on_from_is_no_lag(tmp_path):
     assert report.verdict == "signalled", format_report(report)
 
 
+def stalls(*waits: tuple[int, float, tuple[int, ...]]) -> list[Waiter]:
+    """For each (step, seconds, waiters) in turn, every rank steps to ``step`` and sits there ``seconds``, the
+    ``waiters`` inside the engine's all-reduce, the others in their own work; then SIGTERM to every rank."""
+    ranks = [Waiter(r) for r in range(WORLD)]
+    for step, seconds, waiters in waits:
+        for rk in ranks:
+            rk.steps(step, alive=False).engine_wait(seconds, ENGINE if rk.rank in waiters else None)
+    for rk in ranks:
+        rk.end("signal", signal="SIGTERM")
+    return ranks
+
+
 @pytest.mark.parametrize("wait_s, verdict", [(6, "signalled"), (12, "lagging")])
 def test_a_wait_no_longer_than_twice_the_ones_the_job_got_past_is_a_slow_step(tmp_path, wait_s, verdict):
     """At step 39 the others waited 4 s for rank 2 and the job went on; a wait of 6 s at step 40, then a stop, is
     a slow step (`signalled`; a red team's job with 4 s steps read `lagging`); one of 12 s is `lagging`."""
-    ranks = [Waiter(r).steps(39) for r in range(WORLD)]
-    for rk in ranks:
-        rk.engine_wait(4, None if rk.rank == 2 else ENGINE)
-    for rk in ranks:
-        rk.steps(40, alive=False).engine_wait(wait_s, None if rk.rank == 2 else ENGINE).end("signal", signal="SIGTERM")
-    report = replay_dir(write(tmp_path, ranks))
+    report = replay_dir(write(tmp_path, stalls((39, 4, (0, 1, 3)), (40, wait_s, (0, 1, 3)))))
     assert report.verdict == verdict, format_report(report)
     if verdict == "lagging":
         assert report.culprit_ranks == [2] and "the longest wait the job got past before: 3.0 s" in report.summary
@@ -169,24 +176,14 @@ def test_a_wait_the_job_got_past_on_another_rank_counts_too(tmp_path):
     """At step 25 rank 1 waited 6 s for the others (their checkpoints) and the job went on; at step 35 ranks 0,2-3
     wait 6 s for rank 1, then the job is stopped: a slow step as before, `signalled` (a red team's checkpoints
     taken in turn read `lagging`: only the waiters' own past waits counted)."""
-    ranks = [Waiter(r).steps(25) for r in range(WORLD)]
-    for rk in ranks:
-        rk.engine_wait(6, ENGINE if rk.rank == 1 else None)
-    for rk in ranks:
-        rk.steps(35, alive=False).engine_wait(6, None if rk.rank == 1 else ENGINE).end("signal", signal="SIGTERM")
-    report = replay_dir(write(tmp_path, ranks))
+    report = replay_dir(write(tmp_path, stalls((25, 6, (1,)), (35, 6, (0, 2, 3)))))
     assert report.verdict == "signalled", format_report(report)
 
 
 def test_a_warm_up_wait_does_not_hide_a_later_lag(tmp_path):
     """Ranks 0,2-3 waited 10 s at step 1 for rank 1's warm-up; at step 40 they wait 6 s for it, then the stop:
     `lagging` rank 1 (a red team's 10 s first step hid a hang for twice as long)."""
-    ranks = [Waiter(r).steps(1) for r in range(WORLD)]
-    for rk in ranks:
-        rk.engine_wait(10, None if rk.rank == 1 else ENGINE)
-    for rk in ranks:
-        rk.steps(40, alive=False).engine_wait(6, None if rk.rank == 1 else ENGINE).end("signal", signal="SIGTERM")
-    report = replay_dir(write(tmp_path, ranks))
+    report = replay_dir(write(tmp_path, stalls((1, 10, (0, 2, 3)), (40, 6, (0, 2, 3)))))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [1]), format_report(report)
 
 
