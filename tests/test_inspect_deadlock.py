@@ -14,11 +14,20 @@ from test_inspect_lagging import stop_once_waiting
 from test_inspect_liveness import WORLD, write
 from test_inspect_stalled import ENGINE, Waiter
 
+from eplb_fsm.inspect import engine_runs
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import replay_dir
 
 GATHER = {**ENGINE, "engine_wait": "all_gather", "engine_wait_call": "WORLD:[4]"}
 OTHER_GROUP = {**ENGINE, "engine_wait_call": "2:[48, 8]"}
+
+
+@pytest.fixture(autouse=True)
+def short_lags(monkeypatch):
+    """The traces here hold waits of seconds: read them as a lag or deadlock of minutes would be read (the default
+    floor, engine_runs.LAG_MIN_S, has tests of its own)."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+
 
 
 def deadlocked(odd: dict[int, dict], wait_s: float = 6, odd_step: int = 40) -> list[Waiter]:
@@ -101,6 +110,16 @@ def test_a_rank_in_its_subgroups_collective_leaves_the_mismatch_undecided(tmp_pa
     report = replay_dir(write(tmp_path, deadlocked({2: pair})))
     assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", list(range(WORLD))), format_report(report)
     assert "subgroup's collective" in report.summary and report.summary.endswith("a tie, undecided")
+
+
+@pytest.mark.parametrize("wait_s, found", [(6, False), (65, True)])
+def test_under_a_minute_a_mismatch_is_only_a_warning(tmp_path, monkeypatch, wait_s, found):
+    """At the default floor (60 s) ranks in different collectives for 6 s are no cause (a red team's side thread
+    broadcast a config 7 s late, and the job went on): a warning; for 65 s, `collective_mismatch`."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 60.0)
+    report = replay_dir(write(tmp_path, deadlocked({3: GATHER}, wait_s=wait_s)))
+    assert (report.verdict == "collective_mismatch") == found, format_report(report)
+    assert any(w.startswith("not read as a cause (collective_mismatch") for w in report.warnings) != found
 
 # -- real jobs: from step 22 rank 1's engine issues another collective than its peers' -------------------------------
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eplb_fsm.inspect.engine_runs import Run, engine_run, longest_wait_before, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import Run, engine_run, held_back, longest_wait_before, waited_or_stopped
 
 IN = ("all_reduce", True, "WORLD:[4]", True)   # the main thread inside the engine's all-reduce
 SUB = ("all_reduce", False, "3:[4]", True)     # inside a subgroup's
@@ -73,3 +73,10 @@ def test_longest_wait_before_measures_the_waits_the_job_got_past():
 def test_the_ends_a_stall_leads_to(end, ok):
     """Running, a signal, or a failed wait after the last alive record; not a crash, a close, or a wait before it."""
     assert waited_or_stopped(rank([(10.0, 5, IN), (12.0, 5, IN)], end=end)) is ok
+
+
+@pytest.mark.parametrize("lasted, before, held", [(59.0, 0.0, True), (61.0, 0.0, False), (61.0, 31.0, True),
+                                                  (63.0, 31.0, False)])
+def test_a_wait_under_a_minute_or_twice_the_ones_got_past_is_held_back(lasted, before, held):
+    """Under 60 s, or no more than twice the longest earlier wait: too short to name a cause."""
+    assert held_back(lasted, before) is held

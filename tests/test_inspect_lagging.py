@@ -20,11 +20,20 @@ from test_inspect_held import ENGINE_OWN, GRACE
 from test_inspect_liveness import WORLD, write
 from test_inspect_stalled import ENGINE, Waiter
 
+from eplb_fsm.inspect import engine_runs
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import replay_dir
 from eplb_fsm.trace import read_trace
 
 SIDE = {**ENGINE, "engine_wait_main": False}   # a side thread waits in the collective, the main thread does not
+
+
+@pytest.fixture(autouse=True)
+def short_lags(monkeypatch):
+    """The traces here hold waits of seconds: read them as a lag or deadlock of minutes would be read (the default
+    floor, engine_runs.LAG_MIN_S, has tests of its own)."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+
 
 
 def lag_job(behind: tuple[int, ...], wait_s: float = 6, ahead: bool = False, behind_wait: dict | None = None,
@@ -212,6 +221,21 @@ def test_a_main_thread_in_its_pairs_collective_beside_a_side_threads_wait_is_no_
     report = replay_dir(write(tmp_path, ranks))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
 
+
+@pytest.mark.parametrize("wait_s, verdict", [(6, "signalled"), (65, "lagging")])
+def test_under_a_minute_a_lag_is_only_a_warning(tmp_path, monkeypatch, wait_s, verdict):
+    """At the default floor (60 s) a rank in its own work for 6 s while the others wait, then a stop, is no cause
+    (an idle server's request loop, a first checkpoint read the same in a red team's healthy jobs): `signalled`,
+    with a warning naming the lag; for 65 s it is `lagging`."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 60.0)
+    ranks = lag_job((2,), wait_s=wait_s)
+    for rk in ranks:
+        rk.end("signal", signal="SIGTERM")
+    report = replay_dir(write(tmp_path, ranks))
+    assert report.verdict == verdict, format_report(report)
+    held = [w for w in report.warnings if w.startswith("not read as a cause (lagging, rank 2 has been in its own")]
+    assert len(held) == (verdict == "signalled"), report.warnings
+
 # -- real jobs: rank 1 stops in its own work at step 21 -------------------------------------------------------------
 
 LAG = ENGINE_OWN.replace(
@@ -247,10 +271,11 @@ def stop_once_waiting(launcher, traces, copy_to, ranks: tuple[int, ...] = (0,), 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fault", ["sleep", "side"])
-def test_a_real_rank_stuck_in_its_own_work_lags_before_and_after_the_stop(tmp_path, fault):
+def test_a_real_rank_stuck_in_its_own_work_lags_before_and_after_the_stop(tmp_path, monkeypatch, fault):
     """Rank 1's main thread sleeps for good at step 21 (``side``: after starting a thread that waits in an
     all-reduce of another group nobody joins); rank 0 waits inside the engine's all-reduce. Read live, then after
-    SIGTERM to torchrun: `lagging`, rank 1, both times (was: nothing found, then `signalled`)."""
+    SIGTERM to torchrun: `lagging`, rank 1, both times (was: nothing found, then `signalled`); at the default
+    floor of a minute, a warning naming it."""
     live = tmp_path / "live"
     stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live)  # noqa: E731
     traces, code, out = torchrun_job(tmp_path, LAG, stop, (fault, "60"), GRACE)
@@ -262,6 +287,11 @@ def test_a_real_rank_stuck_in_its_own_work_lags_before_and_after_the_stop(tmp_pa
     stopped = replay_dir(traces)
     assert sum("was stopped by SIGTERM" in c for c in stopped.consequences) == 1, format_report(stopped)
     assert ("a side thread" in stopped.summary) == (fault == "side"), format_report(stopped)
+    # at the default floor a lag of seconds is a warning only, naming the same rank
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 60.0)
+    held = replay_dir(traces)
+    assert held.verdict == "signalled" and any("(lagging, rank 1 has been in its own work" in w
+                                               for w in held.warnings), format_report(held)
 
 
 def test_waits_that_ran_out_after_the_lag_are_its_consequences(tmp_path):

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 from test_inspect_liveness import WORLD, Rank, write
 
+from eplb_fsm.inspect import engine_runs
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import replay_dir
 
 ENGINE = {"engine_wait": "all_reduce", "engine_wait_group": "same", "engine_wait_call": "WORLD:[48, 8]",
           "engine_wait_main": True}
+
+
+@pytest.fixture(autouse=True)
+def short_lags(monkeypatch):
+    """The traces here hold waits of seconds: read them as a lag or deadlock of minutes would be read (the default
+    floor, engine_runs.LAG_MIN_S, has tests of its own)."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+
 
 
 class Waiter(Rank):

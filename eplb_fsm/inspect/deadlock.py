@@ -9,7 +9,9 @@ main thread waits in (``engine_wait``: op, and ``engine_wait_call``: group and t
 :func:`engine_deadlock` reads ``collective_mismatch`` when every participant's last ``engine_runs.RUN`` or more alive
 records wait so (``engine_runs.engine_run``) at one step, overlapping in time, in more than one (op, call). The ranks
 off the largest share are the culprits; in a tie every rank is, undecided. Signals and failed waits after it are
-its consequences, as for the network's stall. Ranks at two steps in one op are the network's (``network_stall``),
+its consequences, as for the network's stall. Held back as a warning under ``engine_runs.LAG_MIN_S``, or while
+no longer than twice the longest wait the job got past: a slow peer or a side thread's late root leave the same
+records for seconds. Ranks at two steps in one op are the network's (``network_stall``),
 which reads them first.
 """
 
@@ -19,13 +21,14 @@ from collections import Counter
 
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
 
 __all__ = ["engine_deadlock"]
 
 
-def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
-    """(ts the waits began, first culprit, finding) when every participant still running, or stopped by a signal or
+def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
+    """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
+    when every participant still running, or stopped by a signal or
     a failed wait since, waits inside an engine collective at one step and they differ, as the module docstring
     says; else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
@@ -46,7 +49,10 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     odd = sorted(runs) if tie else sorted(k for k, r in runs.items() if r.collective != top[0][0])
     text = {r.collective: r.text for r in runs.values()}
     step, began = next(iter(runs.values())).step, min(r.first for r in runs.values())
-    lasted = max(r.last for r in runs.values()) - began
+    lasted = max(r.last - r.first for r in runs.values())
+    # a side thread's late root, a slow peer: ranks may sit in different collectives for seconds and go on (a red
+    # team's rank 0 whose control thread broadcast a config 7 s late)
+    before = max(longest_wait_before(s, began) for s in parts.values())
     by_call = "; ".join(f"{cast.who(sorted(k for k, r in runs.items() if r.collective == c))} in {text[c]}"
                         for c, _ in top)
     summary = (f"every rank has waited inside a collective of the engine's at step {step} for {lasted:.1f} s from "
@@ -57,7 +63,7 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, Finding] | None:
                   "subgroup's link stalled)")
                + (", a tie, undecided" if tie else f"; {cast.who(odd)} left the others' {text[top[0][0]]}"))
     first = parts[odd[0]]
-    return began, odd[0], Finding.of(
+    return began, odd[0], held_back(lasted, before), Finding.of(
         "collective_mismatch", step, odd, summary, state=first.alive[-1][2],
         ranks=[cast.position(k, "mismatch" if k in odd else "waiting", f"alive, inside the engine's {r.text}",
                              r.step, parts[k].alive[-1][2]) for k, r in sorted(runs.items())],

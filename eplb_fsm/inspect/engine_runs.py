@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from eplb_fsm.inspect.endings import WAIT_ERROR
 
-__all__ = ["RUN", "Run", "engine_run", "longest_wait_before", "waited_or_stopped"]
+__all__ = ["RUN", "Run", "engine_run", "held_back", "longest_wait_before", "waited_or_stopped"]
 
 RUN = 3   # alive records in a row at one step: a wait, not a slow beat
 GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
@@ -27,6 +27,11 @@ GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a lon
 # team's MoE dispatch): one call is one group there
 UNEVEN = frozenset({"all_to_all", "all_to_all_single", "all_gather", "all_gather_object"})
 WARM_STEPS = 2   # the first steps of a session: their waits are a warm-up's
+# a rank in its own work while its peers wait, or ranks in different collectives, for less than this, or for no more
+# than SLOW_FACTOR times the longest wait the job got past, is held back as a warning: an idle server waiting for
+# requests, a first checkpoint, a slow step look the same over seconds (a red team's healthy jobs, stopped inside
+# one, read as lagging); a hang an operator stops has lasted minutes
+LAG_MIN_S, SLOW_FACTOR = 60.0, 2
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,13 @@ def longest_wait_before(s, ts: float) -> float:
             start = a[0]
         longest, prev = max(longest, a[0] - start), a
     return longest
+
+
+def held_back(lasted: float, before: float) -> bool:
+    """Whether waits of ``lasted`` s (a run's first alive record to its last), in a job whose longest earlier wait
+    was ``before`` s (measured alike: :func:`longest_wait_before`), are too short to name a cause (``LAG_MIN_S``,
+    ``SLOW_FACTOR``)."""
+    return lasted < LAG_MIN_S or lasted <= SLOW_FACTOR * before
 
 
 def waited_or_stopped(s) -> bool:

@@ -11,17 +11,18 @@ apart. Two readings:
   The peers on the controller's ranks wait in one collective; peers in a subgroup's (tensor parallel) may wait in
   theirs, at that step or the one before. The lagging rank is at the waiters' step (it has not reached the
   collective yet) or below it (it finished the previous one and has not ended its step). Not when the waits last no
-  more than ``SLOW_FACTOR`` times the longest wait any rank got past, a warm-up aside
-  (``engine_runs.longest_wait_before``): its steps are slow, it is not stuck. Read like the network's stall:
+  more than ``engine_runs.SLOW_FACTOR`` times the longest wait any rank got past, a warm-up aside
+  (``engine_runs.longest_wait_before``), nor under ``engine_runs.LAG_MIN_S``: an idle server, a first checkpoint, a
+  slow step look the same over seconds; those are held back as a warning. Read like the network's stall:
   before the job is stopped, or after an operator's or scheduler's signals, which are then its consequences.
   Before this rule, a real job with one rank asleep in its own work read as healthy while it ran and as stopped
   from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). Not seen: waits on a handle
   (``work.wait()``), which ``engine_wait`` cannot see (every rank then looks in its own work), and a lagging rank
   blocked in a point-to-point call (``recv``, ``send``), which reads as its own work; a rooted collective
   (``broadcast``: ``main_wait``) does not.
-- :func:`step_lag`: traces without ``engine_wait`` (older writers, or an engine whose waits the liveness thread
-  cannot see): every live rank's step stopped advancing and some stopped at a lower step, none of those inside a
-  collective of the engine's. Read only where nothing else was found.
+- :func:`step_lag`: traces without ``engine_wait`` at their end (older writers, or an engine whose waits the
+  liveness thread cannot see): every live rank's step stopped advancing and some stopped at a lower step. Read
+  only where nothing else was found.
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ from __future__ import annotations
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import waiting_text
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, longest_wait_before, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
 
 __all__ = ["engine_lag", "step_lag"]
 
-SLOW_FACTOR = 2   # a wait no longer than twice the longest one the job got past is a slow step, not a lag
 
-
-def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
-    """(ts the waits began, first culprit, finding) when every participant still running, or stopped by a signal or
+def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
+    """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
+    when every participant still running, or stopped by a signal or
     a failed wait since, either waits in an engine collective or is in its own work, as the module docstring says;
     else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
@@ -58,12 +58,10 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
             or max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None
     began = min(r.first for r in waits.values())
-    lasted = max(r.last for r in runs.values()) - began
+    lasted = max(r.last - r.first for r in waits.values())   # measured as the waits the job got past are
     # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past, on
     # any rank (red teams' 4 s steps, and checkpoints the ranks took in turn, read as lagging once stopped)
     before = max(longest_wait_before(s, began) for s in parts.values())
-    if lasted <= SLOW_FACTOR * before:
-        return None
     behind, waiters = sorted(own), sorted(ours)
     low = min(own[k].step for k in behind)
     first, one = cast.parts[behind[0]], len(behind) == 1
@@ -80,7 +78,7 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
                f"{'its' if one else 'their'} step no longer advancing (a hung data loader, a lock, a slow or stuck "
                "kernel, a blocking read)" + (f"; the longest wait the job got past before: {before:.1f} s" if before
                                              else ""))
-    return began, behind[0], Finding.of(
+    return began, behind[0], held_back(lasted, before), Finding.of(
         "lagging", low, behind, summary, state=first.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in own else "waiting",
                              f"alive at step {r.step}, " + (f"inside the engine's {r.text}" if k in waits else where),
@@ -94,7 +92,10 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, Finding] | None:
 
 
 def step_lag(cast: Cast) -> Finding | None:
-    """Every live rank stalled (alive, step fixed) and some at a lower step: those lag, the others wait."""
+    """Every live rank stalled (alive, step fixed) and some at a lower step: those lag, the others wait. Only in
+    traces that name no engine wait at the end (where they do, :func:`engine_lag` reads it, with its floor)."""
+    if any(a[4] or (len(a) > 5 and a[5]) for s in cast.parts.values() for a in s.alive[-3:]):
+        return None
     stalled = {}
     for k, s in cast.parts.items():
         if s.end is not None or len(s.alive) < 3:
@@ -107,8 +108,6 @@ def step_lag(cast: Cast) -> Finding | None:
         return None
     low = min(stalled.values())
     behind = sorted(k for k, v in stalled.items() if v == low)
-    if any((a := cast.parts[k].alive[-1])[4] and a[4][3] is not False for k in behind):
-        return None   # its main thread waits in a collective of the engine's: not behind in its own work
     ahead = sorted(k for k in stalled if k not in behind)
     s = cast.parts[behind[0]]
     top = max(stalled.values())

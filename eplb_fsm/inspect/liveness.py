@@ -28,7 +28,8 @@ in (docs/events.md). From those, per participant (``elastic.Cast``):
   the forms gloo, torch and the controller write when a peer is gone or a wait timed out).
 - **signalled**: ``end`` with ``how: signal`` before any of the above happened elsewhere.
 - **lagging**: alive, in its own work at one step while every other rank waits for it inside the engine's
-  collective (``lagging.engine_lag``: signals after it are consequences); or, in traces that do not name the
+  collective for a minute or more (``lagging.engine_lag``: signals after it are consequences; shorter, a warning
+  in ``Liveness.held_back``, as for ``deadlock.engine_deadlock``); or, in traces that do not name the
   engine's waits, alive to the end with a step that no longer advances, at a lower step than the other stalled
   ranks (``lagging.step_lag``).
 - **network**: every rank alive (or signalled since) and inside the engine's collective, none computing:
@@ -61,6 +62,7 @@ from eplb_fsm.inspect.endings import (CONNECTION_LOST, WAIT_ERROR, ended_in_reac
                                       failed_wait_first, waiting_text, waits_on_peer)
 from eplb_fsm.inspect.findings import Finding, coll_text, short_error
 from eplb_fsm.inspect.frozen import frozen_findings, survived_last
+from eplb_fsm.inspect import engine_runs
 from eplb_fsm.inspect.held import held_findings, held_open
 from eplb_fsm.inspect.lagging import engine_lag, step_lag
 from eplb_fsm.inspect.lost import LostRecords, lost_gap
@@ -88,6 +90,7 @@ class Liveness:
     unexplained: Finding | None = None            # no cause, yet a rank ended with an exception: the first to go
     lost: list[Finding] = field(default_factory=list)   # silences in lost lines: lost_records, not causes
     pauses: list[str] = field(default_factory=list)   # windows every rank was silent over: warnings, not causes
+    held_back: list[str] = field(default_factory=list)   # a lag or engine deadlock too short to name: warnings
     paused: list[tuple] = field(default_factory=list)   # those windows, (from ts, to ts)
     passed: list[Finding] = field(default_factory=list)   # freezes the job got past (frozen.passed_last)
 
@@ -262,7 +265,13 @@ def check_liveness(cast: Cast) -> Liveness:
     rules = ((network_stall, "network"), (engine_lag, "lagging"), (engine_deadlock, "collective_mismatch"))
     for rule, kind in rules if not events else ():
         if (found := rule(cast, at)) is not None:
-            events.append((found[0], kind, found[1], found[2]))
+            if len(found) > 3 and found[2]:   # too short to name a cause: an idle server, a slow step look the same
+                out.held_back.append(f"not read as a cause ({kind}, {found[3].summary}): it lasted under "
+                                     f"{engine_runs.LAG_MIN_S:.0f} s, or no more than twice the longest wait the "
+                                     "job got past; an idle server waiting for requests, a first checkpoint or a "
+                                     "slow step leave the same records for that long")
+            else:
+                events.append((found[0], kind, found[1], found[-1]))
             break
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job

@@ -194,7 +194,7 @@ def diagnose(
     # a participant whose trace stops inside or before a hang is reported as that hang's culprit
     hang_culprits = {k for f in coll if f.kind == "hang" for k in f.keys()}
     live = check_liveness(cast)
-    warnings += live.pauses   # the whole job silent together: a pause from outside, no rank's freeze
+    warnings += live.pauses + live.held_back   # a pause of the whole job; a lag or deadlock too short to name
     # a rank the liveness rules found dead or frozen (for good: its trace stops too) is not found dead again
     died = {k for f in live.findings if f.kind in ("rank_died", "frozen") for k in f.keys()}
     findings += check_ends(cast, hang_culprits | died)
