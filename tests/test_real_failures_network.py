@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import eplb_fsm
+from eplb_fsm.inspect import engine_runs
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import diagnose, replay_dir
 from eplb_fsm.trace import read_trace
@@ -127,6 +128,13 @@ def cut_link(tmp: Path, *args: str, mode: str = "blackhole", hold_s: float = 7) 
     return cut
 
 
+@pytest.fixture(autouse=True)
+def short_stalls(monkeypatch):
+    """These cuts hold for seconds: read them as a stall of minutes would be read (the default floor,
+    engine_runs.LAG_MIN_S, is checked once below)."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+
+
 def _assert_network(report, world: int = 4) -> None:
     assert report.verdict == "network", format_report(report)
     # the ranks still inside the collective are endpoints of the cut link, or, when none finished it, every rank
@@ -134,9 +142,10 @@ def _assert_network(report, world: int = 4) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_cut_link_reads_as_the_network_while_it_hangs_and_once_stopped(tmp_path, mode):
+def test_a_cut_link_reads_as_the_network_while_it_hangs_and_once_stopped(tmp_path, monkeypatch, mode):
     """Ranks 1-2's link drops every packet, the job is SIGTERMed 7 s later: `network` read from the traces as they
-    stood before the stop (their end records left out: not `lagging`) and after it (not `signalled`)."""
+    stood before the stop (their end records left out: not `lagging`) and after it (not `signalled`); at the
+    default floor of a minute, a warning."""
     cut_link(tmp_path, "--mode", mode, "--interval", "100000")   # no rearrangement: only the balancedness logs
     live = {}
     for path in sorted((tmp_path / "t").glob("rank*.jsonl")):
@@ -149,6 +158,10 @@ def test_a_cut_link_reads_as_the_network_while_it_hangs_and_once_stopped(tmp_pat
     # the stop came after the stall: each rank outside the verdict is its consequence
     others = [r for r in range(4) if r not in report.culprit_ranks]
     assert all(any(f"rank {r} was stopped by SIGTERM" in c for c in report.consequences) for r in others)
+    # at the default floor a stall of seconds is a warning naming it (a big healthy collective holds that long)
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 60.0)
+    held = replay_dir(tmp_path / "t")
+    assert held.verdict == "signalled" and any(w.startswith("not read as a cause (network, ") for w in held.warnings)
 
 
 def test_a_transfer_cut_between_two_ranks_is_named_in_the_aborted_rearrangement(tmp_path):

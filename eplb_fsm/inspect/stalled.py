@@ -20,7 +20,8 @@ controller collective (``waiting_on``; but posted ready flags, read back later, 
 ended other than by a signal from outside or by a wait that failed after its stall (a bounded wait that ran out,
 gloo then closing the group's pairs under every other wait: the stall's consequences; a crash has rules of its
 own), and the stalls overlap in time. A rank that lags in its own work has no ``engine_wait`` from its main thread
-and stays ``lagging``.
+and stays ``lagging``. Held back as a warning while the stall lasted under ``engine_runs.LAG_MIN_S``, or no longer
+than twice the longest wait the job got past: a big collective of a healthy job holds every rank for seconds too.
 
 One more shape comes without ``engine_wait`` (an engine that waits on a handle, ``work.wait(timeout)``, which the
 liveness thread cannot see) and ends with every rank's exception, nothing else explaining them
@@ -39,7 +40,7 @@ import re
 from itertools import takewhile
 
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.engine_runs import engine_run, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
 from eplb_fsm.inspect.endings import CONNECTION_LOST
 from eplb_fsm.inspect.findings import Finding, short_error
 
@@ -51,9 +52,10 @@ PAIR_S = 0.1   # the other end of a reset connection fails with it: woken by the
 SAME_MOMENT_S = 0.01   # a third reset this close to the second is one event with them, not a peer's exit
 
 
-def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
-    """(ts the stall began, first culprit, finding) when every participant still running, or stopped by a
-    signal or a failed wait since, sat inside the engine's collective as the module docstring says; else None."""
+def network_stall(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
+    """(ts the stall began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
+    when every participant still running, or stopped by a signal or a failed wait since, sat inside the engine's
+    collective as the module docstring says; else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing:
         return None   # a rank without a trace may be the one not in the collective
@@ -76,6 +78,9 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
     ahead = sorted(k for k in runs if k not in inside)
     op, s = runs[inside[0]].op, parts[inside[0]]
     lasted = max(r.last for r in runs.values()) - began
+    # a big collective of a healthy job holds every rank for seconds too (as a lag or a deadlock of the engine's)
+    held = held_back(max(r.last - r.first for r in runs.values()),
+                     max(longest_wait_before(p, began) for p in parts.values()))
     clean = "none computing, silent or in a controller collective"
     if ahead:
         summary = (f"{cast.who(inside)} {'is' if len(inside) == 1 else 'are'} still inside the engine's {op} at step "
@@ -88,7 +93,7 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, Finding] | None:
                    f"from {at(began)}, and none finished it: the transport between them stalled (a link, NIC or "
                    f"switch dropping packets, a firewall), or a rank is stuck inside the collective's own code; "
                    f"every rank is alive, {clean}")
-    return began, inside[0], Finding.of(
+    return began, inside[0], held, Finding.of(
         "network", low, inside, summary, state=s.alive[-1][2],
         ranks=[cast.position(k, "inside" if k in inside else "waiting",
                              f"alive, inside the engine's {runs[k].op} at step {runs[k].step} "
