@@ -76,8 +76,9 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
                f"in {first.alive[-1][2]} ({where}) for {lasted:.1f} s from {at(began)}, while {cast.who(waiters)} "
                f"waited for {'it' if one else 'them'} inside the engine's {op} at step {step}{others}: alive, "
                f"{'its' if one else 'their'} step no longer advancing (a hung data loader, a lock, a slow or stuck "
-               "kernel, a blocking read)" + (f"; the longest wait the job got past before: {before:.1f} s" if before
-                                             else ""))
+               "kernel, a blocking read; or a server's rank waiting for requests while the others wait in the "
+               "collective, which reads the same)" + (f"; the longest wait the job got past before: {before:.1f} s"
+                                                     if before else ""))
     return began, behind[0], held_back(lasted, before), Finding.of(
         "lagging", low, behind, summary, state=first.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in own else "waiting",
