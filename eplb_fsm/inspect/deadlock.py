@@ -28,9 +28,8 @@ __all__ = ["engine_deadlock"]
 
 def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
-    when every participant still running, or stopped by a signal or
-    a failed wait since, waits inside an engine collective at one step and they differ, as the module docstring
-    says; else None."""
+    when every participant still running, or stopped by a signal or a failed wait since, waits inside an engine
+    collective at one step and they differ, as the module docstring says; else None."""
     parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
     if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
         return None   # a rank without a trace may wait in yet another one
