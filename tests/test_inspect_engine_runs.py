@@ -15,7 +15,7 @@ SIDE = ("all_reduce", True, "WORLD:[4]", False)   # a side thread's wait; the ma
 
 def rank(alive: list[tuple], last_step: int | None = None, end: dict | None = None) -> SimpleNamespace:
     """A rank summary with alive records (ts, step, engine wait) and no controller collective."""
-    records = [(ts, step, "collecting", None, engine) for ts, step, engine in alive]
+    records = [(ts, step, "collecting", None, engine, None) for ts, step, engine in alive]
     return SimpleNamespace(alive=records, collectives={}, alive_interval=1.0, end=end,
                            last_step=records[-1][1] if last_step is None else last_step)
 

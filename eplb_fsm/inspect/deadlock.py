@@ -21,7 +21,7 @@ from collections import Counter
 
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait, stopped_parts
 
 __all__ = ["engine_deadlock"]
 
@@ -30,9 +30,8 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
     when every participant still running, or stopped by a signal or a failed wait since, waits inside an engine
     collective at one step and they differ, as the module docstring says; else None."""
-    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
-    if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
-        return None   # a rank without a trace may wait in yet another one
+    if (parts := stopped_parts(cast)) is None:
+        return None
     runs = {k: engine_run(s, "c10d") for k, s in parts.items()}
     if any(r is None for r in runs.values()) or len({r.step for r in runs.values()}) > 1:
         return None
@@ -51,7 +50,7 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     lasted = max(r.last - r.first for r in runs.values())
     # a side thread's late root, a slow peer: ranks may sit in different collectives for seconds and go on (a red
     # team's rank 0 whose control thread broadcast a config 7 s late)
-    before = max(longest_wait_before(s, began) for s in parts.values())
+    before = job_longest_wait(parts, began)
     by_call = "; ".join(f"{cast.who(sorted(k for k, r in runs.items() if r.collective == c))} in {text[c]}"
                         for c, _ in top)
     summary = (f"every rank has waited inside a collective of the engine's at step {step} for {lasted:.1f} s from "

@@ -71,7 +71,7 @@ def waiting_text(s) -> str:
     if last is not None:
         return f"{'inside' if last.status == 'open' else 'waiting in'} {coll_text(last)}"
     engine = s.alive[-1][4] if s.alive else None   # (op, on the controller's ranks, call, main thread) or None
-    mine = s.alive[-1][5] if s.alive and len(s.alive[-1]) > 5 else None   # the main thread's own, named apart
+    mine = s.alive[-1][5] if s.alive else None   # the main thread's own wait, named apart (main_wait)
     if engine and engine[3] is not False:
         return f"in no controller collective, inside the engine's {engine[0]}"
     if mine:

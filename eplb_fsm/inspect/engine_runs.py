@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from eplb_fsm.inspect.endings import WAIT_ERROR
 
-__all__ = ["RUN", "Run", "engine_run", "held_back", "longest_wait_before", "waited_or_stopped"]
+__all__ = ["RUN", "Run", "engine_run", "held_back", "job_longest_wait", "longest_wait_before", "stopped_parts",
+           "waited_or_stopped"]
 
 RUN = 3   # alive records in a row at one step: a wait, not a slow beat
 GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
@@ -70,7 +71,7 @@ def _where(a) -> tuple | None:
     None (its own work)."""
     if _main_waits(a):
         return a[4][0], a[4][2], a[4][1] is True, True
-    return a[5] if len(a) > 5 else None
+    return a[5]
 
 
 def _within_gap(s, earlier: float, later: float) -> bool:
@@ -127,6 +128,21 @@ def longest_wait_before(s, ts: float) -> float:
             start = a[0]
         longest, prev = max(longest, a[0] - start), a
     return longest
+
+
+def stopped_parts(cast) -> dict | None:
+    """The participants the readings of live engines look at (all but those that left on purpose), when every rank
+    has a trace (an untraced one may be the rank the others wait for), there are two or more, and each is still
+    running, signalled or ended by a failed wait after its last alive record; else None."""
+    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
+    if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
+        return None
+    return parts
+
+
+def job_longest_wait(parts: dict, ts: float) -> float:
+    """The longest wait any of ``parts`` got past before ``ts`` (:func:`longest_wait_before`)."""
+    return max(longest_wait_before(s, ts) for s in parts.values())
 
 
 def held_back(lasted: float, before: float) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import waiting_text
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait, stopped_parts
 
 __all__ = ["engine_lag", "step_lag"]
 
@@ -39,9 +39,8 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
     when every participant still running, or stopped by a signal or a failed wait since, either waits in an engine
     collective or is in its own work, as the module docstring says; else None."""
-    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
-    if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
-        return None   # a rank without a trace may be the one they wait for
+    if (parts := stopped_parts(cast)) is None:
+        return None
     own = {k: r for k, s in parts.items() if (r := engine_run(s, "own"))}
     waits = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "any"))}
     ours = {k: r for k, r in waits.items() if r.ours}
@@ -60,7 +59,7 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     lasted = max(r.last - r.first for r in waits.values())   # measured as the waits the job got past are
     # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past, on
     # any rank (red teams' 4 s steps, and checkpoints the ranks took in turn, read as lagging once stopped)
-    before = max(longest_wait_before(s, began) for s in parts.values())
+    before = job_longest_wait(parts, began)
     behind, waiters = sorted(own), sorted(ours)
     low = min(own[k].step for k in behind)
     first, one = cast.parts[behind[0]], len(behind) == 1
@@ -94,7 +93,7 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
 def step_lag(cast: Cast) -> Finding | None:
     """Every live rank stalled (alive, step fixed) and some at a lower step: those lag, the others wait. Only in
     traces that name no engine wait at the end (where they do, :func:`engine_lag` reads it, with its floor)."""
-    if any(a[4] or (len(a) > 5 and a[5]) for s in cast.parts.values() for a in s.alive[-3:]):
+    if any(a[4] or a[5] for s in cast.parts.values() for a in s.alive[-3:]):
         return None
     stalled = {}
     for k, s in cast.parts.items():

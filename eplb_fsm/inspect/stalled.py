@@ -40,7 +40,7 @@ import re
 from itertools import takewhile
 
 from eplb_fsm.inspect.elastic import Cast, Key
-from eplb_fsm.inspect.engine_runs import engine_run, held_back, longest_wait_before, waited_or_stopped
+from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait, stopped_parts
 from eplb_fsm.inspect.endings import CONNECTION_LOST
 from eplb_fsm.inspect.findings import Finding, short_error
 
@@ -56,10 +56,7 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the stall began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
     when every participant still running, or stopped by a signal or a failed wait since, sat inside the engine's
     collective as the module docstring says; else None."""
-    parts = {k: s for k, s in cast.parts.items() if not s.ended_on_purpose}
-    if cast.missing:
-        return None   # a rank without a trace may be the one not in the collective
-    if len(parts) < 2 or any(not waited_or_stopped(s) for s in parts.values()):
+    if (parts := stopped_parts(cast)) is None:
         return None
     runs = {k: engine_run(s) for k, s in parts.items()}
     if any(r is None for r in runs.values()):
@@ -79,8 +76,7 @@ def network_stall(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     op, s = runs[inside[0]].op, parts[inside[0]]
     lasted = max(r.last for r in runs.values()) - began
     # a big collective of a healthy job holds every rank for seconds too (as a lag or a deadlock of the engine's)
-    held = held_back(max(r.last - r.first for r in runs.values()),
-                     max(longest_wait_before(p, began) for p in parts.values()))
+    held = held_back(max(r.last - r.first for r in runs.values()), job_longest_wait(parts, began))
     clean = "none computing, silent or in a controller collective"
     if ahead:
         summary = (f"{cast.who(inside)} {'is' if len(inside) == 1 else 'are'} still inside the engine's {op} at step "
