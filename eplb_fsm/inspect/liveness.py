@@ -264,14 +264,14 @@ def check_liveness(cast: Cast) -> Liveness:
     # live ranks that stopped in or around the engine's collectives: the signals, failed waits after are consequences
     rules = ((network_stall, "network"), (engine_lag, "lagging"), (engine_deadlock, "collective_mismatch"))
     for rule, kind in rules if not events else ():
-        if (found := rule(cast, at)) is not None:
-            if len(found) > 3 and found[2]:   # too short to name a cause: an idle server, a slow step look the same
+        if (found := rule(cast, at)) is not None:   # (ts, first culprit, held back, finding)
+            if found[2]:   # too short to name a cause: an idle server, a slow step look the same
                 out.held_back.append(f"not read as a cause ({kind}, {found[3].summary}): it lasted under "
                                      f"{engine_runs.LAG_MIN_S:.0f} s, or no more than twice the longest wait the "
                                      "job got past; an idle server waiting for requests, a first checkpoint or a "
                                      "slow step leave the same records for that long")
             else:
-                events.append((found[0], kind, found[1], found[-1]))
+                events.append((found[0], kind, found[1], found[3]))
             break
     events.sort(key=lambda e: (e[0], e[2]))
     # a signal after another rank failed or gave up waiting is the launcher stopping the job
