@@ -17,8 +17,8 @@ a SIGKILLed rank). Not seen: a wait on a handle (``work.wait()`` after ``async_o
 engine's own code, which leaves no Python frame of torch's, and waits in other libraries.
 
 :func:`main_wait` names the collective the main thread itself is blocked in, a rooted one too (``broadcast``,
-``gather``: :data:`ROOTED`), for the ``main_wait`` field: not always a wait on every member, but not the rank's own
-work either.
+``gather``: :data:`ROOTED`), or a blocking ``send``/``recv`` with the peer it waits on (:data:`P2P`), for the
+``main_wait`` field: not always a wait on every member, but not the rank's own work either.
 
 Whether the collective's group holds the controller's ranks goes with its name: replay counts a wait only
 on those ranks, since another group may wait on a rank the controller does not trace, or leave out the
@@ -35,7 +35,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["COLLECTIVES", "MAX_DEPTH", "ROOTED", "engine_collective", "main_wait"]
+__all__ = ["COLLECTIVES", "MAX_DEPTH", "P2P", "ROOTED", "engine_collective", "main_wait"]
 
 # the c10d collectives in which every member waits on every other's data (on gloo, directly or through a
 # neighbour that fails at once when a member's sockets close). Not point-to-point send/recv: one waits on a
@@ -52,6 +52,11 @@ COLLECTIVES = frozenset({
 # in its own work)
 ROOTED = frozenset({"broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
                     "scatter_object_list", "monitored_barrier"})
+
+# the blocking point-to-point calls (``send_object_list`` and ``recv_object_list`` block inside these): a wait on
+# one peer, which ``main_wait`` names (a red team's rank in recv from a peer that was in its own work read as in its
+# own work itself)
+P2P = frozenset({"send", "recv"})
 
 MAX_DEPTH = 64   # frames walked per thread, innermost first: a collective sits near the top of a blocked stack
 
@@ -84,6 +89,7 @@ def _call(frame: FrameType) -> str | None:
 
     try:
         group, args = frame.f_locals.get("group"), frame.f_locals
+        # send() has replaced a group of None by the default group by the time it waits: that is WORLD too
         name = "WORLD" if group is None or group is dist.GroupMember.WORLD else getattr(group, "group_name", None)
         tensor = next((args[k] for k in ("tensor", "input", "input_tensor") if hasattr(args.get(k), "shape")), None)
         if name is None and tensor is None:
@@ -93,14 +99,26 @@ def _call(frame: FrameType) -> str | None:
         return None
 
 
+def _peer(frame: FrameType, ours: tuple[int, ...] | None, theirs: tuple[int, ...] | None) -> int | None:
+    """The peer a blocked ``send`` or ``recv`` waits on, as a rank of the controller's group (``ours``: its global
+    ranks), or None: a recv from any source, a peer outside the controller's ranks, or locals that cannot be read.
+    ``dst``/``src`` are global ranks, ``group_dst``/``group_src`` ranks of the call's group (``theirs``)."""
+    args = frame.f_locals
+    peer = args.get("dst") if frame.f_code.co_name == "send" else args.get("src")
+    if type(peer) is not int:
+        local = args.get("group_dst") if frame.f_code.co_name == "send" else args.get("group_src")
+        peer = theirs[local] if type(local) is int and theirs and 0 <= local < len(theirs) else None
+    return ours.index(peer) if peer is not None and ours and peer in ours else None
+
+
 def _collective_of(frame: FrameType | None, group: Any, ops: frozenset = COLLECTIVES
-                   ) -> tuple[str, bool | None, str | None] | None:
+                   ) -> tuple[str, bool | None, str | None, int | None] | None:
     """(the collective this stack is inside: its innermost public c10d function, one of ``ops``, with only
     torch's frames above it; whether its group holds the same ranks as ``group``, None when unknown; which call,
-    ``_call``) when its caller is the engine's code; else None. A frame outside torch above the collective's is a
-    thread running its own code inside it (a red team's object whose pickling slept inside all_gather_object),
-    not waiting."""
-    op = same = call = None
+    ``_call``; the peer of a point-to-point call, ``_peer``, else None) when its caller is the engine's code; else
+    None. A frame outside torch above the collective's is a thread running its own code inside it (a red team's
+    object whose pickling slept inside all_gather_object), not waiting."""
+    op = same = call = peer = None
     for _ in range(MAX_DEPTH):
         if frame is None:
             return None
@@ -115,9 +133,10 @@ def _collective_of(frame: FrameType | None, group: Any, ops: frozenset = COLLECT
                 ours, theirs = _ranks(group, False), _ranks(frame.f_locals.get("group"), True)
                 same = None if ours is None or theirs is None else sorted(ours) == sorted(theirs)
                 call = _call(frame)
+                peer = _peer(frame, ours, theirs) if op in P2P else None
         elif _TORCH not in path:   # the first frame outside torch called the collective
             controller = path.startswith(_PACKAGE) and not path.startswith(_ENGINES)
-            return None if controller else (op, same, call)
+            return None if controller else (op, same, call, peer)
         frame = frame.f_back
     return None
 
@@ -140,7 +159,7 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
     try:
         frames = sys._current_frames()
         main = threading.main_thread().ident
-        seen = [(*found, ident == main) for ident in sorted(frames) if ident != me and ident not in skip
+        seen = [(*found[:3], ident == main) for ident in sorted(frames) if ident != me and ident not in skip
                 and (found := _collective_of(frames[ident], group)) is not None]
     except Exception:
         return None
@@ -148,17 +167,19 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
     return next((s for s in ours if s[3]), ours[0] if ours else seen[0] if seen else None)
 
 
-def main_wait(group: Any = None) -> tuple[str, bool | None, str | None] | None:
-    """(name, same group, call) of the collective the process's main thread is blocked in, called from the engine's
-    code, or None: one of :data:`COLLECTIVES` on any ranks, or a rooted one (:data:`ROOTED`); as
-    :func:`engine_collective`, never raises. For the record's ``main_wait``, written when ``engine_wait`` names no
-    wait of the main thread's: a side thread's wait on the controller's ranks answers there first (a red team's
-    metrics thread), and a rooted collective is no wait on every member; but a main thread inside either is not
-    in its own work, and ranks whose main threads sit in different collectives are deadlocked."""
+def main_wait(group: Any = None) -> tuple[str, bool | None, str | None, int | None] | None:
+    """(name, same group, call, peer) of the collective the process's main thread is blocked in, called from the
+    engine's code, or None: one of :data:`COLLECTIVES` on any ranks, a rooted one (:data:`ROOTED`), or a blocking
+    point-to-point call (:data:`P2P`, whose peer is named as a rank of ``group``, the controller's, when it is one;
+    else, and for any other call, None); as :func:`engine_collective`, never raises. For the record's
+    ``main_wait``, written when ``engine_wait`` names no wait of the main thread's: a side thread's wait on the
+    controller's ranks answers there first (a red team's metrics thread), and a rooted collective is no wait on
+    every member; but a main thread inside either is not in its own work, and ranks whose main threads sit in
+    different collectives are deadlocked."""
     try:
         frame = sys._current_frames().get(threading.main_thread().ident)
         if threading.get_ident() == threading.main_thread().ident:
             return None
-        return _collective_of(frame, group, COLLECTIVES | ROOTED)
+        return _collective_of(frame, group, COLLECTIVES | ROOTED | P2P)
     except Exception:
         return None

@@ -175,7 +175,8 @@ def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | N
     main thread waits in it), from ``engine_wait`` = (name, same group: True, False or None[, call, main[, of main]]);
     a name of None writes none of those. ``of main``: (name, same group, call) of the collective the main thread is
     blocked in when that is not the one named (``engine_wait.main_wait``), written as ``main_wait`` (with
-    ``main_wait_group`` and ``main_wait_call`` as above)."""
+    ``main_wait_group`` and ``main_wait_call`` as above), and ``main_wait_peer``: the controller's rank a ``send``
+    or ``recv`` waits on (from a fourth element, when known)."""
     fields = {"interval_s": float(interval_s), "steps_seen": steps_seen, "waiting_on": waiting_on}
     if engine_wait is None:
         return fields
@@ -190,8 +191,10 @@ def alive_fields(interval_s: float, steps_seen: int | None, waiting_on: dict | N
                 fields["engine_wait_call"] = str(call)
             fields["engine_wait_main"] = bool(main)
     if len(more) > 2 and more[2]:
-        op, same, call = more[2]
+        op, same, call, *peer = more[2]
         fields["main_wait"] = str(op)
+        if peer and type(peer[0]) is int:
+            fields["main_wait_peer"] = peer[0]
         if same is not None:
             fields["main_wait_group"] = "same" if same else "other"
         if call is not None:

@@ -258,7 +258,7 @@ def test_a_main_threads_own_wait_is_named_apart():
     all_reduce read as in its own work); the main thread's all_reduce too; a side thread's broadcast is not."""
     assert _look_while_main_waits(op="broadcast") is None
     seen = _look_while_main_waits(op="broadcast", look_with=engine_wait.main_wait)
-    assert seen == ("broadcast", None, "WORLD:-")   # the default group; no tensor argument here
+    assert seen == ("broadcast", None, "WORLD:-", None)   # the default group; no tensor argument; no peer
     assert _look_while_main_waits(look_with=engine_wait.main_wait)[0] == "all_reduce"
     thread, side = _blocked_in("broadcast", "/srv/engine/run.py")
     try:
@@ -270,3 +270,47 @@ def test_a_main_threads_own_wait_is_named_apart():
     assert (fields["main_wait"], fields["main_wait_group"], fields["main_wait_call"]) == ("broadcast", "same",
                                                                                         "WORLD:[4]")
     assert "engine_wait" not in fields
+
+
+def _rank_looks_in_point_to_point(rank: int, world: int) -> list:
+    """Each rank's main thread blocks in a real gloo point-to-point call while a thread of its own looks
+    (``main_wait``) against the controller's group (the world, then none): rank 0 in ``recv(src=1)``, which rank 1
+    sends 2 s late; then rank 1 in ``send(group_dst=0)`` on a group of both, which rank 0 receives 2 s late."""
+    import torch
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    seen: list = []
+
+    def look() -> None:
+        time.sleep(0.5)
+        seen.extend(engine_wait.main_wait(group) for group in (dist.group.WORLD, None))
+
+    looker = threading.Thread(target=look, daemon=True)
+    if rank == 0:
+        looker.start()
+        dist.recv(torch.zeros(4), src=1)
+        looker.join(30)
+        time.sleep(2.0)
+        dist.recv(torch.zeros(4096), group=pair, group_src=1)
+    else:
+        time.sleep(2.0)
+        dist.send(torch.ones(4), dst=0)
+        looker.start()
+        dist.send(torch.ones(4096), group=pair, group_dst=0)
+        looker.join(30)
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_a_real_gloo_send_and_recv_name_their_peer():
+    """Two gloo ranks: a main thread blocked in recv from rank 1 is named with its peer (``main_wait``: op, group,
+    call, peer 1); one blocked in send to rank 0 of a group, with peer 0; without a controller's torch group the
+    peer is unknown (None)."""
+    looks = run_ranks(_rank_looks_in_point_to_point, 2, timeout=60)
+    assert looks[0] == [("recv", True, "WORLD:[4]", 1), ("recv", None, "WORLD:[4]", None)]
+    assert [look[0] for look in looks[1]] == ["send", "send"] and [look[3] for look in looks[1]] == [0, None]
+    assert looks[1][0][1] is True and looks[1][0][2].endswith(":[4096]")
+    fields = alive_fields(1.0, 4, None, (None, None, None, None, looks[0][0]))
+    assert (fields["main_wait"], fields["main_wait_peer"]) == ("recv", 1)
+    assert "main_wait_peer" not in alive_fields(1.0, 4, None, (None, None, None, None, looks[0][1]))

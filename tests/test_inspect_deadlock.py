@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import torchrun_job
 from test_inspect_held import ENGINE_OWN, GRACE
-from test_inspect_lagging import stop_once_waiting
+from test_inspect_lagging import p2p, p2p_job, stop_once_waiting
 from test_inspect_liveness import WORLD, write
 from test_inspect_stalled import ENGINE, Waiter
 
@@ -134,16 +134,19 @@ MISMATCH = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(   #
     '            dist.all_reduce(torch.ones(4), group=side)\n'
     '        elif step >= 22 and rank == 1 and fault == "broadcast":\n'
     '            dist.broadcast(torch.ones(4), src=1)\n'
+    '        elif step >= 22 and rank == 1 and fault == "recv":\n'
+    '            dist.recv(torch.zeros(4), src=0)\n'
     '        else:\n'
     '            dist.all_reduce(torch.ones(4))\n')
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault", ["gather", "group", "broadcast"])
+@pytest.mark.parametrize("fault", ["gather", "group", "broadcast", "recv"])
 def test_a_real_engine_deadlock_names_the_rank_that_left_the_others_collective(tmp_path, fault):
-    """4 ranks; from step 22 rank 1 all-gathers (or all-reduces on a second group of the same ranks, or broadcasts
-    from itself) where ranks 0,2-3 all-reduce: read live and after SIGTERM to torchrun, `collective_mismatch` naming
-    rank 1 (was: healthy, then `signalled`; the broadcast, a rooted collective, read as rank 1 in its own work)."""
+    """4 ranks; from step 22 rank 1 all-gathers (or all-reduces on a second group of the same ranks, broadcasts from
+    itself, receives from rank 0) where ranks 0,2-3 all-reduce: read live and after SIGTERM to torchrun,
+    `collective_mismatch` naming rank 1 (was: healthy, then `signalled`; the broadcast, a rooted collective, and the
+    recv read as rank 1 in its own work)."""
     live = tmp_path / "live"
     stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, range(4))  # noqa: E731
     traces, code, out = torchrun_job(tmp_path, MISMATCH, stop, (fault, "60"), GRACE, ranks=4)
@@ -152,3 +155,28 @@ def test_a_real_engine_deadlock_names_the_rank_that_left_the_others_collective(t
         report = replay_dir(folder)
         assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [1]), format_report(report)
         assert "ranks 0,2-3 in all_reduce" in report.summary, format_report(report)
+
+
+def test_a_rank_in_recv_while_the_others_all_reduce_is_the_mismatch(tmp_path):
+    """Rank 3 blocked in recv from rank 0 while ranks 0-2 all-reduce: `collective_mismatch` rank 3 (was: `lagging`
+    rank 3, its recv reading as its own work)."""
+    report = replay_dir(write(tmp_path, p2p_job({0: ENGINE, 1: ENGINE, 2: ENGINE, 3: p2p("recv", 0)})))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [3]), format_report(report)
+    assert "rank 3 in recv from rank 0 (WORLD:[4])" in report.summary and "matching call" in report.summary
+
+
+def test_a_ring_of_recvs_is_a_tie(tmp_path):
+    """Each rank in recv from the next (0 from 1, ..., 3 from 0): a cycle of point-to-point waits,
+    `collective_mismatch` with every rank, undecided (was: nothing read)."""
+    ring = {r: p2p("recv", (r + 1) % WORLD) for r in range(WORLD)}
+    report = replay_dir(write(tmp_path, p2p_job(ring)))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", list(range(WORLD))), \
+        format_report(report)
+    assert report.summary.endswith("a tie, undecided")
+
+
+def test_a_send_and_the_recv_it_meets_are_no_mismatch(tmp_path):
+    """Rank 0 in send to rank 1, rank 1 in recv from rank 0 (the pair meet; their link stalled), ranks 2-3 in the
+    all-reduce: no `collective_mismatch` (the pair's calls agree)."""
+    report = replay_dir(write(tmp_path, p2p_job({0: p2p("send", 1), 1: p2p("recv", 0), 2: ENGINE, 3: ENGINE})))
+    assert "collective_mismatch" not in [f.kind for f in report.findings], format_report(report)

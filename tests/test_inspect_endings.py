@@ -31,5 +31,12 @@ def test_an_engine_wait_is_named_when_no_controller_collective_is(engine, text):
 def test_the_main_threads_own_wait_answers_before_a_side_threads():
     """A side thread in the all-reduce of every rank, the main thread in its pair's (``main_wait``): the main
     thread's is named (a red team's metrics thread once made such a rank read as in its own work)."""
-    assert waiting_text(_rank(("all_reduce", True, "WORLD:[4]", False), ("all_reduce", "2:[4]", False, True))) == \
+    mine = ("all_reduce", "2:[4]", False, True, None)
+    assert waiting_text(_rank(("all_reduce", True, "WORLD:[4]", False), mine)) == \
         "in no controller collective, inside the engine's all_reduce (2:[4])"
+
+
+def test_a_send_or_recv_names_its_peer():
+    """The main thread in the engine's recv from rank 1 (``main_wait`` with its peer): the peer is named."""
+    assert waiting_text(_rank(None, ("recv", "WORLD:[4]", True, False, 1))) == \
+        "in no controller collective, inside the engine's recv from rank 1 (WORLD:[4])"

@@ -347,3 +347,87 @@ def test_a_real_rank_stuck_before_an_uneven_all_to_all_lags(tmp_path):
         report = replay_dir(folder)
         assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
         assert "ranks 0-1 waited for it inside the engine's all_to_all_single" in report.summary
+
+
+def p2p(op: str, peer: int | None) -> dict:
+    """What an alive record of a main thread blocked in the engine's ``send``/``recv`` says (``main_wait``)."""
+    return {"main_wait": op, "main_wait_group": "same", "main_wait_call": "WORLD:[4]",
+            **({} if peer is None else {"main_wait_peer": peer})}
+
+
+def p2p_job(waits: dict[int, dict | None], wait_s: float = 6, steps: dict[int, int] | None = None) -> list[Waiter]:
+    """Every rank steps to 40 (or its ``steps``) and then waits ``wait_s`` as ``waits`` says (None: its own work;
+    ENGINE: the all-reduce)."""
+    ranks = [Waiter(r).steps((steps or {}).get(r, 40)) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(wait_s, waits[rk.rank])
+    return ranks
+
+
+def test_a_pipeline_waits_through_its_stages_for_the_rank_in_its_own_work(tmp_path):
+    """Rank 0 in recv from rank 1, rank 1 from 2, rank 2 from 3, rank 3 in its own work: `lagging` rank 3 alone,
+    each stage named with its peer (was: nothing read, or every rank in its own work)."""
+    report = replay_dir(write(tmp_path, p2p_job({0: p2p("recv", 1), 1: p2p("recv", 2), 2: p2p("recv", 3), 3: None})))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [3], 40), format_report(report)
+    assert "rank 0 waited for it inside the engine's recv from rank 1 (WORLD:[4]) at step 40" in report.summary
+    assert "rank 2 inside the engine's recv from rank 3 (WORLD:[4])" in report.summary
+    assert {p["rank"]: p["status"] for p in report.findings[0].ranks} == {0: "waiting", 1: "waiting", 2: "waiting",
+                                                                            3: "lagging"}
+
+
+def test_a_rank_in_recv_from_the_lagging_rank_is_no_culprit(tmp_path):
+    """Rank 0 in recv from rank 1 (its own work), ranks 2-3 in the all-reduce: `lagging` rank 1 alone (was: ranks
+    0-1, rank 0's recv reading as its own work)."""
+    report = replay_dir(write(tmp_path, p2p_job({0: p2p("recv", 1), 1: None, 2: ENGINE, 3: ENGINE})))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [1]), format_report(report)
+    assert "ranks 2-3 waited for it inside the engine's all_reduce at step 40, and rank 0 inside the engine's " \
+           "recv from rank 1" in report.summary
+
+
+def test_the_rank_a_recv_waits_for_may_have_stopped_a_step_ahead(tmp_path):
+    """Rank 1 stopped in its own work at step 41 (it went on after sending step 40's message), rank 0 in recv
+    from it at step 40, ranks 2-3 in recv from rank 0: `lagging` rank 1 at step 41."""
+    report = replay_dir(write(tmp_path, p2p_job({0: p2p("recv", 1), 1: None, 2: p2p("recv", 0), 3: p2p("recv", 0)},
+                                                steps={1: 41})))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [1], 41), format_report(report)
+
+
+@pytest.mark.parametrize("waits", [
+    {0: p2p("recv", None), 1: None, 2: p2p("recv", 1), 3: p2p("recv", 1)},
+    {0: p2p("recv", 1), 1: None, 2: None, 3: p2p("recv", 1)},
+    {0: p2p("recv", 1), 1: p2p("recv", 0), 2: None, 3: p2p("recv", 2)},
+], ids=["any source", "a rank in its own work nobody waits for", "a cycle"])
+def test_point_to_point_waits_that_lead_to_no_rank_in_its_own_work_are_no_lag(tmp_path, waits):
+    """A recv from any source, a rank in its own work that no waiter waits for, a cycle of recvs: no `lagging`
+    (the traces tie no rank in its own work to the waits)."""
+    report = replay_dir(write(tmp_path, p2p_job(waits)))
+    assert "lagging" not in [f.kind for f in report.findings], format_report(report)
+
+
+# a pipeline of three stages: each step rank 0 sends its output to rank 1, which receives it and sends its own to
+# rank 2; from step 21 rank 1 sleeps in its own work before receiving (12 slots: 4 a rank)
+PIPE = ENGINE_OWN.replace("num_redundant=2", "num_redundant=4").replace(
+    "num_redundant_experts=2", "num_redundant_experts=4").replace(
+    "        dist.all_reduce(torch.ones(4))\n",
+    '        if step == 21 and rank == 1:\n'
+    '            time.sleep(3600)   # its own work, for good\n'
+    '        if rank > 0:\n'
+    '            dist.recv(torch.zeros(4096), src=rank - 1)\n'
+    '        if rank < world - 1:\n'
+    '            dist.send(torch.ones(4096), dst=rank + 1)\n')
+
+
+@pytest.mark.multiprocess
+def test_a_real_pipeline_stage_stuck_in_its_own_work_lags(tmp_path):
+    """3 ranks in a pipeline of sends and recvs; rank 1 sleeps for good in its 22nd step (the controller's step 20):
+    rank 0 blocks in its send to rank 1, rank 2 in its recv from rank 1. Read live and after SIGTERM to torchrun:
+    `lagging` rank 1, both waiters named with their peer (was: nothing read live, `signalled` once stopped: every
+    rank looked in its own work)."""
+    live = tmp_path / "live"
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, (0, 2))  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, PIPE, stop, ("none", "60"), GRACE, ranks=3)
+    assert code != 0, out
+    for folder in (live, traces):
+        report = replay_dir(folder)
+        assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [1], 20), format_report(report)
+        assert "send to rank 1" in report.summary and "recv from rank 1" in report.summary, format_report(report)

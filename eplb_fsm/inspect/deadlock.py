@@ -7,12 +7,14 @@ main thread waits in (``engine_wait``: op, and ``engine_wait_call``: group and t
 4-rank runs of both shapes read as healthy while they hung and as stopped from outside (``signalled``) once stopped.
 
 :func:`engine_deadlock` reads ``collective_mismatch`` when every participant's last ``engine_runs.RUN`` or more alive
-records wait so (``engine_runs.engine_run``) at one step, overlapping in time, in more than one (op, call). The ranks
-off the largest share are the culprits; in a tie every rank is, undecided. Signals and failed waits after it are
-its consequences, as for the network's stall. Held back as a warning under ``engine_runs.LAG_MIN_S``, or while
-no longer than twice the longest wait the job got past: a slow peer or a side thread's late root leave the same
-records for seconds. Ranks at two steps in one op are the network's (``network_stall``),
-which reads them first.
+records wait so (``engine_runs.engine_run``) at one step, overlapping in time, in more than one (op, call). A
+blocking ``send`` or ``recv`` counts too (``main_wait`` names its peer), as one call with the recv or send that
+meets it: ranks each in recv from the other are a cycle of such waits (a tie), and a send and recv that meet, still
+stuck, are no mismatch at all. The ranks off the largest share are the culprits; in a tie every rank is, undecided.
+Signals and failed waits after it are its consequences, as for the network's stall. Held back as a warning under
+``engine_runs.LAG_MIN_S``, or while no longer than twice the longest wait the job got past: a slow peer or a side
+thread's late root leave the same records for seconds. Ranks at two steps in one op are the network's
+(``network_stall``), which reads them first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait
 __all__ = ["engine_deadlock"]
 
 
+def _call_of(k: Key, r) -> tuple:
+    """Which call a rank waits in, alike on every rank of one call: a collective's (``Run.collective``), or for a
+    send or recv ``("p2p", sender, receiver, call)``, which a send and the recv it meets share (two ranks each in
+    recv from the other do not: a cycle of point-to-point waits)."""
+    if not r.p2p:
+        return r.collective
+    return ("p2p", k[0], r.peer, r.call) if r.op == "send" else ("p2p", r.peer, k[0], r.call)
+
+
 def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
     when every participant still running, or stopped by a signal or a failed wait since, waits inside an engine
@@ -37,25 +48,27 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
         return None
     if max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None   # not waiting at the same time
-    calls = Counter(r.collective for r in runs.values())
-    if len(calls) < 2:
+    key = {k: _call_of(k, r) for k, r in runs.items()}
+    calls = Counter(key.values())
+    # a send and the recv it meets, both stuck: no mismatch of calls (a link's stall, or the bytes are moving)
+    if len(calls) < 2 or any(c[0] == "p2p" and None not in c[1:3] and n == 2 for c, n in calls.items()):
         return None
     top = calls.most_common()
     # in a subgroup's collective the members outside it, whom its waiters wait for, may be in the majority's (a red
     # team's tensor-parallel rank that skipped its pair's all-reduce): the traces cannot tell who left which
     tie = top[0][1] == top[1][1] or not all(r.ours for r in runs.values())
-    odd = sorted(runs) if tie else sorted(k for k, r in runs.items() if r.collective != top[0][0])
-    text = {r.collective: r.text for r in runs.values()}
+    odd = sorted(runs) if tie else sorted(k for k in runs if key[k] != top[0][0])
+    text = {key[k]: r.text for k, r in runs.items()}
     step, began = next(iter(runs.values())).step, min(r.first for r in runs.values())
     lasted = max(r.last - r.first for r in runs.values())
     # a side thread's late root, a slow peer: ranks may sit in different collectives for seconds and go on (a red
     # team's rank 0 whose control thread broadcast a config 7 s late)
     before = job_longest_wait(parts, began)
-    by_call = "; ".join(f"{cast.who(sorted(k for k, r in runs.items() if r.collective == c))} in {text[c]}"
-                        for c, _ in top)
+    by_call = "; ".join(f"{cast.who(sorted(k for k in runs if key[k] == c))} in {text[c]}" for c, _ in top)
     summary = (f"every rank has waited inside a collective of the engine's at step {step} for {lasted:.1f} s from "
-               f"{at(began)}, and not in one: {by_call}. None completes without every rank of its group (the "
-               f"engine's ranks issued different collectives: a deadlock of the engine's)"
+               f"{at(began)}, and not in one: {by_call}. None completes without every rank of its group"
+               + (" (a send or recv, without its peer's matching call)" if any(r.p2p for r in runs.values()) else "")
+               + " (the engine's ranks issued different collectives: a deadlock of the engine's)"
                + ("" if all(r.ours for r in runs.values()) else
                   "; some wait in a subgroup's collective, whose missing members may sit in another (or that "
                   "subgroup's link stalled)")

@@ -75,7 +75,8 @@ def waiting_text(s) -> str:
     if engine and engine[3] is not False:
         return f"in no controller collective, inside the engine's {engine[0]}"
     if mine:
-        return f"in no controller collective, inside the engine's {mine[0]} ({mine[1] or 'its main thread'})"
+        peer = f" {'to' if mine[0] == 'send' else 'from'} rank {mine[4]}" if mine[4] is not None else ""
+        return f"in no controller collective, inside the engine's {mine[0]}{peer} ({mine[1] or 'its main thread'})"
     if engine:
         return f"in no controller collective, its main thread in its own work (a side thread in {engine[0]})"
     return "in no controller collective (so in the engine's step or its own work)"

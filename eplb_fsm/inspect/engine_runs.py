@@ -4,7 +4,8 @@ Why: three readings of live engines (``stalled``: the network; ``lagging``: a ra
 ranks in different collectives) look at the same thing on every rank: its last ``RUN`` or more alive records, at one
 step, each saying whether the main thread waits in a collective of the engine's (``engine_wait``, from the frames
 the liveness thread reads; ``eplb_fsm.engine_wait``; or ``main_wait``, the main thread's own when ``engine_wait``
-names a side thread's, or a rooted one: broadcast, gather) and in which (its call: group name and tensor shape).
+names a side thread's, or a rooted one: broadcast, gather; or a send or recv, with its peer) and in which (its call:
+group name and tensor shape).
 
 A run is what the rank did *last*: a record of a later step after it (the job went on: a slow step, not a stall; a
 red team's job that caught up read as lagging), a silence over ``GAP`` intervals inside it (a pause of the job), a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eplb_fsm.engine_wait import P2P
 from eplb_fsm.inspect.endings import WAIT_ERROR
 
 __all__ = ["RUN", "Run", "engine_run", "held_back", "job_longest_wait", "longest_wait_before", "stopped_parts",
@@ -39,7 +41,8 @@ LAG_MIN_S, SLOW_FACTOR = 60.0, 2
 class Run:
     """A rank's last alive records at one step: ``step``; ``op`` and ``call`` of the collective the last one names
     (None when none: its own work; a side thread's wait in a run of its own work); ``first`` and ``last`` ts;
-    ``ours``: every record's collective is on the controller's ranks."""
+    ``ours``: every record's collective is on the controller's ranks; ``peer``: the controller's rank a ``send`` or
+    ``recv`` waits on (None: unknown, or no point-to-point call)."""
 
     step: int
     op: str | None
@@ -47,6 +50,12 @@ class Run:
     last: float
     call: str | None
     ours: bool
+    peer: int | None = None
+
+    @property
+    def p2p(self) -> bool:
+        """Whether the main thread waits in a point-to-point call (``send``, ``recv``): on one peer."""
+        return self.op in P2P
 
     @property
     def collective(self) -> tuple:
@@ -57,7 +66,10 @@ class Run:
 
     @property
     def text(self) -> str:
-        return f"{self.op} ({self.call})" if self.call else str(self.op)
+        """``all_reduce (WORLD:[48, 8])``, ``recv from rank 1 (WORLD:[4])``."""
+        peer = "" if not self.p2p or self.peer is None else \
+            f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        return f"{self.op}{peer} ({self.call})" if self.call else f"{self.op}{peer}"
 
 
 def _main_waits(a) -> bool:
@@ -66,11 +78,11 @@ def _main_waits(a) -> bool:
 
 
 def _where(a) -> tuple | None:
-    """(op, call, on the controller's ranks, a wait on every member) of the collective an alive record's main thread
-    sits in: its ``engine_wait``, or its ``main_wait`` (a rooted one; another group's beside a side thread's), or
-    None (its own work)."""
+    """(op, call, on the controller's ranks, a wait on every member, peer) of the collective an alive record's main
+    thread sits in: its ``engine_wait``, or its ``main_wait`` (a rooted one; another group's beside a side thread's;
+    a send or recv, with its peer), or None (its own work)."""
     if _main_waits(a):
-        return a[4][0], a[4][2], a[4][1] is True, True
+        return a[4][0], a[4][2], a[4][1] is True, True, None
     return a[5]
 
 
@@ -81,8 +93,8 @@ def _within_gap(s, earlier: float, later: float) -> bool:
 def engine_run(s, mode: str = "ours") -> Run | None:
     """``s``'s run (module docstring) when it has ``RUN`` or more records, each with the main thread inside an engine
     collective on the controller's ranks in which every member waits (``mode`` "ours"), inside one of any group
-    ("any"), inside any collective, a rooted one too (broadcast, gather: "c10d"), or inside none, a side thread's
-    wait aside ("own"); else None."""
+    ("any"), inside any collective, a rooted one or a point-to-point call too (broadcast, gather, send, recv:
+    "c10d"), inside a point-to-point call ("p2p"), or inside none, a side thread's wait aside ("own"); else None."""
     def posted(on: dict) -> bool:   # async ready flags: issued, read back later, nobody waits in them
         e = s.collectives.get(on.get("group"), {}).get(on.get("cseq"))
         return e is not None and e.posted
@@ -90,7 +102,8 @@ def engine_run(s, mode: str = "ours") -> Run | None:
     def counts(i: int) -> bool:
         a = s.alive[i]
         w = _where(a)
-        kind = {"ours": bool(w) and w[2] and w[3], "any": bool(w) and w[3], "c10d": w is not None}.get(mode, w is None)
+        kind = {"ours": bool(w) and w[2] and w[3], "any": bool(w) and w[3], "c10d": w is not None,
+                "p2p": bool(w) and w[0] in P2P}.get(mode, w is None)
         if (a[3] and not posted(a[3])) or type(a[0]) not in (int, float) or a[1] != s.alive[-1][1] or not kind:
             return False
         return i + 1 == len(s.alive) or _within_gap(s, a[0], s.alive[i + 1][0])
@@ -106,7 +119,7 @@ def engine_run(s, mode: str = "ours") -> Run | None:
     last, w = s.alive[-1], _where(s.alive[-1])
     op, call = w[:2] if w else (last[4][0], last[4][2]) if last[4] else (None, None)   # own work: a side thread's
     ours = all((w := _where(a)) is not None and w[2] for a in s.alive[-n:])
-    return Run(step, op, s.alive[-n][0], last[0], call, ours)
+    return Run(step, op, s.alive[-n][0], last[0], call, ours, w[4] if (w := _where(last)) and op in P2P else None)
 
 
 def longest_wait_before(s, ts: float) -> float:

@@ -16,10 +16,12 @@ apart. Two readings:
   slow step look the same over seconds; those are held back as a warning. Read like the network's stall:
   before the job is stopped, or after an operator's or scheduler's signals, which are then its consequences.
   Before this rule, a real job with one rank asleep in its own work read as healthy while it ran and as stopped
-  from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). Not seen: waits on a handle
-  (``work.wait()``), which ``engine_wait`` cannot see (every rank then looks in its own work), and a lagging rank
-  blocked in a point-to-point call (``recv``, ``send``), which reads as its own work; a rooted collective
-  (``broadcast``: ``main_wait``) does not.
+  from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). A rank blocked in a point-to-point
+  call (``send``, ``recv``: ``main_wait`` names its peer) waits on that peer alone: followed, through other such
+  waiters (a pipeline's stages), to a rank in its own work, which lags (at the waiter's step, one before or one
+  after); without a collective's waiters, only when every rank in its own work is reached so. A rooted collective
+  (``broadcast``) is a wait too, not own work. Not seen: waits on a handle (``work.wait()``, ``isend``/``irecv``),
+  which ``engine_wait`` cannot see (every rank then looks in its own work).
 - :func:`step_lag`: traces without ``engine_wait`` at their end (older writers, or an engine whose waits the
   liveness thread cannot see): every live rank's step stopped advancing and some stopped at a lower step. Read
   only where nothing else was found.
@@ -35,44 +37,72 @@ from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait
 __all__ = ["engine_lag", "step_lag"]
 
 
+def _reached(parts: dict, own: dict, pairs: dict) -> set | None:
+    """The ranks in their own work that the point-to-point waiters of ``pairs`` wait for, following each one's peer
+    through other such waiters (a pipeline's stages, each in recv from the one before); None when a chain ends
+    elsewhere: an unknown peer (a recv from any source), a peer in a collective, a cycle (a deadlock's)."""
+    by_rank = {}
+    for k in parts:
+        by_rank.setdefault(k[0], []).append(k)
+    reached = set()
+    for k in pairs:
+        seen = {k}
+        while k in pairs:
+            peer = pairs[k].peer
+            if peer is None or len(by_rank.get(peer, ())) != 1 or (k := by_rank[peer][0]) in seen:
+                return None
+            seen.add(k)
+        if k not in own:
+            return None
+        reached.add(k)
+    return reached
+
+
 def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     """(ts the waits began, first culprit, whether it is held back as too short: ``engine_runs.held_back``, finding)
     when every participant still running, or stopped by a signal or a failed wait since, either waits in an engine
-    collective or is in its own work, as the module docstring says; else None."""
+    collective or a point-to-point call or is in its own work, as the module docstring says; else None."""
     if (parts := stopped_parts(cast)) is None:
         return None
     own = {k: r for k, s in parts.items() if (r := engine_run(s, "own"))}
     waits = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "any"))}
+    pairs = {k: r for k, s in parts.items() if k not in own and k not in waits and (r := engine_run(s, "p2p"))}
     ours = {k: r for k, r in waits.items() if r.ours}
     # the waiters on the controller's ranks sit in one collective (one step, op and call); the others, in a
     # subgroup's (a tensor-parallel group's: red teams'), at that step or the one before (a member of the lagging
     # rank's subgroup waits for it there while the ranks outside it went on to the next step's collective)
-    if not own or not ours or len(own) + len(waits) != len(parts) or len({r.step for r in ours.values()}) > 1 \
-            or len({r.collective for r in ours.values()}) > 1:
+    if not own or len(own) + len(waits) + len(pairs) != len(parts) or len({r.step for r in ours.values()}) > 1 \
+            or len({r.collective for r in ours.values()}) > 1 or (not ours and (waits or not pairs)):
         return None
-    step, op = next(iter(ours.values())).step, next(iter(ours.values())).op
-    runs = waits | own
-    if any(r.step > step or r.step < step - 1 for r in waits.values()) or any(r.step > step for r in own.values()) \
+    # a send or recv waits on its peer alone: followed to a rank in its own work; without a collective's waiters,
+    # every such rank must be one a waiter waits for (else nothing ties it to the wait)
+    if (reached := _reached(parts, own, pairs)) is None or (not ours and reached != set(own)):
+        return None
+    step = next(iter(ours.values())).step if ours else max(r.step for r in pairs.values())
+    runs = waits | pairs | own
+    # a pipeline's rank may stop in its own work one step ahead of the rank that waits for its message
+    ahead = 0 if ours else 1
+    if any(r.step > step or r.step < step - 1 for r in (waits | pairs).values()) \
+            or any(r.step > step + ahead for r in own.values()) \
             or max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None
-    began = min(r.first for r in waits.values())
-    lasted = max(r.last - r.first for r in waits.values())   # measured as the waits the job got past are
+    waiting = waits | pairs
+    began = min(r.first for r in waiting.values())
+    lasted = max(r.last - r.first for r in waiting.values())   # measured as the waits the job got past are
     # a job whose engine steps often take seconds is slow, not stuck, until a wait outlasts the ones it got past, on
     # any rank (red teams' 4 s steps, and checkpoints the ranks took in turn, read as lagging once stopped)
     before = job_longest_wait(parts, began)
-    behind, waiters = sorted(own), sorted(ours)
+    behind = sorted(own)
     low = min(own[k].step for k in behind)
     first, one = cast.parts[behind[0]], len(behind) == 1
     side = sorted({r.op for r in own.values() if r.op})
     where = (f"its main thread outside any collective; a side thread waits in {', '.join(side)}" if side
              else "in no collective of the engine's or the controller's")
-    at_step = f"at step {low}" if all(own[k].step == low for k in behind) else f"at steps {low}..{step}"
-    sub = sorted(k for k in waits if k not in ours)
-    others = (f", and {cast.who(sub)} inside collectives of other groups "
-              f"({', '.join(sorted({waits[k].text for k in sub}))})" if sub else "")
+    top = max(own[k].step for k in behind)
+    at_step = f"at step {low}" if top == low else f"at steps {low}..{top}"
     summary = (f"{cast.who(behind)} {'has' if one else 'have'} been in {'its' if one else 'their'} own work {at_step} "
-               f"in {first.alive[-1][2]} ({where}) for {lasted:.1f} s from {at(began)}, while {cast.who(waiters)} "
-               f"waited for {'it' if one else 'them'} inside the engine's {op} at step {step}{others}: alive, "
+               f"in {first.alive[-1][2]} ({where}) for {lasted:.1f} s from {at(began)}, while "
+               f"{_waiters_text(cast, ours, waits, pairs, step, 'it' if one else 'them')}: alive, "
                f"{'its' if one else 'their'} step no longer advancing (a hung data loader, a lock, a slow or stuck "
                "kernel, a blocking read; or a server's rank waiting for requests while the others wait in the "
                "collective, which reads the same)" + (f"; the longest wait the job got past before: {before:.1f} s"
@@ -80,14 +110,33 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     return began, behind[0], held_back(lasted, before), Finding.of(
         "lagging", low, behind, summary, state=first.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in own else "waiting",
-                             f"alive at step {r.step}, " + (f"inside the engine's {r.text}" if k in waits else where),
+                             f"alive at step {r.step}, " + (f"inside the engine's {r.text}" if k in waits | pairs
+                                                            else where),
                              r.step, parts[k].alive[-1][2]) for k, r in sorted(runs.items())],
-        details=["each rank's alive records say whether its main thread waits in a collective (engine_wait): the "
-                 "waiters sit in the engine's, the lagging ranks in none (a point-to-point call, a send or recv, "
-                 "reads as none: engine_wait does not name those)",
+        details=["each rank's alive records say whether its main thread waits in a collective (engine_wait, or "
+                 "main_wait: a rooted one, a send or recv with its peer): the waiters sit in the engine's, the "
+                 "lagging ranks in none",
                  "look at what the lagging ranks' main threads were doing: the stacks a signal end writes to stderr "
                  "(eplb_fsm.stop_signals), py-spy dump, the engine's own logs"],
     )
+
+
+def _waiters_text(cast: Cast, ours: dict, waits: dict, pairs: dict, step: int, them: str) -> str:
+    """Who waited for the lagging ranks, and in what: the collective of the controller's ranks, the subgroups',
+    the point-to-point calls."""
+    parts = []
+    if ours:
+        r = next(iter(ours.values()))
+        parts.append(f"{cast.who(sorted(ours))} waited for {them} inside the engine's "
+                     f"{r.op} at step {step}")
+    if sub := sorted(k for k in waits if k not in ours):
+        parts.append(f"{cast.who(sub)} inside collectives of other groups "
+                     f"({', '.join(sorted({waits[k].text for k in sub}))})")
+    for text in sorted({r.text for r in pairs.values()}):
+        keys = sorted(k for k, r in pairs.items() if r.text == text)
+        parts.append(f"{cast.who(keys)} {'' if parts else f'waited for {them} '}inside the engine's {text} at step "
+                     f"{pairs[keys[0]].step}")
+    return ", and ".join(parts)
 
 
 def step_lag(cast: Cast) -> Finding | None:

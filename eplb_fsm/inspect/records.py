@@ -142,12 +142,13 @@ def keep_record(s: RankSummary, ev: str, rec: dict, st: str | None) -> None:
         call, main = rec.get("engine_wait_call"), rec.get("engine_wait_main")   # absent in older traces: None
         # the main thread's own wait, when engine_wait names another (a rooted one, another group's)
         mine, mine_call, mine_on = rec.get("main_wait"), rec.get("main_wait_call"), rec.get("main_wait_group")
+        peer = rec.get("main_wait_peer") if type(rec.get("main_wait_peer")) is int else None   # a send's, a recv's
         s.alive.append((rec.get("ts"), rec.get("step"), st, waiting if isinstance(waiting, dict) else None,
                         (engine, on == "same", call if type(call) is str else None,
                          main if type(main) is bool else None) if type(engine) is str and engine in COLLECTIVES
                         else None,
-                        (mine, mine_call if type(mine_call) is str else None, mine_on == "same", mine in COLLECTIVES)
-                        if type(mine) is str else None))
+                        (mine, mine_call if type(mine_call) is str else None, mine_on == "same", mine in COLLECTIVES,
+                         peer) if type(mine) is str else None))
         iv = rec.get("interval_s")
         if type(iv) in (int, float) and iv > 0:
             s.alive_interval = float(iv)
