@@ -35,7 +35,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["COLLECTIVES", "MAX_DEPTH", "P2P", "ROOTED", "engine_collective", "main_wait"]
+__all__ = ["COLLECTIVES", "MAX_DEPTH", "P2P", "ROOTED", "engine_collective", "look", "main_wait"]
 
 # the c10d collectives in which every member waits on every other's data (on gloo, directly or through a
 # neighbour that fails at once when a member's sockets close). Not point-to-point send/recv: one waits on a
@@ -84,7 +84,9 @@ def _ranks(group: Any, none_is_world: bool) -> tuple[int, ...] | None:
 
 def _call(frame: FrameType) -> str | None:
     """Which call of the collective this is, alike on every member of one call: its group's name (``WORLD`` for
-    the default group) and the shape of its tensor argument; None when neither can be read."""
+    the default group) and the shape of its tensor argument, and a send's or recv's tag when not 0 (``WORLD:[4]
+    tag 1``: a send and a recv whose tags differ never meet: a red team's pair hung so); None when neither group
+    nor tensor can be read."""
     import torch.distributed as dist
 
     try:
@@ -94,7 +96,8 @@ def _call(frame: FrameType) -> str | None:
         tensor = next((args[k] for k in ("tensor", "input", "input_tensor") if hasattr(args.get(k), "shape")), None)
         if name is None and tensor is None:
             return None
-        return f"{name}:{list(tensor.shape) if tensor is not None else '-'}"
+        tag = args.get("tag") if frame.f_code.co_name in P2P else None
+        return f"{name}:{list(tensor.shape) if tensor is not None else '-'}" + (f" tag {tag}" if tag else "")
     except Exception:
         return None
 
@@ -141,7 +144,7 @@ def _collective_of(frame: FrameType | None, group: Any, ops: frozenset = COLLECT
     return None
 
 
-def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = frozenset()
+def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = frozenset(), frames: dict | None = None
                       ) -> tuple[str, bool | None, str | None, bool] | None:
     """(name, same group, call, main thread) of the engine collective some thread of this process is blocked in,
     or None: ``("all_reduce", True, "WORLD:[48, 8]", True)`` for one on the same ranks as ``group`` (the
@@ -152,12 +155,13 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
 
     ``skip``: thread idents not to look at (the caller's own thread is never looked at). With several such
     threads, one on the controller's ranks answers first (the wait replay reads; the main thread's before
-    another's), then the lowest ident, so that repeated looks name the same wait. Never raises: the liveness thread
-    must write its record whatever a look meets (an error reads as no wait seen).
+    another's), then the lowest ident, so that repeated looks name the same wait. ``frames``: the threads' frames
+    already read (``sys._current_frames()``: :func:`look`). Never raises: the liveness thread must write its record
+    whatever a look meets (an error reads as no wait seen).
     """
     me = threading.get_ident()
     try:
-        frames = sys._current_frames()
+        frames = sys._current_frames() if frames is None else frames
         main = threading.main_thread().ident
         seen = [(*found[:3], ident == main) for ident in sorted(frames) if ident != me and ident not in skip
                 and (found := _collective_of(frames[ident], group)) is not None]
@@ -167,7 +171,8 @@ def engine_collective(group: Any = None, skip: set[int] | frozenset[int] = froze
     return next((s for s in ours if s[3]), ours[0] if ours else seen[0] if seen else None)
 
 
-def main_wait(group: Any = None) -> tuple[str, bool | None, str | None, int | None] | None:
+def main_wait(group: Any = None, frames: dict | None = None
+              ) -> tuple[str, bool | None, str | None, int | None] | None:
     """(name, same group, call, peer) of the collective the process's main thread is blocked in, called from the
     engine's code, or None: one of :data:`COLLECTIVES` on any ranks, a rooted one (:data:`ROOTED`), or a blocking
     point-to-point call (:data:`P2P`, whose peer is named as a rank of ``group``, the controller's, when it is one;
@@ -175,11 +180,23 @@ def main_wait(group: Any = None) -> tuple[str, bool | None, str | None, int | No
     ``main_wait``, written when ``engine_wait`` names no wait of the main thread's: a side thread's wait on the
     controller's ranks answers there first (a red team's metrics thread), and a rooted collective is no wait on
     every member; but a main thread inside either is not in its own work, and ranks whose main threads sit in
-    different collectives are deadlocked."""
+    different collectives are deadlocked. ``frames``: as for :func:`engine_collective`."""
     try:
-        frame = sys._current_frames().get(threading.main_thread().ident)
+        frame = (sys._current_frames() if frames is None else frames).get(threading.main_thread().ident)
         if threading.get_ident() == threading.main_thread().ident:
             return None
         return _collective_of(frame, group, COLLECTIVES | ROOTED | P2P)
     except Exception:
         return None
+
+
+def look(group: Any = None) -> tuple[tuple | None, tuple | None]:
+    """(:func:`engine_collective`, :func:`main_wait` when the first names no wait of the main thread's, else None)
+    from one read of the threads' frames: the liveness thread's look on a beat where the step stayed put. Never
+    raises."""
+    try:
+        frames = sys._current_frames()
+    except Exception:
+        return None, None
+    engine = engine_collective(group, frames=frames)
+    return engine, None if engine and engine[3] else main_wait(group, frames)

@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import structlog
 
-from eplb_fsm.engine_wait import engine_collective, main_wait
+from eplb_fsm.engine_wait import look
 from eplb_fsm.periodic import PeriodicThread
 from eplb_fsm.safe_log import log_safely, retry_due
 
@@ -144,10 +144,9 @@ class Liveness:
         # a rank that waits may be inside the engine's own collective (also beside a posted one of the
         # controller's): the record names it (eplb_fsm.engine_wait), so that replay can read a peer frozen for good
         group = self.group_of() if self.group_of else None
-        engine = None if self.moving else engine_collective(group)
         # a main thread in a collective engine_wait does not name (a rooted one; another group's, beside a side
-        # thread's wait on the controller's ranks) is not in its own work: the record says so too
-        main = None if self.moving or (engine and engine[3]) else main_wait(group)
+        # thread's wait on the controller's ranks; a send or recv) is not in its own work: the record says so too
+        engine, main = (None, None) if self.moving else look(group)
         if main:
             engine = (*(engine or (None, None, None, None)), main)
         record = trace.alive(self.interval_s, self._steps_seen, **({"engine_wait": engine} if engine else {}))

@@ -275,7 +275,8 @@ def test_a_main_threads_own_wait_is_named_apart():
 def _rank_looks_in_point_to_point(rank: int, world: int) -> list:
     """Each rank's main thread blocks in a real gloo point-to-point call while a thread of its own looks
     (``main_wait``) against the controller's group (the world, then none): rank 0 in ``recv(src=1)``, which rank 1
-    sends 2 s late; then rank 1 in ``send(group_dst=0)`` on a group of both, which rank 0 receives 2 s late."""
+    sends 2 s late; then rank 1 in ``send(group_dst=0, tag=3)`` on a group of both, which rank 0 receives 2 s
+    late."""
     import torch
     import torch.distributed as dist
 
@@ -292,12 +293,12 @@ def _rank_looks_in_point_to_point(rank: int, world: int) -> list:
         dist.recv(torch.zeros(4), src=1)
         looker.join(30)
         time.sleep(2.0)
-        dist.recv(torch.zeros(4096), group=pair, group_src=1)
+        dist.recv(torch.zeros(4096), group=pair, group_src=1, tag=3)
     else:
         time.sleep(2.0)
         dist.send(torch.ones(4), dst=0)
         looker.start()
-        dist.send(torch.ones(4096), group=pair, group_dst=0)
+        dist.send(torch.ones(4096), group=pair, group_dst=0, tag=3)
         looker.join(30)
     return seen
 
@@ -305,12 +306,24 @@ def _rank_looks_in_point_to_point(rank: int, world: int) -> list:
 @pytest.mark.multiprocess
 def test_a_real_gloo_send_and_recv_name_their_peer():
     """Two gloo ranks: a main thread blocked in recv from rank 1 is named with its peer (``main_wait``: op, group,
-    call, peer 1); one blocked in send to rank 0 of a group, with peer 0; without a controller's torch group the
-    peer is unknown (None)."""
+    call, peer 1); one blocked in send to rank 0 of a group, with peer 0 and its tag in the call; without a
+    controller's torch group the peer is unknown (None)."""
     looks = run_ranks(_rank_looks_in_point_to_point, 2, timeout=60)
     assert looks[0] == [("recv", True, "WORLD:[4]", 1), ("recv", None, "WORLD:[4]", None)]
     assert [look[0] for look in looks[1]] == ["send", "send"] and [look[3] for look in looks[1]] == [0, None]
-    assert looks[1][0][1] is True and looks[1][0][2].endswith(":[4096]")
+    assert looks[1][0][1] is True and looks[1][0][2].endswith(":[4096] tag 3")
     fields = alive_fields(1.0, 4, None, (None, None, None, None, looks[0][0]))
     assert (fields["main_wait"], fields["main_wait_peer"]) == ("recv", 1)
     assert "main_wait_peer" not in alive_fields(1.0, 4, None, (None, None, None, None, looks[0][1]))
+
+
+def test_one_look_reads_both_waits_from_one_read_of_the_frames(monkeypatch):
+    """``look``: the main thread in a broadcast gives no engine_wait and its main_wait; in an all_reduce, the
+    engine_wait with main True and no main_wait (not asked for); the frames are read once a look."""
+    reads = []
+    current = engine_wait.sys._current_frames
+    monkeypatch.setattr(engine_wait.sys, "_current_frames", lambda: reads.append(1) or current())
+    assert _look_while_main_waits(op="broadcast", look_with=engine_wait.look) == \
+        (None, ("broadcast", None, "WORLD:-", None))
+    engine, main = _look_while_main_waits(look_with=engine_wait.look)
+    assert (engine[0], engine[3], main) == ("all_reduce", True, None) and len(reads) == 2

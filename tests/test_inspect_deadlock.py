@@ -180,3 +180,32 @@ def test_a_send_and_the_recv_it_meets_are_no_mismatch(tmp_path):
     all-reduce: no `collective_mismatch` (the pair's calls agree)."""
     report = replay_dir(write(tmp_path, p2p_job({0: p2p("send", 1), 1: p2p("recv", 0), 2: ENGINE, 3: ENGINE})))
     assert "collective_mismatch" not in [f.kind for f in report.findings], format_report(report)
+
+
+def test_a_cycle_of_sends_and_recvs_across_two_steps_is_a_deadlock(tmp_path):
+    """Rank 3 in recv from rank 0 (the wrong peer), rank 2 in send to 3, rank 1 in send to 2 at step 40, rank 0 in
+    send to 1 at step 41 (it went on): the waits close a cycle, `collective_mismatch`, every rank, undecided (was:
+    nothing, the ranks at two steps)."""
+    waits = {0: p2p("send", 1), 1: p2p("send", 2), 2: p2p("send", 3), 3: p2p("recv", 0)}
+    report = replay_dir(write(tmp_path, p2p_job(waits, steps={0: 41})))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", list(range(WORLD))), \
+        format_report(report)
+    assert "at steps 40..41" in report.summary
+
+
+def test_a_chain_of_recvs_that_ends_outside_the_traced_ranks_is_no_deadlock(tmp_path):
+    """Ranks 0-2 in recv from the next, rank 3 in recv from a rank outside the controller's (no peer named: a red
+    team's controller on a subgroup, its pipeline fed by an untraced rank): no `collective_mismatch` (was: a tie)."""
+    waits = {0: p2p("recv", 1), 1: p2p("recv", 2), 2: p2p("recv", 3), 3: p2p("recv", None)}
+    report = replay_dir(write(tmp_path, p2p_job(waits)))
+    assert "collective_mismatch" not in [f.kind for f in report.findings], format_report(report)
+
+
+def test_a_send_and_a_recv_whose_tags_differ_do_not_meet(tmp_path):
+    """Rank 0 in send to rank 1 with tag 1, rank 1 in recv from rank 0 with tag 0 (the call names the tag), ranks
+    2-3 in the all-reduce: `collective_mismatch`, ranks 0-1, each in a call of its own (a red team's pair hung so
+    and read as meeting: no finding)."""
+    tagged = {**p2p("send", 1), "main_wait_call": "WORLD:[4] tag 1"}
+    report = replay_dir(write(tmp_path, p2p_job({0: tagged, 1: p2p("recv", 0), 2: ENGINE, 3: ENGINE})))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [0, 1]), format_report(report)
+    assert "rank 0 in send to rank 1 (WORLD:[4] tag 1); rank 1 in recv from rank 0 (WORLD:[4])" in report.summary

@@ -166,7 +166,7 @@ def test_a_peer_waiting_in_its_subgroups_collective_still_waits(tmp_path):
         rk.engine_wait(6, {0: ENGINE, 1: ENGINE, 2: tp, 3: None}[rk.rank])
     report = replay_dir(write(tmp_path, ranks))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [3]), format_report(report)
-    assert "rank 2 inside collectives of other groups (all_reduce (3:[4]))" in report.summary
+    assert "rank 2 inside other collectives of the engine's (all_reduce (3:[4]))" in report.summary
 
 
 def test_a_rank_inside_a_collective_a_step_behind_is_not_named_lagging(tmp_path):
@@ -431,3 +431,57 @@ def test_a_real_pipeline_stage_stuck_in_its_own_work_lags(tmp_path):
         report = replay_dir(folder)
         assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [1], 20), format_report(report)
         assert "send to rank 1" in report.summary and "recv from rank 1" in report.summary, format_report(report)
+
+
+def test_a_pipelines_stages_may_drift_a_step_a_link(tmp_path):
+    """4 stages, the last one in its own work at step 40, rank 2 in send to it at 40, rank 1 in send to rank 2 at
+    41, rank 0 in send to rank 1 at 42 (each link a step: a red team's real pipeline): `lagging` rank 3 (was:
+    nothing, the waiters more than a step apart)."""
+    waits = {0: p2p("send", 1), 1: p2p("send", 2), 2: p2p("send", 3), 3: None}
+    report = replay_dir(write(tmp_path, p2p_job(waits, steps={0: 42, 1: 41})))
+    assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [3], 40), format_report(report)
+
+
+def test_a_link_two_steps_apart_is_no_chain(tmp_path):
+    """The same with rank 0 two steps ahead of rank 1, whose send it waits on: no `lagging` (a wait two steps
+    from its peer's is not on that peer's present call)."""
+    waits = {0: p2p("send", 1), 1: p2p("send", 2), 2: p2p("send", 3), 3: None}
+    report = replay_dir(write(tmp_path, p2p_job(waits, steps={0: 43, 1: 41})))
+    assert "lagging" not in [f.kind for f in report.findings], format_report(report)
+
+
+SUB = {**ENGINE, "engine_wait_group": "other", "engine_wait_call": "3:[4]"}   # a data-parallel pair's all-reduce
+BROADCAST = {"main_wait": "broadcast", "main_wait_group": "same", "main_wait_call": "WORLD:[4]"}
+
+
+@pytest.mark.parametrize("waits, culprit", [
+    ({0: p2p("send", 1), 1: None, 2: SUB, 3: SUB}, 1),
+    ({0: BROADCAST, 1: p2p("send", 2), 2: None, 3: p2p("recv", 2)}, 2),
+], ids=["data parallel beside a pipeline", "a broadcast beside a pipeline"])
+def test_other_collectives_beside_a_pipeline_are_waits(tmp_path, waits, culprit):
+    """Pipelines 0->1 and 2->3 with data-parallel all-reduces on pairs (ranks 2-3 in theirs), rank 1 in its own
+    work; or a pipeline whose rank 0 waits in a broadcast, rank 2 in its own work: `lagging` the rank in its own
+    work (was: nothing, the ranks in those collectives counted neither as waiters nor as in their own work)."""
+    report = replay_dir(write(tmp_path, p2p_job(waits)))
+    assert (report.verdict, report.culprit_ranks) == ("lagging", [culprit]), format_report(report)
+
+
+def test_a_pipelines_last_stage_steps_behind_is_not_dead_while_it_writes(tmp_path):
+    """A healthy 4-stage pipeline read live: stage r at step 43 - r, each still writing alive records to the end
+    (its waits in recv from the stage before): no `rank_died` (a red team's real pipeline read live named its last
+    stage dead, three steps behind the first)."""
+    ranks = [Waiter(r).steps(43 - r) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(3, None if rk.rank == 0 else p2p("recv", rk.rank - 1))
+    report = replay_dir(write(tmp_path, ranks))
+    assert "rank_died" not in [f.kind for f in report.findings], format_report(report)
+
+
+def test_a_trace_that_stopped_writing_steps_behind_is_still_dead(tmp_path):
+    """The same, but the last stage's trace stops 20 s before the others' (its last record three steps behind):
+    `rank_died` rank 3, as before."""
+    ranks = [Waiter(r).steps(43 - r) for r in range(WORLD)]
+    for rk in ranks:
+        rk.engine_wait(3 if rk.rank == 3 else 23, None if rk.rank == 0 else p2p("recv", rk.rank - 1))
+    report = replay_dir(write(tmp_path, ranks))
+    assert "rank_died" in [f.kind for f in report.findings] and 3 in report.culprit_ranks, format_report(report)

@@ -23,6 +23,7 @@ from eplb_fsm.inspect.stepseq import own_steps_broken, step_break_text
 
 # ranks are not stopped in lockstep: a trace ending one step before the others is not a death
 DIED_SLACK_STEPS = 1
+STILL_WRITING = 2.5   # alive intervals: a trace whose last record is this close to the job's newest did not stop
 
 
 def check_headers(cast: Cast, warnings: list[str]) -> list[Finding]:
@@ -292,17 +293,28 @@ def world_groups(summaries: dict[int, RankSummary]) -> set[str]:
         cast.generation_of(g) is None and cast.used_by_every_first_rank(g))}
 
 
+def _still_writing(s: RankSummary, newest: float | None) -> bool:
+    """Whether a session with alive records wrote its last record within ``STILL_WRITING`` of its alive interval
+    (at least 2 s) of the job's newest record: its trace did not stop."""
+    return bool(s.alive) and newest is not None and s.last_ts is not None \
+        and newest - s.last_ts <= max(STILL_WRITING * (s.alive_interval or 1.0), 2.0)
+
+
 def check_ends(cast: Cast, folded: set[Key]) -> list[Finding]:
     """A trace that stops while the others went on: the rank died (unless it left on purpose)."""
     lasts = {k: s.last_step for k, s in cast.parts.items() if isinstance(s.last_step, int)}
     if len(lasts) < 2:
         return []
     top = max(lasts.values())
+    newest = max((s.last_ts for s in cast.parts.values() if s.last_ts is not None), default=None)
     found = []
     for k, last in sorted(lasts.items()):
         s = cast.parts[k]
-        # a session with an end record stopped in order (the liveness checks judge it)
-        if top - last <= DIED_SLACK_STEPS or k in folded or s.ended_on_purpose or s.end is not None:
+        # a session with an end record stopped in order (the liveness checks judge it); one whose liveness thread
+        # wrote until the newest record of the job did not stop at all: a pipeline's last stage runs steps behind
+        # the first (a red team's healthy 4-stage pipeline, read live, named its last stage dead)
+        if top - last <= DIED_SLACK_STEPS or k in folded or s.ended_on_purpose or s.end is not None \
+                or _still_writing(s, newest):
             continue
         others = {o: v for o, v in lasts.items() if o != k and not cast.parts[o].ended_on_purpose}
         positions = [cast.position(k, "stopped", last_seen(s), last, s.final_state, s.final_layer)]

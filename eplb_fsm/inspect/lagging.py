@@ -16,12 +16,13 @@ apart. Two readings:
   slow step look the same over seconds; those are held back as a warning. Read like the network's stall:
   before the job is stopped, or after an operator's or scheduler's signals, which are then its consequences.
   Before this rule, a real job with one rank asleep in its own work read as healthy while it ran and as stopped
-  from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). A rank blocked in a point-to-point
-  call (``send``, ``recv``: ``main_wait`` names its peer) waits on that peer alone: followed, through other such
-  waiters (a pipeline's stages), to a rank in its own work, which lags (at the waiter's step, one before or one
-  after); without a collective's waiters, only when every rank in its own work is reached so. A rooted collective
-  (``broadcast``) is a wait too, not own work. Not seen: waits on a handle (``work.wait()``, ``isend``/``irecv``),
-  which ``engine_wait`` cannot see (every rank then looks in its own work).
+  from outside (``signalled``) once stopped (tests/test_inspect_lagging.py). A rank blocked in a point-to-point call
+  (``send``, ``recv``: ``main_wait`` names its peer) waits on that peer alone: followed, through other such waiters
+  (a pipeline's stages), to a rank in its own work, which lags, each link within a step (stages drift apart a step a
+  link); without a collective's waiters on the controller's ranks, only when every rank in its own work is reached
+  so, ranks in other collectives beside them (a data-parallel pair's all-reduce, a broadcast) within a step of it. A
+  rooted collective (``broadcast``) is a wait too, not own work. Not seen: waits on a handle (``work.wait()``,
+  ``isend``/``irecv``), which ``engine_wait`` cannot see (every rank then looks in its own work).
 - :func:`step_lag`: traces without ``engine_wait`` at their end (older writers, or an engine whose waits the
   liveness thread cannot see): every live rank's step stopped advancing and some stopped at a lower step. Read
   only where nothing else was found.
@@ -39,8 +40,9 @@ __all__ = ["engine_lag", "step_lag"]
 
 def _reached(parts: dict, own: dict, pairs: dict) -> set | None:
     """The ranks in their own work that the point-to-point waiters of ``pairs`` wait for, following each one's peer
-    through other such waiters (a pipeline's stages, each in recv from the one before); None when a chain ends
-    elsewhere: an unknown peer (a recv from any source), a peer in a collective, a cycle (a deadlock's)."""
+    through other such waiters (a pipeline's stages, each in recv from the one before), each link within one step
+    (a pipeline's stages drift apart a step a link); None when a chain ends elsewhere: an unknown peer (a recv from
+    any source), a peer in a collective, a cycle (a deadlock's), a peer steps away."""
     by_rank = {}
     for k in parts:
         by_rank.setdefault(k[0], []).append(k)
@@ -48,12 +50,12 @@ def _reached(parts: dict, own: dict, pairs: dict) -> set | None:
     for k in pairs:
         seen = {k}
         while k in pairs:
-            peer = pairs[k].peer
+            peer, step = pairs[k].peer, pairs[k].step
             if peer is None or len(by_rank.get(peer, ())) != 1 or (k := by_rank[peer][0]) in seen:
                 return None
+            if k not in own | pairs or abs((own | pairs)[k].step - step) > 1:
+                return None
             seen.add(k)
-        if k not in own:
-            return None
         reached.add(k)
     return reached
 
@@ -65,25 +67,28 @@ def engine_lag(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     if (parts := stopped_parts(cast)) is None:
         return None
     own = {k: r for k, s in parts.items() if (r := engine_run(s, "own"))}
-    waits = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "any"))}
-    pairs = {k: r for k, s in parts.items() if k not in own and k not in waits and (r := engine_run(s, "p2p"))}
-    ours = {k: r for k, r in waits.items() if r.ours}
+    pairs = {k: r for k, s in parts.items() if k not in own and (r := engine_run(s, "p2p"))}
+    # any other collective: the controller's ranks' own, a subgroup's, a rooted one (a red team's pipeline whose
+    # stages also wait in a broadcast)
+    waits = {k: r for k, s in parts.items() if k not in own and k not in pairs and (r := engine_run(s, "c10d"))}
+    ours = {k: r for k in waits if (r := engine_run(parts[k], "ours"))}
     # the waiters on the controller's ranks sit in one collective (one step, op and call); the others, in a
     # subgroup's (a tensor-parallel group's: red teams'), at that step or the one before (a member of the lagging
     # rank's subgroup waits for it there while the ranks outside it went on to the next step's collective)
     if not own or len(own) + len(waits) + len(pairs) != len(parts) or len({r.step for r in ours.values()}) > 1 \
-            or len({r.collective for r in ours.values()}) > 1 or (not ours and (waits or not pairs)):
+            or len({r.collective for r in ours.values()}) > 1 or not (ours or pairs):
         return None
-    # a send or recv waits on its peer alone: followed to a rank in its own work; without a collective's waiters,
-    # every such rank must be one a waiter waits for (else nothing ties it to the wait)
+    # a send or recv waits on its peer alone: followed to a rank in its own work; without a collective's waiters
+    # on the controller's ranks, every such rank must be one a waiter waits for (else nothing ties it to the wait)
     if (reached := _reached(parts, own, pairs)) is None or (not ours and reached != set(own)):
         return None
     step = next(iter(ours.values())).step if ours else max(r.step for r in pairs.values())
     runs = waits | pairs | own
-    # a pipeline's rank may stop in its own work one step ahead of the rank that waits for its message
-    ahead = 0 if ours else 1
-    if any(r.step > step or r.step < step - 1 for r in (waits | pairs).values()) \
-            or any(r.step > step + ahead for r in own.values()) \
+    # beside the controller's ranks' collective: at its step or the one before; beside send/recv chains alone:
+    # within a step of the ranks in their own work (a data-parallel all-reduce beside a pipeline: a red team's)
+    own_steps = [r.step for r in own.values()]
+    lo, hi = (step - 1, step) if ours else (min(own_steps) - 1, max(own_steps) + 1)
+    if any(not lo <= r.step <= hi for r in waits.values()) or (ours and any(r.step > step for r in own.values())) \
             or max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None
     waiting = waits | pairs
@@ -130,7 +135,7 @@ def _waiters_text(cast: Cast, ours: dict, waits: dict, pairs: dict, step: int, t
         parts.append(f"{cast.who(sorted(ours))} waited for {them} inside the engine's "
                      f"{r.op} at step {step}")
     if sub := sorted(k for k in waits if k not in ours):
-        parts.append(f"{cast.who(sub)} inside collectives of other groups "
+        parts.append(f"{cast.who(sub)} inside other collectives of the engine's "
                      f"({', '.join(sorted({waits[k].text for k in sub}))})")
     for text in sorted({r.text for r in pairs.values()}):
         keys = sorted(k for k, r in pairs.items() if r.text == text)
