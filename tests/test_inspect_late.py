@@ -168,3 +168,19 @@ def test_an_async_wait_that_failed_the_step_before_the_rollback_is_named():
     (aborted,) = report.aborted
     assert aborted["step"] == 22 and "the wait in batch_isend_irecv (group ep_transfer, cseq 0, layer 0) failed " \
         "on ranks 1-2" in aborted["text"], aborted
+
+
+def test_a_rank_that_aborted_alone_in_another_collective_gets_no_network_hint():
+    """Rank 2 alone aborted, its broadcast's wait run out where ranks 0-1 sat in the all-reduce (an injected
+    wrong collective under load, async): the note compares every member's collective, not the aborting rank's alone,
+    so no network hint (was: `though every rank had joined it ... (the network?)`)."""
+    wait = "RuntimeError: Operation timed out!"
+    other = dict(COLL, op="broadcast")
+    closed = [(3.01, "end", {"how": "exception", "error": "RuntimeError: Application timeout caused pair closure",
+                             "step": 21, "state": "transferring"})]   # their posted all-reduce, torn down
+    report = diagnose({0: records(0, 1.0, closed), 1: records(1, 1.0, closed),
+                       2: timeline(2, 3, T0, opening() + [(1.0, "collective_start", other),
+                                                          (3.0, "collective_error", dict(other, error=wait)),
+                                                          *rolled_back()[1:]], state="transferring", step=21)})
+    (aborted,) = report.aborted
+    assert aborted["ranks"] == [2] and "network" not in aborted["text"], aborted

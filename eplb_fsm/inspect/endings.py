@@ -150,7 +150,10 @@ def failed_waits(cast: Cast, keys: list[Key], step: int, since: int | None = Non
     if not failed:
         return ""
     (g, c), hits = min(failed.items(), key=lambda kv: min(_when(e) for _, e in kv[1]))
-    joined = [cast.parts[k].collectives.get(g, {}).get(c) for k in keys]
+    # every member's collective there, not only the aborting ranks': a rank that aborted alone may have waited in
+    # another collective than its peers (an injected wrong broadcast under load read as the network's)
+    members = [m for m in (cast.members(g) if isinstance(g, str) else []) if m in cast.parts]
+    joined = [cast.parts[k].collectives.get(g, {}).get(c) for k in dict.fromkeys([*keys, *members])]
     if len({e.signature() for e in joined if e is not None}) > 1:
         return ""   # ranks issued different collectives there: the mismatch is the story, not the wait
     text = f"the wait in {coll_text(hits[0][1])} failed on {cast.who([k for k, _ in hits])} " \
