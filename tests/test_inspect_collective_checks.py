@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from eplb_fsm.inspect.replay import diagnose
+from test_inspect_liveness import WORLD, Rank, write
+
+from eplb_fsm.inspect.replay import diagnose, replay_dir
 from eplb_fsm.testing import Faults, SyntheticJob, hang_faults
 
 
@@ -262,3 +264,24 @@ def test_posted_ready_flags_every_rank_left_behind_when_it_ended_are_no_hang(tmp
     report = replay_dir(tmp_path)
     assert "still inside it" not in report.summary and "hang" not in [f.kind for f in report.findings], \
         report.summary
+
+
+
+def test_ranks_still_below_an_extra_collectives_step_cast_no_vote(tmp_path):
+    """Rank 0 sits in the controller's all-reduce at step 42 while ranks 1-3, still running (no `end`), write alive
+    records at step 41: they have not got there yet, so no `collective_mismatch` finding naming rank 0 (a red team's
+    healthy pipeline, its first stage steps ahead, read so while it ran). Ranks that went past step 42 do vote."""
+    verdicts = []
+    for others in (41, 43):
+        ranks = [Rank(r).steps(40, collective_every=10) for r in range(WORLD)]
+        ranks[0].steps(42)
+        coll = {"op": "all_reduce", "group": "ep", "cseq": 4, "shape": [16], "dtype": "torch.float64",
+                "parts": ["loads"]}
+        ranks[0].emit("collective_start", **coll)
+        ranks[0].wait(6)
+        for rk in ranks[1:]:
+            rk.steps(others).wait(6)
+        (tmp_path / str(others)).mkdir()
+        report = replay_dir(write(tmp_path / str(others), ranks))
+        verdicts.append([(f.kind, f.culprits) for f in report.findings if f.kind == "collective_mismatch"])
+    assert verdicts[0] == [] and verdicts[1] == [("collective_mismatch", [0])], verdicts

@@ -209,3 +209,14 @@ def test_a_send_and_a_recv_whose_tags_differ_do_not_meet(tmp_path):
     report = replay_dir(write(tmp_path, p2p_job({0: tagged, 1: p2p("recv", 0), 2: ENGINE, 3: ENGINE})))
     assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [0, 1]), format_report(report)
     assert "rank 0 in send to rank 1 (WORLD:[4] tag 1); rank 1 in recv from rank 0 (WORLD:[4])" in report.summary
+
+
+def test_only_the_ranks_on_a_cycle_of_sends_are_named(tmp_path):
+    """Ranks 1 and 2 each in send to the other (a cycle), rank 0 in send to rank 1 and rank 3 in recv from rank 2
+    (they only feed it): `collective_mismatch` naming ranks 1-2, the others waiting (a red team's 1F1B stage that
+    sent first read as a tie of all four)."""
+    waits = {0: p2p("send", 1), 1: p2p("send", 2), 2: p2p("send", 1), 3: p2p("recv", 2)}
+    report = replay_dir(write(tmp_path, p2p_job(waits)))
+    assert (report.verdict, report.culprit_ranks) == ("collective_mismatch", [1, 2]), format_report(report)
+    assert {p["rank"]: p["status"] for p in report.findings[0].ranks} == {0: "waiting", 1: "mismatch", 2: "mismatch",
+                                                                            3: "waiting"}

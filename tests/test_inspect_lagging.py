@@ -464,6 +464,7 @@ def test_other_collectives_beside_a_pipeline_are_waits(tmp_path, waits, culprit)
     work (was: nothing, the ranks in those collectives counted neither as waiters nor as in their own work)."""
     report = replay_dir(write(tmp_path, p2p_job(waits)))
     assert (report.verdict, report.culprit_ranks) == ("lagging", [culprit]), format_report(report)
+    assert re.search(r"while ranks? [-0-9,]+ waited for it inside", report.summary), report.summary
 
 
 def test_a_pipelines_last_stage_steps_behind_is_not_dead_while_it_writes(tmp_path):

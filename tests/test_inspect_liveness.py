@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eplb_fsm.cli import main
-from eplb_fsm.inspect import liveness
+from eplb_fsm.inspect import engine_runs, liveness
 from eplb_fsm.inspect.render import format_report
 from eplb_fsm.inspect.replay import MixedRuns, replay_dir
 
@@ -188,16 +188,38 @@ def test_crash_with_exception_is_named(tmp_path):
     assert report.verdict == "crashed" and report.culprit_ranks == [3] and "ValueError: bad plan" in report.summary
 
 
-def test_lagging_rank_is_the_culprit_and_the_waiting_ranks_are_not(tmp_path):
-    """All ranks alive with stalled steps: the one at the lower step lags, the others only wait."""
+def test_lagging_rank_is_the_culprit_and_the_waiting_ranks_are_not(tmp_path, monkeypatch):
+    """All ranks alive with stalled steps (no engine wait named): the one at the lower step lags, the others only
+    wait; at the default floor of a minute a 6 s stall is a warning naming it, not a cause."""
     ranks = [Rank(r).steps(40) for r in range(WORLD)]
     for rk in ranks:
         if rk.rank != 3:
             rk.steps(41, alive=False)
         rk.wait(6)
-    report = replay_dir(write(tmp_path, ranks))
+    held = replay_dir(write(tmp_path, ranks))
+    assert held.verdict == "healthy" and any("(lagging, rank 3 lags at step 40" in w for w in held.warnings), \
+        format_report(held)
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+    report = replay_dir(tmp_path)
     assert report.verdict == "lagging" and report.culprit_ranks == [3] and report.step == 40
     assert "ranks 0-2 wait at step 41" in report.summary
+
+
+def test_a_stall_no_longer_than_twice_the_longest_one_before_is_no_lag(tmp_path, monkeypatch):
+    """The same, but every rank sat 6 s at step 30 before (a slow step or stage, its waits unseen: a red team's
+    healthy pipeline on isend/irecv handles): a stall of 6 s at step 40 is a warning even with the floor lowered;
+    one of 13 s is `lagging`."""
+    monkeypatch.setattr(engine_runs, "LAG_MIN_S", 0.0)
+    verdicts = []
+    for stall in (6, 13):
+        ranks = [Rank(r).steps(30).wait(6).steps(40) for r in range(WORLD)]
+        for rk in ranks:
+            if rk.rank != 3:
+                rk.steps(41, alive=False)
+            rk.wait(stall)
+        (tmp_path / str(stall)).mkdir()
+        verdicts.append(replay_dir(write(tmp_path / str(stall), ranks)).verdict)
+    assert verdicts == ["healthy", "lagging"], verdicts
 
 
 def test_step_count_mismatch_is_a_finding(tmp_path):

@@ -1,10 +1,9 @@
 """Stage 2 of the replay, collectives: every group's collectives lined up by sequence number.
 
-The n-th collective of a group (``cseq``) must be the same op, shape (except point-to-point
-ops), ``layer`` and ``wave`` on every member, and it must end everywhere. Members come from
-``elastic.Cast`` (generation membership, switches, untraced ranks). The first problem of
-each group becomes a finding: a mismatch, a rank that skipped one and went on, or a hang
-(who waits inside, who never joined). ``handled_by_fault`` tells a problem every member
+The n-th collective of a group (``cseq``) must be the same op, shape (except point-to-point ops), ``layer`` and
+``wave`` on every member, and it must end everywhere. Members come from ``elastic.Cast`` (generation membership,
+switches, untraced ranks). The first problem of each group becomes a finding: a mismatch, a rank that skipped one
+and went on, or a hang (who waits inside, who never joined). ``handled_by_fault`` tells a problem every member
 rolled back from with a ``fault`` (the machine doing its job) from a real divergence.
 """
 
@@ -22,11 +21,9 @@ from eplb_fsm.inspect.model import Collective, CollectiveIndex, RankSummary, fre
 
 
 def handled_by_fault(f: Finding, cast: Cast) -> bool:
-    """A collective problem after which every member aborted the rearrangement with ``fault``.
-
-    That is the machine doing its job (docs/design.md §8): the collective failed or timed out
-    somewhere, every rank agreed and rolled back. The finding is kept as a note.
-    """
+    """A collective problem after which every member aborted the rearrangement with ``fault``: the machine doing
+    its job (docs/design.md §8): the collective failed or timed out somewhere, every rank agreed and rolled back.
+    The finding is kept as a note."""
     if f.kind not in ("collective_mismatch", "hang") or not isinstance(f.step, int):
         return False
     for k in (f.members or list(cast.parts)):
@@ -370,11 +367,14 @@ def _extra_collective(cast: Cast, g: str, c: int, entries: dict[Key, Collective]
     before it, and they outnumber the ones that did: those issued one collective more than
     the rest (``log_stats`` or ``rearrange()`` called on one rank alone), so they are the
     culprits, never the ranks that went on without it. A trace that just stops (no ``end``, not left on
-    purpose, its last record before they started (g, c)) casts no vote: dead ranks must not outvote a survivor.
+    purpose, its last record before they started (g, c)) casts no vote: dead ranks must not outvote a survivor;
+    nor one still running below the collective's step, not there yet (a pipeline's first stage runs steps ahead).
     """
     first = min((e.ts for e in entries.values() if type(e.ts) in (int, float)), default=None)
-    absent = [k for k in absent if first is None or (s := cast.parts[k]).end is not None or s.ended_on_purpose
-              or s.last_ts is None or s.last_ts >= first]
+    step = next(iter(entries.values())).step if entries else None
+    absent = [k for k in absent if (s := cast.parts[k]).end is not None or s.ended_on_purpose or (
+        (first is None or s.last_ts is None or s.last_ts >= first)
+        and (type(step) is not int or type(s.last_step) is not int or s.last_step >= step))]
     if not entries or len(absent) <= len(entries):
         return None
     if any(cast.parts[k].max_cseq(g) >= c for k in absent):

@@ -38,20 +38,22 @@ def _call_of(k: Key, r) -> tuple:
     return ("p2p", k[0], r.peer, r.call) if r.op == "send" else ("p2p", r.peer, k[0], r.call)
 
 
-def _cycles(runs: dict) -> bool:
-    """Whether every rank's send or recv, its peer followed from rank to rank (each within a step of the one before),
-    comes back to a rank already passed: every wait sits on a cycle or leads into one."""
-    by_rank = {k[0]: k for k in runs}
+def _cycles(runs: dict) -> set | None:
+    """The ranks on a cycle of sends and recvs when every rank's, its peer followed from rank to rank (each within a
+    step of the one before), comes back to a rank already passed (on a cycle, or leading into one: those only
+    wait); else None."""
+    by_rank, on = {k[0]: k for k in runs}, set()
     for k in runs:
         seen = [k]
         while True:
             r = runs[k]
             if r.peer is None or (k := by_rank.get(r.peer)) is None or abs(runs[k].step - r.step) > 1:
-                return False
+                return None
             if k in seen:
+                on |= set(seen[seen.index(k):])
                 break
             seen.append(k)
-    return len(by_rank) == len(runs)
+    return on if len(by_rank) == len(runs) else None
 
 
 def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
@@ -68,7 +70,7 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     # peers close a cycle, a step at most from link to link (a pipeline's stages drift apart: a red team's stage in
     # recv from the wrong peer), not a chain that ends outside the traced ranks (a controller on a subgroup)
     if len(coll) > 1 or (coll and any(abs(r.step - min(coll)) > 1 for r in runs.values())) \
-            or (not coll and not _cycles(runs)):
+            or (not coll and (cycle := _cycles(runs)) is None):
         return None
     if max(r.first for r in runs.values()) >= min(r.last for r in runs.values()):
         return None   # not waiting at the same time
@@ -82,6 +84,8 @@ def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:
     # team's tensor-parallel rank that skipped its pair's all-reduce): the traces cannot tell who left which
     tie = top[0][1] == top[1][1] or not all(r.ours for r in runs.values())
     odd = sorted(runs) if tie else sorted(k for k in runs if key[k] != top[0][0])
+    if not coll:   # sends and recvs alone: the ranks on the cycle, each as much at fault; the others feed it
+        tie, odd = True, sorted(cycle)
     text = {key[k]: r.text for k, r in runs.items()}
     step, began = min(coll or {r.step for r in runs.values()}), min(r.first for r in runs.values())
     steps = sorted({r.step for r in runs.values()})

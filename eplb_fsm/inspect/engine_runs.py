@@ -122,18 +122,19 @@ def engine_run(s, mode: str = "ours") -> Run | None:
     return Run(step, op, s.alive[-n][0], last[0], call, ours, w[4] if (w := _where(last)) and op in P2P else None)
 
 
-def longest_wait_before(s, ts: float) -> float:
+def longest_wait_before(s, ts: float, inside_only: bool = True) -> float:
     """The longest stretch, in seconds from its first alive record to its last, that ``s``'s main thread waited in an
-    engine collective at one step before ``ts`` (0.0 when it never did): a wait the job got past. Not at the first
-    ``WARM_STEPS`` steps of its session: a warm-up (loading, compiling) says nothing of the steps after it (a red
-    team's 10 s first step hid a hang behind it)."""
+    engine collective at one step before ``ts`` (0.0 when it never did): a wait the job got past; without
+    ``inside_only``, any stretch of alive records at one step (traces whose waits the liveness thread cannot see).
+    Not at the first ``WARM_STEPS`` steps of its session: a warm-up (loading, compiling) says nothing of the steps
+    after it (a red team's 10 s first step hid a hang behind it)."""
     header = getattr(s, "header", None) or {}
     warm = (header.get("step") if type(header.get("step")) is int else 0) + WARM_STEPS
     longest, start, prev = 0.0, None, None   # prev: the previous record, if it counted
     for a in s.alive:
         if type(a[0]) not in (int, float) or a[0] >= ts:
             break
-        inside = _where(a) is not None and type(a[1]) is int and a[1] >= warm
+        inside = (_where(a) is not None or not inside_only) and type(a[1]) is int and a[1] >= warm
         if not inside:
             start = prev = None
             continue

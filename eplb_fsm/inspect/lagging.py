@@ -25,7 +25,9 @@ apart. Two readings:
   ``isend``/``irecv``), which ``engine_wait`` cannot see (every rank then looks in its own work).
 - :func:`step_lag`: traces without ``engine_wait`` at their end (older writers, or an engine whose waits the
   liveness thread cannot see): every live rank's step stopped advancing and some stopped at a lower step. Read
-  only where nothing else was found.
+  only where nothing else was found, and held back as a warning under the same floor (the lower ranks' stall,
+  against twice the longest stall at one step any rank got past). Every rank at the lower step is named: the
+  records cannot tell the stuck one from those waiting on it (a pipeline on ``isend``/``irecv`` handles).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import waiting_text
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait, stopped_parts
+from eplb_fsm.inspect.engine_runs import (GAP, GAP_MIN_S, engine_run, held_back, job_longest_wait,
+                                          longest_wait_before, stopped_parts)
 
 __all__ = ["engine_lag", "step_lag"]
 
@@ -135,7 +138,8 @@ def _waiters_text(cast: Cast, ours: dict, waits: dict, pairs: dict, step: int, t
         parts.append(f"{cast.who(sorted(ours))} waited for {them} inside the engine's "
                      f"{r.op} at step {step}")
     if sub := sorted(k for k in waits if k not in ours):
-        parts.append(f"{cast.who(sub)} inside other collectives of the engine's "
+        lead = "" if parts else f"waited for {them} "
+        parts.append(f"{cast.who(sub)} {lead}inside other collectives of the engine's "
                      f"({', '.join(sorted({waits[k].text for k in sub}))})")
     for text in sorted({r.text for r in pairs.values()}):
         keys = sorted(k for k, r in pairs.items() if r.text == text)
@@ -144,9 +148,12 @@ def _waiters_text(cast: Cast, ours: dict, waits: dict, pairs: dict, step: int, t
     return ", and ".join(parts)
 
 
-def step_lag(cast: Cast) -> Finding | None:
-    """Every live rank stalled (alive, step fixed) and some at a lower step: those lag, the others wait. Only in
-    traces that name no engine wait at the end (where they do, :func:`engine_lag` reads it, with its floor)."""
+def step_lag(cast: Cast) -> tuple[bool, Finding] | None:
+    """(whether it is held back as too short: ``engine_runs.held_back``, finding) when every live rank stalled (alive,
+    step fixed) and some at a lower step: those lag, the others wait. Only in traces that name no engine wait at the
+    end (where they do, :func:`engine_lag` reads it). Held back like it: the lower ranks' stall under
+    ``engine_runs.LAG_MIN_S``, or no longer than twice the longest stall at one step any rank got past (a red team's
+    healthy pipeline on ``isend``/``irecv`` handles, its slow stage 6 s a step, read lagging)."""
     if any(a[4] or a[5] for s in cast.parts.values() for a in s.alive[-3:]):
         return None
     stalled = {}
@@ -164,13 +171,26 @@ def step_lag(cast: Cast) -> Finding | None:
     ahead = sorted(k for k in stalled if k not in behind)
     s = cast.parts[behind[0]]
     top = max(stalled.values())
-    return Finding.of(
+    began = {k: _stall_began(cast.parts[k]) for k in behind}
+    lasted = max(cast.parts[k].alive[-1][0] - began[k] for k in behind)
+    before = max(longest_wait_before(cast.parts[k], min(began.values()), inside_only=False) for k in stalled)
+    return held_back(lasted, before), Finding.of(
         "lagging", low, behind,
         f"{cast.who(behind)} {'lags' if len(behind) == 1 else 'lag'} at step {low} in {s.alive[-1][2]} "
         f"({waiting_text(s)}) while "
-        f"{cast.who(ahead)} wait at step {top}: alive, their steps no longer advance",
+        f"{cast.who(ahead)} {'waits' if len(ahead) == 1 else 'wait'} at step {top}: alive, their steps no longer "
+        f"advance (for {lasted:.1f} s)",
         state=s.alive[-1][2],
         ranks=[cast.position(k, "lagging" if k in behind else "waiting",
                              f"alive at step {stalled[k]}, {waiting_text(cast.parts[k])}", stalled[k])
                for k in sorted(stalled)],
     )
+
+
+def _stall_began(s) -> float:
+    """The ts of the first of ``s``'s last alive records at its last alive step, none more than a gap apart."""
+    i = len(s.alive) - 1
+    while i > 0 and s.alive[i - 1][1] == s.alive[-1][1] and s.alive[i][0] - s.alive[i - 1][0] <= \
+            max(GAP * (s.alive_interval or 1.0), GAP_MIN_S):
+        i -= 1
+    return s.alive[i][0]

@@ -323,10 +323,13 @@ def check_liveness(cast: Cast) -> Liveness:
             ranks=[cast.position(k, "signalled", ending_text(parts[k]), parts[k].end.get("step"),
                                  parts[k].end.get("state")) for k in keys],
         )))
-    if not events:
-        lag = step_lag(cast)
-        if lag is not None:
-            events.append((0.0, "lagging", lag.keys()[0], lag))
+    if not events and (lag := step_lag(cast)) is not None:
+        if lag[0]:
+            out.held_back.append(f"not read as a cause (lagging, {lag[1].summary}): it lasted under "
+                                 f"{engine_runs.LAG_MIN_S:.0f} s, or no more than twice the longest stall the job got "
+                                 "past; a slow step or stage leaves the same records for that long")
+        else:
+            events.append((0.0, "lagging", lag[1].keys()[0], lag[1]))
     events.sort(key=lambda e: (e[0], e[2]))
     events, out.passed = survived_last(cast, events)   # a freeze the job got past is no cause of a later failure
     out.findings = [e[3] for e in events]
