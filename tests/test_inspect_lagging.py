@@ -334,17 +334,22 @@ DISPATCH = LAG.replace("num_redundant=2", "num_redundant=4").replace(   # 12 slo
     "step == 21 and rank == 1 and fault in", "step == 21 and rank == world - 1 and fault in")
 
 
+def read_live_and_stopped(tmp_path, engine: str, waiters: tuple[int, ...], fault: str) -> list:
+    """Run ``engine`` (argument ``fault``) on 3 ranks under torchrun, copy its traces once each of ``waiters`` waits
+    (a live read), then SIGTERM torchrun: the reports of the live copy and of the stopped traces."""
+    live = tmp_path / "live"
+    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, waiters)  # noqa: E731
+    traces, code, out = torchrun_job(tmp_path, engine, stop, (fault, "60"), GRACE, ranks=3)
+    assert code != 0, out
+    return [replay_dir(folder) for folder in (live, traces)]
+
+
 @pytest.mark.multiprocess
 def test_a_real_rank_stuck_before_an_uneven_all_to_all_lags(tmp_path):
     """3 ranks whose engine's collective is an uneven all-to-all; rank 2 sleeps for good at step 21, ranks 0-1 wait
     in the all-to-all with inputs of different shapes: one call all the same, so `lagging` rank 2, read live and
     after SIGTERM (a red team's job read healthy, then `signalled`)."""
-    live = tmp_path / "live"
-    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, (0, 1))  # noqa: E731
-    traces, code, out = torchrun_job(tmp_path, DISPATCH, stop, ("sleep", "60"), GRACE, ranks=3)
-    assert code != 0, out
-    for folder in (live, traces):
-        report = replay_dir(folder)
+    for report in read_live_and_stopped(tmp_path, DISPATCH, (0, 1), "sleep"):
         assert (report.verdict, report.culprit_ranks) == ("lagging", [2]), format_report(report)
         assert "ranks 0-1 waited for it inside the engine's all_to_all_single" in report.summary
 
@@ -423,12 +428,7 @@ def test_a_real_pipeline_stage_stuck_in_its_own_work_lags(tmp_path):
     rank 0 blocks in its send to rank 1, rank 2 in its recv from rank 1. Read live and after SIGTERM to torchrun:
     `lagging` rank 1, both waiters named with their peer (was: nothing read live, `signalled` once stopped: every
     rank looked in its own work)."""
-    live = tmp_path / "live"
-    stop = lambda pids, launcher, traces: stop_once_waiting(launcher, traces, live, (0, 2))  # noqa: E731
-    traces, code, out = torchrun_job(tmp_path, PIPE, stop, ("none", "60"), GRACE, ranks=3)
-    assert code != 0, out
-    for folder in (live, traces):
-        report = replay_dir(folder)
+    for report in read_live_and_stopped(tmp_path, PIPE, (0, 2), "none"):
         assert (report.verdict, report.culprit_ranks, report.step) == ("lagging", [1], 20), format_report(report)
         assert "send to rank 1" in report.summary and "recv from rank 1" in report.summary, format_report(report)
 
