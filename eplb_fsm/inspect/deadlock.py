@@ -24,7 +24,7 @@ from collections import Counter
 
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import engine_run, held_back, job_longest_wait, stopped_parts
+from eplb_fsm.inspect.engine_runs import by_rank, engine_run, held_back, job_longest_wait, stopped_parts
 
 __all__ = ["engine_deadlock"]
 
@@ -42,18 +42,20 @@ def _cycles(runs: dict) -> set | None:
     """The ranks on a cycle of sends and recvs when every rank's, its peer followed from rank to rank (each within a
     step of the one before), comes back to a rank already passed (on a cycle, or leading into one: those only
     wait); else None."""
-    by_rank, on = {k[0]: k for k in runs}, set()
+    keys, on = by_rank(runs), set()
+    if len(keys) != len(runs):
+        return None
     for k in runs:
         seen = [k]
         while True:
             r = runs[k]
-            if r.peer is None or (k := by_rank.get(r.peer)) is None or abs(runs[k].step - r.step) > 1:
+            if (k := keys.get(r.peer)) is None or abs(runs[k].step - r.step) > 1:
                 return None
             if k in seen:
                 on |= set(seen[seen.index(k):])
                 break
             seen.append(k)
-    return on if len(by_rank) == len(runs) else None
+    return on
 
 
 def engine_deadlock(cast: Cast, at) -> tuple[float, Key, bool, Finding] | None:

@@ -60,6 +60,11 @@ def last_wait(s) -> Any:
     return max(waits, key=lambda e: e.ts, default=None)
 
 
+def peer_text(op: str, peer: int | None) -> str:
+    """`` to rank 1`` (a send's) or `` from rank 1`` (a recv's): whom a point-to-point wait waits on; '' unknown."""
+    return "" if peer is None else f" {'to' if op == 'send' else 'from'} rank {peer}"
+
+
 def waiting_text(s) -> str:
     """What the participant was waiting on at its last alive record, unless that collective ended since; else
     the latest collective it was left inside or whose wait failed (:func:`last_wait`); else the engine's collective
@@ -75,8 +80,8 @@ def waiting_text(s) -> str:
     if engine and engine[3] is not False:
         return f"in no controller collective, inside the engine's {engine[0]}"
     if mine:
-        peer = f" {'to' if mine[0] == 'send' else 'from'} rank {mine[4]}" if mine[4] is not None else ""
-        return f"in no controller collective, inside the engine's {mine[0]}{peer} ({mine[1] or 'its main thread'})"
+        return (f"in no controller collective, inside the engine's {mine[0]}{peer_text(mine[0], mine[4])} "
+                f"({mine[1] or 'its main thread'})")
     if engine:
         return f"in no controller collective, its main thread in its own work (a side thread in {engine[0]})"
     return "in no controller collective (so in the engine's step or its own work)"

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eplb_fsm.engine_wait import P2P
-from eplb_fsm.inspect.endings import WAIT_ERROR
+from eplb_fsm.inspect.endings import WAIT_ERROR, peer_text
 
-__all__ = ["RUN", "Run", "engine_run", "held_back", "job_longest_wait", "longest_wait_before", "stopped_parts",
-           "waited_or_stopped"]
+__all__ = ["RUN", "Run", "by_rank", "engine_run", "held_back", "job_longest_wait", "longest_wait_before",
+           "stopped_parts", "waited_or_stopped"]
 
 RUN = 3   # alive records in a row at one step: a wait, not a slow beat
 GAP, GAP_MIN_S = 2.5, 2.0   # between two alive records of a run, at most: a longer silence is a pause or a freeze
@@ -67,8 +67,7 @@ class Run:
     @property
     def text(self) -> str:
         """``all_reduce (WORLD:[48, 8])``, ``recv from rank 1 (WORLD:[4])``."""
-        peer = "" if not self.p2p or self.peer is None else \
-            f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        peer = peer_text(self.op, self.peer) if self.p2p else ""
         return f"{self.op}{peer} ({self.call})" if self.call else f"{self.op}{peer}"
 
 
@@ -152,6 +151,15 @@ def stopped_parts(cast) -> dict | None:
     if cast.missing or len(parts) < 2 or not all(waited_or_stopped(s) for s in parts.values()):
         return None
     return parts
+
+
+def by_rank(keys) -> dict:
+    """Rank -> participant, for the ranks one participant holds alone: where a send's or recv's peer (a rank of the
+    controller's group) is followed to a trace (a rank two sessions hold, elastic, is left out: ambiguous)."""
+    seen: dict = {}
+    for k in keys:
+        seen.setdefault(k[0], []).append(k)
+    return {rank: ks[0] for rank, ks in seen.items() if len(ks) == 1}
 
 
 def job_longest_wait(parts: dict, ts: float) -> float:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from eplb_fsm.inspect.elastic import Cast, Key
 from eplb_fsm.inspect.endings import waiting_text
 from eplb_fsm.inspect.findings import Finding
-from eplb_fsm.inspect.engine_runs import (GAP, GAP_MIN_S, engine_run, held_back, job_longest_wait,
+from eplb_fsm.inspect.engine_runs import (GAP, GAP_MIN_S, by_rank, engine_run, held_back, job_longest_wait,
                                           longest_wait_before, stopped_parts)
 
 __all__ = ["engine_lag", "step_lag"]
@@ -46,17 +46,12 @@ def _reached(parts: dict, own: dict, pairs: dict) -> set | None:
     through other such waiters (a pipeline's stages, each in recv from the one before), each link within one step
     (a pipeline's stages drift apart a step a link); None when a chain ends elsewhere: an unknown peer (a recv from
     any source), a peer in a collective, a cycle (a deadlock's), a peer steps away."""
-    by_rank = {}
-    for k in parts:
-        by_rank.setdefault(k[0], []).append(k)
-    reached = set()
+    keys, runs, reached = by_rank(parts), own | pairs, set()
     for k in pairs:
         seen = {k}
         while k in pairs:
             peer, step = pairs[k].peer, pairs[k].step
-            if peer is None or len(by_rank.get(peer, ())) != 1 or (k := by_rank[peer][0]) in seen:
-                return None
-            if k not in own | pairs or abs((own | pairs)[k].step - step) > 1:
+            if (k := keys.get(peer)) is None or k in seen or k not in runs or abs(runs[k].step - step) > 1:
                 return None
             seen.add(k)
         reached.add(k)

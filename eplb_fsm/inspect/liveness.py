@@ -203,6 +203,12 @@ def _by_launcher(s) -> bool | None:
     return sender.get("parent") if isinstance(sender, dict) and type(sender.get("parent")) is bool else None
 
 
+def _held_back_text(kind: str, finding: Finding, what: str, alike: str) -> str:
+    """The warning for a reading of a live engine too short to name as a cause (``engine_runs.held_back``)."""
+    return (f"not read as a cause ({kind}, {finding.summary}): it lasted under {engine_runs.LAG_MIN_S:.0f} s, or no "
+            f"more than twice the longest {what} the job got past; {alike} the same records for that long")
+
+
 def check_liveness(cast: Cast) -> Liveness:
     """Cause findings from ``end`` and ``alive`` records, earliest first; see the module docstring."""
     parts = cast.parts
@@ -266,10 +272,8 @@ def check_liveness(cast: Cast) -> Liveness:
     for rule, kind in rules if not events else ():
         if (found := rule(cast, at)) is not None:   # (ts, first culprit, held back, finding)
             if found[2]:   # too short to name a cause: an idle server, a slow step look the same
-                out.held_back.append(f"not read as a cause ({kind}, {found[3].summary}): it lasted under "
-                                     f"{engine_runs.LAG_MIN_S:.0f} s, or no more than twice the longest wait the "
-                                     "job got past; an idle server waiting for requests, a first checkpoint or a "
-                                     "slow step leave the same records for that long")
+                out.held_back.append(_held_back_text(kind, found[3], "wait", "an idle server waiting for requests, a "
+                                                     "first checkpoint or a slow step leave"))
             else:
                 events.append((found[0], kind, found[1], found[3]))
             break
@@ -325,9 +329,7 @@ def check_liveness(cast: Cast) -> Liveness:
         )))
     if not events and (lag := step_lag(cast)) is not None:
         if lag[0]:
-            out.held_back.append(f"not read as a cause (lagging, {lag[1].summary}): it lasted under "
-                                 f"{engine_runs.LAG_MIN_S:.0f} s, or no more than twice the longest stall the job got "
-                                 "past; a slow step or stage leaves the same records for that long")
+            out.held_back.append(_held_back_text("lagging", lag[1], "stall", "a slow step or stage leaves"))
         else:
             events.append((0.0, "lagging", lag[1].keys()[0], lag[1]))
     events.sort(key=lambda e: (e[0], e[2]))
